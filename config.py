@@ -1,0 +1,296 @@
+"""The TOML config as a dataclass tree: schema, command-line overrides, validation, and the resolved copy.
+
+Every field documents itself with the comment above it. Unknown keys, wrong types and repeated keys are
+errors that name the key and the nearest valid one. Each module receives only its own section.
+"""
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A config mistake; the message names the key and the fix."""
+
+
+@dataclass
+class RunConfig:
+    # Where checkpoints, logs, validation clips and exports go (required).
+    output_dir: str = ""
+    # The one seed: every random draw is keyed by it.
+    seed: int = 42
+
+
+@dataclass
+class ModelConfig:
+    # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
+    path: str = ""
+    # Model family; the adapter in model_adapter.py that knows it.
+    family: Literal["cogvideox"] = "cogvideox"
+    # Text-to-video; image-to-video training is not built yet.
+    type: Literal["t2v"] = "t2v"
+    # Storage dtype of the frozen weights.
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+
+@dataclass
+class TrainConfig:
+    # "lora" trains adapters on a frozen base; "sft" trains every transformer weight.
+    training_type: Literal["lora", "sft"] = "lora"
+    # Number of optimizer steps.
+    steps: int = 1000
+    # Clips per rank per micro-step.
+    batch_size: int = 1
+    # Micro-steps per optimizer step.
+    gradient_accumulation_steps: int = 1
+    # Peak AdamW learning rate.
+    learning_rate: float = 1e-4
+    # Learning-rate schedule after warmup (constant_with_warmup warms up, then holds).
+    lr_scheduler: Literal["constant_with_warmup", "constant", "cosine", "linear"] = "constant_with_warmup"
+    # Linear warmup steps (ignored by "constant").
+    lr_warmup_steps: int = 100
+    # AdamW weight decay.
+    weight_decay: float = 1e-4
+    # Gradient clipping by global norm, once per optimizer step.
+    max_grad_norm: float = 1.0
+    # Autocast dtype of the forward pass; the loss is always fp32.
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    # Recompute each transformer block in the backward pass to save activation memory.
+    gradient_checkpointing: bool = True
+    # Optimizer steps between metric reductions and log lines.
+    log_every: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    # "ddp" replicates the model on every rank; "fsdp" shards it (FSDP2, fully_shard per block).
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    # Seconds a collective may wait before the job fails (a rank that died, a hung node).
+    timeout_s: int = 600
+    # FSDP: free gathered block weights after forward (less memory, one more all-gather in backward).
+    reshard_after_forward: bool = True
+    # FSDP: replicate groups (HSDP): the model is sharded within a group and replicated across them.
+    # Set it to the number of nodes to keep all-gathers inside a node.
+    dp_replicate: int = 1
+
+
+@dataclass
+class LoraConfig:
+    # Rank r of every adapter.
+    rank: int = 128
+    # Scale is lora_alpha / rank (written to the exported file's metadata).
+    lora_alpha: float = 64
+    # Module names (or dotted suffixes) of the nn.Linear layers that get adapters.
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # Dropout on the adapter input, drawn from a generator keyed by (seed, step, rank).
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    # Dataset folder in CogVideo's layout (required).
+    data_root: str = ""
+    # File under data_root with one prompt per line.
+    caption_column: str = "prompts.txt"
+    # File under data_root with one video path (relative to data_root) per line.
+    video_column: str = "videos.txt"
+    # File under data_root with one first-frame image per line (image-to-video; unused by t2v).
+    image_column: str = ""
+    # [frames, height, width] that every clip is resized, cropped and cut to.
+    train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
+    # Latent and text-embedding cache; "" means <data_root>/.cache.
+    cache_dir: str = ""
+    # Skip unreadable clips (listed in output_dir/skipped.txt) instead of stopping.
+    skip_bad: bool = False
+    # The last N clips are held out of training and used for the held-out loss.
+    held_out: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    # Optimizer steps between checkpoints (one is always written at the end).
+    checkpointing_steps: int = 200
+    # Newest complete checkpoints to keep; 0 keeps all.
+    checkpointing_limit: int = 10
+    # "auto" resumes from the newest complete checkpoint in output_dir, "none" starts fresh, or a path.
+    resume: str = "auto"
+
+
+@dataclass
+class ValidationConfig:
+    # Run validation every validation_steps and at the end.
+    do_validation: bool = True
+    # Optimizer steps between validations.
+    validation_steps: int = 200
+    # Timesteps at which the held-out loss is measured (fixed noise), logged as val/loss_t{t}.
+    loss_timesteps: list[int] = field(default_factory=lambda: [100, 300, 500, 700, 900])
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+def _nearest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.0)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(json.dumps(v) for v in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is None else str(tp)
+
+
+def _check_value(key: str, value, tp):
+    """Return value as type tp, or raise naming the key. Booleans are never numbers here."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key} = {value!r} is not one of {_type_name(tp)}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {_type_name(item_tp)}, got {value!r}")
+        return [_check_value(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _set(cfg: Config, key: str, value) -> None:
+    section_name, _, name = key.partition(".")
+    sections = [f.name for f in dataclasses.fields(Config)]
+    if section_name not in sections:
+        raise ConfigError(f"unknown config section '{section_name}' in '{key}'{_nearest(section_name, sections)}")
+    section = getattr(cfg, section_name)
+    hints = typing.get_type_hints(type(section))
+    if name not in hints:
+        keys = [f"{section_name}.{k}" for k in hints]
+        raise ConfigError(f"unknown config key '{key}'{_nearest(key, keys)}")
+    setattr(section, name, _check_value(key, value, hints[name]))
+
+
+def _parse_literal(text: str):
+    """A TOML literal (3, 1e-4, true, [9, 32, 32]); anything else is a plain string (bf16, a path)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`--section.key value` or `--section.key=value` pairs; a repeated key is an error."""
+    overrides, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key value")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(args):
+            key, text = arg[2:], args[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"override '{arg}' has no value")
+        if key in overrides:
+            raise ConfigError(f"override '--{key}' is given twice")
+        overrides[key] = _parse_literal(text)
+    return overrides
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file, apply command-line overrides, check every key and value."""
+    cfg = Config()
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:  # TOML itself rejects repeated keys here.
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for section_name, section in data.items():
+            if not isinstance(section, dict):
+                raise ConfigError(f"{path}: '{section_name}' must sit inside a [section], e.g. [run]")
+            for name, value in section.items():
+                _set(cfg, f"{section_name}.{name}", value)
+    for key, value in parse_overrides(list(overrides)).items():
+        _set(cfg, key, value)
+    check_values(cfg)
+    return cfg
+
+
+def check_values(cfg: Config) -> None:
+    """Checks that need no model; the model-dependent ones are in check_resolution."""
+    for key in ("run.output_dir", "model.path", "data.data_root"):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name):
+            raise ConfigError(f"{key} is required: set it in the config file or pass --{key} VALUE")
+    positive = ("train.steps", "parallel.timeout_s", "parallel.dp_replicate", "train.batch_size", "train.gradient_accumulation_steps", "train.log_every",
+                "lora.rank", "checkpoint.checkpointing_steps", "validation.validation_steps")
+    for key in positive:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 1:
+            raise ConfigError(f"{key} must be at least 1")
+    if len(cfg.data.train_resolution) != 3:
+        raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
+    if not 0.0 <= cfg.lora.dropout < 1.0:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    if cfg.checkpoint.checkpointing_limit < 0 or cfg.data.held_out < 0:
+        raise ConfigError("checkpoint.checkpointing_limit and data.held_out must not be negative")
+    for t in cfg.validation.loss_timesteps:
+        if not 0 <= t < 1000:
+            raise ConfigError(f"validation.loss_timesteps holds {t}; timesteps lie in [0, 1000)")
+
+
+def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int) -> None:
+    """The model's own rules: frames = k * frame_multiple + 1, height and width divisible by size_multiple."""
+    frames, height, width = resolution
+    if (frames - 1) % frame_multiple:
+        lower = (frames - 1) // frame_multiple * frame_multiple + 1
+        raise ConfigError(
+            f"data.train_resolution frames = {frames}, but this model needs {frame_multiple}k+1 frames "
+            f"(the VAE decodes latents in pairs): use {lower} or {lower + frame_multiple}"
+        )
+    for name, value in (("height", height), ("width", width)):
+        if value % size_multiple or value <= 0:
+            raise ConfigError(
+                f"data.train_resolution {name} = {value} must be a positive multiple of {size_multiple} "
+                "(VAE spatial ratio x patch size)"
+            )
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def to_toml(cfg: Config) -> str:
+    lines = []
+    for section in dataclasses.fields(cfg):
+        lines.append(f"[{section.name}]")
+        for name, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            lines.append(f"{name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""Training metrics: TensorBoard events, logs/metrics.jsonl and the progress line, written on rank 0 only.
+
+Every other rank gets a logger whose methods do nothing, so call sites need no rank checks
+(the pattern of DiT's train.py).
+"""
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+log = logging.getLogger("vidtrain")
+
+
+class Metrics:
+    def __init__(self, output_dir: str, enabled: bool, start_step: int, total_steps: int):
+        self.enabled = enabled
+        self.start_step, self.total_steps = start_step, total_steps
+        self.started = time.perf_counter()
+        if not enabled:
+            return
+        logs = Path(output_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        # purge_step drops events after the resumed step, so a resumed run does not duplicate them.
+        self.writer = SummaryWriter(str(logs), purge_step=start_step + 1 if start_step else None)
+        self.jsonl_path = logs / "metrics.jsonl"
+        self._truncate_jsonl(start_step)
+        self.jsonl = self.jsonl_path.open("a")
+
+    def _truncate_jsonl(self, start_step: int) -> None:
+        if not self.jsonl_path.exists():
+            return
+        kept = [line for line in self.jsonl_path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+
+    def progress(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.started
+        rate = (step - self.start_step) / elapsed if elapsed > 0 else math.nan
+        eta = (self.total_steps - step) / rate if rate > 0 else math.nan
+        log.info("step %d/%d  loss %.4f  %.2f it/s  ETA %s", step, self.total_steps, loss, rate, _hms(eta))
+
+    def writer_or_none(self):
+        return self.writer if self.enabled else None
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self.jsonl.close()
+
+
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,132 @@
+"""Process group, device, DDP / FSDP2 wrapping, gradient-sync control, cross-rank agreement on errors.
+
+Every run has a process group, one process included (a HashStore, so it needs no free port): the
+code path is the same on one CPU and on many GPU nodes.
+"""
+
+import contextlib
+import datetime
+import gc
+import logging
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from config import ConfigError, ParallelConfig
+
+log = logging.getLogger("vidtrain")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
+
+
+class StopRun(Exception):
+    """Raised on every rank when any rank failed; the message is the failing rank's."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(cfg: ParallelConfig) -> Dist:
+    """Device from LOCAL_RANK before the process group; nccl for CUDA tensors, gloo for CPU ones."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if world % cfg.dp_replicate:
+        raise ConfigError(f"parallel.dp_replicate = {cfg.dp_replicate} must divide the world size {world}")
+    return Dist(rank, world, local_rank, device)
+
+
+def shutdown() -> None:
+    """FSDP2 processes sometimes abort at exit unless the model is collected before the group goes."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def all_or_none():
+    """Run a block on every rank; if it raised on any rank, raise StopRun on all of them with the
+    lowest failing rank's message, so no rank waits for a collective that will never come."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        error = e
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{error}")
+    failed = [m for m in messages if m is not None]
+    if failed:
+        raise StopRun(failed[0]) from error
+
+
+def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str, d: Dist):
+    """DDP, or FSDP2: fully_shard each block, then the root."""
+    if cfg.strategy == "ddp":
+        if d.device.type == "cuda":
+            return DistributedDataParallel(model, device_ids=[d.device.index], gradient_as_bucket_view=True)
+        return DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if cfg.dp_replicate > 1:
+        mesh = init_device_mesh(d.device.type, (cfg.dp_replicate, d.world // cfg.dp_replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(d.device.type, (d.world,))
+    # Parameters are gathered in the autocast dtype; gradients are reduced in fp32.
+    policy = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    return model
+
+
+@contextlib.contextmanager
+def grad_sync(model: torch.nn.Module, enabled: bool):
+    """Skip the gradient all-reduce on non-final micro-steps."""
+    if isinstance(model, DistributedDataParallel):
+        with contextlib.nullcontext() if enabled else model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(enabled)
+        yield
+
+
+def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    values = values.detach().clone()
+    dist.all_reduce(values)
+    return values / dist.get_world_size()
+
+
+def max_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    values = values.detach().clone()
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or the process's peak resident size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
