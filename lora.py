@@ -1,0 +1,232 @@
+"""Hand-written LoRA: injection by module name, merge on a copy, export/import.
+
+`LoRALinear` subclasses `nn.Linear` and shares the base layer's `weight` and `bias`
+Parameters, so base checkpoints keep their keys and load unchanged. Numerics follow
+PEFT (same forward, same scale alpha / rank), and exports use the key layouts of
+diffusers (`pytorch_lora_weights.safetensors`) and PEFT (`adapter_model.safetensors`),
+so the trained adapter loads with `pipe.load_lora_weights` or `PeftModel.from_pretrained`.
+"""
+
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+# diffusers' safetensors header key (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).
+# Without it diffusers assumes alpha = rank and applies the adapter at the wrong strength.
+METADATA_KEY = "lora_adapter_metadata"
+DIFFUSERS_PREFIX = "transformer."
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Linear):
+    """y = x W^T + b + (alpha / rank) * B(A(dropout(x))), with W and b the base layer's own Parameters."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, *, generator: torch.Generator):
+        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.rank, self.alpha, self.scale, self.dropout = rank, alpha, alpha / rank, dropout
+        # LoRA weights are trainable, hence fp32 whatever the frozen base dtype. skip_init avoids
+        # nn.Linear's own init, which would draw from the global RNG.
+        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, dtype=torch.float32)
+        self.lora_B = nn.utils.skip_init(nn.Linear, rank, self.out_features, bias=False, dtype=torch.float32)
+        # Initialise on the CPU so the values do not depend on the device, then move.
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
+        nn.init.zeros_(self.lora_B.weight)
+        self.lora_A.to(base.weight.device)
+        self.lora_B.to(base.weight.device)
+        # Dropout masks come from this generator, never the global RNG, so a run is reproducible
+        # from its seed; the trainer sets it per step with `set_dropout_generator`. Activation
+        # checkpointing restores only the global RNG for its recompute, which would then draw a
+        # different mask here (wrong gradients) unless the caller restores this generator's state.
+        self.dropout_generator: torch.Generator | None = None
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout == 0.0 or not self.training:
+            return x
+        if self.dropout_generator is None:
+            raise RuntimeError(
+                f"LoRA dropout {self.dropout} needs a generator: call "
+                "lora.set_dropout_generator(model, torch.Generator(device).manual_seed(...)) before training"
+            )
+        keep = torch.empty_like(x).bernoulli_(1.0 - self.dropout, generator=self.dropout_generator)
+        return x * keep / (1.0 - self.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        # Under autocast both paths run in the autocast dtype; otherwise the LoRA path runs in
+        # fp32 (its weights' dtype) and the sum is rounded once to the output dtype, as PEFT does.
+        lora_in = x if torch.is_autocast_enabled(x.device.type) else x.to(self.lora_A.weight.dtype)
+        return (base + self.lora_B(self.lora_A(self._dropout(lora_in))) * self.scale).to(base.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + scale * B @ A, computed in fp32 and returned as a new tensor in W's dtype."""
+        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return (self.weight.float() + self.scale * delta).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}"
+
+
+def _lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def _lora_keys(model: nn.Module) -> list[str]:
+    return [f"{name}.{part}.weight" for name in _lora_modules(model) for part in ("lora_A", "lora_B")]
+
+
+def _matches(name: str, target: str) -> bool:
+    """PEFT's rule for a list of targets: the full name, or its last dotted components."""
+    return name == target or name.endswith("." + target)
+
+
+def inject_lora(
+    model: nn.Module, target_modules: list[str], rank: int, alpha: float, dropout: float, seed: int
+) -> list[str]:
+    """Replace every targeted nn.Linear by a LoRALinear, freeze everything else; return the sorted names."""
+    if _lora_modules(model):
+        raise ValueError("inject_lora: the model already has LoRA layers")
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unmatched = [t for t in target_modules if not any(_matches(n, t) for n in linears)]
+    if unmatched:
+        suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        raise ValueError(
+            f"lora.target_modules: {unmatched} match no nn.Linear in {type(model).__name__} "
+            f"(a target must equal a module name or its last dotted parts; Linear names end in {suffixes})"
+        )
+    names = sorted(n for n in linears if any(_matches(n, t) for t in target_modules))
+    # One generator walked in sorted-name order: every rank draws identical weights.
+    generator = torch.Generator().manual_seed(seed)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout, generator=generator))
+    trainable = set(_lora_keys(model))
+    for pname, param in model.named_parameters():
+        param.requires_grad_(pname in trainable)
+    return names
+
+
+def set_dropout_generator(model: nn.Module, generator: torch.Generator | None) -> None:
+    for module in _lora_modules(model).values():
+        module.dropout_generator = generator
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA weights keyed by FQN, as fp32 copies detached from the live parameters."""
+    return {k: model.get_parameter(k).detach().float().clone() for k in _lora_keys(model)}
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the base state dict with every LoRA layer merged in; live parameters are untouched."""
+    lora_keys = set(_lora_keys(model))
+    merged = {f"{name}.weight": m.merged_weight() for name, m in _lora_modules(model).items()}
+    return {
+        k: merged[k] if k in merged else v.detach().clone()
+        for k, v in model.state_dict().items()
+        if k not in lora_keys
+    }
+
+
+def _adapter_config(rank: int, alpha: float, target_modules: list[str], dropout: float) -> dict:
+    """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load."""
+    return {
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted(target_modules),
+        "lora_dropout": dropout,
+        "bias": "none",
+        "use_rslora": False,  # rsLoRA would scale by alpha / sqrt(r)
+        "use_dora": False,
+    }
+
+
+def _save_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write to a temporary file and rename, so a crash never leaves a truncated file at `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
+    save_file(tensors, path + ".tmp", metadata=metadata)
+    os.replace(path + ".tmp", path)
+
+
+def save_lora(
+    path: str, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: list[str],
+    dropout: float = 0.0,
+) -> None:
+    """Write diffusers' pytorch_lora_weights.safetensors: the tensors and header that
+    `CogVideoXPipeline.save_lora_weights(..., transformer_lora_adapter_metadata=config)` writes."""
+    config = _adapter_config(rank, alpha, target_modules, dropout)
+    packed = {DIFFUSERS_PREFIX + k: v for k, v in config.items()}
+    metadata = {"format": "pt", METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
+    _save_safetensors(path, {DIFFUSERS_PREFIX + k: v for k, v in lora_sd.items()}, metadata)
+
+
+def save_peft_adapter(
+    directory: str, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: list[str],
+    dropout: float = 0.0,
+) -> None:
+    """Write adapter_model.safetensors + adapter_config.json for `PeftModel.from_pretrained(base, directory)`."""
+    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None}
+    config |= _adapter_config(rank, alpha, target_modules, dropout)
+    tensors = {PEFT_PREFIX + k: v for k, v in lora_sd.items()}
+    _save_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors, {"format": "pt"})
+    config_path = os.path.join(directory, "adapter_config.json")
+    with open(config_path + ".tmp", "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    os.replace(config_path + ".tmp", config_path)
+
+
+def load_lora(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a diffusers LoRA file; return (state dict keyed by model FQN, {rank, alpha, target_modules})."""
+    with safe_open(path, framework="pt") as f:
+        header = f.metadata() or {}
+        if METADATA_KEY not in header:
+            raise ValueError(
+                f"{path}: no '{METADATA_KEY}' in the safetensors header, so LoRA alpha is unknown "
+                "(diffusers would silently assume alpha = rank); re-export it with lora.save_lora"
+            )
+        lora_sd = {k: f.get_tensor(k) for k in f.keys()}
+    packed = json.loads(header[METADATA_KEY])
+    config = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in packed.items() if k.startswith(DIFFUSERS_PREFIX)}
+    others = [k for k in lora_sd if not k.startswith(DIFFUSERS_PREFIX)]
+    if others or not {"r", "lora_alpha", "target_modules"} <= config.keys():
+        raise ValueError(
+            f"{path}: not a transformer LoRA (keys outside '{DIFFUSERS_PREFIX}': {others[:3]}; "
+            f"metadata keys: {sorted(packed)})"
+        )
+    # Files trained elsewhere may use variants LoRALinear cannot represent; refuse rather than misload.
+    unsupported = sorted(k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k))
+    if unsupported:
+        raise ValueError(f"{path}: metadata sets {unsupported}; only plain LoRA with one rank and alpha is supported")
+    lora_sd = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in lora_sd.items()}
+    wrong_rank = [k for k, v in lora_sd.items() if k.endswith("lora_A.weight") and v.shape[0] != config["r"]]
+    if wrong_rank:
+        raise ValueError(f"{path}: metadata says rank {config['r']} but {wrong_rank[:3]} disagree")
+    info = {"rank": config["r"], "alpha": config["lora_alpha"], "target_modules": sorted(config["target_modules"])}
+    return lora_sd, info
+
+
+@torch.no_grad()
+def load_lora_into(model: nn.Module, lora_sd: dict[str, torch.Tensor]) -> None:
+    """Copy LoRA weights into an injected model; the keys and shapes must match exactly."""
+    params = {k: model.get_parameter(k) for k in _lora_keys(model)}
+    missing = sorted(params.keys() - lora_sd.keys())
+    unexpected = sorted(lora_sd.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"LoRA weights do not fit the model: {len(missing)} missing (first: {missing[:3]}), "
+            f"{len(unexpected)} unexpected (first: {unexpected[:3]}); check lora.target_modules"
+        )
+    for key, param in params.items():
+        if lora_sd[key].shape != param.shape:  # copy_ would broadcast some mismatches silently
+            raise ValueError(f"LoRA weight {key}: shape {tuple(lora_sd[key].shape)}, model has {tuple(param.shape)}")
+        param.copy_(lora_sd[key])
+
