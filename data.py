@@ -1,29 +1,28 @@
-"""Dataset reading, video decoding (PyAV), resize/crop/frame choice, the latent/text cache, the sampler.
+"""Dataset formats, video decoding (PyAV), resize/crop/frame choice, buckets, the sampler.
 
-    python data.py --cfg FILE.toml [overrides]     # build the cache only
+    python data.py --cfg FILE.toml [overrides]     # build the cache only (the pass lives in cache.py)
 
-The cache holds, per clip, the VAE posterior (mean, log-variance) and the T5 embedding as one
-safetensors file named by a hash of the clip's path, size and mtime, its prompt, the preprocessing
-and the model, so that any change invalidates exactly the entries it affects.
+Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
+paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
+`video`, `prompt` and optional `image` columns. Every clip is planned once from its header: its
+bucket, its first frame and its crop offsets, drawn from a generator keyed by (run.seed, clip).
 """
 
+import csv
 import hashlib
 import json
-import logging
-import os
-import sys
-import time
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import av
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from PIL import Image
 
-from config import ConfigError, DataConfig
+from config import ConfigError, DataConfig, check_resolution
 
-log = logging.getLogger("vidtrain")
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 
 
 def keyed_generator(*keys) -> torch.Generator:
@@ -36,155 +35,269 @@ def keyed_generator(*keys) -> torch.Generator:
 class Clip:
     video: Path
     prompt: str
-    line: int  # 1-based line in videos.txt, for error messages
+    line: int  # 1-based line in the list file, for messages and for reporting the lowest bad line
+    source: str  # the list file the line belongs to
+    image: Path | None = None
+
+
+@dataclass(frozen=True)
+class Item:
+    """A clip with its preprocessing decided: what the cache key and the decoder both use."""
+
+    clip: Clip
+    bucket: int
+    resolution: tuple[int, int, int]  # frames, height, width
+    resized: tuple[int, int]  # height, width after the aspect-preserving resize, before the crop
+    start: int  # first frame, counted at data.target_fps (or in native frames when it is 0)
+    top: int
+    left: int
+    pad: bool  # the clip is shorter than its bucket: repeat its last frame
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A clip that cannot be used. kind "short" follows data.short_clips, every other kind data.skip_bad."""
+
+    clip: Clip
+    reason: str
+    kind: str = "bad"
+
+    def __str__(self) -> str:
+        return f"{self.clip.source} line {self.clip.line}: {self.clip.video}: {self.reason}"
 
 
 class BadClip(Exception):
-    """A video that cannot be used; str() names the file and the reason."""
+    """A clip, or the first of several, that cannot be used; the message names the file and what to do."""
 
 
-def _read_lines(root: Path, name: str) -> list[str]:
-    path = root / name
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist: data.data_root must hold {name} (CogVideo's layout)")
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+# Formats.
+def _list_file(path: Path) -> list[str]:
+    """Stripped lines; blank lines at the end are tolerated, a blank line inside is an error."""
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            raise ConfigError(f"{path} line {number} is empty: every line must hold one entry")
+    return lines
+
+
+def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, dict]]]:
+    columns = {"prompt": cfg.caption_column, "video": cfg.video_column, "image": cfg.image_column}
+    values = {key: _list_file(root / name) for key, name in columns.items() if name}
+    for key in ("video", "image"):
+        if key in values and len(values[key]) != len(values["prompt"]):
+            raise ConfigError(
+                f"{root / cfg.caption_column} has {len(values['prompt'])} lines but {root / columns[key]} has "
+                f"{len(values[key])}: they must pair up line by line (first unpaired line: "
+                f"{min(len(values[key]), len(values['prompt'])) + 1})"
+            )
+    rows = [(i + 1, {key: column[i] for key, column in values.items()}) for i in range(len(values["prompt"]))]
+    return str(root / cfg.video_column), rows
+
+
+def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} line {number} is not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path} line {number} must be a JSON object with video and prompt")
+            rows.append((number, row))
+    return rows
+
+
+def _csv_rows(path: Path) -> list[tuple[int, dict]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = [(reader.line_num, row) for row in reader]
+    if reader.fieldnames is None or not {"video", "prompt"} <= set(reader.fieldnames):
+        raise ConfigError(f"{path} line 1 must be a header naming the columns video and prompt (and optionally image)")
+    return rows
 
 
 def read_clips(cfg: DataConfig) -> list[Clip]:
-    """CogVideo's layout: one prompt per line in caption_column, one path per line in video_column."""
+    """The clip list in file order. Missing videos are not an error here: they are bad input (skip_bad)."""
     root = Path(cfg.data_root)
-    prompts = _read_lines(root, cfg.caption_column)
-    videos = _read_lines(root, cfg.video_column)
-    if len(prompts) != len(videos):
-        raise ConfigError(
-            f"{root / cfg.caption_column} has {len(prompts)} lines but {root / cfg.video_column} has "
-            f"{len(videos)}: they must pair up line by line"
-        )
+    if not root.is_dir():
+        raise ConfigError(f"data.data_root = {cfg.data_root} is not a folder")
+    if (root / cfg.caption_column).is_file() and (root / cfg.video_column).is_file():
+        source, rows = _cogvideo_rows(root, cfg)
+    else:
+        present = [root / name for name in METADATA_FILES if (root / name).is_file()]
+        if len(present) != 1:
+            found = "both" if present else "neither"
+            raise ConfigError(
+                f"{root} holds {found} of {' and '.join(METADATA_FILES)} and not {cfg.caption_column} with "
+                f"{cfg.video_column}: give it exactly one dataset format"
+            )
+        source = str(present[0])
+        rows = _jsonl_rows(present[0]) if present[0].suffix == ".jsonl" else _csv_rows(present[0])
     clips = []
-    for line, (video, prompt) in enumerate(zip(videos, prompts), start=1):
-        path = root / video
-        if not path.is_file():
-            raise ConfigError(f"{root / cfg.video_column} line {line}: {path} does not exist")
-        clips.append(Clip(path, prompt, line))
+    for line, row in rows:
+        for key in ("video", "prompt"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise ConfigError(f"{source} line {line}: empty or missing {key}: every clip needs a video and a prompt")
+        image = row.get("image")
+        clips.append(Clip(root / row["video"].strip(), row["prompt"].strip(), line, source,
+                          root / image.strip() if isinstance(image, str) and image.strip() else None))
+    if not clips:
+        raise ConfigError(f"{source} lists no clips")
     return clips
 
 
-def decode_clip(path: Path, frames: int, height: int, width: int) -> torch.Tensor:
-    """The first `frames` frames, resized keeping the aspect ratio to cover height x width, centre-cropped:
-    uint8 [F, H, W, 3]."""
+# Buckets and planning.
+def resolutions(cfg: DataConfig, frame_multiple: int, size_multiple: int) -> list[tuple[int, int, int]]:
+    """data.buckets when set, else [data.train_resolution]; each checked against the model's rules."""
+    if cfg.target_fps < 0 or cfg.cache_batch_size < 1:
+        raise ConfigError("data.target_fps must be >= 0 (0 keeps the native rate) and data.cache_batch_size >= 1")
+    key, shapes = ("data.buckets", cfg.buckets) if cfg.buckets else ("data.train_resolution", [cfg.train_resolution])
+    for i, shape in enumerate(shapes):
+        name = f"{key}[{i}]" if cfg.buckets else key
+        if len(shape) != 3:
+            raise ConfigError(f"{name} must be [frames, height, width], got {shape}")
+        check_resolution(shape, frame_multiple, size_multiple, key=name)
+    if len({tuple(s) for s in shapes}) != len(shapes):
+        raise ConfigError(f"data.buckets lists a shape twice: {shapes}")
+    return [tuple(s) for s in shapes]
+
+
+def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, frames: int) -> int:
+    """The bucket of largest area, then most frames, that the clip fills without upscaling. A clip
+    smaller than every bucket goes, upscaled, to the smallest; one too short for every bucket it
+    covers goes to the shortest of them (data.short_clips decides)."""
+    area = lambda i: shapes[i][1] * shapes[i][2]  # noqa: E731
+    covered = [i for i, (_, h, w) in enumerate(shapes) if h <= height and w <= width]
+    smallest = min(area(i) for i in range(len(shapes)))
+    covered = covered or [i for i in range(len(shapes)) if area(i) == smallest]
+    long_enough = [i for i in covered if shapes[i][0] <= frames]
+    if long_enough:
+        return max(long_enough, key=lambda i: (area(i), shapes[i][0]))
+    return min(covered, key=lambda i: (shapes[i][0], -area(i)))
+
+
+def _open_video(path: Path):
+    if not path.is_file():
+        raise BadClip("does not exist")
     try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise BadClip(f"{path}: no video stream")
-            decoded = []
-            for frame in container.decode(video=0):
-                decoded.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
-                if len(decoded) == frames:
-                    break
+        container = av.open(str(path))
     except (av.error.FFmpegError, UnicodeDecodeError) as e:
-        raise BadClip(f"{path}: cannot decode ({e})") from None
-    if len(decoded) < frames:
-        raise BadClip(f"{path}: has {len(decoded)} frames, {frames} are needed")
-    video = torch.stack(decoded).permute(0, 3, 1, 2).float()
-    scale = max(height / video.shape[2], width / video.shape[3])
-    size = (max(height, round(video.shape[2] * scale)), max(width, round(video.shape[3] * scale)))
-    video = F.interpolate(video, size=size, mode="bilinear", antialias=True, align_corners=False)
-    top, left = (size[0] - height) // 2, (size[1] - width) // 2
-    video = video[:, :, top : top + height, left : left + width]
+        raise BadClip(f"not a readable video ({e})") from None
+    if not container.streams.video:
+        container.close()
+        raise BadClip("has no video stream")
+    return container
+
+
+def plan_clip(clip: Clip, shapes: list[tuple[int, int, int]], cfg: DataConfig, seed: int) -> Item | Problem:
+    """Read the header only and decide bucket, first frame and crop; decoding comes later (cache pass)."""
+    try:
+        with _open_video(clip.video) as container:
+            stream = container.streams.video[0]
+            height, width, native = stream.codec_context.height, stream.codec_context.width, stream.frames
+            fps = float(stream.average_rate or 0)
+        if clip.image is not None:
+            with Image.open(clip.image) as image:
+                image.verify()
+    except BadClip as e:
+        return Problem(clip, str(e))
+    except (OSError, SyntaxError) as e:  # PIL reports unreadable images as either
+        return Problem(clip, f"image {clip.image} is unreadable ({e})")
+    if native < 1 or height < 1 or width < 1 or (cfg.target_fps and fps <= 0):
+        return Problem(clip, "the header gives no frame count, size or frame rate")
+    available = math.floor((native - 1) * cfg.target_fps / fps + 1e-6) + 1 if cfg.target_fps else native
+    bucket = choose_bucket(shapes, height, width, available)
+    frames, out_h, out_w = shapes[bucket]
+    if available < frames and cfg.short_clips != "pad":
+        rate = f"at {cfg.target_fps:g} fps" if cfg.target_fps else "in all"
+        return Problem(clip, f"has {available} frames {rate}, its bucket {list(shapes[bucket])} needs {frames}", "short")
+    scale = max(out_h / height, out_w / width)
+    resized = (max(out_h, round(height * scale)), max(out_w, round(width * scale)))
+    generator = keyed_generator(seed, "clip", str(clip.video.resolve()))  # the same whatever the working folder
+    start = int(torch.randint(0, max(available - frames, 0) + 1, (), generator=generator))
+    if cfg.crop == "random":
+        top = int(torch.randint(0, resized[0] - out_h + 1, (), generator=generator))
+        left = int(torch.randint(0, resized[1] - out_w + 1, (), generator=generator))
+    else:
+        top, left = (resized[0] - out_h) // 2, (resized[1] - out_w) // 2
+    return Item(clip, bucket, shapes[bucket], resized, start, top, left, available < frames)
+
+
+def decode_clip(item: Item, target_fps: float) -> torch.Tensor:
+    """The planned frames, resized and cropped: uint8 [F, H, W, 3]. Frame k is the decoded frame whose
+    position (its timestamp x target_fps, or its index at the native rate) is nearest to start + k."""
+    frames, height, width = item.resolution
+    wanted = [item.start + k for k in range(frames)]
+    picked, previous = [], None
+    try:
+        with _open_video(item.clip.video) as container:
+            stream = container.streams.video[0]
+            origin = None
+            for index, frame in enumerate(container.decode(stream)):
+                if frame.time is None or not target_fps:
+                    position = float(index)
+                else:
+                    origin = frame.time if origin is None else origin
+                    position = (frame.time - origin) * target_fps
+                while len(picked) < frames and position >= wanted[len(picked)] - 1e-6:
+                    target = wanted[len(picked)]
+                    nearer = previous if previous and target - previous[0] < position - target else (position, frame)
+                    picked.append(torch.from_numpy(nearer[1].to_ndarray(format="rgb24")))
+                if len(picked) == frames:
+                    break
+                previous = (position, frame)
+    except (av.error.FFmpegError, UnicodeDecodeError) as e:
+        raise BadClip(f"cannot decode ({e})") from None
+    if len(picked) < frames and item.pad and (picked or previous):
+        last = picked[-1] if picked else torch.from_numpy(previous[1].to_ndarray(format="rgb24"))
+        picked += [last] * (frames - len(picked))
+    if len(picked) < frames:
+        raise BadClip(f"decodes to {len(picked)} of the {frames} frames its header promised (truncated?)")
+    video = F.interpolate(torch.stack(picked).permute(0, 3, 1, 2).float(), size=item.resized, mode="bilinear",
+                          antialias=True, align_corners=False)
+    video = video[:, :, item.top : item.top + height, item.left : item.left + width]
     return video.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-def probe_clip(path: Path) -> None:
-    """Open and demux without decoding: catches empty, truncated and non-video files cheaply."""
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise BadClip(f"{path}: no video stream")
-            for _ in container.demux(video=0):
-                pass
-    except (av.error.FFmpegError, UnicodeDecodeError) as e:
-        raise BadClip(f"{path}: not a readable video ({e})") from None
-
-
-class Cache:
-    """One safetensors file per clip under cache_dir, named by the hash of everything that produced it."""
-
-    def __init__(self, cfg: DataConfig, model_identity: dict, text_length: int, dtype: str):
-        self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
-        self.recipe = {
-            "resolution": cfg.train_resolution,
-            "frames": "first",
-            "crop": "centre",
-            "model": model_identity,
-            "dtype": dtype,
-            "text_length": text_length,
-        }
-
-    def path(self, clip: Clip) -> Path:
-        stat = clip.video.stat()
-        key = {"video": str(clip.video.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
-               "prompt": clip.prompt, **self.recipe}
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-        return self.dir / f"{digest}.safetensors"
-
-    def missing(self, clips: list[Clip]) -> list[Clip]:
-        return [c for c in clips if not self.path(c).is_file()]
-
-    def write(self, clip: Clip, tensors: dict[str, torch.Tensor]) -> None:
-        path = self.path(clip)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-
-    def load_batch(self, clips: list[Clip]) -> dict[str, torch.Tensor]:
-        entries = [load_file(self.path(c)) for c in clips]
-        return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
-
-
-def build_cache(cache: Cache, clips: list[Clip], adapter, resolution: list[int], rank: int, world: int) -> int:
-    """Encode the clips missing from the cache, this rank's share (clip i goes to rank i % world).
-    Every uncached clip is checked first so that a bad file stops the run before any encoding."""
-    todo = cache.missing(clips)[rank::world]
-    for clip in todo:
-        probe_clip(clip.video)
-    cache.dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    for i, clip in enumerate(todo, start=1):
-        video = decode_clip(clip.video, *resolution)
-        mean, logvar = adapter.encode_video(video[None])
-        prompt_embeds = adapter.encode_text([clip.prompt])
-        cache.write(clip, {"latent_mean": mean[0], "latent_logvar": logvar[0], "prompt_embeds": prompt_embeds[0]})
-        if rank == 0 and (i % 50 == 0 or i == len(todo)):
-            rate = i / (time.perf_counter() - start)
-            log.info("cache: %d/%d clips on rank 0, %.1f clips/s, ETA %.0f s", i, len(todo), rate, (len(todo) - i) / rate)
-    return len(todo)
-
-
+# Sampling.
 class Sampler:
-    """Global batches of G clip indices. For each (seed, epoch) one keyed permutation, cut into global
-    batches of G, tail dropped. State: (epoch, global batches consumed in this epoch)."""
+    """Global batches of G clip indices, each from one bucket. For each (seed, epoch): one keyed
+    permutation within each bucket, cut into global batches of G with the tails dropped, then the
+    batches of all buckets in one keyed order. State: (epoch, global batches consumed in this epoch)."""
 
-    def __init__(self, num_clips: int, global_batch: int, seed: int):
-        if num_clips < global_batch:
+    def __init__(self, buckets: list[int], global_batch: int, seed: int):
+        self.members: dict[int, list[int]] = {}
+        for index, bucket in enumerate(buckets):
+            self.members.setdefault(bucket, []).append(index)
+        if all(len(m) < global_batch for m in self.members.values()):
+            sizes = {b: len(m) for b, m in sorted(self.members.items())}
             raise ConfigError(
-                f"the dataset has {num_clips} training clips but the global batch (train.batch_size x "
-                f"train.gradient_accumulation_steps x world size) is {global_batch}: lower it or add clips"
+                f"no bucket holds a full global batch of {global_batch} (train.batch_size x "
+                f"train.gradient_accumulation_steps x world size); clips per bucket: {sizes}: lower it or add clips"
             )
-        self.num_clips, self.global_batch, self.seed = num_clips, global_batch, seed
+        self.global_batch, self.seed = global_batch, seed
         self.epoch, self.consumed = 0, 0
+        self._batches: tuple[int, list[list[int]]] = (-1, [])
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        order = torch.randperm(self.num_clips, generator=keyed_generator(self.seed, "epoch", epoch)).tolist()
-        count = self.num_clips // self.global_batch
-        return [order[i * self.global_batch : (i + 1) * self.global_batch] for i in range(count)]
+        if self._batches[0] != epoch:
+            batches, g = [], self.global_batch
+            for bucket, members in sorted(self.members.items()):
+                order = torch.randperm(len(members), generator=keyed_generator(self.seed, "epoch", epoch, bucket))
+                shuffled = [members[i] for i in order.tolist()]
+                batches += [shuffled[i * g : (i + 1) * g] for i in range(len(shuffled) // g)]
+            order = torch.randperm(len(batches), generator=keyed_generator(self.seed, "epoch", epoch, "batches"))
+            self._batches = (epoch, [batches[i] for i in order.tolist()])
+        return self._batches[1]
 
     def next_batch(self) -> list[int]:
-        batches = self._epoch_batches(self.epoch)
-        if self.consumed == len(batches):
+        if self.consumed == len(self._epoch_batches(self.epoch)):
             self.epoch, self.consumed = self.epoch + 1, 0
-            batches = self._epoch_batches(self.epoch)
         self.consumed += 1
-        return batches[self.consumed - 1]
+        return self._epoch_batches(self.epoch)[self.consumed - 1]
 
     def state_dict(self) -> dict:
         return {"epoch": torch.tensor(self.epoch), "consumed": torch.tensor(self.consumed),
@@ -193,7 +306,7 @@ class Sampler:
     def load_state_dict(self, state: dict) -> None:
         if int(state["global_batch"]) != self.global_batch:
             raise ConfigError(
-                f"the checkpoint was trained with global batch {state['global_batch']}, this run has "
+                f"the checkpoint was trained with global batch {int(state['global_batch'])}, this run has "
                 f"{self.global_batch}: keep train.batch_size x train.gradient_accumulation_steps x world size equal"
             )
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
@@ -205,12 +318,8 @@ def micro_slice(step_batch: list[int], micro: int, rank: int, world: int, batch_
     return range(start, start + batch_size)
 
 
-def main() -> None:
-    from trainer import setup_run
-
-    with setup_run(sys.argv[1:], build_only=True):
-        pass
-
-
 if __name__ == "__main__":
-    main()
+    # The pass itself lives in cache.py; it imports this module under its own name.
+    import cache
+
+    cache.main()

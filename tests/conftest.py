@@ -1,0 +1,115 @@
+"""Shared test harness: the tiny model, the synthetic dataset and its cache are built once per session.
+
+Tests run the real commands (`python trainer.py`, `torchrun ... trainer.py`) as subprocesses, so the
+configs, the loading code and the process-group setup under test are the ones users run.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
+from tools.make_tiny_model import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny-t2v"
+    make_tiny_model(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "shapes"
+    make_synthetic_dataset(str(path), num_videos=24, frames=17, height=40, width=48, seed=0)
+    return path
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+@pytest.fixture(scope="session")
+def base_settings(tiny_model, tiny_data, tmp_path_factory) -> dict:
+    """The settings every test starts from: fp32 and fast, a cache shared by the whole session."""
+    return {
+        "model.path": str(tiny_model),
+        "model.dtype": "fp32",
+        "data.data_root": str(tiny_data),
+        "data.train_resolution": [9, 32, 32],
+        "data.cache_dir": str(tmp_path_factory.mktemp("cache")),
+        "data.held_out": 4,
+        "train.steps": 6,
+        "train.batch_size": 2,
+        "train.learning_rate": 1e-3,
+        "train.lr_warmup_steps": 2,
+        "train.mixed_precision": "no",
+        "train.gradient_checkpointing": False,
+        "lora.rank": 4,
+        "lora.lora_alpha": 2,
+        "checkpoint.checkpointing_steps": 3,
+        "validation.validation_steps": 3,
+    }
+
+
+@pytest.fixture
+def write_config(base_settings, tmp_path):
+    """write_config(name, **{"section.key": value}) -> path of a TOML file; output_dir under tmp_path."""
+
+    def write(name: str = "run", **settings) -> Path:
+        merged = {"run.output_dir": str(tmp_path / name), **base_settings, **settings}
+        sections: dict[str, list[str]] = {}
+        for key, value in merged.items():
+            section, field = key.split(".")
+            sections.setdefault(section, []).append(f"{field} = {toml_value(value)}")
+        path = tmp_path / f"{name}.toml"
+        path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
+        return path
+
+    return write
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cmd(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 300, script: str = "trainer.py"):
+    """Run one of our commands, in one process or through torchrun; return the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", str(REPO / script), *args]
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_ok(*args, **kwargs):
+    result = run_cmd(*args, **kwargs)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(output_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in read_metrics(output_dir) if "train/loss" in m}
