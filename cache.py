@@ -163,6 +163,7 @@ def prepare(cfg: Config, d: parallel.Dist):
         shapes = data.resolutions(cfg.data, adapter.frame_multiple, adapter.size_multiple)
         clips = data.read_clips(cfg.data)
         cache = Cache(cfg.data, adapter.identity(), adapter.text_length, cfg.model.dtype)
+    parallel.check_shared(str(cache.dir), "data.cache_dir", d)
     planned = plan_all(clips, shapes, cfg, cache, d)
     skipped = stop_on_problems([p for p, _ in planned if isinstance(p, data.Problem)], cfg.data)
     items = [p for p, _ in planned if isinstance(p, data.Item)]

@@ -9,6 +9,7 @@ meta.json with the sizes and sha256 of every file. No RNG state: every draw is k
 Nothing of ours is pickled: non-tensor values are rebuilt from the config.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,17 +41,46 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 FAULT_ENV = "VIDTRAIN_FAULT"
 
 
-def fault(point: str, step: int) -> None:
-    """Deliberate fault injection for tests: VIDTRAIN_FAULT=<point>:<step>[:<rank>] kills this
-    process (points ending in "kill") or raises OSError ("fail") at that point."""
+def fault_active(point: str, step: int) -> bool:
+    """Deliberate fault injection for tests: VIDTRAIN_FAULT=<point>:<step>[:<rank>] names the point,
+    the step (or count) and optionally the one rank where the fault happens."""
     spec = os.environ.get(FAULT_ENV, "").split(":")
     if len(spec) < 2 or spec[0] != point or int(spec[1]) != step:
+        return False
+    return len(spec) == 2 or int(spec[2]) == dist.get_rank()
+
+
+def fault(point: str, step: int) -> None:
+    """At an active fault point, points named *_kill send this process SIGKILL, *_sigterm SIGTERM (as a
+    scheduler would), the others raise OSError."""
+    if not fault_active(point, step):
         return
-    if len(spec) == 3 and int(spec[2]) != dist.get_rank():
-        return
-    if point.endswith("kill"):
+    if point.endswith("_kill"):
         os.kill(os.getpid(), signal.SIGKILL)
-    raise OSError(f"injected fault {point} at step {step}")
+    elif point.endswith("_sigterm"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        raise OSError(f"injected fault {point} at step {step}")
+
+
+@contextlib.contextmanager
+def _write_failures_named(tmp: Path):
+    """DCP reports a failed write as a CheckpointException (a BaseException) holding every rank's
+    traceback: turn it into one message naming the first failing rank's cause and the fix."""
+    try:
+        yield
+    except CheckpointException as e:
+        rank, (cause, _) = sorted(e.failures.items())[0]
+        raise OSError(f"writing {tmp} failed on rank {rank}: {cause}; earlier checkpoints are intact, "
+                      "free space or move run.output_dir and resume") from None
+
+
+class FailingWriter(dcp.FileSystemWriter):
+    """A storage writer whose writes fail like a full disk, for the save_fail fault point: DCP itself
+    then reports the failure on every rank."""
+
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device (injected save_fail)")
 
 
 def run_identity(cfg, adapter) -> dict:
@@ -101,6 +132,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict):
         self.cfg, self.dir, self.d, self.identity = cfg, Path(output_dir), d, identity
         self.frozen_excluded = identity["training_type"] == "lora"
+        self.async_group, self.pending = None, None
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _state(self, objects: dict) -> dict:
@@ -119,16 +151,38 @@ class Checkpointer:
                 state[name] = obj.state_dict()
         return state
 
-    def save(self, step: int, objects: dict) -> None:
-        final, tmp = self.dir / f"checkpoint-{step}", self.dir / f"checkpoint-{step}.tmp"
+    def save(self, step: int, objects: dict, final: bool) -> None:
+        """Every rank writes its shards. With async_save the write runs in the background and commits
+        at the next save; the final save is synchronous so the run ends committed."""
+        self.wait_and_commit()
+        final_dir, tmp = self.dir / f"checkpoint-{step}", self.dir / f"checkpoint-{step}.tmp"
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
+        writer = (FailingWriter if fault_active("save_fail", step) else dcp.FileSystemWriter)(tmp)
         with parallel.all_or_none():
-            fault("save_fail", step)
-            dcp.save(self._state(objects), checkpoint_id=tmp)
+            if self.cfg.async_save and not final:
+                if self.async_group is None:
+                    # Background writes on the default group collide with training's collectives.
+                    self.async_group = dist.new_group(backend="gloo")
+                future = dcp.async_save(self._state(objects), storage_writer=writer, process_group=self.async_group)
+                self.pending = (step, tmp, final_dir, future)
+                return
+            with _write_failures_named(tmp):
+                dcp.save(self._state(objects), storage_writer=writer)
         fault("save_kill", step)
-        self._commit(step, tmp, final)
+        self._commit(step, tmp, final_dir)
+
+    def wait_and_commit(self) -> None:
+        """Finish the background save, if one is running, and commit it on every rank."""
+        if self.pending is None:
+            return
+        step, tmp, final_dir, future = self.pending
+        self.pending = None
+        with parallel.all_or_none(), _write_failures_named(tmp):
+            future.result()
+        fault("save_kill", step)
+        self._commit(step, tmp, final_dir)
 
     def _commit(self, step: int, tmp: Path, final: Path) -> None:
         """Hash this rank's share of files, then rank 0 writes meta.json, renames, updates latest, rotates."""
@@ -223,22 +277,81 @@ class Checkpointer:
                 )
 
 
-def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist) -> None:
+def load_weights(model, path: str, training_type: str, ema=None) -> None:
+    """Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
+    for rendering and export, without the optimizer. Every rank calls it."""
+    options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
+    state = {"model": get_model_state_dict(model, options=options)}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(model, state["model"], options=options)
+
+
+def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None):
+    """The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on."""
+    _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "", d)
+    if ema is not None:
+        with ema.swapped_in():
+            _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "_ema", d)
+
+
+def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d) -> None:
     """Gather only the exported weights to rank 0 and write them: the LoRA in diffusers' and PEFT's
     layouts, or the full transformer with save_pretrained."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=training_type == "lora")
     state = get_model_state_dict(model, options=options)
     if not d.is_main:
         return
-    out = Path(out_dir)
     if training_type == "lora":
+        folder = out / f"lora{suffix}"
+        folder.mkdir(parents=True, exist_ok=True)
         weights = {k: v.float() for k, v in state.items()}
-        (out / "lora").mkdir(parents=True, exist_ok=True)
-        lora.save_lora(str(out / "lora" / "pytorch_lora_weights.safetensors"), weights, lora_cfg.rank,
-                       lora_cfg.lora_alpha, lora_cfg.target_modules)
-        lora.save_peft_adapter(str(out / "lora"), weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
-        log.info("LoRA written to %s", out / "lora" / "pytorch_lora_weights.safetensors")
+        args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
+        lora.save_lora(str(folder / "pytorch_lora_weights.safetensors"), *args)
+        lora.save_peft_adapter(str(folder), *args)
+        log.info("LoRA written to %s", folder / "pytorch_lora_weights.safetensors")
     else:
-        transformer = adapter.transformer_from_state_dict(state)
-        transformer.save_pretrained(out / "transformer")
-        log.info("transformer written to %s", out / "transformer")
+        adapter.transformer_from_state_dict(state).save_pretrained(out / f"transformer{suffix}")
+        log.info("transformer written to %s", out / f"transformer{suffix}")
+
+
+def main(argv: list[str]) -> None:
+    """python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR] [overrides]"""
+    import argparse
+
+    import trainer
+    from config import load_config
+    from model_adapter import load_adapter
+
+    parser = argparse.ArgumentParser(prog="ckpt.py", description="Export the weights of any checkpoint.")
+    parser.add_argument("command", choices=["export"])
+    parser.add_argument("--cfg", required=True, help="the run's TOML config")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint-N folder")
+    parser.add_argument("--out", help="where lora/ or transformer/ go (default: run.output_dir)")
+    args, overrides = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    cfg = load_config(args.cfg, overrides)
+    d = parallel.init(cfg.parallel)
+    try:
+        with parallel.all_or_none():
+            adapter = load_adapter(cfg.model, d.device)
+            meta = verify(Path(args.checkpoint))
+            Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, run_identity(cfg, adapter))._check_identity(
+                Path(args.checkpoint), meta)
+        model, _, _ = trainer.build_model(cfg, adapter, d)
+        ema = trainer.EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        load_weights(model, args.checkpoint, cfg.train.training_type, ema)
+        export(model, cfg.train.training_type, cfg.lora, adapter, args.out or cfg.run.output_dir, d, ema)
+    except (ConfigError, parallel.StopRun) as e:
+        if d.is_main:
+            log.error("error: %s", e)
+        parallel.shutdown()
+        raise SystemExit(1) from None
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

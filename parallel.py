@@ -10,7 +10,9 @@ import gc
 import logging
 import os
 import resource
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def peer_failed(error: BaseException) -> bool:
+    """A collective broke because another rank died: that rank reports the cause, this one stays quiet."""
+    lost = ("Connection closed by peer", "Connection reset by peer", "pair closure", "NCCL communicator was aborted")
+    return isinstance(error, dist.DistError) or any(text in str(error) for text in lost)
+
+
 @contextlib.contextmanager
 def all_or_none():
     """Run a block on every rank; if it raised on any rank, raise StopRun on all of them with the
@@ -113,6 +121,25 @@ def grad_sync(model: torch.nn.Module, enabled: bool):
         yield
 
 
+def check_shared(folder: str, what: str, d: Dist) -> None:
+    """Every rank must see the same folder (a shared filesystem on multi-node runs): rank 0 writes a
+    token that every other rank then reads back."""
+    path = Path(folder)
+    token = [os.urandom(8).hex() if d.is_main else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = path / f".vidtrain-shared-{token[0]}"
+    with all_or_none():
+        if d.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token[0])
+    with all_or_none():
+        if not probe.is_file():
+            raise ConfigError(f"rank {d.rank} cannot see {what} = {folder} written by rank 0: on several nodes "
+                              "it must be on a shared filesystem")
+    if d.is_main:
+        probe.unlink()
+
+
 def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     values = values.detach().clone()
     dist.all_reduce(values)
@@ -123,6 +150,34 @@ def max_over_ranks(values: torch.Tensor) -> torch.Tensor:
     values = values.detach().clone()
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values
+
+
+class Preemption:
+    """SIGTERM or SIGUSR1 (what SLURM and torchrun send before a kill) sets a flag; every rank learns
+    at the next step boundary whether any rank got it, so all of them save and stop together."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._request)
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        return bool(max_over_ranks(torch.tensor(float(self.requested), device=device)))
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds of parameters and optimizer state (its shard under FSDP)."""
+    params = sum(_local_bytes(p) for p in model.parameters())
+    states = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return params + states
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# torchrun wrapper.
+#
+#   bash launch.sh                          the demo: tiny CogVideoX, generated clips, 2 CPU processes
+#   bash launch.sh FILE.toml [overrides]    train; NPROC, NNODES, NODE_RANK, RDZV_ENDPOINT from the
+#                                           environment, or from SLURM when run inside a SLURM job
+#
+# Logs are filtered to local rank 0 (LOG_RANKS to change it; "" shows every rank). torchrun forwards
+# SIGTERM and SIGUSR1 (SLURM's warning before a time limit) to the workers, which save and exit 0.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [[ $# -eq 0 ]]; then
+    [[ -f runs/tiny-model/model_index.json ]] || python tools/make_tiny_model.py --out runs/tiny-model
+    [[ -f runs/tiny-data/prompts.txt ]] || python tools/make_synthetic_dataset.py --out runs/tiny-data --num-videos 32
+    NPROC=${NPROC:-2} bash "$0" configs/tiny.toml
+    echo "LoRA:        runs/tiny/lora/pytorch_lora_weights.safetensors"
+    echo "clips:       runs/tiny/validation_res/"
+    echo "TensorBoard: tensorboard --logdir runs/tiny/logs"
+    exit 0
+fi
+
+config=$1
+shift
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    # One launcher per node (srun --ntasks-per-node 1); the first node of the allocation hosts the rendezvous.
+    NNODES=${NNODES:-$SLURM_NNODES}
+    NODE_RANK=${NODE_RANK:-$SLURM_NODEID}
+    RDZV_ENDPOINT=${RDZV_ENDPOINT:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):29500}
+    NPROC=${NPROC:-${SLURM_GPUS_ON_NODE:-1}}
+fi
+if [[ -z "${NPROC:-}" ]]; then
+    NPROC=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
+fi
+NNODES=${NNODES:-1}
+
+args=(--nproc_per_node "$NPROC" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1)
+if [[ -n "${LOG_RANKS-0}" ]]; then
+    args+=(--local-ranks-filter "${LOG_RANKS-0}")
+fi
+if [[ "$NNODES" -gt 1 ]]; then
+    : "${RDZV_ENDPOINT:?multi-node runs need RDZV_ENDPOINT=host:port of node 0}"
+    args+=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?multi-node runs need NODE_RANK}"
+           --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-vidtrain}")
+else
+    args+=(--standalone)
+fi
+exec python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@"

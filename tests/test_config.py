@@ -1,0 +1,86 @@
+"""The config schema: strict keys and types, the override syntax, the model's shape rules, schedules."""
+
+import math
+
+import pytest
+
+from config import ConfigError, check_resolution, load_config, parse_overrides, to_toml
+from trainer import lr_factor
+
+REQUIRED = ["--run.output_dir", "/tmp/out", "--model.path", "/m", "--data.data_root", "/d"]
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_overrides_are_toml_literals_or_strings():
+    parsed = parse_overrides(["--train.steps", "3", "--train.learning_rate=1e-4", "--train.gradient_checkpointing",
+                              "false", "--data.train_resolution", "[9, 32, 32]", "--model.dtype", "bf16",
+                              "--lora.target_modules", '["to_q", "to_k"]', "--run.output_dir", "/a/b c"])
+    assert parsed == {"train.steps": 3, "train.learning_rate": 1e-4, "train.gradient_checkpointing": False,
+                      "data.train_resolution": [9, 32, 32], "model.dtype": "bf16",
+                      "lora.target_modules": ["to_q", "to_k"], "run.output_dir": "/a/b c"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train.lerning_rate", "1e-4"], "did you mean 'train.learning_rate'"),
+    (["--trian.steps", "3"], "did you mean 'train'"),
+    (["--train.steps", "ten"], "train.steps must be int"),
+    (["--train.steps", "true"], "train.steps must be int"),
+    (["--train.gradient_checkpointing", "False"], "train.gradient_checkpointing must be bool"),
+    (["--train.gradient_checkpointing", "1"], "train.gradient_checkpointing must be bool"),
+    (["--train.steps", "3", "--train.steps=4"], "given twice"),
+    (["--train.mixed_precision", "bf32"], '"bf16" | "fp16" | "no"'),
+    (["--data.train_resolution", "[9, 32]"], "[frames, height, width]"),
+    (["--lora.target_modules", "to_q"], "lora.target_modules must be a list"),
+    (["--train.steps", "0"], "train.steps must be at least 1"),
+])
+def test_mistakes_name_the_key(args, message):
+    with pytest.raises(ConfigError, match=None) as error:
+        load_config(None, REQUIRED + args)
+    assert message in str(error.value)
+
+
+def test_missing_required_key_says_how_to_set_it():
+    with pytest.raises(ConfigError, match="model.path is required"):
+        load_config(None, ["--run.output_dir", "/o", "--data.data_root", "/d"])
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'train.stepz'"):
+        load_config(write(tmp_path, "[train]\nstepz = 3\n"), REQUIRED)
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[train]\nsteps = 3\nsteps = 4\n"), REQUIRED)
+    with pytest.raises(ConfigError, match="inside a \\[section\\]"):
+        load_config(write(tmp_path, "steps = 3\n"), REQUIRED)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.toml"), REQUIRED)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, "[train]\nsteps = 7\n[lora]\ntarget_modules = [\"to_q\"]\n"),
+                      REQUIRED + ["--train.learning_rate", "3e-5"])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again == cfg and again.train.steps == 7 and again.train.learning_rate == 3e-5
+
+
+def test_model_shape_rules():
+    check_resolution([49, 480, 720], 8, 16)
+    with pytest.raises(ConfigError, match="use 41 or 49"):
+        check_resolution([48, 480, 720], 8, 16)
+    with pytest.raises(ConfigError, match="height = 470 must be a positive multiple of 16"):
+        check_resolution([49, 470, 720], 8, 16)
+
+
+def test_lr_schedules():
+    cfg = load_config(None, REQUIRED + ["--train.steps", "100", "--train.lr_warmup_steps", "10"])
+    assert [lr_factor(s, cfg.train) for s in (1, 5, 10, 50, 100)] == [0.1, 0.5, 1.0, 1.0, 1.0]
+    cfg.train.lr_scheduler = "linear"
+    assert lr_factor(55, cfg.train) == pytest.approx(0.5) and lr_factor(100, cfg.train) == 0.0
+    cfg.train.lr_scheduler = "cosine"
+    assert lr_factor(55, cfg.train) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    cfg.train.lr_scheduler = "constant"
+    assert lr_factor(1, cfg.train) == 1.0

@@ -1,0 +1,101 @@
+"""One-process training end to end: learning, determinism, the export, and errors before any compute."""
+
+import shutil
+
+import av
+import pytest
+import torch
+from conftest import read_metrics, run_cmd, run_ok, train_losses
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import lora
+
+
+def held_out(output_dir) -> dict[int, float]:
+    return {m["step"]: m["val/loss"] for m in read_metrics(output_dir) if "val/loss" in m}
+
+
+def lora_file(output_dir):
+    return output_dir / "lora" / "pytorch_lora_weights.safetensors"
+
+
+def test_training_lowers_the_held_out_loss(write_config, tmp_path):
+    cfg = write_config("learn", **{"train.steps": 60, "train.learning_rate": 3e-3, "lora.rank": 8,
+                                   "lora.lora_alpha": 4, "checkpoint.checkpointing_steps": 60,
+                                   "validation.validation_steps": 30})
+    result = run_ok(["--cfg", str(cfg)])
+    losses = held_out(tmp_path / "learn")
+    assert sorted(losses) == [0, 30, 60]
+    assert losses[60] < 0.9 * losses[0], losses
+    assert "parameters: " in result.stderr and "global batch 2 = 2 per rank x 1 accumulation x 1 ranks" in result.stderr
+    metrics = read_metrics(tmp_path / "learn")
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/peak_mem_gb"} <= set(metrics[1])
+    assert (tmp_path / "learn" / "config.toml").is_file()
+
+
+def test_same_seed_same_run(write_config, tmp_path):
+    for name in ("first", "second"):
+        run_ok(["--cfg", str(write_config(name))])
+    assert train_losses(tmp_path / "first") == train_losses(tmp_path / "second")
+    first, second = load_file(lora_file(tmp_path / "first")), load_file(lora_file(tmp_path / "second"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    with safe_open(lora_file(tmp_path / "first"), "pt") as f, safe_open(lora_file(tmp_path / "second"), "pt") as g:
+        assert f.metadata() == g.metadata()
+    run_ok(["--cfg", str(write_config("other_seed", **{"run.seed": 7}))])
+    assert train_losses(tmp_path / "other_seed") != train_losses(tmp_path / "first")
+
+
+def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
+    """The exported LoRA holds exactly the weights of the last checkpoint, as DCP's own converter reads it,
+    with the trained alpha in its metadata; the checkpoint holds no frozen weight."""
+    run_ok(["--cfg", str(write_config("export", **{"lora.lora_alpha": 8}))])
+    weights, meta = lora.load_lora(str(lora_file(tmp_path / "export")))
+    assert meta["rank"] == 4 and meta["alpha"] == 8
+    dcp_to_torch_save(tmp_path / "export" / "checkpoint-6", tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    model = saved["model"]
+    assert model.keys() == weights.keys() and all(torch.equal(model[k], weights[k]) for k in model)
+    assert any(w.abs().sum() > 0 for k, w in weights.items() if "lora_B" in k), "training moved no B matrix"
+    assert not any(k.endswith(".weight") and "lora_" not in k for k in model)
+
+
+def corrupt_dataset(tiny_data, tmp_path, how: str):
+    data = tmp_path / "bad-data"
+    shutil.copytree(tiny_data, data)
+    videos = (data / "videos.txt").read_text().splitlines()
+    if how == "missing":
+        videos[2] = "videos/nowhere.mp4"
+        (data / "videos.txt").write_text("\n".join(videos) + "\n")
+    else:
+        (data / videos[2]).write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"garbage" * 50)
+    return data
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"train.stepz": 3}, "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+    ({"train.steps": "many"}, "train.steps must be int"),
+    ({"data.train_resolution": [8, 32, 32]}, "frames = 8, but this model needs 8k+1 frames"),
+    ({"model.path": "/nowhere/model"}, "model.path = /nowhere/model is not a diffusers model folder"),
+    ({"data.train_resolution": [9, 36, 32]}, "height = 36 must be a positive multiple of 8"),
+])
+def test_bad_settings_stop_before_training(write_config, tmp_path, settings, message):
+    result = run_cmd(["--cfg", str(write_config("bad", **settings))])
+    assert result.returncode == 1
+    assert message in result.stderr and result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert not (tmp_path / "bad" / "logs").exists()
+
+
+@pytest.mark.parametrize("how, message", [("missing", "line 3"), ("corrupt", "videos/00002.mp4")])
+def test_bad_clips_stop_before_training(write_config, tmp_path, tiny_data, how, message):
+    data = corrupt_dataset(tiny_data, tmp_path, how)
+    result = run_cmd(["--cfg", str(write_config("bad", **{"data.data_root": str(data)}))])
+    assert result.returncode == 1 and message in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "bad" / "logs").exists()
+
+
+def test_synthetic_clips_decode(tiny_data):
+    with av.open(str(tiny_data / "videos" / "00000.mp4")) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 17 and frames[0].shape == (40, 48, 3) and frames[5].max() > 200
