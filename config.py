@@ -64,6 +64,11 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     # Optimizer steps between metric reductions and log lines.
     log_every: int = 1
+    # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped).
+    max_nonfinite_steps: int = 3
+    # Exponential moving average of the trainable weights (0 = off, e.g. 0.999), used for validation
+    # and exported beside the online weights.
+    ema_decay: float = 0.0
 
 
 @dataclass
@@ -109,6 +114,18 @@ class DataConfig:
     skip_bad: bool = False
     # The last N clips are held out of training and used for the held-out loss.
     held_out: int = 0
+    # [[frames, height, width], ...]: when set, replaces train_resolution; each clip goes to the bucket
+    # of largest area, then most frames, that it fills without upscaling, and every global batch holds one bucket.
+    buckets: list[list[int]] = field(default_factory=list)
+    # Frames are chosen at this rate by their timestamps; 0 keeps every native frame.
+    target_fps: float = 0.0
+    # Crop after the aspect-preserving resize: "center", or "random" (drawn once per clip from (run.seed, clip)).
+    crop: Literal["center", "random"] = "center"
+    # A clip with fewer frames than its bucket: "error" stops the run, "skip" lists it in skipped.txt,
+    # "pad" repeats its last frame.
+    short_clips: Literal["error", "skip", "pad"] = "error"
+    # Clips per VAE and T5 call in the cache pass (clips of one bucket only).
+    cache_batch_size: int = 4
 
 
 @dataclass
@@ -119,6 +136,9 @@ class CheckpointConfig:
     checkpointing_limit: int = 10
     # "auto" resumes from the newest complete checkpoint in output_dir, "none" starts fresh, or a path.
     resume: str = "auto"
+    # Write checkpoints in the background on a dedicated gloo group; a checkpoint commits at the next
+    # save (so `latest` lags one interval); the final save is synchronous.
+    async_save: bool = False
 
 
 @dataclass
@@ -129,6 +149,24 @@ class ValidationConfig:
     validation_steps: int = 200
     # Timesteps at which the held-out loss is measured (fixed noise), logged as val/loss_t{t}.
     loss_timesteps: list[int] = field(default_factory=lambda: [100, 300, 500, 700, 900])
+    # Prompts rendered into validation_res/step_{step}_prompt_{i}.mp4 and TensorBoard's val/clip_{i}.
+    prompts: list[str] = field(default_factory=list)
+    # Text the guidance steers away from (CogVideo's default: the empty prompt).
+    negative_prompt: str = ""
+    # Seed of clip i's noise, keyed by (seed, i): a prompt's clip is comparable across steps and ranks.
+    seed: int = 42
+    # Sampler: "dpm" (CogVideoXDPMScheduler, CogVideo's choice) or "ddim" (CogVideoXDDIMScheduler).
+    scheduler: Literal["dpm", "ddim"] = "dpm"
+    # Denoising steps per clip.
+    num_inference_steps: int = 50
+    # Classifier-free guidance scale; 1 or less renders without guidance.
+    guidance_scale: float = 6.0
+    # Raise the guidance scale along a cosine schedule over the steps, as the pipeline's use_dynamic_cfg.
+    use_dynamic_cfg: bool = False
+    # [frames, height, width] of the clips; [] renders at data.train_resolution (data.buckets[0] when set).
+    resolution: list[int] = field(default_factory=list)
+    # Frame rate written into the mp4s and the TensorBoard clips.
+    gen_fps: int = 15
 
 
 @dataclass
@@ -242,7 +280,7 @@ def check_values(cfg: Config) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
             raise ConfigError(f"{key} is required: set it in the config file or pass --{key} VALUE")
-    positive = ("train.steps", "parallel.timeout_s", "parallel.dp_replicate", "train.batch_size", "train.gradient_accumulation_steps", "train.log_every",
+    positive = ("train.steps", "parallel.timeout_s", "parallel.dp_replicate", "train.batch_size", "train.gradient_accumulation_steps", "train.log_every", "train.max_nonfinite_steps",
                 "lora.rank", "checkpoint.checkpointing_steps", "validation.validation_steps")
     for key in positive:
         section, name = key.split(".")
@@ -250,28 +288,39 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"{key} must be at least 1")
     if len(cfg.data.train_resolution) != 3:
         raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
+    if not 0.0 <= cfg.train.ema_decay < 1.0:
+        raise ConfigError(f"train.ema_decay must be in [0, 1), got {cfg.train.ema_decay}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    if cfg.lora.dropout and cfg.train.gradient_checkpointing:
+        # The recompute would draw a different dropout mask: checkpointing restores only the global RNG.
+        raise ConfigError("lora.dropout > 0 needs train.gradient_checkpointing = false")
     if cfg.checkpoint.checkpointing_limit < 0 or cfg.data.held_out < 0:
         raise ConfigError("checkpoint.checkpointing_limit and data.held_out must not be negative")
     for t in cfg.validation.loss_timesteps:
         if not 0 <= t < 1000:
             raise ConfigError(f"validation.loss_timesteps holds {t}; timesteps lie in [0, 1000)")
+    for key in ("num_inference_steps", "gen_fps"):
+        if getattr(cfg.validation, key) < 1:
+            raise ConfigError(f"validation.{key} must be at least 1")
+    if len(cfg.validation.resolution) not in (0, 3):
+        raise ConfigError(f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}")
 
 
-def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int) -> None:
+def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,
+                     key: str = "data.train_resolution") -> None:
     """The model's own rules: frames = k * frame_multiple + 1, height and width divisible by size_multiple."""
     frames, height, width = resolution
     if (frames - 1) % frame_multiple:
         lower = (frames - 1) // frame_multiple * frame_multiple + 1
         raise ConfigError(
-            f"data.train_resolution frames = {frames}, but this model needs {frame_multiple}k+1 frames "
+            f"{key} frames = {frames}, but this model needs {frame_multiple}k+1 frames "
             f"(the VAE decodes latents in pairs): use {lower} or {lower + frame_multiple}"
         )
     for name, value in (("height", height), ("width", width)):
         if value % size_multiple or value <= 0:
             raise ConfigError(
-                f"data.train_resolution {name} = {value} must be a positive multiple of {size_multiple} "
+                f"{key} {name} = {value} must be a positive multiple of {size_multiple} "
                 "(VAE spatial ratio x patch size)"
             )
 

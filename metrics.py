@@ -4,12 +4,15 @@ Every other rank gets a logger whose methods do nothing, so call sites need no r
 (the pattern of DiT's train.py).
 """
 
+import io
 import json
 import logging
 import math
 import time
 from pathlib import Path
 
+from PIL import Image
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger("vidtrain")
@@ -51,6 +54,22 @@ class Metrics:
         rate = (step - self.start_step) / elapsed if elapsed > 0 else math.nan
         eta = (self.total_steps - step) / rate if rate > 0 else math.nan
         log.info("step %d/%d  loss %.4f  %.2f it/s  ETA %s", step, self.total_steps, loss, rate, _hms(eta))
+
+    def clip(self, step: int, tag: str, frames, fps: int) -> None:
+        """uint8 frames [F, H, W, 3] as an animated GIF in an image summary, which TensorBoard plays.
+        (SummaryWriter.add_video needs moviepy and, without it, silently logs nothing.)"""
+        if not self.enabled:
+            return
+        images = [Image.fromarray(frame) for frame in frames.numpy()]
+        gif = io.BytesIO()
+        images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+        image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
+                              encoded_image_string=gif.getvalue())
+        self.writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self.enabled:
+            self.writer.add_text(tag, text, step)
 
     def writer_or_none(self):
         return self.writer if self.enabled else None

@@ -92,17 +92,23 @@ class CogVideoXAdapter:
         transformer.load_state_dict(state)
         return transformer.to(self.dtype)
 
-    def _encoders(self):
+    def _load_vae(self) -> AutoencoderKLCogVideoX:
         if self._vae is None:
-            log.info("loading VAE and text encoder from %s", self.path)
+            log.info("loading VAE from %s", self.path)
             self._vae = AutoencoderKLCogVideoX.from_pretrained(self.path, subfolder="vae", torch_dtype=self.dtype)
             self._vae.to(self.device).requires_grad_(False).eval()
+        return self._vae
+
+    def _encoders(self):
+        # The VAE loads on its own too: decoding validation clips needs no T5.
+        if self._text_encoder is None:
+            log.info("loading text encoder from %s", self.path)
             self._text_encoder = T5EncoderModel.from_pretrained(
                 self.path, subfolder="text_encoder", torch_dtype=self.dtype
             )
             self._text_encoder.to(self.device).requires_grad_(False).eval()
             self._tokenizer = AutoTokenizer.from_pretrained(self.path, subfolder="tokenizer")
-        return self._vae, self._text_encoder, self._tokenizer
+        return self._load_vae(), self._text_encoder, self._tokenizer
 
     def release_encoders(self) -> None:
         self._vae = self._text_encoder = self._tokenizer = None
@@ -127,6 +133,30 @@ class CogVideoXAdapter:
             if len(tokenizer(prompt).input_ids) > self.text_length:
                 log.warning("prompt truncated to %d tokens: %r", self.text_length, prompt)
         return text_encoder(ids.to(self.device))[0]
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Scaled latents [B, F', C, h, w] -> pixels [B, C, F, H, W] in [-1, 1], as the pipeline's
+        decode_latents. One clip at a time, in the VAE's own spatial tiles (which the VAE would use for
+        encoding too, so they are switched on only here): memory stays bounded at any resolution."""
+        vae = self._load_vae()
+        # diffusers stitches tiles into a frame of the wrong size when its tile stride does not come out
+        # whole, as with tiny VAEs; the real models' default tiles do, and those decode tiled.
+        tiles_exactly = all(
+            int(latent * (1 - overlap)) * self.spatial_ratio == sample - int(sample * overlap)
+            for sample, latent, overlap in (
+                (vae.tile_sample_min_height, vae.tile_latent_min_height, vae.tile_overlap_factor_height),
+                (vae.tile_sample_min_width, vae.tile_latent_min_width, vae.tile_overlap_factor_width),
+            )
+        )
+        if tiles_exactly:
+            vae.enable_tiling()
+        try:
+            # (1 / s) * x, not x / s: the pipeline's rounding.
+            scaled = (1 / self.vae_config["scaling_factor"]) * latents.permute(0, 2, 1, 3, 4).to(self.dtype)
+            return torch.cat([vae.decode(clip).sample for clip in scaled.split(1)])
+        finally:
+            vae.disable_tiling()
 
     # Diffusion.
     def rotary_embeddings(self, latent_frames: int, latent_height: int, latent_width: int):

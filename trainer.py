@@ -8,6 +8,7 @@ over the trainable parameters only. The loop: micro-steps, clip, step, then save
 """
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -16,16 +17,16 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 import ckpt
 import data
 import lora
 import parallel
 import validate
-from config import Config, ConfigError, TrainConfig, check_resolution, load_config, to_toml
+from cache import prepare as prepare_data  # check the model and every clip, complete the cache
+from config import Config, ConfigError, TrainConfig, load_config, to_toml
 from metrics import Metrics
-from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
 
@@ -43,6 +44,69 @@ class TrainState:
         self.step, self.nonfinite_in_row = int(state["step"]), int(state["nonfinite_in_row"])
 
 
+class EMA:
+    """Exponential moving average of the trainable weights, in fp32 and sharded like them (DTensors
+    under FSDP), keyed by the same FQNs as the model's state dict so checkpoints reshard."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        named = [(n.removeprefix("module."), p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.weights = {n: p.detach().float().clone() for n, p in named}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for average, param in zip(self.weights.values(), self.params):
+            average.lerp_(param.detach().float(), 1.0 - self.decay)
+
+    def state_dict(self) -> dict:
+        return dict(self.weights)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, average in self.weights.items():
+            average.copy_(state[name])
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_in(self):
+        """The model holds the averaged weights inside the block, its own weights again after it."""
+        online = [p.detach().clone() for p in self.params]
+        for param, average in zip(self.params, self.weights.values()):
+            param.copy_(average)
+        try:
+            yield
+        finally:
+            for param, saved in zip(self.params, online):
+                param.copy_(saved)
+
+
+class TrainWindow:
+    """Loss and throughput since the last log step, kept on the device and reduced only when logged."""
+
+    def __init__(self, d: parallel.Dist, global_batch: int, start_step: int):
+        self.d, self.global_batch, self.last_step = d, global_batch, start_step
+        self.loss, self.start, self.first = torch.zeros((), device=d.device), time.perf_counter(), True
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+
+    def flush(self, step: int, grad_norm: torch.Tensor, model, optimizer) -> dict[str, float]:
+        steps = step - self.last_step
+        peak = torch.tensor(parallel.peak_memory_gb(self.d.device), device=self.d.device)
+        values = {
+            "train/loss": parallel.mean_over_ranks(self.loss).item() / steps,
+            "train/lr": optimizer.param_groups[0]["lr"],
+            "train/grad_norm": grad_norm.item(),
+            "train/samples_per_s": steps * self.global_batch / (time.perf_counter() - self.start),
+            "train/peak_mem_gb": parallel.max_over_ranks(peak).item(),
+        }
+        if self.first:  # parameters + optimizer state held by rank 0: shows what FSDP shards away
+            values["train/state_mb"] = parallel.local_state_bytes(model, optimizer) / 2**20
+        self.loss.zero_()
+        self.last_step, self.start, self.first = step, time.perf_counter(), False
+        return values
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of the peak learning rate in optimizer step `step` (from 1): rebuilt from the step alone."""
     if cfg.lr_scheduler == "constant":
@@ -55,20 +119,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     if cfg.lr_scheduler == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return 1.0
-
-
-def prepare_data(cfg: Config, d: parallel.Dist):
-    """Check the model, the resolution and every clip, and complete the cache, before any training."""
-    with parallel.all_or_none():
-        adapter = load_adapter(cfg.model, d.device)
-        check_resolution(cfg.data.train_resolution, adapter.frame_multiple, adapter.size_multiple)
-        clips = data.read_clips(cfg.data)
-        cache = data.Cache(cfg.data, adapter.identity(), adapter.text_length, cfg.model.dtype)
-        encoded = data.build_cache(cache, clips, adapter, cfg.data.train_resolution, d.rank, d.world)
-    adapter.release_encoders()
-    log.info("cache: %d clips encoded by rank 0, %d in total in %s", encoded, len(clips), cache.dir)
-    held_out = cfg.data.held_out
-    return adapter, cache, clips[: len(clips) - held_out], clips[len(clips) - held_out :]
 
 
 def build_model(cfg: Config, adapter, d: parallel.Dist):
@@ -88,14 +138,21 @@ def build_model(cfg: Config, adapter, d: parallel.Dist):
 
 
 def train(cfg: Config, d: parallel.Dist) -> None:
+    parallel.check_shared(cfg.run.output_dir, "run.output_dir", d)
     adapter, cache, train_clips, held_out_clips = prepare_data(cfg, d)
+    renderer = (validate.ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d)
+                if cfg.validation.do_validation else None)
     t = cfg.train
     global_batch = t.batch_size * t.gradient_accumulation_steps * d.world
-    sampler = data.Sampler(len(train_clips), global_batch, cfg.run.seed)
+    sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
     model, params, optimizer = build_model(cfg, adapter, d)
     state = TrainState()
+    ema = EMA(model, t.ema_decay) if t.ema_decay else None
+    objects = {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state}
+    if ema is not None:
+        objects["ema"] = ema
     checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter))
-    checkpoints.resume({"model": model, "optimizer": optimizer, "sampler": sampler, "train": state})
+    checkpoints.resume(objects)
     if d.is_main:
         name = f"config-resume-{state.step}.toml" if state.step else "config.toml"
         (Path(cfg.run.output_dir) / name).write_text(to_toml(cfg))
@@ -104,7 +161,10 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[t.mixed_precision],
                               enabled=t.mixed_precision != "no")
-    window_loss, window_start, window_steps = torch.zeros((), device=d.device), time.perf_counter(), 0
+    preemption = parallel.Preemption()
+    if state.step == 0 and cfg.validation.do_validation:
+        run_validation(0, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer)
+    window = TrainWindow(d, global_batch, state.step)
 
     for step in range(state.step + 1, t.steps + 1):
         batch_ids = sampler.next_batch()
@@ -117,37 +177,61 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro))
             with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), autocast:
                 loss = adapter.train_loss(model, batch, generators).mean()
+            ckpt.fault("step_fail", step)
+            if ckpt.fault_active("nan_loss", step):
+                loss = loss * math.nan
             (loss / t.gradient_accumulation_steps).backward()
-            window_loss += loss.detach() / t.gradient_accumulation_steps
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-            state.nonfinite_in_row = 0
-        else:
-            state.nonfinite_in_row += 1
-            log.warning("step %d: gradient norm is %s, update skipped", step, grad_norm.item())
-        optimizer.zero_grad(set_to_none=True)
-        state.step, window_steps = step, window_steps + 1
+            window.add_loss(loss.detach() / t.gradient_accumulation_steps)
+        grad_norm = clip_and_step(params, optimizer, t.max_grad_norm, state, step)
+        if ema is not None:
+            ema.update()
+        ckpt.fault("step_kill", step)
+        ckpt.fault("step_sigterm", step)
 
         if step % t.log_every == 0 or step == t.steps:
-            loss_value = parallel.mean_over_ranks(window_loss).item() / window_steps
-            peak = parallel.max_over_ranks(torch.tensor(parallel.peak_memory_gb(d.device), device=d.device))
-            rate = window_steps * global_batch / (time.perf_counter() - window_start)
-            metrics.scalars(step, {"train/loss": loss_value, "train/lr": optimizer.param_groups[0]["lr"],
-                                   "train/grad_norm": grad_norm.item(), "train/samples_per_s": rate,
-                                   "train/peak_mem_gb": peak.item()})
-            metrics.progress(step, loss_value)
-            window_loss.zero_()
-            window_start, window_steps = time.perf_counter(), 0
-        if step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps:
-            checkpoints.save(step, {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state})
+            values = window.flush(step, grad_norm, model, optimizer)
+            metrics.scalars(step, values)
+            metrics.progress(step, values["train/loss"])
+        if state.nonfinite_in_row >= t.max_nonfinite_steps:
+            raise parallel.StopRun(f"step {step}: {state.nonfinite_in_row} steps in a row with a non-finite gradient "
+                                   "norm (train.max_nonfinite_steps); lower train.learning_rate or check the data")
+        stop = preemption.agreed(d.device)
+        if stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps:
+            checkpoints.save(step, objects, final=stop or step == t.steps)
+        if stop:
+            log.info("stopped by a signal after step %d; checkpoint written", step)
+            break
         if cfg.validation.do_validation and (step % cfg.validation.validation_steps == 0 or step == t.steps):
-            metrics.scalars(step, validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation,
-                                                         cfg.run.seed, d, autocast))
+            run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer)
 
-    ckpt.export(model, cfg.train.training_type, cfg.lora, adapter, cfg.run.output_dir, d)
+    if state.step == t.steps:
+        ckpt.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
     metrics.close()
+
+
+def clip_and_step(params, optimizer, max_grad_norm: float, state: TrainState, step: int) -> torch.Tensor:
+    """Clip once per optimizer step by the global norm (sharded gradients included); a step whose norm
+    is not finite is skipped, but still counts and consumes its data."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+        state.nonfinite_in_row = 0
+    else:
+        state.nonfinite_in_row += 1
+        log.warning("step %d: gradient norm is %s, update skipped", step, grad_norm.item())
+    optimizer.zero_grad(set_to_none=True)
+    state.step = step
+    return grad_norm
+
+
+def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema, d, autocast, metrics,
+                   renderer: validate.ClipRenderer) -> None:
+    """Held-out loss and clips with the EMA weights swapped in when EMA is on."""
+    with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+        metrics.scalars(step, validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation,
+                                                     cfg.run.seed, d, autocast)
+                        | renderer.run(model, step, metrics, autocast))
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -161,7 +245,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     config_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    d = None
+    rank, failed = int(os.environ.get("RANK", 0)), False
     try:
         cfg = load_config(config_path, overrides)
         d = parallel.init(cfg.parallel)
@@ -169,11 +253,22 @@ def main(argv: list[str] | None = None) -> None:
             logging.getLogger().setLevel(logging.WARNING)
         train(cfg, d)
     except (ConfigError, parallel.StopRun, data.BadClip) as e:
-        if (d.rank if d else int(os.environ.get("RANK", 0))) == 0:
+        if rank == 0:
             log.error("error: %s", e)
+        failed = True
+    except Exception as e:  # noqa: BLE001 - the one report of an unexpected failure
+        if parallel.peer_failed(e):
+            if rank == 0:
+                log.error("stopping: another rank failed (torchrun reports its error)")
+        elif "TORCHELASTIC_ERROR_FILE" in os.environ:
+            ErrorHandler().record_exception(e)  # torchrun prints it once, with its traceback
+        else:
+            raise
+        failed = True
+    # Outside the except block, so the traceback and the model it references are gone first.
+    parallel.shutdown()
+    if failed:
         sys.exit(1)
-    finally:
-        parallel.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,247 @@
+"""validate.py's clips: equal to CogVideoXPipeline's, spread over ranks, in mp4 and TensorBoard,
+reproducible from checkpoints and LoRA files, and invisible to training."""
+
+import contextlib
+import io
+
+import av
+import pytest
+import torch
+import torch.distributed as dist
+from diffusers import CogVideoXPipeline
+from PIL import Image
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import read_metrics, run_cmd, run_ok, toml_value, train_losses
+
+import data
+import lora
+import parallel
+import validate
+from config import ConfigError, ModelConfig, ValidationConfig, load_config
+from model_adapter import load_adapter
+
+PROMPTS = ["a red ball moves left", "a blue square drifts up slowly", "a small green circle bounces"]
+FPS = 12
+RUN = {
+    "train.steps": 4,
+    "train.learning_rate": 1e-2,
+    "checkpoint.checkpointing_steps": 2,
+    "validation.validation_steps": 2,
+    "validation.prompts": PROMPTS,
+    "validation.num_inference_steps": 8,
+    "validation.gen_fps": FPS,
+}
+
+
+def write_toml(path, settings: dict):
+    sections: dict[str, list[str]] = {}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        sections.setdefault(section, []).append(f"{name} = {toml_value(value)}")
+    path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(base_settings, tmp_path_factory):
+    """Three short LoRA runs with one global batch of 2: validated every 2 steps in one process, the same
+    without validation, and validated on 2 FSDP ranks."""
+    root = tmp_path_factory.mktemp("validate_runs")
+    variants = {
+        "one": ({}, 1),
+        "plain": ({"validation.do_validation": False}, 1),
+        "fsdp": ({"parallel.strategy": "fsdp", "train.batch_size": 1}, 2),
+    }
+    for name, (settings, nproc) in variants.items():
+        cfg = write_toml(root / f"{name}.toml", {**base_settings, **RUN, "run.output_dir": str(root / name), **settings})
+        run_ok(["--cfg", str(cfg)], nproc=nproc)
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """validate's rendering gathers to rank 0: a one-rank group, as trainer.py makes without torchrun."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def decode_mp4(path):
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(stream)])
+        return frames, stream.average_rate
+
+
+def validation_steps(output_dir) -> list[int]:
+    return [m["step"] for m in read_metrics(output_dir) if "val/time_s" in m]
+
+
+def test_training_is_not_disturbed(runs):
+    """Validation every 2 steps leaves the training losses and the final LoRA bitwise unchanged."""
+    assert validation_steps(runs / "one") and not validation_steps(runs / "plain")
+    assert train_losses(runs / "one") == train_losses(runs / "plain")
+    ours = load_file(runs / "one" / "lora" / "pytorch_lora_weights.safetensors")
+    plain = load_file(runs / "plain" / "lora" / "pytorch_lora_weights.safetensors")
+    assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in ours)
+    assert all(m["val/peak_mem_gb"] > 0 and m["val/time_s"] > 0 for m in read_metrics(runs / "one") if "val/time_s" in m)
+
+
+@pytest.mark.parametrize("name", ["one", "fsdp"])
+def test_clips_in_mp4_and_tensorboard(runs, name):
+    """One mp4 and one playable TensorBoard clip per prompt per validation, with the configured frames and fps."""
+    out = runs / name
+    steps = validation_steps(out)
+    assert {2, 4} <= set(steps)
+    expected = {f"step_{s}_prompt_{i}.mp4" for s in steps for i in range(len(PROMPTS))}
+    assert {p.name for p in (out / "validation_res").iterdir()} == expected
+    for file in expected:
+        frames, rate = decode_mp4(out / "validation_res" / file)
+        assert frames.shape == (9, 32, 32, 3) and rate == FPS
+    events = EventAccumulator(str(out / "logs"), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    for i, prompt in enumerate(PROMPTS):
+        clips = events.Images(f"val/clip_{i}")
+        assert sorted(c.step for c in clips) == sorted(steps)
+        with Image.open(io.BytesIO(clips[-1].encoded_image_string)) as gif:
+            assert gif.format == "GIF" and gif.n_frames == 9 and abs(gif.info["duration"] - 1000 / FPS) < 10  # GIF counts in 10 ms
+        texts = events.Tensors(f"val/prompt_{i}/text_summary")
+        assert [t.step for t in texts] == [c.step for c in clips]
+        assert texts[0].tensor_proto.string_val[0].decode() == prompt
+
+
+def assert_same_clip(ours, theirs, other_prompt):
+    """Two renders of one clip in different processes. The tiny random model with guidance 6 amplifies
+    last-bit differences of CPU kernels, which vary from process to process even for identical inputs,
+    to a few levels in some pixels (measured: mean under 3); a clip of another prompt differs by ~50."""
+    assert ours.shape == theirs.shape
+    assert (ours.int() - theirs.int()).abs().float().mean() < 8
+    assert (ours.int() - other_prompt.int()).abs().float().mean() > 30
+
+
+def test_fsdp_clips_equal_one_process(runs):
+    """2 FSDP ranks (3 prompts: one rank renders a padding clip) render the clips one process renders."""
+    for step in validation_steps(runs / "one"):
+        for i in range(len(PROMPTS)):
+            one, _ = decode_mp4(runs / "one" / "validation_res" / f"step_{step}_prompt_{i}.mp4")
+            two, _ = decode_mp4(runs / "fsdp" / "validation_res" / f"step_{step}_prompt_{i}.mp4")
+            other, _ = decode_mp4(runs / "one" / "validation_res" / f"step_{step}_prompt_{(i + 1) % 3}.mp4")
+            assert_same_clip(two, one, other)
+
+
+def test_render_command_reproduces_training_clips(runs):
+    """`validate.py --checkpoint` and, on 2 FSDP ranks, `validate.py --lora` render the clip that training rendered."""
+    out = runs / "one"
+    training_clip, _ = decode_mp4(out / "validation_res" / "step_4_prompt_0.mp4")
+    other, _ = decode_mp4(out / "validation_res" / "step_4_prompt_1.mp4")
+    cfg = str(runs / "one.toml")
+    run_ok(["--cfg", cfg, "--checkpoint", str(out / "checkpoint-4"), "--prompt", PROMPTS[0]], script="validate.py")
+    lora_file = out / "lora" / "pytorch_lora_weights.safetensors"
+    run_ok(["--cfg", cfg, "--lora", str(lora_file), "--prompt", PROMPTS[0], "--parallel.strategy", "fsdp"],
+           nproc=2, script="validate.py")
+    for name in ("render_checkpoint-4_prompt_0.mp4", "render_pytorch_lora_weights_prompt_0.mp4"):
+        frames, rate = decode_mp4(out / "validation_res" / name)
+        assert rate == FPS
+        assert_same_clip(frames, training_clip, other)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model):
+    return load_adapter(ModelConfig(path=str(tiny_model), dtype="fp32"), torch.device("cpu"))
+
+
+def pipeline_frames(tiny_model, adapter, cfg: ValidationConfig, lora_file=None) -> list[torch.Tensor]:
+    """CogVideoXPipeline called once per prompt with clip i's keyed generator: float frames [F, H, W, 3]."""
+    pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = validate.load_scheduler(adapter, cfg.scheduler)
+    if lora_file:
+        pipe.load_lora_weights(str(lora_file))
+    return [
+        pipe(prompt, num_frames=9, height=32, width=32, num_inference_steps=cfg.num_inference_steps,
+             guidance_scale=cfg.guidance_scale, use_dynamic_cfg=cfg.use_dynamic_cfg,
+             generator=data.keyed_generator(cfg.seed, i), output_type="pt",
+             max_sequence_length=adapter.text_length).frames[0].permute(0, 2, 3, 1)
+        for i, prompt in enumerate(cfg.prompts)
+    ]
+
+
+@pytest.mark.parametrize("scheduler,dynamic", [("dpm", True), ("ddim", False)])
+def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process_group, tmp_path, scheduler, dynamic):
+    """Our loop (fused attention, keyed noise, batched CFG) gives the pipeline's frames, with the base
+    model and with the trained LoRA loaded into the pipeline from our export."""
+    cfg = ValidationConfig(prompts=PROMPTS[:2], num_inference_steps=12, scheduler=scheduler, use_dynamic_cfg=dynamic)
+    settings = {"run.output_dir": str(tmp_path), "model.path": str(tiny_model), "model.dtype": "fp32",
+                "data.data_root": str(tiny_data), "data.train_resolution": [9, 32, 32], "train.mixed_precision": "no",
+                "lora.rank": 4, "lora.lora_alpha": 2}
+    run_cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    renderer = validate.ClipRenderer(adapter, cfg, run_cfg.data, str(tmp_path), one_process_group)
+    lora_file = runs / "one" / "lora" / "pytorch_lora_weights.safetensors"
+    results = {}
+    for source in (None, lora_file):
+        model = validate.load_model(run_cfg, adapter, one_process_group, None, source)
+        with validate.fused_attention(model):
+            ours = [renderer.frames(model, i, validate.load_scheduler(adapter, scheduler), contextlib.nullcontext())
+                    for i in range(len(cfg.prompts))]
+        theirs = pipeline_frames(tiny_model, adapter, cfg, source)
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape == (9, 32, 32, 3)
+            assert (a - b).abs().max() <= 1e-4
+        results[source] = ours
+    assert (results[None][0] - results[lora_file][0]).abs().max() > 1e-2  # the LoRA shows in the frames
+
+
+def test_fused_attention_and_render_leave_the_model_alone(runs, tiny_model, adapter, one_process_group, tmp_path):
+    """The fused processor matches diffusers' on a LoRA model; rendering restores the processors and
+    train mode, and leaves every weight bitwise unchanged."""
+    transformer = adapter.load_transformer()
+    weights, info = lora.load_lora(str(runs / "one" / "lora" / "pytorch_lora_weights.safetensors"))
+    lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, 0)
+    lora.load_lora_into(transformer, weights)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 8, 8, generator=gen)
+    text = torch.randn(2, adapter.text_length, 32, generator=gen)
+    rotary = adapter.rotary_embeddings(3, 8, 8)
+    with torch.no_grad():
+        expected = adapter.predict_v(transformer, x, torch.tensor([10, 900]), text, rotary)
+        with validate.fused_attention(transformer):
+            fused = adapter.predict_v(transformer, x, torch.tensor([10, 900]), text, rotary)
+    torch.testing.assert_close(fused, expected, rtol=0, atol=1e-5)
+
+    processors = {name: m.processor for name, m in transformer.named_modules() if hasattr(m, "processor")}
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    transformer.train()
+    cfg = ValidationConfig(prompts=PROMPTS[:1], num_inference_steps=2)
+    renderer = validate.ClipRenderer(adapter, cfg, load_config(None, [
+        "--run.output_dir", str(tmp_path), "--model.path", str(tiny_model), "--data.data_root", str(tmp_path),
+        "--data.train_resolution", "[9, 32, 32]"]).data, str(tmp_path), one_process_group)
+    (clip,) = renderer.render(transformer, contextlib.nullcontext())
+    assert clip.dtype == torch.uint8 and clip.shape == (9, 32, 32, 3)
+    assert all(m.training for m in transformer.modules())
+    assert {name: m.processor for name, m in transformer.named_modules() if hasattr(m, "processor")} == processors
+    assert all(torch.equal(before[k], v) for k, v in transformer.state_dict().items())
+
+
+def test_config_errors(tiny_model, adapter, one_process_group, tmp_path):
+    required = ["--run.output_dir", str(tmp_path), "--model.path", str(tiny_model), "--data.data_root", str(tmp_path)]
+    with pytest.raises(ConfigError, match=r"validation.resolution must be \[\] or"):
+        load_config(None, [*required, "--validation.resolution", "[9, 32]"])
+    with pytest.raises(ConfigError, match="validation.num_inference_steps must be at least 1"):
+        load_config(None, [*required, "--validation.num_inference_steps", "0"])
+    with pytest.raises(ConfigError, match="validation.scheduler"):
+        load_config(None, [*required, "--validation.scheduler", "euler"])
+    cfg = load_config(None, [*required, "--validation.resolution", "[8, 32, 32]"])
+    with pytest.raises(ConfigError, match="validation.resolution frames = 8"):
+        validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), one_process_group)
+
+
+def test_render_command_errors(runs):
+    """No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the message."""
+    out = runs / "one"
+    no_prompt = run_cmd(["--cfg", str(runs / "plain.toml"), "--validation.prompts", "[]"], script="validate.py")
+    assert no_prompt.returncode == 1 and "nothing to render: pass --prompt" in no_prompt.stderr + no_prompt.stdout
+    wrong = run_cmd(["--cfg", str(runs / "one.toml"), "--checkpoint", str(out / "checkpoint-4"), "--prompt", "a",
+                     "--lora.rank", "8"], script="validate.py")
+    assert wrong.returncode == 1 and "pass the config the checkpoint was trained with" in wrong.stderr + wrong.stdout
