@@ -1,0 +1,129 @@
+"""torchrun on gloo: DDP and FSDP2 compute the same updates as one process, two nodes rendezvous, FSDP
+shards the state, a failing rank ends the job with one message, the non-finite guard."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import REPO, free_port, read_metrics, run_cmd, run_ok, train_losses
+from safetensors.torch import load_file
+
+RTOL, ATOL = 1e-5, 1e-6
+# G = 4 in every variant: 1 x 4, 2 ranks x 2, accumulation 2 x 2.
+VARIANTS = {
+    "one_process": ({"train.batch_size": 4}, 1),
+    "accumulation": ({"train.batch_size": 2, "train.gradient_accumulation_steps": 2}, 1),
+    "ddp": ({"train.batch_size": 2, "parallel.strategy": "ddp"}, 2),
+    "fsdp": ({"train.batch_size": 2, "parallel.strategy": "fsdp"}, 2),
+}
+
+
+def lora_weights(output_dir):
+    return load_file(output_dir / "lora" / "pytorch_lora_weights.safetensors")
+
+
+def assert_close_runs(a, b, rtol=RTOL, atol=ATOL):
+    losses_a, losses_b = train_losses(a), train_losses(b)
+    assert losses_a.keys() == losses_b.keys()
+    torch.testing.assert_close(torch.tensor(list(losses_a.values())), torch.tensor(list(losses_b.values())),
+                               rtol=rtol, atol=atol)
+    wa, wb = lora_weights(a), lora_weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=rtol, atol=atol, msg=key)
+
+
+@pytest.fixture(scope="module")
+def variant_runs(tmp_path_factory, base_settings):
+    """Each variant trained once (fp32), shared by the tests below."""
+    root = tmp_path_factory.mktemp("variants")
+    outputs = {}
+    for name, (settings, nproc) in VARIANTS.items():
+        outputs[name] = root / name
+        cfg = write_toml(root / f"{name}.toml", {**base_settings, "run.output_dir": str(root / name),
+                                                  "train.steps": 5, "checkpoint.checkpointing_steps": 5, **settings})
+        run_ok(["--cfg", str(cfg)], nproc=nproc)
+    return outputs
+
+
+def write_toml(path, settings: dict):
+    from conftest import toml_value
+
+    sections: dict[str, list[str]] = {}
+    for key, value in settings.items():
+        section, field = key.split(".")
+        sections.setdefault(section, []).append(f"{field} = {toml_value(value)}")
+    path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
+    return path
+
+
+@pytest.mark.parametrize("name", ["accumulation", "ddp", "fsdp"])
+def test_same_update_as_one_process(variant_runs, name):
+    assert_close_runs(variant_runs["one_process"], variant_runs[name])
+
+
+def test_logged_loss_is_the_global_mean(variant_runs):
+    """Two ranks log one value per step, the mean over ranks and micro-steps, with global samples/s."""
+    metrics = [m for m in read_metrics(variant_runs["ddp"]) if "train/loss" in m]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert all(m["train/samples_per_s"] > 0 and m["train/peak_mem_gb"] > 0 for m in metrics)
+
+
+def test_bf16_fsdp_stays_near_fp32(variant_runs, write_config, tmp_path):
+    cfg = write_config("bf16", **{"train.batch_size": 2, "parallel.strategy": "fsdp", "model.dtype": "bf16",
+                                  "train.mixed_precision": "bf16", "train.gradient_checkpointing": True,
+                                  "train.steps": 5, "checkpoint.checkpointing_steps": 5})
+    run_ok(["--cfg", str(cfg)], nproc=2)
+    # bf16 keeps 8 bits of mantissa: per-step losses agree to about 1%.
+    losses, reference = train_losses(tmp_path / "bf16"), train_losses(variant_runs["fsdp"])
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(list(reference.values())),
+                               rtol=1e-2, atol=1e-3)
+
+
+def test_two_nodes_through_launch_sh(variant_runs, write_config, tmp_path):
+    """2 nodes x 1 process through a c10d rendezvous on localhost, HSDP (replicate across nodes)."""
+    cfg = write_config("nodes", **{"train.batch_size": 2, "parallel.strategy": "fsdp", "parallel.dp_replicate": 2,
+                                   "train.steps": 5, "checkpoint.checkpointing_steps": 5})
+    port = free_port()
+    env = {**os.environ, "NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(["bash", str(REPO / "launch.sh"), str(cfg)], env={**env, "NODE_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    assert (tmp_path / "nodes" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert_close_runs(variant_runs["fsdp"], tmp_path / "nodes")
+
+
+def test_fsdp_shards_sft_state(write_config, tmp_path):
+    """Full fine-tuning on 2 ranks: FSDP holds about half of DDP's parameter + optimizer bytes per rank."""
+    state_mb = {}
+    for strategy in ("ddp", "fsdp"):
+        cfg = write_config(strategy, **{"train.training_type": "sft", "parallel.strategy": strategy,
+                                        "train.steps": 2, "checkpoint.checkpointing_steps": 2,
+                                        "validation.do_validation": False})
+        run_ok(["--cfg", str(cfg)], nproc=2)
+        state_mb[strategy] = read_metrics(tmp_path / strategy)[0]["train/state_mb"]
+        assert (tmp_path / strategy / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert 0.45 < state_mb["fsdp"] / state_mb["ddp"] < 0.55, state_mb
+    assert train_losses(tmp_path / "ddp") == pytest.approx(train_losses(tmp_path / "fsdp"), rel=RTOL)
+
+
+def test_a_failing_rank_ends_the_job_with_one_message(write_config, tmp_path):
+    cfg = write_config("fail", **{"train.batch_size": 2, "parallel.timeout_s": 60})
+    # A hang would outlive the subprocess timeout and fail the test.
+    result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_fail:3:1"}, timeout=150)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("OSError: injected fault step_fail at step 3") == 1, output[-4000:]
+    assert "rank      : 1" in output
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path):
+    run_ok(["--cfg", str(write_config("skip"))], env={"VIDTRAIN_FAULT": "nan_loss:2"})
+    metrics = {m["step"]: m for m in read_metrics(tmp_path / "skip") if "train/loss" in m}
+    assert metrics[2]["train/grad_norm"] != metrics[2]["train/grad_norm"]  # NaN, the update skipped
+    assert all(v == v for s, m in metrics.items() if s != 2 for v in m.values())
+    stop = run_cmd(["--cfg", str(write_config("stop", **{"train.max_nonfinite_steps": 1}))],
+                   env={"VIDTRAIN_FAULT": "nan_loss:2"})
+    assert stop.returncode == 1 and "step 2: 1 steps in a row with a non-finite gradient norm" in stop.stderr
