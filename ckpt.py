@@ -200,7 +200,13 @@ class Checkpointer:
                 "files": {k: v for share in shares for k, v in sorted(share.items())},
             }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            os.replace(tmp, final)
+            if final.exists():  # one that failed its check on resume, recomputed since: move it aside first
+                stale = final.with_name(f"{final.name}.stale.tmp")
+                os.replace(final, stale)
+                os.replace(tmp, final)
+                shutil.rmtree(stale)
+            else:
+                os.replace(tmp, final)
             latest_tmp = self.dir / "latest.tmp"
             latest_tmp.write_text(f"{final.name}\n")
             os.replace(latest_tmp, self.dir / "latest")

@@ -1,0 +1,191 @@
+"""Checkpoints: killed and resumed runs equal uninterrupted ones bitwise; resharding; atomic commit,
+rotation and fallback; SIGTERM; async save; failed writes; what is (not) in a checkpoint."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import run_cmd, run_ok, toml_value, train_losses
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import ckpt
+
+STEPS = 14
+# Global batch 4 everywhere, with accumulation and EMA on.
+VARIANTS = {
+    "one": ({"train.batch_size": 2}, 1),
+    "ddp": ({"train.batch_size": 1, "parallel.strategy": "ddp"}, 2),
+    "fsdp": ({"train.batch_size": 1, "parallel.strategy": "fsdp"}, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def make_config(base_settings, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+
+    def make(name: str, variant: str, **settings):
+        merged = {**base_settings, "run.output_dir": str(root / name), "train.steps": STEPS,
+                  "train.gradient_accumulation_steps": 2, "train.ema_decay": 0.9,
+                  "checkpoint.checkpointing_steps": 2, "checkpoint.checkpointing_limit": 0,
+                  "validation.do_validation": False, **VARIANTS[variant][0], **settings}
+        sections: dict[str, list[str]] = {}
+        for key, value in merged.items():
+            section, field = key.split(".")
+            sections.setdefault(section, []).append(f"{field} = {toml_value(value)}")
+        path = root / f"{name}.toml"
+        path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
+        return path, root / name, VARIANTS[variant][1]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def references(make_config):
+    """Uninterrupted runs, one per variant."""
+    outputs = {}
+    for variant in VARIANTS:
+        cfg, out, nproc = make_config(f"ref_{variant}", variant)
+        run_ok(["--cfg", str(cfg)], nproc=nproc)
+        outputs[variant] = out
+    return outputs
+
+
+def weights(output_dir, folder="lora"):
+    return load_file(output_dir / folder / "pytorch_lora_weights.safetensors")
+
+
+def assert_bitwise_equal_runs(a, b):
+    assert train_losses(a) == train_losses(b)
+    for folder in ("lora", "lora_ema"):
+        wa, wb = weights(a, folder), weights(b, folder)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), folder
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_killed_run_resumes_bitwise(references, make_config, variant):
+    cfg, out, nproc = make_config(f"kill_{variant}", variant)
+    killed = run_cmd(["--cfg", str(cfg)], nproc=nproc, env={"VIDTRAIN_FAULT": "step_kill:5"})
+    assert killed.returncode != 0 and not (out / "checkpoint-6").exists()
+    resumed = run_ok(["--cfg", str(cfg)], nproc=nproc)
+    assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
+    assert (out / "config-resume-4.toml").is_file()
+    assert_bitwise_equal_runs(references[variant], out)
+    if variant == "one":  # TensorBoard shows each step once: the resumed run purged what followed step 4
+        events = EventAccumulator(str(out / "logs")).Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("source, target", [("fsdp", "one"), ("one", "fsdp")])
+def test_reshard_between_world_sizes(references, make_config, source, target):
+    """FSDP on 2 ranks -> 1 rank with the batch doubled, and back: the next 10 steps match."""
+    cfg, out, nproc = make_config(f"reshard_{source}_{target}", target)
+    out.mkdir()
+    shutil.copytree(references[source] / "checkpoint-4", out / "checkpoint-4")
+    run_ok(["--cfg", str(cfg)], nproc=nproc)
+    reference, resumed = train_losses(references[source]), train_losses(out)
+    assert sorted(resumed) == list(range(5, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([resumed[s] for s in sorted(resumed)]),
+                               torch.tensor([reference[s] for s in sorted(resumed)]), rtol=1e-5, atol=1e-6)
+
+
+def test_kill_during_save_falls_back_and_rotation_keeps_the_newest(references, make_config):
+    cfg, out, nproc = make_config("save_kill", "one", **{"checkpoint.checkpointing_limit": 2})
+    assert run_cmd(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "save_kill:4"}).returncode != 0
+    assert (out / "checkpoint-4.tmp").is_dir() and (out / "latest").read_text() == "checkpoint-2\n"
+    resumed = run_ok(["--cfg", str(cfg)])
+    assert "resumed from step 2" in resumed.stderr and not (out / "checkpoint-4.tmp").exists()
+    assert_bitwise_equal_runs(references["one"], out)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-14"]
+    assert (out / "latest").read_text() == "checkpoint-14\n"
+
+
+def test_sigterm_saves_and_exits_zero(references, make_config):
+    cfg, out, nproc = make_config("sigterm", "fsdp")
+    stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_sigterm:5:1"})
+    assert "stopped by a signal after step 5" in stopped.stderr and (out / "checkpoint-5" / "meta.json").is_file()
+    assert not (out / "lora").exists()
+    run_ok(["--cfg", str(cfg)], nproc=2)
+    assert_bitwise_equal_runs(references["fsdp"], out)
+
+
+def test_async_save_commits_and_changes_nothing(references, make_config):
+    cfg, out, nproc = make_config("async", "fsdp", **{"checkpoint.async_save": True})
+    run_ok(["--cfg", str(cfg)], nproc=2)
+    assert_bitwise_equal_runs(references["fsdp"], out)
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(2, STEPS + 1, 2)]
+    for path in ckpt.complete_checkpoints(out):
+        ckpt.verify(path)
+
+
+def test_failed_write_is_reported_and_loses_nothing(make_config):
+    cfg, out, nproc = make_config("disk_full", "ddp")
+    result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_fail:4:1"}, timeout=150)
+    assert result.returncode != 0
+    assert f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: [Errno 28] No space left" in result.stderr
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
+    ckpt.verify(out / "checkpoint-2")
+
+
+def test_corrupt_newest_checkpoint_falls_back(references, make_config):
+    cfg, out, nproc = make_config("corrupt", "one", **{"train.steps": STEPS + 2})
+    shutil.copytree(references["one"], out)
+    shard = out / f"checkpoint-{STEPS}" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = run_ok(["--cfg", str(cfg)])
+    assert f"checkpoint-{STEPS}: __0_0.distcp does not match its size or sha256" in result.stderr
+    assert f"resumed from step {STEPS - 2}" in result.stderr
+
+
+def test_what_a_checkpoint_holds(references):
+    """Trainable weights only, every value a tensor (nothing of ours pickled), a meta.json that names it."""
+    path = references["fsdp"] / "checkpoint-4"
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert all(isinstance(m, TensorStorageMetadata) for m in metadata.values())
+    model_keys = [k for k in metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    assert {k.split(".")[0] for k in metadata} == {"model", "optimizer", "sampler", "train", "ema"}
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 4 and meta["world_size"] == 2
+    assert meta["identity"]["lora"] == {"rank": 4, "lora_alpha": 2.0, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+    assert set(meta["files"]) == {p.name for p in path.iterdir() if p.name != "meta.json"}
+
+
+def test_resume_refusals(references, make_config):
+    cfg, out, _ = make_config("refusals", "one", **{"checkpoint.resume": "none"})
+    shutil.copytree(references["one"], out)
+    result = run_cmd(["--cfg", str(cfg)])
+    assert result.returncode == 1 and f"already holds checkpoint-{STEPS}" in result.stderr
+    cfg, _, _ = make_config("refusals", "one", **{"lora.rank": 8})
+    result = run_cmd(["--cfg", str(cfg)])
+    assert result.returncode == 1 and "was trained with lora = {'rank': 4" in result.stderr
+    cfg, _, _ = make_config("refusals", "one", **{"train.batch_size": 1})
+    result = run_cmd(["--cfg", str(cfg)])
+    assert result.returncode == 1 and "train.batch_size x train.gradient_accumulation_steps x world size" in result.stderr
+
+
+def test_finished_run_exports_and_exits_zero(references, make_config):
+    cfg, out, _ = make_config("finished", "one")
+    shutil.copytree(references["one"], out)
+    shutil.rmtree(out / "lora")
+    result = run_ok(["--cfg", str(cfg)])
+    assert f"resumed from step {STEPS}" in result.stderr
+    assert_bitwise_equal_runs(references["one"], out)
+
+
+def test_export_command(references, make_config, tmp_path):
+    cfg, out, _ = make_config("ref_one", "one")
+    run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-8"), "--out", str(tmp_path)],
+           script="ckpt.py")
+    exported = weights(tmp_path)
+    assert exported.keys() == weights(out).keys()
+    assert not all(torch.equal(exported[k], weights(out)[k]) for k in exported)  # step 8, not the end
+    run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / f"checkpoint-{STEPS}"), "--out", str(tmp_path)],
+           script="ckpt.py")
+    for folder in ("lora", "lora_ema"):
+        assert all(torch.equal(weights(tmp_path, folder)[k], weights(out, folder)[k]) for k in exported)
