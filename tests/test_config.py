@@ -84,3 +84,14 @@ def test_lr_schedules():
     assert lr_factor(55, cfg.train) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
     cfg.train.lr_scheduler = "constant"
     assert lr_factor(1, cfg.train) == 1.0
+
+
+def test_readme_documents_every_key():
+    import dataclasses
+
+    from config import Config
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    keys = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config) for f in dataclasses.fields(getattr(Config(), s.name))]
+    assert [k for k in keys if f"`{k}`" not in readme] == []
