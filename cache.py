@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 import ckpt
 import data
 import parallel
-from config import Config, ConfigError, DataConfig, load_config
+from config import Config, ConfigError, DataConfig
 from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
@@ -191,20 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="TOML config file")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    d = None
-    try:
-        cfg = load_config(args.cfg, overrides)
-        d = parallel.init(cfg.parallel)
-        if not d.is_main:
-            logging.getLogger().setLevel(logging.WARNING)
-        prepare(cfg, d)
-    except (ConfigError, parallel.StopRun, data.BadClip) as e:
-        if (d.rank if d else int(os.environ.get("RANK", 0))) == 0:
-            log.error("error: %s", e)
-        sys.exit(1)
-    finally:
-        parallel.shutdown()
+    parallel.run_command(prepare, args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ meta.json with the sizes and sha256 of every file. No RNG state: every draw is k
 Nothing of ours is pickled: non-tensor values are rebuilt from the config.
 """
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -114,6 +116,17 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
         if match and (path / ".metadata").is_file() and (path / "meta.json").is_file():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+def check_identity(path: Path, meta: dict, identity: dict) -> None:
+    """A checkpoint of another model, LoRA shape or training type is refused naming the difference."""
+    saved = meta["identity"]
+    for key in sorted(set(saved) | set(identity)):
+        if saved.get(key) != identity.get(key):
+            raise ConfigError(
+                f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
+                "use the same model and training settings (the run's config.toml), or another run.output_dir"
+            )
 
 
 def verify(path: Path) -> dict:
@@ -260,7 +273,7 @@ class Checkpointer:
             return
         with parallel.all_or_none():
             meta = json.loads((Path(path) / "meta.json").read_text())
-            self._check_identity(Path(path), meta)
+            check_identity(Path(path), meta, self.identity)
             state = self._state(objects)
             dcp.load(state, checkpoint_id=path)
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
@@ -273,14 +286,6 @@ class Checkpointer:
                     obj.load_state_dict(state[name])
         log.info("resumed from step %d (%s)", meta["step"], path)
 
-    def _check_identity(self, path: Path, meta: dict) -> None:
-        saved, ours = meta["identity"], self.identity
-        for key in sorted(set(saved) | set(ours)):
-            if saved.get(key) != ours.get(key):
-                raise ConfigError(
-                    f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {ours.get(key)}: "
-                    "resume with the same model and training settings, or start in another run.output_dir"
-                )
 
 
 def load_weights(model, path: str, training_type: str, ema=None) -> None:
@@ -322,42 +327,29 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
         log.info("transformer written to %s", out / f"transformer{suffix}")
 
 
-def main(argv: list[str]) -> None:
-    """python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR] [overrides]"""
-    import argparse
-
+def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:
+    """Build the model as training does, load the checkpoint's trained weights (and EMA), export them."""
     import trainer
-    from config import load_config
     from model_adapter import load_adapter
 
+    with parallel.all_or_none():
+        adapter = load_adapter(cfg.model, d.device)
+        check_identity(Path(checkpoint), verify(Path(checkpoint)), run_identity(cfg, adapter))
+    model, _, _ = trainer.build_model(cfg, adapter, d)
+    ema = trainer.EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+    load_weights(model, checkpoint, cfg.train.training_type, ema)
+    export(model, cfg.train.training_type, cfg.lora, adapter, out or cfg.run.output_dir, d, ema)
+
+
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="ckpt.py", description="Export the weights of any checkpoint.")
     parser.add_argument("command", choices=["export"])
     parser.add_argument("--cfg", required=True, help="the run's TOML config")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint-N folder")
     parser.add_argument("--out", help="where lora/ or transformer/ go (default: run.output_dir)")
     args, overrides = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(args.cfg, overrides)
-    d = parallel.init(cfg.parallel)
-    try:
-        with parallel.all_or_none():
-            adapter = load_adapter(cfg.model, d.device)
-            meta = verify(Path(args.checkpoint))
-            Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, run_identity(cfg, adapter))._check_identity(
-                Path(args.checkpoint), meta)
-        model, _, _ = trainer.build_model(cfg, adapter, d)
-        ema = trainer.EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        load_weights(model, args.checkpoint, cfg.train.training_type, ema)
-        export(model, cfg.train.training_type, cfg.lora, adapter, args.out or cfg.run.output_dir, d, ema)
-    except (ConfigError, parallel.StopRun) as e:
-        if d.is_main:
-            log.error("error: %s", e)
-        parallel.shutdown()
-        raise SystemExit(1) from None
-    parallel.shutdown()
+    parallel.run_command(lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d), args.cfg, overrides)
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

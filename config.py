@@ -15,7 +15,7 @@ from typing import Literal
 
 
 class ConfigError(ValueError):
-    """A config mistake; the message names the key and the fix."""
+    """A mistake in the config or in the files it names; the message names the culprit and the fix."""
 
 
 @dataclass
@@ -325,13 +325,13 @@ def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: 
             )
 
 
-def _toml_value(value) -> str:
+def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
 
 
@@ -340,6 +340,6 @@ def to_toml(cfg: Config) -> str:
     for section in dataclasses.fields(cfg):
         lines.append(f"[{section.name}]")
         for name, value in dataclasses.asdict(getattr(cfg, section.name)).items():
-            lines.append(f"{name} = {_toml_value(value)}")
+            lines.append(f"{name} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

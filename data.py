@@ -66,7 +66,7 @@ class Problem:
         return f"{self.clip.source} line {self.clip.line}: {self.clip.video}: {self.reason}"
 
 
-class BadClip(Exception):
+class BadClip(ConfigError):
     """A clip, or the first of several, that cannot be used; the message names the file and what to do."""
 
 

@@ -11,16 +11,18 @@ import logging
 import os
 import resource
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from config import ConfigError, ParallelConfig
+from config import ConfigError, ParallelConfig, load_config
 
 log = logging.getLogger("vidtrain")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
@@ -62,6 +64,36 @@ def init(cfg: ParallelConfig) -> Dist:
     return Dist(rank, world, local_rank, device)
 
 
+def run_command(work, config_path: str, overrides: list[str]) -> None:
+    """Every command's frame: read the config, set up the process group, run work(cfg, d) on every rank,
+    report a failure once, destroy the process group on every path, exit 1 after a failure."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    rank, failed = int(os.environ.get("RANK", 0)), False
+    try:
+        cfg = load_config(config_path, overrides)
+        d = init(cfg.parallel)
+        if not d.is_main:
+            logging.getLogger().setLevel(logging.WARNING)
+        work(cfg, d)
+    except (ConfigError, StopRun) as e:
+        if rank == 0:
+            log.error("error: %s", e)
+        failed = True
+    except Exception as e:  # noqa: BLE001 - the one report of an unexpected failure
+        if peer_failed(e):
+            if rank == 0:
+                log.error("stopping: another rank failed (torchrun reports its error)")
+        elif "TORCHELASTIC_ERROR_FILE" in os.environ:
+            ErrorHandler().record_exception(e)  # torchrun prints it once, with its traceback
+        else:
+            raise
+        failed = True
+    # Outside the except blocks, so the traceback and the model it references are gone first.
+    shutdown()
+    if failed:
+        sys.exit(1)
+
+
 def shutdown() -> None:
     """FSDP2 processes sometimes abort at exit unless the model is collected before the group goes."""
     gc.collect()
@@ -91,12 +123,15 @@ def all_or_none():
         raise StopRun(failed[0]) from error
 
 
-def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str, d: Dist):
+def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str,
+         accumulation: int, d: Dist):
     """DDP, or FSDP2: fully_shard each block, then the root."""
     if cfg.strategy == "ddp":
-        if d.device.type == "cuda":
-            return DistributedDataParallel(model, device_ids=[d.device.index], gradient_as_bucket_view=True)
-        return DistributedDataParallel(model, gradient_as_bucket_view=True)
+        # static_graph lets DDP skip per-step graph checks, but with no_sync micro-steps it trips the
+        # reducer's internal assertions on torch 2.13: only without accumulation.
+        device_ids = [d.device.index] if d.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                       static_graph=accumulation == 1)
     if cfg.dp_replicate > 1:
         mesh = init_device_mesh(d.device.type, (cfg.dp_replicate, d.world // cfg.dp_replicate),
                                 mesh_dim_names=("replicate", "shard"))

@@ -11,13 +11,11 @@ import argparse
 import contextlib
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 import ckpt
 import data
@@ -25,7 +23,7 @@ import lora
 import parallel
 import validate
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
-from config import Config, ConfigError, TrainConfig, load_config, to_toml
+from config import Config, TrainConfig, to_toml
 from metrics import Metrics
 
 log = logging.getLogger("vidtrain")
@@ -131,7 +129,8 @@ def build_model(cfg: Config, adapter, d: parallel.Dist):
     trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
     total = sum(p.numel() for p in transformer.parameters())
     log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
-    model = parallel.wrap(transformer, adapter.blocks(transformer), cfg.parallel, cfg.train.mixed_precision, d)
+    model = parallel.wrap(transformer, adapter.blocks(transformer), cfg.parallel, cfg.train.mixed_precision,
+                          cfg.train.gradient_accumulation_steps, d)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     return model, params, optimizer
@@ -234,41 +233,11 @@ def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema
                         | renderer.run(model, step, metrics, autocast))
 
 
-def parse_args(argv: list[str]) -> tuple[str, list[str]]:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="TOML config file")
-    args, overrides = parser.parse_known_args(argv)
-    return args.cfg, overrides
-
-
-@record
-def main(argv: list[str] | None = None) -> None:
-    config_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    rank, failed = int(os.environ.get("RANK", 0)), False
-    try:
-        cfg = load_config(config_path, overrides)
-        d = parallel.init(cfg.parallel)
-        if not d.is_main:
-            logging.getLogger().setLevel(logging.WARNING)
-        train(cfg, d)
-    except (ConfigError, parallel.StopRun, data.BadClip) as e:
-        if rank == 0:
-            log.error("error: %s", e)
-        failed = True
-    except Exception as e:  # noqa: BLE001 - the one report of an unexpected failure
-        if parallel.peer_failed(e):
-            if rank == 0:
-                log.error("stopping: another rank failed (torchrun reports its error)")
-        elif "TORCHELASTIC_ERROR_FILE" in os.environ:
-            ErrorHandler().record_exception(e)  # torchrun prints it once, with its traceback
-        else:
-            raise
-        failed = True
-    # Outside the except block, so the traceback and the model it references are gone first.
-    parallel.shutdown()
-    if failed:
-        sys.exit(1)
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    parallel.run_command(train, args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ ranks. Attention runs through FusedQKVAttention for the duration of sampling onl
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import os
@@ -36,7 +35,7 @@ import ckpt
 import data
 import lora
 import parallel
-from config import Config, ConfigError, DataConfig, ValidationConfig, check_resolution, load_config
+from config import Config, ConfigError, DataConfig, ValidationConfig, check_resolution
 from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
@@ -267,20 +266,21 @@ def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, l
     elif cfg.train.training_type == "lora":
         c = cfg.lora
         lora.inject_lora(transformer, c.target_modules, c.rank, c.lora_alpha, 0.0, cfg.run.seed)
-    model = parallel.wrap(transformer, adapter.blocks(transformer), cfg.parallel, cfg.train.mixed_precision, d)
+    model = parallel.wrap(transformer, adapter.blocks(transformer), cfg.parallel, cfg.train.mixed_precision,
+                          cfg.train.gradient_accumulation_steps, d)
     if checkpoint:
-        meta_path = Path(checkpoint) / "meta.json"
-        if not meta_path.is_file():
+        if not (Path(checkpoint) / "meta.json").is_file():
             raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint folder (no meta.json)")
-        saved, ours = json.loads(meta_path.read_text())["identity"], ckpt.run_identity(cfg, adapter)
-        if saved != ours:
-            raise ConfigError(f"--checkpoint {checkpoint} was trained with {saved}, but --cfg describes {ours}: "
-                              "pass the config the checkpoint was trained with (its run's config.toml)")
+        ckpt.check_identity(Path(checkpoint), ckpt.verify(Path(checkpoint)), ckpt.run_identity(cfg, adapter))
         ckpt.load_weights(model, checkpoint, cfg.train.training_type)
     return model
 
 
-def render_command(cfg: Config, checkpoint: str | None, lora_file: str | None, d: parallel.Dist) -> None:
+def render_command(cfg: Config, prompts: list[str], checkpoint: str | None, lora_file: str | None,
+                   d: parallel.Dist) -> None:
+    cfg.validation.prompts = prompts or cfg.validation.prompts
+    if not cfg.validation.prompts:
+        raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d)
@@ -300,23 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--lora", help="an exported pytorch_lora_weights.safetensors")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); default: validation.prompts")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    d = None
-    try:
-        cfg = load_config(args.cfg, overrides)
-        cfg.validation.prompts = args.prompt or cfg.validation.prompts
-        if not cfg.validation.prompts:
-            raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
-        d = parallel.init(cfg.parallel)
-        if not d.is_main:
-            logging.getLogger().setLevel(logging.WARNING)
-        render_command(cfg, args.checkpoint, args.lora, d)
-    except (ConfigError, parallel.StopRun) as e:
-        if (d.rank if d else int(os.environ.get("RANK", 0))) == 0:
-            log.error("error: %s", e)
-        sys.exit(1)
-    finally:
-        parallel.shutdown()
+    parallel.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.checkpoint, args.lora, d),
+                         args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
+from config import toml_value  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 
@@ -34,14 +35,14 @@ def tiny_data(tmp_path_factory) -> Path:
     return path
 
 
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return repr(value)
+def write_toml(path: Path, settings: dict) -> Path:
+    """{"section.key": value} -> a TOML file at path."""
+    sections: dict[str, list[str]] = {}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        sections.setdefault(section, []).append(f"{name} = {toml_value(value)}")
+    path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -72,14 +73,8 @@ def write_config(base_settings, tmp_path):
     """write_config(name, **{"section.key": value}) -> path of a TOML file; output_dir under tmp_path."""
 
     def write(name: str = "run", **settings) -> Path:
-        merged = {"run.output_dir": str(tmp_path / name), **base_settings, **settings}
-        sections: dict[str, list[str]] = {}
-        for key, value in merged.items():
-            section, field = key.split(".")
-            sections.setdefault(section, []).append(f"{field} = {toml_value(value)}")
-        path = tmp_path / f"{name}.toml"
-        path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
-        return path
+        settings = {"run.output_dir": str(tmp_path / name), **base_settings, **settings}
+        return write_toml(tmp_path / f"{name}.toml", settings)
 
     return write
 

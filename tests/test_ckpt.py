@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_cmd, run_ok, toml_value, train_losses
+from conftest import run_cmd, run_ok, train_losses, write_toml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader
@@ -32,13 +32,7 @@ def make_config(base_settings, tmp_path_factory):
                   "train.gradient_accumulation_steps": 2, "train.ema_decay": 0.9,
                   "checkpoint.checkpointing_steps": 2, "checkpoint.checkpointing_limit": 0,
                   "validation.do_validation": False, **VARIANTS[variant][0], **settings}
-        sections: dict[str, list[str]] = {}
-        for key, value in merged.items():
-            section, field = key.split(".")
-            sections.setdefault(section, []).append(f"{field} = {toml_value(value)}")
-        path = root / f"{name}.toml"
-        path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
-        return path, root / name, VARIANTS[variant][1]
+        return write_toml(root / f"{name}.toml", merged), root / name, VARIANTS[variant][1]
 
     return make
 

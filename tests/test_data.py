@@ -19,7 +19,7 @@ import cache
 import data
 import trainer
 from config import ConfigError, DataConfig
-from tests.conftest import run_cmd, run_ok, train_losses
+from conftest import run_cmd, run_ok, train_losses
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_mp4
 
 TWO_BUCKETS = [[9, 32, 32], [17, 32, 48]]

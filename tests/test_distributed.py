@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, free_port, read_metrics, run_cmd, run_ok, train_losses
+from conftest import REPO, free_port, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from safetensors.torch import load_file
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -45,17 +45,6 @@ def variant_runs(tmp_path_factory, base_settings):
                                                   "train.steps": 5, "checkpoint.checkpointing_steps": 5, **settings})
         run_ok(["--cfg", str(cfg)], nproc=nproc)
     return outputs
-
-
-def write_toml(path, settings: dict):
-    from conftest import toml_value
-
-    sections: dict[str, list[str]] = {}
-    for key, value in settings.items():
-        section, field = key.split(".")
-        sections.setdefault(section, []).append(f"{field} = {toml_value(value)}")
-    path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
-    return path
 
 
 @pytest.mark.parametrize("name", ["accumulation", "ddp", "fsdp"])

@@ -1,6 +1,5 @@
 """lora.py against PEFT and diffusers: numerics, export/import, merge, seeding, dropout."""
 
-import copy
 import json
 import os
 import sys

@@ -7,10 +7,13 @@ import pytest
 import torch
 from conftest import read_metrics, run_cmd, run_ok, train_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import lora
+from tools.make_synthetic_dataset import make_synthetic_dataset
+from tools.make_tiny_model import make_tiny_model
 
 
 def held_out(output_dir) -> dict[int, float]:
@@ -99,3 +102,31 @@ def test_synthetic_clips_decode(tiny_data):
     with av.open(str(tiny_data / "videos" / "00000.mp4")) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 17 and frames[0].shape == (40, 48, 3) and frames[5].max() > 200
+
+
+@pytest.mark.parametrize("model_type, version", [("t2v", "1.5"), ("i2v", "1.0"), ("i2v", "1.5")])
+def test_tiny_model_variants_load_in_diffusers(tmp_path, model_type, version):
+    """--version 1.5 sets patch_size_t (and, for i2v, the ofs embedding); --type i2v doubles the input channels."""
+    path = tmp_path / "model"
+    make_tiny_model(str(path), model_type, version)
+    pipeline_cls = CogVideoXImageToVideoPipeline if model_type == "i2v" else CogVideoXPipeline
+    pipe = pipeline_cls.from_pretrained(path)
+    config = pipe.transformer.config
+    assert config.patch_size_t == (2 if version == "1.5" else None)
+    assert config.in_channels == pipe.vae.config.latent_channels * (2 if model_type == "i2v" else 1)
+    assert (config.ofs_embed_dim is not None) == (model_type == "i2v" and version == "1.5")
+
+
+def test_cogvideox_15_trains(write_config, tmp_path):
+    """1.5's odd latent frame count is padded to patch_size_t as the pipeline pads it."""
+    make_tiny_model(str(tmp_path / "model15"), "t2v", "1.5")
+    run_ok(["--cfg", str(write_config("v15", **{"model.path": str(tmp_path / "model15"), "train.steps": 2}))])
+    assert lora_file(tmp_path / "v15").is_file()
+
+
+def test_synthetic_dataset_is_byte_identical_per_seed(tmp_path):
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        make_synthetic_dataset(str(tmp_path / name), num_videos=3, seed=seed)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+    assert (tmp_path / "a" / "prompts.txt").read_text() != (tmp_path / "c" / "prompts.txt").read_text()

@@ -13,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import read_metrics, run_cmd, run_ok, toml_value, train_losses
+from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
 
 import data
 import lora
@@ -33,15 +33,6 @@ RUN = {
     "validation.num_inference_steps": 8,
     "validation.gen_fps": FPS,
 }
-
-
-def write_toml(path, settings: dict):
-    sections: dict[str, list[str]] = {}
-    for key, value in settings.items():
-        section, name = key.split(".")
-        sections.setdefault(section, []).append(f"{name} = {toml_value(value)}")
-    path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -244,4 +235,4 @@ def test_render_command_errors(runs):
     assert no_prompt.returncode == 1 and "nothing to render: pass --prompt" in no_prompt.stderr + no_prompt.stdout
     wrong = run_cmd(["--cfg", str(runs / "one.toml"), "--checkpoint", str(out / "checkpoint-4"), "--prompt", "a",
                      "--lora.rank", "8"], script="validate.py")
-    assert wrong.returncode == 1 and "pass the config the checkpoint was trained with" in wrong.stderr + wrong.stdout
+    assert wrong.returncode == 1 and "was trained with lora = {" in wrong.stderr and "(the run's config.toml)" in wrong.stderr
