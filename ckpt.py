@@ -256,7 +256,10 @@ class Checkpointer:
                 return path, skipped
             except (ConfigError, OSError, ValueError) as e:
                 skipped += f"{e}; falling back to the previous checkpoint. "
-        return None, skipped
+        if found:  # starting over would rotate the damaged ones away: leave that decision to the user
+            raise ConfigError(f"no checkpoint in {self.dir} passes its meta.json check ({skipped.strip()}) "
+                              "move them elsewhere to start over, or set checkpoint.resume to one of them")
+        return None, ""
 
     def resume(self, objects: dict) -> None:
         """Load the chosen checkpoint into the live objects on every rank; resharding is DCP's."""
@@ -285,7 +288,6 @@ class Checkpointer:
                 if name not in ("model", "optimizer"):
                     obj.load_state_dict(state[name])
         log.info("resumed from step %d (%s)", meta["step"], path)
-
 
 
 def load_weights(model, path: str, training_type: str, ema=None) -> None:

@@ -47,13 +47,15 @@ class Metrics:
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
 
-    def progress(self, step: int, loss: float) -> None:
+    def progress(self, step: int, values: dict[str, float]) -> None:
+        """step/total, loss, it/s and samples/s since the (resumed) start, ETA."""
         if not self.enabled:
             return
         elapsed = time.perf_counter() - self.started
         rate = (step - self.start_step) / elapsed if elapsed > 0 else math.nan
         eta = (self.total_steps - step) / rate if rate > 0 else math.nan
-        log.info("step %d/%d  loss %.4f  %.2f it/s  ETA %s", step, self.total_steps, loss, rate, _hms(eta))
+        log.info("step %d/%d  loss %.4f  %.2f it/s  %.1f samples/s  ETA %s", step, self.total_steps,
+                 values["train/loss"], rate, values["train/samples_per_s"], _hms(eta))
 
     def clip(self, step: int, tag: str, frames, fps: int) -> None:
         """uint8 frames [F, H, W, 3] as an animated GIF in an image summary, which TensorBoard plays.
@@ -70,9 +72,6 @@ class Metrics:
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:
             self.writer.add_text(tag, text, step)
-
-    def writer_or_none(self):
-        return self.writer if self.enabled else None
 
     def close(self) -> None:
         if self.enabled:

@@ -82,7 +82,7 @@ class CogVideoXAdapter:
     # Loading.
     def load_transformer(self, trainable_dtype: torch.dtype | None = None) -> CogVideoXTransformer3DModel:
         transformer = CogVideoXTransformer3DModel.from_pretrained(
-            self.path, subfolder="transformer", torch_dtype=trainable_dtype or self.dtype
+            self.path, subfolder="transformer", dtype=trainable_dtype or self.dtype
         )
         return transformer.to(self.device)
 
@@ -95,7 +95,7 @@ class CogVideoXAdapter:
     def _load_vae(self) -> AutoencoderKLCogVideoX:
         if self._vae is None:
             log.info("loading VAE from %s", self.path)
-            self._vae = AutoencoderKLCogVideoX.from_pretrained(self.path, subfolder="vae", torch_dtype=self.dtype)
+            self._vae = AutoencoderKLCogVideoX.from_pretrained(self.path, subfolder="vae", dtype=self.dtype)
             self._vae.to(self.device).requires_grad_(False).eval()
         return self._vae
 
@@ -104,7 +104,7 @@ class CogVideoXAdapter:
         if self._text_encoder is None:
             log.info("loading text encoder from %s", self.path)
             self._text_encoder = T5EncoderModel.from_pretrained(
-                self.path, subfolder="text_encoder", torch_dtype=self.dtype
+                self.path, subfolder="text_encoder", dtype=self.dtype
             )
             self._text_encoder.to(self.device).requires_grad_(False).eval()
             self._tokenizer = AutoTokenizer.from_pretrained(self.path, subfolder="tokenizer")

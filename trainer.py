@@ -190,7 +190,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         if step % t.log_every == 0 or step == t.steps:
             values = window.flush(step, grad_norm, model, optimizer)
             metrics.scalars(step, values)
-            metrics.progress(step, values["train/loss"])
+            metrics.progress(step, values)
         if state.nonfinite_in_row >= t.max_nonfinite_steps:
             raise parallel.StopRun(f"step {step}: {state.nonfinite_in_row} steps in a row with a non-finite gradient "
                                    "norm (train.max_nonfinite_steps); lower train.learning_rate or check the data")

@@ -52,7 +52,7 @@ def main() -> None:
     renderer = validate.ClipRenderer(adapter, cfg, DataConfig(train_resolution=args.resolution), model_dir,
                                      parallel.Dist(0, 1, 0, device))
     transformer = adapter.load_transformer().eval()
-    pipe = CogVideoXPipeline.from_pretrained(model_dir, torch_dtype=dtype).to(device)
+    pipe = CogVideoXPipeline.from_pretrained(model_dir, dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler = validate.load_scheduler(adapter, args.scheduler)
     frames, height, width = args.resolution

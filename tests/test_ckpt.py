@@ -134,6 +134,11 @@ def test_corrupt_newest_checkpoint_falls_back(references, make_config):
     result = run_ok(["--cfg", str(cfg)])
     assert f"checkpoint-{STEPS}: __0_0.distcp does not match its size or sha256" in result.stderr
     assert f"resumed from step {STEPS - 2}" in result.stderr
+    for meta in out.glob("checkpoint-*/meta.json"):  # none passes: refuse rather than start over
+        meta.write_text(meta.read_text().replace('"sha256": "', '"sha256": "0'))
+    refused = run_cmd(["--cfg", str(cfg)])
+    assert refused.returncode == 1 and "no checkpoint in" in refused.stderr and "move them elsewhere" in refused.stderr
+    assert len(ckpt.complete_checkpoints(out)) == STEPS // 2 + 1
 
 
 def test_what_a_checkpoint_holds(references):
