@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import ckpt
@@ -67,21 +66,6 @@ class Cache:
         return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
 
 
-def agree(work, d: parallel.Dist) -> list:
-    """Run `work` on this rank and gather every rank's result. A failure on any rank (a bug, an OOM, a
-    full disk) travels inside the gathered payload, so the ranks never sit in mismatched collectives."""
-    try:
-        result, failure = work(), None
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        result, failure = None, f"rank {d.rank}: {type(e).__name__}: {e}"
-    gathered = [None] * d.world
-    dist.all_gather_object(gathered, (result, failure))
-    failures = [f for _, f in gathered if f is not None]
-    if failures:
-        raise parallel.StopRun(failures[0])
-    return [r for r, _ in gathered]
-
-
 def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, d: parallel.Dist):
     """Read every header (clip i on rank i % world) and check which entries exist: (item or problem,
     cached) per clip, the same list on every rank."""
@@ -95,7 +79,7 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, d: paral
                 planned = data.plan_clip(clips[i], shapes, cfg.data, cfg.run.seed)
                 out.append((i, planned, isinstance(planned, data.Item) and cache.path(planned).is_file()))
             return out
-        for part in agree(work, d):
+        for part in parallel.agree(work, d):
             for i, planned, cached in part:
                 results[i] = (planned, cached)
     return results
@@ -145,7 +129,7 @@ def encode_batches(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig
                     written += 1
                     ckpt.fault("cache_kill", written)
             return len(good) + len(bad), bad
-        for count, bad in agree(work, d):
+        for count, bad in parallel.agree(work, d):
             done, problems = done + count, problems + bad
         now = time.perf_counter()
         if now - last_log >= PROGRESS_EVERY_S or r == rounds - 1:

@@ -312,7 +312,7 @@ class Sampler:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
-def micro_slice(step_batch: list[int], micro: int, rank: int, world: int, batch_size: int) -> range:
+def micro_slice(micro: int, rank: int, world: int, batch_size: int) -> range:
     """Positions in the global batch that this rank uses in this micro-step (design.md, Steps)."""
     start = (micro * world + rank) * batch_size
     return range(start, start + batch_size)

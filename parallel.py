@@ -123,6 +123,21 @@ def all_or_none():
         raise StopRun(failed[0]) from error
 
 
+def agree(work, d: Dist) -> list:
+    """Run `work` on this rank and gather every rank's result: all_or_none for work whose results every
+    rank needs. A failure on any rank travels inside the gathered payload."""
+    try:
+        result, failure = work(), None
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        result, failure = None, f"rank {d.rank}: {type(e).__name__}: {e}"
+    gathered = [None] * d.world
+    dist.all_gather_object(gathered, (result, failure))
+    failures = [f for _, f in gathered if f is not None]
+    if failures:
+        raise StopRun(failures[0])
+    return [r for r, _ in gathered]
+
+
 def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str,
          accumulation: int, d: Dist):
     """DDP, or FSDP2: fully_shard each block, then the root."""

@@ -170,7 +170,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         for group in optimizer.param_groups:
             group["lr"] = t.learning_rate * lr_factor(step, t)
         for micro in range(t.gradient_accumulation_steps):
-            positions = data.micro_slice(batch_ids, micro, d.rank, d.world, t.batch_size)
+            positions = data.micro_slice(micro, d.rank, d.world, t.batch_size)
             batch = cache.load_batch([train_clips[batch_ids[p]] for p in positions])
             generators = [data.keyed_generator(cfg.run.seed, step, p) for p in positions]
             lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro))

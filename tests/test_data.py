@@ -145,7 +145,7 @@ def test_sampler_batches_hold_one_bucket_and_resume_exactly():
             assert len({i for b in batches for i in b}) == per_epoch * global_batch
         for batch in sequence:
             assert len({buckets[i] for i in batch}) == 1
-            slices = [data.micro_slice(batch, m, r, world, batch_size) for m in range(accumulation) for r in range(world)]
+            slices = [data.micro_slice(m, r, world, batch_size) for m in range(accumulation) for r in range(world)]
             assert sorted(p for s in slices for p in s) == list(range(global_batch))
         first = data.Sampler(buckets, global_batch, seed=5)
         head = [first.next_batch() for _ in range(5)]

@@ -48,6 +48,8 @@ def test_same_seed_same_run(write_config, tmp_path):
         assert f.metadata() == g.metadata()
     run_ok(["--cfg", str(write_config("other_seed", **{"run.seed": 7}))])
     assert train_losses(tmp_path / "other_seed") != train_losses(tmp_path / "first")
+    run_ok(["--cfg", str(write_config("dropout", **{"lora.dropout": 0.5}))])  # masks from keyed generators
+    assert train_losses(tmp_path / "dropout") != train_losses(tmp_path / "first")
 
 
 def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
