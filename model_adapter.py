@@ -87,10 +87,12 @@ class CogVideoXAdapter:
         return transformer.to(self.device)
 
     def transformer_from_state_dict(self, state: dict[str, torch.Tensor]) -> CogVideoXTransformer3DModel:
-        """A CPU transformer in model.dtype holding the given full state dict (for export)."""
-        transformer = CogVideoXTransformer3DModel.from_config(self.transformer_config)
-        transformer.load_state_dict(state)
-        return transformer.to(self.dtype)
+        """A CPU transformer in model.dtype holding a full state dict, for export. Built on the meta device
+        and given the tensors themselves, so rank 0 holds the weights once, not twice."""
+        with torch.device("meta"):
+            transformer = CogVideoXTransformer3DModel.from_config(self.transformer_config)
+        transformer.load_state_dict({k: v.to(self.dtype) for k, v in state.items()}, assign=True)
+        return transformer
 
     def _load_vae(self) -> AutoencoderKLCogVideoX:
         if self._vae is None:

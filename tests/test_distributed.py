@@ -7,7 +7,9 @@ import subprocess
 import pytest
 import torch
 from conftest import REPO, free_port, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from diffusers import CogVideoXTransformer3DModel
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 RTOL, ATOL = 1e-5, 1e-6
 # G = 4 in every variant: 1 x 4, 2 ranks x 2, accumulation 2 x 2.
@@ -93,7 +95,11 @@ def test_fsdp_shards_sft_state(write_config, tmp_path):
                                         "validation.do_validation": False})
         run_ok(["--cfg", str(cfg)], nproc=2)
         state_mb[strategy] = read_metrics(tmp_path / strategy)[0]["train/state_mb"]
-        assert (tmp_path / strategy / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+        # The export holds exactly the final checkpoint's weights, as DCP's own converter reads them.
+        dcp_to_torch_save(tmp_path / strategy / "checkpoint-2", tmp_path / f"{strategy}.pt")
+        trained = torch.load(tmp_path / f"{strategy}.pt", weights_only=True)["model"]
+        exported = CogVideoXTransformer3DModel.from_pretrained(tmp_path / strategy / "transformer").state_dict()
+        assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
     assert 0.45 < state_mb["fsdp"] / state_mb["ddp"] < 0.55, state_mb
     assert train_losses(tmp_path / "ddp") == pytest.approx(train_losses(tmp_path / "fsdp"), rel=RTOL)
 
