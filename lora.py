@@ -14,7 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 # diffusers' safetensors header key (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).
@@ -150,10 +150,18 @@ def _adapter_config(rank: int, alpha: float, target_modules: list[str], dropout:
 
 
 def _save_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write to a temporary file and rename, so a crash never leaves a truncated file at `path`."""
+    """safetensors with the header's keys sorted (the library writes them in hash order, so the same
+    weights would give different bytes from run to run), written to a temporary file and renamed, so
+    a crash never leaves a truncated file at `path`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
-    save_file(tensors, path + ".tmp", metadata=metadata)
+    blob = save(tensors, metadata=metadata)
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    # Same characters in another order: the same length, so the data offsets stay valid.
+    ordered = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    with open(path + ".tmp", "wb") as f:
+        f.write(blob[:8] + ordered.ljust(length) + blob[8 + length :])
     os.replace(path + ".tmp", path)
 
 
