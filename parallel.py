@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from config import ConfigError, ParallelConfig, load_config
@@ -140,7 +140,9 @@ def agree(work, d: Dist) -> list:
 
 def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str,
          accumulation: int, d: Dist):
-    """DDP, or FSDP2: fully_shard each block, then the root."""
+    """DDP (none for one process), or FSDP2: fully_shard each block, then the root."""
+    if cfg.strategy == "ddp" and d.world == 1:
+        return model  # nothing to replicate: DDP's hooks would only cost time
     if cfg.strategy == "ddp":
         # static_graph lets DDP skip per-step graph checks, but with no_sync micro-steps it trips the
         # reducer's internal assertions on torch 2.13: only without accumulation.
@@ -166,8 +168,10 @@ def grad_sync(model: torch.nn.Module, enabled: bool):
     if isinstance(model, DistributedDataParallel):
         with contextlib.nullcontext() if enabled else model.no_sync():
             yield
-    else:
+    elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        yield
+    else:  # one process without FSDP: there is nothing to synchronise
         yield
 
 

@@ -120,7 +120,8 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def build_model(cfg: Config, adapter, d: parallel.Dist):
-    transformer = adapter.load_transformer(torch.float32 if cfg.train.training_type == "sft" else None)
+    # from_pretrained returns eval mode: training mode is what turns LoRA dropout on.
+    transformer = adapter.load_transformer(torch.float32 if cfg.train.training_type == "sft" else None).train()
     if cfg.train.training_type == "lora":
         c = cfg.lora
         lora.inject_lora(transformer, c.target_modules, c.rank, c.lora_alpha, c.dropout, cfg.run.seed)
@@ -173,7 +174,8 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             positions = data.micro_slice(micro, d.rank, d.world, t.batch_size)
             batch = cache.load_batch([train_clips[batch_ids[p]] for p in positions])
             generators = [data.keyed_generator(cfg.run.seed, step, p) for p in positions]
-            lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro))
+            if cfg.lora.dropout:
+                lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro))
             with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), autocast:
                 loss = adapter.train_loss(model, batch, generators).mean()
             ckpt.fault("step_fail", step)
