@@ -40,7 +40,7 @@ class Metrics:
         self.jsonl_path.write_text("".join(line + "\n" for line in kept))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
+        if not self.enabled or not values:  # validation with no held-out clips and no prompts has nothing
             return
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
