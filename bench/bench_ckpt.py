@@ -15,23 +15,14 @@ Builds the tiny model and a synthetic dataset in a temporary folder, then:
 
 import argparse
 import math
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.conftest import free_port, write_toml  # noqa: E402
-from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
-from tools.make_tiny_model import make_tiny_model  # noqa: E402
+from common import timed_run, tiny_settings
 
 ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 
@@ -54,21 +45,6 @@ def checkpoint_bytes(path: Path) -> dict[str, int]:
     return parts
 
 
-def run(root: Path, name: str, settings: dict, nproc: int) -> float:
-    """Write the config, run the trainer on a fresh output folder; return the command's wall seconds."""
-    config = write_toml(root / f"{name}.toml", {"run.output_dir": str(root / name), **settings})
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.perf_counter()
-    result = subprocess.run([*launcher, str(REPO / "trainer.py"), "--cfg", str(config)], cwd=REPO, env=env,
-                            capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
-    return wall
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
@@ -79,16 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_tiny_model(str(root / "model"))
-        make_synthetic_dataset(str(root / "data"), num_videos=24, frames=17, height=40, width=48, seed=0)
-        base = {"model.path": str(root / "model"), "model.dtype": "fp32", "data.data_root": str(root / "data"),
-                "data.train_resolution": [9, 32, 32], "data.cache_dir": str(root / "cache"),
-                "train.batch_size": 2, "train.lr_warmup_steps": 1, "train.mixed_precision": "no",
-                "train.gradient_checkpointing": False, "lora.rank": 64, "lora.lora_alpha": 32,
-                "checkpoint.checkpointing_limit": 2, "validation.do_validation": False}
+        base = {**tiny_settings(root), "train.lr_warmup_steps": 1, "lora.rank": 64, "lora.lora_alpha": 32,
+                "checkpoint.checkpointing_limit": 2}
 
         # 1. Payload (this run also fills the cache for the timed runs).
-        run(root, "payload", {**base, "train.steps": 2, "checkpoint.checkpointing_steps": 1}, 1)
+        timed_run(root, "payload", {**base, "train.steps": 2, "checkpoint.checkpointing_steps": 1}, 1)
         adapter_file = root / "payload" / "lora" / "pytorch_lora_weights.safetensors"
         adapter = safetensors_bytes(adapter_file)
         parts = checkpoint_bytes(root / "payload" / "checkpoint-2")
@@ -114,7 +85,7 @@ def main() -> None:
         walls: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(args.repeats):
             for i, (mode, extra) in enumerate(modes.items()):
-                walls[mode].append(run(root, f"stall-{r}-{i}", {**stall, **extra}, args.nproc))
+                walls[mode].append(timed_run(root, f"stall-{r}-{i}", {**stall, **extra}, args.nproc))
         best = {m: min(w) for m, w in walls.items()}
     step_time = (best["save at end only"] - best["one step"]) / (args.steps - 1)
     saves = (args.steps - 1) // args.every

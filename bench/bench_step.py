@@ -15,9 +15,6 @@ Overhead = trainer step / bare step.
 """
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,28 +22,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from common import timed_run, tiny_settings  # puts the repository on sys.path
 
 import lora  # noqa: E402
 from config import LoraConfig, ModelConfig  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
-from tests.conftest import write_toml  # noqa: E402
-from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
-from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 BATCH, LATENTS, EMBEDS = 2, (3, 4, 8, 8), (16, 32)  # [F', C, h, w] of 9x32x32 with the tiny VAE; [L, D] of T5
-
-
-def run_trainer(root: Path, name: str, settings: dict) -> float:
-    config = write_toml(root / f"{name}.toml", {"run.output_dir": str(root / name), **settings})
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, str(REPO / "trainer.py"), "--cfg", str(config)], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
-    return wall
 
 
 def bare_step_s(model_path: Path, iters: int, warmup: int = 20) -> float:
@@ -80,13 +62,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_tiny_model(str(root / "model"))
-        make_synthetic_dataset(str(root / "data"), num_videos=24, frames=17, height=40, width=48, seed=0)
-        base = {"model.path": str(root / "model"), "model.dtype": "fp32", "data.data_root": str(root / "data"),
-                "data.train_resolution": [9, 32, 32], "data.cache_dir": str(root / "cache"),
-                "train.batch_size": 2, "train.mixed_precision": "no", "train.gradient_checkpointing": False,
-                "lora.rank": 4, "lora.lora_alpha": 2, "validation.do_validation": False}
-        run_trainer(root, "warm-cache", {**base, "train.steps": 1})
+        base = {**tiny_settings(root), "lora.rank": 4, "lora.lora_alpha": 2}
+        timed_run(root, "warm-cache", {**base, "train.steps": 1})
         entry = load_file(next((root / "cache").rglob("*.safetensors")))  # the bare shapes are the trainer's
         assert entry["latent_mean"].permute(1, 0, 2, 3).shape == LATENTS, entry["latent_mean"].shape
         assert entry["prompt_embeds"].shape == EMBEDS, entry["prompt_embeds"].shape
@@ -94,7 +71,7 @@ def main() -> None:
         for r in range(args.repeats):
             bare.append(bare_step_s(root / "model", args.iters))
             for steps in walls:
-                walls[steps].append(run_trainer(root, f"run-{r}-{steps}", {
+                walls[steps].append(timed_run(root, f"run-{r}-{steps}", {
                     **base, "train.steps": steps, "checkpoint.checkpointing_steps": steps + 1}))
     bare_s = min(bare)
     step_s = (min(walls[args.long]) - min(walls[args.short])) / (args.long - args.short)
