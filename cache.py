@@ -1,6 +1,6 @@
 """The latent/text cache and the pass that completes it: batched, spread over ranks, resumable.
 
-    python data.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
+    python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
 
 One safetensors file per clip holds the VAE posterior (mean, log-variance) and the T5 embedding. It is
 named by a hash of the clip's path, size and mtime, its prompt, its preprocessing (bucket, fps, crop,
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-import ckpt
 import data
+import faults
 import parallel
 from config import Config, ConfigError, DataConfig
 from model_adapter import load_adapter
@@ -127,7 +127,7 @@ def encode_batches(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig
                 for j, (item, _) in enumerate(good):
                     cache.write(item, {"latent_mean": mean[j], "latent_logvar": logvar[j], "prompt_embeds": embeds[j]})
                     written += 1
-                    ckpt.fault("cache_kill", written)
+                    faults.fault("cache_kill", written)
             return len(good) + len(bad), bad
         for count, bad in parallel.agree(work, d):
             done, problems = done + count, problems + bad

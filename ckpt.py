@@ -11,13 +11,13 @@ Nothing of ours is pickled: non-tensor values are rebuilt from the config.
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import signal
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -34,35 +34,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import faults
 import lora
 import parallel
 from config import CheckpointConfig, ConfigError, LoraConfig
+from model import EMA, build_model
+from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-FAULT_ENV = "VIDTRAIN_FAULT"
-
-
-def fault_active(point: str, step: int) -> bool:
-    """Deliberate fault injection for tests: VIDTRAIN_FAULT=<point>:<step>[:<rank>] names the point,
-    the step (or count) and optionally the one rank where the fault happens."""
-    spec = os.environ.get(FAULT_ENV, "").split(":")
-    if len(spec) < 2 or spec[0] != point or int(spec[1]) != step:
-        return False
-    return len(spec) == 2 or int(spec[2]) == dist.get_rank()
-
-
-def fault(point: str, step: int) -> None:
-    """At an active fault point, points named *_kill send this process SIGKILL, *_sigterm SIGTERM (as a
-    scheduler would), the others raise OSError."""
-    if not fault_active(point, step):
-        return
-    if point.endswith("_kill"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif point.endswith("_sigterm"):
-        os.kill(os.getpid(), signal.SIGTERM)
-    else:
-        raise OSError(f"injected fault {point} at step {step}")
 
 
 @contextlib.contextmanager
@@ -172,7 +152,7 @@ class Checkpointer:
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        writer = (FailingWriter if fault_active("save_fail", step) else dcp.FileSystemWriter)(tmp)
+        writer = (FailingWriter if faults.active("save_fail", step) else dcp.FileSystemWriter)(tmp)
         with parallel.all_or_none():
             if self.cfg.async_save and not final:
                 if self.async_group is None:
@@ -183,7 +163,7 @@ class Checkpointer:
                 return
             with _write_failures_named(tmp):
                 dcp.save(self._state(objects), storage_writer=writer)
-        fault("save_kill", step)
+        faults.fault("save_kill", step)
         self._commit(step, tmp, final_dir)
 
     def wait_and_commit(self) -> None:
@@ -194,7 +174,7 @@ class Checkpointer:
         self.pending = None
         with parallel.all_or_none(), _write_failures_named(tmp):
             future.result()
-        fault("save_kill", step)
+        faults.fault("save_kill", step)
         self._commit(step, tmp, final_dir)
 
     def _commit(self, step: int, tmp: Path, final: Path) -> None:
@@ -331,14 +311,12 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
 
 def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:
     """Build the model as training does, load the checkpoint's trained weights (and EMA), export them."""
-    import trainer
-    from model_adapter import load_adapter
-
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         check_identity(Path(checkpoint), verify(Path(checkpoint)), run_identity(cfg, adapter))
-    model, _, _ = trainer.build_model(cfg, adapter, d)
-    ema = trainer.EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+    lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # the checkpoint holds the weights
+    model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
+    ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     load_weights(model, checkpoint, cfg.train.training_type, ema)
     export(model, cfg.train.training_type, cfg.lora, adapter, out or cfg.run.output_dir, d, ema)
 

@@ -6,6 +6,7 @@ errors that name the key and the nearest valid one. Each module receives only it
 
 import dataclasses
 import difflib
+import inspect
 import json
 import tomllib
 import typing
@@ -56,6 +57,12 @@ class TrainConfig:
     lr_warmup_steps: int = 100
     # AdamW weight decay.
     weight_decay: float = 1e-4
+    # AdamW's first-moment decay (CogVideo's default).
+    adam_beta1: float = 0.9
+    # AdamW's second-moment decay (CogVideo's default; torch's own is 0.999).
+    adam_beta2: float = 0.95
+    # AdamW's epsilon.
+    adam_epsilon: float = 1e-8
     # Gradient clipping by global norm, once per optimizer step.
     max_grad_norm: float = 1.0
     # Autocast dtype of the forward pass; the loss is always fp32.
@@ -94,6 +101,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     # Dropout on the adapter input, drawn from a generator keyed by (seed, step, rank).
     dropout: float = 0.0
+    # Start from an existing LoRA instead of a fresh one: a file (or folder) in our, diffusers' or PEFT's
+    # layout, whose rank, alpha and targets must equal the ones above.
+    init_from: str = ""
 
 
 @dataclass
@@ -290,6 +300,11 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError(f"train.ema_decay must be in [0, 1), got {cfg.train.ema_decay}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(cfg.train, key) < 1.0:
+            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")
+    if cfg.train.adam_epsilon <= 0:
+        raise ConfigError(f"train.adam_epsilon must be positive, got {cfg.train.adam_epsilon}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if cfg.lora.dropout and cfg.train.gradient_checkpointing:
@@ -325,6 +340,34 @@ def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: 
             )
 
 
+def reference() -> str:
+    """The README's configuration reference: every key, its type, default and the comment above it."""
+    lines = ["Every key, its type, default and meaning (the comments of `config.py`, which is the schema;",
+             "`python config.py` prints this section):", ""]
+    for section in dataclasses.fields(Config):
+        schema = typing.get_type_hints(section.type)
+        comments = _field_comments(section.type)
+        lines += [f"**[{section.name}]**", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for name, default in dataclasses.asdict(section.type()).items():
+            kind = _type_name(schema[name]).replace("|", "\\|")
+            lines.append(f"| `{section.name}.{name}` | {kind} | `{toml_value(default)}` | {comments[name]} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _field_comments(section_type) -> dict[str, str]:
+    """The comment lines above each field of a section dataclass, joined."""
+    comments, pending = {}, []
+    for line in inspect.getsource(section_type).splitlines():
+        line = line.strip()
+        if line.startswith("#"):
+            pending.append(line.lstrip("# "))
+        elif ":" in line and pending:
+            comments[line.split(":")[0]] = " ".join(pending)
+            pending = []
+    return comments
+
+
 def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -343,3 +386,7 @@ def to_toml(cfg: Config) -> str:
             lines.append(f"{name} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference())

@@ -1,7 +1,5 @@
 """Dataset formats, video decoding (PyAV), resize/crop/frame choice, buckets, the sampler.
 
-    python data.py --cfg FILE.toml [overrides]     # build the cache only (the pass lives in cache.py)
-
 Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
 paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
 `video`, `prompt` and optional `image` columns. Every clip is planned once from its header: its
@@ -317,9 +315,3 @@ def micro_slice(micro: int, rank: int, world: int, batch_size: int) -> range:
     start = (micro * world + rank) * batch_size
     return range(start, start + batch_size)
 
-
-if __name__ == "__main__":
-    # The pass itself lives in cache.py; it imports this module under its own name.
-    import cache
-
-    cache.main()

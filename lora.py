@@ -193,31 +193,49 @@ def save_peft_adapter(
 
 
 def load_lora(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a diffusers LoRA file; return (state dict keyed by model FQN, {rank, alpha, target_modules})."""
+    """Read a LoRA in diffusers' layout (ours: `transformer.` keys with `lora_adapter_metadata`) or PEFT's
+    (`adapter_model.safetensors` beside `adapter_config.json`, or their folder); return the state dict
+    keyed by model FQN and {rank, alpha, target_modules}."""
+    if os.path.isdir(path):
+        names = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+        found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+        if not found:
+            raise ValueError(f"{path} holds neither of {' and '.join(names)}")
+        path = found[0]
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist")
     with safe_open(path, framework="pt") as f:
         header = f.metadata() or {}
-        if METADATA_KEY not in header:
-            raise ValueError(
-                f"{path}: no '{METADATA_KEY}' in the safetensors header, so LoRA alpha is unknown "
-                "(diffusers would silently assume alpha = rank); re-export it with lora.save_lora"
-            )
         lora_sd = {k: f.get_tensor(k) for k in f.keys()}
-    packed = json.loads(header[METADATA_KEY])
-    config = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in packed.items() if k.startswith(DIFFUSERS_PREFIX)}
-    others = [k for k in lora_sd if not k.startswith(DIFFUSERS_PREFIX)]
-    if others or not {"r", "lora_alpha", "target_modules"} <= config.keys():
+    if lora_sd and all(k.startswith(PEFT_PREFIX) for k in lora_sd):
+        config_path = os.path.join(os.path.dirname(path), "adapter_config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"{path} is in PEFT's layout but {config_path}, which holds its rank and alpha, is missing")
+        with open(config_path) as f:
+            config = json.load(f)
+        prefix = PEFT_PREFIX
+    elif METADATA_KEY in header:
+        packed = json.loads(header[METADATA_KEY])
+        config = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in packed.items() if k.startswith(DIFFUSERS_PREFIX)}
+        prefix = DIFFUSERS_PREFIX
+    else:
         raise ValueError(
-            f"{path}: not a transformer LoRA (keys outside '{DIFFUSERS_PREFIX}': {others[:3]}; "
-            f"metadata keys: {sorted(packed)})"
+            f"{path}: no '{METADATA_KEY}' in the safetensors header, so LoRA alpha is unknown "
+            "(diffusers would silently assume alpha = rank); re-export it with lora.save_lora"
         )
+    others = [k for k in lora_sd if not k.startswith(prefix)]
+    if others or not {"r", "lora_alpha", "target_modules"} <= config.keys():
+        raise ValueError(f"{path}: not a transformer LoRA (keys outside '{prefix}': {others[:3]}; "
+                         f"config keys: {sorted(config)})")
     # Files trained elsewhere may use variants LoRALinear cannot represent; refuse rather than misload.
     unsupported = sorted(k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k))
-    if unsupported:
-        raise ValueError(f"{path}: metadata sets {unsupported}; only plain LoRA with one rank and alpha is supported")
-    lora_sd = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in lora_sd.items()}
+    if unsupported or isinstance(config["target_modules"], str):
+        what = unsupported or ["target_modules as a regular expression"]
+        raise ValueError(f"{path}: its config sets {what}; only plain LoRA with one rank, alpha and a target list is supported")
+    lora_sd = {k.removeprefix(prefix): v for k, v in lora_sd.items()}
     wrong_rank = [k for k, v in lora_sd.items() if k.endswith("lora_A.weight") and v.shape[0] != config["r"]]
     if wrong_rank:
-        raise ValueError(f"{path}: metadata says rank {config['r']} but {wrong_rank[:3]} disagree")
+        raise ValueError(f"{path}: its config says rank {config['r']} but {wrong_rank[:3]} disagree")
     info = {"rank": config["r"], "alpha": config["lora_alpha"], "target_modules": sorted(config["target_modules"])}
     return lora_sd, info
 

@@ -162,6 +162,14 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelCon
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free FSDP's gathered weights, so the next forward gathers the sharded ones afresh (a no-op
+    without FSDP, or when they are already freed)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextlib.contextmanager
 def grad_sync(model: torch.nn.Module, enabled: bool):
     """Skip the gradient all-reduce on non-final micro-steps."""

@@ -19,12 +19,14 @@ import torch
 
 import ckpt
 import data
+import faults
 import lora
 import parallel
 import validate
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
 from config import Config, TrainConfig, to_toml
 from metrics import Metrics
+from model import EMA, build_model, build_optimizer
 
 log = logging.getLogger("vidtrain")
 
@@ -40,42 +42,6 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.nonfinite_in_row = int(state["step"]), int(state["nonfinite_in_row"])
-
-
-class EMA:
-    """Exponential moving average of the trainable weights, in fp32 and sharded like them (DTensors
-    under FSDP), keyed by the same FQNs as the model's state dict so checkpoints reshard."""
-
-    def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
-        named = [(n.removeprefix("module."), p) for n, p in model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        self.weights = {n: p.detach().float().clone() for n, p in named}
-
-    @torch.no_grad()
-    def update(self) -> None:
-        for average, param in zip(self.weights.values(), self.params):
-            average.lerp_(param.detach().float(), 1.0 - self.decay)
-
-    def state_dict(self) -> dict:
-        return dict(self.weights)
-
-    def load_state_dict(self, state: dict) -> None:
-        for name, average in self.weights.items():
-            average.copy_(state[name])
-
-    @contextlib.contextmanager
-    @torch.no_grad()
-    def swapped_in(self):
-        """The model holds the averaged weights inside the block, its own weights again after it."""
-        online = [p.detach().clone() for p in self.params]
-        for param, average in zip(self.params, self.weights.values()):
-            param.copy_(average)
-        try:
-            yield
-        finally:
-            for param, saved in zip(self.params, online):
-                param.copy_(saved)
 
 
 class TrainWindow:
@@ -119,24 +85,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 1.0
 
 
-def build_model(cfg: Config, adapter, d: parallel.Dist):
-    # from_pretrained returns eval mode: training mode is what turns LoRA dropout on.
-    transformer = adapter.load_transformer(torch.float32 if cfg.train.training_type == "sft" else None).train()
-    if cfg.train.training_type == "lora":
-        c = cfg.lora
-        lora.inject_lora(transformer, c.target_modules, c.rank, c.lora_alpha, c.dropout, cfg.run.seed)
-    if cfg.train.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in transformer.parameters())
-    log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
-    model = parallel.wrap(transformer, adapter.blocks(transformer), cfg.parallel, cfg.train.mixed_precision,
-                          cfg.train.gradient_accumulation_steps, d)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
-    return model, params, optimizer
-
-
 def train(cfg: Config, d: parallel.Dist) -> None:
     parallel.check_shared(cfg.run.output_dir, "run.output_dir", d)
     adapter, cache, train_clips, held_out_clips = prepare_data(cfg, d)
@@ -145,7 +93,8 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     t = cfg.train
     global_batch = t.batch_size * t.gradient_accumulation_steps * d.world
     sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
-    model, params, optimizer = build_model(cfg, adapter, d)
+    model = build_model(adapter, t, cfg.lora, cfg.parallel, cfg.run.seed, d)
+    params, optimizer = build_optimizer(model, t)
     state = TrainState()
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     objects = {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state}
@@ -178,16 +127,16 @@ def train(cfg: Config, d: parallel.Dist) -> None:
                 lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro))
             with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), autocast:
                 loss = adapter.train_loss(model, batch, generators).mean()
-            ckpt.fault("step_fail", step)
-            if ckpt.fault_active("nan_loss", step):
+            faults.fault("step_fail", step)
+            if faults.active("nan_loss", step):
                 loss = loss * math.nan
             (loss / t.gradient_accumulation_steps).backward()
             window.add_loss(loss.detach() / t.gradient_accumulation_steps)
         grad_norm = clip_and_step(params, optimizer, t.max_grad_norm, state, step)
         if ema is not None:
             ema.update()
-        ckpt.fault("step_kill", step)
-        ckpt.fault("step_sigterm", step)
+        faults.fault("step_kill", step)
+        faults.fault("step_sigterm", step)
 
         if step % t.log_every == 0 or step == t.steps:
             values = window.flush(step, grad_norm, model, optimizer)

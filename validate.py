@@ -16,6 +16,7 @@ ranks. Attention runs through FusedQKVAttention for the duration of sampling onl
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ import data
 import lora
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_resolution
+from model import build_model
 from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
@@ -258,16 +260,8 @@ class ClipRenderer:
 def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, lora_file: str | None):
     """The transformer as the trainer builds it (LoRA injected, DDP or FSDP), holding the weights of a
     checkpoint, of an exported LoRA file, or the base model's."""
-    transformer = adapter.load_transformer(torch.float32 if cfg.train.training_type == "sft" else None)
-    if lora_file:
-        weights, info = lora.load_lora(lora_file)
-        lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, cfg.run.seed)
-        lora.load_lora_into(transformer, weights)
-    elif cfg.train.training_type == "lora":
-        c = cfg.lora
-        lora.inject_lora(transformer, c.target_modules, c.rank, c.lora_alpha, 0.0, cfg.run.seed)
-    model = parallel.wrap(transformer, adapter.blocks(transformer), cfg.parallel, cfg.train.mixed_precision,
-                          cfg.train.gradient_accumulation_steps, d)
+    lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # a checkpoint or --lora decides the weights
+    model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d, lora_file or "")
     if checkpoint:
         if not (Path(checkpoint) / "meta.json").is_file():
             raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint folder (no meta.json)")

@@ -2,7 +2,7 @@
 
     python bench/bench_cache.py [--clips 48] [--frames 17] [--size 64] [--batch 8] [--nproc 2]
 
-Builds the tiny model and a synthetic dataset in a temporary folder, then runs `data.py` three times
+Builds the tiny model and a synthetic dataset in a temporary folder, then runs `cache.py` three times
 on an empty cache: one process encoding one clip per VAE/T5 call (CogVideo's way, the baseline),
 one process with --batch clips per call, and --nproc ranks with --batch clips per call. The rate is
 the pass's own progress line (clips encoded / seconds in the encode loop, model loading excluded);
@@ -31,7 +31,7 @@ def cache_pass(config: Path, cache_dir: Path, batch: int, nproc: int) -> tuple[f
     """(clips per second in the encode loop, wall seconds of the command)."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                     f"--nproc_per_node={nproc}", "--master_port=29533"]
-    command = [*launcher, str(REPO / "data.py"), "--cfg", str(config), "--data.cache_dir", str(cache_dir),
+    command = [*launcher, str(REPO / "cache.py"), "--cfg", str(config), "--data.cache_dir", str(cache_dir),
                "--data.cache_batch_size", str(batch)]
     start = time.perf_counter()
     # One thread per rank in every run, as torchrun sets it: each rank stands for one device.

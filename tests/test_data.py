@@ -193,7 +193,7 @@ def test_two_buckets_train_on_two_ranks_and_the_cache_is_reused(two_shape_data, 
 
 def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tmp_path, caplog):
     config = write_config("cache", **{"data.cache_dir": str(tmp_path / "cache"), "data.cache_batch_size": 2})
-    killed = run_cmd(args_of(config), env={"VIDTRAIN_FAULT": "cache_kill:5"}, script="data.py")
+    killed = run_cmd(args_of(config), env={"VIDTRAIN_FAULT": "cache_kill:5"}, script="cache.py")
     assert killed.returncode != 0 and "clips encoded" not in killed.stderr
     assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 5
     assert "19 clips encoded, 5 reused" in run_cache_pass(caplog, config)

@@ -1,0 +1,107 @@
+"""The transformer as training builds it, and the moving average of its trainable weights.
+
+Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
+activation checkpointing per block, DDP or fully_shard per block then the root, then AdamW over the
+trainable parameters only. trainer.py, the export command and the render command all build it here,
+so a checkpoint's keys are the same wherever it is loaded.
+"""
+
+import contextlib
+import logging
+
+import torch
+
+import lora
+import parallel
+from config import ConfigError, LoraConfig, ParallelConfig, TrainConfig
+
+log = logging.getLogger("vidtrain")
+
+
+def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
+                d: parallel.Dist, lora_file: str = ""):
+    """The wrapped transformer in train mode. `lora_file` (the render command's --lora) injects the
+    file's own rank, alpha and targets instead of the config's."""
+    # from_pretrained returns eval mode: training mode is what turns LoRA dropout on.
+    transformer = adapter.load_transformer(torch.float32 if train.training_type == "sft" else None).train()
+    if lora_file:
+        weights, info = lora.load_lora(lora_file)
+        lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, seed)
+        lora.load_lora_into(transformer, weights)
+    elif train.training_type == "lora":
+        lora.inject_lora(transformer, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.dropout, seed)
+        if lora_cfg.init_from:
+            weights, info = lora.load_lora(lora_cfg.init_from)
+            check_lora_matches(lora_cfg, info)
+            lora.load_lora_into(transformer, weights)
+    if train.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in transformer.parameters())
+    log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+    return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
+                         train.gradient_accumulation_steps, d)
+
+
+def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
+    """lora.init_from must describe the adapter the config trains: the same rank, alpha and targets."""
+    ours = {"rank": cfg.rank, "alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules)}
+    keys = {"rank": "lora.rank", "alpha": "lora.lora_alpha", "target_modules": "lora.target_modules"}
+    for name, key in keys.items():
+        if info[name] != ours[name]:
+            raise ConfigError(f"lora.init_from = {cfg.init_from} has {name} {info[name]!r}, but {key} = "
+                              f"{ours[name]!r}: set {key} to the file's value")
+
+
+def build_optimizer(model, train: TrainConfig):
+    """AdamW over the trainable parameters only; returns (parameters, optimizer)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay,
+                                  betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon)
+    return params, optimizer
+
+
+class EMA:
+    """Exponential moving average of the trainable weights, in fp32 and sharded like them (DTensors
+    under FSDP), keyed by the same FQNs as the model's state dict so checkpoints reshard."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.model, self.decay = model, decay
+        named = [(n.removeprefix("module."), p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.weights = {n: p.detach().float().clone() for n, p in named}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for average, param in zip(self.weights.values(), self.params):
+            average.lerp_(param.detach().float(), 1.0 - self.decay)
+
+    def state_dict(self) -> dict:
+        return dict(self.weights)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, average in self.weights.items():
+            average.copy_(state[name])
+
+    @torch.no_grad()
+    def swap_in(self) -> None:
+        """For good: the render and export commands."""
+        parallel.reshard(self.model)
+        for param, average in zip(self.params, self.weights.values()):
+            param.copy_(average)
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_in(self):
+        """The model holds the averaged weights inside the block, its own weights again after it. FSDP
+        keeps gathered copies of the weights when reshard_after_forward is off, and a forward without a
+        backward leaves them in place: resharding on both sides makes the next forward gather the
+        weights that were just written, not the ones before."""
+        online = [p.detach().clone() for p in self.params]
+        self.swap_in()
+        try:
+            yield
+        finally:
+            parallel.reshard(self.model)
+            for param, saved in zip(self.params, online):
+                param.copy_(saved)

@@ -1,0 +1,54 @@
+"""design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
+nothing imports trainer.py."""
+
+import ast
+
+from conftest import REPO
+
+LAYERS = {
+    "trainer": 3,
+    **dict.fromkeys(["ckpt", "validate", "cache"], 2),
+    **dict.fromkeys(["model", "model_adapter", "lora", "data", "parallel", "metrics", "faults"], 1),
+    "config": 0,
+}
+
+
+def our_imports(path) -> set[str]:
+    """Names of root modules that `path` imports anywhere in it (function-local imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & LAYERS.keys()
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {p.stem: p for p in REPO.glob("*.py")}
+    assert modules.keys() == LAYERS.keys(), "place every root module in a layer (design.md, Files)"
+    return {name: our_imports(path) for name, path in modules.items()}
+
+
+def test_imports_go_one_way():
+    graph = import_graph()
+    upward = [(m, i) for m, imports in graph.items() for i in imports if LAYERS[i] > LAYERS[m]]
+    assert upward == []
+    assert [m for m, imports in graph.items() if "trainer" in imports] == []
+
+
+def test_no_import_cycles():
+    graph, done, path = import_graph(), set(), []
+
+    def visit(module):
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
