@@ -47,14 +47,13 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 @contextlib.contextmanager
 def _write_failures_named(tmp: Path):
-    """DCP reports a failed write as a CheckpointException (a BaseException) holding every rank's
-    traceback: turn it into one message naming the first failing rank's cause and the fix."""
+    """DCP reports a failed write on every rank as a CheckpointException (a BaseException) holding every
+    rank's traceback: turn it into one message naming the first failing rank's cause and the fix."""
     try:
         yield
     except CheckpointException as e:
-        rank, (cause, _) = sorted(e.failures.items())[0]
-        raise OSError(f"writing {tmp} failed on rank {rank}: {cause}; earlier checkpoints are intact, "
-                      "free space or move run.output_dir and resume") from None
+        raise parallel.StopRun(f"writing {tmp} failed on {parallel.first_failure(e)}; earlier checkpoints are "
+                               "intact, free space or move run.output_dir and resume") from None
 
 
 class FailingWriter(dcp.FileSystemWriter):
@@ -268,6 +267,11 @@ class Checkpointer:
                 if name not in ("model", "optimizer"):
                     obj.load_state_dict(state[name])
         log.info("resumed from step %d (%s)", meta["step"], path)
+
+
+def has_ema(path: str) -> bool:
+    """Whether a checkpoint holds EMA weights (its run had train.ema_decay > 0), from DCP's metadata."""
+    return any(key.startswith("ema.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def load_weights(model, path: str, training_type: str, ema=None) -> None:

@@ -177,6 +177,9 @@ class ValidationConfig:
     resolution: list[int] = field(default_factory=list)
     # Frame rate written into the mp4s and the TensorBoard clips.
     gen_fps: int = 15
+    # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
+    # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
+    save_frames: bool = False
 
 
 @dataclass

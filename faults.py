@@ -1,36 +1,42 @@
 """Deliberate fault injection, for tests and to see for yourself what a failure does.
 
-    VIDTRAIN_FAULT=<point>:<count>[:<rank>]
+    VIDTRAIN_FAULT=<point>_<action>:<count>[:<rank>]
 
-names the point, the step (or count: cache entries written, sampling steps taken) at which it fires,
-and optionally the one rank where it fires. Points named *_kill send this process SIGKILL, *_sigterm
-SIGTERM (as a scheduler would), *_hang sleep past parallel.timeout_s; the others raise OSError.
+fires at the point (`step` after an optimizer step, `save` after the shards are written and before the
+commit, `cache` after that many cache entries, `render` before that sampling step) when the count
+matches, on every rank or only the one named. Actions: `kill` (SIGKILL), `sigterm` (as a scheduler
+sends), `sigint` (Ctrl-C), `fail` (raise OSError), `hang` (sleep past parallel.timeout_s), `deadlock`
+(wait for a message no rank sends). Two more are named for what they do: `save_fail` (the storage
+writer fails like a full disk) and `nan_loss` (the step's loss becomes NaN).
 """
 
 import os
 import signal
 import time
 
+import torch
 import torch.distributed as dist
 
 FAULT_ENV = "VIDTRAIN_FAULT"
+SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
 
 
-def active(point: str, count: int) -> bool:
+def active(name: str, count: int) -> bool:
     spec = os.environ.get(FAULT_ENV, "").split(":")
-    if len(spec) < 2 or spec[0] != point or int(spec[1]) != count:
+    if len(spec) < 2 or spec[0] != name or int(spec[1]) != count:
         return False
     return len(spec) == 2 or int(spec[2]) == dist.get_rank()
 
 
 def fault(point: str, count: int, hang_s: float = 0.0) -> None:
-    if not active(point, count):
+    action = os.environ.get(FAULT_ENV, "").split(":")[0].removeprefix(f"{point}_")
+    if not active(f"{point}_{action}", count):
         return
-    if point.endswith("_kill"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif point.endswith("_sigterm"):
-        os.kill(os.getpid(), signal.SIGTERM)
-    elif point.endswith("_hang"):
+    if action in SIGNALS:
+        os.kill(os.getpid(), SIGNALS[action])
+    elif action == "hang":
         time.sleep(hang_s)
+    elif action == "deadlock":
+        dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
     else:
-        raise OSError(f"injected fault {point} at {count}")
+        raise OSError(f"injected fault {point}_{action} at {count}")

@@ -59,9 +59,12 @@ class LoRALinear(nn.Linear):
         return x * keep / (1.0 - self.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
-        # Under autocast both paths run in the autocast dtype; otherwise the LoRA path runs in
-        # fp32 (its weights' dtype) and the sum is rounded once to the output dtype, as PEFT does.
+        return self.add_delta(F.linear(x, self.weight, self.bias), x)
+
+    def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The base layer's output `base` of input x, plus the adapter's path. Under autocast both paths
+        run in the autocast dtype; otherwise the LoRA path runs in fp32 (its weights' dtype) and the sum
+        is rounded once to the output dtype, as PEFT does."""
         lora_in = x if torch.is_autocast_enabled(x.device.type) else x.to(self.lora_A.weight.dtype)
         return (base + self.lora_B(self.lora_A(self._dropout(lora_in))) * self.scale).to(base.dtype)
 

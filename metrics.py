@@ -46,6 +46,7 @@ class Metrics:
             self.writer.add_scalar(tag, value, step)
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
+        self.writer.flush()  # a run stopped by a signal or an error keeps what it logged
 
     def progress(self, step: int, values: dict[str, float]) -> None:
         """step/total, loss, it/s and samples/s since the (resumed) start, ETA."""
@@ -56,6 +57,13 @@ class Metrics:
         eta = (self.total_steps - step) / rate if rate > 0 else math.nan
         log.info("step %d/%d  loss %.4f  %.2f it/s  %.1f samples/s  ETA %s", step, self.total_steps,
                  values["train/loss"], rate, values["train/samples_per_s"], _hms(eta))
+
+    def progress_validation(self, step: int, values: dict[str, float]) -> None:
+        """The held-out loss, where the terminal shows it (it measures learning; the training loss does not)."""
+        if not self.enabled or "val/loss" not in values:
+            return
+        per_t = "  ".join(f"t{k.removeprefix('val/loss_t')} {v:.4f}" for k, v in values.items() if k.startswith("val/loss_t"))
+        log.info("step %d/%d  held-out loss %.4f  (%s)", step, self.total_steps, values["val/loss"], per_t)
 
     def clip(self, step: int, tag: str, frames, fps: int) -> None:
         """uint8 frames [F, H, W, 3] as an animated GIF in an image summary, which TensorBoard plays.

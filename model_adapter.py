@@ -98,8 +98,8 @@ class CogVideoXAdapter:
         if self._vae is None:
             log.info("loading VAE from %s", self.path)
             self._vae = AutoencoderKLCogVideoX.from_pretrained(self.path, subfolder="vae", dtype=self.dtype)
-            self._vae.to(self.device).requires_grad_(False).eval()
-        return self._vae
+            self._vae.requires_grad_(False).eval()
+        return self._vae.to(self.device)
 
     def _encoders(self):
         # The VAE loads on its own too: decoding validation clips needs no T5.
@@ -111,6 +111,14 @@ class CogVideoXAdapter:
             self._text_encoder.to(self.device).requires_grad_(False).eval()
             self._tokenizer = AutoTokenizer.from_pretrained(self.path, subfolder="tokenizer")
         return self._load_vae(), self._text_encoder, self._tokenizer
+
+    def release_text_encoder(self) -> None:
+        self._text_encoder = self._tokenizer = None
+
+    def park_vae(self) -> None:
+        """Move the VAE to the CPU between validations: the next decode moves it back, not reloads it."""
+        if self._vae is not None:
+            self._vae.to("cpu")
 
     def release_encoders(self) -> None:
         self._vae = self._text_encoder = self._tokenizer = None

@@ -12,11 +12,13 @@ import os
 import resource
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -65,33 +67,63 @@ def init(cfg: ParallelConfig) -> Dist:
 
 
 def run_command(work, config_path: str, overrides: list[str]) -> None:
-    """Every command's frame: read the config, set up the process group, run work(cfg, d) on every rank,
-    report a failure once, destroy the process group on every path, exit 1 after a failure."""
+    """Every command's frame: read the config, set up the process group, run work(cfg, d) on every rank;
+    on any failure (an exception, Ctrl-C, DCP's own errors) exactly one rank reports the cause; the
+    process group is destroyed on every path; the exit code is 0, 1 after a failure, 130 after Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    rank, failed = int(os.environ.get("RANK", 0)), False
+    rank, code = int(os.environ.get("RANK", 0)), 0
+    previous_handlers = PREEMPTION.install()
     try:
         cfg = load_config(config_path, overrides)
         d = init(cfg.parallel)
         if not d.is_main:
             logging.getLogger().setLevel(logging.WARNING)
         work(cfg, d)
-    except (ConfigError, StopRun) as e:
-        if rank == 0:
-            log.error("error: %s", e)
-        failed = True
-    except Exception as e:  # noqa: BLE001 - the one report of an unexpected failure
-        if peer_failed(e):
-            if rank == 0:
-                log.error("stopping: another rank failed (torchrun reports its error)")
-        elif "TORCHELASTIC_ERROR_FILE" in os.environ:
-            ErrorHandler().record_exception(e)  # torchrun prints it once, with its traceback
-        else:
-            raise
-        failed = True
-    # Outside the except blocks, so the traceback and the model it references are gone first.
+    except BaseException as e:  # noqa: BLE001 - the frame of every command: report once, then clean up
+        code = report(e, rank)
+    # Outside the except block, so the traceback and the model it references are gone first.
     shutdown()
-    if failed:
-        sys.exit(1)
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
+    if code:
+        sys.exit(code)
+
+
+def report(error: BaseException, rank: int) -> int:
+    """Report a failure at most once across ranks; return the exit code."""
+    if isinstance(error, Preempted):
+        if rank == 0:
+            log.info("stopped by a signal: %s", error)
+        return 0
+    if isinstance(error, (ConfigError, StopRun, CheckpointException)):  # raised alike on every rank
+        if rank == 0:
+            log.error("error: %s", first_failure(error) if isinstance(error, CheckpointException) else error)
+        return 1
+    if isinstance(error, KeyboardInterrupt):
+        if rank == 0:
+            log.error("interrupted: stopped without a checkpoint (SIGTERM or SIGUSR1 save one before stopping)")
+        return 130
+    if peer_failed(error):
+        if rank == 0:
+            log.error("stopping: another rank failed (torchrun reports its error)")
+        return 1
+    if timed_out(error):
+        if not first_to_report("timeout"):
+            return 1
+        error = TimeoutError(f"rank {rank}: a collective waited longer than parallel.timeout_s: another rank hangs, "
+                             f"or the ranks disagree on what runs next; raise parallel.timeout_s if a step, a save "
+                             f"or a validation legitimately takes longer ({error})")
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        ErrorHandler().record_exception(error)  # torchrun prints it once, with its traceback
+    else:
+        log.error("%s", "".join(traceback.format_exception(error)).rstrip())
+    return 1
+
+
+def first_failure(error: CheckpointException) -> str:
+    """DCP's exception holds every failing rank's traceback: the lowest rank's cause."""
+    rank, (cause, _) = sorted(error.failures.items())[0]
+    return f"rank {rank}: {type(cause).__name__}: {cause}"
 
 
 def shutdown() -> None:
@@ -104,7 +136,26 @@ def shutdown() -> None:
 def peer_failed(error: BaseException) -> bool:
     """A collective broke because another rank died: that rank reports the cause, this one stays quiet."""
     lost = ("Connection closed by peer", "Connection reset by peer", "pair closure", "NCCL communicator was aborted")
-    return isinstance(error, dist.DistError) or any(text in str(error) for text in lost)
+    return any(text in str(error) for text in lost)
+
+
+def timed_out(error: BaseException) -> bool:
+    """gloo raises a RuntimeError ("Timed out waiting ...") and NCCL a DistBackendError on a timeout."""
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in ("Timed out", "timed out", "timeout"))
+
+
+def first_to_report(what: str) -> bool:
+    """Several ranks may time out in the same collective: the job's store (torchrun's, which outlives
+    the collective) elects the first of them to report it."""
+    if "MASTER_ADDR" not in os.environ:
+        return True
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+        return store.add(f"vidtrain/{run}/{what}", 1) == 1
+    except RuntimeError:  # the store itself is gone (DistError is a RuntimeError): better twice than never
+        return True
 
 
 @contextlib.contextmanager
@@ -214,20 +265,36 @@ def max_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+class Preempted(Exception):
+    """Every rank agreed to stop because of a signal, with the work so far safe: the command exits 0."""
+
+
 class Preemption:
     """SIGTERM or SIGUSR1 (what SLURM and torchrun send before a kill) sets a flag; every rank learns
-    at the next step boundary whether any rank got it, so all of them save and stop together."""
+    whether any rank got it wherever `agreed` is called: at step boundaries, between sampling steps of a
+    render, between cache-pass rounds and before checkpoint verification. A save under way completes."""
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._request)
+
+    def install(self) -> dict:
+        """Set the handlers; return the previous ones."""
+        return {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def _request(self, signum, frame) -> None:
         self.requested = True
 
     def agreed(self, device: torch.device) -> bool:
         return bool(max_over_ranks(torch.tensor(float(self.requested), device=device)))
+
+
+PREEMPTION = Preemption()
+
+
+def stop_if_preempted(d: Dist, what: str) -> None:
+    """A collective: raise Preempted on every rank when any rank got a stop signal."""
+    if PREEMPTION.agreed(d.device):
+        raise Preempted(what)
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

@@ -110,9 +110,9 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[t.mixed_precision],
                               enabled=t.mixed_precision != "no")
-    preemption = parallel.Preemption()
     if state.step == 0 and cfg.validation.do_validation:
-        run_validation(0, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer)
+        if not run_validation(0, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer):
+            raise parallel.Preempted("during the validation before step 1, with nothing to save yet")
     window = TrainWindow(d, global_batch, state.step)
 
     for step in range(state.step + 1, t.steps + 1):
@@ -127,7 +127,6 @@ def train(cfg: Config, d: parallel.Dist) -> None:
                 lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro))
             with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), autocast:
                 loss = adapter.train_loss(model, batch, generators).mean()
-            faults.fault("step_fail", step)
             if faults.active("nan_loss", step):
                 loss = loss * math.nan
             (loss / t.gradient_accumulation_steps).backward()
@@ -135,8 +134,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         grad_norm = clip_and_step(params, optimizer, t.max_grad_norm, state, step)
         if ema is not None:
             ema.update()
-        faults.fault("step_kill", step)
-        faults.fault("step_sigterm", step)
+        faults.fault("step", step, hang_s=cfg.parallel.timeout_s + 5)
 
         if step % t.log_every == 0 or step == t.steps:
             values = window.flush(step, grad_norm, model, optimizer)
@@ -145,18 +143,20 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         if state.nonfinite_in_row >= t.max_nonfinite_steps:
             raise parallel.StopRun(f"step {step}: {state.nonfinite_in_row} steps in a row with a non-finite gradient "
                                    "norm (train.max_nonfinite_steps); lower train.learning_rate or check the data")
-        stop = preemption.agreed(d.device)
+        stop = parallel.PREEMPTION.agreed(d.device)
         if stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps:
             checkpoints.save(step, objects, final=stop or step == t.steps)
+        if not stop and cfg.validation.do_validation and (step % cfg.validation.validation_steps == 0 or step == t.steps):
+            stop = not run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer)
         if stop:
-            log.info("stopped by a signal after step %d; checkpoint written", step)
+            checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
             break
-        if cfg.validation.do_validation and (step % cfg.validation.validation_steps == 0 or step == t.steps):
-            run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer)
 
     if state.step == t.steps:
         ckpt.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
     metrics.close()
+    if state.step < t.steps:
+        raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
 
 
 def clip_and_step(params, optimizer, max_grad_norm: float, state: TrainState, step: int) -> torch.Tensor:
@@ -176,12 +176,19 @@ def clip_and_step(params, optimizer, max_grad_norm: float, state: TrainState, st
 
 
 def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema, d, autocast, metrics,
-                   renderer: validate.ClipRenderer) -> None:
-    """Held-out loss and clips with the EMA weights swapped in when EMA is on."""
-    with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-        metrics.scalars(step, validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation,
-                                                     cfg.run.seed, d, autocast)
-                        | renderer.run(model, step, metrics, autocast))
+                   renderer: validate.ClipRenderer) -> bool:
+    """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
+    cut it short (every rank agrees, between sampling steps)."""
+    try:
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+            values = validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation, cfg.run.seed, d,
+                                            autocast)
+            values |= renderer.run(model, step, metrics, autocast)
+    except parallel.Preempted:
+        return False
+    metrics.scalars(step, values)
+    metrics.progress_validation(step, values)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Validation: the held-out loss at fixed timesteps, and clips rendered by our own sampling loop.
 
-    python validate.py --cfg FILE.toml [--checkpoint DIR | --lora FILE] --prompt TEXT [--prompt TEXT ...]
+    python validate.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT [--prompt TEXT ...]
     torchrun --nproc_per_node N validate.py ...       # the same, prompts spread over the ranks
 
 The training loss of uniform-t v-prediction is dominated by which t were drawn and looks flat; the
@@ -28,16 +28,18 @@ import av
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler
 from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import apply_rotary_emb
 
 import ckpt
 import data
+import faults
 import lora
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_resolution
-from model import build_model
+from model import EMA, build_model
 from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
@@ -71,11 +73,12 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
 
 
 class FusedQKVAttention:
-    """diffusers' CogVideoXAttnProcessor2_0 with Q, K and V from one matmul over concatenated weights,
-    then F.scaled_dot_product_attention (FlashAttention/cuDNN on GPU). LoRA is merged into the fused
-    weight, never into the live ones (diffusers' own fuse_qkv_projections drops LoRA). The fused weight
-    is built on every call, inside the block's forward: under FSDP that is when the block's parameters
-    are gathered, and it is freed with them, so no rank holds a second copy of the model."""
+    """diffusers' CogVideoXAttnProcessor2_0 with Q, K and V from one matmul over the concatenated base
+    weights, then F.scaled_dot_product_attention (FlashAttention/cuDNN on GPU). LoRA runs unmerged beside
+    it, exactly as in training: merging it into a bf16 copy of the weights would round away the small
+    deltas of early training (diffusers' own fuse_qkv_projections drops LoRA altogether). The fused
+    weight is built on every call, inside the block's forward: under FSDP that is when the block's
+    parameters are gathered, and it is freed with them, so no rank holds a second copy of the model."""
 
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states, attention_mask=None,
                  image_rotary_emb=None):
@@ -85,9 +88,12 @@ class FusedQKVAttention:
         tokens = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         batch, length, _ = tokens.shape
         projections = (attn.to_q, attn.to_k, attn.to_v)
-        weight = torch.cat([p.merged_weight() if isinstance(p, lora.LoRALinear) else p.weight for p in projections])
+        weight = torch.cat([p.weight for p in projections])
         bias = None if attn.to_q.bias is None else torch.cat([p.bias for p in projections])
-        qkv = F.linear(tokens, weight, bias).view(batch, length, 3, attn.heads, -1).permute(2, 0, 3, 1, 4)
+        outputs = F.linear(tokens, weight, bias).chunk(3, dim=-1)
+        outputs = [p.add_delta(out, tokens) if isinstance(p, lora.LoRALinear) else out
+                   for p, out in zip(projections, outputs)]
+        qkv = torch.cat(outputs, dim=-1).view(batch, length, 3, attn.heads, -1).permute(2, 0, 3, 1, 4)
         query, key, value = qkv.unbind(0)
         if attn.norm_q is not None:
             query = attn.norm_q(query)
@@ -123,9 +129,10 @@ def load_scheduler(adapter, name: str):
 
 @torch.no_grad()
 def sample_latents(adapter, model, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
-                   cfg: ValidationConfig, resolution: list[int], autocast) -> torch.Tensor:
+                   cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None) -> torch.Tensor:
     """Denoised latents [1, F', C, h, w] of one prompt: CogVideoXPipeline.__call__'s loop, with every draw
-    from `generator` (a CPU generator, as the pipeline uses it). Latents and scheduler math stay fp32."""
+    from `generator` (a CPU generator, as the pipeline uses it). Latents and scheduler math stay fp32.
+    on_step(i) runs before sampling step i (from 1): the renderer's stop check."""
     frames, height, width = resolution
     latent_frames = (frames - 1) // adapter.temporal_ratio + 1
     # CogVideoX 1.5: noise for extra leading frames up to a multiple of patch_size_t, dropped at the end.
@@ -139,6 +146,7 @@ def sample_latents(adapter, model, scheduler, prompt_embeds, negative_embeds, ge
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
     steps, previous_x0 = cfg.num_inference_steps, None
     for i, t in enumerate(scheduler.timesteps):
+        on_step(i + 1)
         x_t = scheduler.scale_model_input(torch.cat([latents] * 2) if guided else latents, t)
         with autocast:
             v = adapter.predict_v(model, x_t, t.expand(x_t.shape[0]), embeds, rotary)
@@ -199,14 +207,20 @@ class ClipRenderer:
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
-            adapter.release_encoders()  # T5 is not needed again; the VAE reloads for each decode
+            adapter.release_text_encoder()  # not needed again
 
-    def frames(self, model, index: int, scheduler, autocast) -> torch.Tensor:
+    def frames(self, model, index: int, scheduler, autocast, on_step=lambda i: None) -> torch.Tensor:
         """Float frames [F, H, W, 3] in [0, 1] of prompt `index`."""
         generator = data.keyed_generator(self.cfg.seed, index)
         latents = sample_latents(self.adapter, model, scheduler, self.prompt_embeds[index : index + 1],
-                                 self.negative_embeds, generator, self.cfg, self.resolution, autocast)
+                                 self.negative_embeds, generator, self.cfg, self.resolution, autocast, on_step)
         return to_frames(self.adapter.decode_latents(latents)[0])
+
+    def _on_step(self, i: int) -> None:
+        """Between sampling steps every rank learns whether any got a stop signal (a collective: every
+        rank samples in lockstep), so a render never outlasts a scheduler's grace period by much."""
+        faults.fault("render", i)
+        parallel.stop_if_preempted(self.d, "during validation")
 
     def render(self, model, autocast) -> list[torch.Tensor]:
         """Called on every rank: uint8 clips [F, H, W, 3] of every prompt on rank 0, [] on the others."""
@@ -220,27 +234,31 @@ class ClipRenderer:
                 for j in range(math.ceil(len(self.prompts) / self.d.world)):
                     index = j * self.d.world + self.d.rank
                     if index < len(self.prompts):
-                        clip = to_uint8(self.frames(model, index, scheduler, autocast))
+                        clip = to_uint8(self.frames(model, index, scheduler, autocast, self._on_step))
                     else:  # a padding rank: its forward calls are needed, its clip is not
                         sample_latents(self.adapter, model, scheduler, self.prompt_embeds[-1:], self.negative_embeds,
-                                       data.keyed_generator(self.cfg.seed, index), self.cfg, self.resolution, autocast)
+                                       data.keyed_generator(self.cfg.seed, index), self.cfg, self.resolution, autocast,
+                                       self._on_step)
                         clip = torch.zeros(num_frames, height, width, 3, dtype=torch.uint8)
                     gathered = [torch.empty_like(clip) for _ in range(self.d.world)] if self.d.is_main else None
                     dist.gather(clip, gathered, dst=0)
                     clips += gathered or []
         finally:
             model.train(was_training)
-            self.adapter.release_encoders()
+            self.adapter.park_vae()  # on the CPU until the next validation: no second load from disk
         return clips[: len(self.prompts)]
 
     def save(self, clips: list[torch.Tensor], name: str) -> list[Path]:
-        """Rank 0: validation_res/{name}_prompt_{i}.mp4 at gen_fps."""
+        """Rank 0: validation_res/{name}_prompt_{i}.mp4 at gen_fps, and with validation.save_frames the
+        frames themselves (what was encoded, exactly) as {name}_prompt_{i}.safetensors."""
         if not self.d.is_main:
             return []
         self.out_dir.mkdir(parents=True, exist_ok=True)
         paths = [self.out_dir / f"{name}_prompt_{i}.mp4" for i in range(len(clips))]
         for path, clip in zip(paths, clips):
             write_mp4(path, clip, self.cfg.gen_fps)
+            if self.cfg.save_frames:
+                save_file({"frames": clip.contiguous()}, path.with_suffix(".safetensors"))
         return paths
 
     def run(self, model, step: int, metrics, autocast) -> dict[str, float]:
@@ -257,32 +275,38 @@ class ClipRenderer:
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
 
 
-def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, lora_file: str | None):
+def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, lora_file: str | None,
+               online: bool = False):
     """The transformer as the trainer builds it (LoRA injected, DDP or FSDP), holding the weights of a
-    checkpoint, of an exported LoRA file, or the base model's."""
+    checkpoint (its EMA weights when it has them, as in-training validation, unless `online`), of an
+    exported LoRA file, or the base model's."""
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # a checkpoint or --lora decides the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d, lora_file or "")
     if checkpoint:
         if not (Path(checkpoint) / "meta.json").is_file():
             raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint folder (no meta.json)")
         ckpt.check_identity(Path(checkpoint), ckpt.verify(Path(checkpoint)), ckpt.run_identity(cfg, adapter))
-        ckpt.load_weights(model, checkpoint, cfg.train.training_type)
+        ema = EMA(model, cfg.train.ema_decay) if ckpt.has_ema(checkpoint) and not online else None
+        ckpt.load_weights(model, checkpoint, cfg.train.training_type, ema)
+        if ema is not None:
+            ema.swap_in()
+            log.info("rendering with the checkpoint's EMA weights (--online renders the others)")
     return model
 
 
-def render_command(cfg: Config, prompts: list[str], checkpoint: str | None, lora_file: str | None,
-                   d: parallel.Dist) -> None:
+def render_command(cfg: Config, prompts: list[str], checkpoint: str | None,
+                   lora_file: str | None, online: bool, d: parallel.Dist) -> None:
     cfg.validation.prompts = prompts or cfg.validation.prompts
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d)
-        model = load_model(cfg, adapter, d, checkpoint, lora_file)
+        model = load_model(cfg, adapter, d, checkpoint, lora_file, online)
     mixed = cfg.train.mixed_precision
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[mixed], enabled=mixed != "no")
     source = Path(checkpoint).name if checkpoint else Path(lora_file).stem if lora_file else "base"
-    for path in renderer.save(renderer.render(model, autocast), f"render_{source}"):
+    for path in renderer.save(renderer.render(model, autocast), f"render_{source}{'_online' if online else ''}"):
         log.info("wrote %s", path)
 
 
@@ -291,11 +315,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cfg", required=True, help="TOML config file (a run's config.toml for its checkpoints)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="a checkpoint-N folder of a run trained with --cfg")
-    source.add_argument("--lora", help="an exported pytorch_lora_weights.safetensors")
+    source.add_argument("--lora", help="an exported LoRA: ours, diffusers' or PEFT's layout")
+    parser.add_argument("--online", action="store_true", help="with --checkpoint: the online weights, not the EMA")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); default: validation.prompts")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    parallel.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.checkpoint, args.lora, d),
-                         args.cfg, overrides)
+    if args.online and not args.checkpoint:
+        parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
+    parallel.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.checkpoint, args.lora,
+                                                       args.online, d), args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
     cfg, out, nproc = make_config("disk_full", "ddp")
     result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_fail:4:1"}, timeout=150)
     assert result.returncode != 0
-    assert f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: [Errno 28] No space left" in result.stderr
+    assert f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: OSError: [Errno 28] No space left" in result.stderr
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
     ckpt.verify(out / "checkpoint-2")
 
