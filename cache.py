@@ -127,10 +127,12 @@ def encode_batches(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig
                 for j, (item, _) in enumerate(good):
                     cache.write(item, {"latent_mean": mean[j], "latent_logvar": logvar[j], "prompt_embeds": embeds[j]})
                     written += 1
-                    faults.fault("cache_kill", written)
+                    faults.fault("cache", written)
             return len(good) + len(bad), bad
         for count, bad in parallel.agree(work, d):
             done, problems = done + count, problems + bad
+        parallel.stop_if_preempted(d, f"in the cache pass, with {done} of {len(todo)} clips encoded and kept; "
+                                      "the next run continues from there")
         now = time.perf_counter()
         if now - last_log >= PROGRESS_EVERY_S or r == rounds - 1:
             rate = done / (now - start)

@@ -108,23 +108,46 @@ def check_identity(path: Path, meta: dict, identity: dict) -> None:
             )
 
 
-def verify(path: Path) -> dict:
-    """Check every file against meta.json; return the meta, or raise naming the culprit."""
-    meta = json.loads((path / "meta.json").read_text())
-    for name, expected in meta["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise ConfigError(f"checkpoint {path} is missing {name}")
-        if file.stat().st_size != expected["size"] or _sha256(file) != expected["sha256"]:
-            raise ConfigError(f"checkpoint {path}: {name} does not match its size or sha256 in meta.json")
-    return meta
+def check_files(path: Path, names: list[str]) -> str | None:
+    """Check files of a checkpoint against its meta.json, every size before any sha256; return what is
+    wrong, or None."""
+    expected = json.loads((path / "meta.json").read_text())["files"]
+    for name in names:
+        if name not in expected or not (path / name).is_file():
+            return f"checkpoint {path} is missing {name}" if name in expected else f"checkpoint {path}: {name} is not in meta.json"
+        if (path / name).stat().st_size != expected[name]["size"]:
+            return f"checkpoint {path}: {name} does not match its size or sha256 in meta.json"
+    for name in names:
+        if _sha256(path / name) != expected[name]["sha256"]:
+            return f"checkpoint {path}: {name} does not match its size or sha256 in meta.json"
+    return None
+
+
+def check_reads(path: Path, state: dict, planner) -> str | None:
+    """Check the files this rank's DCP load of `state` will read, and only those: DCP's .metadata (it is
+    unpickled to plan the reads), then the shards named by this rank's own load plan, made locally. Every
+    rank checks its share at the same time, outside any collective, so a checkpoint of tens of GB is
+    hashed in the time of one rank's share and no rank waits inside a collective's timeout meanwhile."""
+    problem = check_files(path, [".metadata"])
+    if problem:
+        return problem
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    reads = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+    return check_files(path, sorted(reads))
+
+
+def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) -> str | None:
+    """A collective: every rank checks what it will read of `path`; the first problem found, or None."""
+    problems = parallel.agree(lambda: check_reads(path, state, dcp.DefaultLoadPlanner(**planner_options)), d)
+    return next((p for p in problems if p), None)
 
 
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict):
         self.cfg, self.dir, self.d, self.identity = cfg, Path(output_dir), d, identity
         self.frozen_excluded = identity["training_type"] == "lora"
-        self.async_group, self.pending = None, None
+        self.async_group, self.pending, self.saved_step = None, None, None
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _state(self, objects: dict) -> dict:
@@ -147,6 +170,9 @@ class Checkpointer:
         """Every rank writes its shards. With async_save the write runs in the background and commits
         at the next save; the final save is synchronous so the run ends committed."""
         self.wait_and_commit()
+        if step == self.saved_step:  # a stop right after this step's save: it is committed already
+            return
+        self.saved_step = step
         final_dir, tmp = self.dir / f"checkpoint-{step}", self.dir / f"checkpoint-{step}.tmp"
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -212,52 +238,46 @@ class Checkpointer:
         for path in complete_checkpoints(self.dir)[: -self.cfg.checkpointing_limit]:
             shutil.rmtree(path)
 
-    def _choose(self) -> tuple[Path | None, str]:
-        """On rank 0: the checkpoint to resume from, and a message about any that was passed over."""
-        for tmp in self.dir.glob("checkpoint-*.tmp"):
-            shutil.rmtree(tmp)
-        found = complete_checkpoints(self.dir)
-        if self.cfg.resume == "none":
-            if found:
-                raise ConfigError(f"{self.dir} already holds {found[-1].name}: set checkpoint.resume = \"auto\" "
-                                  "to continue it, or choose another run.output_dir")
-            return None, ""
-        if self.cfg.resume != "auto":
-            path = Path(self.cfg.resume)
-            if not (path / "meta.json").is_file():
-                raise ConfigError(f"checkpoint.resume = {path} is not a checkpoint folder (no meta.json)")
-            verify(path)
-            return path, ""
-        skipped = ""
-        for path in reversed(found):
-            try:
-                verify(path)
-                return path, skipped
-            except (ConfigError, OSError, ValueError) as e:
-                skipped += f"{e}; falling back to the previous checkpoint. "
-        if found:  # starting over would rotate the damaged ones away: leave that decision to the user
-            raise ConfigError(f"no checkpoint in {self.dir} passes its meta.json check ({skipped.strip()}) "
-                              "move them elsewhere to start over, or set checkpoint.resume to one of them")
-        return None, ""
-
-    def resume(self, objects: dict) -> None:
-        """Load the chosen checkpoint into the live objects on every rank; resharding is DCP's."""
-        choice = [None, ""]
+    def _candidates(self) -> list[Path]:
+        """The checkpoints to try, newest first, as rank 0 sees them (leftover .tmp folders removed)."""
+        found = None
         with parallel.all_or_none():
             if self.d.is_main:
-                path, skipped = self._choose()
-                choice = [str(path) if path else None, skipped]
-        dist.broadcast_object_list(choice, src=0)
-        path, skipped = choice
-        if skipped:
-            log.warning("%s", skipped)
-        if path is None:
+                for tmp in self.dir.glob("checkpoint-*.tmp"):
+                    shutil.rmtree(tmp)
+                found = [str(p) for p in reversed(complete_checkpoints(self.dir))]
+        found = parallel.broadcast(found, self.d)
+        if self.cfg.resume == "none" and found:
+            raise ConfigError(f"{self.dir} already holds {Path(found[0]).name}: set checkpoint.resume = \"auto\" "
+                              "to continue it, or choose another run.output_dir")
+        if self.cfg.resume not in ("auto", "none"):
+            read_meta(Path(self.cfg.resume))
+            return [Path(self.cfg.resume)]
+        return [Path(p) for p in found] if self.cfg.resume == "auto" else []
+
+    def resume(self, objects: dict) -> None:
+        """Load the newest checkpoint whose files check out into the live objects on every rank, falling
+        back to older ones; resharding is DCP's. A stop signal before the check ends the run here."""
+        parallel.stop_if_preempted(self.d, "before resuming, with nothing new to save")
+        candidates = self._candidates()
+        state, skipped = self._state(objects), []
+        for path in candidates:
+            problem = reads_problem(path, state, self.d)
+            if problem is None:
+                break
+            if self.cfg.resume != "auto":
+                raise ConfigError(problem)
+            skipped.append(problem)
+            log.warning("%s; falling back to the previous checkpoint", problem)
+        else:
+            if candidates:  # starting over would rotate the damaged ones away: leave that decision to the user
+                raise ConfigError(f"no checkpoint in {self.dir} passes its meta.json check ({'; '.join(skipped)}): "
+                                  "move them elsewhere to start over, or set checkpoint.resume to one of them")
             return
         with parallel.all_or_none():
-            meta = json.loads((Path(path) / "meta.json").read_text())
-            check_identity(Path(path), meta, self.identity)
-            state = self._state(objects)
-            dcp.load(state, checkpoint_id=path)
+            meta = read_meta(path)
+            check_identity(path, meta, self.identity)
+            dcp.load(state, checkpoint_id=str(path))
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
             set_model_state_dict(objects["model"], state["model"], options=options)
             optim_state = get_optimizer_state_dict(objects["model"], objects["optimizer"], options=options)
@@ -266,21 +286,33 @@ class Checkpointer:
             for name, obj in objects.items():
                 if name not in ("model", "optimizer"):
                     obj.load_state_dict(state[name])
+        self.saved_step = meta["step"]
         log.info("resumed from step %d (%s)", meta["step"], path)
+
+
+def read_meta(path: Path) -> dict:
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"{path} is not a checkpoint folder (no meta.json)")
+    return json.loads((path / "meta.json").read_text())
 
 
 def has_ema(path: str) -> bool:
     """Whether a checkpoint holds EMA weights (its run had train.ema_decay > 0), from DCP's metadata."""
+    read_meta(Path(path))
     return any(key.startswith("ema.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-def load_weights(model, path: str, training_type: str, ema=None) -> None:
+def load_weights(model, path: str, training_type: str, identity: dict, d: parallel.Dist, ema=None) -> None:
     """Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
+    check_identity(Path(path), read_meta(Path(path)), identity)
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
     state = {"model": get_model_state_dict(model, options=options)}
     if ema is not None:
         state["ema"] = ema.state_dict()
+    problem = reads_problem(Path(path), state, d, allow_partial_load=True)
+    if problem:
+        raise ConfigError(problem)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(model, state["model"], options=options)
 
@@ -317,11 +349,11 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     """Build the model as training does, load the checkpoint's trained weights (and EMA), export them."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
-        check_identity(Path(checkpoint), verify(Path(checkpoint)), run_identity(cfg, adapter))
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # the checkpoint holds the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-    load_weights(model, checkpoint, cfg.train.training_type, ema)
+    with parallel.all_or_none():
+        load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
     export(model, cfg.train.training_type, cfg.lora, adapter, out or cfg.run.output_dir, d, ema)
 
 

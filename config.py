@@ -25,6 +25,10 @@ class RunConfig:
     output_dir: str = ""
     # The one seed: every random draw is keyed by it.
     seed: int = 42
+    # Deterministic kernels on GPUs (torch.use_deterministic_algorithms, the math attention backend,
+    # no cuDNN autotuning), so same-seed runs and resumed runs are bitwise identical there as on CPUs;
+    # slower: FlashAttention's backward is not deterministic.
+    deterministic: bool = False
 
 
 @dataclass

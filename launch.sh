@@ -6,7 +6,9 @@
 #                                           environment, or from SLURM when run inside a SLURM job
 #
 # Logs are filtered to local rank 0 (LOG_RANKS to change it; "" shows every rank). torchrun forwards
-# SIGTERM and SIGUSR1 (SLURM's warning before a time limit) to the workers, which save and exit 0.
+# SIGTERM and SIGUSR1 (SLURM's warning before a time limit) to the workers, which save and exit 0, and
+# gives them SHUTDOWN_TIMEOUT seconds (default 600, torchrun's own is 30) before it kills them: set it
+# longer than your longest checkpoint save.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -34,7 +36,8 @@ if [[ -z "${NPROC:-}" ]]; then
 fi
 NNODES=${NNODES:-1}
 
-args=(--nproc_per_node "$NPROC" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1)
+args=(--nproc_per_node "$NPROC" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+      --shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}")
 if [[ -n "${LOG_RANKS-0}" ]]; then
     args+=(--local-ranks-filter "${LOG_RANKS-0}")
 fi

@@ -66,6 +66,20 @@ def init(cfg: ParallelConfig) -> Dist:
     return Dist(rank, world, local_rank, device)
 
 
+def make_deterministic() -> None:
+    """Before any CUDA work: cuBLAS needs its workspace setting before its first handle."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = False
+        # FlashAttention's, memory-efficient attention's and cuDNN attention's backward passes accumulate
+        # in a varying order on GPUs: the math backend does not. (The switches reach the CPU kernels
+        # too, whose flash kernel is deterministic already: CPU runs keep it.)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def run_command(work, config_path: str, overrides: list[str]) -> None:
     """Every command's frame: read the config, set up the process group, run work(cfg, d) on every rank;
     on any failure (an exception, Ctrl-C, DCP's own errors) exactly one rank reports the cause; the
@@ -75,6 +89,8 @@ def run_command(work, config_path: str, overrides: list[str]) -> None:
     previous_handlers = PREEMPTION.install()
     try:
         cfg = load_config(config_path, overrides)
+        if cfg.run.deterministic:
+            make_deterministic()
         d = init(cfg.parallel)
         if not d.is_main:
             logging.getLogger().setLevel(logging.WARNING)
@@ -83,10 +99,10 @@ def run_command(work, config_path: str, overrides: list[str]) -> None:
         code = report(e, rank)
     # Outside the except block, so the traceback and the model it references are gone first.
     shutdown()
+    if code:  # handlers still set: torchrun's SIGTERM after a rank's exit must not kill this one mid-report
+        sys.exit(code)
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
-    if code:
-        sys.exit(code)
 
 
 def report(error: BaseException, rank: int) -> int:
@@ -110,11 +126,19 @@ def report(error: BaseException, rank: int) -> int:
     if timed_out(error):
         if not first_to_report("timeout"):
             return 1
-        error = TimeoutError(f"rank {rank}: a collective waited longer than parallel.timeout_s: another rank hangs, "
-                             f"or the ranks disagree on what runs next; raise parallel.timeout_s if a step, a save "
-                             f"or a validation legitimately takes longer ({error})")
+        try:  # raised, so that the traceback torchrun prints is this one
+            raise TimeoutError(f"rank {rank}: a collective waited longer than parallel.timeout_s: another rank "
+                               "hangs, or the ranks disagree on what runs next; raise parallel.timeout_s if a step, "
+                               f"a save or a validation legitimately takes longer ({error})") from None
+        except TimeoutError as explained:
+            return report_unexpected(explained)
+    return report_unexpected(error)
+
+
+def report_unexpected(error: BaseException) -> int:
+    """Called while `error` is being handled: torchrun prints it once, with its traceback."""
     if "TORCHELASTIC_ERROR_FILE" in os.environ:
-        ErrorHandler().record_exception(error)  # torchrun prints it once, with its traceback
+        ErrorHandler().record_exception(error)
     else:
         log.error("%s", "".join(traceback.format_exception(error)).rstrip())
     return 1
@@ -172,6 +196,13 @@ def all_or_none():
     failed = [m for m in messages if m is not None]
     if failed:
         raise StopRun(failed[0]) from error
+
+
+def broadcast(value, d: Dist):
+    """Rank 0's value on every rank (a picklable object)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def agree(work, d: Dist) -> list:

@@ -203,7 +203,7 @@ class ClipRenderer:
         key = "validation.resolution" if cfg.resolution else "data.buckets[0]" if data_cfg.buckets else "data.train_resolution"
         check_resolution(self.resolution, adapter.frame_multiple, adapter.size_multiple, key)
         self.out_dir = Path(output_dir) / "validation_res"
-        self.prompts = list(cfg.prompts)
+        self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
@@ -219,7 +219,8 @@ class ClipRenderer:
     def _on_step(self, i: int) -> None:
         """Between sampling steps every rank learns whether any got a stop signal (a collective: every
         rank samples in lockstep), so a render never outlasts a scheduler's grace period by much."""
-        faults.fault("render", i)
+        self.sampling_steps += 1
+        faults.fault("render", self.sampling_steps)
         parallel.stop_if_preempted(self.d, "during validation")
 
     def render(self, model, autocast) -> list[torch.Tensor]:
@@ -283,11 +284,8 @@ def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, l
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # a checkpoint or --lora decides the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d, lora_file or "")
     if checkpoint:
-        if not (Path(checkpoint) / "meta.json").is_file():
-            raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint folder (no meta.json)")
-        ckpt.check_identity(Path(checkpoint), ckpt.verify(Path(checkpoint)), ckpt.run_identity(cfg, adapter))
         ema = EMA(model, cfg.train.ema_decay) if ckpt.has_ema(checkpoint) and not online else None
-        ckpt.load_weights(model, checkpoint, cfg.train.training_type, ema)
+        ckpt.load_weights(model, checkpoint, cfg.train.training_type, ckpt.run_identity(cfg, adapter), d, ema)
         if ema is not None:
             ema.swap_in()
             log.info("rendering with the checkpoint's EMA weights (--online renders the others)")

@@ -48,6 +48,10 @@ def references(make_config):
     return outputs
 
 
+def assert_intact(path):
+    assert ckpt.check_files(path, list(json.loads((path / "meta.json").read_text())["files"])) is None
+
+
 def weights(output_dir, folder="lora"):
     return load_file(output_dir / folder / "pytorch_lora_weights.safetensors")
 
@@ -73,9 +77,10 @@ def test_killed_run_resumes_bitwise(references, make_config, variant):
         assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("source, target", [("fsdp", "one"), ("one", "fsdp")])
-def test_reshard_between_world_sizes(references, make_config, source, target):
-    """FSDP on 2 ranks -> 1 rank with the batch doubled, and back: the next 10 steps match."""
+@pytest.mark.parametrize("source, target", [("fsdp", "one"), ("one", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_reshard_between_world_sizes_and_strategies(references, make_config, source, target):
+    """FSDP on 2 ranks -> 1 rank with the batch doubled, and back; 2-rank DDP -> 2-rank FSDP, and back:
+    the next 10 steps match the run that was not stopped."""
     cfg, out, nproc = make_config(f"reshard_{source}_{target}", target)
     out.mkdir()
     shutil.copytree(references[source] / "checkpoint-4", out / "checkpoint-4")
@@ -97,22 +102,30 @@ def test_kill_during_save_falls_back_and_rotation_keeps_the_newest(references, m
     assert (out / "latest").read_text() == "checkpoint-14\n"
 
 
-def test_sigterm_saves_and_exits_zero(references, make_config):
+def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_config):
+    """SIGTERM on one rank while step 4's shards are written: the save commits, every rank stops at the
+    next step boundary with a checkpoint, exit 0; the next launch continues bitwise."""
     cfg, out, nproc = make_config("sigterm", "fsdp")
-    stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_sigterm:5:1"})
-    assert "stopped by a signal after step 5" in stopped.stderr and (out / "checkpoint-5" / "meta.json").is_file()
+    stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_sigterm:4:1"})
+    assert "stopped by a signal: after step 5, checkpoint written" in stopped.stderr
+    assert (out / "checkpoint-4" / "meta.json").is_file() and (out / "checkpoint-5" / "meta.json").is_file()
     assert not (out / "lora").exists()
     run_ok(["--cfg", str(cfg)], nproc=2)
     assert_bitwise_equal_runs(references["fsdp"], out)
 
 
-def test_async_save_commits_and_changes_nothing(references, make_config):
+def test_async_save_commits_and_resumes_bitwise(references, make_config):
+    """Killed at step 7: step 6's background save never committed, step 4's (committed at step 6) is
+    where the next launch resumes, and the run ends bitwise equal to the uninterrupted one."""
     cfg, out, nproc = make_config("async", "fsdp", **{"checkpoint.async_save": True})
-    run_ok(["--cfg", str(cfg)], nproc=2)
+    assert run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:7"}).returncode != 0
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    resumed = run_ok(["--cfg", str(cfg)], nproc=2)
+    assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
     assert_bitwise_equal_runs(references["fsdp"], out)
     assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(2, STEPS + 1, 2)]
     for path in ckpt.complete_checkpoints(out):
-        ckpt.verify(path)
+        assert_intact(path)
 
 
 def test_failed_write_is_reported_and_loses_nothing(make_config):
@@ -121,7 +134,7 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
     assert result.returncode != 0
     assert f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: OSError: [Errno 28] No space left" in result.stderr
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
-    ckpt.verify(out / "checkpoint-2")
+    assert_intact(out / "checkpoint-2")
 
 
 def test_corrupt_newest_checkpoint_falls_back(references, make_config):

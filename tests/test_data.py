@@ -196,7 +196,11 @@ def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tmp
     killed = run_cmd(args_of(config), env={"VIDTRAIN_FAULT": "cache_kill:5"}, script="cache.py")
     assert killed.returncode != 0 and "clips encoded" not in killed.stderr
     assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 5
-    assert "19 clips encoded, 5 reused" in run_cache_pass(caplog, config)
+    # SIGTERM after 3 more entries: the round under way (2 clips per batch) completes, then the pass stops, exit 0.
+    stopped = run_ok(args_of(config), env={"VIDTRAIN_FAULT": "cache_sigterm:3"}, script="cache.py")
+    assert "stopped by a signal: in the cache pass, with 4 of 19 clips encoded and kept" in stopped.stderr
+    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 9
+    assert "15 clips encoded, 9 reused" in run_cache_pass(caplog, config)
     assert "0 clips encoded, 24 reused" in run_cache_pass(caplog, config)
     assert "24 clips encoded, 0 reused" in run_cache_pass(caplog, config, "--data.train_resolution", "[9, 32, 48]")
     assert "24 clips encoded, 0 reused" in run_cache_pass(caplog, config, "--data.crop", "random")

@@ -6,18 +6,27 @@ import subprocess
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import REPO, free_port, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from diffusers import CogVideoXTransformer3DModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import data
+import parallel
+from cache import prepare as prepare_data
+from config import load_config
+from model import build_model
+
 RTOL, ATOL = 1e-5, 1e-6
-# G = 4 in every variant: 1 x 4, 2 ranks x 2, accumulation 2 x 2.
+MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
+# G = 4 in every variant: 1 x 4, 2 ranks x 2, accumulation 2 x 2, 4 ranks x 1 as 2 replicas of 2 shards.
 VARIANTS = {
     "one_process": ({"train.batch_size": 4}, 1),
     "accumulation": ({"train.batch_size": 2, "train.gradient_accumulation_steps": 2}, 1),
     "ddp": ({"train.batch_size": 2, "parallel.strategy": "ddp"}, 2),
     "fsdp": ({"train.batch_size": 2, "parallel.strategy": "fsdp"}, 2),
+    "hsdp": ({"train.batch_size": 1, "parallel.strategy": "fsdp", "parallel.dp_replicate": 2}, 4),
 }
 
 
@@ -25,11 +34,16 @@ def lora_weights(output_dir):
     return load_file(output_dir / "lora" / "pytorch_lora_weights.safetensors")
 
 
+def logged(output_dir, tag: str) -> dict[int, float]:
+    return {m["step"]: m[tag] for m in read_metrics(output_dir) if tag in m}
+
+
 def assert_close_runs(a, b, rtol=RTOL, atol=ATOL):
-    losses_a, losses_b = train_losses(a), train_losses(b)
-    assert losses_a.keys() == losses_b.keys()
-    torch.testing.assert_close(torch.tensor(list(losses_a.values())), torch.tensor(list(losses_b.values())),
-                               rtol=rtol, atol=atol)
+    for tag in ("train/loss", "train/grad_norm"):
+        values_a, values_b = logged(a, tag), logged(b, tag)
+        assert values_a.keys() == values_b.keys()
+        torch.testing.assert_close(torch.tensor(list(values_a.values())), torch.tensor(list(values_b.values())),
+                                   rtol=rtol, atol=atol, msg=tag)
     wa, wb = lora_weights(a), lora_weights(b)
     assert wa.keys() == wb.keys()
     for key in wa:
@@ -38,33 +52,52 @@ def assert_close_runs(a, b, rtol=RTOL, atol=ATOL):
 
 @pytest.fixture(scope="module")
 def variant_runs(tmp_path_factory, base_settings):
-    """Each variant trained once (fp32), shared by the tests below."""
+    """Each variant trained once (fp32, clipping on every step), shared by the tests below."""
     root = tmp_path_factory.mktemp("variants")
     outputs = {}
     for name, (settings, nproc) in VARIANTS.items():
         outputs[name] = root / name
         cfg = write_toml(root / f"{name}.toml", {**base_settings, "run.output_dir": str(root / name),
-                                                  "train.steps": 5, "checkpoint.checkpointing_steps": 5, **settings})
+                                                  "train.steps": 5, "checkpoint.checkpointing_steps": 5,
+                                                  "train.max_grad_norm": MAX_GRAD_NORM, **settings})
         run_ok(["--cfg", str(cfg)], nproc=nproc)
     return outputs
 
 
-@pytest.mark.parametrize("name", ["accumulation", "ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["accumulation", "ddp", "fsdp", "hsdp"])
 def test_same_update_as_one_process(variant_runs, name):
+    """Losses, gradient norms (before clipping) and final weights agree; every step was clipped."""
+    assert all(norm > MAX_GRAD_NORM for norm in logged(variant_runs["one_process"], "train/grad_norm").values())
     assert_close_runs(variant_runs["one_process"], variant_runs[name])
 
 
-def test_logged_loss_is_the_global_mean(variant_runs):
-    """Two ranks log one value per step, the mean over ranks and micro-steps, with global samples/s."""
-    metrics = [m for m in read_metrics(variant_runs["ddp"]) if "train/loss" in m]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
-    assert all(m["train/samples_per_s"] > 0 and m["train/peak_mem_gb"] > 0 for m in metrics)
+def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
+    """Two ranks log one value per step: the mean over ranks of their losses, here recomputed in this
+    process from the cache, the sampler and the keyed generators for step 1 (before any update)."""
+    assert [m["step"] for m in read_metrics(variant_runs["ddp"]) if "train/loss" in m] == [1, 2, 3, 4, 5]
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", {**base_settings, "run.output_dir": str(tmp_path)})))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        adapter, cache, clips, _ = prepare_data(cfg, d)
+        model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
+        batch_ids = data.Sampler([c.bucket for c in clips], 4, cfg.run.seed).next_batch()
+        with torch.no_grad():
+            per_rank = [adapter.train_loss(model, cache.load_batch([clips[batch_ids[p]] for p in positions]),
+                                           [data.keyed_generator(cfg.run.seed, 1, p) for p in positions]).mean()
+                        for positions in (data.micro_slice(0, r, 2, 2) for r in range(2))]
+    finally:
+        dist.destroy_process_group()
+    assert abs(per_rank[0] - per_rank[1]) > 1e-3  # the ranks' own losses differ: their mean is a real check
+    assert logged(variant_runs["ddp"], "train/loss")[1] == pytest.approx(float(sum(per_rank) / 2), rel=RTOL)
+    assert all(m["train/samples_per_s"] > 0 and m["train/peak_mem_gb"] > 0 for m in read_metrics(variant_runs["ddp"]))
 
 
 def test_bf16_fsdp_stays_near_fp32(variant_runs, write_config, tmp_path):
     cfg = write_config("bf16", **{"train.batch_size": 2, "parallel.strategy": "fsdp", "model.dtype": "bf16",
                                   "train.mixed_precision": "bf16", "train.gradient_checkpointing": True,
-                                  "train.steps": 5, "checkpoint.checkpointing_steps": 5})
+                                  "train.steps": 5, "checkpoint.checkpointing_steps": 5,
+                                  "train.max_grad_norm": MAX_GRAD_NORM})
     run_ok(["--cfg", str(cfg)], nproc=2)
     # bf16 keeps 8 bits of mantissa: per-step losses agree to about 1%.
     losses, reference = train_losses(tmp_path / "bf16"), train_losses(variant_runs["fsdp"])
@@ -75,7 +108,8 @@ def test_bf16_fsdp_stays_near_fp32(variant_runs, write_config, tmp_path):
 def test_two_nodes_through_launch_sh(variant_runs, write_config, tmp_path):
     """2 nodes x 1 process through a c10d rendezvous on localhost, HSDP (replicate across nodes)."""
     cfg = write_config("nodes", **{"train.batch_size": 2, "parallel.strategy": "fsdp", "parallel.dp_replicate": 2,
-                                   "train.steps": 5, "checkpoint.checkpointing_steps": 5})
+                                   "train.steps": 5, "checkpoint.checkpointing_steps": 5,
+                                   "train.max_grad_norm": MAX_GRAD_NORM})
     port = free_port()
     env = {**os.environ, "NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(["bash", str(REPO / "launch.sh"), str(cfg)], env={**env, "NODE_RANK": str(rank)},
@@ -104,14 +138,23 @@ def test_fsdp_shards_sft_state(write_config, tmp_path):
     assert train_losses(tmp_path / "ddp") == pytest.approx(train_losses(tmp_path / "fsdp"), rel=RTOL)
 
 
-def test_a_failing_rank_ends_the_job_with_one_message(write_config, tmp_path):
-    cfg = write_config("fail", **{"train.batch_size": 2, "parallel.timeout_s": 60})
+@pytest.mark.parametrize("fault, message", [
+    ("step_fail:3:1", "OSError: injected fault step_fail at 3"),  # one rank raises: it reports, the other is quiet
+    ("step_deadlock:3", "TimeoutError: rank"),  # every rank times out: the first to notice reports
+])
+def test_a_failure_ends_the_job_with_one_message(write_config, tmp_path, fault, message):
+    cfg = write_config("fail", **{"train.batch_size": 2, "parallel.timeout_s": 10})
     # A hang would outlive the subprocess timeout and fail the test.
-    result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_fail:3:1"}, timeout=150)
+    result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": fault}, timeout=150)
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert output.count("OSError: injected fault step_fail at 3") == 1, output[-4000:]
-    assert "rank      : 1" in output
+    assert output.count(message) == 1, output[-4000:]
+
+
+def test_ctrl_c_stops_with_one_message(write_config, tmp_path):
+    result = run_cmd(["--cfg", str(write_config("interrupted"))], env={"VIDTRAIN_FAULT": "step_sigint:2"})
+    assert result.returncode == 130 and result.stderr.count("interrupted: stopped without a checkpoint") == 1
+    assert "Traceback" not in result.stderr
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path):

@@ -5,7 +5,7 @@ import shutil
 import av
 import pytest
 import torch
-from conftest import read_metrics, run_cmd, run_ok, train_losses
+from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 
@@ -22,23 +22,47 @@ def lora_file(output_dir):
     return output_dir / "lora" / "pytorch_lora_weights.safetensors"
 
 
-def test_training_lowers_the_held_out_loss(write_config, tmp_path):
-    cfg = write_config("learn", **{"train.steps": 60, "train.learning_rate": 3e-3, "lora.rank": 8,
-                                   "lora.lora_alpha": 4, "checkpoint.checkpointing_steps": 60,
-                                   "validation.validation_steps": 30})
-    result = run_ok(["--cfg", str(cfg)])
-    losses = held_out(tmp_path / "learn")
+@pytest.fixture(scope="module")
+def learned(base_settings, tmp_path_factory):
+    """60 steps at a learning rate that moves the held-out loss; (output folder, trainer stderr)."""
+    root = tmp_path_factory.mktemp("learn")
+    cfg = write_toml(root / "learn.toml", {**base_settings, "run.output_dir": str(root / "learn"), "train.steps": 60,
+                                           "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
+                                           "checkpoint.checkpointing_steps": 60, "validation.validation_steps": 30})
+    return root / "learn", run_ok(["--cfg", str(cfg)]).stderr
+
+
+def test_training_lowers_the_held_out_loss(learned):
+    out, log = learned
+    losses = held_out(out)
     assert sorted(losses) == [0, 30, 60]
     assert losses[60] < 0.9 * losses[0], losses
-    assert "parameters: " in result.stderr and "global batch 2 = 2 per rank x 1 accumulation x 1 ranks" in result.stderr
-    metrics = read_metrics(tmp_path / "learn")
+    assert "parameters: " in log and "global batch 2 = 2 per rank x 1 accumulation x 1 ranks" in log
+    assert f"step 60/60  held-out loss {losses[60]:.4f}" in log  # where the terminal shows it
+    metrics = read_metrics(out)
     assert {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/peak_mem_gb"} <= set(metrics[1])
-    assert (tmp_path / "learn" / "config.toml").is_file()
+    assert (out / "config.toml").is_file()
+
+
+@pytest.mark.parametrize("layout", ["lora/pytorch_lora_weights.safetensors", "lora/adapter_model.safetensors"])
+def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, layout):
+    """Started from a run's export (diffusers' or PEFT's layout), the step-0 held-out loss is that run's
+    last one; a file of another rank is refused before any compute, naming the difference."""
+    out, _ = learned
+    settings = {"lora.rank": 8, "lora.lora_alpha": 4, "lora.init_from": str(out / layout), "train.steps": 1,
+                "validation.validation_steps": 1}
+    run_ok(["--cfg", str(write_config("continued", **settings))])
+    assert held_out(tmp_path / "continued")[0] == held_out(out)[60]
+    refused = run_cmd(["--cfg", str(write_config("refused", **{**settings, "lora.rank": 4}))])
+    assert refused.returncode == 1 and f"lora.init_from = {out / layout} has rank 8, but lora.rank = 4" in refused.stderr
+    assert "cache:" not in refused.stderr
 
 
 def test_same_seed_same_run(write_config, tmp_path):
-    for name in ("first", "second"):
-        run_ok(["--cfg", str(write_config(name))])
+    """Bitwise, with run.deterministic on in one of them (on CPUs it changes nothing, and every op used
+    has a deterministic implementation, or torch would raise)."""
+    run_ok(["--cfg", str(write_config("first"))])
+    run_ok(["--cfg", str(write_config("second", **{"run.deterministic": True}))])
     assert train_losses(tmp_path / "first") == train_losses(tmp_path / "second")
     for folder, name in (("lora", "pytorch_lora_weights.safetensors"), ("lora", "adapter_model.safetensors")):
         first, second = tmp_path / "first" / folder / name, tmp_path / "second" / folder / name

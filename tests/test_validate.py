@@ -8,16 +8,20 @@ import av
 import pytest
 import torch
 import torch.distributed as dist
-from diffusers import CogVideoXPipeline
+from diffusers import AutoencoderKLCogVideoX, CogVideoXPipeline
+from transformers import T5EncoderModel
 from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
 
+import cache
+import ckpt
 import data
 import lora
 import parallel
+import trainer
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from model_adapter import load_adapter
@@ -164,6 +168,42 @@ def test_render_command_reproduces_training_clips(runs):
 
 
 FSDP_OVERRIDES = ["--parallel.strategy", "fsdp", "--train.batch_size", "1"]
+
+
+def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tmp_path):
+    """SIGTERM at sampling step 30 of the process (step 2's validation: step 0's took 3 clips x 8 steps)
+    stops every rank there with step 2's checkpoint, exit 0; the next launch ends exactly as the run that
+    was never stopped, clips included."""
+    cfg = write_toml(tmp_path / "stopped.toml", {**base_settings, **RUN, "run.output_dir": str(tmp_path / "stopped")})
+    stopped = run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "render_sigterm:30"})
+    assert "stopped by a signal: after step 2, checkpoint written" in stopped.stderr
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "stopped")] == ["checkpoint-2"]
+    run_ok(["--cfg", str(cfg)])
+    assert train_losses(tmp_path / "stopped") == train_losses(runs / "one")
+    for folder in ("lora", "lora_ema"):
+        ours, theirs = lora_files(tmp_path / "stopped", folder), lora_files(runs / "one", folder)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), folder
+    for i in range(len(PROMPTS)):
+        assert torch.equal(clip_of(tmp_path / "stopped", f"step_4_prompt_{i}"), clip_of(runs / "one", f"step_4_prompt_{i}"))
+
+
+def test_encoders_load_once_per_run(write_config, tmp_path, monkeypatch):
+    """Four validations, one VAE load: it is parked on the CPU between them; T5 encodes the prompts once."""
+    config = write_config("loads", **{"train.steps": 3, "validation.validation_steps": 1, "validation.prompts": PROMPTS[:1],
+                                      "validation.num_inference_steps": 2, "checkpoint.checkpointing_steps": 3})
+    cache.main(["--cfg", str(config)])  # the cache complete: what follows loads encoders for validation only
+    loads = {"vae": 0, "t5": 0}
+
+    def counting(name, original):
+        def load(*args, **kwargs):
+            loads[name] += 1
+            return original(*args, **kwargs)
+        return load
+
+    monkeypatch.setattr(AutoencoderKLCogVideoX, "from_pretrained", counting("vae", AutoencoderKLCogVideoX.from_pretrained))
+    monkeypatch.setattr(T5EncoderModel, "from_pretrained", counting("t5", T5EncoderModel.from_pretrained))
+    trainer.main(["--cfg", str(config)])
+    assert validation_steps(tmp_path / "loads") == [0, 1, 2, 3] and loads == {"vae": 1, "t5": 1}
 
 
 @pytest.fixture(scope="module")
