@@ -188,7 +188,7 @@ class Checkpointer:
                 return
             with _write_failures_named(tmp):
                 dcp.save(self._state(objects), storage_writer=writer)
-        faults.fault("save_kill", step)
+        faults.fault("save", step)
         self._commit(step, tmp, final_dir)
 
     def wait_and_commit(self) -> None:
@@ -199,7 +199,7 @@ class Checkpointer:
         self.pending = None
         with parallel.all_or_none(), _write_failures_named(tmp):
             future.result()
-        faults.fault("save_kill", step)
+        faults.fault("save", step)
         self._commit(step, tmp, final_dir)
 
     def _commit(self, step: int, tmp: Path, final: Path) -> None:
@@ -262,6 +262,8 @@ class Checkpointer:
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
+            with parallel.all_or_none():  # another model or LoRA: stop, do not fall back
+                check_identity(path, read_meta(path), self.identity)
             problem = reads_problem(path, state, self.d)
             if problem is None:
                 break
@@ -276,7 +278,6 @@ class Checkpointer:
             return
         with parallel.all_or_none():
             meta = read_meta(path)
-            check_identity(path, meta, self.identity)
             dcp.load(state, checkpoint_id=str(path))
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
             set_model_state_dict(objects["model"], state["model"], options=options)

@@ -90,7 +90,8 @@ def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
         dist.destroy_process_group()
     assert abs(per_rank[0] - per_rank[1]) > 1e-3  # the ranks' own losses differ: their mean is a real check
     assert logged(variant_runs["ddp"], "train/loss")[1] == pytest.approx(float(sum(per_rank) / 2), rel=RTOL)
-    assert all(m["train/samples_per_s"] > 0 and m["train/peak_mem_gb"] > 0 for m in read_metrics(variant_runs["ddp"]))
+    assert all(m["train/samples_per_s"] > 0 and m["train/peak_mem_gb"] > 0 for m in read_metrics(variant_runs["ddp"])
+               if "train/loss" in m)
 
 
 def test_bf16_fsdp_stays_near_fp32(variant_runs, write_config, tmp_path):
