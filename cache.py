@@ -39,18 +39,23 @@ ENCODER_FOLDERS = ("vae/", "text_encoder/", "tokenizer/")
 class Cache:
     """One safetensors file per clip under cache_dir/<2 hex digits>/, named by what produced it."""
 
-    def __init__(self, cfg: DataConfig, model_identity: dict, text_length: int, dtype: str):
+    def __init__(self, cfg: DataConfig, model_identity: dict, text_length: int, dtype: str, image_seed: int | None):
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
         # Only the encoders shape an entry: another transformer on the same VAE and T5 reuses the cache.
         encoders = {k: v for k, v in model_identity["files"].items() if k.startswith(ENCODER_FOLDERS)}
         self.recipe = {"model": encoders, "dtype": dtype, "text_length": text_length,
                        "target_fps": cfg.target_fps, "crop": cfg.crop}
+        if image_seed is not None:  # I2V: the entry holds the image, noised by a draw keyed by the seed
+            self.recipe["image_seed"] = image_seed
 
     def path(self, item: data.Item) -> Path:
         stat = item.clip.video.stat()
         key = {"video": str(item.clip.video.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
                "prompt": item.clip.prompt, "resolution": item.resolution, "resized": item.resized,
                "start": item.start, "top": item.top, "left": item.left, "pad": item.pad, **self.recipe}
+        if "image_seed" in self.recipe and item.clip.image:
+            image = item.clip.image.stat()
+            key["image"] = [str(item.clip.image.resolve()), image.st_size, image.st_mtime_ns]
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return self.dir / digest[:2] / f"{digest}.safetensors"
 
@@ -96,10 +101,12 @@ def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data
     return problems
 
 
-def encode_batches(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, d: parallel.Dist):
+def encode_batches(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, seed: int, d: parallel.Dist):
     """Encode the missing entries: the k-th missing clip goes to rank k % world (sorted by bucket, so a
     rank's consecutive clips share a shape), cache_batch_size clips per VAE and T5 call, one batch per
-    rank per round. Returns the problems met while decoding."""
+    rank per round. I2V entries also hold the conditioning image's posterior (data.image_column's image,
+    or the clip's first frame), its noise augmentation keyed by (run.seed, clip). Returns the problems
+    met while decoding."""
     todo = sorted(todo, key=lambda item: item.bucket)
     def batches_of(rank):
         batches = []
@@ -118,14 +125,21 @@ def encode_batches(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig
             good, bad = [], []
             for item in mine[r] if r < len(mine) else []:
                 try:
-                    good.append((item, data.decode_clip(item, cfg.target_fps)))
+                    video = data.decode_clip(item, cfg.target_fps)
+                    image = data.load_image(item) if item.clip.image and adapter.type == "i2v" else video[0]
+                    good.append((item, video, image))
                 except data.BadClip as e:
                     bad.append(data.Problem(item.clip, str(e)))
             if good:
-                mean, logvar = adapter.encode_video(torch.stack([video for _, video in good]))
-                embeds = adapter.encode_text([item.clip.prompt for item, _ in good])
-                for j, (item, _) in enumerate(good):
-                    cache.write(item, {"latent_mean": mean[j], "latent_logvar": logvar[j], "prompt_embeds": embeds[j]})
+                items, videos, images = zip(*good)
+                mean, logvar = adapter.encode_video(torch.stack(videos))
+                entries = {"latent_mean": mean, "latent_logvar": logvar,
+                           "prompt_embeds": adapter.encode_text([item.clip.prompt for item in items])}
+                if adapter.type == "i2v":
+                    noise = [data.keyed_generator(seed, "image_noise", str(item.clip.video.resolve())) for item in items]
+                    entries["image_mean"], entries["image_logvar"] = adapter.encode_image(torch.stack(images), noise)
+                for j, item in enumerate(items):
+                    cache.write(item, {name: tensor[j] for name, tensor in entries.items()})
                     written += 1
                     faults.fault("cache", written)
             return len(good) + len(bad), bad
@@ -146,15 +160,16 @@ def prepare(cfg: Config, d: parallel.Dist):
     Returns the adapter, the cache and the training and held-out items (the last data.held_out)."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
-        shapes = data.resolutions(cfg.data, adapter.frame_multiple, adapter.size_multiple)
+        shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
-        cache = Cache(cfg.data, adapter.identity(), adapter.text_length, cfg.model.dtype)
+        cache = Cache(cfg.data, adapter.identity(), adapter.text_length, cfg.model.dtype,
+                      cfg.run.seed if cfg.model.type == "i2v" else None)
     parallel.check_shared(str(cache.dir), "data.cache_dir", d)
     planned = plan_all(clips, shapes, cfg, cache, d)
     skipped = stop_on_problems([p for p, _ in planned if isinstance(p, data.Problem)], cfg.data)
     items = [p for p, _ in planned if isinstance(p, data.Item)]
     todo = [p for p, cached in planned if isinstance(p, data.Item) and not cached]
-    failed = stop_on_problems(encode_batches(todo, adapter, cache, cfg.data, d), cfg.data)
+    failed = stop_on_problems(encode_batches(todo, adapter, cache, cfg.data, cfg.run.seed, d), cfg.data)
     adapter.release_encoders()
     failed_clips = {p.clip for p in failed}
     items = [item for item in items if item.clip not in failed_clips]

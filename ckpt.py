@@ -143,6 +143,18 @@ def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) 
     return next((p for p in problems if p), None)
 
 
+def model_state(model, training_type: str, **options) -> dict:
+    """The model's state dict as DCP keys it (FQNs), for LoRA only its trainable weights: DCP's
+    ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a persistent
+    buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise)."""
+    options = StateDictOptions(ignore_frozen_params=training_type == "lora", **options)
+    state = get_model_state_dict(model, options=options)
+    if training_type != "lora":
+        return state
+    trainable = {name.removeprefix("module.") for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}
+
+
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict):
         self.cfg, self.dir, self.d, self.identity = cfg, Path(output_dir), d, identity
@@ -157,7 +169,7 @@ class Checkpointer:
         model, optimizer = objects["model"], objects["optimizer"]
         optim_state = get_optimizer_state_dict(model, optimizer, options=options)
         state = {
-            "model": get_model_state_dict(model, options=options),
+            "model": model_state(model, self.identity["training_type"], flatten_optimizer_state_dict=True),
             # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors are saved.
             "optimizer": {k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)},
         }
@@ -308,7 +320,7 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: parall
     for rendering and export, without the optimizer. Every rank calls it."""
     check_identity(Path(path), read_meta(Path(path)), identity)
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
-    state = {"model": get_model_state_dict(model, options=options)}
+    state = {"model": model_state(model, training_type)}
     if ema is not None:
         state["ema"] = ema.state_dict()
     problem = reads_problem(Path(path), state, d, allow_partial_load=True)
@@ -329,8 +341,7 @@ def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: st
 def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d) -> None:
     """Gather only the exported weights to rank 0 and write them: the LoRA in diffusers' and PEFT's
     layouts, or the full transformer with save_pretrained."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=training_type == "lora")
-    state = get_model_state_dict(model, options=options)
+    state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
     if not d.is_main:
         return
     if training_type == "lora":

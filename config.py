@@ -37,8 +37,9 @@ class ModelConfig:
     path: str = ""
     # Model family; the adapter in model_adapter.py that knows it.
     family: Literal["cogvideox"] = "cogvideox"
-    # Text-to-video; image-to-video training is not built yet.
-    type: Literal["t2v"] = "t2v"
+    # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
+    # data.image_column's, or each clip's first frame).
+    type: Literal["t2v", "i2v"] = "t2v"
     # Storage dtype of the frozen weights.
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
@@ -181,6 +182,8 @@ class ValidationConfig:
     resolution: list[int] = field(default_factory=list)
     # Frame rate written into the mp4s and the TensorBoard clips.
     gen_fps: int = 15
+    # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say).
+    images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
     save_frames: bool = False
@@ -325,6 +328,12 @@ def check_values(cfg: Config) -> None:
     for key in ("num_inference_steps", "gen_fps"):
         if getattr(cfg.validation, key) < 1:
             raise ConfigError(f"validation.{key} must be at least 1")
+    images, prompts = cfg.validation.images, cfg.validation.prompts
+    if cfg.model.type == "t2v" and images:
+        raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
+    if cfg.model.type == "i2v" and len(images) != len(prompts):
+        raise ConfigError(f"model.type = \"i2v\" renders each validation prompt from an image: validation.images "
+                          f"has {len(images)} for {len(prompts)} validation.prompts; give one per prompt")
     if len(cfg.validation.resolution) not in (0, 3):
         raise ConfigError(f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}")
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import av
 import torch
 import torch.nn.functional as F
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageOps
 
-from config import ConfigError, DataConfig, check_resolution
+from config import ConfigError, DataConfig
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 
@@ -148,8 +149,9 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
 
 
 # Buckets and planning.
-def resolutions(cfg: DataConfig, frame_multiple: int, size_multiple: int) -> list[tuple[int, int, int]]:
-    """data.buckets when set, else [data.train_resolution]; each checked against the model's rules."""
+def resolutions(cfg: DataConfig, check) -> list[tuple[int, int, int]]:
+    """data.buckets when set, else [data.train_resolution]; each checked by check(shape, key), the model's
+    rules (the adapter's check_resolution)."""
     if cfg.target_fps < 0 or cfg.cache_batch_size < 1:
         raise ConfigError("data.target_fps must be >= 0 (0 keeps the native rate) and data.cache_batch_size >= 1")
     key, shapes = ("data.buckets", cfg.buckets) if cfg.buckets else ("data.train_resolution", [cfg.train_resolution])
@@ -157,7 +159,7 @@ def resolutions(cfg: DataConfig, frame_multiple: int, size_multiple: int) -> lis
         name = f"{key}[{i}]" if cfg.buckets else key
         if len(shape) != 3:
             raise ConfigError(f"{name} must be [frames, height, width], got {shape}")
-        check_resolution(shape, frame_multiple, size_multiple, key=name)
+        check(shape, name)
     if len({tuple(s) for s in shapes}) != len(shapes):
         raise ConfigError(f"data.buckets lists a shape twice: {shapes}")
     return [tuple(s) for s in shapes]
@@ -258,6 +260,22 @@ def decode_clip(item: Item, target_fps: float) -> torch.Tensor:
                           antialias=True, align_corners=False)
     video = video[:, :, item.top : item.top + height, item.left : item.left + width]
     return video.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def load_image(item: Item) -> torch.Tensor:
+    """A clip's conditioning image (data.image_column), upright as displayed (EXIF orientation), resized
+    to the clip's resized size and cropped as its frames are: uint8 [H, W, 3]. An image of the clip's
+    own size (its first frame, say) lines up with the frames exactly."""
+    frames, height, width = item.resolution
+    try:
+        with Image.open(item.clip.image) as image:
+            pixels = torch.from_numpy(np.asarray(ImageOps.exif_transpose(image).convert("RGB")))
+    except OSError as e:
+        raise BadClip(f"image {item.clip.image} is unreadable ({e})") from None
+    resized = F.interpolate(pixels.permute(2, 0, 1)[None].float(), size=item.resized, mode="bilinear",
+                            antialias=True, align_corners=False)[0]
+    cropped = resized[:, item.top : item.top + height, item.left : item.left + width]
+    return cropped.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
 
 
 # Sampling.

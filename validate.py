@@ -1,6 +1,6 @@
 """Validation: the held-out loss at fixed timesteps, and clips rendered by our own sampling loop.
 
-    python validate.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT [--prompt TEXT ...]
+    python validate.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT [--image FILE] [--prompt TEXT ...]
     torchrun --nproc_per_node N validate.py ...       # the same, prompts spread over the ranks
 
 The training loss of uniform-t v-prediction is dominated by which t were drawn and looks flat; the
@@ -28,6 +28,7 @@ import av
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from PIL import Image, ImageOps
 from safetensors.torch import save_file
 from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler
 from diffusers.models.attention_processor import Attention
@@ -38,7 +39,7 @@ import data
 import faults
 import lora
 import parallel
-from config import Config, ConfigError, DataConfig, ValidationConfig, check_resolution
+from config import Config, ConfigError, DataConfig, ValidationConfig, check_values
 from model import EMA, build_model
 from model_adapter import load_adapter
 
@@ -61,11 +62,13 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
         weight = 1.0 if index < len(clips) else 0.0
         batch = cache.load_batch([clips[min(index, len(clips) - 1)]])
         x0 = adapter.clean_latents(batch["latent_mean"].to(d.device), batch["latent_logvar"].to(d.device), None)
+        condition = adapter.batch_condition(batch, x0.shape[1], None)
         x0 = x0.expand(len(timesteps), -1, -1, -1, -1)
+        condition = None if condition is None else condition.expand(len(timesteps), -1, -1, -1, -1)
         noise = torch.randn(x0.shape[1:], generator=data.keyed_generator(seed, "held_out", index)).to(d.device)
         embeds = batch["prompt_embeds"].to(d.device).expand(len(timesteps), -1, -1)
         with autocast:
-            sums += weight * adapter.loss(model, x0, embeds, timesteps, noise.expand_as(x0))
+            sums += weight * adapter.loss(model, x0, embeds, timesteps, noise.expand_as(x0), condition)
     model.train(was_training)
     dist.all_reduce(sums)
     losses = (sums / len(clips)).tolist()
@@ -129,27 +132,33 @@ def load_scheduler(adapter, name: str):
 
 @torch.no_grad()
 def sample_latents(adapter, model, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
-                   cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None) -> torch.Tensor:
-    """Denoised latents [1, F', C, h, w] of one prompt: CogVideoXPipeline.__call__'s loop, with every draw
-    from `generator` (a CPU generator, as the pipeline uses it). Latents and scheduler math stay fp32.
-    on_step(i) runs before sampling step i (from 1): the renderer's stop check."""
+                   cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
+                   image=None) -> torch.Tensor:
+    """Denoised latents [1, F', C, h, w] of one prompt (and, image-to-video, its conditioning image):
+    CogVideoXPipeline.__call__'s loop (CogVideoXImageToVideoPipeline's), with every draw from `generator`
+    (a CPU generator, as the pipeline uses it). Latents and scheduler math stay fp32. on_step(i) runs
+    before sampling step i (from 1): the renderer's stop check."""
     frames, height, width = resolution
     latent_frames = (frames - 1) // adapter.temporal_ratio + 1
     # CogVideoX 1.5: noise for extra leading frames up to a multiple of patch_size_t, dropped at the end.
-    extra = -latent_frames % (adapter.transformer_config.get("patch_size_t") or 1)
-    shape = (1, latent_frames + extra, adapter.transformer_config["in_channels"],
+    extra = adapter.extra_frames(latent_frames)
+    shape = (1, latent_frames + extra, adapter.vae_config["latent_channels"],
              height // adapter.spatial_ratio, width // adapter.spatial_ratio)
+    # The pipeline draws the image's latent from the generator before the noise.
+    condition = None if image is None else adapter.sampling_image_condition(image, resolution, shape[1], generator)
     latents = torch.randn(shape, generator=generator).to(adapter.device) * scheduler.init_noise_sigma
     scheduler.set_timesteps(cfg.num_inference_steps, device=adapter.device)
     rotary = adapter.rotary_embeddings(shape[1], shape[3], shape[4])
     guided = cfg.guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
+    if condition is not None and guided:
+        condition = torch.cat([condition] * 2)
     steps, previous_x0 = cfg.num_inference_steps, None
     for i, t in enumerate(scheduler.timesteps):
         on_step(i + 1)
         x_t = scheduler.scale_model_input(torch.cat([latents] * 2) if guided else latents, t)
         with autocast:
-            v = adapter.predict_v(model, x_t, t.expand(x_t.shape[0]), embeds, rotary)
+            v = adapter.predict_v(model, x_t, t.expand(x_t.shape[0]), embeds, rotary, condition)
         if guided:
             scale = cfg.guidance_scale
             if cfg.use_dynamic_cfg:  # the pipeline's formula, which uses the timestep t, not the step index
@@ -192,6 +201,15 @@ def write_mp4(path: Path, frames: torch.Tensor, fps: int) -> None:
     os.replace(tmp, path)
 
 
+def load_image(path: str):
+    """A validation image, upright as displayed (EXIF orientation), in RGB: the pipeline resizes it."""
+    try:
+        with Image.open(path) as image:
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except OSError as e:
+        raise ConfigError(f"validation image {path} is unreadable ({e}): fix validation.images or --image") from None
+
+
 class ClipRenderer:
     """The validation prompts' clips. Embeddings are computed once, here; clip i is rendered on rank
     i % world, every rank making the same number of forward calls (FSDP needs it); rank 0 gathers and
@@ -201,9 +219,10 @@ class ClipRenderer:
         self.adapter, self.cfg, self.d = adapter, cfg, d
         self.resolution = cfg.resolution or (data_cfg.buckets or [data_cfg.train_resolution])[0]
         key = "validation.resolution" if cfg.resolution else "data.buckets[0]" if data_cfg.buckets else "data.train_resolution"
-        check_resolution(self.resolution, adapter.frame_multiple, adapter.size_multiple, key)
+        adapter.check_resolution(self.resolution, key)
         self.out_dir = Path(output_dir) / "validation_res"
         self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection
+        self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
@@ -213,7 +232,8 @@ class ClipRenderer:
         """Float frames [F, H, W, 3] in [0, 1] of prompt `index`."""
         generator = data.keyed_generator(self.cfg.seed, index)
         latents = sample_latents(self.adapter, model, scheduler, self.prompt_embeds[index : index + 1],
-                                 self.negative_embeds, generator, self.cfg, self.resolution, autocast, on_step)
+                                 self.negative_embeds, generator, self.cfg, self.resolution, autocast, on_step,
+                                 self.images[index])
         return to_frames(self.adapter.decode_latents(latents)[0])
 
     def _on_step(self, i: int) -> None:
@@ -239,7 +259,7 @@ class ClipRenderer:
                     else:  # a padding rank: its forward calls are needed, its clip is not
                         sample_latents(self.adapter, model, scheduler, self.prompt_embeds[-1:], self.negative_embeds,
                                        data.keyed_generator(self.cfg.seed, index), self.cfg, self.resolution, autocast,
-                                       self._on_step)
+                                       self._on_step, self.images[-1])
                         clip = torch.zeros(num_frames, height, width, 3, dtype=torch.uint8)
                     gathered = [torch.empty_like(clip) for _ in range(self.d.world)] if self.d.is_main else None
                     dist.gather(clip, gathered, dst=0)
@@ -292,9 +312,11 @@ def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, l
     return model
 
 
-def render_command(cfg: Config, prompts: list[str], checkpoint: str | None,
+def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoint: str | None,
                    lora_file: str | None, online: bool, d: parallel.Dist) -> None:
-    cfg.validation.prompts = prompts or cfg.validation.prompts
+    if prompts:  # the command line's prompts (and images) replace the config's
+        cfg.validation.prompts, cfg.validation.images = prompts, images
+        check_values(cfg)
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
     with parallel.all_or_none():
@@ -316,10 +338,13 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--lora", help="an exported LoRA: ours, diffusers' or PEFT's layout")
     parser.add_argument("--online", action="store_true", help="with --checkpoint: the online weights, not the EMA")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); default: validation.prompts")
+    parser.add_argument("--image", action="append", default=[], help="i2v: the image of each --prompt, in order")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.online and not args.checkpoint:
         parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
-    parallel.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.checkpoint, args.lora,
+    if args.image and not args.prompt:
+        parser.error("--image goes with --prompt: one image per prompt")
+    parallel.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.image, args.checkpoint, args.lora,
                                                        args.online, d), args.cfg, overrides)
 
 

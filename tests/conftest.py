@@ -22,10 +22,23 @@ from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "tiny-t2v"
-    make_tiny_model(str(path))
-    return path
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Every published CogVideoX variant's tiny model, written on first use."""
+    root, made = tmp_path_factory.mktemp("models"), {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            made[variant] = root / variant
+            make_tiny_model(str(made[variant]), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> Path:
+    """The session's model: CogVideoX-2b's key set (no rotary embeddings, sincos positions)."""
+    return tiny_models("2b")
 
 
 @pytest.fixture(scope="session")

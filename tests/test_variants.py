@@ -1,0 +1,152 @@
+"""Every published CogVideoX checkpoint: 2b, 5b, 5b-I2V, 1.5-5b, 1.5-5b-I2V. The tiny models carry the
+published config key sets; each variant trains, samples exactly as its diffusers pipeline does (with
+and without our exported LoRA), and exports what diffusers loads."""
+
+import contextlib
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline, CogVideoXTransformer3DModel
+from PIL import Image
+from safetensors.torch import load_file
+
+import cache
+import data
+import parallel
+import trainer
+import validate
+from config import ConfigError, ModelConfig, ValidationConfig, load_config
+from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from model_adapter import load_adapter
+
+COMMON = {"activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
+          "in_channels", "max_text_seq_length", "norm_elementwise_affine", "norm_eps", "num_attention_heads",
+          "num_layers", "out_channels", "patch_size", "sample_frames", "sample_height", "sample_width",
+          "spatial_interpolation_scale", "temporal_compression_ratio", "temporal_interpolation_scale",
+          "text_embed_dim", "time_embed_dim", "timestep_activation_fn"}
+ROTARY, LEARNED = "use_rotary_positional_embeddings", "use_learned_positional_embeddings"
+# The published transformer/config.json key sets (../shared/reference/cogvideox.md, "Published configs").
+PUBLISHED = {
+    "2b": COMMON,
+    "5b": COMMON | {ROTARY},
+    "5b-i2v": COMMON | {ROTARY, LEARNED},
+    "1.5-5b": COMMON | {ROTARY, LEARNED, "patch_bias", "patch_size_t"},
+    "1.5-5b-i2v": COMMON | {ROTARY, LEARNED, "patch_bias", "patch_size_t", "ofs_embed_dim"},
+}
+PROMPTS = ["a red circle moves right", "a blue square moves up"]
+
+
+def model_type(variant: str) -> str:
+    return "i2v" if variant.endswith("i2v") else "t2v"
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-rank process group, as trainer.py makes without torchrun (not held across trainer.main,
+    which makes and destroys its own)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tiny_models_carry_the_published_key_sets(tiny_models):
+    for variant, keys in PUBLISHED.items():
+        path = tiny_models(variant)
+        saved = json.loads((path / "transformer" / "config.json").read_text())
+        assert set(saved) - {"_class_name", "_diffusers_version"} == keys, variant
+        vae = json.loads((path / "vae" / "config.json").read_text())
+        assert ("invert_scale_latents" in vae) == variant.startswith("1.5"), variant
+
+
+@pytest.fixture(scope="module")
+def images(tiny_data):
+    """The validation images: the first frames of two clips (PNG files, as a user gives them)."""
+    return [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
+
+
+def variant_settings(variant, tiny_models, base_settings, images, output_dir, **extra) -> dict:
+    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(tiny_models(variant)),
+                "model.type": model_type(variant), "train.steps": 2, "train.learning_rate": 1e-2,
+                "train.lr_warmup_steps": 1, "validation.do_validation": False,
+                "validation.prompts": PROMPTS, "validation.num_inference_steps": 6, **extra}
+    if model_type(variant) == "i2v":
+        settings["validation.images"] = images
+    return settings
+
+
+def pipeline_run(variant, path, cfg: ValidationConfig, adapter, images, lora_file=None):
+    """The diffusers pipeline's float frames [F, H, W, 3] per prompt, and the transformer's first input."""
+    pipeline_cls = CogVideoXImageToVideoPipeline if model_type(variant) == "i2v" else CogVideoXPipeline
+    pipe = pipeline_cls.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = validate.load_scheduler(adapter, cfg.scheduler)
+    if lora_file:
+        pipe.load_lora_weights(str(lora_file))
+    inputs = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: inputs.append(kw["hidden_states"]), with_kwargs=True)
+    frames = []
+    for i, prompt in enumerate(cfg.prompts):
+        extra = {"image": Image.open(images[i]).convert("RGB")} if model_type(variant) == "i2v" else {}
+        frames.append(pipe(prompt=prompt, num_frames=9, height=32, width=32, num_inference_steps=cfg.num_inference_steps,
+                           guidance_scale=cfg.guidance_scale, generator=data.keyed_generator(cfg.seed, i),
+                           output_type="pt", max_sequence_length=adapter.text_length, **extra).frames[0].permute(0, 2, 3, 1))
+    return frames, inputs[0]
+
+
+@pytest.mark.parametrize("variant", list(PUBLISHED))
+def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models, base_settings, images, tmp_path):
+    """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32, with
+    the base model and with our exported LoRA loaded by load_lora_weights (so at the trained scale); for
+    I2V the transformer's first input equals the pipeline's (channel order, scale, padding); the sft
+    export loads with from_pretrained and computes what the checkpoint's weights compute."""
+    settings = variant_settings(variant, tiny_models, base_settings, images, tmp_path / "lora")
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        first_inputs = {}
+        for source in (None, lora_file):
+            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None)
+            ours, seen = [], []
+            hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"]), with_kwargs=True)
+            with validate.fused_attention(model):
+                ours = [renderer.frames(model, i, validate.load_scheduler(adapter, "dpm"), contextlib.nullcontext())
+                        for i in range(len(PROMPTS))]
+            hook.remove()
+            theirs, their_input = pipeline_run(variant, tiny_models(variant), cfg.validation, adapter, images, source)
+            for a, b in zip(ours, theirs):
+                assert a.shape == b.shape == (9, 32, 32, 3)
+                assert (a - b).abs().max() <= 1e-4, (variant, source)
+            first_inputs[source] = (seen[0], their_input)
+            if source is not None:
+                assert max((a - b).abs().max() for a, b in zip(ours, base_frames)) > 1e-3  # the LoRA shows
+            base_frames = ours
+        ours_input, their_input = first_inputs[None]
+        assert torch.equal(ours_input, their_input.to(ours_input.dtype))
+        if model_type(variant) == "i2v":  # channels: noisy latents, then the image latent at frame 0, zeros after
+            channels = ours_input.shape[2] // 2
+            assert ours_input[:, 0, channels:].abs().sum() > 0 and not ours_input[:, 1:, channels:].any()
+
+        sft_cfg = load_config(str(tmp_path / "sft.toml"))
+        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+    exported = CogVideoXTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
+    config = adapter.transformer_config
+    frames = 4 if config["patch_size_t"] else 3  # 5b-I2V's learned positions: exactly 3 latent frames
+    gen = torch.Generator().manual_seed(0)
+    x_t = torch.randn(2, frames, config["in_channels"], 8, 8, generator=gen)
+    embeds = torch.randn(2, adapter.text_length, 32, generator=gen)
+    rotary = adapter.rotary_embeddings(frames, 8, 8)
+    with torch.no_grad():
+        expected = adapter.predict_v(ours, x_t, torch.tensor([10, 900]), embeds, rotary)
+        torch.testing.assert_close(adapter.predict_v(exported, x_t, torch.tensor([10, 900]), embeds, rotary),
+                                   expected, rtol=0, atol=1e-5)
