@@ -269,7 +269,7 @@ def load_image(item: Item) -> torch.Tensor:
     frames, height, width = item.resolution
     try:
         with Image.open(item.clip.image) as image:
-            pixels = torch.from_numpy(np.asarray(ImageOps.exif_transpose(image).convert("RGB")))
+            pixels = torch.from_numpy(np.array(ImageOps.exif_transpose(image).convert("RGB")))
     except OSError as e:
         raise BadClip(f"image {item.clip.image} is unreadable ({e})") from None
     resized = F.interpolate(pixels.permute(2, 0, 1)[None].float(), size=item.resized, mode="bilinear",

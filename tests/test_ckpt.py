@@ -1,11 +1,13 @@
 """Checkpoints: killed and resumed runs equal uninterrupted ones bitwise; resharding; atomic commit,
 rotation and fallback; SIGTERM; async save; failed writes; what is (not) in a checkpoint."""
 
+import hashlib
 import json
 import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import run_cmd, run_ok, train_losses, write_toml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -13,13 +15,20 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt
+import lora
+from config import ModelConfig
+from diffusers import CogVideoXPipeline
+from model_adapter import load_adapter
 
 STEPS = 14
 # Global batch 4 everywhere, with accumulation and EMA on.
 VARIANTS = {
     "one": ({"train.batch_size": 2}, 1),
     "ddp": ({"train.batch_size": 1, "parallel.strategy": "ddp"}, 2),
-    "fsdp": ({"train.batch_size": 1, "parallel.strategy": "fsdp"}, 2),
+    # With validation (held-out loss and one clip), which must not change training.
+    "fsdp": ({"train.batch_size": 1, "parallel.strategy": "fsdp", "validation.do_validation": True,
+              "validation.validation_steps": 4, "validation.prompts": ["a red ball"],
+              "validation.num_inference_steps": 2}, 2),
 }
 
 
@@ -103,12 +112,13 @@ def test_kill_during_save_falls_back_and_rotation_keeps_the_newest(references, m
 
 
 def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_config):
-    """SIGTERM on one rank while step 4's shards are written: the save commits, every rank stops at the
-    next step boundary with a checkpoint, exit 0; the next launch continues bitwise."""
+    """SIGTERM on one rank while step 4's shards are written: the save commits, and every rank stops at
+    the next check (the first sampling step of step 4's validation) with exit 0; the next launch
+    continues bitwise."""
     cfg, out, nproc = make_config("sigterm", "fsdp")
     stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_sigterm:4:1"})
-    assert "stopped by a signal: after step 5, checkpoint written" in stopped.stderr
-    assert (out / "checkpoint-4" / "meta.json").is_file() and (out / "checkpoint-5" / "meta.json").is_file()
+    assert "stopped by a signal: after step 4, checkpoint written" in stopped.stderr
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert not (out / "lora").exists()
     run_ok(["--cfg", str(cfg)], nproc=2)
     assert_bitwise_equal_runs(references["fsdp"], out)
@@ -201,3 +211,44 @@ def test_export_command(references, make_config, tmp_path):
            script="ckpt.py")
     for folder in ("lora", "lora_ema"):
         assert all(torch.equal(weights(tmp_path, folder)[k], weights(out, folder)[k]) for k in exported)
+
+
+def test_export_loads_in_the_pipeline(references, tiny_model):
+    """The 2-rank FSDP run's export (CogVideoX-2b's key set) loads with load_lora_weights and computes,
+    at the trained alpha / rank, what our transformer holding it computes."""
+    lora_file = str(references["fsdp"] / "lora" / "pytorch_lora_weights.safetensors")
+    adapter = load_adapter(ModelConfig(path=str(tiny_model), dtype="fp32"), torch.device("cpu"))
+    transformer = adapter.load_transformer().eval()
+    weights, info = lora.load_lora(lora_file)
+    lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, 0)
+    lora.load_lora_into(transformer, weights)
+    pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
+    pipe.load_lora_weights(lora_file)
+    gen = torch.Generator().manual_seed(0)
+    x_t, embeds = torch.randn(2, 3, 4, 8, 8, generator=gen), torch.randn(2, adapter.text_length, 32, generator=gen)
+    with torch.no_grad():
+        ours = adapter.predict_v(transformer, x_t, torch.tensor([10, 900]), embeds, None)
+        theirs = adapter.predict_v(pipe.transformer, x_t, torch.tensor([10, 900]), embeds, None)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: as intended
+def test_a_rank_checks_only_the_files_it_reads(tmp_path):
+    """check_reads hashes DCP's .metadata and the shards named by this rank's own load plan: a damaged
+    file that the plan does not read is another rank's to find (each rank checks its share)."""
+    state = {"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    (tmp_path / "meta.json").write_text(json.dumps({"files": {
+        n: {"size": (tmp_path / n).stat().st_size, "sha256": hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}
+        for n in files}}))
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    file_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    assert file_of["a"] != file_of["b"]
+    wants_a = {"a": torch.zeros(1000)}
+    assert ckpt.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
+    shard = tmp_path / file_of["b"]
+    shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes
+    assert ckpt.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
+    problem = ckpt.check_reads(tmp_path, {"b": torch.zeros(1000)}, dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert problem == f"checkpoint {tmp_path}: {file_of['b']} does not match its size or sha256 in meta.json"

@@ -94,3 +94,14 @@ def test_readme_reference_is_the_schema():
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Configuration reference\n"):readme.index("## Troubleshooting")]
     assert reference() in section, "the README's configuration reference is stale: paste `python config.py` into it"
+
+
+def test_shipped_configs_load():
+    """Every file in configs/ passes the schema and the value checks (the model's own rules need the
+    model, which the tests have only in tiny form)."""
+    from conftest import REPO
+
+    configs = sorted((REPO / "configs").glob("*.toml"))
+    assert len(configs) >= 7
+    for path in configs:
+        load_config(str(path))

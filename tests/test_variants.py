@@ -150,3 +150,104 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models
         expected = adapter.predict_v(ours, x_t, torch.tensor([10, 900]), embeds, rotary)
         torch.testing.assert_close(adapter.predict_v(exported, x_t, torch.tensor([10, 900]), embeds, rotary),
                                    expected, rtol=0, atol=1e-5)
+
+
+def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):
+    """CogVideoX1.5-5B-I2V's key set on 2 FSDP ranks with validation (images): SIGKILL after step 6, the
+    next launch resumes from step 4 and ends bitwise equal to the run that was never stopped, clips
+    included; the exported LoRA loads in CogVideoXImageToVideoPipeline and computes what ours does."""
+    lifecycle = {"parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 8,
+                 "checkpoint.checkpointing_steps": 4, "validation.do_validation": True,
+                 "validation.validation_steps": 4, "validation.num_inference_steps": 4, "validation.save_frames": True,
+                 "validation.prompts": PROMPTS[:1], "validation.images": images[:1]}
+    configs = {}
+    for name in ("reference", "killed"):
+        settings = variant_settings("1.5-5b-i2v", tiny_models, base_settings, images, tmp_path / name, **lifecycle)
+        configs[name] = write_toml(tmp_path / f"{name}.toml", {**settings, "validation.images": images[:1]})
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:6"}).returncode != 0
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 4 ({tmp_path / 'killed' / 'checkpoint-4'})" in resumed.stderr
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "reference")
+    lora_file = "lora/pytorch_lora_weights.safetensors"
+    ours, theirs = load_file(tmp_path / "killed" / lora_file), load_file(tmp_path / "reference" / lora_file)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_8_prompt_0.safetensors"
+    assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
+    assert [m["step"] for m in read_metrics(tmp_path / "killed") if "val/loss" in m] == [0, 4, 8]
+
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    pipe = CogVideoXImageToVideoPipeline.from_pretrained(str(tiny_models("1.5-5b-i2v")))
+    pipe.load_lora_weights(str(tmp_path / "reference" / lora_file))
+    with one_rank_group() as d:
+        model = validate.load_model(cfg, adapter, d, None, str(tmp_path / "reference" / lora_file)).eval()
+    gen = torch.Generator().manual_seed(0)
+    x_t, embeds = torch.randn(2, 4, 8, 8, 8, generator=gen), torch.randn(2, adapter.text_length, 32, generator=gen)
+    rotary = adapter.rotary_embeddings(4, 8, 8)
+    with torch.no_grad():
+        expected = adapter.predict_v(model, x_t, torch.tensor([10, 900]), embeds, rotary)
+        theirs = adapter.predict_v(pipe.transformer, x_t, torch.tensor([10, 900]), embeds, rotary)
+        pipe.unload_lora_weights()
+        plain = adapter.predict_v(pipe.transformer, x_t, torch.tensor([10, 900]), embeds, rotary)
+    torch.testing.assert_close(theirs, expected, rtol=0, atol=1e-5)
+    assert (plain - expected).abs().max() > 1e-4  # the LoRA shows
+
+
+def test_i2v_images_follow_the_bad_input_rules_and_are_encoded_once(tiny_models, tiny_data, write_config, tmp_path,
+                                                                     caplog):
+    data_root = tmp_path / "data"
+    shutil.copytree(tiny_data, data_root)
+    images = (data_root / "images.txt").read_text().splitlines()
+    images[2], images[4] = "images/missing.png", "images/not-an-image.png"
+    (data_root / "images" / "not-an-image.png").write_text("a text file\n")
+    (data_root / "images.txt").write_text("\n".join(images) + "\n")
+    settings = {"model.path": str(tiny_models("5b-i2v")), "model.type": "i2v", "data.data_root": str(data_root),
+                "data.image_column": "images.txt", "data.cache_dir": str(tmp_path / "cache")}
+    stopped = run_cmd(["--cfg", str(write_config("bad", **settings))], script="cache.py")
+    assert stopped.returncode == 1
+    assert f"videos.txt line 3: {data_root / 'videos/00002.mp4'}: image {data_root / images[2]} is unreadable" in stopped.stderr
+    assert "2 clip(s) cannot be used" in stopped.stderr and not list((tmp_path / "cache").rglob("*.safetensors"))
+    config = write_config("skip", **settings, **{"data.skip_bad": True})
+    caplog.set_level("INFO", logger="vidtrain")
+    cache.main(["--cfg", str(config)])
+    assert "22 clips encoded, 0 reused, 2 skipped" in caplog.text
+    skipped = (tmp_path / "skip" / "skipped.txt").read_text().splitlines()
+    assert [line.split("\t")[0] for line in skipped] == [str(data_root / f"videos/0000{i}.mp4") for i in (2, 4)]
+    entry = load_file(next((tmp_path / "cache").rglob("*.safetensors")))
+    assert entry["image_mean"].shape == (4, 1, 8, 8) and entry["latent_mean"].shape == (4, 3, 8, 8)
+    caplog.clear()
+    cache.main(["--cfg", str(config)])
+    assert "0 clips encoded, 22 reused, 2 skipped" in caplog.text
+
+
+def test_shapes_each_variant_refuses_before_compute(tiny_models):
+    learned = load_adapter(ModelConfig(path=str(tiny_models("5b-i2v")), dtype="fp32", type="i2v"), torch.device("cpu"))
+    learned.check_resolution([9, 32, 32], "data.train_resolution")
+    for shape in ([17, 32, 32], [9, 32, 48]):  # diffusers would refuse the size, but swap embeddings for the frames
+        with pytest.raises(ConfigError, match=r"learned positional embeddings .* sized for \[9, 32, 32\] only"):
+            data.resolutions(data.DataConfig(buckets=[[9, 32, 32], shape]), learned.check_resolution)
+    capped = load_adapter(ModelConfig(path=str(tiny_models("1.5-5b")), dtype="fp32"), torch.device("cpu"))
+    capped.check_resolution([17, 48, 48], "validation.resolution")
+    with pytest.raises(ConfigError, match="1.5's rotary grid covers at most 48x48"):
+        capped.check_resolution([9, 64, 32], "validation.resolution")
+    with pytest.raises(ConfigError, match="model.type = \"t2v\", but .* is an image-to-video model"):
+        load_adapter(ModelConfig(path=str(tiny_models("5b-i2v")), dtype="fp32"), torch.device("cpu"))
+
+
+def test_tiled_vae_decode_equals_the_pipelines(tiny_models, tmp_path):
+    """A VAE whose tiles (24x20 pixels: the real models' stride rule) are smaller than the 48x64 clip:
+    our decode tiles as the pipeline with enable_tiling() does, and tiling changes the frames."""
+    path = tmp_path / "tiled"
+    shutil.copytree(tiny_models("5b"), path)
+    vae_config = json.loads((path / "vae" / "config.json").read_text())
+    (path / "vae" / "config.json").write_text(json.dumps({**vae_config, "sample_height": 48, "sample_width": 40}))
+    adapter = load_adapter(ModelConfig(path=str(path), dtype="fp32"), torch.device("cpu"))
+    latents = torch.randn(1, 3, 4, 12, 16, generator=torch.Generator().manual_seed(0))
+    tiled = adapter.decode_latents(latents)
+    pipe = CogVideoXPipeline.from_pretrained(str(path))
+    pipe.vae.enable_tiling()
+    assert pipe.vae.tile_sample_min_height == 24 and pipe.vae.tile_sample_min_width == 20
+    torch.testing.assert_close(tiled, pipe.decode_latents(latents), rtol=0, atol=1e-5)
+    pipe.vae.disable_tiling()
+    assert (tiled - pipe.decode_latents(latents)).abs().max() > 1e-3
