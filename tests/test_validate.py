@@ -144,7 +144,7 @@ def test_fsdp_clips_equal_one_process(runs):
             one, two = clip_of(runs / "one", f"step_{step}_prompt_{i}"), clip_of(runs / "fsdp", f"step_{step}_prompt_{i}")
             other = clip_of(runs / "one", f"step_{step}_prompt_{(i + 1) % 3}")
             assert (one.float() - two.float()).abs().mean() < 2
-            assert (one.float() - other.float()).abs().mean() > 30
+            assert (one.float() - other.float()).abs().mean() > 10
 
 
 def test_render_command_reproduces_training_clips(runs):
