@@ -1,17 +1,24 @@
-"""The latent/text cache and the pass that completes it: batched, spread over ranks, resumable.
+"""The latent and text cache, and the pass that completes it: batched, spread over ranks, resumable.
 
     python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
 
-One safetensors file per clip holds the VAE posterior (mean, log-variance) and the T5 embedding. It is
-named by a hash of the clip's path, size and mtime, its prompt, its preprocessing (bucket, fps, crop,
-first frame), the VAE/T5 files, the dtype and the text length: a change invalidates exactly the
-entries it affects, and entries are written atomically, so an interrupted pass resumes where it was.
+Three kinds of entry, one safetensors file each, named by a hash of what produced it:
+- video: the VAE posterior (mean, log-variance) of a clip, keyed by the clip's content, its
+  preprocessing (bucket, rate, first frame, crop, resize) and the VAE's content;
+- image (image-to-video): the conditioning image's posterior, keyed by the same plus the image's
+  content and the seed of its noise augmentation;
+- text: the T5 embedding of a prompt, keyed by the prompt, the text encoder's and tokenizer's content
+  and the text length.
+So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
+its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
+atomically: an interrupted pass resumes where it was. manifest.py keeps the headers and hashes.
 
 Ranks agree after every round (a header chunk, or one encode batch per rank), so no collective waits
 longer than one round, far below parallel.timeout_s, and an error on one rank stops them all.
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,61 +26,104 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import data
+import decode
 import faults
 import parallel
 from config import Config, ConfigError, DataConfig
+from manifest import Manifest, media_of
 from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
-HEADERS_PER_ROUND = 256  # per rank; opening a header takes about a millisecond
+HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
 PROGRESS_EVERY_S = 30.0
-ENCODER_FOLDERS = ("vae/", "text_encoder/", "tokenizer/")
+
+
+def _key(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 class Cache:
-    """One safetensors file per clip under cache_dir/<2 hex digits>/, named by what produced it."""
+    """Entries under cache_dir/{video,image,text}/<2 hex digits>/, named by what produced them."""
 
-    def __init__(self, cfg: DataConfig, model_identity: dict, text_length: int, dtype: str, image_seed: int | None):
+    def __init__(self, cfg: DataConfig, encoders: dict[str, dict], text_length: int, dtype: str,
+                 image_seed: int | None):
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
-        # Only the encoders shape an entry: another transformer on the same VAE and T5 reuses the cache.
-        encoders = {k: v for k, v in model_identity["files"].items() if k.startswith(ENCODER_FOLDERS)}
-        self.recipe = {"model": encoders, "dtype": dtype, "text_length": text_length,
-                       "target_fps": cfg.target_fps, "crop": cfg.crop}
-        if image_seed is not None:  # I2V: the entry holds the image, noised by a draw keyed by the seed
-            self.recipe["image_seed"] = image_seed
+        self.encoders, self.text_length, self.dtype, self.image_seed = encoders, text_length, dtype, image_seed
+        self.kinds = ("video", "text", "image") if image_seed is not None else ("video", "text")
 
-    def path(self, item: data.Item) -> Path:
-        stat = item.clip.video.stat()
-        key = {"video": str(item.clip.video.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
-               "prompt": item.clip.prompt, "resolution": item.resolution, "resized": item.resized,
-               "start": item.start, "top": item.top, "left": item.left, "pad": item.pad, **self.recipe}
-        if "image_seed" in self.recipe and item.clip.image:
-            image = item.clip.image.stat()
-            key["image"] = [str(item.clip.image.resolve()), image.st_size, image.st_mtime_ns]
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-        return self.dir / digest[:2] / f"{digest}.safetensors"
+    def path(self, item: data.Item, kind: str) -> str:
+        if kind == "text":
+            key = _key(prompt=item.clip.prompt, encoder=self.encoders["text"], length=self.text_length, dtype=self.dtype)
+        else:
+            key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
+                       dtype=self.dtype)
+            if kind == "image":  # the clip's first frame, or data.image_column's image, noised by a keyed draw
+                key = _key(video=key, image=item.image_content, seed=self.image_seed)
+        return os.path.join(self.dir, kind, key[:2], f"{key}.safetensors")  # strings: 10,000 clips start in seconds
 
-    def write(self, item: data.Item, tensors: dict[str, torch.Tensor]) -> None:
-        path = self.path(item)
+    def missing(self, item: data.Item) -> set[str]:
+        return {kind for kind in self.kinds if not os.path.isfile(self.path(item, kind))}
+
+    def write(self, item: data.Item, kind: str, tensors: dict[str, torch.Tensor]) -> None:
+        path = Path(self.path(item, kind))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
         os.replace(tmp, path)
 
     def load_batch(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
-        entries = [load_file(self.path(item)) for item in items]
+        entries = [{k: v for kind in self.kinds for k, v in load_file(self.path(item, kind)).items()} for item in items]
         return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
 
 
-def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, d: parallel.Dist):
-    """Read every header (clip i on rank i % world) and check which entries exist: (item or problem,
-    cached) per clip, the same list on every rank."""
+def encoder_identity(adapter, manifest: Manifest, d: parallel.Dist) -> dict[str, dict]:
+    """Each encoder's files by content (name -> hash), hashed once on rank 0 and remembered in the
+    manifest against size and mtime."""
+    identity = None
+    with parallel.all_or_none():
+        if d.is_main:
+            identity = {}
+            for kind, folders in adapter.ENCODERS.items():
+                files = sorted(p for folder in folders for p in (adapter.path / folder).rglob("*") if p.is_file())
+                identity[kind] = {}
+                for path in files:
+                    entry, new = manifest.entry(path, probe=False)
+                    if new:
+                        manifest.add(path, entry)
+                    identity[kind][str(path.relative_to(adapter.path))] = entry["content"]
+    return parallel.broadcast(identity, d)
+
+
+def read_headers(clip: data.Clip, manifest: Manifest, with_image: bool) -> tuple[dict, str | None, list]:
+    """The clip's manifest entry and (image-to-video) its image's content hash, reading what the manifest
+    does not know; and the new entries. decode.MediaError names the file that failed."""
+    new = []
+
+    def entry(path: Path) -> dict:
+        found, is_new = manifest.entry(path)
+        new.extend([(path, found)] if is_new else [])
+        return found
+
+    video, image = entry(clip.video), None
+    if with_image and clip.image:
+        try:
+            image = entry(clip.image)["content"]
+        except decode.MediaError as e:
+            raise decode.MediaError(f"image {clip.image}: {e}") from None
+    return video, image, new
+
+
+def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: parallel.Dist):
+    """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
+    check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
+    same on every rank; new manifest entries are added on every rank."""
     results = [None] * len(clips)
     share = range(d.rank, len(clips), d.world)
     rounds = math.ceil(math.ceil(len(clips) / d.world) / HEADERS_PER_ROUND)
@@ -81,12 +131,24 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, d: paral
         def work():
             out = []
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
-                planned = data.plan_clip(clips[i], shapes, cfg.data, cfg.run.seed)
-                out.append((i, planned, isinstance(planned, data.Item) and cache.path(planned).is_file()))
+                try:
+                    video, image, new = read_headers(clips[i], manifest, cfg.model.type == "i2v")
+                except decode.MediaError as e:
+                    out.append((i, data.Problem(None, str(e)), set(), False, []))
+                    continue
+                planned = data.plan_clip(clips[i], media_of(video), video["content"], shapes, cfg.data, cfg.run.seed,
+                                         image)
+                missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
+                # Sent without the clip, which every rank holds: unpickling paths is most of the gather's cost.
+                out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
+                            [(str(path), entry) for path, entry in new]))
             return out
         for part in parallel.agree(work, d):
-            for i, planned, cached in part:
-                results[i] = (planned, cached)
+            for i, planned, missing, present, new in part:
+                results[i] = (dataclasses.replace(planned, clip=clips[i]), missing, present)
+                for path, entry in new:
+                    manifest.add(Path(path), entry)
+        parallel.stop_if_preempted(d, "while reading clip headers, with nothing encoded yet")
     return results
 
 
@@ -101,58 +163,104 @@ def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data
     return problems
 
 
-def encode_batches(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, seed: int, d: parallel.Dist):
-    """Encode the missing entries: the k-th missing clip goes to rank k % world (sorted by bucket, so a
-    rank's consecutive clips share a shape), cache_batch_size clips per VAE and T5 call, one batch per
-    rank per round. I2V entries also hold the conditioning image's posterior (data.image_column's image,
-    or the clip's first frame), its noise augmentation keyed by (run.seed, clip). Returns the problems
-    met while decoding."""
-    todo = sorted(todo, key=lambda item: item.bucket)
-    def batches_of(rank):
-        batches = []
-        for item in todo[rank :: d.world]:
-            if batches and batches[-1][-1].bucket == item.bucket and len(batches[-1]) < cfg.cache_batch_size:
-                batches[-1].append(item)
+def batches(todo: list, size: int, world: int, same=lambda a, b: True) -> list[list[list]]:
+    """The k-th unit to rank k % world, cut into batches of `size` whose units are `same` as the first."""
+    per_rank = []
+    for rank in range(world):
+        mine = []
+        for unit in todo[rank::world]:
+            if mine and len(mine[-1]) < size and same(mine[-1][0], unit):
+                mine[-1].append(unit)
             else:
-                batches.append([item])
-        return batches
-    mine, rounds = batches_of(d.rank), max(len(batches_of(r)) for r in range(d.world))
-    problems, done, written = [], 0, 0
-    start = last_log = time.perf_counter()
+                mine.append([unit])
+        per_rank.append(mine)
+    return per_rank
+
+
+def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: parallel.Dist) -> list[data.Problem]:
+    """One batch per rank per round, then the ranks agree: counts, problems (a clip that fails to decode
+    stops the pass at once, with what was written kept, unless data.skip_bad) and stop signals."""
+    total = sum(len(batch) for mine in per_rank for batch in mine)
+    mine, rounds = per_rank[d.rank], max(len(m) for m in per_rank)
+    problems, done, start = [], 0, time.perf_counter()
+    last_log = start
     for r in range(rounds):
-        def work():
-            nonlocal written
-            good, bad = [], []
-            for item in mine[r] if r < len(mine) else []:
-                try:
-                    video = data.decode_clip(item, cfg.target_fps)
-                    image = data.load_image(item) if item.clip.image and adapter.type == "i2v" else video[0]
-                    good.append((item, video, image))
-                except data.BadClip as e:
-                    bad.append(data.Problem(item.clip, str(e)))
-            if good:
-                items, videos, images = zip(*good)
-                mean, logvar = adapter.encode_video(torch.stack(videos))
-                entries = {"latent_mean": mean, "latent_logvar": logvar,
-                           "prompt_embeds": adapter.encode_text([item.clip.prompt for item in items])}
-                if adapter.type == "i2v":
-                    noise = [data.keyed_generator(seed, "image_noise", str(item.clip.video.resolve())) for item in items]
-                    entries["image_mean"], entries["image_logvar"] = adapter.encode_image(torch.stack(images), noise)
-                for j, item in enumerate(items):
-                    cache.write(item, {name: tensor[j] for name, tensor in entries.items()})
-                    written += 1
-                    faults.fault("cache", written)
-            return len(good) + len(bad), bad
-        for count, bad in parallel.agree(work, d):
+        for count, bad in parallel.agree(lambda: work(mine, r), d):
             done, problems = done + count, problems + bad
-        parallel.stop_if_preempted(d, f"in the cache pass, with {done} of {len(todo)} clips encoded and kept; "
-                                      "the next run continues from there")
+        stop_on_problems(problems, cfg)
+        parallel.stop_if_preempted(d, f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
+                                      "next run continues from there")
         now = time.perf_counter()
         if now - last_log >= PROGRESS_EVERY_S or r == rounds - 1:
             rate = done / (now - start)
-            log.info("cache: %d/%d clips, %.2f clips/s, ETA %.0f s", done, len(todo), rate, (len(todo) - done) / rate)
+            log.info("cache: %d/%d %s, %.2f/s, ETA %.0f s", done, total, what, rate, (total - done) / rate)
             last_log = now
     return problems
+
+
+def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, d: parallel.Dist) -> None:
+    """The missing text entries, one per distinct prompt: T5 only, no video decoded."""
+    first_of = {}
+    for item in todo:
+        first_of.setdefault(item.clip.prompt, item)
+
+    def work(mine, r):
+        if r >= len(mine):
+            return 0, []
+        embeds = adapter.encode_text([item.clip.prompt for item in mine[r]])
+        for item, embed in zip(mine[r], embeds):
+            cache.write(item, "text", {"prompt_embeds": embed})
+        return len(mine[r]), []
+
+    run_rounds(batches(list(first_of.values()), cfg.cache_batch_size, d.world), work, "prompts", cfg, d)
+
+
+def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, seed: int, d: parallel.Dist):
+    """The missing video (and image) entries: the k-th clip to rank k % world (sorted by bucket, so a
+    batch shares a shape), cache_batch_size clips per VAE call, one batch per rank per round, decoded by
+    data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the VAE. I2V
+    entries hold the conditioning image's posterior (data.image_column's image, or the clip's first
+    frame), its noise augmentation keyed by (run.seed, clip). Returns the problems met while decoding."""
+    per_rank = batches(sorted(todo, key=lambda item: item.bucket), cfg.cache_batch_size, d.world,
+                       lambda a, b: a.bucket == b.bucket)
+    workers = cfg.decode_workers or min(8, max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
+    written, pending = 0, {}
+
+    def decoded(item):
+        video = data.decode_clip(item, threads)
+        image = data.load_image(item) if item.clip.image and cache.image_seed is not None else video[0]
+        return video, image
+
+    def work(mine, r):
+        nonlocal written
+        for batch in mine[r : r + 2]:  # this batch, and the next one decoding meanwhile
+            for item in batch:
+                pending.setdefault(item, pool.submit(decoded, item))
+        good, bad = [], []
+        for item in mine[r] if r < len(mine) else []:
+            try:
+                good.append((item, *pending.pop(item).result()))
+            except data.BadClip as e:
+                bad.append(data.Problem(item.clip, str(e)))
+        if good:
+            items, videos, images = zip(*good)
+            mean, logvar = adapter.encode_video(torch.stack(videos))
+            image = None
+            if cache.image_seed is not None:
+                noise = [data.keyed_generator(seed, "image_noise", item.content) for item in items]
+                image = adapter.encode_image(torch.stack(images), noise)
+            for j, item in enumerate(items):
+                cache.write(item, "video", {"latent_mean": mean[j], "latent_logvar": logvar[j]})
+                if image is not None:
+                    cache.write(item, "image", {"image_mean": image[0][j], "image_logvar": image[1][j]})
+                written += 1
+                faults.fault("cache", written)
+        return len(good) + len(bad), bad
+
+    with ThreadPoolExecutor(workers) as pool:
+        return run_rounds(per_rank, work, "clips", cfg, d)
 
 
 def prepare(cfg: Config, d: parallel.Dist):
@@ -162,26 +270,42 @@ def prepare(cfg: Config, d: parallel.Dist):
         adapter = load_adapter(cfg.model, d.device)
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
-        cache = Cache(cfg.data, adapter.identity(), adapter.text_length, cfg.model.dtype,
-                      cfg.run.seed if cfg.model.type == "i2v" else None)
-    parallel.check_shared(str(cache.dir), "data.cache_dir", d)
-    planned = plan_all(clips, shapes, cfg, cache, d)
-    skipped = stop_on_problems([p for p, _ in planned if isinstance(p, data.Problem)], cfg.data)
-    items = [p for p, _ in planned if isinstance(p, data.Item)]
-    todo = [p for p, cached in planned if isinstance(p, data.Item) and not cached]
-    failed = stop_on_problems(encode_batches(todo, adapter, cache, cfg.data, cfg.run.seed, d), cfg.data)
+    cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
+    parallel.check_shared(str(cache_dir), "data.cache_dir", d)
+    manifest = Manifest(cache_dir)
+    encoders = encoder_identity(adapter, manifest, d)
+    cache = Cache(cfg.data, encoders, adapter.text_length, cfg.model.dtype,
+                  cfg.run.seed if cfg.model.type == "i2v" else None)
+    planned = plan_all(clips, shapes, cfg, cache, manifest, d)
+    if d.is_main:
+        manifest.save()
+    # A clip whose file is gone trains from complete entries; without them it is bad input.
+    gone = [data.Problem(p.clip, "does not exist") for p, missing, present in planned
+            if isinstance(p, data.Item) and missing & {"video", "image"} and not present]
+    gone_clips = {problem.clip for problem in gone}
+    problems = [p for p, _, _ in planned if isinstance(p, data.Problem)] + gone
+    skipped = stop_on_problems(problems, cfg.data)
+    items = [(p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips]
+    encode_texts([item for item, missing in items if "text" in missing], adapter, cache, cfg.data, d)
+    video_todo = [item for item, missing in items if missing & {"video", "image"}]
+    failed = encode_videos(video_todo, adapter, cache, cfg.data, cfg.run.seed, d)
     adapter.release_encoders()
     failed_clips = {p.clip for p in failed}
-    items = [item for item in items if item.clip not in failed_clips]
+    items = [item for item, _ in items if item.clip not in failed_clips]
     skipped = sorted(skipped + failed, key=lambda p: p.clip.line)
     if skipped and d.is_main:
         Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run.output_dir) / "skipped.txt").write_text("".join(f"{p.clip.video}\t{p.reason}\n" for p in skipped))
     per_bucket = {str(list(shape)): sum(item.bucket == b for item in items) for b, shape in enumerate(shapes)}
-    encoded = len(todo) - len(failed)
+    encoded = len(video_todo) - len(failed)
     log.info("cache: %d clips encoded, %d reused, %d skipped%s; clips per bucket %s; in %s",
              encoded, len(items) - encoded, len(skipped),
              f" (listed in {Path(cfg.run.output_dir) / 'skipped.txt'})" if skipped else "", per_bucket, cache.dir)
+    global_batch = cfg.train.batch_size * cfg.train.gradient_accumulation_steps * d.world
+    for shape, count in per_bucket.items():
+        if 0 < count < global_batch:
+            log.warning("bucket %s holds %d clips, fewer than the global batch of %d: they will never train "
+                        "(add clips, lower the batch, or drop the bucket)", shape, count, global_batch)
     if len(items) <= cfg.data.held_out:
         raise ConfigError(f"{len(items)} usable clips but data.held_out = {cfg.data.held_out}: lower it or add clips")
     held_out = len(items) - cfg.data.held_out

@@ -129,10 +129,11 @@ class DataConfig:
     skip_bad: bool = False
     # The last N clips are held out of training and used for the held-out loss.
     held_out: int = 0
-    # [[frames, height, width], ...]: when set, replaces train_resolution; each clip goes to the bucket
-    # of largest area, then most frames, that it fills without upscaling, and every global batch holds one bucket.
+    # [[frames, height, width], ...]: when set, replaces train_resolution; each clip goes to the bucket of
+    # the nearest aspect ratio, then the largest area and most frames it fills; [1, H, W] buckets take
+    # images; every global batch holds one bucket.
     buckets: list[list[int]] = field(default_factory=list)
-    # Frames are chosen at this rate by their timestamps; 0 keeps every native frame.
+    # Frames are chosen at this rate by their timestamps; 0 keeps the clip's own rate.
     target_fps: float = 0.0
     # Crop after the aspect-preserving resize: "center", or "random" (drawn once per clip from (run.seed, clip)).
     crop: Literal["center", "random"] = "center"
@@ -141,6 +142,8 @@ class DataConfig:
     short_clips: Literal["error", "skip", "pad"] = "error"
     # Clips per VAE and T5 call in the cache pass (clips of one bucket only).
     cache_batch_size: int = 4
+    # Threads per rank decoding clips in the cache pass, a batch ahead of the VAE (0: min(8, CPUs per rank)).
+    decode_workers: int = 0
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""Dataset formats, video decoding (PyAV), resize/crop/frame choice, buckets, the sampler.
+"""Dataset formats, the plan of each clip (bucket, frames, crop), buckets, the sampler.
 
 Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
 paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
-`video`, `prompt` and optional `image` columns. Every clip is planned once from its header: its
-bucket, its first frame and its crop offsets, drawn from a generator keyed by (run.seed, clip).
+`video`, `prompt` and optional `image` columns. A `video` may be an image (.png, .jpg, .webp): a
+one-frame clip. Every clip is planned from its header (decode.py reads it): its bucket, its first
+frame and its crop offsets, drawn from a generator keyed by (run.seed, the clip's content).
 """
 
 import csv
@@ -13,12 +14,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import av
 import torch
-import torch.nn.functional as F
-import numpy as np
-from PIL import Image, ImageOps
 
+import decode
 from config import ConfigError, DataConfig
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
@@ -44,13 +42,22 @@ class Item:
     """A clip with its preprocessing decided: what the cache key and the decoder both use."""
 
     clip: Clip
+    media: decode.Media  # what its header said
+    content: str  # a hash of the file's bytes: cache entries and keyed draws follow the content
+    image_content: str | None  # image-to-video: the hash of data.image_column's image, if given
     bucket: int
     resolution: tuple[int, int, int]  # frames, height, width
     resized: tuple[int, int]  # height, width after the aspect-preserving resize, before the crop
-    start: int  # first frame, counted at data.target_fps (or in native frames when it is 0)
+    rate: float  # frames are taken at this rate (data.target_fps, or the clip's own)
+    start: int  # first frame, counted at that rate
     top: int
     left: int
     pad: bool  # the clip is shorter than its bucket: repeat its last frame
+
+    def preprocessing(self) -> dict:
+        """Everything besides the content and the encoder that shapes the clip's latents."""
+        return {"resolution": self.resolution, "resized": self.resized, "rate": self.rate, "start": self.start,
+                "top": self.top, "left": self.left, "pad": self.pad, "resize": decode.RESIZE}
 
 
 @dataclass(frozen=True)
@@ -152,8 +159,9 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
 def resolutions(cfg: DataConfig, check) -> list[tuple[int, int, int]]:
     """data.buckets when set, else [data.train_resolution]; each checked by check(shape, key), the model's
     rules (the adapter's check_resolution)."""
-    if cfg.target_fps < 0 or cfg.cache_batch_size < 1:
-        raise ConfigError("data.target_fps must be >= 0 (0 keeps the native rate) and data.cache_batch_size >= 1")
+    if cfg.target_fps < 0 or cfg.cache_batch_size < 1 or cfg.decode_workers < 0:
+        raise ConfigError("data.target_fps must be >= 0 (0 keeps the native rate), data.cache_batch_size >= 1 and "
+                          "data.decode_workers >= 0 (0 picks min(8, CPUs per rank))")
     key, shapes = ("data.buckets", cfg.buckets) if cfg.buckets else ("data.train_resolution", [cfg.train_resolution])
     for i, shape in enumerate(shapes):
         name = f"{key}[{i}]" if cfg.buckets else key
@@ -165,101 +173,64 @@ def resolutions(cfg: DataConfig, check) -> list[tuple[int, int, int]]:
     return [tuple(s) for s in shapes]
 
 
-def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, frames: int) -> int:
-    """The bucket of largest area, then most frames, that the clip fills without upscaling. A clip
-    smaller than every bucket goes, upscaled, to the smallest; one too short for every bucket it
-    covers goes to the shortest of them (data.short_clips decides)."""
+def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, frames: int) -> int | None:
+    """The bucket whose aspect ratio is nearest the clip's (as displayed), then of the largest area
+    it fills without upscaling, then of the most frames it fills. Among those of the nearest aspect, a
+    clip smaller than every one goes, upscaled, to the smallest; one too short for every one it covers
+    to the shortest of them (data.short_clips decides). Images go to one-frame buckets, videos to the
+    others; None when there is none of its kind."""
+    kind = [i for i, shape in enumerate(shapes) if (shape[0] == 1) == (frames == 1)]
+    if not kind:
+        return None
+    distance = {i: abs(math.log(shapes[i][2] / shapes[i][1]) - math.log(width / height)) for i in kind}
+    nearest = [i for i in kind if distance[i] <= min(distance.values()) + 1e-9]
     area = lambda i: shapes[i][1] * shapes[i][2]  # noqa: E731
-    covered = [i for i, (_, h, w) in enumerate(shapes) if h <= height and w <= width]
-    smallest = min(area(i) for i in range(len(shapes)))
-    covered = covered or [i for i in range(len(shapes)) if area(i) == smallest]
+    covered = [i for i in nearest if shapes[i][1] <= height and shapes[i][2] <= width]
+    smallest = min(area(i) for i in nearest)
+    covered = covered or [i for i in nearest if area(i) == smallest]
     long_enough = [i for i in covered if shapes[i][0] <= frames]
     if long_enough:
         return max(long_enough, key=lambda i: (area(i), shapes[i][0]))
     return min(covered, key=lambda i: (shapes[i][0], -area(i)))
 
 
-def _open_video(path: Path):
-    if not path.is_file():
-        raise BadClip("does not exist")
-    try:
-        container = av.open(str(path))
-    except (av.error.FFmpegError, UnicodeDecodeError) as e:
-        raise BadClip(f"not a readable video ({e})") from None
-    if not container.streams.video:
-        container.close()
-        raise BadClip("has no video stream")
-    return container
-
-
-def plan_clip(clip: Clip, shapes: list[tuple[int, int, int]], cfg: DataConfig, seed: int) -> Item | Problem:
-    """Read the header only and decide bucket, first frame and crop; decoding comes later (cache pass)."""
-    try:
-        with _open_video(clip.video) as container:
-            stream = container.streams.video[0]
-            height, width, native = stream.codec_context.height, stream.codec_context.width, stream.frames
-            fps = float(stream.average_rate or 0)
-        if clip.image is not None:
-            with Image.open(clip.image) as image:
-                image.verify()
-    except BadClip as e:
-        return Problem(clip, str(e))
-    except (OSError, SyntaxError) as e:  # PIL reports unreadable images as either
-        return Problem(clip, f"image {clip.image} is unreadable ({e})")
-    if native < 1 or height < 1 or width < 1 or (cfg.target_fps and fps <= 0):
-        return Problem(clip, "the header gives no frame count, size or frame rate")
-    available = math.floor((native - 1) * cfg.target_fps / fps + 1e-6) + 1 if cfg.target_fps else native
-    bucket = choose_bucket(shapes, height, width, available)
+def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[int, int, int]], cfg: DataConfig,
+              seed: int, image_content: str | None = None) -> Item | Problem:
+    """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass)."""
+    rate = 0.0 if media.image else cfg.target_fps or media.fps
+    available = decode.available_frames(media, rate)
+    bucket = choose_bucket(shapes, media.height, media.width, available)
+    if bucket is None:
+        kind = "an image, but no bucket has 1 frame" if media.image else "a video, but every bucket has 1 frame"
+        return Problem(clip, f"{kind}: add a [frames, height, width] bucket of its kind to data.buckets")
     frames, out_h, out_w = shapes[bucket]
     if available < frames and cfg.short_clips != "pad":
-        rate = f"at {cfg.target_fps:g} fps" if cfg.target_fps else "in all"
-        return Problem(clip, f"has {available} frames {rate}, its bucket {list(shapes[bucket])} needs {frames}", "short")
-    scale = max(out_h / height, out_w / width)
-    resized = (max(out_h, round(height * scale)), max(out_w, round(width * scale)))
-    generator = keyed_generator(seed, "clip", str(clip.video.resolve()))  # the same whatever the working folder
+        at = f"at {cfg.target_fps:g} fps" if cfg.target_fps else "in all"
+        return Problem(clip, f"has {available} frames {at}, its bucket {list(shapes[bucket])} needs {frames}", "short")
+    scale = max(out_h / media.height, out_w / media.width)
+    resized = (max(out_h, round(media.height * scale)), max(out_w, round(media.width * scale)))
+    generator = keyed_generator(seed, "clip", content)  # the same wherever the file lies
     start = int(torch.randint(0, max(available - frames, 0) + 1, (), generator=generator))
     if cfg.crop == "random":
         top = int(torch.randint(0, resized[0] - out_h + 1, (), generator=generator))
         left = int(torch.randint(0, resized[1] - out_w + 1, (), generator=generator))
     else:
         top, left = (resized[0] - out_h) // 2, (resized[1] - out_w) // 2
-    return Item(clip, bucket, shapes[bucket], resized, start, top, left, available < frames)
+    return Item(clip, media, content, image_content, bucket, shapes[bucket], resized, rate, start, top, left,
+                available < frames)
 
 
-def decode_clip(item: Item, target_fps: float) -> torch.Tensor:
-    """The planned frames, resized and cropped: uint8 [F, H, W, 3]. Frame k is the decoded frame whose
-    position (its timestamp x target_fps, or its index at the native rate) is nearest to start + k."""
+def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
+    """The planned frames, resized and cropped: uint8 [F, H, W, 3]. Frame k is the one shown at
+    (start + k) / rate seconds after the clip's first frame."""
     frames, height, width = item.resolution
-    wanted = [item.start + k for k in range(frames)]
-    picked, previous = [], None
+    times = [(item.start + k) / item.rate for k in range(frames)] if item.rate else [0.0] * frames
+    crop = (item.top, item.left, height, width)
     try:
-        with _open_video(item.clip.video) as container:
-            stream = container.streams.video[0]
-            origin = None
-            for index, frame in enumerate(container.decode(stream)):
-                if frame.time is None or not target_fps:
-                    position = float(index)
-                else:
-                    origin = frame.time if origin is None else origin
-                    position = (frame.time - origin) * target_fps
-                while len(picked) < frames and position >= wanted[len(picked)] - 1e-6:
-                    target = wanted[len(picked)]
-                    nearer = previous if previous and target - previous[0] < position - target else (position, frame)
-                    picked.append(torch.from_numpy(nearer[1].to_ndarray(format="rgb24")))
-                if len(picked) == frames:
-                    break
-                previous = (position, frame)
-    except (av.error.FFmpegError, UnicodeDecodeError) as e:
-        raise BadClip(f"cannot decode ({e})") from None
-    if len(picked) < frames and item.pad and (picked or previous):
-        last = picked[-1] if picked else torch.from_numpy(previous[1].to_ndarray(format="rgb24"))
-        picked += [last] * (frames - len(picked))
-    if len(picked) < frames:
-        raise BadClip(f"decodes to {len(picked)} of the {frames} frames its header promised (truncated?)")
-    video = F.interpolate(torch.stack(picked).permute(0, 3, 1, 2).float(), size=item.resized, mode="bilinear",
-                          antialias=True, align_corners=False)
-    video = video[:, :, item.top : item.top + height, item.left : item.left + width]
-    return video.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return torch.from_numpy(decode.read_frames(item.clip.video, item.media, times, item.resized, crop, item.pad,
+                                                   threads))
+    except decode.MediaError as e:
+        raise BadClip(str(e)) from None
 
 
 def load_image(item: Item) -> torch.Tensor:
@@ -268,14 +239,9 @@ def load_image(item: Item) -> torch.Tensor:
     own size (its first frame, say) lines up with the frames exactly."""
     frames, height, width = item.resolution
     try:
-        with Image.open(item.clip.image) as image:
-            pixels = torch.from_numpy(np.array(ImageOps.exif_transpose(image).convert("RGB")))
-    except OSError as e:
-        raise BadClip(f"image {item.clip.image} is unreadable ({e})") from None
-    resized = F.interpolate(pixels.permute(2, 0, 1)[None].float(), size=item.resized, mode="bilinear",
-                            antialias=True, align_corners=False)[0]
-    cropped = resized[:, item.top : item.top + height, item.left : item.left + width]
-    return cropped.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
+        return torch.from_numpy(decode.read_image(item.clip.image, item.resized, (item.top, item.left, height, width)))
+    except decode.MediaError as e:
+        raise BadClip(f"image {item.clip.image}: {e}") from None
 
 
 # Sampling.

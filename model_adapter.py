@@ -38,6 +38,9 @@ class CogVideoXAdapter:
     """CogVideoX 1.0 and 1.5, text-to-video and image-to-video. The VAE and T5 load lazily: training
     from a complete cache never constructs them."""
 
+    # The model folders whose files shape each kind of cache entry.
+    ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer")}
+
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)
         if not (self.path / "model_index.json").is_file():
@@ -95,15 +98,6 @@ class CogVideoXAdapter:
             raise ConfigError(f"{key} = {list(resolution)}, but CogVideoX 1.5's rotary grid covers at most "
                               f"{c['sample_height'] * ratio}x{c['sample_width'] * ratio} (the transformer config's "
                               "sample_height and sample_width): use a smaller height or width")
-
-    def identity(self) -> dict:
-        """What makes cached latents and checkpoints belong to this model: configs and weight file stats."""
-        files = sorted(p for p in self.path.rglob("*") if p.is_file())
-        return {
-            "family": "cogvideox",
-            "path": str(self.path.resolve()),
-            "files": {str(p.relative_to(self.path)): [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
-        }
 
     # Loading.
     def load_transformer(self, trainable_dtype: torch.dtype | None = None) -> CogVideoXTransformer3DModel:

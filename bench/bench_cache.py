@@ -1,12 +1,18 @@
-"""Cache-pass throughput: batched and spread over ranks, against one clip at a time on one rank.
+"""The data path: cache-pass throughput, decode memory, decode workers, and startup with a full cache.
 
-    python bench/bench_cache.py [--clips 48] [--frames 17] [--size 64] [--batch 8] [--nproc 2]
+    python bench/bench_cache.py [--part all|throughput|memory|workers|startup] [--clips 96] [--startup-clips 10000]
 
-Builds the tiny model and a synthetic dataset in a temporary folder, then runs `cache.py` three times
-on an empty cache: one process encoding one clip per VAE/T5 call (CogVideo's way, the baseline),
-one process with --batch clips per call, and --nproc ranks with --batch clips per call. The rate is
-the pass's own progress line (clips encoded / seconds in the encode loop, model loading excluded);
-the wall time of each command (process start and model loading included) is printed beside it.
+Every part builds its model and clips in a temporary folder and compares against a baseline measured
+in the same run:
+- throughput: `cache.py` on an empty cache, one clip per VAE/T5 call on one rank (CogVideo's way, the
+  baseline) against --batch clips per call on one rank and on --nproc ranks; the pass's own rate.
+- memory: the peak extra resident memory of decoding a 49-frame 1920x1080 H.264 clip to 49x480x720
+  (data.decode_clip: seek, swscale resize per frame, uint8), in a fresh process; target < 200 MB.
+- workers: the cache pass over 1280x720 clips (decoding dominates: the tiny VAE encodes 17x32x32)
+  with data.decode_workers = 1 against 2 (this machine's cores); target >= 1.5x.
+- startup: the wall time from launching `trainer.py` to its "step 1" line with a complete cache of
+  --startup-clips small clips, with the manifest (warm) against without it (cold: every header read
+  and hashed again); target warm < 10 s.
 """
 
 import argparse
@@ -21,56 +27,155 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.conftest import free_port, write_toml  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
-RATE = re.compile(r"cache: (\d+)/(\d+) clips, ([\d.]+) clips/s")
+RATE = re.compile(r"cache: (\d+)/(\d+) clips, ([\d.]+)/s")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank in every run: each rank stands for a device
 
 
-def cache_pass(config: Path, cache_dir: Path, batch: int, nproc: int) -> tuple[float, float]:
+def settings(root: Path, data: str, resolution: list[int], cache: str) -> dict:
+    return {"run.output_dir": str(root / "out"), "model.path": str(root / "model"), "model.dtype": "fp32",
+            "data.data_root": str(root / data), "data.train_resolution": resolution,
+            "data.cache_dir": str(root / cache), "train.mixed_precision": "no", "train.gradient_checkpointing": False,
+            "train.batch_size": 1, "validation.do_validation": False}
+
+
+def cache_pass(root: Path, values: dict, nproc: int = 1) -> tuple[float, float]:
     """(clips per second in the encode loop, wall seconds of the command)."""
+    config = write_toml(root / "bench.toml", values)
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    f"--nproc_per_node={nproc}", "--master_port=29533"]
-    command = [*launcher, str(REPO / "cache.py"), "--cfg", str(config), "--data.cache_dir", str(cache_dir),
-               "--data.cache_batch_size", str(batch)]
+                                                    f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
     start = time.perf_counter()
-    # One thread per rank in every run, as torchrun sets it: each rank stands for one device.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run([*launcher, str(REPO / "cache.py"), "--cfg", str(config)], cwd=REPO, env=ENV,
+                            capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+        sys.exit(f"the cache pass failed:\n{result.stderr[-3000:]}")
     done, total, rate = RATE.findall(result.stderr)[-1]
     assert done == total, f"the pass stopped at {done}/{total}"
     return float(rate), wall
 
 
+def throughput(root: Path, args) -> None:
+    make_synthetic_dataset(str(root / "clips"), args.clips, 17, 64, 64, seed=0)
+    base = settings(root, "clips", [17, 64, 64], "unused")
+    runs = {
+        "one clip at a time, 1 rank": ({"data.cache_batch_size": 1, "data.cache_dir": str(root / "c1")}, 1),
+        f"batch {args.batch}, 1 rank": ({"data.cache_batch_size": args.batch, "data.cache_dir": str(root / "c2")}, 1),
+        f"batch {args.batch}, {args.nproc} ranks": ({"data.cache_batch_size": args.batch,
+                                                    "data.cache_dir": str(root / "c3")}, args.nproc),
+    }
+    measured = {name: cache_pass(root, {**base, **extra}, nproc) for name, (extra, nproc) in runs.items()}
+    baseline = next(iter(measured.values()))[0]
+    print(f"throughput: {args.clips} clips of 17x64x64, tiny CogVideoX VAE + T5")
+    for name, (rate, wall) in measured.items():
+        print(f"  {name:28s} {rate:7.2f} clips/s  {rate / baseline:5.2f}x  (command wall {wall:5.1f} s)")
+
+
+MEMORY_PROBE = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+import data, decode
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+path = Path({clip!r})
+clip = data.Clip(path, "a clip", 1, "videos.txt")
+item = data.plan_clip(clip, decode.probe(path), "content", [(49, 480, 720)], data.DataConfig(), 0)
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak to what is resident now
+before, start = status("VmRSS"), time.perf_counter()
+video = data.decode_clip(item)
+print(status("VmHWM") - before, time.perf_counter() - start, tuple(video.shape))
+"""
+
+
+def memory(root: Path, args) -> None:
+    import av
+    import numpy as np
+
+    clip = root / "hd49.mp4"
+    with av.open(str(clip), "w") as out:
+        stream = out.add_stream("libx264", rate=24, options={"preset": "ultrafast", "crf": "23"})
+        stream.width, stream.height, stream.pix_fmt = 1920, 1080, "yuv420p"
+        ys, xs = np.mgrid[0:1080, 0:1920]
+        for k in range(49):
+            pixels = np.stack([(xs + 8 * k) % 256, (ys + 4 * k) % 256, (xs ^ ys) % 256], -1).astype(np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        out.mux(stream.encode())
+    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(repo=str(REPO), clip=str(clip))],
+                            env=ENV, capture_output=True, text=True, check=True)
+    extra, seconds, shape = result.stdout.split(maxsplit=2)
+    print(f"memory: decoding 49 frames of 1920x1080 H.264 to {shape.strip()}: peak extra RSS "
+          f"{int(extra) / 2**20:.0f} MiB (target < 200 MiB), {float(seconds):.2f} s; the frames alone are "
+          f"{49 * 480 * 720 * 3 / 2**20:.0f} MiB (full-resolution float32 frames would be {49 * 1080 * 1920 * 12 / 2**20:.0f} MiB)")
+
+
+def workers(root: Path, args) -> None:
+    make_synthetic_dataset(str(root / "hd"), args.worker_clips, 17, 720, 1280, seed=1)
+    base = settings(root, "hd", [17, 32, 32], "unused")
+    walls = {n: [] for n in (1, 2)}
+    for r in range(args.repeats):
+        for n in walls:
+            rate, _ = cache_pass(root, {**base, "data.decode_workers": n, "data.cache_batch_size": 4,
+                                        "data.cache_dir": str(root / f"w{n}-{r}")})
+            walls[n].append(rate)
+    best = {n: max(rates) for n, rates in walls.items()}
+    print(f"workers: {args.worker_clips} clips of 17x720x1280 H.264 to 17x32x32, 1 rank, fastest of {args.repeats}")
+    for n, rate in best.items():
+        print(f"  decode_workers = {n}: {rate:6.2f} clips/s  {rate / best[1]:4.2f}x   (runs {' '.join(f'{x:.2f}' for x in walls[n])})")
+    print("  target: >= 1.5x with 2 workers")
+
+
+def time_to_step_one(config: Path) -> float:
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, str(REPO / "trainer.py"), "--cfg", str(config)], cwd=REPO, env=ENV,
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in process.stderr:
+        if " step 1/" in line:
+            elapsed = time.perf_counter() - start
+            process.kill()
+            process.wait()
+            return elapsed
+    sys.exit(f"{config}: the trainer ended before step 1")
+
+
+def startup(root: Path, args) -> None:
+    n = args.startup_clips
+    print(f"startup: writing {n} clips of 9x32x32 ...", flush=True)
+    make_synthetic_dataset(str(root / "many"), n, 9, 32, 32, seed=2)
+    values = {**settings(root, "many", [9, 32, 32], "many-cache"), "data.cache_batch_size": 64, "train.steps": 1}
+    _, fill = cache_pass(root, values)
+    config = write_toml(root / "startup.toml", values)
+    warm = [time_to_step_one(config) for _ in range(args.repeats)]
+    manifest = root / "many-cache" / "manifest.json"
+    cold = []
+    for _ in range(args.repeats):
+        manifest.unlink()
+        cold.append(time_to_step_one(config))
+    print(f"startup: {n} clips, complete cache (filled in {fill:.0f} s), launch of trainer.py to its step 1 line")
+    print(f"  manifest warm  {min(warm):6.1f} s   (runs {' '.join(f'{x:.1f}' for x in warm)}; target < 10 s)")
+    print(f"  manifest cold  {min(cold):6.1f} s   (runs {' '.join(f'{x:.1f}' for x in cold)}): every header read and hashed")
+    print(f"  cold / warm    {min(cold) / min(warm):6.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clips", type=int, default=48)
-    parser.add_argument("--frames", type=int, default=17, help="frames per clip and per cached sample (8k+1)")
-    parser.add_argument("--size", type=int, default=64, help="height and width of clips and samples")
+    parser.add_argument("--part", choices=["all", "throughput", "memory", "workers", "startup"], default="all")
+    parser.add_argument("--clips", type=int, default=48, help="clips in the throughput part")
     parser.add_argument("--batch", type=int, default=8, help="clips per VAE/T5 call in the batched runs")
     parser.add_argument("--nproc", type=int, default=2, help="ranks in the spread run")
+    parser.add_argument("--worker-clips", type=int, default=16, help="720p clips in the workers part")
+    parser.add_argument("--startup-clips", type=int, default=10000)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_tiny_model(str(root / "model"))
-        make_synthetic_dataset(str(root / "data"), args.clips, args.frames, args.size, args.size, seed=0)
-        config = root / "bench.toml"
-        config.write_text(
-            f'[run]\noutput_dir = "{root / "out"}"\n[model]\npath = "{root / "model"}"\ndtype = "fp32"\n'
-            f'[data]\ndata_root = "{root / "data"}"\ntrain_resolution = [{args.frames}, {args.size}, {args.size}]\n'
-        )
-        runs = {
-            "one clip at a time, 1 rank": cache_pass(config, root / "c1", 1, 1),
-            f"batch {args.batch}, 1 rank": cache_pass(config, root / "c2", args.batch, 1),
-            f"batch {args.batch}, {args.nproc} ranks": cache_pass(config, root / "c3", args.batch, args.nproc),
-        }
-    baseline = next(iter(runs.values()))[0]
-    print(f"{args.clips} clips of {args.frames}x{args.size}x{args.size}, tiny CogVideoX VAE + T5")
-    for name, (rate, wall) in runs.items():
-        print(f"{name:28s} {rate:7.2f} clips/s  {rate / baseline:5.2f}x  (command wall {wall:5.1f} s)")
+        for part in (throughput, memory, workers, startup):
+            if args.part in ("all", part.__name__):
+                part(root, args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ process, a HashStore group), and the multi-rank and kill tests run the real comm
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +16,17 @@ from diffusers import AutoencoderKLCogVideoX
 from safetensors.torch import load_file
 from transformers import T5EncoderModel
 
+import av
 import cache
 import data
+import decode
+import manifest
 import trainer
 from config import ConfigError, DataConfig
 from conftest import run_cmd, run_ok, train_losses
-from tools.make_synthetic_dataset import make_synthetic_dataset, write_mp4
+from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
 
-TWO_BUCKETS = [[9, 32, 32], [17, 32, 48]]
+TWO_BUCKETS = [[9, 48, 40], [17, 40, 48]]
 
 
 def args_of(path: Path, *extra: str) -> list[str]:
@@ -79,57 +83,100 @@ def test_list_mistakes_name_file_and_line(tmp_path, files, expected):
 
 
 # Decoding and planning.
-def ramp_clip(path: Path, frames: int, height: int = 32, width: int = 32) -> None:
-    """Frame k is flat grey 10 + 12k: the decoded value tells which frame was picked."""
+def ramp_clip(path: Path, frames: int, height: int = 32, width: int = 32, kind: str = "mp4") -> None:
+    """Frame k is flat grey 10 + 12k (the decoded value tells which frame was picked), with a white top-left
+    corner (it tells which way up the frame is)."""
     video = np.stack([np.full((height, width, 3), 10 + 12 * k, np.uint8) for k in range(frames)])
-    write_mp4(path, video, fps=8)
+    video[:, : height // 4, : width // 4] = 255
+    write_clip(path, video, 8, kind)
 
 
-def item_for(path: Path, resolution, start: int, pad: bool = False, resized=None) -> data.Item:
-    clip = data.Clip(path, "grey", 1, "videos.txt")
-    return data.Item(clip, 0, tuple(resolution), resized or tuple(resolution[1:]), start, 0, 0, pad)
+def item_for(path: Path, resolution, start: int, pad: bool = False, rate: float = 0.0) -> data.Item:
+    clip, media = data.Clip(path, "grey", 1, "videos.txt"), decode.probe(path)
+    return data.Item(clip, media, "content", None, 0, tuple(resolution), (media.height, media.width),
+                     rate or media.fps, start, 0, 0, pad)
 
 
 def picked_frames(video: torch.Tensor) -> list[int]:
-    return [round((v - 10) / 12) for v in video.float().mean(dim=(1, 2, 3)).tolist()]
+    """The ramp's frame index from the grey away from the corner."""
+    h, w = video.shape[1:3]
+    return [round((v - 10) / 12) for v in video[:, h // 2 :, w // 2 :].float().mean(dim=(1, 2, 3)).tolist()]
 
 
-def test_frames_are_chosen_by_timestamp_and_padded(tmp_path):
-    ramp_clip(tmp_path / "ramp.mp4", 17)
-    assert picked_frames(data.decode_clip(item_for(tmp_path / "ramp.mp4", [5, 32, 32], 1), 4.0)) == [2, 4, 6, 8, 10]
-    assert picked_frames(data.decode_clip(item_for(tmp_path / "ramp.mp4", [9, 32, 32], 3), 0.0)) == list(range(3, 12))
-    ramp_clip(tmp_path / "short.mp4", 5)
-    padded = data.decode_clip(item_for(tmp_path / "short.mp4", [9, 32, 32], 0, pad=True), 0.0)
+@pytest.mark.parametrize("kind", ["mp4", "mkv", "webm", "fmp4"])
+def test_frames_are_chosen_by_timestamp_and_padded(tmp_path, kind):
+    """Any container: the frame count comes from the packets (Matroska, WebM and fragmented mp4 headers
+    have none), frames are picked by their timestamps after a seek to the first one."""
+    ramp_clip(tmp_path / "ramp", 17, kind=kind)
+    media = decode.probe(tmp_path / "ramp")
+    assert (media.frames, media.duration, media.height, media.width) == (17, 17 / 8, 32, 32)
+    assert picked_frames(data.decode_clip(item_for(tmp_path / "ramp", [5, 32, 32], 1, rate=4.0))) == [2, 4, 6, 8, 10]
+    assert picked_frames(data.decode_clip(item_for(tmp_path / "ramp", [9, 32, 32], 3))) == list(range(3, 12))
+    ramp_clip(tmp_path / "short", 5, kind=kind)
+    padded = data.decode_clip(item_for(tmp_path / "short", [9, 32, 32], 0, pad=True))
     assert picked_frames(padded) == [0, 1, 2, 3, 4, 4, 4, 4, 4]
     with pytest.raises(data.BadClip, match="decodes to 5 of the 9 frames"):
-        data.decode_clip(item_for(tmp_path / "short.mp4", [9, 32, 32], 0), 0.0)
+        data.decode_clip(item_for(tmp_path / "short", [9, 32, 32], 0))
+
+
+def test_variable_frame_rate_is_sampled_by_time(tmp_path):
+    """Frame k of the vfr kind is shown at 125 (k + k // 3 / 2) ms: at 8 fps the picks are the frames
+    nearest to each 125 ms tick, not every frame in turn."""
+    ramp_clip(tmp_path / "vfr.mp4", 17, kind="vfr")
+    media = decode.probe(tmp_path / "vfr.mp4")
+    shown = [125 * (k + k // 3 * 0.5) for k in range(17)]
+    assert media.frames == 17 and media.duration == pytest.approx((shown[-1] + 125) / 1000, abs=2e-3)
+    expected = [min(range(17), key=lambda k: (abs(shown[k] - 125 * t), k)) for t in range(2, 11)]
+    assert picked_frames(data.decode_clip(item_for(tmp_path / "vfr.mp4", [9, 32, 32], 2, rate=8.0))) == expected
+    assert expected != list(range(2, 11))
+
+
+def test_phone_clips_and_photos_come_out_as_displayed(tmp_path):
+    """A portrait phone clip is stored landscape with a 90-degree display matrix, a portrait photo
+    landscape with EXIF orientation 6: both read portrait, upright (the white corner top left)."""
+    ramp_clip(tmp_path / "phone.mov", 9, height=48, width=32, kind="phone")
+    ramp_clip(tmp_path / "photo.jpg", 1, height=48, width=32, kind="photo")
+    with av.open(str(tmp_path / "phone.mov")) as container:
+        stored = container.streams.video[0].codec_context
+        assert (stored.height, stored.width) == (32, 48)  # as the phone stores it
+    for name, frames in (("phone.mov", 9), ("photo.jpg", 1)):
+        media = decode.probe(tmp_path / name)
+        assert (media.height, media.width, media.frames) == (48, 32, frames)
+        video = data.decode_clip(item_for(tmp_path / name, [frames, 48, 32], 0)).float()
+        assert video[:, :12, :8].mean() > 240 and video[:, -12:, -8:].mean() < 60
+        assert picked_frames(video) == list(range(frames))
 
 
 def test_plan_keeps_aspect_and_draws_start_and_crop_from_the_seed(tmp_path):
     ramp_clip(tmp_path / "wide.mp4", 17, height=40, width=80)
-    clip = data.Clip(tmp_path / "wide.mp4", "grey", 1, "videos.txt")
+    clip, media = data.Clip(tmp_path / "wide.mp4", "grey", 1, "videos.txt"), decode.probe(tmp_path / "wide.mp4")
     shapes = [(9, 32, 32)]
-    centre = data.plan_clip(clip, shapes, DataConfig(), seed=0)
+    plan = lambda cfg, seed: data.plan_clip(clip, media, "content", shapes, cfg, seed)  # noqa: E731
+    centre = plan(DataConfig(), 0)
     assert centre.resized == (32, 64) and (centre.top, centre.left) == (0, 16)
-    plans = {s: data.plan_clip(clip, shapes, DataConfig(crop="random", target_fps=4.0), seed=s) for s in range(8)}
-    assert plans[3] == data.plan_clip(clip, shapes, DataConfig(crop="random", target_fps=4.0), seed=3)
+    plans = {s: plan(DataConfig(crop="random", target_fps=4.0), s) for s in range(8)}
+    assert plans[3] == plan(DataConfig(crop="random", target_fps=4.0), 3)
     assert all(0 <= p.left <= 32 and 0 <= p.start <= 0 for p in plans.values())  # 17 frames at 8 fps = 9 at 4 fps
     assert len({p.left for p in plans.values()}) > 1
-    native = {data.plan_clip(clip, shapes, DataConfig(), seed=s).start for s in range(8)}
+    native = {plan(DataConfig(), s).start for s in range(8)}
     assert native <= set(range(9)) and len(native) > 1
-    short = data.plan_clip(clip, [(25, 32, 32)], DataConfig(), seed=0)
+    short = data.plan_clip(clip, media, "content", [(25, 32, 32)], DataConfig(), 0)
     assert isinstance(short, data.Problem) and short.kind == "short" and "17 frames" in short.reason
-    assert data.plan_clip(clip, [(25, 32, 32)], DataConfig(short_clips="pad"), seed=0).pad
+    assert data.plan_clip(clip, media, "content", [(25, 32, 32)], DataConfig(short_clips="pad"), 0).pad
 
 
-def test_bucket_is_the_largest_the_clip_fills():
-    shapes = [(9, 32, 32), (17, 32, 48), (9, 48, 48), (25, 32, 32)]
-    assert data.choose_bucket(shapes, 40, 48, 17) == 1  # covers 32x48, not 48x48
-    assert data.choose_bucket(shapes, 40, 48, 9) == 0  # too short for 32x48
-    assert data.choose_bucket(shapes, 64, 64, 9) == 2
+def test_bucket_is_the_nearest_aspect_then_the_largest_the_clip_fills():
+    shapes = [(9, 32, 32), (17, 32, 48), (9, 48, 48), (25, 32, 32), (17, 48, 32), (1, 48, 32), (1, 32, 48)]
+    assert data.choose_bucket(shapes, 48, 72, 17) == 1  # 2:3 landscape, 32x48 filled
+    assert data.choose_bucket(shapes, 72, 48, 17) == 4  # its portrait twin: the same area, the portrait one
+    assert data.choose_bucket(shapes, 1080, 1920, 17) == 1  # 16:9: the nearest aspect, though 48x48 is larger
+    assert data.choose_bucket(shapes, 40, 48, 17) == 0  # 5:6 is nearer square than 2:3
+    assert data.choose_bucket(shapes, 64, 64, 9) == 2  # square: the largest square it fills
     assert data.choose_bucket(shapes, 32, 32, 30) == 3  # same area: more frames
-    assert data.choose_bucket(shapes, 20, 20, 30) == 3  # smaller than every bucket: the smallest, upscaled
-    assert data.choose_bucket(shapes, 40, 48, 5) == 0  # too short for all it covers: the shortest
+    assert data.choose_bucket(shapes, 20, 20, 30) == 3  # smaller than every square: the smallest, upscaled
+    assert data.choose_bucket(shapes, 48, 72, 5) == 1  # too short for all it covers: the shortest, to pad or skip
+    assert data.choose_bucket(shapes, 64, 48, 1) == 5 and data.choose_bucket(shapes, 48, 64, 1) == 6  # images
+    assert data.choose_bucket([(9, 32, 32)], 40, 48, 1) is None and data.choose_bucket([(1, 32, 32)], 40, 48, 9) is None
 
 
 # The sampler.
@@ -183,38 +230,56 @@ def test_two_buckets_train_on_two_ranks_and_the_cache_is_reused(two_shape_data, 
                                         "data.cache_batch_size": 3, "train.steps": 4,
                                         "validation.do_validation": False})
     first = run_ok(args_of(config), nproc=2)
-    assert "cache: 24 clips encoded, 0 reused, 0 skipped; clips per bucket {'[9, 32, 32]': 12, '[17, 32, 48]': 12}" in first.stderr
+    assert "cache: 24 clips encoded, 0 reused, 0 skipped; clips per bucket {'[9, 48, 40]': 12, '[17, 40, 48]': 12}" in first.stderr
     assert sorted(train_losses(tmp_path / "buckets")) == [1, 2, 3, 4]
     assert "0 clips encoded, 24 reused" in run_cache_pass(caplog, config)
-    shapes = [tuple(load_file(p)["latent_mean"].shape) for p in (tmp_path / "cache").rglob("*.safetensors")]
+    shapes = [tuple(load_file(p)["latent_mean"].shape) for p in (tmp_path / "cache" / "video").rglob("*.safetensors")]
     assert sorted(shapes.count(s) for s in set(shapes)) == [12, 12]
-    assert "12 clips encoded, 12 reused" in run_cache_pass(caplog, config, "--data.buckets", "[[9, 32, 32], [17, 32, 32]]")
+    assert "12 clips encoded, 12 reused" in run_cache_pass(caplog, config, "--data.buckets", "[[9, 48, 40], [17, 32, 32]]")
 
 
-def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tmp_path, caplog):
+def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tiny_data, tmp_path, caplog):
     config = write_config("cache", **{"data.cache_dir": str(tmp_path / "cache"), "data.cache_batch_size": 2})
     killed = run_cmd(args_of(config), env={"VIDTRAIN_FAULT": "cache_kill:5"}, script="cache.py")
     assert killed.returncode != 0 and "clips encoded" not in killed.stderr
-    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 5
+    assert len(list((tmp_path / "cache" / "video").rglob("*.safetensors"))) == 5
     # SIGTERM after 3 more entries: the round under way (2 clips per batch) completes, then the pass stops, exit 0.
     stopped = run_ok(args_of(config), env={"VIDTRAIN_FAULT": "cache_sigterm:3"}, script="cache.py")
     assert "stopped by a signal: in the cache pass, with 4 of 19 clips encoded and kept" in stopped.stderr
-    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 9
+    assert len(list((tmp_path / "cache" / "video").rglob("*.safetensors"))) == 9
     assert "15 clips encoded, 9 reused" in run_cache_pass(caplog, config)
     assert "0 clips encoded, 24 reused" in run_cache_pass(caplog, config)
     assert "24 clips encoded, 0 reused" in run_cache_pass(caplog, config, "--data.train_resolution", "[9, 32, 48]")
-    assert "24 clips encoded, 0 reused" in run_cache_pass(caplog, config, "--data.crop", "random")
+    # A random crop re-encodes exactly the clips whose offsets moved: the entries follow what was encoded.
+    clips, shapes = data.read_clips(DataConfig(data_root=str(tiny_data))), [(9, 32, 48)]
+    def offsets(clip, crop):
+        item = data.plan_clip(clip, decode.probe(clip.video), manifest.content_hash(clip.video), shapes,
+                              DataConfig(crop=crop), 42)
+        return item.top, item.left
+
+    moved = sum(offsets(clip, "random") != offsets(clip, "center") for clip in clips)
+    assert 0 < moved < 24
+    log_line = run_cache_pass(caplog, config, "--data.train_resolution", "[9, 32, 48]", "--data.crop", "random")
+    assert f"{moved} clips encoded, {24 - moved} reused" in log_line
 
 
-def test_complete_cache_trains_without_vae_or_t5(write_config, tmp_path, caplog, monkeypatch):
-    config = write_config("no_encoders", **{"validation.do_validation": False, "train.steps": 2})
+def test_complete_cache_trains_without_vae_t5_videos_or_headers(write_config, tiny_data, tmp_path, caplog,
+                                                                monkeypatch):
+    """With a complete manifest and cache a restart reads no header and loads no encoder, and a clip
+    whose file is gone trains from its entries."""
+    data_root = tmp_path / "data"
+    shutil.copytree(tiny_data, data_root)
+    config = write_config("no_encoders", **{"validation.do_validation": False, "train.steps": 2,
+                                            "data.data_root": str(data_root)})
     run_cache_pass(caplog, config)
+    (data_root / "videos" / "00003.mp4").unlink()
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the VAE or T5 was constructed although the cache is complete")
+        raise AssertionError("a header was read, or the VAE or T5 constructed, although the cache is complete")
 
     monkeypatch.setattr(AutoencoderKLCogVideoX, "from_pretrained", refuse)
     monkeypatch.setattr(T5EncoderModel, "from_pretrained", refuse)
+    monkeypatch.setattr(decode, "probe", refuse)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vidtrain"):
         trainer.main(args_of(config))

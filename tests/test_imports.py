@@ -8,7 +8,7 @@ from conftest import REPO
 LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache"], 2),
-    **dict.fromkeys(["model", "model_adapter", "lora", "data", "parallel", "metrics", "faults"], 1),
+    **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel", "metrics", "faults"], 1),
     "config": 0,
 }
 

@@ -206,7 +206,7 @@ def test_i2v_images_follow_the_bad_input_rules_and_are_encoded_once(tiny_models,
                 "data.image_column": "images.txt", "data.cache_dir": str(tmp_path / "cache")}
     stopped = run_cmd(["--cfg", str(write_config("bad", **settings))], script="cache.py")
     assert stopped.returncode == 1
-    assert f"videos.txt line 3: {data_root / 'videos/00002.mp4'}: image {data_root / images[2]} is unreadable" in stopped.stderr
+    assert f"videos.txt line 3: {data_root / 'videos/00002.mp4'}: image {data_root / images[2]}: does not exist" in stopped.stderr
     assert "2 clip(s) cannot be used" in stopped.stderr and not list((tmp_path / "cache").rglob("*.safetensors"))
     config = write_config("skip", **settings, **{"data.skip_bad": True})
     caplog.set_level("INFO", logger="vidtrain")
@@ -214,8 +214,10 @@ def test_i2v_images_follow_the_bad_input_rules_and_are_encoded_once(tiny_models,
     assert "22 clips encoded, 0 reused, 2 skipped" in caplog.text
     skipped = (tmp_path / "skip" / "skipped.txt").read_text().splitlines()
     assert [line.split("\t")[0] for line in skipped] == [str(data_root / f"videos/0000{i}.mp4") for i in (2, 4)]
-    entry = load_file(next((tmp_path / "cache").rglob("*.safetensors")))
-    assert entry["image_mean"].shape == (4, 1, 8, 8) and entry["latent_mean"].shape == (4, 3, 8, 8)
+    video = load_file(next((tmp_path / "cache" / "video").rglob("*.safetensors")))
+    image = load_file(next((tmp_path / "cache" / "image").rglob("*.safetensors")))
+    assert image["image_mean"].shape == (4, 1, 8, 8) and video["latent_mean"].shape == (4, 3, 8, 8)
+    assert len(list((tmp_path / "cache" / "image").rglob("*.safetensors"))) == 22
     caplog.clear()
     cache.main(["--cfg", str(config)])
     assert "0 clips encoded, 22 reused, 2 skipped" in caplog.text

@@ -1,13 +1,21 @@
-"""Write short H.264 clips of simple moving shapes, with prompts that describe them.
+"""Write short clips of simple moving shapes, with prompts that describe them.
 
-CogVideo's layout: prompts.txt, videos.txt, videos/NNNNN.mp4, images.txt, images/NNNNN.png
-(the first frames, for image-to-video). Byte-identical output for a given seed.
+CogVideo's layout: prompts.txt, videos.txt, videos/NNNNN.<ext>, images.txt, images/NNNNN.png (the
+first frames, for image-to-video). Byte-identical output for a given seed (in the default kind, mp4).
+--kinds cycles the clips through the ways phones and the web store video:
 
-    python tools/make_synthetic_dataset.py --out DIR [--num-videos N] [--frames F] [--height H] [--width W] [--seed N]
+  mp4    H.264 in mp4 (the header counts its frames)
+  mkv    H.264 in Matroska          webm   VP9 in WebM          fmp4   fragmented mp4
+  vfr    mp4 with irregular frame times (a variable frame rate)
+  phone  a portrait clip as phones store it: landscape pixels in a .mov with a 90-degree display matrix
+  photo  a portrait JPEG as cameras store it: landscape pixels with EXIF orientation 6
+
+    python tools/make_synthetic_dataset.py --out DIR [--num-videos N] [--frames F] [--height H] [--width W] [--seed N] [--kinds mp4,mkv,...]
 """
 
 import argparse
 import random
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -53,34 +61,59 @@ def render_clip(shape: str, colour: str, direction: str, frames: int, height: in
     return video
 
 
-def write_mp4(path: Path, video: np.ndarray, fps: int) -> None:
-    with av.open(str(path), mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
+ENCODERS = {"mp4": ("libx264", "mp4"), "mkv": ("libx264", "matroska"), "webm": ("libvpx-vp9", "webm"),
+            "fmp4": ("libx264", "mp4"), "vfr": ("libx264", "mp4"), "phone": ("libx264", "mov")}
+SUFFIXES = {"mkv": ".mkv", "webm": ".webm", "phone": ".mov", "photo": ".jpg"}
+
+
+def write_clip(path: Path, video: np.ndarray, fps: int, kind: str = "mp4") -> None:
+    """uint8 frames [F, H, W, 3], as displayed, stored the way `kind` stores them."""
+    if kind == "photo":
+        exif = Image.Exif()
+        exif[0x0112] = 6  # turn 90 degrees clockwise to display: the pixels are stored turned back
+        Image.fromarray(np.rot90(video[0], k=1)).save(path, exif=exif, quality=95)
+        return
+    codec, container_format = ENCODERS[kind]
+    options = {"movflags": "frag_keyframe+empty_moov+default_base_moof"} if kind == "fmp4" else {}
+    with av.open(str(path), mode="w", format=container_format, options=options) as container:
+        stream = container.add_stream(codec, rate=fps)
+        if kind == "phone":  # shown turned 90 degrees clockwise (PyAV counts counter-clockwise)
+            stream.set_display_rotation(-90)
+            video = np.rot90(video, k=1, axes=(1, 2))
         stream.width, stream.height = video.shape[2], video.shape[1]
         stream.pix_fmt = "yuv420p"
         # One thread and a fixed quality keep the bytes identical from run to run.
-        stream.options = {"crf": "18", "threads": "1"}
+        stream.options = {"crf": "18", "threads": "1"} if codec == "libx264" else \
+            {"crf": "20", "b:v": "0", "deadline": "realtime", "cpu-used": "8", "threads": "1"}
         stream.thread_count = 1
-        for frame in video:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+        if kind == "vfr":  # frame k shown at 1000 / fps * (k + k // 3 * 0.5) ms: every third interval longer
+            stream.codec_context.time_base = Fraction(1, 1000)
+        for k, pixels in enumerate(video):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
+            if kind == "vfr":
+                frame.pts, frame.time_base = round(1000 / fps * (k + k // 3 * 0.5)), Fraction(1, 1000)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
 
 
-def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, height: int = 40, width: int = 48, seed: int = 0):
+def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, height: int = 40, width: int = 48,
+                           seed: int = 0, kinds: tuple[str, ...] = ("mp4",)):
     root = Path(out)
     (root / "videos").mkdir(parents=True, exist_ok=True)
     (root / "images").mkdir(exist_ok=True)
     rng = random.Random(seed)
     prompts, videos, images = [], [], []
     for i in range(num_videos):
+        kind = kinds[i % len(kinds)]
         shape, colour, direction = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(DIRECTIONS))
-        video = render_clip(shape, colour, direction, frames, height, width, rng)
-        write_mp4(root / "videos" / f"{i:05d}.mp4", video, FPS)
+        # Phones and cameras make portraits: those kinds render height and width swapped.
+        h, w = (width, height) if kind in ("phone", "photo") else (height, width)
+        video = render_clip(shape, colour, direction, frames, h, w, rng)
+        name = f"videos/{i:05d}{SUFFIXES.get(kind, '.mp4')}"
+        write_clip(root / name, video, FPS, kind)
         Image.fromarray(video[0]).save(root / "images" / f"{i:05d}.png")
         prompts.append(f"a {colour} {shape} moves {direction} on a black background")
-        videos.append(f"videos/{i:05d}.mp4")
+        videos.append(name)
         images.append(f"images/{i:05d}.png")
     for name, lines in (("prompts.txt", prompts), ("videos.txt", videos), ("images.txt", images)):
         (root / name).write_text("\n".join(lines) + "\n")
@@ -94,8 +127,10 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=40)
     parser.add_argument("--width", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default="mp4", help=f"comma-separated, cycled over the clips: {','.join([*ENCODERS, 'photo'])}")
     args = parser.parse_args()
-    make_synthetic_dataset(args.out, args.num_videos, args.frames, args.height, args.width, args.seed)
+    make_synthetic_dataset(args.out, args.num_videos, args.frames, args.height, args.width, args.seed,
+                           tuple(args.kinds.split(",")))
     print(f"wrote {args.num_videos} clips to {args.out}")
 
 

@@ -1,0 +1,227 @@
+"""Reading media: what a clip's header says, and its frames as a player shows them.
+
+Any container PyAV reads. Matroska, WebM and fragmented mp4 carry no frame count in the header, and
+their durations and rates are unreliable (a variable-frame-rate mp4 reports 0.77 s for 1.03 s): the
+count, the first timestamp and the duration come from one pass over the packets, never from decoding
+(~30 ms for 1000 frames). Phones store portrait clips landscape with a display matrix: it is read
+from the first decoded frame (PyAV has no stream-level getter), applied to every frame, and the
+displayed size is what buckets see. Frames are picked by their timestamps, after a keyframe seek to
+the first one, resized by swscale as each is decoded (antialiased when shrinking) and kept uint8.
+Images (EXIF orientation applied) are one-frame clips.
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+from av.sidedata.sidedata import Type
+from PIL import Image, ImageOps
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+EXIF_ORIENTATION = 0x0112
+RESIZE = "swscale-bilinear"  # part of the cache key: another resize gives other latents
+
+
+class MediaError(Exception):
+    """A file that cannot be used, and why."""
+
+
+@dataclass(frozen=True)
+class Media:
+    """What a clip's header says, read once and kept in the manifest."""
+
+    frames: int  # coded frames, counted from the packets (1 for an image)
+    duration: float  # seconds from the first frame's start to the last one's end (0 for an image)
+    first_pts: int | None  # the first frame's time in the stream's time base; None: no timestamps
+    height: int  # as displayed
+    width: int
+    matrix: tuple[int, ...] | None  # the display matrix (9 ints, 16.16), None when upright
+    by_index: bool = False  # timestamps unusable (raw streams, AVI with B-frames): pick by decode order
+    image: bool = False
+
+    @property
+    def fps(self) -> float:
+        return self.frames / self.duration if self.duration else 0.0
+
+
+def is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_SUFFIXES
+
+
+def probe(path: Path) -> Media:
+    """The header of a video or an image; MediaError if it cannot be used."""
+    if not path.is_file():
+        raise MediaError("does not exist")
+    return _probe_image(path) if is_image(path) else _probe_video(path)
+
+
+def _probe_image(path: Path) -> Media:
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            # Image.getexif() decodes a whole PNG to find its EXIF; the header's copy suffices.
+            exif = Image.Exif()
+            if image.info.get("exif"):
+                exif.load(image.info["exif"])
+            elif image.format != "PNG":
+                exif = image.getexif()
+    except (OSError, SyntaxError) as e:  # PIL reports unreadable images as either
+        raise MediaError(f"not a readable image ({e})") from None
+    if exif.get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8):  # a quarter turn: the displayed size is swapped
+        width, height = height, width
+    return Media(1, 0.0, None, height, width, None, image=True)
+
+
+def _open(path: Path):
+    try:
+        container = av.open(str(path))
+    except (av.error.FFmpegError, UnicodeDecodeError) as e:
+        raise MediaError(f"not a readable video ({e})") from None
+    if not container.streams.video:
+        container.close()
+        raise MediaError("has no video stream")
+    return container
+
+
+def _probe_video(path: Path) -> Media:
+    try:
+        with _open(path) as container:
+            stream = container.streams.video[0]
+            count, stamps, durations = 0, [], {}
+            for packet in container.demux(stream):
+                if packet.size == 0 or packet.is_discard:  # the flush packet; an edit list's drops
+                    continue
+                count += 1
+                if packet.pts is not None:
+                    stamps.append(packet.pts)
+                    durations[packet.pts] = packet.duration or 0
+            by_index = len(stamps) != count or count < 2 or container.format.name == "avi"
+            if by_index:  # raw streams have no pts; AVI with B-frames gives decoded frames decode-order pts
+                rate = float(stream.guessed_rate or stream.average_rate or 0)
+                duration, first_pts = (count / rate if rate else 0.0), None
+            else:
+                stamps.sort()
+                last = durations[stamps[-1]] or int(np.median(np.diff(stamps)))
+                duration, first_pts = float((stamps[-1] + last - stamps[0]) * stream.time_base), stamps[0]
+        # The display matrix travels as frame side data: decode one frame. Reopened, not sought to 0:
+        # raw streams refuse to seek.
+        with _open(path) as container:
+            stream = container.streams.video[0]
+            frame = next(container.decode(stream), None)
+            width, height = stream.codec_context.width, stream.codec_context.height
+    except av.error.FFmpegError as e:
+        raise MediaError(f"cannot read its packets ({e})") from None
+    if frame is None or count == 0 or duration <= 0:
+        raise MediaError("holds no frames that can be decoded")
+    side = frame.side_data.get(Type.DISPLAYMATRIX)
+    matrix = tuple(int(v) for v in np.frombuffer(bytes(side), np.int32)) if side is not None else None
+    if _quarter_turn(matrix):
+        width, height = height, width
+    return Media(count, duration, first_pts, height, width, matrix, by_index)
+
+
+def _quarter_turn(matrix) -> bool:
+    return matrix is not None and matrix[0] == 0 and matrix[4] == 0
+
+
+def _upright(pixels: np.ndarray, matrix) -> np.ndarray:
+    """H x W x C pixels as a player shows them, from the display matrix's signs: the 8 rotations and
+    mirrors (PyAV's frame.rotation misreads the mirrored ones)."""
+    if matrix is None:
+        return pixels
+    a, b, c, d = (int(np.sign(matrix[i])) for i in (0, 1, 3, 4))
+    if a == 0 and d == 0:
+        pixels = pixels.swapaxes(0, 1)
+        pixels = pixels[::-1] if b < 0 else pixels
+        pixels = pixels[:, ::-1] if c < 0 else pixels
+    else:
+        pixels = pixels[::-1] if d < 0 else pixels
+        pixels = pixels[:, ::-1] if a < 0 else pixels
+    return np.ascontiguousarray(pixels)
+
+
+def available_frames(media: Media, rate: float) -> int:
+    """Frames at `rate` frames per second (0: the clip's own rate) that the clip shows."""
+    if media.image:
+        return 1
+    if not rate:
+        return media.frames
+    return math.floor(media.duration * rate - 1e-6) + 1
+
+
+def read_frames(path: Path, media: Media, times: list[float], resized: tuple[int, int], crop: tuple[int, int, int, int],
+                pad: bool, threads: int = 0) -> np.ndarray:
+    """The frames shown at `times` (seconds from the first frame; the nearest one in time), resized to
+    `resized` (height, width as displayed) and cropped to (top, left, height, width): uint8 [F, H, W, 3].
+    A clip that ends early repeats its last frame when `pad` (the plan decided so), else is an error."""
+    if media.image:
+        return read_image(path, resized, crop)[None].repeat(len(times), axis=0)
+    top, left, height, width = crop
+    coded = resized[::-1] if _quarter_turn(media.matrix) else resized  # resize first, then turn
+    out = np.empty((len(times), height, width, 3), np.uint8)
+
+    def keep(k: int, frame) -> None:
+        small = frame.reformat(width=coded[1], height=coded[0], format="rgb24", interpolation="BILINEAR")
+        out[k] = _upright(small.to_ndarray(), media.matrix)[top : top + height, left : left + width]
+
+    try:
+        with _open(path) as container:
+            stream = container.streams.video[0]
+            stream.thread_type, stream.thread_count = "AUTO", threads
+            frames = _frames_by_index(container, stream, media) if media.by_index else \
+                _frames_from(container, stream, media, times[0])
+            k, previous = 0, None
+            for t, frame in frames:
+                while k < len(times) and t >= times[k] - 0.5 / media.fps:
+                    nearer = previous if previous and times[k] - previous[0] < t - times[k] else (t, frame)
+                    keep(k, nearer[1])
+                    k += 1
+                if k == len(times):
+                    return out
+                previous = (t, frame)
+    except av.error.FFmpegError as e:
+        raise MediaError(f"cannot decode ({e})") from None
+    if k == 0 or not pad:
+        raise MediaError(f"decodes to {k} of the {len(times)} frames its header promised (truncated?)")
+    out[k:] = out[k - 1]
+    return out
+
+
+def _frames_from(container, stream, media: Media, t: float):
+    """(time, frame) from the keyframe at or before time t on. A fragmented mp4 with B-frames indexes
+    decode times, so the seek can land after t: then back off 1 s, 2 s, 4 s, ... to the first frame."""
+    tb, half = stream.time_base, 0.5 / media.fps
+    target, margin = media.first_pts + t / tb, 0.0
+    while True:
+        seek = max(math.floor(target - half / tb - margin), media.first_pts)
+        container.seek(seek, stream=stream, backward=True, any_frame=False)
+        frames = container.decode(stream)
+        first = next(frames, None)
+        if first is None:
+            return
+        if first.pts > target + half / tb and seek > media.first_pts:
+            margin = max(2 * margin, 1 / tb)
+            continue
+        yield float((first.pts - media.first_pts) * tb), first
+        for frame in frames:
+            yield float((frame.pts - media.first_pts) * tb), frame
+        return
+
+
+def _frames_by_index(container, stream, media: Media):
+    for index, frame in enumerate(container.decode(stream)):
+        yield index / media.fps, frame
+
+
+def read_image(path: Path, resized: tuple[int, int], crop: tuple[int, int, int, int]) -> np.ndarray:
+    """An image upright as displayed (EXIF orientation), resized (antialiased) and cropped: uint8 [H, W, 3]."""
+    top, left, height, width = crop
+    try:
+        with Image.open(path) as image:
+            upright = ImageOps.exif_transpose(image).convert("RGB")
+    except (OSError, SyntaxError) as e:
+        raise MediaError(f"not a readable image ({e})") from None
+    pixels = np.asarray(upright.resize((resized[1], resized[0]), Image.Resampling.BILINEAR))
+    return np.ascontiguousarray(pixels[top : top + height, left : left + width])

@@ -1,0 +1,76 @@
+"""The manifest: one index in the cache folder of what every clip's header said and what every file's
+bytes hash to, each against the file's size and mtime. A restart re-reads only the files that changed;
+a clip whose file is gone keeps its entry, so with a complete cache it still trains; models and clips
+are known by content, so a per-node copy of either matches the cache its twin filled."""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import decode
+
+CHUNK = 1 << 24
+
+
+def content_hash(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Manifest:
+    def __init__(self, cache_dir: Path):
+        self.path = cache_dir / "manifest.json"
+        saved = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.entries: dict[str, dict] = saved.get("entries", {})
+        self.changed = False
+
+    def lookup(self, path: Path) -> dict | None:
+        """The entry of an unchanged file, or the last one of a file that is gone; None if it must be read."""
+        entry = self.entries.get(os.path.abspath(path))
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            return entry
+        if entry and entry["size"] == stat.st_size and entry["mtime"] == stat.st_mtime_ns:
+            return entry
+        return None
+
+    @staticmethod
+    def read(path: Path, probe: bool) -> dict:
+        """A new entry: the content hash, and (`probe`) the media header; decode.MediaError if unusable."""
+        stat = path.stat()
+        entry = {"size": stat.st_size, "mtime": stat.st_mtime_ns, "content": content_hash(path)}
+        if probe:
+            entry["media"] = asdict(decode.probe(path))
+        return entry
+
+    def entry(self, path: Path, probe: bool = True) -> tuple[dict, bool]:
+        """(entry, whether it is new) for a file; decode.MediaError when it is gone and unknown, or unusable."""
+        known = self.lookup(path)
+        if known is not None and (not probe or "media" in known):
+            return known, False
+        if not path.exists():
+            raise decode.MediaError("does not exist")
+        return self.read(path, probe), True
+
+    def add(self, path: Path, entry: dict) -> None:
+        self.entries[os.path.abspath(path)] = entry
+        self.changed = True
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"entries": self.entries}, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def media_of(entry: dict) -> decode.Media:
+    media = dict(entry["media"])
+    media["matrix"] = tuple(media["matrix"]) if media["matrix"] else None
+    return decode.Media(**media)

@@ -1,0 +1,185 @@
+"""Real-world video and a cache for many clips: containers and orientations as phones and the web
+make them, aspect-aware buckets, images as one-frame clips, entries that survive recaptioning and
+per-node copies, the manifest."""
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from diffusers import AutoencoderKLCogVideoX
+from safetensors.torch import load_file, save_file
+from transformers import T5EncoderModel
+
+import cache
+import decode
+from conftest import read_metrics, run_cmd, run_ok, train_losses
+from tools.make_synthetic_dataset import make_synthetic_dataset
+
+REAL_WORLD = ("mkv", "webm", "fmp4", "vfr", "phone", "photo")
+# Equal-area landscape and portrait buckets, and one for portrait photos.
+BUCKETS = [[9, 40, 48], [9, 48, 40], [1, 48, 40]]
+
+
+def cache_log(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if "clips encoded" in r.getMessage()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def cache_pass(caplog, config, *extra) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vidtrain"):
+        cache.main(["--cfg", str(config), *extra])
+    return cache_log(caplog)
+
+
+@pytest.fixture(scope="module")
+def real_world(tmp_path_factory):
+    """12 clips: Matroska (H.264), WebM (VP9), fragmented mp4, variable-frame-rate mp4, portrait phone
+    .mov (90-degree display matrix), portrait JPEG (EXIF orientation), twice each."""
+    root = tmp_path_factory.mktemp("real_world") / "data"
+    make_synthetic_dataset(str(root), num_videos=12, frames=17, height=40, width=48, seed=5, kinds=REAL_WORLD)
+    return root
+
+
+def test_phones_and_the_web_train_in_buckets_of_their_aspect(real_world, write_config, tmp_path):
+    """All of them train with skip_bad off; the rotated clips land in the portrait bucket beside the
+    landscape one of equal area, the photos in the one-frame bucket."""
+    config = write_config("real", **{"data.data_root": str(real_world), "data.buckets": BUCKETS,
+                                     "data.held_out": 0, "train.steps": 2, "validation.do_validation": False})
+    result = run_ok(["--cfg", str(config)])
+    assert "clips per bucket {'[9, 40, 48]': 8, '[9, 48, 40]': 2, '[1, 48, 40]': 2}" in result.stderr
+    assert sorted(train_losses(tmp_path / "real")) == [1, 2]
+
+
+def test_a_bucket_too_small_for_a_global_batch_is_named(real_world, write_config, caplog):
+    config = write_config("small", **{"data.data_root": str(real_world), "data.buckets": BUCKETS,
+                                      "data.held_out": 0, "train.batch_size": 4})
+    cache_pass(caplog, config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sorted(w.split(" holds")[0] for w in warnings) == ["bucket [1, 48, 40]", "bucket [9, 48, 40]"]
+    assert "fewer than the global batch of 4: they will never train" in warnings[0]
+
+
+@pytest.fixture
+def own_copy(tiny_model, tiny_data, tmp_path):
+    """A private model and dataset, with their cache complete."""
+    shutil.copytree(tiny_model, tmp_path / "model")
+    shutil.copytree(tiny_data, tmp_path / "data")
+    return tmp_path / "model", tmp_path / "data"
+
+
+def refuse(what):
+    def load(*args, **kwargs):
+        raise AssertionError(f"the {what} was loaded")
+    return load
+
+
+def count_calls(monkeypatch, owner, name) -> list:
+    calls, original = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_recaptioning_encodes_prompts_and_no_video(own_copy, write_config, caplog, monkeypatch):
+    model, data = own_copy
+    config = write_config("recaption", **{"model.path": str(model), "data.data_root": str(data),
+                                          "data.cache_dir": str(data.parent / "cache")})
+    assert "24 clips encoded, 0 reused" in cache_pass(caplog, config)
+    prompts = (data / "prompts.txt").read_text().splitlines()
+    prompts[:3] = ["a red ball rolls left", "a green box moves up", "a small circle drifts right"]
+    (data / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    monkeypatch.setattr(AutoencoderKLCogVideoX, "from_pretrained", refuse("VAE"))
+    encoded = count_calls(monkeypatch, T5EncoderModel, "forward")
+    assert "0 clips encoded, 24 reused" in cache_pass(caplog, config)
+    assert len(encoded) == 1 and encoded[0][1].shape[0] == 3  # one T5 call, on the 3 new prompts
+    assert "cache: 3/3 prompts" in caplog.text
+
+
+def test_per_node_copies_share_the_cache_and_a_finetuned_vae_does_not(own_copy, write_config, tmp_path, caplog,
+                                                                    monkeypatch):
+    """Models and clips are known by content: copies elsewhere (new paths, new mtimes) reuse every
+    entry; the manifest keeps each hash and header, so a restart reads only the clips that changed; a
+    VAE whose weights changed re-encodes every video and no prompt."""
+    model, data = own_copy
+    private = {"data.cache_dir": str(tmp_path / "cache")}
+    assert "24 clips encoded, 0 reused" in cache_pass(caplog, write_config("node0", **{
+        "model.path": str(model), "data.data_root": str(data), **private}))
+    shutil.copytree(model, tmp_path / "node1-model")
+    shutil.copytree(data, tmp_path / "node1-data")
+    copies = write_config("node1", **{"model.path": str(tmp_path / "node1-model"),
+                                      "data.data_root": str(tmp_path / "node1-data"), **private})
+    with monkeypatch.context() as patched:
+        patched.setattr(AutoencoderKLCogVideoX, "from_pretrained", refuse("VAE"))
+        patched.setattr(T5EncoderModel, "from_pretrained", refuse("text encoder"))
+        probes = count_calls(patched, decode, "probe")
+        assert "0 clips encoded, 24 reused" in cache_pass(caplog, copies)
+        assert len(probes) == 24  # new paths: each header read once
+        probes.clear()
+        assert "0 clips encoded, 24 reused" in cache_pass(caplog, copies)
+        assert probes == []  # a restart reads no header the manifest holds
+    make_synthetic_dataset(str(tmp_path / "other"), num_videos=1, seed=9)
+    shutil.copy(tmp_path / "other" / "videos" / "00000.mp4", tmp_path / "node1-data" / "videos" / "00004.mp4")
+    with monkeypatch.context() as patched:
+        probes = count_calls(patched, decode, "probe")
+        assert "1 clips encoded, 23 reused" in cache_pass(caplog, copies)
+        assert [str(args[0]) for args in probes] == [str(tmp_path / "node1-data" / "videos" / "00004.mp4")]
+    weights = tmp_path / "node1-model" / "vae" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    tensors = {k: v * 1.01 if k.endswith("conv_in.conv.weight") else v for k, v in tensors.items()}
+    save_file(tensors, weights)
+    with monkeypatch.context() as patched:
+        patched.setattr(T5EncoderModel, "from_pretrained", refuse("text encoder"))
+        assert "24 clips encoded, 0 reused" in cache_pass(caplog, copies)
+
+
+@pytest.mark.parametrize("mix", ["images", "images and videos"])
+def test_images_train_as_one_frame_clips(mix, tiny_data, write_config, tmp_path):
+    """Listed images are one-frame samples in one-frame buckets, alone or mixed with videos (each global
+    batch one bucket); the held-out loss falls as it does for videos."""
+    rows = [{"video": f"images/{i:05d}.png", "prompt": p}
+            for i, p in enumerate((tiny_data / "prompts.txt").read_text().splitlines())]
+    if mix == "images and videos":
+        rows = [row for i, image in enumerate(rows) for row in (image, {**image, "video": f"videos/{i:05d}.mp4"})]
+    (tmp_path / "data").mkdir()
+    for name in ("images", "videos"):
+        (tmp_path / "data" / name).symlink_to(tiny_data / name)
+    (tmp_path / "data" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = write_config("mix", **{"data.data_root": str(tmp_path / "data"), "data.cache_dir": str(tmp_path / "cache"),
+                                    "data.buckets": [[9, 40, 48], [1, 40, 48]], "train.steps": 60,
+                                    "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
+                                    "checkpoint.checkpointing_steps": 60, "validation.validation_steps": 60})
+    result = run_ok(["--cfg", str(config)])
+    counts = "{'[9, 40, 48]': 0, '[1, 40, 48]': 24}" if mix == "images" else "{'[9, 40, 48]': 24, '[1, 40, 48]': 24}"
+    assert f"clips per bucket {counts}" in result.stderr
+    held_out = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "mix") if "val/loss" in m}
+    assert held_out[60] < 0.9 * held_out[0], held_out
+
+
+def test_a_clip_failing_to_decode_stops_the_pass_at_once(own_copy, write_config, tmp_path, caplog):
+    """The header was fine (the manifest holds it), the decode fails: the pass stops in that round, naming
+    the clip and keeping what it wrote; with data.skip_bad it is listed in skipped.txt instead."""
+    model, data = own_copy
+    settings = {"model.path": str(model), "data.data_root": str(data), "data.cache_dir": str(tmp_path / "cache"),
+                "data.cache_batch_size": 2}
+    cache_pass(caplog, write_config("first", **settings))
+    clip = data / "videos" / "00002.mp4"
+    stat = clip.stat()
+    clip.write_bytes(clip.read_bytes()[: stat.st_size // 2].ljust(stat.st_size, b"\0"))  # the same size...
+    os.utime(clip, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ...and mtime: the manifest trusts its header
+    shutil.rmtree(tmp_path / "cache" / "video")
+    stopped = run_cmd(["--cfg", str(write_config("stopped", **settings))], script="cache.py")
+    assert stopped.returncode == 1 and f"videos.txt line 3: {clip}: " in stopped.stderr
+    assert "1 clip(s) cannot be used" in stopped.stderr
+    assert len(list((tmp_path / "cache" / "video").rglob("*.safetensors"))) == 3  # stopped in its round, kept
+    skipping = write_config("skipped", **settings, **{"data.skip_bad": True})
+    assert "20 clips encoded, 3 reused, 1 skipped" in cache_pass(caplog, skipping)
+    assert (tmp_path / "skipped" / "skipped.txt").read_text().startswith(f"{clip}\t")
