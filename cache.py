@@ -38,7 +38,7 @@ import faults
 import parallel
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
-from model_adapter import load_adapter
+from model import load_adapter
 
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
@@ -80,6 +80,9 @@ class Cache:
 
     def load_batch(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
         entries = [{k: v for kind in self.kinds for k, v in load_file(self.path(item, kind)).items()} for item in items]
+        for entry in entries:
+            text = entry["prompt_embeds"]
+            entry["prompt_embeds"] = torch.cat([text, text.new_zeros(self.text_length - len(text), text.shape[1])])
         return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
 
 
@@ -209,7 +212,10 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
             return 0, []
         embeds = adapter.encode_text([item.clip.prompt for item in mine[r]])
         for item, embed in zip(mine[r], embeds):
-            cache.write(item, "text", {"prompt_embeds": embed})
+            # Rows of zeros at the end are padding (Wan's pipeline zeroes the rows past the attention
+            # mask): not stored, load_batch puts them back.
+            kept = int(embed.abs().sum(-1).nonzero().max()) + 1
+            cache.write(item, "text", {"prompt_embeds": embed[:kept]})
         return len(mine[r]), []
 
     run_rounds(batches(list(first_of.values()), cfg.cache_batch_size, d.world), work, "prompts", cfg, d)
@@ -250,11 +256,11 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
             image = None
             if cache.image_seed is not None:
                 noise = [data.keyed_generator(seed, "image_noise", item.content) for item in items]
-                image = adapter.encode_image(torch.stack(images), noise)
+                image = adapter.encode_image(torch.stack(images), noise, items[0].resolution[0])
             for j, item in enumerate(items):
                 cache.write(item, "video", {"latent_mean": mean[j], "latent_logvar": logvar[j]})
                 if image is not None:
-                    cache.write(item, "image", {"image_mean": image[0][j], "image_logvar": image[1][j]})
+                    cache.write(item, "image", {name: tensor[j] for name, tensor in image.items()})
                 written += 1
                 faults.fault("cache", written)
         return len(good) + len(bad), bad
@@ -268,6 +274,8 @@ def prepare(cfg: Config, d: parallel.Dist):
     Returns the adapter, the cache and the training and held-out items (the last data.held_out)."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
+        if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
+            adapter.shift = cfg.train.flow_shift
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")

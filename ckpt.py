@@ -38,8 +38,7 @@ import faults
 import lora
 import parallel
 from config import CheckpointConfig, ConfigError, LoraConfig
-from model import EMA, build_model
-from model_adapter import load_adapter
+from model import EMA, build_model, load_adapter
 
 log = logging.getLogger("vidtrain")
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
@@ -349,12 +348,29 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
         folder.mkdir(parents=True, exist_ok=True)
         weights = {k: v.float() for k, v in state.items()}
         args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
-        lora.save_lora(str(folder / "pytorch_lora_weights.safetensors"), *args)
+        lora.save_lora(str(folder / "pytorch_lora_weights.safetensors"), *args, expert=adapter.expert)
         lora.save_peft_adapter(str(folder), *args)
-        log.info("LoRA written to %s", folder / "pytorch_lora_weights.safetensors")
+        log.info("LoRA written to %s%s", folder / "pytorch_lora_weights.safetensors",
+                 f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "")
+        _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, out)
     else:
         adapter.transformer_from_state_dict(state).save_pretrained(out / f"transformer{suffix}")
         log.info("transformer written to %s", out / f"transformer{suffix}")
+
+
+def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, out: Path) -> None:
+    """lora/comfy/<run>[_<expert>].safetensors in the original checkpoint's layout, where the family has
+    one that ComfyUI's native loader reads (Wan; not CogVideoX)."""
+    if not adapter.COMFY:
+        return
+    modules = {key.rsplit(".lora_", 1)[0] for key in weights}
+    unmapped = sorted(m for m in modules if adapter.comfy_key(m) is None)
+    if unmapped:
+        log.warning("no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3])
+        return
+    name = out.resolve().name + (f"_{adapter.expert}" if adapter.expert else "")
+    lora.save_comfy(str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key)
+    log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")
 
 
 def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:

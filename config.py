@@ -35,11 +35,14 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family; the adapter in model_adapter.py that knows it.
-    family: Literal["cogvideox"] = "cogvideox"
+    # Model family: its adapter (cogvideox.py, wan.py) knows its classes, loss and sampling.
+    family: Literal["cogvideox", "wan"] = "cogvideox"
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame).
     type: Literal["t2v", "i2v"] = "t2v"
+    # Wan 2.2 A14B: the expert this run trains, "high_noise" (transformer/, t >= boundary_ratio x 1000) or
+    # "low_noise" (transformer_2/, below); validation renders with both.
+    expert: Literal["", "high_noise", "low_noise"] = ""
     # Storage dtype of the frozen weights.
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
@@ -78,6 +81,9 @@ class TrainConfig:
     log_every: int = 1
     # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped).
     max_nonfinite_steps: int = 3
+    # Flow-matching families (Wan): the timestep shift, s = shift u / (1 + (shift - 1) u); 0 takes the
+    # scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at 720p).
+    flow_shift: float = 0.0
     # Exponential moving average of the trainable weights (0 = off, e.g. 0.999), used for validation
     # and exported beside the online weights.
     ema_decay: float = 0.0
@@ -173,8 +179,9 @@ class ValidationConfig:
     negative_prompt: str = ""
     # Seed of clip i's noise, keyed by (seed, i): a prompt's clip is comparable across steps and ranks.
     seed: int = 42
-    # Sampler: "dpm" (CogVideoXDPMScheduler, CogVideo's choice) or "ddim" (CogVideoXDDIMScheduler).
-    scheduler: Literal["dpm", "ddim"] = "dpm"
+    # Sampler: "" the model folder's own (its pipeline's), or for CogVideoX "dpm" (CogVideoXDPMScheduler,
+    # CogVideo's choice) or "ddim" (CogVideoXDDIMScheduler).
+    scheduler: Literal["", "dpm", "ddim"] = ""
     # Denoising steps per clip.
     num_inference_steps: int = 50
     # Classifier-free guidance scale; 1 or less renders without guidance.
@@ -331,6 +338,15 @@ def check_values(cfg: Config) -> None:
     for key in ("num_inference_steps", "gen_fps"):
         if getattr(cfg.validation, key) < 1:
             raise ConfigError(f"validation.{key} must be at least 1")
+    if cfg.train.flow_shift < 0:
+        raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
+    if cfg.model.family == "cogvideox" and (cfg.model.expert or cfg.train.flow_shift):
+        raise ConfigError("model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
+    if cfg.model.family == "wan" and cfg.validation.use_dynamic_cfg:
+        raise ConfigError("validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's pipelines have none: remove it")
+    if cfg.model.family == "wan" and cfg.validation.scheduler:
+        raise ConfigError("validation.scheduler chooses between CogVideoX's samplers: Wan samples with its "
+                          "folder's scheduler; remove it")
     images, prompts = cfg.validation.images, cfg.validation.prompts
     if cfg.model.type == "t2v" and images:
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")

@@ -22,6 +22,7 @@ from torch import nn
 METADATA_KEY = "lora_adapter_metadata"
 DIFFUSERS_PREFIX = "transformer."
 PEFT_PREFIX = "base_model.model."
+COMFY_PREFIX = "diffusion_model."
 
 
 class LoRALinear(nn.Linear):
@@ -170,13 +171,16 @@ def _save_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
 
 def save_lora(
     path: str, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: list[str],
-    dropout: float = 0.0,
+    dropout: float = 0.0, expert: str = "",
 ) -> None:
     """Write diffusers' pytorch_lora_weights.safetensors: the tensors and header that
-    `CogVideoXPipeline.save_lora_weights(..., transformer_lora_adapter_metadata=config)` writes."""
+    `CogVideoXPipeline.save_lora_weights(..., transformer_lora_adapter_metadata=config)` writes; a Wan 2.2
+    A14B expert's file names its expert in the header too."""
     config = _adapter_config(rank, alpha, target_modules, dropout)
     packed = {DIFFUSERS_PREFIX + k: v for k, v in config.items()}
     metadata = {"format": "pt", METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
+    if expert:
+        metadata["expert"] = expert
     _save_safetensors(path, {DIFFUSERS_PREFIX + k: v for k, v in lora_sd.items()}, metadata)
 
 
@@ -195,10 +199,12 @@ def save_peft_adapter(
     os.replace(config_path + ".tmp", config_path)
 
 
-def load_lora(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a LoRA in diffusers' layout (ours: `transformer.` keys with `lora_adapter_metadata`) or PEFT's
-    (`adapter_model.safetensors` beside `adapter_config.json`, or their folder); return the state dict
-    keyed by model FQN and {rank, alpha, target_modules}."""
+def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a LoRA in diffusers' layout (ours: `transformer.` keys with `lora_adapter_metadata`), PEFT's
+    (`adapter_model.safetensors` beside `adapter_config.json`, or their folder) or ComfyUI's (with
+    `from_comfy`, the family's map of original module names to ours); return the state dict keyed by
+    model FQN and {rank, alpha, target_modules} (target_modules None from ComfyUI's layout, which names
+    modules, not targets: the model's own keys then decide)."""
     if os.path.isdir(path):
         names = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
         found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
@@ -210,6 +216,8 @@ def load_lora(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     with safe_open(path, framework="pt") as f:
         header = f.metadata() or {}
         lora_sd = {k: f.get_tensor(k) for k in f.keys()}
+    if lora_sd and all(k.startswith(COMFY_PREFIX) for k in lora_sd):
+        return _from_comfy(path, lora_sd, from_comfy)
     if lora_sd and all(k.startswith(PEFT_PREFIX) for k in lora_sd):
         config_path = os.path.join(os.path.dirname(path), "adapter_config.json")
         if not os.path.isfile(config_path):
@@ -241,6 +249,35 @@ def load_lora(path: str) -> tuple[dict[str, torch.Tensor], dict]:
         raise ValueError(f"{path}: its config says rank {config['r']} but {wrong_rank[:3]} disagree")
     info = {"rank": config["r"], "alpha": config["lora_alpha"], "target_modules": sorted(config["target_modules"])}
     return lora_sd, info
+
+
+def _from_comfy(path: str, tensors: dict[str, torch.Tensor], from_comfy) -> tuple[dict[str, torch.Tensor], dict]:
+    modules = {k.removeprefix(COMFY_PREFIX).rsplit(".", 2)[0] for k in tensors if k.endswith("lora_A.weight")}
+    ours = {m: from_comfy(m) if from_comfy else None for m in modules}
+    unknown = sorted(m for m, name in ours.items() if name is None)
+    if unknown:
+        raise ValueError(f"{path} is in ComfyUI's layout, but {unknown[:3]} name no module this model family "
+                         "maps (only the transformer blocks' projections are read)")
+    alphas = {float(tensors[f"{COMFY_PREFIX}{m}.alpha"]) for m in modules if f"{COMFY_PREFIX}{m}.alpha" in tensors}
+    ranks = {tensors[f"{COMFY_PREFIX}{m}.lora_A.weight"].shape[0] for m in modules}
+    if len(alphas) > 1 or len(ranks) > 1 or len(alphas) == 0:
+        raise ValueError(f"{path}: ranks {sorted(ranks)} and alphas {sorted(alphas)}: only one rank and one alpha "
+                         "(an .alpha per module) are supported")
+    lora_sd = {f"{ours[m]}.lora_{part}.weight": tensors[f"{COMFY_PREFIX}{m}.lora_{part}.weight"]
+               for m in modules for part in "AB"}
+    return lora_sd, {"rank": ranks.pop(), "alpha": alphas.pop(), "target_modules": None}
+
+
+def save_comfy(path: str, lora_sd: dict[str, torch.Tensor], alpha: float, to_comfy) -> None:
+    """ComfyUI's native layout: diffusion_model.<original module>.lora_A/lora_B.weight and a 0-dim .alpha per
+    module (ComfyUI scales by alpha / rank), with no lora_adapter_metadata (diffusers' converter of such
+    files bakes alpha in, and would apply it twice with the metadata). `to_comfy` maps our module names."""
+    tensors = {}
+    for key, value in lora_sd.items():
+        module, part = key.rsplit(".lora_", 1)
+        tensors[f"{COMFY_PREFIX}{to_comfy(module)}.lora_{part}"] = value
+        tensors[f"{COMFY_PREFIX}{to_comfy(module)}.alpha"] = torch.tensor(float(alpha))
+    _save_safetensors(path, tensors, {"format": "pt"})
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""The transformer as training builds it, and the moving average of its trainable weights.
+"""The model: its family's adapter, the transformer as training builds it, and the moving average of
+its trainable weights.
 
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
 activation checkpointing per block, DDP or fully_shard per block then the root, then AdamW over the
@@ -13,9 +14,29 @@ import torch
 
 import lora
 import parallel
-from config import ConfigError, LoraConfig, ParallelConfig, TrainConfig
+from cogvideox import CogVideoXAdapter
+from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+from wan import WanAdapter
 
 log = logging.getLogger("vidtrain")
+
+
+ADAPTERS = {"cogvideox": CogVideoXAdapter, "wan": WanAdapter}
+
+
+def load_adapter(cfg: ModelConfig, device: torch.device):
+    """model.family's adapter over the folder at model.path."""
+    return ADAPTERS[cfg.family](cfg, device)
+
+
+def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
+    """Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the trained
+    one under FSDP, replicated otherwise (DDP has nothing to synchronise without trainable weights)."""
+    transformer = adapter.load_transformer(folder=folder).eval().requires_grad_(False)
+    if parallel_cfg.strategy != "fsdp":
+        return transformer
+    return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
+                         train.gradient_accumulation_steps, d)
 
 
 def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
@@ -25,13 +46,13 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
     # from_pretrained returns eval mode: training mode is what turns LoRA dropout on.
     transformer = adapter.load_transformer(torch.float32 if train.training_type == "sft" else None).train()
     if lora_file:
-        weights, info = lora.load_lora(lora_file)
+        weights, info = lora.load_lora(lora_file, adapter.diffusers_key)
         lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, seed)
         lora.load_lora_into(transformer, weights)
     elif train.training_type == "lora":
         lora.inject_lora(transformer, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.dropout, seed)
         if lora_cfg.init_from:
-            weights, info = lora.load_lora(lora_cfg.init_from)
+            weights, info = lora.load_lora(lora_cfg.init_from, adapter.diffusers_key)
             check_lora_matches(lora_cfg, info)
             lora.load_lora_into(transformer, weights)
     if train.gradient_checkpointing:
@@ -48,7 +69,7 @@ def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
     ours = {"rank": cfg.rank, "alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules)}
     keys = {"rank": "lora.rank", "alpha": "lora.lora_alpha", "target_modules": "lora.target_modules"}
     for name, key in keys.items():
-        if info[name] != ours[name]:
+        if info[name] is not None and info[name] != ours[name]:  # ComfyUI files name modules, not targets
             raise ConfigError(f"lora.init_from = {cfg.init_from} has {name} {info[name]!r}, but {key} = "
                               f"{ours[name]!r}: set {key} to the file's value")
 

@@ -26,7 +26,7 @@ import validate
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
 from config import Config, TrainConfig, to_toml
 from metrics import Metrics
-from model import EMA, build_model, build_optimizer, check_lora_matches
+from model import EMA, build_frozen, build_model, build_optimizer, check_lora_matches
 
 log = logging.getLogger("vidtrain")
 
@@ -90,9 +90,11 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     parallel.check_shared(cfg.run.output_dir, "run.output_dir", d)
     if cfg.lora.init_from and t.training_type == "lora":
         with parallel.all_or_none():  # before the cache pass: a wrong file costs no compute
-            check_lora_matches(cfg.lora, lora.load_lora(cfg.lora.init_from)[1])
+            # rank and alpha only: ComfyUI's module names are mapped once the adapter is loaded
+            check_lora_matches(cfg.lora, lora.load_lora(cfg.lora.init_from, lambda module: module)[1])
     adapter, cache, train_clips, held_out_clips = prepare_data(cfg, d)
-    renderer = (validate.ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d)
+    renderer = (validate.ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
+                                      lambda folder: build_frozen(adapter, folder, t, cfg.parallel, d))
                 if cfg.validation.do_validation else None)
     global_batch = t.batch_size * t.gradient_accumulation_steps * d.world
     sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)

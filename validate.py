@@ -27,12 +27,8 @@ from pathlib import Path
 import av
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from PIL import Image, ImageOps
 from safetensors.torch import save_file
-from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler
-from diffusers.models.attention_processor import Attention
-from diffusers.models.embeddings import apply_rotary_emb
 
 import ckpt
 import data
@@ -40,20 +36,18 @@ import faults
 import lora
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_values
-from model import EMA, build_model
-from model_adapter import load_adapter
+from model import EMA, build_frozen, build_model, load_adapter
 
 log = logging.getLogger("vidtrain")
-SCHEDULERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 
 
 @torch.no_grad()
 def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: parallel.Dist, autocast):
     """val/loss and val/loss_t{t}. Clip i is measured on rank i % world; every rank makes the same
     number of forward calls (FSDP needs it), the padding ones weighted 0."""
-    if not clips:
+    timesteps = adapter.held_out_timesteps(cfg.loss_timesteps)
+    if not clips or not timesteps:
         return {}
-    timesteps = torch.tensor(cfg.loss_timesteps, device=d.device)
     sums = torch.zeros(len(timesteps), device=d.device)
     was_training = model.training
     model.eval()
@@ -61,117 +55,36 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
         index = j * d.world + d.rank
         weight = 1.0 if index < len(clips) else 0.0
         batch = cache.load_batch([clips[min(index, len(clips) - 1)]])
-        x0 = adapter.clean_latents(batch["latent_mean"].to(d.device), batch["latent_logvar"].to(d.device), None)
-        condition = adapter.batch_condition(batch, x0.shape[1], None)
-        x0 = x0.expand(len(timesteps), -1, -1, -1, -1)
-        condition = None if condition is None else condition.expand(len(timesteps), -1, -1, -1, -1)
-        noise = torch.randn(x0.shape[1:], generator=data.keyed_generator(seed, "held_out", index)).to(d.device)
-        embeds = batch["prompt_embeds"].to(d.device).expand(len(timesteps), -1, -1)
         with autocast:
-            sums += weight * adapter.loss(model, x0, embeds, timesteps, noise.expand_as(x0), condition)
+            sums += weight * adapter.fixed_losses(model, batch, timesteps, data.keyed_generator(seed, "held_out", index))
     model.train(was_training)
     dist.all_reduce(sums)
     losses = (sums / len(clips)).tolist()
-    return {"val/loss": sum(losses) / len(losses), **{f"val/loss_t{t}": v for t, v in zip(cfg.loss_timesteps, losses)}}
-
-
-class FusedQKVAttention:
-    """diffusers' CogVideoXAttnProcessor2_0 with Q, K and V from one matmul over the concatenated base
-    weights, then F.scaled_dot_product_attention (FlashAttention/cuDNN on GPU). LoRA runs unmerged beside
-    it, exactly as in training: merging it into a bf16 copy of the weights would round away the small
-    deltas of early training (diffusers' own fuse_qkv_projections drops LoRA altogether). The fused
-    weight is built on every call, inside the block's forward: under FSDP that is when the block's
-    parameters are gathered, and it is freed with them, so no rank holds a second copy of the model."""
-
-    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states, attention_mask=None,
-                 image_rotary_emb=None):
-        if attention_mask is not None:
-            raise ValueError("FusedQKVAttention serves CogVideoX's joint attention, which takes no attention mask")
-        text_length = encoder_hidden_states.size(1)
-        tokens = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-        batch, length, _ = tokens.shape
-        projections = (attn.to_q, attn.to_k, attn.to_v)
-        weight = torch.cat([p.weight for p in projections])
-        bias = None if attn.to_q.bias is None else torch.cat([p.bias for p in projections])
-        outputs = F.linear(tokens, weight, bias).chunk(3, dim=-1)
-        outputs = [p.add_delta(out, tokens) if isinstance(p, lora.LoRALinear) else out
-                   for p, out in zip(projections, outputs)]
-        qkv = torch.cat(outputs, dim=-1).view(batch, length, 3, attn.heads, -1).permute(2, 0, 3, 1, 4)
-        query, key, value = qkv.unbind(0)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        if image_rotary_emb is not None:  # video tokens only, as the diffusers processor does
-            query = torch.cat([query[:, :, :text_length], apply_rotary_emb(query[:, :, text_length:], image_rotary_emb)], 2)
-            if not attn.is_cross_attention:
-                key = torch.cat([key[:, :, :text_length], apply_rotary_emb(key[:, :, text_length:], image_rotary_emb)], 2)
-        out = F.scaled_dot_product_attention(query, key, value)
-        out = attn.to_out[1](attn.to_out[0](out.transpose(1, 2).reshape(batch, length, -1)))
-        return out[:, text_length:], out[:, :text_length]
-
-
-@contextlib.contextmanager
-def fused_attention(model: torch.nn.Module):
-    """FusedQKVAttention on every attention layer while the block runs; the original processors after."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    originals = [m.processor for m in layers]
-    for layer in layers:
-        layer.set_processor(FusedQKVAttention())
-    try:
-        yield
-    finally:
-        for layer, processor in zip(layers, originals):
-            layer.set_processor(processor)
-
-
-def load_scheduler(adapter, name: str):
-    """The sampler named by validation.scheduler, configured from the model's scheduler/ folder."""
-    return SCHEDULERS[name].from_config(adapter.scheduler.config)
+    return {"val/loss": sum(losses) / len(losses), **{f"val/loss_t{t}": v for t, v in zip(timesteps, losses)}}
 
 
 @torch.no_grad()
-def sample_latents(adapter, model, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
+def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
                    cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
                    image=None) -> torch.Tensor:
-    """Denoised latents [1, F', C, h, w] of one prompt (and, image-to-video, its conditioning image):
-    CogVideoXPipeline.__call__'s loop (CogVideoXImageToVideoPipeline's), with every draw from `generator`
-    (a CPU generator, as the pipeline uses it). Latents and scheduler math stay fp32. on_step(i) runs
-    before sampling step i (from 1): the renderer's stop check."""
-    frames, height, width = resolution
-    latent_frames = (frames - 1) // adapter.temporal_ratio + 1
-    # CogVideoX 1.5: noise for extra leading frames up to a multiple of patch_size_t, dropped at the end.
-    extra = adapter.extra_frames(latent_frames)
-    shape = (1, latent_frames + extra, adapter.vae_config["latent_channels"],
-             height // adapter.spatial_ratio, width // adapter.spatial_ratio)
-    # The pipeline draws the image's latent from the generator before the noise.
-    condition = None if image is None else adapter.sampling_image_condition(image, resolution, shape[1], generator)
-    latents = torch.randn(shape, generator=generator).to(adapter.device) * scheduler.init_noise_sigma
-    scheduler.set_timesteps(cfg.num_inference_steps, device=adapter.device)
-    rotary = adapter.rotary_embeddings(shape[1], shape[3], shape[4])
+    """Denoised latents of one prompt (and, image-to-video, its conditioning image): the family's
+    pipeline loop, step for step, with every draw from `generator` (a CPU generator, as the pipelines
+    use it); the adapter builds the denoiser's input (condition, expert, per-token timesteps) and steps
+    the scheduler. Latents and scheduler math stay fp32. on_step(i) runs before sampling step i (from
+    1): the renderer's stop check."""
+    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image)
     guided = cfg.guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
-    if condition is not None and guided:
-        condition = torch.cat([condition] * 2)
-    steps, previous_x0 = cfg.num_inference_steps, None
     for i, t in enumerate(scheduler.timesteps):
         on_step(i + 1)
-        x_t = scheduler.scale_model_input(torch.cat([latents] * 2) if guided else latents, t)
         with autocast:
-            v = adapter.predict_v(model, x_t, t.expand(x_t.shape[0]), embeds, rotary, condition)
-        if guided:
-            scale = cfg.guidance_scale
-            if cfg.use_dynamic_cfg:  # the pipeline's formula, which uses the timestep t, not the step index
-                scale = 1 + scale * (1 - math.cos(math.pi * ((steps - t.item()) / steps) ** 5.0)) / 2
-            uncond, cond = v.chunk(2)
-            v = uncond + scale * (cond - uncond)
-        if isinstance(scheduler, CogVideoXDPMScheduler):
-            t_back = scheduler.timesteps[i - 1] if i > 0 else None
-            latents, previous_x0 = scheduler.step(v, previous_x0, t, t_back, latents, generator=generator,
-                                                  return_dict=False)
-        else:
-            latents = scheduler.step(v, t, latents, generator=generator, return_dict=False)[0]
-    return latents[:, extra:]
+            prediction = adapter.denoise(denoisers, state, t, embeds, guided)
+        if guided:  # cond and uncond in one forward
+            uncond, cond = prediction.chunk(2)
+            scale = adapter.guidance_scale(cfg.guidance_scale, cfg.use_dynamic_cfg, state, t)
+            prediction = uncond + scale * (cond - uncond)
+        adapter.sampling_step(state, prediction, t, i)
+    return adapter.sampled(state)
 
 
 def to_frames(pixels: torch.Tensor) -> torch.Tensor:
@@ -215,8 +128,11 @@ class ClipRenderer:
     i % world, every rank making the same number of forward calls (FSDP needs it); rank 0 gathers and
     writes them. Ranks advance in lockstep, so no collective waits longer than one forward or decode."""
 
-    def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: parallel.Dist):
-        self.adapter, self.cfg, self.d = adapter, cfg, d
+    def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: parallel.Dist,
+                 load_frozen=None):
+        """load_frozen(folder) builds another expert the sampling needs (Wan 2.2 A14B), frozen and wrapped
+        as the trained one is; it is built at the first render and kept."""
+        self.adapter, self.cfg, self.d, self.load_frozen, self.frozen = adapter, cfg, d, load_frozen, {}
         self.resolution = cfg.resolution or (data_cfg.buckets or [data_cfg.train_resolution])[0]
         key = "validation.resolution" if cfg.resolution else "data.buckets[0]" if data_cfg.buckets else "data.train_resolution"
         adapter.check_resolution(self.resolution, key)
@@ -228,10 +144,17 @@ class ClipRenderer:
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
             adapter.release_text_encoder()  # not needed again
 
+    def denoisers(self, model) -> dict:
+        """The transformers sampling calls, by folder: the trained one, and the other experts."""
+        for folder in self.adapter.other_experts():
+            if folder not in self.frozen:
+                self.frozen[folder] = self.load_frozen(folder)
+        return {self.adapter.transformer_folder: model, **self.frozen}
+
     def frames(self, model, index: int, scheduler, autocast, on_step=lambda i: None) -> torch.Tensor:
         """Float frames [F, H, W, 3] in [0, 1] of prompt `index`."""
         generator = data.keyed_generator(self.cfg.seed, index)
-        latents = sample_latents(self.adapter, model, scheduler, self.prompt_embeds[index : index + 1],
+        latents = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[index : index + 1],
                                  self.negative_embeds, generator, self.cfg, self.resolution, autocast, on_step,
                                  self.images[index])
         return to_frames(self.adapter.decode_latents(latents)[0])
@@ -247,17 +170,20 @@ class ClipRenderer:
         """Called on every rank: uint8 clips [F, H, W, 3] of every prompt on rank 0, [] on the others."""
         was_training = model.training
         model.eval()
-        scheduler = load_scheduler(self.adapter, self.cfg.scheduler)
+        scheduler = self.adapter.sampler(self.cfg.scheduler)
         num_frames, height, width = self.resolution
         clips = []
         try:
-            with fused_attention(model):
+            with contextlib.ExitStack() as stack:
+                for denoiser in self.denoisers(model).values():
+                    stack.enter_context(self.adapter.sampling_attention(denoiser))
                 for j in range(math.ceil(len(self.prompts) / self.d.world)):
                     index = j * self.d.world + self.d.rank
                     if index < len(self.prompts):
                         clip = to_uint8(self.frames(model, index, scheduler, autocast, self._on_step))
                     else:  # a padding rank: its forward calls are needed, its clip is not
-                        sample_latents(self.adapter, model, scheduler, self.prompt_embeds[-1:], self.negative_embeds,
+                        sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[-1:],
+                                       self.negative_embeds,
                                        data.keyed_generator(self.cfg.seed, index), self.cfg, self.resolution, autocast,
                                        self._on_step, self.images[-1])
                         clip = torch.zeros(num_frames, height, width, 3, dtype=torch.uint8)
@@ -321,7 +247,8 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
-        renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d)
+        renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
+                                lambda folder: build_frozen(adapter, folder, cfg.train, cfg.parallel, d))
         model = load_model(cfg, adapter, d, checkpoint, lora_file, online)
     mixed = cfg.train.mixed_precision
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[mixed], enabled=mixed != "no")

@@ -22,7 +22,7 @@ import data  # noqa: E402
 import parallel  # noqa: E402
 import validate  # noqa: E402
 from config import DataConfig, ModelConfig, ValidationConfig  # noqa: E402
-from model_adapter import load_adapter  # noqa: E402
+from model import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 PROMPTS = ["a red ball moves left", "a blue square drifts up slowly", "a small green circle bounces",
@@ -54,12 +54,12 @@ def main() -> None:
     transformer = adapter.load_transformer().eval()
     pipe = CogVideoXPipeline.from_pretrained(model_dir, dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
-    pipe.scheduler = validate.load_scheduler(adapter, args.scheduler)
+    pipe.scheduler = adapter.sampler(args.scheduler)
     frames, height, width = args.resolution
 
     def ours():
-        scheduler = validate.load_scheduler(adapter, args.scheduler)
-        with validate.fused_attention(transformer):
+        scheduler = adapter.sampler(args.scheduler)
+        with adapter.sampling_attention(transformer):
             return [renderer.frames(transformer, i, scheduler, contextlib.nullcontext()) for i in range(len(cfg.prompts))]
 
     def theirs():

@@ -26,7 +26,7 @@ from common import timed_run, tiny_settings  # puts the repository on sys.path
 
 import lora  # noqa: E402
 from config import LoraConfig, ModelConfig  # noqa: E402
-from model_adapter import load_adapter  # noqa: E402
+from model import load_adapter  # noqa: E402
 
 BATCH, LATENTS, EMBEDS = 2, (3, 4, 8, 8), (16, 32)  # [F', C, h, w] of 9x32x32 with the tiny VAE; [L, D] of T5
 

@@ -18,7 +18,7 @@ import ckpt
 import lora
 from config import ModelConfig
 from diffusers import CogVideoXPipeline
-from model_adapter import load_adapter
+from model import load_adapter
 
 STEPS = 14
 # Global batch 4 everywhere, with accumulation and EMA on.

@@ -1,5 +1,5 @@
 """design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
-nothing imports trainer.py."""
+nothing imports trainer.py; a family's diffusers classes only in its adapter (and tools/)."""
 
 import ast
 
@@ -8,7 +8,8 @@ from conftest import REPO
 LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache"], 2),
-    **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel", "metrics", "faults"], 1),
+    **dict.fromkeys(["model", "model_adapter", "cogvideox", "wan", "lora", "data", "decode", "manifest", "parallel",
+                     "metrics", "faults"], 1),
     "config": 0,
 }
 
@@ -52,3 +53,18 @@ def test_no_import_cycles():
 
     for module in sorted(graph):
         visit(module)
+
+
+FAMILIES = {"cogvideox": "cogvideo", "wan": "wan"}
+
+
+def test_family_classes_stay_in_their_adapters():
+    """No module but a family's adapter imports that family's classes (CogVideoX*, Wan*, their VAEs,
+    pipelines and modules), so a fork adds a family in one file."""
+    for path in REPO.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("diffusers", "transformers"):
+                names = [alias.name for alias in node.names] + [node.module]
+                for family, word in FAMILIES.items():
+                    if path.stem != family:
+                        assert not [n for n in names if word in n.lower()], (path.name, names)

@@ -24,7 +24,7 @@ import parallel
 import trainer
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from model_adapter import load_adapter
+from model import load_adapter
 
 PROMPTS = ["a red ball moves left", "a blue square drifts up slowly", "a small green circle bounces"]
 FPS = 12
@@ -215,7 +215,7 @@ def pipeline_frames(tiny_model, adapter, cfg: ValidationConfig, lora_file=None) 
     """CogVideoXPipeline called once per prompt with clip i's keyed generator: float frames [F, H, W, 3]."""
     pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
     pipe.set_progress_bar_config(disable=True)
-    pipe.scheduler = validate.load_scheduler(adapter, cfg.scheduler)
+    pipe.scheduler = adapter.sampler(cfg.scheduler)
     if lora_file:
         pipe.load_lora_weights(str(lora_file))
     return [
@@ -241,8 +241,8 @@ def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process
     results = {}
     for source in (None, lora_file):
         model = validate.load_model(run_cfg, adapter, one_process_group, None, source)
-        with validate.fused_attention(model):
-            ours = [renderer.frames(model, i, validate.load_scheduler(adapter, scheduler), contextlib.nullcontext())
+        with adapter.sampling_attention(model):
+            ours = [renderer.frames(model, i, adapter.sampler(scheduler), contextlib.nullcontext())
                     for i in range(len(cfg.prompts))]
         theirs = pipeline_frames(tiny_model, adapter, cfg, source)
         for a, b in zip(ours, theirs):
@@ -265,7 +265,7 @@ def test_fused_attention_and_render_leave_the_model_alone(runs, tiny_model, adap
     rotary = adapter.rotary_embeddings(3, 8, 8)
     with torch.no_grad():
         expected = adapter.predict_v(transformer, x, torch.tensor([10, 900]), text, rotary)
-        with validate.fused_attention(transformer):
+        with adapter.sampling_attention(transformer):
             fused = adapter.predict_v(transformer, x, torch.tensor([10, 900]), text, rotary)
     torch.testing.assert_close(fused, expected, rtol=0, atol=1e-5)
 
@@ -297,7 +297,7 @@ def test_fused_attention_applies_lora_as_training_does(tiny_model):
     def outputs():
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             training = adapter.predict_v(transformer, x, torch.tensor([10, 900]), text, rotary)
-            with validate.fused_attention(transformer):
+            with adapter.sampling_attention(transformer):
                 return training, adapter.predict_v(transformer, x, torch.tensor([10, 900]), text, rotary)
 
     base, _ = outputs()

@@ -20,7 +20,7 @@ import trainer
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
-from model_adapter import load_adapter
+from model import load_adapter
 
 COMMON = {"activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
           "in_channels", "max_text_seq_length", "norm_elementwise_affine", "norm_eps", "num_attention_heads",
@@ -84,7 +84,7 @@ def pipeline_run(variant, path, cfg: ValidationConfig, adapter, images, lora_fil
     pipeline_cls = CogVideoXImageToVideoPipeline if model_type(variant) == "i2v" else CogVideoXPipeline
     pipe = pipeline_cls.from_pretrained(str(path))
     pipe.set_progress_bar_config(disable=True)
-    pipe.scheduler = validate.load_scheduler(adapter, cfg.scheduler)
+    pipe.scheduler = adapter.sampler(cfg.scheduler)
     if lora_file:
         pipe.load_lora_weights(str(lora_file))
     inputs = []
@@ -119,8 +119,8 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models
             model = validate.load_model(cfg, adapter, d, None, str(source) if source else None)
             ours, seen = [], []
             hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"]), with_kwargs=True)
-            with validate.fused_attention(model):
-                ours = [renderer.frames(model, i, validate.load_scheduler(adapter, "dpm"), contextlib.nullcontext())
+            with adapter.sampling_attention(model):
+                ours = [renderer.frames(model, i, adapter.sampler("dpm"), contextlib.nullcontext())
                         for i in range(len(PROMPTS))]
             hook.remove()
             theirs, their_input = pipeline_run(variant, tiny_models(variant), cfg.validation, adapter, images, source)

@@ -6,7 +6,11 @@ and the demo exercise the real loading code without any hub download. Sizes are 
 transformer's config.json carries exactly the keys the published checkpoint's file carries (a key
 diffusers added later is absent, and the class fills its default, as it does for the real file).
 
-    python tools/make_tiny_model.py --out DIR [--family cogvideox] [--variant 2b|5b|5b-i2v|1.5-5b|1.5-5b-i2v] [--seed N]
+    python tools/make_tiny_model.py --out DIR [--family cogvideox|wan] [--variant NAME] [--seed N]
+
+CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V 1.3B/14B),
+i2v (2.1 I2V 14B, with a CLIP image encoder), ti2v-5b (2.2, its 4x16x16 VAE), a14b-t2v and a14b-i2v
+(2.2, two experts); their key sets are in ../shared/reference/wan.md.
 """
 
 import argparse
@@ -17,12 +21,26 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKLCogVideoX,
+    AutoencoderKLWan,
     CogVideoXDPMScheduler,
     CogVideoXImageToVideoPipeline,
     CogVideoXPipeline,
     CogVideoXTransformer3DModel,
+    UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
+    WanPipeline,
+    WanTransformer3DModel,
 )
-from transformers import T5Config, T5EncoderModel, T5Tokenizer
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    CLIPVisionModelWithProjection,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32
@@ -143,15 +161,102 @@ def make_tiny_model(out: str, variant: str = "5b", seed: int = 0) -> None:
         {k: v for k, v in transformer.config.items() if not k.startswith("_")}, variant
 
 
+# Wan (../shared/reference/wan.md). The 2.1 transformer files predate pos_embed_seq_len; the 2.1 VAE
+# files predate the 2.2 VAE's keys; 2.1's model_index has no boundary_ratio or expand_timesteps.
+WAN21_KEYS = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
+              "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
+              "rope_max_seq_len", "text_dim"}
+WAN21_VAE_KEYS = {"attn_scales", "base_dim", "dim_mult", "dropout", "latents_mean", "latents_std", "num_res_blocks",
+                  "temperal_downsample", "z_dim"}
+WAN22_VAE_KEYS = WAN21_VAE_KEYS | {"decoder_base_dim", "in_channels", "is_residual", "out_channels", "patch_size",
+                                   "scale_factor_spatial", "scale_factor_temporal"}
+# The published 2.2 VAE's latent statistics (48 channels).
+WAN22_LATENTS_MEAN = [-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813,
+                      0.0891, 0.157, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108,
+                      -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.123, -0.0313,
+                      -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.052, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944,
+                      0.3573, -0.0548, -0.1681, -0.0667]
+WAN22_LATENTS_STD = [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+                     0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+                     0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+                     0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.06, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
+# variant: (pipeline, transformer in/out channels, image encoder, 2.2 VAE, boundary_ratio, expand_timesteps, flow_shift)
+WAN_VARIANTS = {
+    "t2v": (WanPipeline, (16, 16), False, False, None, None, 3.0),
+    "i2v": (WanImageToVideoPipeline, (36, 16), True, False, None, None, 3.0),
+    "ti2v-5b": (WanPipeline, (48, 48), False, True, None, True, 5.0),
+    "a14b-t2v": (WanPipeline, (16, 16), False, False, 0.875, False, 3.0),
+    "a14b-i2v": (WanImageToVideoPipeline, (36, 16), False, False, 0.9, False, 3.0),
+}
+
+
+def make_wan_transformer(channels: tuple[int, int], image: bool) -> WanTransformer3DModel:
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                 in_channels=channels[0], out_channels=channels[1], text_dim=TEXT_DIM, freq_dim=256,
+                                 ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                 eps=1e-6, image_dim=16 if image else None, added_kv_proj_dim=32 if image else None,
+                                 rope_max_seq_len=1024)
+
+
+def make_wan_vae(is_22: bool) -> AutoencoderKLWan:
+    if not is_22:
+        return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                temperal_downsample=[False, True, True])
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                            latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD)
+
+
+def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
+    pipeline_cls, channels, image, is_22, boundary, expand, shift = WAN_VARIANTS[variant]
+    tokenizer = make_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer) + 128, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+            num_heads=4, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+            feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True, dropout_rate=0.1,
+            layer_norm_epsilon=1e-6, scalable_attention=True, tie_word_embeddings=False))
+        components = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": make_wan_vae(is_22),
+                      "transformer": make_wan_transformer(channels, image),
+                      "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                           num_train_timesteps=1000, flow_shift=shift)}
+        if boundary is not None:  # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
+            components["transformer_2"] = make_wan_transformer(channels, image)
+        if pipeline_cls is WanImageToVideoPipeline:
+            components["image_encoder"] = CLIPVisionModelWithProjection(CLIPVisionConfig(
+                hidden_size=16, projection_dim=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                intermediate_size=32, patch_size=8)) if image else None
+            components["image_processor"] = CLIPImageProcessor(
+                size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) if image else None
+    pipe = pipeline_cls(**components, boundary_ratio=boundary, expand_timesteps=bool(expand))
+    pipe.save_pretrained(out)
+    root = Path(out)
+    transformer_keys = WAN21_KEYS if variant in ("t2v", "i2v") else WAN21_KEYS | {"pos_embed_seq_len"}
+    for folder in ("transformer", "transformer_2"):
+        if (root / folder).is_dir():
+            keep_keys(root / folder / "config.json", transformer_keys)
+    keep_keys(root / "vae" / "config.json", WAN22_VAE_KEYS if is_22 else WAN21_VAE_KEYS)
+    index = json.loads((root / "model_index.json").read_text())
+    if variant in ("t2v", "i2v"):  # 2.1's folders predate the 2.2 pipeline arguments
+        index = {k: v for k, v in index.items() if k not in ("boundary_ratio", "expand_timesteps", "transformer_2")}
+    (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--family", choices=["cogvideox"], default="cogvideox")
-    parser.add_argument("--variant", choices=list(COGVIDEOX_VARIANTS), default="5b")
+    parser.add_argument("--family", choices=["cogvideox", "wan"], default="cogvideox")
+    parser.add_argument("--variant", help="default: 5b (CogVideoX), t2v (Wan)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    make_tiny_model(args.out, args.variant, args.seed)
-    print(f"wrote tiny {args.family} {args.variant} to {args.out}")
+    variants = WAN_VARIANTS if args.family == "wan" else COGVIDEOX_VARIANTS
+    variant = args.variant or ("t2v" if args.family == "wan" else "5b")
+    if variant not in variants:
+        parser.error(f"--variant {variant} is not a {args.family} variant: one of {', '.join(variants)}")
+    (make_tiny_wan if args.family == "wan" else make_tiny_model)(args.out, variant, args.seed)
+    print(f"wrote tiny {args.family} {variant} to {args.out}")
 
 
 if __name__ == "__main__":

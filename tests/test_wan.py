@@ -1,0 +1,241 @@
+"""Wan 2.1 and 2.2: the tiny models carry the published key sets; every variant trains, samples exactly
+as WanPipeline / WanImageToVideoPipeline do (with and without our exported LoRA, switching experts at
+the boundary), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
+from PIL import Image
+from safetensors.torch import load_file
+
+import data
+import lora
+import trainer
+import validate
+from config import load_config
+from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from model import load_adapter
+from test_variants import one_rank_group
+from tools.make_tiny_model import make_tiny_wan
+
+WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
+         "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
+         "rope_max_seq_len", "text_dim"}
+# variant: (model.type, model.expert, published transformer key set, pipeline)
+VARIANTS = {
+    "t2v": ("t2v", "", WAN21, WanPipeline),
+    "i2v": ("i2v", "", WAN21, WanImageToVideoPipeline),
+    "ti2v-5b": ("i2v", "", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
+    "a14b-t2v": ("t2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanPipeline),
+    "a14b-i2v": ("i2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
+}
+PROMPTS = ["a red circle moves right", "a blue square moves up"]
+
+
+@pytest.fixture(scope="session")
+def wan_models(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("wan"), {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = root / variant
+            make_tiny_wan(str(made[variant]), variant)
+        return made[variant]
+
+    return get
+
+
+def test_tiny_models_carry_the_published_key_sets(wan_models):
+    for variant, (_, _, keys, _) in VARIANTS.items():
+        path = wan_models(variant)
+        for folder in ("transformer", "transformer_2"):
+            if (path / folder).is_dir():
+                assert set(json.loads((path / folder / "config.json").read_text())) - {"_class_name",
+                                                                                        "_diffusers_version"} == keys
+        index = json.loads((path / "model_index.json").read_text())
+        assert ("boundary_ratio" in index) == (variant not in ("t2v", "i2v")), variant
+        assert (path / "transformer_2").is_dir() == variant.startswith("a14b")
+
+
+def wan_settings(variant, wan_models, base_settings, tiny_data, output_dir, **extra) -> dict:
+    model_type, expert, _, _ = VARIANTS[variant]
+    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(wan_models(variant)),
+                "model.family": "wan", "model.type": model_type, "model.expert": expert, "train.steps": 2,
+                "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1, "validation.do_validation": False,
+                "validation.prompts": PROMPTS, "validation.num_inference_steps": 6}
+    if model_type == "i2v":
+        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
+    return {**settings, **extra}
+
+
+def pipeline_frames(variant, path, cfg, lora_file=None):
+    """The pipeline's float frames [F, H, W, 3] per prompt, and its transformers' calls (folder, t)."""
+    pipe = VARIANTS[variant][3].from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    if lora_file:
+        pipe.load_lora_weights(str(lora_file), load_into_transformer_2=bool(VARIANTS[variant][1]))
+    calls = []
+    for folder in ("transformer", "transformer_2"):
+        module = getattr(pipe, folder)
+        if module is not None:
+            module.register_forward_pre_hook(
+                lambda m, a, kw, folder=folder: calls.append((folder, float(kw["timestep"].flatten()[0]))), with_kwargs=True)
+    frames = []
+    for i, prompt in enumerate(cfg.prompts):
+        extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
+        frames.append(pipe(prompt=prompt, num_frames=9, height=32, width=32, num_inference_steps=cfg.num_inference_steps,
+                           guidance_scale=cfg.guidance_scale, generator=data.keyed_generator(cfg.seed, i),
+                           output_type="pt", **extra).frames[0].permute(0, 2, 3, 1))
+    return frames, calls
+
+
+def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
+    """Our ComfyUI file, read by diffusers' converter of non-diffusers Wan LoRAs, gives the transformer our
+    diffusers file gives (the converter bakes .alpha in; our file must carry no lora_adapter_metadata)."""
+    comfy = next((lora_dir / "comfy").glob("*.safetensors"))
+    assert expert in comfy.stem
+    outputs = []
+    for file in (lora_dir / "pytorch_lora_weights.safetensors", comfy):
+        pipe = VARIANTS[variant][3].from_pretrained(str(path))
+        pipe.load_lora_weights(str(file), load_into_transformer_2=expert == "low_noise")
+        transformer = pipe.transformer_2 if expert == "low_noise" else pipe.transformer
+        config = transformer.config
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, config.in_channels, 3, 4, 4, generator=gen)
+        image = torch.randn(2, 17, 16, generator=gen) if config.image_dim else None
+        with torch.no_grad():
+            outputs.append(transformer(hidden_states=x, timestep=torch.tensor([10, 900]), return_dict=False,
+                                       encoder_hidden_states=torch.randn(2, 512, 32, generator=gen),
+                                       encoder_hidden_states_image=image)[0])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
+
+
+# diffusers adds zero image-key LoRAs when it loads a LoRA into a 2.1 I2V transformer: its warning is expected.
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models, base_settings, tiny_data, tmp_path):
+    """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32 with
+    the base model and with our exported LoRA loaded by load_lora_weights (into transformer_2 for a
+    low-noise expert); the experts take the same timesteps; the sft export loads with from_pretrained
+    and computes what the checkpoint's weights compute."""
+    settings = wan_settings(variant, wan_models, base_settings, tiny_data, tmp_path / "lora")
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+    assert_comfy_file_equals_ours(variant, wan_models(variant), lora_file.parent, VARIANTS[variant][1])
+
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    # lora.init_from (and validate.py --lora) read the ComfyUI file back to the same weights.
+    comfy_weights, comfy_info = lora.load_lora(str(next((lora_file.parent / "comfy").glob("*"))), adapter.diffusers_key)
+    weights, info = lora.load_lora(str(lora_file))
+    assert comfy_weights.keys() == weights.keys() and all(torch.equal(comfy_weights[k], weights[k]) for k in weights)
+    assert (comfy_info["rank"], comfy_info["alpha"]) == (info["rank"], info["alpha"])
+    with one_rank_group() as d:
+        frozen = {}
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d,
+                                         lambda folder: frozen.setdefault(folder, adapter.load_transformer(folder=folder).eval()))
+        for source in (None, lora_file):
+            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            denoisers = renderer.denoisers(model)
+            calls = []
+            hooks = [module.register_forward_pre_hook(
+                lambda m, a, kw, folder=folder: calls.append((folder, float(kw["timestep"].flatten()[0]))),
+                with_kwargs=True) for folder, module in denoisers.items()]
+            scheduler = adapter.sampler("")
+            ours = [renderer.frames(model, i, scheduler, contextlib.nullcontext()) for i in range(len(PROMPTS))]
+            for hook in hooks:
+                hook.remove()
+            theirs, their_calls = pipeline_frames(variant, wan_models(variant), cfg.validation, source)
+            for a, b in zip(ours, theirs):
+                assert a.shape == b.shape == (9, 32, 32, 3)
+                assert (a - b).abs().max() <= 1e-4, (variant, source, (a - b).abs().max())
+            # One forward per step (cond and uncond batched) against the pipeline's two: the same expert each time.
+            assert calls == their_calls[::2]
+            if source is not None:
+                assert max((a - b).abs().max() for a, b in zip(ours, base)) > 1e-3  # the LoRA shows
+            base = ours
+        if variant.startswith("a14b"):
+            assert {folder for folder, _ in calls} == {"transformer", "transformer_2"}
+
+        sft_cfg = load_config(str(tmp_path / "sft.toml"))
+        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+    exported = WanTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
+    config = adapter.transformer_config
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, config["in_channels"], 3, 4, 4, generator=gen)
+    embeds = torch.randn(2, adapter.text_length, 32, generator=gen)
+    image = torch.randn(2, 17, 16, generator=gen) if config["image_dim"] else None
+    with torch.no_grad():
+        expected = adapter._predict(ours, x, torch.tensor([10.0, 900.0]), embeds, image)
+        torch.testing.assert_close(adapter._predict(exported, x, torch.tensor([10.0, 900.0]), embeds, image),
+                                   expected, rtol=0, atol=1e-5)
+
+
+def test_each_expert_trains_only_on_its_range(wan_models, base_settings, tiny_data, tmp_path, monkeypatch):
+    """A14B: transformer/ (high noise) takes t >= boundary_ratio x 1000, transformer_2/ the rest, as the
+    pipeline splits them; the held-out loss measures each on its own range."""
+    seen = []
+    forward = WanTransformer3DModel.forward
+    monkeypatch.setattr(WanTransformer3DModel, "forward",
+                        lambda self, *a, **kw: seen.append(kw["timestep"].flatten().tolist()) or forward(self, *a, **kw))
+    for expert in ("high_noise", "low_noise"):
+        seen.clear()
+        settings = wan_settings("a14b-t2v", wan_models, base_settings, tiny_data, tmp_path / expert,
+                                **{"model.expert": expert, "train.steps": 4, "validation.prompts": [],
+                                   "validation.do_validation": True, "validation.validation_steps": 4})
+        trainer.main(["--cfg", str(write_toml(tmp_path / f"{expert}.toml", settings))])
+        drawn = [t for call in seen for t in call if len(call) == 2]  # training batches of 2 (held-out: 1 clip x 1-5 t)
+        assert len(drawn) == 8 and all((t >= 875) == (expert == "high_noise") for t in drawn), drawn
+        held_out = {k for m in read_metrics(tmp_path / expert) for k in m if k.startswith("val/loss_t")}
+        assert held_out == ({"val/loss_t900"} if expert == "high_noise" else
+                            {"val/loss_t100", "val/loss_t300", "val/loss_t500", "val/loss_t700"})
+
+
+def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_path):
+    settings = wan_settings("t2v", wan_models, base_settings, tiny_data, tmp_path / "learn", **{
+        "train.steps": 60, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
+        "checkpoint.checkpointing_steps": 60, "validation.do_validation": True, "validation.prompts": [],
+        "validation.validation_steps": 60})
+    run_ok(["--cfg", str(write_toml(tmp_path / "learn.toml", settings))])
+    losses = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "learn") if "val/loss" in m}
+    assert sorted(losses) == [0, 60] and losses[60] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise")])
+def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, tmp_path):
+    """2 FSDP ranks with validation: SIGKILL after step 4, the next launch resumes from step 3 and ends
+    bitwise equal to the run never stopped, clips included; the export loads in WanPipeline and its
+    ComfyUI file equals it through diffusers' converter."""
+    lifecycle = {"model.expert": expert, "parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 6,
+                 "checkpoint.checkpointing_steps": 3, "validation.do_validation": True, "validation.validation_steps": 3,
+                 "validation.num_inference_steps": 3, "validation.save_frames": True, "validation.prompts": PROMPTS[:1]}
+    configs = {name: write_toml(tmp_path / f"{name}.toml", wan_settings(variant, wan_models, base_settings, tiny_data,
+                                                                           tmp_path / name, **lifecycle))
+               for name in ("reference", "killed")}
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}).returncode != 0
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 3 ({tmp_path / 'killed' / 'checkpoint-3'})" in resumed.stderr
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "reference")
+    lora_dir = tmp_path / "reference" / "lora"
+    ours, theirs = (load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors") for name in ("killed", "reference"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_6_prompt_0.safetensors"
+    assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
+    assert_comfy_file_equals_ours(variant, wan_models(variant), lora_dir, expert)
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = validate.load_model(cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")).eval()
+    pipe = WanPipeline.from_pretrained(str(wan_models(variant)))
+    pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    x, embeds = torch.randn(2, 16, 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter._predict(pipe.transformer, x, torch.tensor([10, 900]), embeds, None),
+                                   adapter._predict(model, x, torch.tensor([10, 900]), embeds, None), rtol=0, atol=1e-5)

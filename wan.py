@@ -1,0 +1,271 @@
+"""Wan 2.1 and 2.2 (../shared/reference/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.2 TI2V-5B
+(expand_timesteps) and 2.2 A14B (two experts split at boundary_ratio).
+
+Flow matching: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32; u uniform from the keyed
+generator (within the trained expert's range), s = shift u / (1 + (shift - 1) u), model timestep
+1000 s. Latents are normalised with the VAE config's latents_mean and latents_std; text embeddings
+are trimmed to the attention mask and zero-padded to 512 tokens, as WanPipeline does. The sampling
+pieces are WanPipeline's and WanImageToVideoPipeline's loops.
+"""
+
+import contextlib
+import json
+from types import SimpleNamespace
+
+import diffusers
+import numpy as np
+import torch
+from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.video_processor import VideoProcessor
+from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+from config import ConfigError, ModelConfig
+from model_adapter import Adapter, log, resolved_config, sample_posterior
+
+TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
+# diffusers module names -> the original checkpoint's (ComfyUI's), inside a block.
+COMFY_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+               "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
+               "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img",
+               "attn2.add_v_proj": "cross_attn.v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+
+
+class WanAdapter(Adapter):
+    FAMILY = "wan"
+    ENCODERS = {"video": ("vae",), "image": ("vae", "image_encoder", "image_processor"),
+                "text": ("text_encoder", "tokenizer")}
+    TRANSFORMER, VAE, TEXT_ENCODER = WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel
+    COMFY = True
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__(cfg, device)
+        pipeline = resolved_config(WanPipeline, self.path, None)
+        self.boundary, self.expand = pipeline["boundary_ratio"], pipeline["expand_timesteps"]
+        if (self.boundary is None) != (not cfg.expert):
+            raise ConfigError(f"model.expert = \"{cfg.expert}\", but {cfg.path} " + (
+                f"has two experts (boundary_ratio {self.boundary}): set model.expert to \"high_noise\" or \"low_noise\""
+                if self.boundary is not None else "has one transformer: remove model.expert"))
+        self.transformer_folder = EXPERTS.get(cfg.expert, "transformer")
+        self.transformer_config = resolved_config(WanTransformer3DModel, self.path, self.transformer_folder)
+        self.vae_config = resolved_config(AutoencoderKLWan, self.path, "vae")
+        z, in_channels = self.vae_config["z_dim"], self.transformer_config["in_channels"]
+        takes_image = in_channels == 2 * z + self.vae_config["scale_factor_temporal"]  # noisy, mask, image latents
+        if not self.expand and takes_image != (cfg.type == "i2v"):
+            kind = "an image-to-video" if takes_image else "a text-to-video"
+            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path} is {kind} model (its transformer takes "
+                              f"{in_channels} input channels): set model.type = \"{'i2v' if takes_image else 't2v'}\"")
+        # The class the folder names (2.1-T2V-14B's copies differ: FlowMatchEuler or UniPC), never a fixed one.
+        self.scheduler_class = getattr(diffusers, json.loads((self.path / "scheduler" / "scheduler_config.json")
+                                                            .read_text())["_class_name"])
+        scheduler = resolved_config(self.scheduler_class, self.path, "scheduler")
+        # train.flow_shift replaces it for training (cache.prepare sets it); sampling keeps the folder's.
+        self.shift = scheduler.get("flow_shift") or scheduler.get("shift") or 1.0
+        self.latents_mean = torch.tensor(self.vae_config["latents_mean"]).view(1, z, 1, 1, 1)
+        self.latents_std = torch.tensor(self.vae_config["latents_std"]).view(1, z, 1, 1, 1)
+        self._image_encoder = None
+
+    # Shape rules read from the model's own config.
+    @property
+    def frame_multiple(self) -> int:
+        return self.vae_config["scale_factor_temporal"]  # 4k+1 frames: the VAE encodes [0], [1:5], [5:9], ...
+
+    @property
+    def size_multiple(self) -> int:
+        return self.vae_config["scale_factor_spatial"] * self.transformer_config["patch_size"][1]
+
+    @property
+    def text_length(self) -> int:
+        return TEXT_LENGTH
+
+    def other_experts(self) -> list[str]:
+        return [folder for folder in EXPERTS.values() if folder != self.transformer_folder] if self.boundary else []
+
+    def comfy_key(self, module: str) -> str | None:
+        """blocks.N.attn1.to_q -> blocks.N.self_attn.q (diffusers' converter's inverse); None outside the
+        blocks, where the converter takes no alpha."""
+        parts = module.split(".", 2)
+        if parts[0] != "blocks" or len(parts) < 3 or parts[2] not in COMFY_NAMES:
+            return None
+        return f"blocks.{parts[1]}.{COMFY_NAMES[parts[2]]}"
+
+    def diffusers_key(self, original: str) -> str | None:
+        parts = original.split(".", 2)
+        ours = {v: k for k, v in COMFY_NAMES.items()}
+        if parts[0] != "blocks" or len(parts) < 3 or parts[2] not in ours:
+            return None
+        return f"blocks.{parts[1]}.{ours[parts[2]]}"
+
+    # Encoding.
+    def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
+        """(x - mean) * (1 / std), the pipeline's form (x / std differs in the last bits)."""
+        return (latents - self.latents_mean.to(latents)) * (1.0 / self.latents_std.to(latents))
+
+    @torch.no_grad()
+    def encode_video(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 [B, F, H, W, 3] -> posterior mean and log-variance [B, C, F', h, w] (not normalised)."""
+        posterior = self._load_vae().encode(self._pixels(video)).latent_dist
+        return posterior.mean, posterior.logvar
+
+    def _image_tower(self):
+        if self._image_encoder is None:
+            log.info("loading image encoder from %s", self.path)
+            self._image_encoder = CLIPVisionModel.from_pretrained(self.path, subfolder="image_encoder",
+                                                                  dtype=self.dtype).to(self.device).eval()
+            self._image_processor = AutoImageProcessor.from_pretrained(self.path, subfolder="image_processor")
+        return self._image_encoder, self._image_processor
+
+    @torch.no_grad()
+    def _condition(self, pixels: torch.Tensor, frames: int, images) -> dict:
+        """Image pixels [B, 3, H, W] in [-1, 1] (fp32) -> what conditions the transformer, as the I2V
+        pipeline's prepare_latents and encode_image build it: the VAE's mode of the image (TI2V) or of
+        the image followed by frames - 1 grey frames, normalised; 2.1 I2V also the CLIP image tokens."""
+        video = pixels[:, :, None]
+        if not self.expand:
+            video = torch.cat([video, video.new_zeros(*pixels.shape[:2], frames - 1, *pixels.shape[2:])], dim=2)
+        latents = self._load_vae().encode(video.to(self.dtype)).latent_dist.mode().float()
+        condition = {"image_latents": self._normalise(latents)}
+        if self.transformer_config["image_dim"] is not None:
+            encoder, processor = self._image_tower()
+            inputs = processor(images=images, return_tensors="pt").to(self.device)
+            condition["image_embeds"] = encoder(**inputs, output_hidden_states=True).hidden_states[-2]
+        return condition
+
+    def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
+        """I2V conditioning images, uint8 [B, H, W, 3] -> the cached condition (no noise augmentation: the
+        pipelines add none)."""
+        pixels = images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        return self._condition(pixels, frames, [np.asarray(image.cpu()) for image in images])
+
+    @torch.no_grad()
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """UMT5 embeddings [B, 512, D] as WanPipeline computes them: its prompt cleaning, the rows past the
+        attention mask zeroed (the cache stores the rows before them)."""
+        text_encoder, tokenizer = self._text()
+        inputs = tokenizer([prompt_clean(p) for p in prompts], padding="max_length", max_length=TEXT_LENGTH,
+                           truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        embeds = text_encoder(inputs.input_ids.to(self.device), inputs.attention_mask.to(self.device)).last_hidden_state
+        return embeds * inputs.attention_mask.to(self.device)[:, :, None].to(embeds.dtype)
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents [B, C, F', h, w] -> pixels [B, C, F, H, W] in [-1, 1], as the pipeline decodes."""
+        latents = latents.to(self.dtype) / (1.0 / self.latents_std.to(self.device, self.dtype)) + \
+            self.latents_mean.to(self.device, self.dtype)
+        vae = self._load_vae()
+        return torch.cat([vae.decode(clip, return_dict=False)[0] for clip in latents.split(1)])
+
+    # Training.
+    def _sigmas(self, generators) -> torch.Tensor:
+        """s per sample: u uniform over the trained expert's share of [0, 1), then shifted."""
+        low, high = 0.0, 1.0
+        if self.boundary is not None:  # s >= boundary is the high-noise expert's: invert the shift there
+            u_boundary = self.boundary / (self.shift - (self.shift - 1) * self.boundary)
+            low, high = (u_boundary, 1.0) if self.expert == "high_noise" else (0.0, u_boundary)
+        u = torch.stack([low + (high - low) * torch.rand((), generator=g) for g in generators])
+        return self.shift * u / (1 + (self.shift - 1) * u)
+
+    def held_out_timesteps(self, timesteps: list[int]) -> list[int]:
+        if self.boundary is None:
+            return timesteps
+        high = self.expert == "high_noise"
+        return [t for t in timesteps if (t >= self.boundary * 1000) == high]
+
+    def _inputs(self, x_t, t, batch, n):
+        """The transformer's input, timesteps and the loss mask for noisy latents x_t (n rows) at model
+        timesteps t [n] of a cached batch or a sampling state's condition."""
+        mask = torch.ones_like(x_t[:, :1])
+        image_embeds = None
+        if self.type == "i2v":
+            condition = batch["image_latents"].to(self.device).float().expand(n, -1, -1, -1, -1)
+            if self.expand:  # TI2V: the first latent frame is the image's, at timestep 0, and not in the loss
+                mask[:, :, 0] = 0
+                x_t = (1 - mask) * condition + mask * x_t
+            else:
+                frame_mask = torch.zeros_like(condition[:, :1]).expand(-1, self.vae_config["scale_factor_temporal"],
+                                                                       -1, -1, -1).clone()
+                frame_mask[:, :, 0] = 1
+                x_t = torch.cat([x_t, frame_mask, condition], dim=1)
+            if "image_embeds" in batch:
+                image_embeds = batch["image_embeds"].to(self.device).expand(n, -1, -1)
+        if self.expand:
+            t = (mask[:, 0, :, ::2, ::2] * t.view(-1, 1, 1, 1)).flatten(1)
+        return x_t, t, image_embeds, mask
+
+    def _predict(self, transformer, x, t, embeds, image_embeds):
+        dtype = next(transformer.parameters()).dtype
+        return transformer(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=embeds.to(dtype),
+                           encoder_hidden_states_image=None if image_embeds is None else image_embeds.to(dtype),
+                           return_dict=False)[0].float()
+
+    def _loss(self, transformer, x0, noise, sigmas, batch, embeds):
+        s = sigmas.view(-1, 1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * noise
+        x, t, image_embeds, mask = self._inputs(x_t, 1000 * sigmas, batch, len(x0))
+        error = (self._predict(transformer, x, t, embeds, image_embeds) - (noise - x0)).pow(2) * mask
+        return error.sum(dim=(1, 2, 3, 4)) / (mask.sum(dim=(1, 2, 3, 4)) * x0.shape[1])
+
+    def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
+        """Per-sample loss of a cached batch; the latent sample, u and the noise come from each sample's
+        own generator, keyed by (seed, step, position in the global batch)."""
+        x0 = self._normalise(sample_posterior(batch["latent_mean"].to(self.device),
+                                              batch["latent_logvar"].to(self.device), generators))
+        sigmas = self._sigmas(generators).to(self.device)
+        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]).to(self.device)
+        return self._loss(transformer, x0, noise, sigmas, batch, batch["prompt_embeds"].to(self.device))
+
+    def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
+        """The loss of one cached clip (its posterior mean) at each of `timesteps`, with the same noise."""
+        x0 = self._normalise(batch["latent_mean"].to(self.device).float())
+        noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
+        n = len(timesteps)
+        return self._loss(transformer, x0.expand(n, -1, -1, -1, -1), noise.expand(n, *noise.shape),
+                          torch.tensor(timesteps, device=self.device) / 1000, batch,
+                          batch["prompt_embeds"].to(self.device).expand(n, -1, -1))
+
+    @staticmethod
+    def blocks(transformer) -> list[torch.nn.Module]:
+        return list(transformer.blocks)
+
+    # Sampling: WanPipeline's (WanImageToVideoPipeline's) loop, run by validate.sample_latents.
+    def sampler(self, name: str):
+        return self.scheduler_class.from_pretrained(self.path, subfolder="scheduler")
+
+    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
+        """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's condition, as the
+        pipelines' prepare_latents."""
+        frames, height, width = resolution
+        ratio = self.vae_config["scale_factor_spatial"]
+        scheduler.set_timesteps(steps, device=self.device)
+        shape = (1, self.vae_config["z_dim"], (frames - 1) // self.frame_multiple + 1, height // ratio, width // ratio)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        condition = {}
+        if image is not None:
+            pixels = VideoProcessor(vae_scale_factor=ratio).preprocess(image, height=height, width=width)
+            condition = self._condition(pixels.to(self.device, torch.float32), frames, image)
+        boundary = None if self.boundary is None else self.boundary * scheduler.config.num_train_timesteps
+        return SimpleNamespace(scheduler=scheduler, latents=latents, condition=condition, boundary=boundary)
+
+    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
+        """The flow prediction at step t, by the expert whose range holds t; with guidance, of the latents
+        twice (uncond, cond) in one forward."""
+        folder = "transformer" if state.boundary is None or t >= state.boundary else "transformer_2"
+        n = 2 if guided else 1
+        x, timesteps, image_embeds, _ = self._inputs(state.latents, t.view(1), state.condition, 1)
+        return self._predict(models[folder], x.expand(n, *x.shape[1:]), timesteps.expand(n, *timesteps.shape[1:]),
+                             embeds, None if image_embeds is None else image_embeds.expand(n, -1, -1))
+
+    def guidance_scale(self, scale: float, dynamic: bool, state, t: torch.Tensor) -> float:
+        return scale
+
+    def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
+        state.latents = state.scheduler.step(prediction, t, state.latents, return_dict=False)[0]
+
+    def sampled(self, state) -> torch.Tensor:
+        if self.expand and self.type == "i2v":  # the image's latent frame, as the pipeline restores it
+            return torch.cat([state.condition["image_latents"], state.latents[:, :, 1:]], dim=2)
+        return state.latents
+
+    def sampling_attention(self, model: torch.nn.Module):
+        return contextlib.nullcontext()
