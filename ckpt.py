@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 import faults
 import lora
@@ -151,6 +152,14 @@ def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) 
     return next((p for p in problems if p), None)
 
 
+@torch.no_grad()
+def _identity(tensor: torch.Tensor) -> tuple:
+    """What a state-dict view of `tensor` depends on: the object, where and how its local data (a
+    DTensor's shard) lie, and whether it trains (LoRA checkpoints leave frozen weights out)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return id(tensor), local.data_ptr(), local.shape, tensor.requires_grad
+
+
 def model_state(model, training_type: str, **options) -> dict:
     """The model's state dict as DCP keys it (FQNs), for LoRA only its trainable weights: DCP's
     ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a persistent
@@ -178,7 +187,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict):
         self.cfg, self.dir, self.d, self.identity = cfg, Path(output_dir), d, identity
         self.frozen_excluded = identity["training_type"] == "lora"
-        self.async_group, self.pending, self.saved_step = None, None, None
+        self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _state(self, objects: dict) -> dict:
@@ -195,6 +204,25 @@ class Checkpointer:
         for name, obj in objects.items():
             if name not in ("model", "optimizer"):
                 state[name] = obj.state_dict()
+        return state
+
+    def _save_state(self, objects: dict) -> dict:
+        """_state, with its model and optimizer parts built once and reused. DCP's state-dict helpers
+        map every module's names on each call (about 25 ms on the tiny model, more than the write),
+        and what they return aliases the live tensors (parameters, sharded DTensors under FSDP, AdamW's
+        moments and step counters, all updated in place), so it stays exact while those tensors do.
+        It is rebuilt when any of them is another object, has other local storage or shape, or trains
+        or not: the optimizer's first step creates its state, a resume's load_state_dict replaces it,
+        a `.data` assignment or FSDP's reset_sharded_param swaps storage. The cache holds the tensors
+        it keyed, so no new tensor can take one of their ids."""
+        model, optimizer = objects["model"], objects["optimizer"]
+        tensors = [*model.parameters(), *model.buffers(),
+                   *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+        key = tuple(_identity(t) for t in tensors)
+        if self.views is not None and self.views[1] == key:
+            return {**self.views[2], **{k: v.state_dict() for k, v in objects.items() if k not in self.views[2]}}
+        state = self._state(objects)
+        self.views = (tensors, key, {k: state[k] for k in ("model", "optimizer")})
         return state
 
     def save(self, step: int, objects: dict, final: bool) -> None:
@@ -214,12 +242,12 @@ class Checkpointer:
                 if self.async_group is None:
                     # Background writes on the default group collide with training's collectives.
                     self.async_group = dist.new_group(backend="gloo")
-                future = dcp.async_save(self._state(objects), storage_writer=writer, planner=cached_planner(),
+                future = dcp.async_save(self._save_state(objects), storage_writer=writer, planner=cached_planner(),
                                         process_group=self.async_group)
                 self.pending = (step, tmp, final_dir, future)
                 return
             with _write_failures_named(tmp):
-                dcp.save(self._state(objects), storage_writer=writer, planner=cached_planner())
+                dcp.save(self._save_state(objects), storage_writer=writer, planner=cached_planner())
         faults.fault("save", step)
         self._commit(step, tmp, final_dir)
 
