@@ -80,10 +80,8 @@ def run_identity(cfg, adapter) -> dict:
     return identity
 
 
-@functools.cache
+@functools.cache  # once per process: each version() parses a package's METADATA file (~2 ms)
 def library_versions() -> dict[str, str]:
-    """For meta.json, read once per process: each importlib.metadata.version() parses a package's
-    METADATA file (about 2 ms), and they cannot change while the process runs."""
     return {p: version(p) for p in ("torch", "diffusers", "transformers")}
 
 
@@ -154,8 +152,7 @@ def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) 
 
 @torch.no_grad()
 def _identity(tensor: torch.Tensor) -> tuple:
-    """What a state-dict view of `tensor` depends on: the object, where and how its local data (a
-    DTensor's shard) lie, and whether it trains (LoRA checkpoints leave frozen weights out)."""
+    """What a view of `tensor` depends on: the object, its local data (a DTensor's shard), requires_grad."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return id(tensor), local.data_ptr(), local.shape, tensor.requires_grad
 
@@ -173,13 +170,10 @@ def model_state(model, training_type: str, **options) -> dict:
 
 
 def cached_planner() -> dcp.DefaultSavePlanner:
-    """DCP's save planner with its plan cache on: every save of a run writes the same tensors (names,
-    shapes, dtypes, shards), so after the first one each rank only compares its new local plan with the
-    cached one and sends an empty plan when they match; the coordinator then reuses the global plan and
-    metadata instead of gathering, deduplicating and validating every rank's items again. The data
-    still comes from this save's tensors, and a plan that differs (another layout) is planned afresh.
-    The cache is per process, keyed by the planner class: a training process saves one layout through
-    one writer type, so its sync and async saves share it safely."""
+    """DCP's planner with its plan cache: every save of a run has the same layout, so after the first one
+    each rank sends an empty plan when its local plan matches the cached one and the coordinator reuses
+    the global plan and metadata (the data still comes from this save's tensors; another layout is
+    planned afresh). The cache is per process: sync and async saves of one layout share it safely."""
     return dcp.DefaultSavePlanner(enable_plan_caching=True)
 
 
@@ -190,40 +184,26 @@ class Checkpointer:
         self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def _state(self, objects: dict) -> dict:
+    def _state(self, objects: dict, reuse: bool = False) -> dict:
         """The tensors to save or fill: model and optimizer through DCP's FQN-keyed helpers; the rest
-        through state_dict()."""
-        options = StateDictOptions(ignore_frozen_params=self.frozen_excluded, flatten_optimizer_state_dict=True)
-        model, optimizer = objects["model"], objects["optimizer"]
-        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-        state = {
-            "model": model_state(model, self.identity["training_type"], flatten_optimizer_state_dict=True),
-            # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors are saved.
-            "optimizer": {k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)},
-        }
-        for name, obj in objects.items():
-            if name not in ("model", "optimizer"):
-                state[name] = obj.state_dict()
-        return state
-
-    def _save_state(self, objects: dict) -> dict:
-        """_state, with its model and optimizer parts built once and reused. DCP's state-dict helpers
-        map every module's names on each call (about 25 ms on the tiny model, more than the write),
-        and what they return aliases the live tensors (parameters, sharded DTensors under FSDP, AdamW's
-        moments and step counters, all updated in place), so it stays exact while those tensors do.
-        It is rebuilt when any of them is another object, has other local storage or shape, or trains
-        or not: the optimizer's first step creates its state, a resume's load_state_dict replaces it,
-        a `.data` assignment or FSDP's reset_sharded_param swaps storage. The cache holds the tensors
-        it keyed, so no new tensor can take one of their ids."""
+        through state_dict(). A save (`reuse`) takes the model and optimizer parts of the last build
+        while they alias the live tensors: the helpers map every module's names per call (~25 ms on the
+        tiny model), and parameters, FSDP shards and AdamW's state are updated in place. A replaced
+        tensor (the optimizer's first step, a resume), swapped storage (.data, FSDP's reset_sharded_param)
+        or a requires_grad change rebuilds them; the cache keeps the keyed tensors, so no id is reused."""
         model, optimizer = objects["model"], objects["optimizer"]
         tensors = [*model.parameters(), *model.buffers(),
                    *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
         key = tuple(_identity(t) for t in tensors)
-        if self.views is not None and self.views[1] == key:
-            return {**self.views[2], **{k: v.state_dict() for k, v in objects.items() if k not in self.views[2]}}
-        state = self._state(objects)
-        self.views = (tensors, key, {k: state[k] for k in ("model", "optimizer")})
-        return state
+        if not (reuse and self.views and self.views[1] == key):
+            options = StateDictOptions(ignore_frozen_params=self.frozen_excluded, flatten_optimizer_state_dict=True)
+            optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+            self.views = (tensors, key, {
+                "model": model_state(model, self.identity["training_type"], flatten_optimizer_state_dict=True),
+                # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors are saved.
+                "optimizer": {k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)},
+            })
+        return {**self.views[2], **{k: v.state_dict() for k, v in objects.items() if k not in ("model", "optimizer")}}
 
     def save(self, step: int, objects: dict, final: bool) -> None:
         """Every rank writes its shards. With async_save the write runs in the background and commits
@@ -238,16 +218,17 @@ class Checkpointer:
         dist.barrier()
         writer = (FailingWriter if faults.active("save_fail", step) else dcp.FileSystemWriter)(tmp)
         with parallel.all_or_none():
+            state = self._state(objects, reuse=True)
             if self.cfg.async_save and not final:
                 if self.async_group is None:
                     # Background writes on the default group collide with training's collectives.
                     self.async_group = dist.new_group(backend="gloo")
-                future = dcp.async_save(self._save_state(objects), storage_writer=writer, planner=cached_planner(),
+                future = dcp.async_save(state, storage_writer=writer, planner=cached_planner(),
                                         process_group=self.async_group)
                 self.pending = (step, tmp, final_dir, future)
                 return
             with _write_failures_named(tmp):
-                dcp.save(self._save_state(objects), storage_writer=writer, planner=cached_planner())
+                dcp.save(state, storage_writer=writer, planner=cached_planner())
         faults.fault("save", step)
         self._commit(step, tmp, final_dir)
 

@@ -89,11 +89,11 @@ def save_cost(root: Path, settings: dict, saves: int) -> None:
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 24, global_batch, 0),
                "train": TrainState()}
     checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter))
-    state = checkpoints._state(objects)  # what a save hands to DCP
-    tensors = [t for part in state.values() for t in part.values()]
     start = time.perf_counter()
     checkpoints.save(1, objects, final=False)
     first = time.perf_counter() - start
+    state = checkpoints._state(objects, reuse=True)  # what each save hands to DCP
+    tensors = [t for part in state.values() for t in part.values()]
     runs = {"Checkpointer.save": lambda i: checkpoints.save(i + 2, objects, final=False),
             "torch.save": lambda i: torch.save(state, root / f"plain-{i}.pt"),
             "dcp.save": lambda i: dcp.save(state, checkpoint_id=root / f"dcp-{i}")}
@@ -166,7 +166,8 @@ def stall(root: Path, stall_settings: dict, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=["payload", "stall", "save"], default=["payload", "stall", "save"])
+    parts = ["payload", "stall", "save"]
+    parser.add_argument("--parts", nargs="+", choices=parts, default=parts)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=1, help="checkpointing_steps of the saving runs")
     parser.add_argument("--repeats", type=int, default=3)

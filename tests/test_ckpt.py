@@ -257,14 +257,15 @@ def test_a_rank_checks_only_the_files_it_reads(tmp_path):
 
 
 def test_save_views_follow_the_live_tensors(tmp_path):
-    """A save reuses the state-dict views DCP's helpers built at the first save while they alias the
-    live tensors, and rebuilds them when a tensor is replaced, gets other storage or changes
-    requires_grad: every save hands DCP what a fresh build would."""
+    """A save reuses the state-dict views DCP's helpers built before while they alias the live tensors,
+    and rebuilds them when a tensor is replaced, gets other storage or changes requires_grad: every
+    save hands DCP what a fresh build would."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters())
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
-    checkpoints = ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), parallel.Dist(0, 1, 0, torch.device("cpu")),
-                                    {"training_type": "sft"})
+    one = parallel.Dist(0, 1, 0, torch.device("cpu"))
+    checkpoints, reference = (ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"})
+                              for _ in range(2))
 
     def step():
         model(torch.randn(3, 4)).sum().backward()
@@ -272,21 +273,21 @@ def test_save_views_follow_the_live_tensors(tmp_path):
         optimizer.zero_grad()
 
     def assert_fresh(state):
-        fresh = checkpoints._state(objects)
+        fresh = reference._state(objects)
         assert {k: list(v) for k, v in state.items()} == {k: list(v) for k, v in fresh.items()}
         assert all(torch.equal(state[k][n], fresh[k][n]) for k in fresh for n in fresh[k])
 
     step()
-    first = checkpoints._save_state(objects)
+    first = checkpoints._state(objects, reuse=True)
     step()
-    second = checkpoints._save_state(objects)
+    second = checkpoints._state(objects, reuse=True)
     assert second["model"] is first["model"] and second["optimizer"] is first["optimizer"]
     assert_fresh(second)
     optimizer.state[model[1].weight]["exp_avg"] = optimizer.state[model[1].weight]["exp_avg"] + 1  # replaced
-    assert_fresh(checkpoints._save_state(objects))
+    assert_fresh(checkpoints._state(objects, reuse=True))
     model[0].bias.data = model[0].bias.data + 1  # same Parameter, other storage
-    assert_fresh(checkpoints._save_state(objects))
+    assert_fresh(checkpoints._state(objects, reuse=True))
     model[0].weight.requires_grad_(False)  # only the key changes here: an sft state holds frozen weights too
-    third = checkpoints._save_state(objects)
+    third = checkpoints._state(objects, reuse=True)
     assert third["model"] is not second["model"]
     assert_fresh(third)
