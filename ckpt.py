@@ -185,25 +185,29 @@ class Checkpointer:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _state(self, objects: dict, reuse: bool = False) -> dict:
-        """The tensors to save or fill: model and optimizer through DCP's FQN-keyed helpers; the rest
-        through state_dict(). A save (`reuse`) takes the model and optimizer parts of the last build
-        while they alias the live tensors: the helpers map every module's names per call (~25 ms on the
-        tiny model), and parameters, FSDP shards and AdamW's state are updated in place. A replaced
-        tensor (the optimizer's first step, a resume), swapped storage (.data, FSDP's reset_sharded_param)
-        or a requires_grad change rebuilds them; the cache keeps the keyed tensors, so no id is reused."""
+        """The tensors to save or fill: model and optimizer through DCP's FQN-keyed helpers, the rest
+        through state_dict(). Saves (`reuse`) keep the helpers' output, which aliases the live tensors
+        (parameters, FSDP shards, AdamW's state: all updated in place), rather than map every module's
+        names again (~25 ms on the tiny model); a replaced tensor (the optimizer's first step, a resume),
+        swapped storage (.data, FSDP's reset_sharded_param) or changed requires_grad rebuilds it. The
+        kept tensors stay alive, so no other tensor can take one of their ids."""
         model, optimizer = objects["model"], objects["optimizer"]
         tensors = [*model.parameters(), *model.buffers(),
                    *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
         key = tuple(_identity(t) for t in tensors)
-        if not (reuse and self.views and self.views[1] == key):
+        if reuse and self.views and self.views[1] == key:
+            views = self.views[2]
+        else:
             options = StateDictOptions(ignore_frozen_params=self.frozen_excluded, flatten_optimizer_state_dict=True)
             optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-            self.views = (tensors, key, {
+            views = {
                 "model": model_state(model, self.identity["training_type"], flatten_optimizer_state_dict=True),
                 # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors are saved.
                 "optimizer": {k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)},
-            })
-        return {**self.views[2], **{k: v.state_dict() for k, v in objects.items() if k not in ("model", "optimizer")}}
+            }
+            if reuse:  # a resume's build is not kept: it must not pin optimizer state the load replaces
+                self.views = (tensors, key, views)
+        return {**views, **{k: v.state_dict() for k, v in objects.items() if k not in ("model", "optimizer")}}
 
     def save(self, step: int, objects: dict, final: bool) -> None:
         """Every rank writes its shards. With async_save the write runs in the background and commits
