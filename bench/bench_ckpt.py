@@ -1,6 +1,8 @@
-"""Checkpoints: what one holds against the exported adapter, and how long saving stalls training.
+"""Checkpoints: what one holds against the exported adapter, how long saving stalls training, and
+what one save costs against a plain torch.save of the same tensors.
 
-    python bench/bench_ckpt.py [--steps 40] [--repeats 3] [--every 1] [--sft] [--nproc 1]
+    python bench/bench_ckpt.py [--parts payload stall save] [--steps 40] [--repeats 3] [--every 1]
+                               [--sft] [--nproc 1] [--saves 40]
 
 Builds the tiny model and a synthetic dataset in a temporary folder, then:
 1. Payload: trains 2 steps with LoRA rank 64 and reads the checkpoint's tensor bytes from DCP's own
@@ -11,18 +13,38 @@ Builds the tiny model and a synthetic dataset in a temporary folder, then:
    --repeats; a 1-step run gives the loop's own time per step. Overhead per save =
    (wall - baseline wall) / saves before the last step (the final save is synchronous in every mode).
    LoRA rank 64 on every linear layer, or full fine-tuning with --sft, so checkpoints are not trivial.
+3. Save cost, in this process (one rank, one thread): the trainer's objects as it builds them (the
+   same model and LoRA or --sft as the stall runs, AdamW after one step, the sampler and train state),
+   then --saves synchronous `Checkpointer.save` calls (checkpointing_limit 2, so each one also rotates),
+   each followed by `torch.save` of the same tensors (the state dict the save hands to DCP) to a new
+   file, by a bare `dcp.save` of them with DCP's defaults to a new folder (no commit, meta.json,
+   hashes or rotation: what any DCP checkpoint costs), and by one torch.save per tensor into one file
+   (DCP's file format, without DCP): median and fastest of each, and the ratio against the target
+   (Checkpointer.save <= 2x torch.save). The first save, which builds what later
+   saves reuse, is reported apart.
 """
 
 import argparse
 import math
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from common import timed_run, tiny_settings
+from common import timed_run, tiny_settings, write_toml  # puts the repository on sys.path
+
+import ckpt  # noqa: E402
+import data  # noqa: E402
+import parallel  # noqa: E402
+from config import load_config  # noqa: E402
+from model import build_model, build_optimizer  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 
 ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 
@@ -45,48 +67,98 @@ def checkpoint_bytes(path: Path) -> dict[str, int]:
     return parts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--every", type=int, default=1, help="checkpointing_steps of the saving runs")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sft", action="store_true", help="full fine-tuning in the stall runs")
-    parser.add_argument("--nproc", type=int, default=1, help="ranks in the stall runs (>1: torchrun, FSDP)")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        base = {**tiny_settings(root), "train.lr_warmup_steps": 1, "lora.rank": 64, "lora.lora_alpha": 32,
-                "checkpoint.checkpointing_limit": 2}
+class TrainState:
+    """trainer.TrainState's tensors (nothing imports trainer.py)."""
 
-        # 1. Payload (this run also fills the cache for the timed runs).
-        timed_run(root, "payload", {**base, "train.steps": 2, "checkpoint.checkpointing_steps": 1}, 1)
-        adapter_file = root / "payload" / "lora" / "pytorch_lora_weights.safetensors"
-        adapter = safetensors_bytes(adapter_file)
-        parts = checkpoint_bytes(root / "payload" / "checkpoint-2")
-        on_disk = sum(p.stat().st_size for p in (root / "payload" / "checkpoint-2").iterdir())
-        frozen = safetensors_bytes(root / "model" / "transformer" / "diffusion_pytorch_model.safetensors")
-        print(f"payload, LoRA rank 64 on to_q to_k to_v to_out.0 (fp32): adapter {adapter} B of tensors")
-        for group, size in sorted(parts.items()):
-            print(f"  {group:16s} {size:9d} B  {size / adapter:6.3f}x adapter")
-        print(f"  {'all tensors':16s} {sum(parts.values()):9d} B  {sum(parts.values()) / adapter:6.3f}x adapter")
-        print(f"  folder on disk   {on_disk:9d} B  {on_disk / adapter_file.stat().st_size:6.3f}x the adapter file "
-              f"({adapter_file.stat().st_size} B); with the frozen base ({frozen} B) it would be "
-              f"{(on_disk + frozen) / on_disk:.2f}x this")
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(1), "nonfinite_in_row": torch.tensor(0)}
 
-        # 2. Stall.
-        stall = {**base, "train.steps": args.steps, "train.log_every": args.steps}
-        if args.nproc > 1:
-            stall["parallel.strategy"] = "fsdp"
-        stall |= {"train.training_type": "sft"} if args.sft else {"lora.target_modules": ALL_LINEAR}
-        modes = {"one step": {"train.steps": 1},
-                 "save at end only": {"checkpoint.checkpointing_steps": args.steps + 1},
-                 "sync save every step": {"checkpoint.checkpointing_steps": args.every, "checkpoint.async_save": False},
-                 "async save every step": {"checkpoint.checkpointing_steps": args.every, "checkpoint.async_save": True}}
-        walls: dict[str, list[float]] = {m: [] for m in modes}
-        for r in range(args.repeats):
-            for i, (mode, extra) in enumerate(modes.items()):
-                walls[mode].append(timed_run(root, f"stall-{r}-{i}", {**stall, **extra}, args.nproc))
-        best = {m: min(w) for m, w in walls.items()}
+
+def save_each(tensors: list[torch.Tensor], path: Path) -> None:
+    """The same tensors as DCP's FileSystemWriter serialises them: one torch.save record each, one file."""
+    with path.open("wb") as f:
+        for tensor in tensors:
+            torch.save(tensor, f)
+
+
+def save_cost(root: Path, settings: dict, saves: int) -> None:
+    """Part 3: Checkpointer.save against torch.save of the same tensors, interleaved, in this process."""
+    torch.set_num_threads(1)  # as the trainer runs here (OMP_NUM_THREADS=1)
+    cfg = load_config(str(write_toml(root / "save-cost.toml", {**settings, "run.output_dir": str(root / "save-cost")})))
+    d = parallel.init(cfg.parallel)
+    adapter = load_adapter(cfg.model, d.device)
+    model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
+    params, optimizer = build_optimizer(model, cfg.train)
+    for p in params:  # one step, so AdamW holds its moments as in training
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    global_batch = cfg.train.batch_size * cfg.train.gradient_accumulation_steps
+    objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 24, global_batch, 0),
+               "train": TrainState()}
+    checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter))
+    start = time.perf_counter()
+    checkpoints.save(1, objects, final=False)
+    first = time.perf_counter() - start
+    state = checkpoints._state(objects, reuse=True)  # what each save hands to DCP
+    tensors = [t for part in state.values() for t in part.values()]
+    runs = {"Checkpointer.save": lambda i: checkpoints.save(i + 2, objects, final=False),
+            "torch.save": lambda i: torch.save(state, root / f"plain-{i}.pt"),
+            "dcp.save": lambda i: dcp.save(state, checkpoint_id=root / f"dcp-{i}"),
+            "torch.save per tensor": lambda i: save_each(tensors, root / f"each-{i}.pt")}
+    timed: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(saves):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run(i)
+            timed[name].append(time.perf_counter() - start)
+    parallel.shutdown()
+    median = {k: statistics.median(v) for k, v in timed.items()}
+    fastest = {k: min(v) for k, v in timed.items()}
+    what = "full fine-tuning" if cfg.train.training_type == "sft" else "LoRA rank 64 on every linear layer"
+    print(f"save cost, {what}, 1 rank, 1 thread: {len(tensors)} tensors, "
+          f"{sum(t.numel() * t.element_size() for t in tensors)} B, {saves} saves after the first")
+    print(f"  first save (builds what later saves reuse)  {first * 1000:7.2f} ms")
+    for k in timed:
+        print(f"  {k:22s} median {median[k] * 1000:7.2f} ms   fastest {fastest[k] * 1000:7.2f} ms")
+    ratio = median["Checkpointer.save"] / median["torch.save"]
+    print(f"  Checkpointer.save / torch.save: {ratio:.2f}x median, "
+          f"{fastest['Checkpointer.save'] / fastest['torch.save']:.2f}x fastest "
+          f"(target <= 2x: {'met' if ratio <= 2 else 'not met'})")
+    print(f"  dcp.save / torch.save: {median['dcp.save'] / median['torch.save']:.2f}x median (DCP alone, its "
+          f"defaults); Checkpointer.save / dcp.save: {median['Checkpointer.save'] / median['dcp.save']:.2f}x median")
+    print(f"  torch.save per tensor / torch.save: {median['torch.save per tensor'] / median['torch.save']:.2f}x median "
+          "(DCP's file format: each tensor is its own torch.save record)")
+
+
+def payload(root: Path, base: dict) -> None:
+    """Part 1 (its run also fills the cache for the stall runs)."""
+    timed_run(root, "payload", {**base, "train.steps": 2, "checkpoint.checkpointing_steps": 1}, 1)
+    adapter_file = root / "payload" / "lora" / "pytorch_lora_weights.safetensors"
+    adapter = safetensors_bytes(adapter_file)
+    parts = checkpoint_bytes(root / "payload" / "checkpoint-2")
+    on_disk = sum(p.stat().st_size for p in (root / "payload" / "checkpoint-2").iterdir())
+    frozen = safetensors_bytes(root / "model" / "transformer" / "diffusion_pytorch_model.safetensors")
+    print(f"payload, LoRA rank 64 on to_q to_k to_v to_out.0 (fp32): adapter {adapter} B of tensors")
+    for group, size in sorted(parts.items()):
+        print(f"  {group:16s} {size:9d} B  {size / adapter:6.3f}x adapter")
+    print(f"  {'all tensors':16s} {sum(parts.values()):9d} B  {sum(parts.values()) / adapter:6.3f}x adapter")
+    print(f"  folder on disk   {on_disk:9d} B  {on_disk / adapter_file.stat().st_size:6.3f}x the adapter file "
+          f"({adapter_file.stat().st_size} B); with the frozen base ({frozen} B) it would be "
+          f"{(on_disk + frozen) / on_disk:.2f}x this")
+
+
+def stall(root: Path, stall_settings: dict, args) -> None:
+    """Part 2."""
+    modes = {"one step": {"train.steps": 1},
+             "save at end only": {"checkpoint.checkpointing_steps": args.steps + 1},
+             "sync save every step": {"checkpoint.checkpointing_steps": args.every, "checkpoint.async_save": False},
+             "async save every step": {"checkpoint.checkpointing_steps": args.every, "checkpoint.async_save": True}}
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.repeats):
+        for i, (mode, extra) in enumerate(modes.items()):
+            walls[mode].append(timed_run(root, f"stall-{r}-{i}", {**stall_settings, **extra}, args.nproc))
+    best = {m: min(w) for m, w in walls.items()}
     step_time = (best["save at end only"] - best["one step"]) / (args.steps - 1)
     saves = (args.steps - 1) // args.every
     what = "full fine-tuning" if args.sft else "LoRA rank 64 on every linear layer"
@@ -101,6 +173,36 @@ def main() -> None:
           f"  async overhead not measurable (<= 0); sync {sync * 1000:.1f} ms per save")
     for mode, w in walls.items():
         print(f"  wall {mode:24s} " + " ".join(f"{x:6.2f}" for x in w) + " s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parts = ["payload", "stall", "save"]
+    parser.add_argument("--parts", nargs="+", choices=parts, default=parts)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=1, help="checkpointing_steps of the saving runs")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sft", action="store_true", help="full fine-tuning in the stall and save-cost parts")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks in the stall runs (>1: torchrun, FSDP)")
+    parser.add_argument("--saves", type=int, default=40, help="timed saves of the save-cost part")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base = {**tiny_settings(root), "train.lr_warmup_steps": 1, "lora.rank": 64, "lora.lora_alpha": 32,
+                "checkpoint.checkpointing_limit": 2}
+        # LoRA rank 64 on every linear layer, or full fine-tuning: checkpoints that are not trivial.
+        heavy = {"train.training_type": "sft"} if args.sft else {"lora.target_modules": ALL_LINEAR}
+        if "payload" in args.parts:
+            payload(root, base)
+        if "stall" in args.parts:
+            if "payload" not in args.parts:  # fill the cache outside the timed runs
+                timed_run(root, "warm-cache", {**base, "train.steps": 1})
+            stall_settings = {**base, **heavy, "train.steps": args.steps, "train.log_every": args.steps}
+            if args.nproc > 1:
+                stall_settings["parallel.strategy"] = "fsdp"
+            stall(root, stall_settings, args)
+        if "save" in args.parts:
+            save_cost(root, {**base, **heavy}, args.saves)
 
 
 if __name__ == "__main__":

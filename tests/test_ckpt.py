@@ -15,8 +15,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt
+import data
 import lora
-from config import ModelConfig
+import parallel
+from config import CheckpointConfig, ModelConfig
 from diffusers import CogVideoXPipeline
 from model import load_adapter
 
@@ -252,3 +254,40 @@ def test_a_rank_checks_only_the_files_it_reads(tmp_path):
     assert ckpt.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
     problem = ckpt.check_reads(tmp_path, {"b": torch.zeros(1000)}, dcp.DefaultLoadPlanner(allow_partial_load=True))
     assert problem == f"checkpoint {tmp_path}: {file_of['b']} does not match its size or sha256 in meta.json"
+
+
+def test_save_views_follow_the_live_tensors(tmp_path):
+    """A save reuses the state-dict views DCP's helpers built before while they alias the live tensors,
+    and rebuilds them when a tensor is replaced, gets other storage or changes requires_grad: every
+    save hands DCP what a fresh build would."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
+    one = parallel.Dist(0, 1, 0, torch.device("cpu"))
+    checkpoints, reference = (ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"})
+                              for _ in range(2))
+
+    def step():
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def assert_fresh(state):
+        fresh = reference._state(objects)
+        assert {k: list(v) for k, v in state.items()} == {k: list(v) for k, v in fresh.items()}
+        assert all(torch.equal(state[k][n], fresh[k][n]) for k in fresh for n in fresh[k])
+
+    step()
+    first = checkpoints._state(objects, reuse=True)
+    step()
+    second = checkpoints._state(objects, reuse=True)
+    assert second["model"] is first["model"] and second["optimizer"] is first["optimizer"]
+    assert_fresh(second)
+    optimizer.state[model[1].weight]["exp_avg"] = optimizer.state[model[1].weight]["exp_avg"] + 1  # replaced
+    assert_fresh(checkpoints._state(objects, reuse=True))
+    model[0].bias.data = model[0].bias.data + 1  # same Parameter, other storage
+    assert_fresh(checkpoints._state(objects, reuse=True))
+    model[0].weight.requires_grad_(False)  # only the key changes here: an sft state holds frozen weights too
+    third = checkpoints._state(objects, reuse=True)
+    assert third["model"] is not second["model"]
+    assert_fresh(third)
