@@ -272,7 +272,8 @@ class CogVideoXAdapter:
         to [B, F', C, h, w] unless scale=False); sampled when generators are given, the mean otherwise."""
         mean, logvar = mean.float(), logvar.float()
         if generators is not None:
-            eps = torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)]).to(mean.device)
+            eps = torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)])
+            eps = eps.to(mean.device, non_blocking=True)  # a blocking copy would wait for the queued step
             mean = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps
         if not scale:
             return mean
@@ -281,7 +282,7 @@ class CogVideoXAdapter:
     def loss(self, transformer, x0: torch.Tensor, prompt_embeds, timesteps: torch.Tensor, noise: torch.Tensor,
              condition: torch.Tensor | None = None):
         """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints."""
-        a = self.alphas_cumprod.to(x0.device)[timesteps].view(-1, 1, 1, 1, 1)
+        a = self.alphas_cumprod.to(x0.device, non_blocking=True)[timesteps].view(-1, 1, 1, 1, 1)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
         v = a.sqrt() * noise - (1 - a).sqrt() * x0
         rotary = self.rotary_embeddings(x0.shape[1], x0.shape[3], x0.shape[4])
@@ -292,7 +293,7 @@ class CogVideoXAdapter:
         """Timestep and noise per sample, each from its own keyed generator."""
         timesteps = torch.stack([torch.randint(0, len(self.alphas_cumprod), (), generator=g) for g in generators])
         noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)])
-        return timesteps.to(x0.device), noise.to(x0.device)
+        return timesteps.to(x0.device, non_blocking=True), noise.to(x0.device, non_blocking=True)
 
     def batch_condition(self, batch: dict[str, torch.Tensor], frames: int, generators) -> torch.Tensor | None:
         """I2V: the cached image posterior, sampled (or its mean without generators), as the condition."""
