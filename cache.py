@@ -78,12 +78,15 @@ class Cache:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
         os.replace(tmp, path)
 
-    def load_batch(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
+    def load_batch(self, items: list[data.Item], device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The items' entries stacked, on `device` when given: a non-blocking copy, which on a GPU queues
+        behind the running step instead of waiting for it (a blocking one synchronises the stream)."""
         entries = [{k: v for kind in self.kinds for k, v in load_file(self.path(item, kind)).items()} for item in items]
         for entry in entries:
             text = entry["prompt_embeds"]
             entry["prompt_embeds"] = torch.cat([text, text.new_zeros(self.text_length - len(text), text.shape[1])])
-        return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+        batch = {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+        return batch if device is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def encoder_identity(adapter, manifest: Manifest, d: parallel.Dist) -> dict[str, dict]:

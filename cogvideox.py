@@ -207,7 +207,7 @@ class CogVideoXAdapter(Adapter):
     def loss(self, transformer, x0: torch.Tensor, prompt_embeds, timesteps: torch.Tensor, noise: torch.Tensor,
              condition: torch.Tensor | None = None):
         """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints."""
-        a = self.alphas_cumprod.to(x0.device)[timesteps].view(-1, 1, 1, 1, 1)
+        a = self.alphas_cumprod.to(x0.device, non_blocking=True)[timesteps].view(-1, 1, 1, 1, 1)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
         v = a.sqrt() * noise - (1 - a).sqrt() * x0
         rotary = self.rotary_embeddings(x0.shape[1], x0.shape[3], x0.shape[4])
@@ -219,9 +219,11 @@ class CogVideoXAdapter(Adapter):
         own generator, keyed by (seed, step, position in the global batch)."""
         x0 = self.clean_latents(batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators)
         timesteps = torch.stack([torch.randint(0, len(self.alphas_cumprod), (), generator=g) for g in generators])
-        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]).to(x0.device)
+        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)])
+        noise = noise.to(x0.device, non_blocking=True)
         condition = self.batch_condition(batch, x0.shape[1], generators)
-        return self.loss(transformer, x0, batch["prompt_embeds"].to(self.device), timesteps.to(x0.device), noise,
+        return self.loss(transformer, x0, batch["prompt_embeds"].to(self.device),
+                         timesteps.to(x0.device, non_blocking=True), noise,
                          condition)
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):

@@ -73,13 +73,16 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     # Gradient clipping by global norm, once per optimizer step.
     max_grad_norm: float = 1.0
-    # Autocast dtype of the forward pass; the loss is always fp32.
+    # Autocast dtype of the forward pass; the loss is always fp32. fp16 adds a dynamic loss scale (2**16,
+    # halved on an overflow, whose step is skipped; doubled after 2000 finite steps), kept in checkpoints.
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     # Recompute each transformer block in the backward pass to save activation memory.
     gradient_checkpointing: bool = True
     # Optimizer steps between metric reductions and log lines.
     log_every: int = 1
-    # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped).
+    # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped;
+    # with fp16, only those whose loss is too). Counted on the device, read on log steps, saves and
+    # validations: the stop comes up to log_every - 1 steps later.
     max_nonfinite_steps: int = 3
     # Flow-matching families (Wan): the timestep shift, s = shift u / (1 + (shift - 1) u); 0 takes the
     # scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at 720p).
@@ -110,7 +113,7 @@ class LoraConfig:
     lora_alpha: float = 64
     # Module names (or dotted suffixes) of the nn.Linear layers that get adapters.
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
-    # Dropout on the adapter input, drawn from a generator keyed by (seed, step, rank).
+    # Dropout on the adapter input, drawn on the activations' device from a generator keyed by (seed, step, rank).
     dropout: float = 0.0
     # Start from an existing LoRA instead of a fresh one: a file (or folder) in our, diffusers' or PEFT's
     # layout, whose rank, alpha and targets must equal the ones above.

@@ -22,10 +22,12 @@ from config import ConfigError, DataConfig
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 
 
-def keyed_generator(*keys) -> torch.Generator:
-    """A CPU generator seeded from a tuple of keys, e.g. (seed, step, sample): no draw uses the global RNG."""
+def keyed_generator(*keys, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from a tuple of keys, e.g. (seed, step, sample): no draw uses the global RNG.
+    On the CPU unless `device` says otherwise (LoRA dropout draws its masks where the activations are:
+    the same keys give other numbers on another device type, the same ones on every run)."""
     digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.Generator(device).manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """Deliberate fault injection, for tests and to see for yourself what a failure does.
 
-    VIDTRAIN_FAULT=<point>_<action>:<count>[:<rank>]
+    VIDTRAIN_FAULT=<point>_<action>:<count>[:<rank>][,<another>...]
 
 fires at the point when the count matches, on every rank or only the one named. Points: `step` after
 that optimizer step, `save` after that step's shards are written and before the commit, `cache` after
 that many cache entries, `render` before that sampling step of the process. Actions: `kill` (SIGKILL),
 `sigterm` (as a scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a
-message no rank sends, until parallel.timeout_s). Two more are named for what they
-do: `save_fail` (the storage writer fails like a full disk) and `nan_loss` (the step's loss is NaN)."""
+message no rank sends, until parallel.timeout_s). Three more are named for what they do: `save_fail`
+(the storage writer fails like a full disk), `nan_loss` (the step's loss is NaN) and `overflow` (the
+step's backward starts from its loss times 1e30: its gradients overflow, its loss stays finite)."""
 
 import os
 import signal
@@ -19,20 +20,28 @@ FAULT_ENV = "VIDTRAIN_FAULT"
 SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
 
 
+def _specs() -> list[list[str]]:
+    return [spec.split(":") for spec in os.environ.get(FAULT_ENV, "").split(",") if spec]
+
+
 def active(name: str, count: int) -> bool:
-    spec = os.environ.get(FAULT_ENV, "").split(":")
-    if len(spec) < 2 or spec[0] != name or int(spec[1]) != count:
-        return False
-    return len(spec) == 2 or int(spec[2]) == dist.get_rank()
+    return any(spec[0] == name and int(spec[1]) == count and (len(spec) == 2 or int(spec[2]) == dist.get_rank())
+               for spec in _specs())
+
+
+def backward_factor(step: int) -> float:
+    """What the `overflow` fault multiplies a step's loss by before its backward."""
+    return 1e30 if active("overflow", step) else 1.0
 
 
 def fault(point: str, count: int) -> None:
-    action = os.environ.get(FAULT_ENV, "").split(":")[0].removeprefix(f"{point}_")
-    if not active(f"{point}_{action}", count):
-        return
-    if action in SIGNALS:
-        os.kill(os.getpid(), SIGNALS[action])
-    elif action == "deadlock":
-        dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
-    else:
-        raise OSError(f"injected fault {point}_{action} at {count}")
+    for name, *_ in _specs():
+        action = name.removeprefix(f"{point}_")
+        if name == action or not active(name, count):
+            continue
+        if action in SIGNALS:
+            os.kill(os.getpid(), SIGNALS[action])
+        elif action == "deadlock":
+            dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
+        else:
+            raise OSError(f"injected fault {point}_{action} at {count}")

@@ -56,6 +56,8 @@ class LoRALinear(nn.Linear):
                 f"LoRA dropout {self.dropout} needs a generator: call "
                 "lora.set_dropout_generator(model, torch.Generator(device).manual_seed(...)) before training"
             )
+        # Drawn where x is, so the generator must be on x's device (bernoulli_ refuses another): a CPU
+        # mask would cost a blocking host-to-device copy per layer.
         keep = torch.empty_like(x).bernoulli_(1.0 - self.dropout, generator=self.dropout_generator)
         return x * keep / (1.0 - self.dropout)
 

@@ -35,7 +35,9 @@ def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> 
     mean, logvar = mean.float(), logvar.float()
     if generators is None:
         return mean
-    eps = torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)]).to(mean.device)
+    # Drawn on the CPU (keyed generators), copied without blocking: a blocking copy waits for the queued step.
+    eps = torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)])
+    eps = eps.to(mean.device, non_blocking=True)
     return mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps
 
 

@@ -5,6 +5,7 @@ code path is the same on one CPU and on many GPU nodes.
 """
 
 import contextlib
+import ctypes
 import datetime
 import gc
 import logging
@@ -302,11 +303,13 @@ class Preempted(Exception):
 
 class Preemption:
     """SIGTERM or SIGUSR1 (what SLURM and torchrun send before a kill) sets a flag; every rank learns
-    whether any rank got it wherever `agreed` is called: at step boundaries, between sampling steps of a
-    render, between cache-pass rounds and before checkpoint verification. A save under way completes."""
+    whether any rank got it wherever `agreed` is called: between sampling steps of a render, between
+    cache-pass rounds and before checkpoint verification; at step boundaries `agreed_a_step_late` learns
+    it one step later without waiting. A save under way completes."""
 
     def __init__(self):
         self.requested = False
+        self.pending = None  # (work, flag) of the all-reduce started at the previous step boundary
 
     def install(self) -> dict:
         """Set the handlers; return the previous ones."""
@@ -317,6 +320,24 @@ class Preemption:
 
     def agreed(self, device: torch.device) -> bool:
         return bool(max_over_ranks(torch.tensor(float(self.requested), device=device)))
+
+    def agreed_a_step_late(self, start_next: bool) -> bool:
+        """Whether any rank had the flag at the previous call, from an all-reduce started then; starts the
+        next one (unless `start_next` is False, or the answer is yes). The flag is a CPU tensor, reduced
+        over gloo in the background (a process group with nccl sends CPU tensors to gloo too): reading it
+        a step later neither waits for the other ranks nor synchronises the device, where reading an
+        all-reduce started now would do both on every step. Every rank calls this at the same steps, so
+        they all stop at the same one: a signal is acted on one step later than it would be otherwise."""
+        stop = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()  # done a step ago: this returns at once
+            stop = bool(flag)  # a host tensor: no device synchronisation
+        self.pending = None
+        if start_next and not stop:
+            flag = torch.tensor(float(self.requested))
+            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return stop
 
 
 PREEMPTION = Preemption()
@@ -340,8 +361,31 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return params + states
 
 
+def reset_peak_memory(device: torch.device, trim_heap: bool = False) -> None:
+    """Start a new peak, so each phase (training between log steps, a validation) reports its own: the
+    allocator's on GPUs; on Linux CPUs the kernel's VmHWM, which writing 5 to /proc/self/clear_refs
+    resets to the current resident size (ru_maxrss cannot be reset: without /proc the CPU peak spans the
+    process). `trim_heap`, after a validation: glibc keeps large freed blocks resident, which would carry
+    the validation's buffers into training's peak; malloc_trim returns them first (CPU only; once per
+    validation, as memory given back costs page faults when it is taken again). Host-side only: no
+    device synchronisation."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    if trim_heap:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc
+            ctypes.CDLL(None).malloc_trim(0)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated accelerator memory, or the process's peak resident size on CPU."""
+    """Peak allocated accelerator memory, or the process's peak resident size on CPU, since the last
+    reset_peak_memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -26,37 +26,74 @@ import validate
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
 from config import Config, TrainConfig, to_toml
 from metrics import Metrics
-from model import EMA, build_frozen, build_model, build_optimizer, check_lora_matches
+from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, check_lora_matches
 
 log = logging.getLogger("vidtrain")
 
 
 class TrainState:
-    """The step counter and the non-finite guard's count: tensors only, so checkpoints pickle nothing."""
+    """The step counter and the non-finite guard: tensors only, so checkpoints pickle nothing. The guard
+    counts on the device (reading it every step would stall the host on the device); `check_nonfinite`
+    reads it where the host waits anyway: log steps, saves and validations."""
 
-    def __init__(self):
-        self.step, self.nonfinite_in_row = 0, 0
+    def __init__(self, device: torch.device):
+        self.step = 0
+        self.nonfinite_in_row = torch.zeros((), dtype=torch.int64, device=device)
+        # The first step since the last check at which the count reached the limit (0: none). Never
+        # saved: every save checks first, so a checkpoint never holds one.
+        self.limit_reached_at = torch.zeros((), dtype=torch.int64, device=device)
+
+    def count_nonfinite(self, nonfinite: torch.Tensor, step: int, limit: int) -> None:
+        self.nonfinite_in_row = torch.where(nonfinite, self.nonfinite_in_row + 1, 0)
+        first = (self.nonfinite_in_row >= limit) & (self.limit_reached_at == 0)
+        self.limit_reached_at = torch.where(first, step, self.limit_reached_at)
+
+    def check_nonfinite(self, step: int, limit: int) -> None:
+        """Stop once `limit` steps in a row were non-finite: noticed here, up to train.log_every - 1
+        steps after the step that reached it (those steps are skipped if non-finite too)."""
+        reached = int(self.limit_reached_at)  # the guard's one host read
+        if reached:
+            raise parallel.StopRun(f"step {reached}: {limit} steps in a row with a non-finite gradient norm "
+                                   f"(train.max_nonfinite_steps; seen at step {step}); lower train.learning_rate "
+                                   "or check the data")
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(self.step), "nonfinite_in_row": torch.tensor(self.nonfinite_in_row)}
+        return {"step": torch.tensor(self.step), "nonfinite_in_row": self.nonfinite_in_row}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.nonfinite_in_row = int(state["step"]), int(state["nonfinite_in_row"])
+        self.step = int(state["step"])
+        self.nonfinite_in_row = state["nonfinite_in_row"].to(self.nonfinite_in_row.device)
 
 
 class TrainWindow:
-    """Loss and throughput since the last log step, kept on the device and reduced only when logged."""
+    """Loss, throughput and peak memory since the last log step, kept on the device and reduced only
+    when logged. Validations inside the window are left out of its time and its peak memory."""
 
     def __init__(self, d: parallel.Dist, global_batch: int, start_step: int):
         self.d, self.global_batch, self.last_step = d, global_batch, start_step
         self.loss, self.start, self.first = torch.zeros((), device=d.device), time.perf_counter(), True
+        self.skipped = torch.zeros((), dtype=torch.int64, device=d.device)  # steps whose update was skipped
+        self.peak = 0.0  # of the window's training before a validation
+        parallel.reset_peak_memory(d.device, trim_heap=True)  # after the validation before step 1
 
-    def add_loss(self, loss: torch.Tensor) -> None:
+    def add_step(self, loss: torch.Tensor, skipped: torch.Tensor) -> None:
         self.loss += loss
+        self.skipped += skipped
 
-    def flush(self, step: int, grad_norm: torch.Tensor, model, optimizer) -> dict[str, float]:
+    @contextlib.contextmanager
+    def paused(self):
+        """Around a validation: the training peak so far is kept, and a new one starts after it."""
+        self.peak = max(self.peak, parallel.peak_memory_gb(self.d.device))
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - paused_at
+            parallel.reset_peak_memory(self.d.device, trim_heap=True)
+
+    def flush(self, step: int, grad_norm: torch.Tensor, model, optimizer, scaler: LossScaler) -> dict[str, float]:
         steps = step - self.last_step
-        peak = torch.tensor(parallel.peak_memory_gb(self.d.device), device=self.d.device)
+        peak = torch.tensor(max(self.peak, parallel.peak_memory_gb(self.d.device)), device=self.d.device)
         values = {
             "train/loss": parallel.mean_over_ranks(self.loss).item() / steps,
             "train/lr": optimizer.param_groups[0]["lr"],
@@ -64,10 +101,19 @@ class TrainWindow:
             "train/samples_per_s": steps * self.global_batch / (time.perf_counter() - self.start),
             "train/peak_mem_gb": parallel.max_over_ranks(peak).item(),
         }
+        if scaler.enabled:
+            values["train/loss_scale"] = scaler.scale.item()
+        skipped = int(self.skipped)  # the same on every rank: the norm deciding it is global
+        if skipped:
+            log.warning("steps %d-%d: %d update(s) skipped for a non-finite gradient norm (last norm %s)",
+                        self.last_step + 1, step, skipped, values["train/grad_norm"])
+        values["train/skipped_steps"] = skipped
         if self.first:  # parameters + optimizer state held by rank 0: shows what FSDP shards away
             values["train/state_mb"] = parallel.local_state_bytes(model, optimizer) / 2**20
         self.loss.zero_()
-        self.last_step, self.start, self.first = step, time.perf_counter(), False
+        self.skipped.zero_()
+        self.last_step, self.start, self.first, self.peak = step, time.perf_counter(), False, 0.0
+        parallel.reset_peak_memory(self.d.device)
         return values
 
 
@@ -100,11 +146,11 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
     model = build_model(adapter, t, cfg.lora, cfg.parallel, cfg.run.seed, d)
     params, optimizer = build_optimizer(model, t)
-    state = TrainState()
+    state, scaler = TrainState(d.device), LossScaler(d.device, enabled=t.mixed_precision == "fp16")
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     objects = {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state}
-    if ema is not None:
-        objects["ema"] = ema
+    objects |= {"ema": ema} if ema is not None else {}
+    objects |= {"scaler": scaler} if scaler.enabled else {}
     checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter))
     checkpoints.resume(objects)
     if d.is_main:
@@ -124,35 +170,43 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         batch_ids = sampler.next_batch()
         for group in optimizer.param_groups:
             group["lr"] = t.learning_rate * lr_factor(step, t)
+        step_loss = torch.zeros((), device=d.device)
         for micro in range(t.gradient_accumulation_steps):
             positions = data.micro_slice(micro, d.rank, d.world, t.batch_size)
-            batch = cache.load_batch([train_clips[batch_ids[p]] for p in positions])
+            batch = cache.load_batch([train_clips[batch_ids[p]] for p in positions], d.device)
             generators = [data.keyed_generator(cfg.run.seed, step, p) for p in positions]
             if cfg.lora.dropout:
-                lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro))
+                lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro,
+                                                                       device=d.device))
             with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), autocast:
                 loss = adapter.train_loss(model, batch, generators).mean()
             if faults.active("nan_loss", step):
                 loss = loss * math.nan
-            (loss / t.gradient_accumulation_steps).backward()
-            window.add_loss(loss.detach() / t.gradient_accumulation_steps)
-        grad_norm = clip_and_step(params, optimizer, t.max_grad_norm, state, step)
+            scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
+            step_loss += loss.detach() / t.gradient_accumulation_steps
+        grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss)
+        window.add_step(step_loss, skipped)
         if ema is not None:
             ema.update()
         faults.fault("step", step)
 
-        if step % t.log_every == 0 or step == t.steps:
-            values = window.flush(step, grad_norm, model, optimizer)
+        log_now = step % t.log_every == 0 or step == t.steps
+        stop = parallel.PREEMPTION.agreed_a_step_late(start_next=step < t.steps)
+        save_now = stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps
+        validate_now = not stop and cfg.validation.do_validation and (
+            step % cfg.validation.validation_steps == 0 or step == t.steps)
+        if log_now:
+            values = window.flush(step, grad_norm, model, optimizer, scaler)
             metrics.scalars(step, values)
             metrics.progress(step, values)
-        if state.nonfinite_in_row >= t.max_nonfinite_steps:
-            raise parallel.StopRun(f"step {step}: {state.nonfinite_in_row} steps in a row with a non-finite gradient "
-                                   "norm (train.max_nonfinite_steps); lower train.learning_rate or check the data")
-        stop = parallel.PREEMPTION.agreed(d.device)
-        if stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps:
+        if log_now or save_now or validate_now:  # where the host waits anyway
+            state.check_nonfinite(step, t.max_nonfinite_steps)
+        if save_now:
             checkpoints.save(step, objects, final=stop or step == t.steps)
-        if not stop and cfg.validation.do_validation and (step % cfg.validation.validation_steps == 0 or step == t.steps):
-            stop = not run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer)
+        if validate_now:
+            with window.paused():
+                stop = not run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics,
+                                          renderer)
         if stop:
             checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
             break
@@ -164,26 +218,36 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
 
 
-def clip_and_step(params, optimizer, max_grad_norm: float, state: TrainState, step: int) -> torch.Tensor:
-    """Clip once per optimizer step by the global norm (sharded gradients included); a step whose norm
-    is not finite is skipped, but still counts and consumes its data."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: TrainState, step: int,
+                  step_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscale (fp16), clip once per optimizer step by the global norm (sharded gradients included), and
+    step, all without the host reading a device value. A step whose norm is not finite is skipped by
+    the fused AdamW kernel itself (`found_inf`, as torch.amp.GradScaler hands it over), but still counts
+    and consumes its data. The norm is global, so every rank skips the same steps. With fp16 such a
+    step lowers the loss scale and counts toward train.max_nonfinite_steps only if its loss was not
+    finite either: gradients overflowing a finite loss are the scale's to fix. Returns the norm (before
+    clipping) and whether the update was skipped, both on the device."""
+    scaler.unscale_(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    if torch.isfinite(grad_norm):
-        optimizer.step()
-        state.nonfinite_in_row = 0
-    else:
-        state.nonfinite_in_row += 1
-        log.warning("step %d: gradient norm is %s, update skipped", step, grad_norm.item())
+    skipped = ~torch.isfinite(grad_norm)
+    optimizer.found_inf = skipped.float()  # read by the fused kernel: 1 skips the update and the Adam step
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    scaler.update(skipped)
+    counted = skipped
+    if scaler.enabled:  # a non-finite loss on any rank: a device-side all-reduce, not waited for on GPUs
+        counted = skipped & (parallel.max_over_ranks((~torch.isfinite(step_loss)).float()) > 0)
+    state.count_nonfinite(counted, step, t.max_nonfinite_steps)
     state.step = step
-    return grad_norm
+    return grad_norm, skipped
 
 
 def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema, d, autocast, metrics,
                    renderer: validate.ClipRenderer) -> bool:
     """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
     cut it short (every rank agrees, between sampling steps)."""
+    parallel.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
     try:
         with ema.swapped_in() if ema is not None else contextlib.nullcontext():
             values = validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation, cfg.run.seed, d,

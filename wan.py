@@ -211,8 +211,9 @@ class WanAdapter(Adapter):
         own generator, keyed by (seed, step, position in the global batch)."""
         x0 = self._normalise(sample_posterior(batch["latent_mean"].to(self.device),
                                               batch["latent_logvar"].to(self.device), generators))
-        sigmas = self._sigmas(generators).to(self.device)
-        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]).to(self.device)
+        sigmas = self._sigmas(generators).to(self.device, non_blocking=True)
+        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)])
+        noise = noise.to(self.device, non_blocking=True)
         return self._loss(transformer, x0, noise, sigmas, batch, batch["prompt_embeds"].to(self.device))
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):

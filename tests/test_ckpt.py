@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import run_cmd, run_ok, train_losses, write_toml
+from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader
@@ -124,6 +124,33 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
     assert not (out / "lora").exists()
     run_ok(["--cfg", str(cfg)], nproc=2)
     assert_bitwise_equal_runs(references["fsdp"], out)
+
+
+def test_sigterm_between_steps_stops_one_step_later(references, make_config):
+    """SIGTERM on rank 1 after step 4: the ranks learn of it from the all-reduce that step 4's end starts
+    and step 5's end reads (so no step waits for it), save checkpoint-5 and exit 0; the next launch
+    continues bitwise."""
+    cfg, out, nproc = make_config("sigterm_step", "ddp")
+    stopped = run_ok(["--cfg", str(cfg)], nproc=nproc, env={"VIDTRAIN_FAULT": "step_sigterm:4:1"})
+    assert "stopped by a signal: after step 5, checkpoint written" in stopped.stderr
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    run_ok(["--cfg", str(cfg)], nproc=nproc)
+    assert_bitwise_equal_runs(references["ddp"], out)
+
+
+def test_fp16_loss_scale_resumes_exactly(make_config):
+    """The loss scale is a tensor in the checkpoint: halved by an overflow at step 3, killed at step 5,
+    the run resumes from step 4 with the halved scale and ends bitwise equal to the uninterrupted one."""
+    fp16 = {"train.mixed_precision": "fp16"}
+    cfg, reference, _ = make_config("fp16_ref", "one", **fp16)
+    run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "overflow:3"})
+    cfg, out, _ = make_config("fp16_kill", "one", **fp16)
+    assert run_cmd(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "overflow:3,step_kill:5"}).returncode != 0
+    resumed = run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "overflow:3"})
+    assert "resumed from step 4" in resumed.stderr
+    assert_bitwise_equal_runs(reference, out)
+    scales = [(m["step"], m["train/loss_scale"]) for m in read_metrics(out) if "train/loss_scale" in m]
+    assert scales == [(s, 2.0**16 if s < 3 else 2.0**15) for s in range(1, STEPS + 1)]
 
 
 def test_async_save_commits_and_resumes_bitwise(references, make_config):

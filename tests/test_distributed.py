@@ -162,7 +162,47 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path):
     run_ok(["--cfg", str(write_config("skip"))], env={"VIDTRAIN_FAULT": "nan_loss:2"})
     metrics = {m["step"]: m for m in read_metrics(tmp_path / "skip") if "train/loss" in m}
     assert metrics[2]["train/grad_norm"] != metrics[2]["train/grad_norm"]  # NaN, the update skipped
+    assert [m["train/skipped_steps"] for m in metrics.values()] == [0, 1, 0, 0, 0, 0]
     assert all(v == v for s, m in metrics.items() if s != 2 for v in m.values())
     stop = run_cmd(["--cfg", str(write_config("stop", **{"train.max_nonfinite_steps": 1}))],
                    env={"VIDTRAIN_FAULT": "nan_loss:2"})
     assert stop.returncode == 1 and "step 2: 1 steps in a row with a non-finite gradient norm" in stop.stderr
+    # The count lives on the device and is read on log steps, saves and validations only: here step 4.
+    late = run_cmd(["--cfg", str(write_config("late", **{"train.max_nonfinite_steps": 1, "train.log_every": 4,
+                                                         "checkpoint.checkpointing_steps": 6,
+                                                         "validation.validation_steps": 6}))],
+                   env={"VIDTRAIN_FAULT": "nan_loss:2"})
+    assert late.returncode == 1 and "step 2: 1 steps in a row with a non-finite gradient norm " \
+        "(train.max_nonfinite_steps; seen at step 4)" in late.stderr
+    assert not list((tmp_path / "late").glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("nproc, settings", [(1, {"train.batch_size": 4}),
+                                             (2, {"train.batch_size": 2, "parallel.strategy": "fsdp"})])
+def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(write_config, tmp_path, nproc, settings):
+    """fp16 autocast on CPU: step 3's gradients overflow (on the last rank only, with two), so every rank
+    skips the update (its weights and Adam's state are those of step 2: FSDP's shards too) and halves the
+    loss scale; the loss was finite, so train.max_nonfinite_steps = 1 does not stop the run. A NaN loss
+    does. The scale is a tensor in the checkpoint."""
+    cfg = write_config("fp16", **{"train.mixed_precision": "fp16", "train.max_nonfinite_steps": 1,
+                                  "checkpoint.checkpointing_steps": 1, "checkpoint.checkpointing_limit": 0,
+                                  "validation.do_validation": False, **settings})
+    run_ok(["--cfg", str(cfg)], nproc=nproc, env={"VIDTRAIN_FAULT": f"overflow:3:{nproc - 1}"})
+    metrics = {m["step"]: m for m in read_metrics(tmp_path / "fp16") if "train/loss" in m}
+    assert [m["train/loss_scale"] for m in metrics.values()] == [2.0**16] * 2 + [2.0**15] * 4
+    assert [m["train/skipped_steps"] for m in metrics.values()] == [0, 0, 1, 0, 0, 0]
+    assert all(m["train/loss"] == m["train/loss"] for m in metrics.values())
+    states = {}
+    for step in (2, 3, 4):
+        dcp_to_torch_save(tmp_path / "fp16" / f"checkpoint-{step}", tmp_path / f"{step}.pt")
+        states[step] = torch.load(tmp_path / f"{step}.pt", weights_only=True)
+    for part in ("model", "optimizer"):
+        assert states[2][part].keys() == states[3][part].keys()
+        assert all(torch.equal(states[2][part][k], states[3][part][k]) for k in states[2][part]), part
+    assert not all(torch.equal(states[3]["model"][k], states[4]["model"][k]) for k in states[3]["model"])
+    assert [states[s]["scaler"]["scale"].item() for s in (2, 3, 4)] == [2.0**16, 2.0**15, 2.0**15]
+    if nproc == 1:
+        nan = run_cmd(["--cfg", str(write_config("fp16_nan", **{"train.mixed_precision": "fp16",
+                                                                "train.max_nonfinite_steps": 1, **settings}))],
+                      env={"VIDTRAIN_FAULT": "nan_loss:3"})
+        assert nan.returncode == 1 and "step 3: 1 steps in a row with a non-finite gradient norm" in nan.stderr

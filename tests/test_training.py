@@ -85,6 +85,22 @@ def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
     assert not any(k.endswith(".weight") and "lora_" not in k for k in model)
 
 
+def test_peak_memory_is_measured_per_phase(write_config, tmp_path):
+    """Validation (a 128x128 render, which takes far more memory than training at 32x32) reports its own
+    peak, and training's next log step does not inherit it: the peak is reset before and after each
+    validation and at each log step (on CPUs through /proc/self/clear_refs, after glibc returns the
+    validation's freed blocks)."""
+    run_ok(["--cfg", str(write_config("peaks", **{
+        "train.steps": 3, "validation.validation_steps": 1, "validation.prompts": ["a red ball"],
+        "validation.num_inference_steps": 1, "validation.resolution": [9, 128, 128]}))])
+    metrics = read_metrics(tmp_path / "peaks")
+    train = {m["step"]: m["train/peak_mem_gb"] for m in metrics if "train/peak_mem_gb" in m}
+    val = {m["step"]: m["val/peak_mem_gb"] for m in metrics if "val/peak_mem_gb" in m}
+    assert sorted(train) == [1, 2, 3] and sorted(val) == [0, 1, 2, 3]
+    assert max(train.values()) < min(val.values()) - 0.1, (train, val)
+    assert max(train.values()) - min(train.values()) < 0.03, train  # each step after a validation as the first
+
+
 def corrupt_dataset(tiny_data, tmp_path, how: str):
     data = tmp_path / "bad-data"
     shutil.copytree(tiny_data, data)

@@ -1,0 +1,114 @@
+"""A training step leaves the host free: on steps that neither log, save nor validate, nothing reads a
+device value (no .item(), bool() or isfinite of a device tensor), so the host queues step after step
+while the device works. Counted in process by a TorchDispatchMode on aten._local_scalar_dense, the op
+behind every such read; on a GPU also by CUDA's own check, torch.cuda.set_sync_debug_mode("error"),
+which catches blocking copies too (that path needs a GPU: it is skipped on CPU-only machines)."""
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import faults
+import parallel
+import trainer
+from config import load_config
+
+# Host reads allowed on a step that does not log, keyed by (root module, function), with the reason.
+ALLOWED = {
+    ("cache.py", "load_batch"): "safetensors reads the cache file's bytes through a CPU storage: a host "
+                                "tensor, the file itself, before any copy to the device",
+    ("parallel.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
+                                           "earlier, so reading it waits neither for the device nor for a peer",
+}
+STEPS = 6  # steps 2..5 are counted: step 1 sets up lazily, step 6 is the last (log, save, export)
+VARIANTS = {
+    # accumulation, EMA and a NaN loss (a skipped update) inside the counted steps
+    "one_process": {"train.gradient_accumulation_steps": 2, "train.ema_decay": 0.9},
+    # the loss scale, an overflow it recovers from, and LoRA dropout's keyed generator
+    "fp16": {"train.mixed_precision": "fp16", "lora.dropout": 0.1},
+    # DTensor parameters and gradients: the norm, the clip and the fused step of sharded state
+    "fsdp": {"parallel.strategy": "fsdp", "train.ema_decay": 0.9},
+}
+FAULTS = {"one_process": "nan_loss:3", "fp16": "overflow:3", "fsdp": "nan_loss:3"}
+
+
+def caller() -> tuple[str, str, int]:
+    """The innermost function of our own root modules in the current stack (comprehensions are frames of
+    their own: their function is the one around them)."""
+    ours = [f for f in traceback.extract_stack() if Path(f.filename).parent == REPO and not f.name.startswith("<")]
+    return (Path(ours[-1].filename).name, ours[-1].name, ours[-1].lineno) if ours else ("?", "?", 0)
+
+
+class HostReads(TorchDispatchMode):
+    """Every aten._local_scalar_dense (item(), bool(), int(), float() of a tensor) while `counting`."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting, self.ops, self.reads = False, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting:
+            self.ops += 1
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads.append((*caller(), args[0].device.type))
+        return func(*args, **(kwargs or {}))
+
+
+def run_counting(write_config, monkeypatch, variant: str, device: torch.device, on_window):
+    """Train STEPS steps in this process, calling on_window(True) after step 1 and on_window(False)
+    after step STEPS - 1 (the fault hook marks the step boundaries)."""
+    settings = {"train.steps": STEPS, "train.log_every": 100, "checkpoint.checkpointing_steps": 100,
+                "validation.do_validation": False, **VARIANTS[variant]}
+    cfg = load_config(str(write_config(variant, **settings)))
+    monkeypatch.setenv("VIDTRAIN_FAULT", FAULTS[variant])
+    original = faults.fault
+
+    def fault(point, count):
+        if point == "step" and count in (1, STEPS - 1):
+            on_window(count == 1)
+        original(point, count)
+
+    monkeypatch.setattr(faults, "fault", fault)
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer.train(cfg, parallel.Dist(0, 1, 0, device))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_no_host_reads_on_steps_that_do_not_log(write_config, monkeypatch, variant):
+    mode = HostReads()
+    with mode:
+        run_counting(write_config, monkeypatch, variant, torch.device("cpu"),
+                     lambda on: setattr(mode, "counting", on))
+    assert mode.ops > 1000  # the counted steps ran under the mode
+    unexpected = [read for read in mode.reads if read[:2] not in ALLOWED]
+    assert unexpected == [], f"host reads of tensors on steps that do not log: {unexpected}"
+    # The allowed read happens once per counted step boundary: the list names only what happens.
+    assert sorted({read[:2] for read in mode.reads}) == sorted(ALLOWED)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync check needs a GPU")
+@pytest.mark.parametrize("variant", ["one_process", "fp16"])
+def test_no_device_syncs_on_a_gpu(write_config, monkeypatch, variant):
+    """On a GPU CUDA itself raises at any synchronising call (a device read, a blocking copy) in the
+    counted steps; the dispatch mode checks that the allowed reads are of CPU tensors."""
+    mode = HostReads()
+
+    def on_window(on: bool) -> None:
+        mode.counting = on
+        torch.cuda.set_sync_debug_mode("error" if on else "default")
+
+    try:
+        with mode:
+            run_counting(write_config, monkeypatch, variant, torch.device("cuda", 0), on_window)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [read for read in mode.reads if read[:2] not in ALLOWED or read[3] != "cpu"] == []
