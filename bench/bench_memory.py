@@ -84,8 +84,8 @@ class WanStandIn:
     def train_loss(self, transformer, batch, generators):
         latents = batch["latent_mean"].float()
         x0 = (latents - self.mean.to(latents.device)) / self.std.to(latents.device)
-        sigma = torch.stack([torch.rand((), generator=g) for g in generators]).view(-1, 1, 1, 1, 1)
-        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)])
+        sigma = torch.stack([torch.rand((), generator=g) for g in generators]).view(-1, 1, 1, 1, 1).to(x0.device)
+        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]).to(x0.device)
         dtype = next(transformer.parameters()).dtype
         v_hat = transformer(hidden_states=((1 - sigma) * x0 + sigma * noise).to(dtype), timestep=(sigma.flatten() * 1000).long(),
                             encoder_hidden_states=batch["prompt_embeds"].to(dtype), return_dict=False)[0]
