@@ -1,0 +1,379 @@
+"""Peak memory per rank of one training step, estimated on the CPU: no weights, no GPU.
+
+    python bench/bench_memory.py --cfg FILE.toml [--arch NAME] [--world 8] [--sp 1 2 4 8] [--layers N] [overrides]
+    python bench/bench_memory.py --cfg FILE.toml --check [--arch NAME] [--layers 2] [overrides]
+
+The transformer (model.path's config, or --arch's published one) is built on fake tensors (shapes and
+dtypes, no storage) by model.build_model (frozen weights in model.dtype and keep-in-fp32 modules in fp32,
+LoRA, activation checkpointing), with model.build_optimizer's AdamW state in place and model.EMA. One
+step (the adapter's train_loss under autocast, backward, clipping, AdamW, EMA) runs under a dispatch mode
+that adds up the bytes of every storage an op creates, while it lives. Autocast follows CUDA's policy
+(norms, softmax, pow, exp, sums in fp32, emulated) and AdamW runs foreach, as on a GPU. --check runs the
+same build and two steps on real tensors in a fresh process and compares with the second one's peak
+(VmHWM after resetting it, CPU autocast policy; torch.cuda.max_memory_allocated where CUDA is).
+- ddp: the whole model on every rank; gradients are DDP's buckets, resident throughout.
+- fsdp, modelled (no fake collectives here): weights, gradients, AdamW and EMA / shards (world /
+  dp_replicate); in flight the root's weights, 3 blocks gathered in the compute dtype (computing,
+  prefetched, its all-gather buffer) and one block's unsharded gradients with an fp32 reduce-scatter
+  buffer; activations without autocast's weight copies; optimizer temporaries / shards.
+- sp, a model until vidtrain has sequence parallelism: each rank holds 1/sp of a sample's video tokens
+  (the latent width split, rounded up to whole patches) and all text tokens, as Ulysses attention does.
+Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
+buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, validation.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from diffusers import AutoencoderKLWan, CogVideoXTransformer3DModel, WanTransformer3DModel
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import model as vidtrain_model  # noqa: E402
+from config import ConfigError, ParallelConfig, load_config  # noqa: E402
+from model_adapter import DTYPES, load_adapter  # noqa: E402
+from parallel import AUTOCAST_DTYPES, Dist  # noqa: E402
+from tools.make_tiny_model import make_scheduler  # noqa: E402
+
+GIB = 2**30
+TRANSFORMERS = {"cogvideox": CogVideoXTransformer3DModel, "wan": WanTransformer3DModel}
+# Published transformer configs (cogvideox.md: 5B's values besides these are the class defaults; wan.md).
+PUBLISHED = {
+    "cogvideox-5b": ("cogvideox", {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}),
+    "wan2.1-t2v-14b": ("wan", {"num_attention_heads": 40, "attention_head_dim": 128, "num_layers": 40, "ffn_dim": 13824,
+                               "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "eps": 1e-6,
+                               "patch_size": [1, 2, 2], "cross_attn_norm": True, "rope_max_seq_len": 1024}),
+}
+# Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h, AT_FORALL_FP32*).
+CUDA_FP32_OPS = ["layer_norm", "native_layer_norm", "group_norm", "exp", "log", "rsqrt", "reciprocal", "softplus",
+                 "pow.Tensor_Scalar", "pow.Tensor_Tensor", "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList"]
+
+
+def defaults(cls) -> dict:
+    return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
+
+
+class WanStandIn:
+    """What training Wan 2.1 T2V needs of an adapter, until model_adapter.py has one: flow matching on
+    latents normalised by the VAE's latents_mean/std (wan.md 3), text length 512, patch (1, 2, 2)."""
+    type, text_length, spatial_ratio, temporal_ratio, vae_config = "t2v", 512, 8, 4, {"latent_channels": 16}
+
+    def __init__(self, model_cfg, published: dict):
+        self.transformer_config, self.dtype = {**defaults(WanTransformer3DModel), **published}, DTYPES[model_cfg.dtype]
+        vae = defaults(AutoencoderKLWan)
+        self.mean, self.std = (torch.tensor(vae[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+
+    @staticmethod
+    def blocks(transformer):
+        return list(transformer.blocks)
+
+    def train_loss(self, transformer, batch, generators):
+        latents = batch["latent_mean"].float()
+        x0 = (latents - self.mean.to(latents.device)) / self.std.to(latents.device)
+        sigma = torch.stack([torch.rand((), generator=g) for g in generators]).view(-1, 1, 1, 1, 1).to(x0.device)
+        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]).to(x0.device)
+        dtype = next(transformer.parameters()).dtype
+        v_hat = transformer(hidden_states=((1 - sigma) * x0 + sigma * noise).to(dtype), timestep=(sigma.flatten() * 1000).long(),
+                            encoder_hidden_states=batch["prompt_embeds"].to(dtype), return_dict=False)[0]
+        return (v_hat.float() - (noise - x0)).pow(2).mean(dim=(1, 2, 3, 4))
+
+
+def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
+    """(family, adapter): model.path's, or the adapter of a folder holding only the published configs."""
+    if arch is None:
+        if not Path(cfg.model.path, "model_index.json").is_file():
+            raise ConfigError(f"model.path = {cfg.model.path} is not here: pass --arch ({', '.join(PUBLISHED)})")
+        return cfg.model.family, load_adapter(cfg.model, device)
+    family, published = PUBLISHED[arch]
+    if family == "wan":
+        return family, WanStandIn(cfg.model, published)
+    configs = {"transformer": {"_class_name": "CogVideoXTransformer3DModel", **published},
+               "vae": {"_class_name": "AutoencoderKLCogVideoX"}, "text_encoder": {}, "tokenizer": {}}
+    for name, config in configs.items():  # VAE, scheduler: class defaults (memory does not depend on them)
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text(json.dumps(config))
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "CogVideoXPipeline"}))
+    make_scheduler(1.0).save_pretrained(root / "scheduler")
+    return family, load_adapter(dataclasses.replace(cfg.model, path=str(root)), device)
+
+
+def meta_transformer(cls, config: dict, dtype: torch.dtype):
+    """The transformer as from_pretrained(dtype=...) loads it, on the meta device: parameters in dtype but
+    the class's keep-in-fp32 modules; buffers in the dtype they are made in."""
+    with torch.device("meta"):
+        transformer = cls.from_config(config)
+    for name, p in transformer.named_parameters():
+        p.data = p.data.to(torch.float32 if set(name.split(".")) & set(cls._keep_in_fp32_modules or []) else dtype)
+    return transformer
+
+
+def materialize(module, fake_mode, device) -> None:
+    """Replace every meta tensor by a fake one, or by a real one filled (so that its pages are resident)."""
+    made = {}
+    with fake_mode or contextlib.nullcontext():
+        for m in module.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0, 0.02),
+                                                     requires_grad=p.requires_grad)
+                m._parameters[name] = made.get(id(p))
+            for name, b in m._buffers.items():
+                m._buffers[name] = None if b is None else torch.zeros(b.shape, dtype=b.dtype, device=device)
+
+
+def build(cfg, family, adapter, fake_mode, device, foreach: bool):
+    """model.build_model's model (one process), AdamW with its state in place, and EMA."""
+    loader = SimpleNamespace(blocks=adapter.blocks, load_transformer=lambda dtype=None: meta_transformer(
+        TRANSFORMERS[family], adapter.transformer_config, dtype or adapter.dtype))
+    model = vidtrain_model.build_model(loader, cfg.train, cfg.lora, ParallelConfig(), cfg.run.seed, Dist(0, 1, 0, device))
+    materialize(model, fake_mode, device)
+    with fake_mode or contextlib.nullcontext():
+        params, optimizer = vidtrain_model.build_optimizer(model, cfg.train)
+        optimizer.param_groups[0]["foreach"] = foreach
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ema = vidtrain_model.EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+    return model, params, optimizer, ema
+
+
+def shapes(cfg, adapter, sp: int) -> dict:
+    """Latent and text shapes of one rank's micro-batch (the latent width split sp ways) and token counts."""
+    (frames, height, width), c = cfg.data.train_resolution, adapter.transformer_config
+    patch = c["patch_size"][-1] if isinstance(c["patch_size"], (list, tuple)) else c["patch_size"]
+    f, h, w = (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio, width // adapter.spatial_ratio
+    w_rank, grid = -(-w // patch // sp) * patch, -(-f // (c.get("patch_size_t") or 1)) * (h // patch)
+    return {"latent": (cfg.train.batch_size, adapter.vae_config["latent_channels"], f, h, w_rank),
+            "text": (cfg.train.batch_size, adapter.text_length, c.get("text_embed_dim") or c["text_dim"]),
+            "video_tokens": grid * (w // patch), "rank_tokens": grid * (w_rank // patch)}
+
+
+def train_step(cfg, adapter, model, params, optimizer, ema, s: dict, device, tracker=None) -> None:
+    """One step as trainer.py runs it on a cached batch: loss under autocast, backward, clip, AdamW, EMA."""
+    t, new = cfg.train, lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
+    batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
+    if adapter.type == "i2v":
+        batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
+    generators = [torch.Generator().manual_seed(i) for i in range(t.batch_size)]
+    with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[t.mixed_precision], enabled=t.mixed_precision != "no"):
+        loss = adapter.train_loss(model, batch, generators).mean()
+    loss.backward()
+    if tracker:
+        tracker.phase = "opt"
+    torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm, foreach=optimizer.param_groups[0]["foreach"])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        ema.update()
+
+
+class Tracker(TorchDispatchMode):
+    """Bytes of every storage an op creates, by kind, while it lives: act, cast (autocast's copy of a
+    weight), grad (retagged once accumulated), opt (made in the optimizer step); the peak of each sum a
+    strategy needs, and the gradients at the one-process peak. Storages that exist before are not counted."""
+    SUMS = {"single": ("act", "cast", "grad", "opt"), "ddp": ("act", "cast", "opt"), "fsdp": ("act",), "opt": ("opt",)}
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing, self.phase = list(existing), "act"
+        self.sizes = {id(t.untyped_storage()): None for t in self.existing}
+        self.now, self.peak = dict.fromkeys(("act", "cast", "grad", "opt"), 0), dict.fromkeys(self.SUMS, 0)
+        self.grads_at_peak = 0
+
+    def add(self, t: torch.Tensor, kind: str) -> None:
+        st = t.untyped_storage()
+        if id(st) not in self.sizes:
+            self.sizes[id(st)] = [kind, st.nbytes()]
+            self.now[kind] += st.nbytes()
+            weakref.finalize(st, self.free, id(st))
+
+    def free(self, key: int) -> None:
+        kind, n = self.sizes.pop(key)
+        self.now[kind] -= n
+
+    def retag(self, t: torch.Tensor, kind: str) -> None:
+        self.add(t, kind)
+        entry = self.sizes[id(t.untyped_storage())]
+        if entry is not None and entry[0] != kind:
+            self.now[entry[0]] -= entry[1]
+            self.now[kind] += entry[1]
+            entry[0] = kind
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        weight_copy = func is torch.ops.aten._to_copy.default and self.sizes.get(id(args[0].untyped_storage()), 0) is None
+        kind = "cast" if self.phase == "act" and weight_copy else self.phase
+        tree_map_only(torch.Tensor, lambda t: self.add(t, kind), out)
+        for name, kinds in self.SUMS.items():
+            total = sum(self.now[k] for k in kinds)
+            if total > self.peak[name]:
+                self.peak[name] = total
+                self.grads_at_peak = self.now["grad"] if name == "single" else self.grads_at_peak
+        return out
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy():
+    """CPU autocast with CUDA's fp32 ops: from bf16/fp16 inputs they run, and return, in fp32."""
+    lib, skip = torch.library.Library("aten", "IMPL"), torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def fp32(op):
+        def kernel(*args, **kwargs):
+            up = lambda a: a.float() if isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) else a  # noqa: E731
+            with torch._C._ExcludeDispatchKeyGuard(skip):
+                return op(*map(up, args), **{k: up(v) for k, v in kwargs.items()})
+        return kernel
+
+    for name in CUDA_FP32_OPS:
+        base, _, overload = name.partition(".")
+        lib.impl(name, fp32(getattr(getattr(torch.ops.aten, base), overload or "default")), "AutocastCPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def nbytes(tensors, dtype=None) -> int:
+    return sum(t.numel() * (dtype or t.dtype).itemsize for t in tensors)
+
+
+def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True) -> dict:
+    """This rank's parts in bytes (frozen, weights, adamw, ema, grads, activations, in_flight, total)."""
+    fake, cpu, s = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), shapes(cfg, adapter, sp)
+    model, params, optimizer, ema = build(cfg, family, adapter, fake, cpu, foreach=gpu)
+    moments, averages = [v for st in optimizer.state.values() for v in st.values()], list(ema.weights.values()) if ema else []
+    tracker = Tracker([*model.parameters(), *model.buffers(), *moments, *averages])
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "grad"))
+    with fake, cuda_autocast_policy() if gpu else contextlib.nullcontext(), tracker:
+        train_step(cfg, adapter, model, params, optimizer, ema, s, cpu, tracker)
+    frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+    state = {"frozen": nbytes(frozen), "weights": nbytes(params), "adamw": nbytes(moments), "ema": nbytes(averages)}
+    parts = {"grads": nbytes(params), "activations": tracker.peak["ddp"], "in_flight": 0, "shards": 1}
+    if world == 1:
+        parts |= {"grads": tracker.grads_at_peak, "activations": tracker.peak["single"] - tracker.grads_at_peak}
+    elif cfg.parallel.strategy == "fsdp":
+        shards, blocks = world // cfg.parallel.dp_replicate, adapter.blocks(model)
+        compute = AUTOCAST_DTYPES[cfg.train.mixed_precision]  # FSDP's param_dtype (None: each weight's own)
+        gathered = [nbytes(b.parameters(), compute) for b in blocks]
+        block_grads = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
+        in_flight = nbytes(model.parameters(), compute) - sum(gathered) + 3 * max(gathered) + \
+            block_grads * ((compute or torch.float32).itemsize + 4)
+        forward = tracker.peak["fsdp"] >= tracker.peak["opt"] / shards - in_flight
+        parts = {"grads": nbytes(params) / shards, "in_flight": in_flight if forward else 0, "shards": shards,
+                 "activations": tracker.peak["fsdp"] if forward else tracker.peak["opt"] / shards}
+        state = {k: v / shards for k, v in state.items()}
+    parts |= {**state, "trainable": state["weights"] + state["adamw"] + state["ema"],
+              "video_tokens": s["video_tokens"], "rank_tokens": s["rank_tokens"]}
+    parts["total"] = sum(parts[k] for k in ("frozen", "trainable", "grads", "activations", "in_flight"))
+    return parts
+
+
+def measure(cfg, family, adapter, device) -> dict:
+    """The same build and step on real tensors: state = the build's resident growth, step = the step's
+    peak over it (VmRSS, VmHWM after resetting it through clear_refs; allocated bytes on a GPU)."""
+    if device.type == "cuda":
+        used, peak, reset = torch.cuda.memory_allocated, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
+    else:
+        status = lambda key: int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024  # noqa: E731
+        used, peak = lambda: status("VmRSS"), lambda: status("VmHWM")
+        reset = lambda: Path("/proc/self/clear_refs").write_text("5")  # noqa: E731
+    base = used()
+    model, params, optimizer, ema = build(cfg, family, adapter, None, device, foreach=device.type == "cuda")
+    state = used() - base
+    # A first step loads the kernels' code and JIT buffers (resident, but not tensors); the second is measured.
+    train_step(cfg, adapter, model, params, optimizer, ema, shapes(cfg, adapter, 1), device)
+    ready = used()
+    reset()
+    train_step(cfg, adapter, model, params, optimizer, ema, shapes(cfg, adapter, 1), device)
+    return {"device": device.type, "state": state, "step": peak() - ready}
+
+
+def check(cfg, family, adapter, argv: list[str]) -> dict:
+    """Measure one process's step in a fresh process, estimate it, print both and their ratios."""
+    # glibc maps every block of 64 KiB or more on its own and unmaps it when freed: the resident size
+    # follows the live tensors, not the heap's high-water mark (an allocator's cache is not estimated).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)}
+    run = subprocess.run([sys.executable, __file__, *argv, "--measure"], capture_output=True, text=True, env=env)
+    if run.returncode:
+        sys.exit(f"the measured run failed:\n{run.stderr[-3000:]}")
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    e = estimate(cfg, family, adapter, gpu=measured["device"] == "cuda")
+    rows = {"weights + AdamW + EMA before the step": (e["frozen"] + e["trainable"], measured["state"]),
+            "the step's peak above them": (e["total"] - e["frozen"] - e["trainable"], measured["step"])}
+    rows["peak"] = tuple(map(sum, zip(*rows.values())))
+    print(f"check, one process on the {measured['device']}: {describe(cfg, adapter, e)}")
+    print(f"  {'GiB':40}{'estimate':>10}{'measured':>10}{'ratio':>8}")
+    for name, (est, got) in rows.items():
+        print(f"  {name:40}{est / GIB:10.3f}{got / GIB:10.3f}{est / got:8.3f}")
+    return {name: est / got for name, (est, got) in rows.items()}
+
+
+def describe(cfg, adapter, e: dict) -> str:
+    c, t = adapter.transformer_config, cfg.train
+    what = f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}" if t.training_type == "lora" else "sft"
+    return (f"{c['num_layers']} blocks x {c['num_attention_heads']} heads x {c['attention_head_dim']}, {what}, "
+            f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
+            f"{adapter.text_length} text tokens), {t.mixed_precision}, checkpointing "
+            f"{'on' if t.gradient_checkpointing else 'off'}{f', EMA {t.ema_decay}' if t.ema_decay else ''}")
+
+
+def table(cfg, adapter, world: int, results: dict[int, dict]) -> None:
+    """One column per sp size, GiB per rank."""
+    first = next(iter(results.values()))
+    how = f"{cfg.parallel.strategy} on {world} ranks" if world > 1 else "one process"
+    sharded = f", sharded {first['shards']} ways" if first["shards"] > 1 else ""
+    print(f"{describe(cfg, adapter, first)}\n{how}{sharded}")
+    if list(results) != [1]:
+        print("sp is a model until vidtrain has sequence parallelism: each sample's video tokens split sp ways")
+    print(f"  {'GiB per rank':28}" + "".join(f"{f'sp {sp}':>9}" for sp in results))
+    print(f"  {'video tokens per rank':28}" + "".join(f"{r['rank_tokens']:9d}" for r in results.values()))
+    for name, key in (("frozen weights", "frozen"), ("trainable weights", "weights"), ("AdamW moments", "adamw"),
+                      ("EMA", "ema"), ("gradients", "grads"), ("activations + temporaries", "activations"),
+                      ("FSDP in flight", "in_flight"), ("peak", "total")):
+        print(f"  {name:28}" + "".join(f"{r[key] / GIB:9.2f}" for r in results.values()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cfg", required=True, help="TOML config file; overrides as for trainer.py")
+    parser.add_argument("--arch", choices=list(PUBLISHED), help="a published transformer config instead of model.path's")
+    parser.add_argument("--world", type=int, default=8, help="ranks (GPUs)")
+    parser.add_argument("--sp", type=int, nargs="+", default=[1], help="sequence-parallel sizes (a model)")
+    parser.add_argument("--layers", type=int, help="transformer blocks (default: the config's)")
+    parser.add_argument("--check", action="store_true", help="compare with a measured one-process step")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    args, overrides = parser.parse_known_args(argv)
+    cfg = load_config(args.cfg, overrides)
+    device = torch.device("cuda" if args.measure and torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        family, adapter = make_adapter(cfg, args.arch, Path(tmp), device)
+    adapter.transformer_config["num_layers"] = args.layers or adapter.transformer_config["num_layers"]
+    if hasattr(adapter, "check_resolution"):
+        adapter.check_resolution(cfg.data.train_resolution, "data.train_resolution")
+    if args.measure:
+        print(json.dumps(measure(cfg, family, adapter, device)))
+    elif args.check:
+        check(cfg, family, adapter, [a for a in argv if a != "--check"])
+    else:
+        table(cfg, adapter, args.world, {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp})
+
+
+if __name__ == "__main__":
+    main()
