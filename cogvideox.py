@@ -59,6 +59,10 @@ class CogVideoXAdapter(Adapter):
         return 2 ** (len(self.vae_config["block_out_channels"]) - 1)
 
     @property
+    def latent_channels(self) -> int:
+        return self.vae_config["latent_channels"]
+
+    @property
     def frame_multiple(self) -> int:
         # The VAE decodes latents in pairs: 8k+1 frames for a 4x temporal ratio.
         return 2 * self.temporal_ratio

@@ -68,6 +68,18 @@ class WanAdapter(Adapter):
 
     # Shape rules read from the model's own config.
     @property
+    def temporal_ratio(self) -> int:
+        return self.vae_config["scale_factor_temporal"]
+
+    @property
+    def spatial_ratio(self) -> int:
+        return self.vae_config["scale_factor_spatial"]
+
+    @property
+    def latent_channels(self) -> int:
+        return self.vae_config["z_dim"]
+
+    @property
     def frame_multiple(self) -> int:
         return self.vae_config["scale_factor_temporal"]  # 4k+1 frames: the VAE encodes [0], [1:5], [5:9], ...
 

@@ -25,7 +25,6 @@ buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loadin
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -37,7 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from diffusers import AutoencoderKLWan, CogVideoXTransformer3DModel, WanTransformer3DModel
+from diffusers import CogVideoXTransformer3DModel, UniPCMultistepScheduler, WanTransformer3DModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
@@ -45,7 +44,7 @@ from torch.utils._pytree import tree_map_only
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
-from model_adapter import DTYPES, load_adapter  # noqa: E402
+from model import load_adapter  # noqa: E402
 from parallel import AUTOCAST_DTYPES, Dist  # noqa: E402
 from tools.make_tiny_model import make_scheduler  # noqa: E402
 
@@ -63,35 +62,6 @@ CUDA_FP32_OPS = ["layer_norm", "native_layer_norm", "group_norm", "exp", "log", 
                  "pow.Tensor_Scalar", "pow.Tensor_Tensor", "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList"]
 
 
-def defaults(cls) -> dict:
-    return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
-
-
-class WanStandIn:
-    """What training Wan 2.1 T2V needs of an adapter, until model_adapter.py has one: flow matching on
-    latents normalised by the VAE's latents_mean/std (wan.md 3), text length 512, patch (1, 2, 2)."""
-    type, text_length, spatial_ratio, temporal_ratio, vae_config = "t2v", 512, 8, 4, {"latent_channels": 16}
-
-    def __init__(self, model_cfg, published: dict):
-        self.transformer_config, self.dtype = {**defaults(WanTransformer3DModel), **published}, DTYPES[model_cfg.dtype]
-        vae = defaults(AutoencoderKLWan)
-        self.mean, self.std = (torch.tensor(vae[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
-
-    @staticmethod
-    def blocks(transformer):
-        return list(transformer.blocks)
-
-    def train_loss(self, transformer, batch, generators):
-        latents = batch["latent_mean"].float()
-        x0 = (latents - self.mean.to(latents.device)) / self.std.to(latents.device)
-        sigma = torch.stack([torch.rand((), generator=g) for g in generators]).view(-1, 1, 1, 1, 1).to(x0.device)
-        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]).to(x0.device)
-        dtype = next(transformer.parameters()).dtype
-        v_hat = transformer(hidden_states=((1 - sigma) * x0 + sigma * noise).to(dtype), timestep=(sigma.flatten() * 1000).long(),
-                            encoder_hidden_states=batch["prompt_embeds"].to(dtype), return_dict=False)[0]
-        return (v_hat.float() - (noise - x0)).pow(2).mean(dim=(1, 2, 3, 4))
-
-
 def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
     """(family, adapter): model.path's, or the adapter of a folder holding only the published configs."""
     if arch is None:
@@ -99,16 +69,19 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
             raise ConfigError(f"model.path = {cfg.model.path} is not here: pass --arch ({', '.join(PUBLISHED)})")
         return cfg.model.family, load_adapter(cfg.model, device)
     family, published = PUBLISHED[arch]
-    if family == "wan":
-        return family, WanStandIn(cfg.model, published)
-    configs = {"transformer": {"_class_name": "CogVideoXTransformer3DModel", **published},
-               "vae": {"_class_name": "AutoencoderKLCogVideoX"}, "text_encoder": {}, "tokenizer": {}}
+    transformer, vae, pipeline = {"cogvideox": ("CogVideoXTransformer3DModel", "AutoencoderKLCogVideoX", "CogVideoXPipeline"),
+                                  "wan": ("WanTransformer3DModel", "AutoencoderKLWan", "WanPipeline")}[family]
+    configs = {"transformer": {"_class_name": transformer, **published}, "vae": {"_class_name": vae},
+               "text_encoder": {}, "tokenizer": {}}
     for name, config in configs.items():  # VAE, scheduler: class defaults (memory does not depend on them)
         (root / name).mkdir(parents=True)
         (root / name / "config.json").write_text(json.dumps(config))
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "CogVideoXPipeline"}))
-    make_scheduler(1.0).save_pretrained(root / "scheduler")
-    return family, load_adapter(dataclasses.replace(cfg.model, path=str(root)), device)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    scheduler = make_scheduler(1.0) if family == "cogvideox" else UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    scheduler.save_pretrained(root / "scheduler")
+    model_cfg = dataclasses.replace(cfg.model, path=str(root), family=family)
+    return family, load_adapter(model_cfg, device)
 
 
 def meta_transformer(cls, config: dict, dtype: torch.dtype):
@@ -158,7 +131,7 @@ def shapes(cfg, adapter, sp: int) -> dict:
     patch = c["patch_size"][-1] if isinstance(c["patch_size"], (list, tuple)) else c["patch_size"]
     f, h, w = (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio, width // adapter.spatial_ratio
     w_rank, grid = -(-w // patch // sp) * patch, -(-f // (c.get("patch_size_t") or 1)) * (h // patch)
-    return {"latent": (cfg.train.batch_size, adapter.vae_config["latent_channels"], f, h, w_rank),
+    return {"latent": (cfg.train.batch_size, adapter.latent_channels, f, h, w_rank),
             "text": (cfg.train.batch_size, adapter.text_length, c.get("text_embed_dim") or c["text_dim"]),
             "video_tokens": grid * (w // patch), "rank_tokens": grid * (w_rank // patch)}
 
