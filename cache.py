@@ -36,6 +36,7 @@ import data
 import decode
 import faults
 import parallel
+import sequence
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
 from model import load_adapter
@@ -277,6 +278,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     Returns the adapter, the cache and the training and held-out items (the last data.held_out)."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
+        sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
         if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
             adapter.shift = cfg.train.flow_shift
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
@@ -312,7 +314,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     log.info("cache: %d clips encoded, %d reused, %d skipped%s; clips per bucket %s; in %s",
              encoded, len(items) - encoded, len(skipped),
              f" (listed in {Path(cfg.run.output_dir) / 'skipped.txt'})" if skipped else "", per_bucket, cache.dir)
-    global_batch = cfg.train.batch_size * cfg.train.gradient_accumulation_steps * d.world
+    global_batch = cfg.train.batch_size * cfg.train.gradient_accumulation_steps * d.dp_world
     for shape, count in per_bucket.items():
         if 0 < count < global_batch:
             log.warning("bucket %s holds %d clips, fewer than the global batch of %d: they will never train "

@@ -27,6 +27,7 @@ from transformers import T5EncoderModel
 import lora
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, log, resolved_config, sample_posterior
+from sequence import SequenceSplit, split_blocks
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 
@@ -244,6 +245,18 @@ class CogVideoXAdapter(Adapter):
     def blocks(transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
+    def split_sequence(self, transformer, split: SequenceSplit) -> None:
+        """Sequence parallelism: the video tokens and their rotary embeddings split at the first block, the
+        text tokens replicated; joint attention through FusedQKVAttention's all-to-all."""
+        def per_token_inputs(arguments: dict) -> dict[str, int]:
+            return {} if arguments.get("image_rotary_emb") is None else {"image_rotary_emb": 0}
+
+        self.sequence = split
+        split_blocks(self.blocks(transformer), split, per_token_inputs)
+        for layer in transformer.modules():
+            if isinstance(layer, Attention):
+                layer.set_processor(FusedQKVAttention(split))
+
     # Sampling: CogVideoXPipeline's (CogVideoXImageToVideoPipeline's) loop, run by validate.sample_latents.
     def sampler(self, name: str):
         """validation.scheduler: "" the folder's own (5b: DPM, 2b: DDIM), or CogVideoX's "dpm" or "ddim"."""
@@ -308,7 +321,7 @@ class CogVideoXAdapter(Adapter):
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         originals = [m.processor for m in layers]
         for layer in layers:
-            layer.set_processor(FusedQKVAttention())
+            layer.set_processor(FusedQKVAttention(self.sequence))
         try:
             yield
         finally:
@@ -322,7 +335,15 @@ class FusedQKVAttention:
     it, exactly as in training: merging it into a bf16 copy of the weights would round away the small
     deltas of early training (diffusers' own fuse_qkv_projections drops LoRA altogether). The fused
     weight is built on every call, inside the block's forward: under FSDP that is when the block's
-    parameters are gathered, and it is freed with them, so no rank holds a second copy of the model."""
+    parameters are gathered, and it is freed with them, so no rank holds a second copy of the model.
+
+    With sequence parallelism (`split`), this rank holds a slice of the video tokens and every text
+    token: Q, K and V go through one all-to-all to the whole sequence with 1/sp of the heads (the text
+    tokens' own slice of heads taken locally), and the output back; the text tokens' output heads are
+    gathered, so every rank carries on with the whole text."""
+
+    def __init__(self, split: SequenceSplit | None = None):
+        self.split = split
 
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states, attention_mask=None,
                  image_rotary_emb=None):
@@ -347,6 +368,13 @@ class FusedQKVAttention:
             query = torch.cat([query[:, :, :text_length], apply_rotary_emb(query[:, :, text_length:], image_rotary_emb)], 2)
             if not attn.is_cross_attention:
                 key = torch.cat([key[:, :, :text_length], apply_rotary_emb(key[:, :, text_length:], image_rotary_emb)], 2)
+        split = self.split
+        if split is not None:  # [3, B, H, tokens, D]: one all-to-all for Q, K and V
+            qkv = torch.stack([query, key, value])
+            qkv = torch.cat([split.heads(qkv[..., :text_length, :], 2), split.seq_to_heads(qkv[..., text_length:, :], 3, 2)], 3)
+            query, key, value = qkv.unbind(0)
         out = F.scaled_dot_product_attention(query, key, value)
+        if split is not None:
+            out = torch.cat([split.gather_heads(out[:, :, :text_length], 1), split.heads_to_seq(out[:, :, text_length:], 2, 1)], 2)
         out = attn.to_out[1](attn.to_out[0](out.transpose(1, 2).reshape(batch, length, -1)))
         return out[:, text_length:], out[:, :text_length]

@@ -103,6 +103,10 @@ class ParallelConfig:
     # FSDP: replicate groups (HSDP): the model is sharded within a group and replicated across them.
     # Set it to the number of nodes to keep all-gathers inside a node.
     dp_replicate: int = 1
+    # Sequence parallelism (Ulysses): this many adjacent ranks share each sample, its video tokens split
+    # between them; must divide the world size and the model's attention heads. Per-rank batches count
+    # sp groups: the global batch is batch_size x accumulation x world / sp_size.
+    sp_size: int = 1
 
 
 @dataclass
@@ -313,7 +317,8 @@ def check_values(cfg: Config) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
             raise ConfigError(f"{key} is required: set it in the config file or pass --{key} VALUE")
-    positive = ("train.steps", "parallel.timeout_s", "parallel.dp_replicate", "train.batch_size", "train.gradient_accumulation_steps", "train.log_every", "train.max_nonfinite_steps",
+    positive = ("train.steps", "parallel.timeout_s", "parallel.dp_replicate", "parallel.sp_size",
+                "train.batch_size", "train.gradient_accumulation_steps", "train.log_every", "train.max_nonfinite_steps",
                 "lora.rank", "checkpoint.checkpointing_steps", "validation.validation_steps")
     for key in positive:
         section, name = key.split(".")
@@ -333,6 +338,9 @@ def check_values(cfg: Config) -> None:
     if cfg.lora.dropout and cfg.train.gradient_checkpointing:
         # The recompute would draw a different dropout mask: checkpointing restores only the global RNG.
         raise ConfigError("lora.dropout > 0 needs train.gradient_checkpointing = false")
+    if cfg.lora.dropout and cfg.parallel.sp_size > 1:
+        # The ranks of an sp group each compute the replicated text tokens: their masks would differ.
+        raise ConfigError("lora.dropout > 0 needs parallel.sp_size = 1")
     if cfg.checkpoint.checkpointing_limit < 0 or cfg.data.held_out < 0:
         raise ConfigError("checkpoint.checkpointing_limit and data.held_out must not be negative")
     for t in cfg.validation.loss_timesteps:

@@ -2,7 +2,7 @@
 its trainable weights.
 
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
-activation checkpointing per block, DDP or fully_shard per block then the root, then AdamW over the
+the sequence split (parallel.sp_size), activation checkpointing per block, DDP or fully_shard per block then the root, then AdamW over the
 trainable parameters only (with, for fp16, the loss scale). trainer.py, the export command and the
 render command all build it here, so a checkpoint's keys are the same wherever it is loaded.
 """
@@ -14,6 +14,7 @@ import torch
 
 import lora
 import parallel
+import sequence
 from cogvideox import CogVideoXAdapter
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from wan import WanAdapter
@@ -33,6 +34,8 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
     """Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the trained
     one under FSDP, replicated otherwise (DDP has nothing to synchronise without trainable weights)."""
     transformer = adapter.load_transformer(folder=folder).eval().requires_grad_(False)
+    if adapter.sequence is not None:
+        adapter.split_sequence(transformer, adapter.sequence)
     if parallel_cfg.strategy != "fsdp":
         return transformer
     return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
@@ -55,6 +58,9 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
             weights, info = lora.load_lora(lora_cfg.init_from, adapter.diffusers_key)
             check_lora_matches(lora_cfg, info)
             lora.load_lora_into(transformer, weights)
+    if parallel_cfg.sp_size > 1:
+        sequence.check_heads(parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
+        adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
     if train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)

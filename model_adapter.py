@@ -47,7 +47,7 @@ class Adapter:
     encode_video, encode_image, encode_text and decode_latents (the cache and the clips); train_loss and
     fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale,
     sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and
-    activation-checkpointing units). cogvideox.py and wan.py are the two, and the tests of each are the
+    activation-checkpointing units); split_sequence (sequence parallelism, sequence.py). cogvideox.py and wan.py are the two, and the tests of each are the
     template for a third."""
 
     FAMILY = ""
@@ -68,6 +68,7 @@ class Adapter:
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.transformer_folder = "transformer"
+        self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
 
     def check_resolution(self, resolution, key: str) -> None:

@@ -41,10 +41,20 @@ class Dist:
     world: int
     local_rank: int
     device: torch.device
+    sp: int = 1  # parallel.sp_size: adjacent ranks rank // sp * sp ... share one sample
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank: which samples of the global batch this rank (and its sp group) takes."""
+        return self.rank // self.sp
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.sp
 
 
 def init(cfg: ParallelConfig) -> Dist:
@@ -64,7 +74,9 @@ def init(cfg: ParallelConfig) -> Dist:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if world % cfg.dp_replicate:
         raise ConfigError(f"parallel.dp_replicate = {cfg.dp_replicate} must divide the world size {world}")
-    return Dist(rank, world, local_rank, device)
+    if world % cfg.sp_size:
+        raise ConfigError(f"parallel.sp_size = {cfg.sp_size} must divide the world size {world}")
+    return Dist(rank, world, local_rank, device, cfg.sp_size)
 
 
 def make_deterministic() -> None:

@@ -142,7 +142,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     renderer = (validate.ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
                                       lambda folder: build_frozen(adapter, folder, t, cfg.parallel, d))
                 if cfg.validation.do_validation else None)
-    global_batch = t.batch_size * t.gradient_accumulation_steps * d.world
+    global_batch = t.batch_size * t.gradient_accumulation_steps * d.dp_world
     sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
     model = build_model(adapter, t, cfg.lora, cfg.parallel, cfg.run.seed, d)
     params, optimizer = build_optimizer(model, t)
@@ -156,8 +156,8 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     if d.is_main:
         name = f"config-resume-{state.step}.toml" if state.step else "config.toml"
         (Path(cfg.run.output_dir) / name).write_text(to_toml(cfg))
-    log.info("global batch %d = %d per rank x %d accumulation x %d ranks; %d training clips, %d held out",
-             global_batch, t.batch_size, t.gradient_accumulation_steps, d.world, len(train_clips), len(held_out_clips))
+    log.info("global batch %d = %d per rank x %d accumulation x %d data-parallel ranks; %d training clips, %d held out",
+             global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[t.mixed_precision],
                               enabled=t.mixed_precision != "no")
@@ -172,7 +172,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             group["lr"] = t.learning_rate * lr_factor(step, t)
         step_loss = torch.zeros((), device=d.device)
         for micro in range(t.gradient_accumulation_steps):
-            positions = data.micro_slice(micro, d.rank, d.world, t.batch_size)
+            positions = data.micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)
             batch = cache.load_batch([train_clips[batch_ids[p]] for p in positions], d.device)
             generators = [data.keyed_generator(cfg.run.seed, step, p) for p in positions]
             if cfg.lora.dropout:

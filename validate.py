@@ -43,23 +43,24 @@ log = logging.getLogger("vidtrain")
 
 @torch.no_grad()
 def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: parallel.Dist, autocast):
-    """val/loss and val/loss_t{t}. Clip i is measured on rank i % world; every rank makes the same
-    number of forward calls (FSDP needs it), the padding ones weighted 0."""
+    """val/loss and val/loss_t{t}. Clip i is measured by data-parallel rank i % dp_world (the whole sp
+    group); every rank makes the same number of forward calls (FSDP needs it), the padding ones
+    weighted 0."""
     timesteps = adapter.held_out_timesteps(cfg.loss_timesteps)
     if not clips or not timesteps:
         return {}
     sums = torch.zeros(len(timesteps), device=d.device)
     was_training = model.training
     model.eval()
-    for j in range(math.ceil(len(clips) / d.world)):
-        index = j * d.world + d.rank
+    for j in range(math.ceil(len(clips) / d.dp_world)):
+        index = j * d.dp_world + d.dp_rank
         weight = 1.0 if index < len(clips) else 0.0
         batch = cache.load_batch([clips[min(index, len(clips) - 1)]])
         with autocast:
             sums += weight * adapter.fixed_losses(model, batch, timesteps, data.keyed_generator(seed, "held_out", index))
     model.train(was_training)
     dist.all_reduce(sums)
-    losses = (sums / len(clips)).tolist()
+    losses = (sums / (len(clips) * d.sp)).tolist()  # the ranks of an sp group hold the same sums
     return {"val/loss": sum(losses) / len(losses), **{f"val/loss_t{t}": v for t, v in zip(timesteps, losses)}}
 
 
@@ -124,8 +125,8 @@ def load_image(path: str):
 
 
 class ClipRenderer:
-    """The validation prompts' clips. Embeddings are computed once, here; clip i is rendered on rank
-    i % world, every rank making the same number of forward calls (FSDP needs it); rank 0 gathers and
+    """The validation prompts' clips. Embeddings are computed once, here; clip i is rendered by
+    data-parallel rank i % dp_world (with sequence parallelism, its whole sp group), every rank making the same number of forward calls (FSDP needs it); rank 0 gathers and
     writes them. Ranks advance in lockstep, so no collective waits longer than one forward or decode."""
 
     def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: parallel.Dist,
@@ -177,8 +178,8 @@ class ClipRenderer:
             with contextlib.ExitStack() as stack:
                 for denoiser in self.denoisers(model).values():
                     stack.enter_context(self.adapter.sampling_attention(denoiser))
-                for j in range(math.ceil(len(self.prompts) / self.d.world)):
-                    index = j * self.d.world + self.d.rank
+                for j in range(math.ceil(len(self.prompts) / self.d.dp_world)):
+                    index = j * self.d.dp_world + self.d.dp_rank
                     if index < len(self.prompts):
                         clip = to_uint8(self.frames(model, index, scheduler, autocast, self._on_step))
                     else:  # a padding rank: its forward calls are needed, its clip is not
@@ -189,7 +190,7 @@ class ClipRenderer:
                         clip = torch.zeros(num_frames, height, width, 3, dtype=torch.uint8)
                     gathered = [torch.empty_like(clip) for _ in range(self.d.world)] if self.d.is_main else None
                     dist.gather(clip, gathered, dst=0)
-                    clips += gathered or []
+                    clips += (gathered or [])[:: self.d.sp]  # an sp group's ranks made the same clip
         finally:
             model.train(was_training)
             self.adapter.park_vae()  # on the CPU until the next validation: no second load from disk

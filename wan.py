@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import diffusers
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
@@ -22,6 +23,7 @@ from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, log, resolved_config, sample_posterior
+from sequence import SequenceSplit, split_blocks
 
 TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
 # diffusers module names -> the original checkpoint's (ComfyUI's), inside a block.
@@ -241,6 +243,19 @@ class WanAdapter(Adapter):
     def blocks(transformer) -> list[torch.nn.Module]:
         return list(transformer.blocks)
 
+    def split_sequence(self, transformer, split: SequenceSplit) -> None:
+        """Sequence parallelism: the video tokens, their rotary embeddings and (TI2V) their per-token
+        timestep embeddings split at the first block; self-attention through an all-to-all, the
+        cross-attention to the text (and image) local."""
+        def per_token_inputs(arguments: dict) -> dict[str, int]:
+            # temb [B, tokens, 6, D] with expand_timesteps (TI2V), [B, 6, D] otherwise
+            return {"rotary_emb": 1} | ({"temb": 1} if arguments["temb"].ndim == 4 else {})
+
+        self.sequence = split
+        split_blocks(self.blocks(transformer), split, per_token_inputs)
+        for block in self.blocks(transformer):
+            block.attn1.set_processor(SequenceParallelSelfAttention(split))
+
     # Sampling: WanPipeline's (WanImageToVideoPipeline's) loop, run by validate.sample_latents.
     def sampler(self, name: str):
         return self.scheduler_class.from_pretrained(self.path, subfolder="scheduler")
@@ -282,3 +297,33 @@ class WanAdapter(Adapter):
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
+
+
+class SequenceParallelSelfAttention:
+    """diffusers' WanAttnProcessor for self-attention (attn1), step for step, with this rank's slice of
+    the video tokens: Q, K and V (normalised and rotated per token) go through one all-to-all to the
+    whole sequence with 1/sp of the heads, and the attention's output back."""
+
+    def __init__(self, split: SequenceSplit):
+        self.split = split
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
+        qkv = self.split.seq_to_heads(torch.stack([query, key, value]), 2, 3)  # [3, B, tokens, heads, D]
+        query, key, value = qkv.transpose(2, 3).unbind(0)
+        out = F.scaled_dot_product_attention(query, key, value).transpose(1, 2)
+        out = self.split.heads_to_seq(out, 1, 2).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """WanAttnProcessor's rotary embedding (a function inside its __call__), [B, tokens, heads, D]."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)

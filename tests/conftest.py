@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 
 from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
 from config import toml_value  # noqa: E402
-from tools.make_tiny_model import make_tiny_model  # noqa: E402
+from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +30,20 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         if variant not in made:
             made[variant] = root / variant
             make_tiny_model(str(made[variant]), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def wan_models(tmp_path_factory):
+    """Every Wan variant's tiny model, written on first use."""
+    root, made = tmp_path_factory.mktemp("wan"), {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = root / variant
+            make_tiny_wan(str(made[variant]), variant)
         return made[variant]
 
     return get

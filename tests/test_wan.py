@@ -19,7 +19,6 @@ from config import load_config
 from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
 from model import load_adapter
 from test_variants import one_rank_group
-from tools.make_tiny_model import make_tiny_wan
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
          "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
@@ -33,19 +32,6 @@ VARIANTS = {
     "a14b-i2v": ("i2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
 }
 PROMPTS = ["a red circle moves right", "a blue square moves up"]
-
-
-@pytest.fixture(scope="session")
-def wan_models(tmp_path_factory):
-    root, made = tmp_path_factory.mktemp("wan"), {}
-
-    def get(variant):
-        if variant not in made:
-            made[variant] = root / variant
-            make_tiny_wan(str(made[variant]), variant)
-        return made[variant]
-
-    return get
 
 
 def test_tiny_models_carry_the_published_key_sets(wan_models):
