@@ -371,10 +371,12 @@ class FusedQKVAttention:
         split = self.split
         if split is not None:  # [3, B, H, tokens, D]: one all-to-all for Q, K and V
             qkv = torch.stack([query, key, value])
-            qkv = torch.cat([split.heads(qkv[..., :text_length, :], 2), split.seq_to_heads(qkv[..., text_length:, :], 3, 2)], 3)
+            text, video = qkv[..., :text_length, :], qkv[..., text_length:, :]
+            qkv = torch.cat([split.heads(text, 2), split.seq_to_heads(video, 3, 2)], 3)
             query, key, value = qkv.unbind(0)
         out = F.scaled_dot_product_attention(query, key, value)
         if split is not None:
-            out = torch.cat([split.gather_heads(out[:, :, :text_length], 1), split.heads_to_seq(out[:, :, text_length:], 2, 1)], 2)
+            text, video = out[:, :, :text_length], out[:, :, text_length:]
+            out = torch.cat([split.gather_heads(text, 1), split.heads_to_seq(video, 2, 1)], 2)
         out = attn.to_out[1](attn.to_out[0](out.transpose(1, 2).reshape(batch, length, -1)))
         return out[:, text_length:], out[:, :text_length]

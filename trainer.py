@@ -156,8 +156,8 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     if d.is_main:
         name = f"config-resume-{state.step}.toml" if state.step else "config.toml"
         (Path(cfg.run.output_dir) / name).write_text(to_toml(cfg))
-    log.info("global batch %d = %d per rank x %d accumulation x %d data-parallel ranks; %d training clips, %d held out",
-             global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
+    log.info("global batch %d = %d per rank x %d accumulation x %d data-parallel ranks; %d training clips, "
+             "%d held out", global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[t.mixed_precision],
                               enabled=t.mixed_precision != "no")
