@@ -127,7 +127,8 @@ def load_image(path: str):
 class ClipRenderer:
     """The validation prompts' clips. Embeddings are computed once, here; clip i is rendered by
     data-parallel rank i % dp_world (with sequence parallelism, its whole sp group), every rank making
-    the same number of forward calls (FSDP needs it); rank 0 gathers and writes them. Ranks advance in lockstep, so no collective waits longer than one forward or decode."""
+    the same number of forward calls (FSDP needs it); rank 0 gathers and writes them. Ranks advance in
+    lockstep, so no collective waits longer than one forward or decode."""
 
     def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: parallel.Dist,
                  load_frozen=None):
