@@ -13,11 +13,11 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoTokenizer
 
@@ -65,38 +65,57 @@ def _replace(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+# safetensors' dtype names.
+FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool}
+
+
 class Weights:
     """The safetensors files of a diffusers model folder (one file, or shards listed by an index), read
-    one tensor, or one rank's rows of one, at a time."""
+    one tensor, or one rank's rows of one, at a time. Read with plain reads into the tensor, not through
+    safetensors' memory map: the mapped pages a read touches count in the process's resident size until
+    the map closes, so a mapped file would add its own size to the peak of loading."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         index = folder / "diffusion_pytorch_model.safetensors.index.json"
         single = folder / "diffusion_pytorch_model.safetensors"
         if index.is_file():
-            self.files = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            paths = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
         elif single.is_file():
-            with safe_open(single, framework="pt") as f:
-                self.files = dict.fromkeys(f.keys(), single)
+            paths = [single]
         else:
             raise ConfigError(f"{folder} holds no diffusion_pytorch_model.safetensors (nor its .index.json): "
                               "the transformer's weights are missing")
+        # key -> (file, dtype, shape, first byte in the file)
+        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}
+        self.data_bytes = 0
+        for path in paths:
+            with path.open("rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length))
+            header.pop("__metadata__", None)
+            for key, entry in header.items():
+                begin, end = entry["data_offsets"]
+                self.entries[key] = (path, FILE_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin)
+                self.data_bytes += end - begin
         self.keys: list[str] = []
+        self.read_bytes = 0  # of tensor data, as stored
         self._open: dict[Path, object] = {}
 
     def check(self, model: torch.nn.Module, ignored: list[str]) -> None:
         """The files must hold exactly the model's state dict (keys and shapes), but for the class's
         ignored unexpected keys."""
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        unexpected = [k for k in self.files if k not in expected and not any(re.search(p, k) for p in ignored)]
-        missing = [k for k in expected if k not in self.files]
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        unexpected = [k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)]
+        missing = [k for k in expected if k not in self.entries]
         if missing or unexpected:
             raise ConfigError(f"{self.folder}: the weights do not fit {type(model).__name__} built from its "
                               f"config.json: {len(missing)} missing (first: {missing[:3]}), {len(unexpected)} "
                               f"unexpected (first: {unexpected[:3]})")
-        self.keys = [k for k in expected if k in self.files]
-        with self.opened():
-            wrong = [k for k in self.keys if tuple(self._file(k).get_slice(k).get_shape()) != tuple(expected[k])]
+        self.keys = [k for k in expected if k in self.entries]
+        wrong = [k for k in self.keys if self.entries[k][2] != expected[k]]
         if wrong:
             raise ConfigError(f"{self.folder}: {len(wrong)} weights have another shape than its config.json "
                               f"gives (first: {wrong[0]})")
@@ -104,18 +123,27 @@ class Weights:
     @contextlib.contextmanager
     def opened(self):
         with contextlib.ExitStack() as stack:
-            self._open = {path: stack.enter_context(safe_open(path, framework="pt"))
-                          for path in set(self.files.values())}
+            self._open = {path: stack.enter_context(path.open("rb"))
+                          for path in {entry[0] for entry in self.entries.values()}}
             try:
                 yield
             finally:
                 self._open = {}
 
-    def _file(self, key: str):
-        return self._open[self.files[key]]
+    def _rows(self, key: str, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of dim 0 (the whole tensor for a 0-dim one), as stored."""
+        path, dtype, shape, offset = self.entries[key]
+        row = math.prod(shape[1:]) * dtype.itemsize
+        tensor = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
+        file = self._open[path]
+        file.seek(offset + start * row)
+        if file.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != tensor.nbytes:
+            raise ConfigError(f"{path} is truncated: {key} is cut short")
+        self.read_bytes += tensor.nbytes
+        return tensor
 
     def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        tensor = self._file(key).get_tensor(key)
+        tensor = self._rows(key, 0, (self.entries[key][2] or (1,))[0])
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     def read_shard(self, key: str, param: torch.Tensor) -> None:
@@ -125,8 +153,7 @@ class Weights:
         local = param.to_local()
         if tuple(local.shape) != tuple(shape) or any(offset[1:]):
             raise ValueError(f"{key}: expected a dim-0 shard, got {local.shape} at {offset}")
-        rows = self._file(key).get_slice(key)[offset[0]:offset[0] + shape[0]]
-        local.copy_(rows)
+        local.copy_(self._rows(key, offset[0], shape[0]))
 
 
 def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> torch.Tensor:
@@ -176,12 +203,13 @@ class Adapter:
     # Loading.
     def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None):
         """The transformer this run trains (or another expert's folder), in trainable_dtype or model.dtype,
-        as from_pretrained builds it, weight for weight, but without initialising any weight first:
-        diffusers does that (the whole model, randomly) unless accelerate is installed, and it is not a
-        requirement. Without `shard`, every weight is read from the folder's safetensors files. With it,
-        shard(model) gets the model with its parameters still on the meta device (buffers real), wraps
-        it (LoRA, fully_shard) and returns it; each rank then reads only its own rows of every sharded
-        weight, so no rank ever holds the whole model, nor sft's fp32 copy of it."""
+        as from_pretrained builds it, weight for weight, but without allocating any weight before its
+        values are read: without accelerate (not a requirement) from_pretrained allocates the whole model
+        first, and refuses Wan (its fp32 modules). Without `shard`, every weight is read from the
+        folder's safetensors files. With it, shard(model) gets the model with its parameters still on
+        the meta device (buffers real), wraps it (LoRA, fully_shard) and returns it; each rank then
+        reads only its own rows of every sharded weight, so no rank ever holds the whole model, nor
+        sft's fp32 copy of it."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
         weights = Weights(self.path / folder)
@@ -194,15 +222,19 @@ class Adapter:
                     _replace(transformer, name, weights.read(name, self._load_dtype(name, dtype)).to(self.device))
             transformer.eval()  # as from_pretrained returns it
             if shard is None:
-                return transformer.to(self.device)
-            transformer = shard(transformer)
-            # fully_shard left the meta parameters on meta: allocate this rank's rows (FSDP's own _apply
-            # re-pads uneven shards), then fill them.
-            transformer._apply(lambda t: torch.empty_like(t, device=self.device) if t.is_meta else t)
-            with torch.no_grad():
-                for name, param in transformer.named_parameters():
-                    if name in weights.keys:
-                        weights.read_shard(name, param)
+                transformer.to(self.device)
+            else:
+                transformer = shard(transformer)
+                # fully_shard left the meta parameters on meta: allocate this rank's rows (FSDP's own
+                # _apply re-pads uneven shards), then fill them.
+                transformer._apply(lambda t: torch.empty_like(t, device=self.device) if t.is_meta else t)
+                with torch.no_grad():
+                    for name, param in transformer.named_parameters():
+                        if name in weights.keys:
+                            weights.read_shard(name, param)
+        log.info("loaded %s/: read %.1f%% of its %.1f MB of weights%s", folder,
+                 100 * weights.read_bytes / weights.data_bytes, weights.data_bytes / 2**20,
+                 ", this rank's shard" if shard else "")
         return transformer
 
     def transformer_from_state_dict(self, state: dict[str, torch.Tensor]):

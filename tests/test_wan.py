@@ -15,8 +15,8 @@ import data
 import lora
 import trainer
 import validate
-from config import load_config
-from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from config import ModelConfig, load_config
+from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from model import load_adapter
 from test_variants import one_rank_group
 from tools.make_tiny_model import make_tiny_wan
@@ -46,6 +46,16 @@ def wan_models(tmp_path_factory):
         return made[variant]
 
     return get
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loading_builds_on_meta_and_equals_from_pretrained(variant, wan_models, monkeypatch):
+    """bf16, with the class's fp32 modules: each expert's folder too."""
+    model_type, expert = VARIANTS[variant][:2]
+    adapter = load_adapter(ModelConfig(family="wan", path=str(wan_models(variant)), dtype="bf16", type=model_type,
+                                       expert=expert), torch.device("cpu"))
+    for folder in ["transformer", *adapter.other_experts()]:
+        assert_loads_lean(adapter, monkeypatch, folder)
 
 
 def test_tiny_models_carry_the_published_key_sets(wan_models):
