@@ -2,9 +2,10 @@
 its trainable weights.
 
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
-activation checkpointing per block, DDP or fully_shard per block then the root, then AdamW over the
-trainable parameters only (with, for fp16, the loss scale). trainer.py, the export command and the
-render command all build it here, so a checkpoint's keys are the same wherever it is loaded.
+activation checkpointing per block, DDP or fully_shard per block then the root (under FSDP the base
+weights are read only then, each rank its shard), then AdamW over the trainable parameters only (with,
+for fp16, the loss scale). trainer.py, the export command and the render command all build it here,
+so a checkpoint's keys are the same wherever it is loaded.
 """
 
 import contextlib
