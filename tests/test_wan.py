@@ -228,6 +228,15 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
                                                                            tmp_path / name, **lifecycle))
                for name in ("reference", "killed")}
     run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    if expert:  # once: each rank read its own rows of the base weights (Wan's 1-row scale_shift_tables
+        # leave rank 1 an empty, padded shard; the other expert is sharded too), so the held-out loss
+        # before any step is the one process's, which loads them whole.
+        one = wan_settings(variant, wan_models, base_settings, tiny_data, tmp_path / "one",
+                           **{**lifecycle, "parallel.strategy": "ddp", "train.steps": 1, "validation.prompts": []})
+        run_ok(["--cfg", str(write_toml(tmp_path / "one.toml", one))])
+        val_loss = [next(m["val/loss"] for m in read_metrics(tmp_path / name) if "val/loss" in m and m["step"] == 0)
+                    for name in ("reference", "one")]
+        assert val_loss[0] == pytest.approx(val_loss[1], rel=1e-5)
     assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}).returncode != 0
     resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
     assert f"resumed from step 3 ({tmp_path / 'killed' / 'checkpoint-3'})" in resumed.stderr
