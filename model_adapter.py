@@ -38,7 +38,8 @@ def resolved_config(model_class, path: Path, subfolder: str) -> dict:
 @contextlib.contextmanager
 def parameters_on_meta():
     """Every parameter a module registers goes to the meta device at once, so the initialisation that
-    follows in the module's __init__ touches no memory (what accelerate's init_empty_weights does);
+    follows in the module's __init__ touches no memory (what accelerate's init_empty_weights does; a
+    parameter made from a computed tensor, as Wan's small scale_shift_table, is computed first);
     buffers stay real, as the ones no file holds are computed only here."""
     register = torch.nn.Module.register_parameter
 
