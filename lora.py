@@ -28,7 +28,8 @@ COMFY_PREFIX = "diffusion_model."
 class LoRALinear(nn.Linear):
     """y = x W^T + b + (alpha / rank) * B(A(dropout(x))), with W and b the base layer's own Parameters."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, *, generator: torch.Generator):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, *, generator: torch.Generator,
+                 device: torch.device | None = None):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -40,8 +41,8 @@ class LoRALinear(nn.Linear):
         # Initialise on the CPU so the values do not depend on the device, then move.
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
         nn.init.zeros_(self.lora_B.weight)
-        self.lora_A.to(base.weight.device)
-        self.lora_B.to(base.weight.device)
+        self.lora_A.to(device or base.weight.device)
+        self.lora_B.to(device or base.weight.device)
         # Dropout masks come from this generator, never the global RNG, so a run is reproducible
         # from its seed; the trainer sets it per step with `set_dropout_generator`. Activation
         # checkpointing restores only the global RNG for its recompute, which would then draw a
@@ -95,9 +96,12 @@ def _matches(name: str, target: str) -> bool:
 
 
 def inject_lora(
-    model: nn.Module, target_modules: list[str], rank: int, alpha: float, dropout: float, seed: int
+    model: nn.Module, target_modules: list[str], rank: int, alpha: float, dropout: float, seed: int,
+    device: torch.device | None = None,
 ) -> list[str]:
-    """Replace every targeted nn.Linear by a LoRALinear, freeze everything else; return the sorted names."""
+    """Replace every targeted nn.Linear by a LoRALinear, freeze everything else; return the sorted names.
+    The LoRA weights go to `device`, by default their base layer's (FSDP loading names the real one
+    while the base is still on the meta device)."""
     if _lora_modules(model):
         raise ValueError("inject_lora: the model already has LoRA layers")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -114,7 +118,8 @@ def inject_lora(
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout, generator=generator))
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout, generator=generator,
+                                          device=device))
     trainable = set(_lora_keys(model))
     for pname, param in model.named_parameters():
         param.requires_grad_(pname in trainable)

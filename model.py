@@ -2,9 +2,10 @@
 its trainable weights.
 
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
-the sequence split (parallel.sp_size), activation checkpointing per block, DDP or fully_shard per block
-then the root, then AdamW over the trainable parameters only (with, for fp16, the loss scale). trainer.py, the export command and the
-render command all build it here, so a checkpoint's keys are the same wherever it is loaded.
+the sequence split (parallel.sp_size), activation checkpointing per block, DDP or fully_shard per block then the root (under FSDP the base
+weights are read only then, each rank its shard), then AdamW over the trainable parameters only (with,
+for fp16, the loss scale). trainer.py, the export command and the render command all build it here,
+so a checkpoint's keys are the same wherever it is loaded.
 """
 
 import contextlib
@@ -33,41 +34,60 @@ def load_adapter(cfg: ModelConfig, device: torch.device):
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
     """Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the trained
     one under FSDP, replicated otherwise (DDP has nothing to synchronise without trainable weights)."""
-    transformer = adapter.load_transformer(folder=folder).eval().requires_grad_(False)
-    if adapter.sequence is not None:
-        adapter.split_sequence(transformer, adapter.sequence)
-    if parallel_cfg.strategy != "fsdp":
+    def split(transformer):
+        if adapter.sequence is not None:
+            adapter.split_sequence(transformer, adapter.sequence)
         return transformer
-    return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                         train.gradient_accumulation_steps, d)
+
+    if parallel_cfg.strategy != "fsdp":
+        return split(adapter.load_transformer(folder=folder).eval().requires_grad_(False))
+
+    def shard(transformer):
+        split(transformer)
+        return parallel.wrap(transformer.requires_grad_(False), adapter.blocks(transformer), parallel_cfg,
+                             train.mixed_precision, train.gradient_accumulation_steps, d)
+
+    return adapter.load_transformer(folder=folder, shard=shard)
 
 
 def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
                 d: parallel.Dist, lora_file: str = ""):
     """The wrapped transformer in train mode. `lora_file` (the render command's --lora) injects the
-    file's own rank, alpha and targets instead of the config's."""
-    # from_pretrained returns eval mode: training mode is what turns LoRA dropout on.
-    transformer = adapter.load_transformer(torch.float32 if train.training_type == "sft" else None).train()
-    if lora_file:
-        weights, info = lora.load_lora(lora_file, adapter.diffusers_key)
-        lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, seed)
-        lora.load_lora_into(transformer, weights)
-    elif train.training_type == "lora":
-        lora.inject_lora(transformer, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.dropout, seed)
-        if lora_cfg.init_from:
-            weights, info = lora.load_lora(lora_cfg.init_from, adapter.diffusers_key)
-            check_lora_matches(lora_cfg, info)
+    file's own rank, alpha and targets instead of the config's. Under FSDP the frozen weights stay on
+    the meta device until after fully_shard, when each rank reads its shard (adapter.load_transformer);
+    LoRA's are made whole on every rank first, so they are the same whatever the strategy."""
+    fsdp = parallel_cfg.strategy == "fsdp"
+
+    def prepare(transformer):
+        # from_pretrained returns eval mode: training mode is what turns LoRA dropout on.
+        transformer.train()
+        lora_device = d.device if fsdp else None
+        if lora_file:
+            weights, info = lora.load_lora(lora_file, adapter.diffusers_key)
+            lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, seed, lora_device)
             lora.load_lora_into(transformer, weights)
-    if parallel_cfg.sp_size > 1:
-        sequence.check_heads(parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
-        adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
-    if train.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in transformer.parameters())
-    log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
-    return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                         train.gradient_accumulation_steps, d)
+        elif train.training_type == "lora":
+            lora.inject_lora(transformer, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha,
+                             lora_cfg.dropout, seed, lora_device)
+            if lora_cfg.init_from:
+                weights, info = lora.load_lora(lora_cfg.init_from, adapter.diffusers_key)
+                check_lora_matches(lora_cfg, info)
+                lora.load_lora_into(transformer, weights)
+        if parallel_cfg.sp_size > 1:
+            sequence.check_heads(parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
+            adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
+        if train.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in transformer.parameters())
+        log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+        return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
+                             train.gradient_accumulation_steps, d)
+
+    trainable_dtype = torch.float32 if train.training_type == "sft" else None
+    if fsdp:
+        return adapter.load_transformer(trainable_dtype, shard=prepare)
+    return prepare(adapter.load_transformer(trainable_dtype))
 
 
 def check_lora_matches(cfg: LoraConfig, info: dict) -> None:

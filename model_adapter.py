@@ -9,11 +9,16 @@ classes' resolved configs: the file's values over the class's defaults, since pu
 keys newer diffusers versions add.
 """
 
+import contextlib
 import inspect
+import json
 import logging
+import math
+import re
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoTokenizer
 
 from config import ConfigError, ModelConfig, check_resolution
@@ -28,6 +33,128 @@ def resolved_config(model_class, path: Path, subfolder: str) -> dict:
                 if p.default is not inspect.Parameter.empty}
     saved = model_class.load_config(path, subfolder=subfolder)
     return {**defaults, **{k: v for k, v in saved.items() if not k.startswith("_")}}
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter a module registers goes to the meta device at once, so the initialisation that
+    follows in the module's __init__ touches no memory (what accelerate's init_empty_weights does; a
+    parameter made from a computed tensor, as Wan's small scale_shift_table, is computed first);
+    buffers stay real, as the ones no file holds are computed only here."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _replace(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put tensor in place of the parameter or buffer `name` (a parameter stays one, as trainable as it was)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        tensor = torch.nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
+        module._parameters[leaf] = tensor
+    else:
+        module._buffers[leaf] = tensor
+
+
+# safetensors' dtype names.
+FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool}
+
+
+class Weights:
+    """The safetensors files of a diffusers model folder (one file, or shards listed by an index), read
+    one tensor, or one rank's rows of one, at a time. Read with plain reads into the tensor, not through
+    safetensors' memory map: the mapped pages a read touches count in the process's resident size until
+    the map closes, so a mapped file would add its own size to the peak of loading."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        index = folder / "diffusion_pytorch_model.safetensors.index.json"
+        single = folder / "diffusion_pytorch_model.safetensors"
+        if index.is_file():
+            paths = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        elif single.is_file():
+            paths = [single]
+        else:
+            raise ConfigError(f"{folder} holds no diffusion_pytorch_model.safetensors (nor its .index.json): "
+                              "the transformer's weights are missing")
+        # key -> (file, dtype, shape, first byte in the file)
+        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}
+        self.data_bytes = 0
+        for path in paths:
+            with path.open("rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length))
+            header.pop("__metadata__", None)
+            for key, entry in header.items():
+                begin, end = entry["data_offsets"]
+                self.entries[key] = (path, FILE_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin)
+                self.data_bytes += end - begin
+        self.keys: list[str] = []
+        self.read_bytes = 0  # of tensor data, as stored
+        self._open: dict[Path, object] = {}
+
+    def check(self, model: torch.nn.Module, ignored: list[str]) -> None:
+        """The files must hold exactly the model's state dict (keys and shapes), but for the class's
+        ignored unexpected keys."""
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        unexpected = [k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)]
+        missing = [k for k in expected if k not in self.entries]
+        if missing or unexpected:
+            raise ConfigError(f"{self.folder}: the weights do not fit {type(model).__name__} built from its "
+                              f"config.json: {len(missing)} missing (first: {missing[:3]}), {len(unexpected)} "
+                              f"unexpected (first: {unexpected[:3]})")
+        self.keys = [k for k in expected if k in self.entries]
+        wrong = [k for k in self.keys if self.entries[k][2] != expected[k]]
+        if wrong:
+            raise ConfigError(f"{self.folder}: {len(wrong)} weights have another shape than its config.json "
+                              f"gives (first: {wrong[0]})")
+
+    @contextlib.contextmanager
+    def opened(self):
+        with contextlib.ExitStack() as stack:
+            self._open = {path: stack.enter_context(path.open("rb"))
+                          for path in {entry[0] for entry in self.entries.values()}}
+            try:
+                yield
+            finally:
+                self._open = {}
+
+    def _rows(self, key: str, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of dim 0 (the whole tensor for a 0-dim one), as stored."""
+        path, dtype, shape, offset = self.entries[key]
+        row = math.prod(shape[1:]) * dtype.itemsize
+        tensor = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
+        file = self._open[path]
+        file.seek(offset + start * row)
+        if file.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != tensor.nbytes:
+            raise ConfigError(f"{path} is truncated: {key} is cut short")
+        self.read_bytes += tensor.nbytes
+        return tensor
+
+    def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        tensor = self._rows(key, 0, (self.entries[key][2] or (1,))[0])
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def read_shard(self, key: str, param: torch.Tensor) -> None:
+        """Copy this rank's part of `key` into the sharded parameter (a DTensor sharded on dim 0 by
+        FSDP2, replicated on HSDP's other mesh dimension): only those rows are read."""
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = param.to_local()
+        if tuple(local.shape) != tuple(shape) or any(offset[1:]):
+            raise ValueError(f"{key}: expected a dim-0 shard, got {local.shape} at {offset}")
+        local.copy_(self._rows(key, offset[0], shape[0]))
 
 
 def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> torch.Tensor:
@@ -76,19 +203,69 @@ class Adapter:
         check_resolution(resolution, self.frame_multiple, self.size_multiple, key)
 
     # Loading.
-    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = ""):
-        """The transformer this run trains (or another expert's folder), in trainable_dtype or model.dtype."""
-        transformer = self.TRANSFORMER.from_pretrained(self.path, subfolder=folder or self.transformer_folder,
-                                                       dtype=trainable_dtype or self.dtype)
-        return transformer.to(self.device)
+    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None):
+        """The transformer this run trains (or another expert's folder), in trainable_dtype or model.dtype,
+        as from_pretrained builds it, weight for weight, but without allocating any weight before its
+        values are read: without accelerate (not a requirement) from_pretrained allocates the whole model
+        first, and refuses Wan (its fp32 modules). Without `shard`, every weight is read from the
+        folder's safetensors files. With it, shard(model) gets the model with its parameters still on
+        the meta device (buffers real), wraps it (LoRA, fully_shard) and returns it; each rank then
+        reads only its own rows of every sharded weight, so no rank ever holds the whole model, nor
+        sft's fp32 copy of it."""
+        folder = folder or self.transformer_folder
+        dtype = trainable_dtype or self.dtype
+        weights = Weights(self.path / folder)
+        transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
+        weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
+        buffers = dict(transformer.named_buffers())
+        with weights.opened():
+            for name in weights.keys:
+                if shard is None or name in buffers:  # buffers are whole on every rank
+                    _replace(transformer, name, weights.read(name, self._load_dtype(name, dtype)).to(self.device))
+            transformer.eval()  # as from_pretrained returns it
+            if shard is None:
+                transformer.to(self.device)
+            else:
+                transformer = shard(transformer)
+                # fully_shard left the meta parameters on meta: allocate this rank's rows (FSDP's own
+                # _apply re-pads uneven shards), then fill them.
+                transformer._apply(lambda t: torch.empty_like(t, device=self.device) if t.is_meta else t)
+                with torch.no_grad():
+                    for name, param in transformer.named_parameters():
+                        if name in weights.keys:
+                            weights.read_shard(name, param)
+        log.info("loaded %s/: read %.1f%% of its %.1f MB of weights%s", folder,
+                 100 * weights.read_bytes / weights.data_bytes, weights.data_bytes / 2**20,
+                 ", this rank's shard" if shard else "")
+        return transformer
 
     def transformer_from_state_dict(self, state: dict[str, torch.Tensor]):
-        """A CPU transformer in model.dtype holding a full state dict, for export. Built on the meta device
-        and given the tensors themselves, so rank 0 holds the weights once, not twice."""
-        with torch.device("meta"):
-            transformer = self.TRANSFORMER.from_config(self.transformer_config)
+        """A CPU transformer in model.dtype holding a full state dict, for export. Built with its weights
+        on the meta device and given the tensors themselves, so rank 0 holds the weights once, not twice."""
+        transformer = self._empty_transformer(self.transformer_config, self.dtype)
         transformer.load_state_dict({k: v.to(self.dtype) for k, v in state.items()}, assign=True)
         return transformer
+
+    def _empty_transformer(self, config: dict, dtype: torch.dtype):
+        """The transformer with its parameters on the meta device, each in the dtype from_pretrained gives
+        it (the class's _keep_in_fp32_modules stay fp32), and its buffers computed as from_pretrained
+        computes them: under dtype as the default (the buffers no file holds, rotary tables and sincos
+        positions, are only made here)."""
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with parameters_on_meta():
+                transformer = self.TRANSFORMER.from_config(config)
+        finally:
+            torch.set_default_dtype(previous)
+        for name, param in transformer.named_parameters():
+            _replace(transformer, name, param.to(self._load_dtype(name, dtype)))
+        return transformer
+
+    def _load_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """A floating weight's dtype, by from_pretrained's rule."""
+        keep = self.TRANSFORMER._keep_in_fp32_modules or []
+        return torch.float32 if any(m in name.split(".") for m in keep) else dtype
 
     def _load_vae(self):
         if self._vae is None:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from diffusers.models import modeling_utils
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -135,3 +137,29 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def train_losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(output_dir) if "train/loss" in m}
+
+
+def assert_loads_lean(adapter, monkeypatch, folder: str = "") -> None:
+    """adapter.load_transformer with accelerate hidden (requirements.txt does not list it; without it
+    from_pretrained allocates every weight for real, and refuses Wan): every parameter is registered on
+    the meta device (so no initialisation touches memory), and the result equals from_pretrained's (with
+    accelerate) tensor for tensor, dtypes, buffers and eval mode included."""
+    folder = folder or adapter.transformer_folder
+    reference = adapter.TRANSFORMER.from_pretrained(adapter.path, subfolder=folder, dtype=adapter.dtype)
+    on_meta, register = [], torch.nn.Module.register_parameter
+
+    def record(module, name, param):
+        on_meta.append(param is None or param.is_meta)
+        register(module, name, param)
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "accelerate", None)  # `import accelerate` raises ImportError
+        m.setattr(modeling_utils, "is_accelerate_available", lambda: False)
+        m.setattr(torch.nn.Module, "register_parameter", record)
+        ours = adapter.load_transformer(folder=folder)
+    assert on_meta and all(on_meta), f"{on_meta.count(False)} parameters registered off the meta device"
+    theirs = {**dict(reference.named_buffers()), **dict(reference.named_parameters())}
+    mine = {**dict(ours.named_buffers()), **dict(ours.named_parameters())}
+    assert mine.keys() == theirs.keys()
+    different = [k for k in theirs if mine[k].dtype != theirs[k].dtype or not torch.equal(mine[k], theirs[k])]
+    assert different == [] and not ours.training

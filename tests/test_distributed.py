@@ -2,6 +2,7 @@
 shards the state, a failing rank ends the job with one message, the non-finite guard."""
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -122,20 +123,23 @@ def test_two_nodes_through_launch_sh(variant_runs, write_config, tmp_path):
 
 
 def test_fsdp_shards_sft_state(write_config, tmp_path):
-    """Full fine-tuning on 2 ranks: FSDP holds about half of DDP's parameter + optimizer bytes per rank."""
-    state_mb = {}
+    """Full fine-tuning on 2 ranks: FSDP holds about half of DDP's parameter + optimizer bytes per rank,
+    and rank 0 read only its half of the weight file (its shard, made fp32 from the file's rows)."""
+    state_mb, read = {}, {}
     for strategy in ("ddp", "fsdp"):
         cfg = write_config(strategy, **{"train.training_type": "sft", "parallel.strategy": strategy,
                                         "train.steps": 2, "checkpoint.checkpointing_steps": 2,
                                         "validation.do_validation": False})
-        run_ok(["--cfg", str(cfg)], nproc=2)
+        result = run_ok(["--cfg", str(cfg)], nproc=2)
         state_mb[strategy] = read_metrics(tmp_path / strategy)[0]["train/state_mb"]
+        read[strategy] = float(re.search(r"loaded transformer/: read ([\d.]+)% of", result.stderr).group(1))
         # The export holds exactly the final checkpoint's weights, as DCP's own converter reads them.
         dcp_to_torch_save(tmp_path / strategy / "checkpoint-2", tmp_path / f"{strategy}.pt")
         trained = torch.load(tmp_path / f"{strategy}.pt", weights_only=True)["model"]
         exported = CogVideoXTransformer3DModel.from_pretrained(tmp_path / strategy / "transformer").state_dict()
         assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
     assert 0.45 < state_mb["fsdp"] / state_mb["ddp"] < 0.55, state_mb
+    assert read["ddp"] == 100.0 and 45 < read["fsdp"] < 55, read
     assert train_losses(tmp_path / "ddp") == pytest.approx(train_losses(tmp_path / "fsdp"), rel=RTOL)
 
 

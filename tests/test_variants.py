@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline, CogVideoXTransformer3DModel
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import cache
 import data
@@ -19,7 +19,7 @@ import parallel
 import trainer
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from model import load_adapter
 
 COMMON = {"activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
@@ -235,6 +235,34 @@ def test_shapes_each_variant_refuses_before_compute(tiny_models):
         capped.check_resolution([9, 64, 32], "validation.resolution")
     with pytest.raises(ConfigError, match="model.type = \"t2v\", but .* is an image-to-video model"):
         load_adapter(ModelConfig(path=str(tiny_models("5b-i2v")), dtype="fp32"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("variant", PUBLISHED)
+def test_loading_builds_on_meta_and_equals_from_pretrained(variant, tiny_models, monkeypatch):
+    adapter = load_adapter(ModelConfig(path=str(tiny_models(variant)), dtype="bf16", type=model_type(variant)),
+                           torch.device("cpu"))
+    assert_loads_lean(adapter, monkeypatch)
+
+
+def test_loading_reads_sharded_files_and_names_the_folder_on_a_mismatch(tiny_models, monkeypatch, tmp_path):
+    path = tmp_path / "sharded"
+    shutil.copytree(tiny_models("2b"), path)
+    CogVideoXTransformer3DModel.from_pretrained(path, subfolder="transformer").save_pretrained(
+        path / "transformer", max_shard_size="100KB")
+    assert (path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    adapter = load_adapter(ModelConfig(path=str(path), dtype="fp32"), torch.device("cpu"))
+    assert_loads_lean(adapter, monkeypatch)
+    weights = load_file(tiny_models("2b") / "transformer" / "diffusion_pytorch_model.safetensors")
+    shutil.rmtree(path / "transformer")
+    shutil.copytree(tiny_models("2b") / "transformer", path / "transformer")
+    file = path / "transformer" / "diffusion_pytorch_model.safetensors"
+    save_file({**{k: v for k, v in weights.items() if k != "proj_out.bias"}, "extra.weight": torch.zeros(1)}, file)
+    with pytest.raises(ConfigError, match=rf"{path / 'transformer'}: .* 1 missing .*proj_out.bias.* 1 unexpected "
+                                          r".*extra.weight"):
+        adapter.load_transformer()
+    save_file({**weights, "proj_out.bias": torch.zeros(3)}, file)
+    with pytest.raises(ConfigError, match=r"1 weights have another shape .* proj_out.bias"):
+        adapter.load_transformer()
 
 
 def test_tiled_vae_decode_equals_the_pipelines(tiny_models, tmp_path):

@@ -15,8 +15,8 @@ import data
 import lora
 import trainer
 import validate
-from config import load_config
-from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from config import ModelConfig, load_config
+from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from model import load_adapter
 from test_variants import one_rank_group
 
@@ -32,6 +32,16 @@ VARIANTS = {
     "a14b-i2v": ("i2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
 }
 PROMPTS = ["a red circle moves right", "a blue square moves up"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loading_builds_on_meta_and_equals_from_pretrained(variant, wan_models, monkeypatch):
+    """bf16, with the class's fp32 modules: each expert's folder too."""
+    model_type, expert = VARIANTS[variant][:2]
+    adapter = load_adapter(ModelConfig(family="wan", path=str(wan_models(variant)), dtype="bf16", type=model_type,
+                                       expert=expert), torch.device("cpu"))
+    for folder in ["transformer", *adapter.other_experts()]:
+        assert_loads_lean(adapter, monkeypatch, folder)
 
 
 def test_tiny_models_carry_the_published_key_sets(wan_models):
@@ -204,6 +214,15 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
                                                                            tmp_path / name, **lifecycle))
                for name in ("reference", "killed")}
     run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    if expert:  # once: each rank read its own rows of the base weights (Wan's 1-row scale_shift_tables
+        # leave rank 1 an empty, padded shard; the other expert is sharded too), so the held-out loss
+        # before any step is the one process's, which loads them whole.
+        one = wan_settings(variant, wan_models, base_settings, tiny_data, tmp_path / "one",
+                           **{**lifecycle, "parallel.strategy": "ddp", "train.steps": 1, "validation.prompts": []})
+        run_ok(["--cfg", str(write_toml(tmp_path / "one.toml", one))])
+        val_loss = [next(m["val/loss"] for m in read_metrics(tmp_path / name) if "val/loss" in m and m["step"] == 0)
+                    for name in ("reference", "one")]
+        assert val_loss[0] == pytest.approx(val_loss[1], rel=1e-5)
     assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}).returncode != 0
     resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
     assert f"resumed from step 3 ({tmp_path / 'killed' / 'checkpoint-3'})" in resumed.stderr
