@@ -6,9 +6,10 @@ and our sampling step against diffusers' pipeline's.
 Nothing is downloaded: each transformer is built from its published config (bench_memory.PUBLISHED)
 with random weights, through model.build_model (LoRA rank 128 and alpha 64 on q, k, v, out as
 configs/lora.toml, activation checkpointing, train.compile), then fused AdamW (bench_memory.build).
-A training step is trainer.py's on a batch of 1 of random 49x480x720 latents (13x60x90) and 226 text
-embeddings: the loss under bf16 autocast, backward, clip, AdamW step, zero_grad; --steps are timed after
-2 warm-up steps (which include the compile). Each configuration runs in a fresh process:
+A training step does the model work of trainer.py's on a batch of 1 of random 49x480x720 latents
+(13x60x90) and 226 text embeddings: the adapter's train_loss under bf16 autocast, backward, clip, AdamW
+step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed after 2 warm-up steps
+(which include the compile). Each configuration runs in a fresh process:
 
     2b-lora     CogVideoX-2B LoRA, checkpointing
     5b-lora     CogVideoX-5B LoRA, checkpointing
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import PUBLISHED, TRANSFORMERS, build, make_adapter, materialize, meta_transformer  # noqa: E402
+from bench_memory import TRANSFORMERS, build, make_adapter, materialize, meta_transformer  # noqa: E402
 
 import parallel  # noqa: E402
 import validate  # noqa: E402
@@ -86,10 +87,12 @@ def sizes(adapter, resolution) -> dict:
 
 
 def linear_weights(model) -> tuple[int, int]:
-    """(N, N_lora): block linears every token passes (not the norms' timestep projections), and LoRA's."""
+    """(N, N_lora): base weights of the block linears every token passes (not the norms' timestep
+    projections), and LoRA's weights."""
     n = 0
     for name, module in model.named_modules():
-        if ".transformer_blocks." in f".{name}" and isinstance(module, torch.nn.Linear) and ".norm" not in name:
+        if (".transformer_blocks." in f".{name}" and isinstance(module, torch.nn.Linear) and ".norm" not in name
+                and "lora_" not in name):
             n += module.weight.numel()
     n_lora = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
     return n, n_lora
