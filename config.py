@@ -78,6 +78,8 @@ class TrainConfig:
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     # Recompute each transformer block in the backward pass to save activation memory.
     gradient_checkpointing: bool = True
+    # torch.compile each transformer block (regional: one compile serves every block); slow first steps.
+    compile: bool = False
     # Optimizer steps between metric reductions and log lines.
     log_every: int = 1
     # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped;
@@ -107,6 +109,9 @@ class ParallelConfig:
     # between them; must divide the world size and the model's attention heads. Per-rank batches count
     # sp groups: the global batch is batch_size x accumulation x world / sp_size.
     sp_size: int = 1
+    # FSDP: keep the sharded weights, gradients and optimizer state in CPU memory (FSDP2's
+    # CPUOffloadPolicy; AdamW steps on the CPU): for GPUs too small for them, at a cost in speed.
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -324,6 +329,8 @@ def check_values(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
             raise ConfigError(f"{key} must be at least 1")
+    if cfg.parallel.cpu_offload and cfg.parallel.strategy != "fsdp":
+        raise ConfigError("parallel.cpu_offload offloads FSDP's shards: set parallel.strategy = \"fsdp\" or remove it")
     if len(cfg.data.train_resolution) != 3:
         raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:

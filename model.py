@@ -78,6 +78,11 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
             adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
         if train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        if train.compile:
+            # Each block, not the whole model: its repeated blocks share one compiled graph, and the
+            # checkpointing and FSDP units stay what they are (fully_shard comes after, as torchtitan does).
+            for block in adapter.blocks(transformer):
+                block.compile()
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         total = sum(p.numel() for p in transformer.parameters())
         log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)

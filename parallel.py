@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from config import ConfigError, ParallelConfig, load_config
@@ -251,9 +251,11 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelCon
         mesh = init_device_mesh(d.device.type, (d.world,))
     # Parameters are gathered in the autocast dtype; gradients are reduced in fp32.
     policy = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[mixed_precision], reduce_dtype=torch.float32)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    # Pinned host memory lets the copies to and from the GPU overlap compute; a CPU-only torch has none.
+    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    for module in [*blocks, model]:
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward,
+                    offload_policy=offload)
     return model
 
 

@@ -52,6 +52,7 @@ GIB = 2**30
 TRANSFORMERS = {"cogvideox": CogVideoXTransformer3DModel, "wan": WanTransformer3DModel}
 # Published transformer configs (cogvideox.md: 5B's values besides these are the class defaults; wan.md).
 PUBLISHED = {
+    "cogvideox-2b": ("cogvideox", {"num_attention_heads": 30, "num_layers": 30}),  # the class defaults, spelled out
     "cogvideox-5b": ("cogvideox", {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}),
     "wan2.1-t2v-14b": ("wan", {"num_attention_heads": 40, "attention_head_dim": 128, "num_layers": 40, "ffn_dim": 13824,
                                "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "eps": 1e-6,

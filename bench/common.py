@@ -14,9 +14,10 @@ from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 
-def tiny_settings(root: Path) -> dict:
-    """Write the tiny model and 24 clips under root; the fp32 settings that train on them."""
-    make_tiny_model(str(root / "model"))
+def tiny_settings(root: Path, transformer_settings: dict | None = None) -> dict:
+    """Write the tiny model (its transformer_settings overridden) and 24 clips under root; the fp32
+    settings that train on them."""
+    make_tiny_model(str(root / "model"), transformer_settings=transformer_settings)
     make_synthetic_dataset(str(root / "data"), num_videos=24, frames=17, height=40, width=48, seed=0)
     return {"model.path": str(root / "model"), "model.dtype": "fp32", "data.data_root": str(root / "data"),
             "data.train_resolution": [9, 32, 32], "data.cache_dir": str(root / "cache"),

@@ -37,6 +37,7 @@ def test_overrides_are_toml_literals_or_strings():
     (["--data.train_resolution", "[9, 32]"], "[frames, height, width]"),
     (["--lora.target_modules", "to_q"], "lora.target_modules must be a list"),
     (["--train.steps", "0"], "train.steps must be at least 1"),
+    (["--parallel.cpu_offload", "true"], 'parallel.cpu_offload offloads FSDP\'s shards: set parallel.strategy = "fsdp"'),
 ])
 def test_mistakes_name_the_key(args, message):
     with pytest.raises(ConfigError, match=None) as error:

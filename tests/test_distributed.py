@@ -21,13 +21,15 @@ from model import build_model
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
-# G = 4 in every variant: 1 x 4, 2 ranks x 2, accumulation 2 x 2, 4 ranks x 1 as 2 replicas of 2 shards.
+# G = 4 in every variant: 1 x 4, 2 ranks x 2, accumulation 2 x 2, 4 ranks x 1 as 2 replicas of 2 shards
+# (with FSDP2's CPU offload policy: on CPUs it runs the same code, with nothing to move).
 VARIANTS = {
     "one_process": ({"train.batch_size": 4}, 1),
     "accumulation": ({"train.batch_size": 2, "train.gradient_accumulation_steps": 2}, 1),
     "ddp": ({"train.batch_size": 2, "parallel.strategy": "ddp"}, 2),
     "fsdp": ({"train.batch_size": 2, "parallel.strategy": "fsdp"}, 2),
-    "hsdp": ({"train.batch_size": 1, "parallel.strategy": "fsdp", "parallel.dp_replicate": 2}, 4),
+    "hsdp": ({"train.batch_size": 1, "parallel.strategy": "fsdp", "parallel.dp_replicate": 2,
+              "parallel.cpu_offload": True}, 4),
 }
 
 

@@ -71,6 +71,23 @@ def test_same_seed_same_run(write_config, tmp_path):
     assert train_losses(tmp_path / "dropout") != train_losses(tmp_path / "first")
 
 
+def test_compile_trains_as_eager(write_config, tmp_path):
+    """train.compile (inductor, each block, inside activation checkpointing) computes eager's 4 steps: losses
+    and weights within rtol 1e-4 (measured: 2e-8 apart). The compile costs about 50 s on 2 cores when
+    inductor's on-disk cache is cold, about 8 s from it."""
+    settings = {"train.steps": 4, "checkpoint.checkpointing_steps": 4, "validation.do_validation": False}
+    run_ok(["--cfg", str(write_config("eager", **settings))])
+    run_ok(["--cfg", str(write_config("compiled", **settings, **{"train.compile": True,
+                                                                  "train.gradient_checkpointing": True}))])
+    eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys() == {1, 2, 3, 4}
+    torch.testing.assert_close(list(compiled.values()), list(eager.values()), rtol=1e-4, atol=0)
+    weights, reference = (lora.load_lora(str(lora_file(tmp_path / name)))[0] for name in ("compiled", "eager"))
+    assert weights.keys() == reference.keys()
+    for key in weights:
+        torch.testing.assert_close(weights[key], reference[key], rtol=1e-4, atol=1e-7, msg=key)
+
+
 def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
     """The exported LoRA holds exactly the weights of the last checkpoint, as DCP's own converter reads it,
     with the trained alpha in its metadata; the checkpoint holds no frozen weight."""

@@ -135,8 +135,10 @@ def keep_keys(config_file: Path, keys: set[str]) -> None:
                                       indent=2, sort_keys=True) + "\n")
 
 
-def make_tiny_model(out: str, variant: str = "5b", seed: int = 0) -> None:
+def make_tiny_model(out: str, variant: str = "5b", seed: int = 0, transformer_settings: dict | None = None) -> None:
+    """`transformer_settings` override the tiny transformer's (a wider or deeper one for benchmarks)."""
     model_type, settings, scaling_factor, snr_shift_scale = COGVIDEOX_VARIANTS[variant]
+    settings = {**settings, **(transformer_settings or {})}
     is_15 = variant.startswith("1.5")
     tokenizer = make_tokenizer()
     with torch.random.fork_rng(devices=[]):

@@ -1,0 +1,236 @@
+"""Full-size CogVideoX on one GPU: seconds per training step, model FLOP utilisation (MFU) and peak memory,
+and our sampling step against diffusers' pipeline's.
+
+    python bench/bench_gpu.py [--steps 4] [--sampling-steps 4] [--peak-tflops 989] [--only NAME ...] [--smoke]
+
+Nothing is downloaded: each transformer is built from its published config (bench_memory.PUBLISHED)
+with random weights, through model.build_model (LoRA rank 128 and alpha 64 on q, k, v, out as
+configs/lora.toml, activation checkpointing, train.compile), then fused AdamW (bench_memory.build).
+A training step does the model work of trainer.py's on a batch of 1 of random 49x480x720 latents
+(13x60x90) and 226 text embeddings: the adapter's train_loss under bf16 autocast, backward, clip, AdamW
+step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed after 2 warm-up steps
+(which include the compile). Each configuration runs in a fresh process:
+
+    2b-lora     CogVideoX-2B LoRA, checkpointing
+    5b-lora     CogVideoX-5B LoRA, checkpointing
+    5b-compile  5B LoRA, checkpointing, train.compile
+    5b-no-ckpt  5B LoRA without checkpointing (running out of memory is reported as a result)
+    sampling    5B, one guided sampling step (CFG batch 2, DPM): validate.sample_latents with fused QKV
+                against CogVideoXPipeline(output_type="latent"), same weights, embeddings and seed
+
+Model FLOPs of a step (what the step must compute; checkpointing's recompute is not counted), per
+sample, for S tokens (226 text + the video's patches), L layers, width D = heads x head_dim, N the
+weights of the block linears every token passes (attention's q, k, v, out and the feed-forward; not
+the norms' projections of the timestep embedding, which see one token per sample):
+    linear layers  forward 2NS; backward 2NS for the input gradients, plus 2NS for weight gradients
+                   of trained weights only: LoRA 4NS + 6 N_lora S in all (full training: 6NS)
+    attention      forward 4 L S^2 D (QK^T and PV), backward twice that: 12 L S^2 D in all
+A guided sampling step is two forwards: 2 (2NS + 4 L S^2 D). MFU = model FLOPs / (seconds x peak);
+peak = 989 TFLOPS, H100/H200 SXM dense bf16 (--peak-tflops for another chip). Peak memory is
+torch.cuda.max_memory_allocated over the timed steps, weights and optimizer state included.
+
+--smoke runs the same code on the CPU with 2-layer, 2-head versions of the models at 9x64x64 for one
+step: it checks that the code runs; its figures mean nothing.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_memory import TRANSFORMERS, build, make_adapter, materialize, meta_transformer  # noqa: E402
+
+import parallel  # noqa: E402
+import validate  # noqa: E402
+from config import Config, ValidationConfig  # noqa: E402
+
+CONFIGS = {  # name: (arch, train settings)
+    "2b-lora": ("cogvideox-2b", {"gradient_checkpointing": True}),
+    "5b-lora": ("cogvideox-5b", {"gradient_checkpointing": True}),
+    "5b-compile": ("cogvideox-5b", {"gradient_checkpointing": True, "compile": True}),
+    "5b-no-ckpt": ("cogvideox-5b", {"gradient_checkpointing": False}),
+    "sampling": ("cogvideox-5b", {}),
+}
+SMOKE = {"num_layers": 2, "num_attention_heads": 2}
+WARMUP = 2
+
+
+def setup(name: str, smoke: bool, root: Path):
+    """The config and adapter of one configuration (its transformer config shrunk for --smoke)."""
+    arch, train = CONFIGS[name]
+    cfg = Config()
+    cfg.data.train_resolution = [9, 64, 64] if smoke else [49, 480, 720]
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    cfg.model.dtype = "bf16"
+    device = torch.device("cpu" if smoke else "cuda")
+    family, adapter = make_adapter(cfg, arch, root, device)
+    if smoke:
+        adapter.transformer_config.update(SMOKE)
+    return cfg, family, adapter, device
+
+
+def sizes(adapter, resolution) -> dict:
+    """Latent shape [C, F', h, w], tokens S, and the per-token linear weights N of one transformer."""
+    c = adapter.transformer_config
+    frames, height, width = resolution
+    latent = (adapter.latent_channels, (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio,
+              width // adapter.spatial_ratio)
+    tokens = c["max_text_seq_length"] + latent[1] * (latent[2] // c["patch_size"]) * (latent[3] // c["patch_size"])
+    return {"latent": latent, "S": tokens, "L": c["num_layers"], "D": c["num_attention_heads"] * c["attention_head_dim"]}
+
+
+def linear_weights(model) -> tuple[int, int]:
+    """(N, N_lora): base weights of the block linears every token passes (not the norms' timestep
+    projections), and LoRA's weights."""
+    n = 0
+    for name, module in model.named_modules():
+        if (".transformer_blocks." in f".{name}" and isinstance(module, torch.nn.Linear) and ".norm" not in name
+                and "lora_" not in name):
+            n += module.weight.numel()
+    n_lora = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    return n, n_lora
+
+
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
+    cfg, family, adapter, device = setup(name, smoke, root)
+    model, params, optimizer, _ = build(cfg, family, adapter, None, device, foreach=None)  # trainer's defaults
+    s = sizes(adapter, cfg.data.train_resolution)
+    n, n_lora = linear_weights(model)
+    flops = 4 * n * s["S"] + 6 * n_lora * s["S"] + 12 * s["L"] * s["S"] ** 2 * s["D"]
+    new = lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
+    batch = {"latent_mean": new((1, *s["latent"])), "latent_logvar": new((1, *s["latent"])),
+             "prompt_embeds": new((1, adapter.text_length, adapter.transformer_config["text_embed_dim"]))}
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    times = []
+    for i in range(WARMUP + steps):
+        if i == WARMUP:
+            parallel.reset_peak_memory(device)
+        synchronize(device)
+        start = time.perf_counter()
+        with autocast:
+            loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(i)]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "flops": flops, "tokens": s["S"],
+            "warmup_s": sum(times[:WARMUP]), "peak_gb": parallel.peak_memory_gb(device)}
+
+
+def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
+    """Seconds per guided step of ours and the pipeline's, over `steps` steps after a 1-step warm-up each."""
+    from diffusers import CogVideoXPipeline
+
+    cfg, family, adapter, device = setup("sampling", smoke, root)
+    transformer = meta_transformer(TRANSFORMERS[family], adapter.transformer_config, adapter.dtype).eval()
+    materialize(transformer, None, device)
+    s = sizes(adapter, cfg.data.train_resolution)
+    n, _ = linear_weights(transformer)
+    flops = 2 * (2 * n * s["S"] + 4 * s["L"] * s["S"] ** 2 * s["D"])
+    text = (1, adapter.text_length, adapter.transformer_config["text_embed_dim"])
+    embeds, negative = torch.randn(text, device=device).to(adapter.dtype), torch.randn(text, device=device).to(adapter.dtype)
+    frames, height, width = cfg.data.train_resolution
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                             scheduler=adapter.sampler(""))
+    pipe.set_progress_bar_config(disable=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def ours(k: int):
+        vcfg = ValidationConfig(num_inference_steps=k)
+        with torch.no_grad(), adapter.sampling_attention(transformer):
+            return validate.sample_latents(adapter, {adapter.transformer_folder: transformer}, adapter.sampler(""),
+                                           embeds, negative, torch.Generator().manual_seed(0), vcfg,
+                                           cfg.data.train_resolution, autocast)
+
+    def theirs(k: int):
+        return pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, num_frames=frames, height=height,
+                    width=width, num_inference_steps=k, guidance_scale=ValidationConfig().guidance_scale,
+                    generator=torch.Generator().manual_seed(0), output_type="latent").frames
+
+    result = {"flops": flops, "tokens": s["S"]}
+    for label, fn in (("ours", ours), ("pipeline", theirs)):
+        fn(1)
+        parallel.reset_peak_memory(device)
+        synchronize(device)
+        start = time.perf_counter()
+        latents = fn(steps)
+        synchronize(device)
+        result[label] = {"s_per_step": (time.perf_counter() - start) / steps, "peak_gb": parallel.peak_memory_gb(device)}
+        result[f"{label}_latents"] = latents.float().flatten()[:4096].cpu()
+    result["max_diff"] = (result.pop("ours_latents") - result.pop("pipeline_latents")).abs().max().item()
+    return result
+
+
+def one(name: str, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if name == "sampling":
+                return sampling_run(args.sampling_steps, args.smoke, Path(tmp))
+            return train_run(name, args.steps, args.smoke, Path(tmp))
+        except torch.OutOfMemoryError as e:
+            return {"oom": str(e).splitlines()[0]}
+
+
+def report(name: str, r: dict, peak_flops: float | None) -> None:
+    mfu = lambda seconds: f"{100 * r['flops'] / seconds / peak_flops:5.1f}%" if peak_flops else "  n/a"  # noqa: E731
+    if "oom" in r:
+        print(f"{name:12} out of memory: {r['oom']}")
+    elif name == "sampling":
+        for label in ("ours", "pipeline"):
+            x = r[label]
+            print(f"{name:12} {label:8} {x['s_per_step']:7.3f} s/step  MFU {mfu(x['s_per_step'])}  "
+                  f"peak {x['peak_gb']:6.1f} GB")
+        print(f"{'':12} pipeline / ours {r['pipeline']['s_per_step'] / r['ours']['s_per_step']:.3f}x; "
+              f"{r['tokens']} tokens; largest latent difference {r['max_diff']:.2e}")
+    else:
+        print(f"{name:12} {r['s_per_step']:7.3f} s/step  MFU {mfu(r['s_per_step'])}  peak {r['peak_gb']:6.1f} GB  "
+              f"({r['tokens']} tokens, {r['flops'] / 1e12:.3g} TFLOP/step, warm-up {r['warmup_s']:.0f} s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4, help="timed training steps (the median is reported)")
+    parser.add_argument("--sampling-steps", type=int, default=4)
+    parser.add_argument("--peak-tflops", type=float, help="the chip's dense bf16 peak (default: 989 on H100/H200)")
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, 1 step: checks the code only")
+    parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps = args.sampling_steps = 1
+    if args.one:
+        print(json.dumps(one(args.one, args)))
+        return
+    peak = args.peak_tflops
+    if peak is None and torch.cuda.is_available() and any(c in torch.cuda.get_device_name() for c in ("H100", "H200")):
+        peak = 989.0
+    device = "cpu (smoke: figures mean nothing)" if args.smoke else torch.cuda.get_device_name()
+    print(f"{device}; bf16 peak {peak or 'unknown'} TFLOPS; batch 1 at {'9x64x64' if args.smoke else '49x480x720'}, "
+          f"LoRA rank 128; median of {args.steps} steps after {WARMUP}")
+    for name in args.only:
+        child = [sys.executable, __file__, "--one", name, "--steps", str(args.steps),
+                 "--sampling-steps", str(args.sampling_steps), *(["--smoke"] if args.smoke else [])]
+        run = subprocess.run(child, capture_output=True, text=True)
+        if run.returncode:
+            print(f"{name:12} failed:\n{run.stderr[-3000:]}")
+            continue
+        report(name, json.loads(run.stdout.strip().splitlines()[-1]), peak and peak * 1e12)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
