@@ -331,6 +331,9 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"{key} must be at least 1")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy != "fsdp":
         raise ConfigError("parallel.cpu_offload offloads FSDP's shards: set parallel.strategy = \"fsdp\" or remove it")
+    if cfg.parallel.cpu_offload and cfg.train.mixed_precision == "fp16":
+        # The loss scale lives on the GPU and offloaded gradients on the CPU; untested there, so refused.
+        raise ConfigError("parallel.cpu_offload does not support train.mixed_precision = \"fp16\" yet: use \"bf16\"")
     if len(cfg.data.train_resolution) != 3:
         raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:

@@ -38,6 +38,8 @@ def test_overrides_are_toml_literals_or_strings():
     (["--lora.target_modules", "to_q"], "lora.target_modules must be a list"),
     (["--train.steps", "0"], "train.steps must be at least 1"),
     (["--parallel.cpu_offload", "true"], 'parallel.cpu_offload offloads FSDP\'s shards: set parallel.strategy = "fsdp"'),
+    (["--parallel.cpu_offload", "true", "--parallel.strategy", "fsdp", "--train.mixed_precision", "fp16"],
+     'parallel.cpu_offload does not support train.mixed_precision = "fp16" yet'),
 ])
 def test_mistakes_name_the_key(args, message):
     with pytest.raises(ConfigError, match=None) as error:
