@@ -6,6 +6,7 @@ configs, the loading code and the process-group setup under test are the ones us
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -122,7 +123,10 @@ def run_cmd(args: list[str], nproc: int = 1, env: dict | None = None, timeout: i
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", str(REPO / script), *args]
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    # A job started in the background by a non-interactive shell (as CI may be) ignores SIGINT, and so
+    # would the trainer it starts: the child gets the default disposition, as under a terminal.
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def run_ok(*args, **kwargs):

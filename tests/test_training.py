@@ -35,7 +35,7 @@ def test_training_lowers_the_held_out_loss(learned):
     losses = held_out(out)
     assert sorted(losses) == [0, 30, 60]
     assert losses[60] < 0.9 * losses[0], losses
-    assert "parameters: " in log and "global batch 2 = 2 per rank x 1 accumulation x 1 ranks" in log
+    assert "parameters: " in log and "global batch 2 = 2 per rank x 1 accumulation x 1 data-parallel ranks" in log
     assert f"step 60/60  held-out loss {losses[60]:.4f}" in log  # where the terminal shows it
     metrics = read_metrics(out)
     assert {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/peak_mem_gb"} <= set(metrics[1])
