@@ -1,4 +1,5 @@
-"""Checkpoints of the training state with torch.distributed.checkpoint (DCP), and the final export.
+"""Checkpoints of the training state with torch.distributed.checkpoint (DCP), and the command that
+exports any checkpoint (export.py writes the files).
 
     python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]
 
@@ -29,18 +30,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
+import export
 import faults
-import lora
 import parallel
-from config import CheckpointConfig, ConfigError, LoraConfig
-from model import EMA, build_model, load_adapter
+from config import CheckpointConfig, ConfigError
+from model import EMA, build_model, load_adapter, model_state
 
 log = logging.getLogger("vidtrain")
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
@@ -154,18 +154,6 @@ def _identity(tensor: torch.Tensor) -> tuple:
     """What a view of `tensor` depends on: the object, its local data (a DTensor's shard), requires_grad."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return id(tensor), local.data_ptr(), local.shape, tensor.requires_grad
-
-
-def model_state(model, training_type: str, **options) -> dict:
-    """The model's state dict as DCP keys it (FQNs), for LoRA only its trainable weights: DCP's
-    ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a persistent
-    buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise)."""
-    options = StateDictOptions(ignore_frozen_params=training_type == "lora", **options)
-    state = get_model_state_dict(model, options=options)
-    if training_type != "lora":
-        return state
-    trainable = {name.removeprefix("module.") for name, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in state.items() if k in trainable}
 
 
 def cached_planner() -> dcp.DefaultSavePlanner:
@@ -362,50 +350,6 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: parall
     set_model_state_dict(model, state["model"], options=options)
 
 
-def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None):
-    """The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on."""
-    _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "", d)
-    if ema is not None:
-        with ema.swapped_in():
-            _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "_ema", d)
-
-
-def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d) -> None:
-    """Gather only the exported weights to rank 0 and write them: the LoRA in diffusers' and PEFT's
-    layouts, or the full transformer with save_pretrained."""
-    state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
-    if not d.is_main:
-        return
-    if training_type == "lora":
-        folder = out / f"lora{suffix}"
-        folder.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.float() for k, v in state.items()}
-        args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
-        lora.save_lora(str(folder / "pytorch_lora_weights.safetensors"), *args, expert=adapter.expert)
-        lora.save_peft_adapter(str(folder), *args)
-        log.info("LoRA written to %s%s", folder / "pytorch_lora_weights.safetensors",
-                 f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "")
-        _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, out)
-    else:
-        adapter.transformer_from_state_dict(state).save_pretrained(out / f"transformer{suffix}")
-        log.info("transformer written to %s", out / f"transformer{suffix}")
-
-
-def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, out: Path) -> None:
-    """lora/comfy/<run>[_<expert>].safetensors in the original checkpoint's layout, where the family has
-    one that ComfyUI's native loader reads (Wan; not CogVideoX)."""
-    if not adapter.COMFY:
-        return
-    modules = {key.rsplit(".lora_", 1)[0] for key in weights}
-    unmapped = sorted(m for m in modules if adapter.comfy_key(m) is None)
-    if unmapped:
-        log.warning("no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3])
-        return
-    name = out.resolve().name + (f"_{adapter.expert}" if adapter.expert else "")
-    lora.save_comfy(str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key)
-    log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")
-
-
 def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:
     """Build the model as training does, load the checkpoint's trained weights (and EMA), export them."""
     with parallel.all_or_none():
@@ -415,7 +359,7 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     with parallel.all_or_none():
         load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
-    export(model, cfg.train.training_type, cfg.lora, adapter, out or cfg.run.output_dir, d, ema)
+    export.export(model, cfg.train.training_type, cfg.lora, adapter, out or cfg.run.output_dir, d, ema)
 
 
 def main(argv: list[str]) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import lora
 import parallel
@@ -206,3 +207,15 @@ class EMA:
             parallel.reshard(self.model)
             for param, saved in zip(self.params, online):
                 param.copy_(saved)
+
+
+def model_state(model, training_type: str, **options) -> dict:
+    """The model's state dict as DCP keys it (FQNs), for LoRA only its trainable weights: DCP's
+    ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a persistent
+    buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise)."""
+    options = StateDictOptions(ignore_frozen_params=training_type == "lora", **options)
+    state = get_model_state_dict(model, options=options)
+    if training_type != "lora":
+        return state
+    trainable = {name.removeprefix("module.") for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}

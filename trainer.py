@@ -19,8 +19,10 @@ import torch
 
 import ckpt
 import data
+import export
 import faults
 import lora
+import memory
 import parallel
 import validate
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
@@ -74,7 +76,7 @@ class TrainWindow:
         self.loss, self.start, self.first = torch.zeros((), device=d.device), time.perf_counter(), True
         self.skipped = torch.zeros((), dtype=torch.int64, device=d.device)  # steps whose update was skipped
         self.peak = 0.0  # of the window's training before a validation
-        parallel.reset_peak_memory(d.device, trim_heap=True)  # after the validation before step 1
+        memory.reset_peak_memory(d.device, trim_heap=True)  # after the validation before step 1
 
     def add_step(self, loss: torch.Tensor, skipped: torch.Tensor) -> None:
         self.loss += loss
@@ -83,17 +85,17 @@ class TrainWindow:
     @contextlib.contextmanager
     def paused(self):
         """Around a validation: the training peak so far is kept, and a new one starts after it."""
-        self.peak = max(self.peak, parallel.peak_memory_gb(self.d.device))
+        self.peak = max(self.peak, memory.peak_memory_gb(self.d.device))
         paused_at = time.perf_counter()
         try:
             yield
         finally:
             self.start += time.perf_counter() - paused_at
-            parallel.reset_peak_memory(self.d.device, trim_heap=True)
+            memory.reset_peak_memory(self.d.device, trim_heap=True)
 
     def flush(self, step: int, grad_norm: torch.Tensor, model, optimizer, scaler: LossScaler) -> dict[str, float]:
         steps = step - self.last_step
-        peak = torch.tensor(max(self.peak, parallel.peak_memory_gb(self.d.device)), device=self.d.device)
+        peak = torch.tensor(max(self.peak, memory.peak_memory_gb(self.d.device)), device=self.d.device)
         values = {
             "train/loss": parallel.mean_over_ranks(self.loss).item() / steps,
             "train/lr": optimizer.param_groups[0]["lr"],
@@ -109,11 +111,11 @@ class TrainWindow:
                         self.last_step + 1, step, skipped, values["train/grad_norm"])
         values["train/skipped_steps"] = skipped
         if self.first:  # parameters + optimizer state held by rank 0: shows what FSDP shards away
-            values["train/state_mb"] = parallel.local_state_bytes(model, optimizer) / 2**20
+            values["train/state_mb"] = memory.local_state_bytes(model, optimizer) / 2**20
         self.loss.zero_()
         self.skipped.zero_()
         self.last_step, self.start, self.first, self.peak = step, time.perf_counter(), False, 0.0
-        parallel.reset_peak_memory(self.d.device)
+        memory.reset_peak_memory(self.d.device)
         return values
 
 
@@ -212,7 +214,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             break
 
     if state.step == t.steps:
-        ckpt.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
+        export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
     metrics.close()
     if state.step < t.steps:
         raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
@@ -247,7 +249,7 @@ def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema
                    renderer: validate.ClipRenderer) -> bool:
     """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
     cut it short (every rank agrees, between sampling steps)."""
-    parallel.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
+    memory.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
     try:
         with ema.swapped_in() if ema is not None else contextlib.nullcontext():
             values = validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation, cfg.run.seed, d,

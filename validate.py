@@ -34,6 +34,7 @@ import ckpt
 import data
 import faults
 import lora
+import memory
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_values
 from model import EMA, build_frozen, build_model, load_adapter
@@ -220,7 +221,7 @@ class ClipRenderer:
         for i, (prompt, clip) in enumerate(zip(self.prompts, clips)):
             metrics.clip(step, f"val/clip_{i}", clip, self.cfg.gen_fps)
             metrics.text(step, f"val/prompt_{i}", prompt)
-        peak = parallel.max_over_ranks(torch.tensor(parallel.peak_memory_gb(self.d.device), device=self.d.device))
+        peak = parallel.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
 
 

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import TRANSFORMERS, build, make_adapter, materialize, meta_transformer  # noqa: E402
 
-import parallel  # noqa: E402
+import memory  # noqa: E402
 import validate  # noqa: E402
 from config import Config, ValidationConfig  # noqa: E402
 
@@ -116,7 +116,7 @@ def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
     times = []
     for i in range(WARMUP + steps):
         if i == WARMUP:
-            parallel.reset_peak_memory(device)
+            memory.reset_peak_memory(device)
         synchronize(device)
         start = time.perf_counter()
         with autocast:
@@ -128,7 +128,7 @@ def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
         synchronize(device)
         times.append(time.perf_counter() - start)
     return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "flops": flops, "tokens": s["S"],
-            "warmup_s": sum(times[:WARMUP]), "peak_gb": parallel.peak_memory_gb(device)}
+            "warmup_s": sum(times[:WARMUP]), "peak_gb": memory.peak_memory_gb(device)}
 
 
 def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
@@ -164,12 +164,12 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
     result = {"flops": flops, "tokens": s["S"]}
     for label, fn in (("ours", ours), ("pipeline", theirs)):
         fn(1)
-        parallel.reset_peak_memory(device)
+        memory.reset_peak_memory(device)
         synchronize(device)
         start = time.perf_counter()
         latents = fn(steps)
         synchronize(device)
-        result[label] = {"s_per_step": (time.perf_counter() - start) / steps, "peak_gb": parallel.peak_memory_gb(device)}
+        result[label] = {"s_per_step": (time.perf_counter() - start) / steps, "peak_gb": memory.peak_memory_gb(device)}
         result[f"{label}_latents"] = latents.float().flatten()[:4096].cpu()
     result["max_diff"] = (result.pop("ours_latents") - result.pop("pipeline_latents")).abs().max().item()
     return result

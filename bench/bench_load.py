@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from common import REPO, free_port, make_tiny_model  # puts the repository on sys.path
 
+import memory  # noqa: E402
 import parallel  # noqa: E402
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from model import build_model, load_adapter  # noqa: E402
@@ -98,7 +99,7 @@ def measure(folder: Path, mode: str) -> None:
     fsdp = mode == "fsdp"
     d = parallel.init(ParallelConfig(strategy="fsdp" if fsdp else "ddp"))
     adapter = load_adapter(ModelConfig(path=str(folder), dtype="bf16"), d.device)
-    parallel.reset_peak_memory(d.device, trim_heap=True)  # VmHWM back to the resident size now
+    memory.reset_peak_memory(d.device, trim_heap=True)  # VmHWM back to the resident size now
     baseline = rss_kb("VmRSS")
     if mode == "pretrained":
         model = adapter.TRANSFORMER.from_pretrained(folder, subfolder="transformer", dtype=adapter.dtype)
@@ -114,7 +115,7 @@ def measure(folder: Path, mode: str) -> None:
             for p in model.parameters():
                 p.sum()
     touched = rss_kb("VmHWM")
-    local = sum(parallel._local_bytes(p) for p in model.parameters())
+    local = sum(memory._local_bytes(p) for p in model.parameters())
     print(json.dumps({"rank": d.rank, "baseline_mb": baseline / 1024, "peak_mb": peak / 1024,
                       "added_bytes": (peak - baseline) * 1024, "local_param_bytes": local,
                       "touched_bytes": (touched - baseline) * 1024,

@@ -12,20 +12,13 @@ interleaved --repeats times, the median of the runs.
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from common import make_synthetic_dataset, make_tiny_model, timed_run  # puts the repository on sys.path
+from common import make_synthetic_dataset, make_tiny_model, median_step_s, timed_run  # puts the repository on sys.path
 
 WARMUP = 5
-
-
-def step_s(output_dir: Path) -> float:
-    logged = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").open()]
-    return statistics.median(1 / m["train/samples_per_s"] for m in logged
-                             if m.get("step", 0) > WARMUP and "train/samples_per_s" in m)
 
 
 def main() -> None:
@@ -49,7 +42,7 @@ def main() -> None:
         for r in range(args.repeats):
             for sp in times:
                 timed_run(root, f"run-{r}-{sp}", {**base, "parallel.sp_size": sp}, nproc=sp)
-                times[sp].append(step_s(root / f"run-{r}-{sp}"))
+                times[sp].append(median_step_s(root / f"run-{r}-{sp}", 1, WARMUP))
     print(f"tiny CogVideoX-5b, fp32, LoRA rank 4, batch 1 of {frames}x{height}x{width}, 1 thread per rank, "
           f"median step of steps {WARMUP + 1}-{args.steps}, {args.repeats} interleaved runs:")
     for sp, runs in times.items():

@@ -19,7 +19,6 @@ mean), and from the median over repetitions of the per-step medians.
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common import timed_run, tiny_settings  # puts the repository on sys.path
+from common import median_step_s, timed_run, tiny_settings  # puts the repository on sys.path
 
 import lora  # noqa: E402
 from config import LoraConfig, ModelConfig  # noqa: E402
@@ -95,9 +94,7 @@ def main() -> None:
             for steps in walls:
                 walls[steps].append(timed_run(root, f"run-{r}-{steps}", {
                     **base, "train.steps": steps, "checkpoint.checkpointing_steps": steps + 1}))
-            logged = [json.loads(line) for line in (root / f"run-{r}-{args.long}" / "logs" / "metrics.jsonl").open()]
-            own.append(statistics.median(BATCH / m["train/samples_per_s"] for m in logged
-                                         if m.get("step", 0) > args.short and "train/samples_per_s" in m))
+            own.append(median_step_s(root / f"run-{r}-{args.long}", BATCH, args.short))
     spans = [(long - short) / (args.long - args.short) for short, long in zip(walls[args.short], walls[args.long])]
     print(f"{args.size} CogVideoX, fp32, LoRA rank 4, batch 2 of {'x'.join(map(str, resolution))}, 1 thread, "
           f"{args.repeats} interleaved repetitions:")

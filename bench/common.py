@@ -1,6 +1,8 @@
 """What the trainer benchmarks share: the tiny model and clips in a folder, and a timed trainer run."""
 
+import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +25,14 @@ def tiny_settings(root: Path, transformer_settings: dict | None = None) -> dict:
             "data.train_resolution": [9, 32, 32], "data.cache_dir": str(root / "cache"),
             "train.batch_size": 2, "train.mixed_precision": "no", "train.gradient_checkpointing": False,
             "validation.do_validation": False}
+
+
+def median_step_s(output_dir: Path, global_batch: int, after: int) -> float:
+    """The median of the trainer's own step times after step `after` (its metrics.jsonl, logged every
+    step: global batch / samples_per_s), which start-up and a load spike move less than a wall time."""
+    logged = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").open()]
+    return statistics.median(global_batch / m["train/samples_per_s"] for m in logged
+                             if m.get("step", 0) > after and "train/samples_per_s" in m)
 
 
 def timed_run(root: Path, name: str, settings: dict, nproc: int = 1) -> float:

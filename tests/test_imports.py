@@ -7,9 +7,9 @@ from conftest import REPO
 
 LAYERS = {
     "trainer": 3,
-    **dict.fromkeys(["ckpt", "validate", "cache"], 2),
+    **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
     **dict.fromkeys(["model", "model_adapter", "cogvideox", "wan", "lora", "data", "decode", "manifest", "parallel",
-                     "metrics", "faults", "sequence"], 1),
+                     "metrics", "faults", "sequence", "memory"], 1),
     "config": 0,
 }
 

@@ -1,0 +1,57 @@
+"""The final export: the trained weights (and EMA's beside them) as diffusers and PEFT load them, a
+LoRA also in ComfyUI's layout where the family has one, or the whole transformer for sft. Written
+at the end of training (trainer.py) and by `python ckpt.py export` for any checkpoint."""
+
+import logging
+from pathlib import Path
+
+import lora
+import parallel
+from config import LoraConfig
+from model import model_state
+
+log = logging.getLogger("vidtrain")
+
+
+def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None):
+    """The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on."""
+    _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "", d)
+    if ema is not None:
+        with ema.swapped_in():
+            _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "_ema", d)
+
+
+def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d) -> None:
+    """Gather only the exported weights to rank 0 and write them: the LoRA in diffusers' and PEFT's
+    layouts, or the full transformer with save_pretrained."""
+    state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
+    if not d.is_main:
+        return
+    if training_type == "lora":
+        folder = out / f"lora{suffix}"
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.float() for k, v in state.items()}
+        args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
+        lora.save_lora(str(folder / "pytorch_lora_weights.safetensors"), *args, expert=adapter.expert)
+        lora.save_peft_adapter(str(folder), *args)
+        log.info("LoRA written to %s%s", folder / "pytorch_lora_weights.safetensors",
+                 f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "")
+        _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, out)
+    else:
+        adapter.transformer_from_state_dict(state).save_pretrained(out / f"transformer{suffix}")
+        log.info("transformer written to %s", out / f"transformer{suffix}")
+
+
+def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, out: Path) -> None:
+    """lora/comfy/<run>[_<expert>].safetensors in the original checkpoint's layout, where the family has
+    one that ComfyUI's native loader reads (Wan; not CogVideoX)."""
+    if not adapter.COMFY:
+        return
+    modules = {key.rsplit(".lora_", 1)[0] for key in weights}
+    unmapped = sorted(m for m in modules if adapter.comfy_key(m) is None)
+    if unmapped:
+        log.warning("no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3])
+        return
+    name = out.resolve().name + (f"_{adapter.expert}" if adapter.expert else "")
+    lora.save_comfy(str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key)
+    log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")
