@@ -44,6 +44,10 @@ from model import load_adapter
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
 PROGRESS_EVERY_S = 30.0
+# Mean absolute difference (of 255) between an I2V image and its video's decoded first frame, both
+# resized and cropped alike, above which the image is named: re-encoding the same frame (PNG, JPEG,
+# H.264) stays within a few levels; another frame of a moving shot, or another shot, goes far past.
+IMAGE_DIFFERENCE = 16
 
 
 def _key(**parts) -> str:
@@ -65,7 +69,7 @@ class Cache:
         else:
             key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
                        dtype=self.dtype)
-            if kind == "image":  # the clip's first frame, or data.image_column's image, noised by a keyed draw
+            if kind == "image":  # the window's first frame, or data.image_column's image, noised by a keyed draw
                 key = _key(video=key, image=item.image_content, seed=self.image_seed)
         return os.path.join(self.dir, kind, key[:2], f"{key}.safetensors")  # strings: 10,000 clips start in seconds
 
@@ -229,19 +233,23 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
     """The missing video (and image) entries: the k-th clip to rank k % world (sorted by bucket, so a
     batch shares a shape), cache_batch_size clips per VAE call, one batch per rank per round, decoded by
     data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the VAE. I2V
-    entries hold the conditioning image's posterior (data.image_column's image, or the clip's first
-    frame), its noise augmentation keyed by (run.seed, clip). Returns the problems met while decoding."""
+    entries hold the conditioning image's posterior (data.image_column's image, whose window starts at
+    frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed, clip); an
+    image far from its video's first frame is named once, on rank 0. Returns the problems met while
+    decoding."""
     per_rank = batches(sorted(todo, key=lambda item: item.bucket), cfg.cache_batch_size, d.world,
                        lambda a, b: a.bucket == b.bucket)
     workers = cfg.decode_workers or min(8, max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
     threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
-    written, pending = 0, {}
+    written, pending, far = 0, {}, []
 
     def decoded(item):
         video = data.decode_clip(item, threads)
-        image = data.load_image(item) if item.clip.image and cache.image_seed is not None else video[0]
-        return video, image
+        if not (item.clip.image and cache.image_seed is not None):
+            return video, video[0], 0.0  # the window's own first frame
+        image = data.load_image(item)
+        return video, image, float((image.float() - video[0].float()).abs().mean())
 
     def work(mine, r):
         nonlocal written
@@ -251,9 +259,14 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
         good, bad = [], []
         for item in mine[r] if r < len(mine) else []:
             try:
-                good.append((item, *pending.pop(item).result()))
+                video, image, difference = pending.pop(item).result()
             except data.BadClip as e:
                 bad.append(data.Problem(item.clip, str(e)))
+                continue
+            good.append((item, video, image))
+            if difference > IMAGE_DIFFERENCE:
+                far.append((item.clip.line, f"{item.clip.source} line {item.clip.line}: {item.clip.image} "
+                                            f"(difference {difference:.0f})"))
         if good:
             items, videos, images = zip(*good)
             mean, logvar = adapter.encode_video(torch.stack(videos))
@@ -270,7 +283,16 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
         return len(good) + len(bad), bad
 
     with ThreadPoolExecutor(workers) as pool:
-        return run_rounds(per_rank, work, "clips", cfg, d)
+        problems = run_rounds(per_rank, work, "clips", cfg, d)
+    far = sorted(f for part in parallel.agree(lambda: far, d) for f in part)
+    if far and d.is_main:
+        named = "; ".join(name for _, name in far[:5]) + (f"; and {len(far) - 5} more" if len(far) > 5 else "")
+        log.warning(f"{len(far)} clip(s) have an image (data.image_column) that differs from their video's first "
+                    f"frame by more than {IMAGE_DIFFERENCE} of 255 (mean absolute difference, resized and cropped "
+                    f"alike): {named}. Training starts each such clip's window at frame 0 and conditions on the "
+                    "image: give each clip its own first frame, or clear data.image_column to condition on the "
+                    "window's first frame")
+    return problems
 
 
 def prepare(cfg: Config, d: parallel.Dist):

@@ -198,7 +198,9 @@ def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, f
 
 def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[int, int, int]], cfg: DataConfig,
               seed: int, image_content: str | None = None) -> Item | Problem:
-    """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass)."""
+    """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass). The
+    window starts at a keyed random frame, or at frame 0 for a clip with an image-to-video image
+    (`image_content`); without one, image-to-video conditions on the window's own first frame."""
     rate = 0.0 if media.image else cfg.target_fps or media.fps
     available = decode.available_frames(media, rate)
     bucket = choose_bucket(shapes, media.height, media.width, available)
@@ -212,7 +214,11 @@ def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[
     scale = max(out_h / media.height, out_w / media.width)
     resized = (max(out_h, round(media.height * scale)), max(out_w, round(media.width * scale)))
     generator = keyed_generator(seed, "clip", content)  # the same wherever the file lies
-    start = int(torch.randint(0, max(available - frames, 0) + 1, (), generator=generator))
+    # An image-to-video clip's image (data.image_column) is its video's first frame: its window must start
+    # there, or the model learns a jump from the image to a later frame. Still one draw (of one choice):
+    # the crop draws after it stay the same.
+    latest = 0 if image_content is not None else max(available - frames, 0)
+    start = int(torch.randint(0, latest + 1, (), generator=generator))
     if cfg.crop == "random":
         top = int(torch.randint(0, resized[0] - out_h + 1, (), generator=generator))
         left = int(torch.randint(0, resized[1] - out_w + 1, (), generator=generator))

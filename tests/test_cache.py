@@ -7,16 +7,22 @@ import logging
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from diffusers import AutoencoderKLCogVideoX
+from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers import T5EncoderModel
 
 import cache
+import data
 import decode
+import parallel
 from conftest import read_metrics, run_cmd, run_ok, train_losses
-from tools.make_synthetic_dataset import make_synthetic_dataset
+from config import load_config
+from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
 
 REAL_WORLD = ("mkv", "webm", "fmp4", "vfr", "phone", "photo")
 # Equal-area landscape and portrait buckets, and one for portrait photos.
@@ -183,3 +189,64 @@ def test_a_clip_failing_to_decode_stops_the_pass_at_once(own_copy, write_config,
     skipping = write_config("skipped", **settings, **{"data.skip_bad": True})
     assert "20 clips encoded, 3 reused, 1 skipped" in cache_pass(caplog, skipping)
     assert (tmp_path / "skipped" / "skipped.txt").read_text().startswith(f"{clip}\t")
+
+
+# Frame 0 of each clip is its first colour, every later frame its second: a window starting anywhere but
+# frame 0 opens on the second colour.
+I2V_MODELS = {"cogvideox": lambda tiny_models, wan_models: ("cogvideox", tiny_models("1.5-5b-i2v")),
+              "wan-2.1-i2v": lambda tiny_models, wan_models: ("wan", wan_models("i2v")),
+              "wan-ti2v": lambda tiny_models, wan_models: ("wan", wan_models("ti2v-5b"))}
+COLOUR_PAIRS = [((200, 30, 30), (30, 30, 200)), ((30, 200, 30), (200, 200, 30)), ((30, 200, 200), (200, 30, 200)),
+                ((220, 120, 30), (30, 120, 220))]
+
+
+@pytest.fixture(scope="module")
+def colour_switch_data(tmp_path_factory):
+    """4 clips of 33 frames, their image (images.txt) their frame 0, except the last one's: its second colour."""
+    root = tmp_path_factory.mktemp("switch") / "data"
+    (root / "videos").mkdir(parents=True)
+    (root / "images").mkdir()
+    for i, (first, second) in enumerate(COLOUR_PAIRS):
+        video = np.empty((33, 40, 48, 3), np.uint8)
+        video[0], video[1:] = first, second
+        write_clip(root / "videos" / f"{i}.mp4", video, fps=8)
+        Image.fromarray(video[0] if i < len(COLOUR_PAIRS) - 1 else video[1]).save(root / "images" / f"{i}.png")
+    for name, lines in (("prompts.txt", [f"clip {i}" for i in range(4)]), ("videos.txt", [f"videos/{i}.mp4" for i in range(4)]),
+                        ("images.txt", [f"images/{i}.png" for i in range(4)])):
+        (root / name).write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("image_column", ["images.txt", ""])
+@pytest.mark.parametrize("family", list(I2V_MODELS))
+def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, colour_switch_data, tiny_models,
+                                                          wan_models, write_config, tmp_path, caplog):
+    """Every I2V family caches as its condition the first frame of the window it trains on: with
+    data.image_column the window starts at frame 0 (the image is that frame), and an image far from it is
+    named once; without it the window starts anywhere and the condition is its own first frame."""
+    model_family, path = I2V_MODELS[family](tiny_models, wan_models)
+    config = write_config("i2v", **{"model.path": str(path), "model.family": model_family, "model.type": "i2v",
+                                    "data.data_root": str(colour_switch_data), "data.image_column": image_column,
+                                    "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0})
+    cfg = load_config(str(config))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.INFO, logger="vidtrain"):
+            adapter, entries, items, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, torch.device("cpu")))
+    finally:
+        dist.destroy_process_group()
+    named = [r.getMessage() for r in caplog.records if "differs from their video's first frame" in r.getMessage()]
+    if image_column:
+        assert [item.start for item in items] == [0, 0, 0, 0]
+        assert len(named) == 1 and "1 clip(s)" in named[0] and f"line 4: {colour_switch_data / 'images' / '3.png'} (" in named[0], named
+    else:
+        assert named == [] and any(item.start > 0 for item in items)
+    for item, (first, second) in list(zip(items, COLOUR_PAIRS))[: 3 if image_column else 4]:
+        window_first = data.decode_clip(item)[0].float().mean((0, 1))
+        expected = min((first, second), key=lambda colour: float((window_first - torch.tensor(colour)).abs().sum()))
+        solid = torch.tensor([first, second], dtype=torch.uint8)[:, None, None].expand(2, 32, 32, 3)
+        noise = [data.keyed_generator(cfg.run.seed, "image_noise", item.content) for _ in range(2)]
+        references = adapter.encode_image(solid.contiguous(), noise, 9)
+        cached = load_file(entries.path(item, "image"))
+        distance = [sum(float((cached[k] - references[k][j]).abs().mean()) for k in cached) for j in range(2)]
+        assert distance.index(min(distance)) == (first, second).index(expected), (item.start, distance)
