@@ -336,6 +336,16 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("parallel.cpu_offload does not support train.mixed_precision = \"fp16\" yet: use \"bf16\"")
     if len(cfg.data.train_resolution) != 3:
         raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
+    if cfg.model.type == "i2v":
+        # The image is the first frame: a 1-frame sample is its own condition. TI2V masks that frame out of
+        # the loss (0/0, NaN); CogVideoX and Wan 2.1 would learn to copy the image.
+        shapes = {f"data.buckets[{i}]": s for i, s in enumerate(cfg.data.buckets)} or \
+            {"data.train_resolution": cfg.data.train_resolution}
+        for key, shape in shapes.items():
+            if shape[:1] == [1]:
+                raise ConfigError(f"{key} = {shape} has 1 frame, but image-to-video trains the frames after its "
+                                  "conditioning image (the first frame): give it more frames (the model's 4k+1 or "
+                                  "8k+1); image-to-video cannot train on images listed as videos")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError(f"train.ema_decay must be in [0, 1), got {cfg.train.ema_decay}")
     for key in ("adam_beta1", "adam_beta2"):

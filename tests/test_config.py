@@ -40,6 +40,9 @@ def test_overrides_are_toml_literals_or_strings():
     (["--parallel.cpu_offload", "true"], 'parallel.cpu_offload offloads FSDP\'s shards: set parallel.strategy = "fsdp"'),
     (["--parallel.cpu_offload", "true", "--parallel.strategy", "fsdp", "--train.mixed_precision", "fp16"],
      'parallel.cpu_offload does not support train.mixed_precision = "fp16" yet'),
+    (["--model.type", "i2v", "--data.train_resolution", "[1, 32, 32]"],
+     "data.train_resolution = [1, 32, 32] has 1 frame, but image-to-video trains the frames after"),
+    (["--model.type", "i2v", "--data.buckets", "[[9, 32, 32], [1, 32, 32]]"], "data.buckets[1] = [1, 32, 32] has 1 frame"),
 ])
 def test_mistakes_name_the_key(args, message):
     with pytest.raises(ConfigError, match=None) as error:
