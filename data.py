@@ -9,6 +9,7 @@ frame and its crop offsets, drawn from a generator keyed by (run.seed, the clip'
 
 import csv
 import hashlib
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -79,9 +80,20 @@ class BadClip(ConfigError):
 
 
 # Formats.
+def _read_text(path: Path) -> str:
+    """A list or metadata file as UTF-8 text, without the byte-order mark some editors write first (it
+    would become part of the first prompt or path); other bytes are an error naming the line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path} line {line} is not UTF-8 (byte {raw[e.start]:#04x}): save the file as UTF-8") from None
+
+
 def _list_file(path: Path) -> list[str]:
     """Stripped lines; blank lines at the end are tolerated, a blank line inside is an error."""
-    lines = [line.strip() for line in path.read_text().splitlines()]
+    lines = [line.strip() for line in _read_text(path).splitlines()]
     while lines and not lines[-1]:
         lines.pop()
     for number, line in enumerate(lines, start=1):
@@ -106,7 +118,7 @@ def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, di
 
 def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if line.strip():
             try:
                 row = json.loads(line)
@@ -119,9 +131,8 @@ def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
 
 
 def _csv_rows(path: Path) -> list[tuple[int, dict]]:
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [(reader.line_num, row) for row in reader]
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    rows = [(reader.line_num, row) for row in reader]
     if reader.fieldnames is None or not {"video", "prompt"} <= set(reader.fieldnames):
         raise ConfigError(f"{path} line 1 must be a header naming the columns video and prompt (and optionally image)")
     return rows

@@ -82,6 +82,33 @@ def test_list_mistakes_name_file_and_line(tmp_path, files, expected):
         data.read_clips(DataConfig(data_root=str(tmp_path)))
 
 
+@pytest.mark.parametrize("files, expected", [
+    ({"prompts.txt": b"a\ncaf\xe9\n", "videos.txt": b"0.mp4\n1.mp4\n"}, "prompts.txt line 2 is not UTF-8 \\(byte 0xe9\\)"),
+    ({"prompts.txt": b"a\nb\n", "videos.txt": b"0.mp4\n\n\xff.mp4\n"}, "videos.txt line 3 is not UTF-8"),
+    ({"prompts.txt": b"a\n", "videos.txt": b"0.mp4\n", "images.txt": b"\x80.png\n"}, "images.txt line 1 is not UTF-8"),
+    ({"metadata.jsonl": b'{"video": "0.mp4", "prompt": "a"}\n{"video": "1.mp4", "prompt": "\xe9t\xe9"}\n'},
+     "metadata.jsonl line 2 is not UTF-8"),
+    ({"metadata.csv": b"video,prompt\n0.mp4,a\n1.mp4,b\n2.mp4,\xfc\n"}, "metadata.csv line 4 is not UTF-8"),
+])
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path, files, expected):
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+    with pytest.raises(ConfigError, match=expected):
+        data.read_clips(DataConfig(data_root=str(tmp_path), image_column="images.txt" if "images.txt" in files else ""))
+
+
+@pytest.mark.parametrize("files", [
+    {"prompts.txt": "a red square\n", "videos.txt": "v/0.mp4\n", "images.txt": "i/0.png\n"},
+    {"metadata.jsonl": '{"video": "v/0.mp4", "prompt": "a red square", "image": "i/0.png"}\n'},
+    {"metadata.csv": "video,prompt,image\nv/0.mp4,a red square,i/0.png\n"},
+])
+def test_a_byte_order_mark_is_not_part_of_the_first_entry(tmp_path, files):
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    [clip] = data.read_clips(DataConfig(data_root=str(tmp_path), image_column="images.txt"))
+    assert (clip.prompt, clip.video, clip.image) == ("a red square", tmp_path / "v/0.mp4", tmp_path / "i/0.png")
+
+
 # Decoding and planning.
 def ramp_clip(path: Path, frames: int, height: int = 32, width: int = 32, kind: str = "mp4") -> None:
     """Frame k is flat grey 10 + 12k (the decoded value tells which frame was picked), with a white top-left
