@@ -188,6 +188,31 @@ def batches(todo: list, size: int, world: int, same=lambda a, b: True) -> list[l
     return per_rank
 
 
+class _Held(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        self.messages.append(record.getMessage())
+        return False
+
+
+def held_warnings(work, mine, r):
+    """work(mine, r) with the warnings it logs (a truncated prompt of this rank's share, say) held back and
+    returned with its result: rank 0 prints every rank's, once (the others print no warnings)."""
+    held, level = _Held(), log.level
+    log.addFilter(held)
+    log.setLevel(min(log.getEffectiveLevel(), logging.WARNING))  # parallel.quiet() drops them at the source
+    try:
+        return *work(mine, r), held.messages
+    finally:
+        log.removeFilter(held)
+        log.setLevel(level)
+
+
 def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: parallel.Dist) -> list[data.Problem]:
     """One batch per rank per round, then the ranks agree: counts, problems (a clip that fails to decode
     stops the pass at once, with what was written kept, unless data.skip_bad) and stop signals."""
@@ -196,8 +221,10 @@ def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: 
     problems, done, start = [], 0, time.perf_counter()
     last_log = start
     for r in range(rounds):
-        for count, bad in parallel.agree(lambda: work(mine, r), d):
+        for count, bad, held in parallel.agree(lambda: held_warnings(work, mine, r), d):
             done, problems = done + count, problems + bad
+            for message in held if d.is_main else []:
+                log.warning("%s", message)
         stop_on_problems(problems, cfg)
         parallel.stop_if_preempted(d, f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
                                       "next run continues from there")

@@ -12,16 +12,19 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from diffusers.utils import logging as diffusers_logging
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from transformers.utils import logging as transformers_logging
 
 from config import ConfigError, ParallelConfig, load_config
 
@@ -104,7 +107,7 @@ def run_command(work, config_path: str, overrides: list[str]) -> None:
             make_deterministic()
         d = init(cfg.parallel)
         if not d.is_main:
-            logging.getLogger().setLevel(logging.WARNING)
+            quiet()
         work(cfg, d)
     except BaseException as e:  # noqa: BLE001 - the frame of every command: report once, then clean up
         code = report(e, rank)
@@ -114,6 +117,16 @@ def run_command(work, config_path: str, overrides: list[str]) -> None:
         sys.exit(code)
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
+
+
+def quiet() -> None:
+    """On every rank but 0, which speaks for all: warnings (ours, Python's, the libraries'), notices and
+    progress bars would show once per rank. Errors still show; cache.py relays what only one rank sees."""
+    logging.getLogger().setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    for library in (diffusers_logging, transformers_logging):
+        library.set_verbosity_error()
+        library.disable_progress_bar()
 
 
 def report(error: BaseException, rank: int) -> int:

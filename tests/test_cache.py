@@ -250,3 +250,22 @@ def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, 
         cached = load_file(entries.path(item, "image"))
         distance = [sum(float((cached[k] - references[k][j]).abs().mean()) for k in cached) for j in range(2)]
         assert distance.index(min(distance)) == (first, second).index(expected), (item.start, distance)
+
+
+def test_two_ranks_print_each_warning_once(tiny_data, write_config, tmp_path):
+    """A 2-rank cache pass prints every warning once, from rank 0: one every rank logs (a bucket too
+    small), and one only a rank's share sees (its prompts truncated: held, and printed by rank 0)."""
+    long = "a red square drifts left across an empty grey field for a long while, far past the tiny text length, clip {}"
+    rows = [{"video": f"videos/{i:05d}.mp4", "prompt": long.format(i) if i % 2 else f"clip {i}"} for i in range(8)]
+    rows.append({"video": "images/00000.png", "prompt": "a still"})  # alone in the 1-frame bucket
+    (tmp_path / "data").mkdir()
+    for name in ("images", "videos"):
+        (tmp_path / "data" / name).symlink_to(tiny_data / name)
+    (tmp_path / "data" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = write_config("ranks", **{"data.data_root": str(tmp_path / "data"), "data.cache_dir": str(tmp_path / "cache"),
+                                      "data.buckets": [[9, 32, 32], [1, 32, 32]], "data.held_out": 0,
+                                      "train.batch_size": 1})
+    stderr = run_ok(["--cfg", str(config)], nproc=2, script="cache.py").stderr
+    assert stderr.count("bucket [1, 32, 32] holds 1 clips, fewer than the global batch of 2") == 1, stderr
+    for i in (1, 3, 5, 7):  # the odd clips' prompts are rank 1's share of the text pass
+        assert stderr.count(f"clip {i}'") == 1 and f"prompt truncated to 16 tokens: '{long.format(i)}'" in stderr, stderr
