@@ -86,6 +86,10 @@ class CogVideoXAdapter(Adapter):
     def text_length(self) -> int:
         return self.transformer_config["max_text_seq_length"]
 
+    @property
+    def published_fps(self) -> int:
+        return 16 if self.transformer_config["patch_size_t"] else 8  # 1.5: 16 fps; 1.0: 8 (docs/models/cogvideox.md)
+
     def check_resolution(self, resolution, key: str) -> None:
         super().check_resolution(resolution, key)
         c, ratio = self.transformer_config, self.spatial_ratio
@@ -315,8 +319,9 @@ class CogVideoXAdapter(Adapter):
             condition = torch.cat([condition] * 2)
         return self.predict_v(models["transformer"], x, t.expand(x.shape[0]), embeds, state.rotary, condition)
 
-    def guidance_scale(self, scale: float, dynamic: bool, state, t: torch.Tensor) -> float:
-        if dynamic:  # the pipeline's use_dynamic_cfg, which uses the timestep t, not the step index
+    def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
+        scale = cfg.guidance_scale
+        if cfg.use_dynamic_cfg:  # the pipeline's use_dynamic_cfg, which uses the timestep t, not the step index
             return 1 + scale * (1 - math.cos(math.pi * ((state.steps - t.item()) / state.steps) ** 5.0)) / 2
         return scale
 
