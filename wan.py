@@ -1,4 +1,4 @@
-"""Wan 2.1 and 2.2 (../shared/reference/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.2 TI2V-5B
+"""Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.2 TI2V-5B
 (expand_timesteps) and 2.2 A14B (two experts split at boundary_ratio).
 
 Flow matching: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32; u uniform from the keyed

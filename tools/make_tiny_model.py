@@ -10,7 +10,7 @@ diffusers added later is absent, and the class fills its default, as it does for
 
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V 1.3B/14B),
 i2v (2.1 I2V 14B, with a CLIP image encoder), ti2v-5b (2.2, its 4x16x16 VAE), a14b-t2v and a14b-i2v
-(2.2, two experts); their key sets are in ../shared/reference/wan.md.
+(2.2, two experts). docs/models/cogvideox.md and docs/models/wan.md list the published key sets.
 """
 
 import argparse
@@ -50,7 +50,7 @@ WORDS = (
     "moves left right up down slowly quickly across the on black background bounces "
     "drifts toward from to of and in video shape small large"
 ).split()
-# The keys of every published CogVideoX transformer/config.json (../shared/reference/cogvideox.md).
+# The keys of every published CogVideoX transformer/config.json (docs/models/cogvideox.md).
 COGVIDEOX_KEYS = {
     "activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
     "in_channels", "max_text_seq_length", "norm_elementwise_affine", "norm_eps", "num_attention_heads",
@@ -163,7 +163,7 @@ def make_tiny_model(out: str, variant: str = "5b", seed: int = 0, transformer_se
         {k: v for k, v in transformer.config.items() if not k.startswith("_")}, variant
 
 
-# Wan (../shared/reference/wan.md). The 2.1 transformer files predate pos_embed_seq_len; the 2.1 VAE
+# Wan (docs/models/wan.md). The 2.1 transformer files predate pos_embed_seq_len; the 2.1 VAE
 # files predate the 2.2 VAE's keys; 2.1's model_index has no boundary_ratio or expand_timesteps.
 WAN21_KEYS = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
               "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
