@@ -15,10 +15,17 @@ i2v (2.1 I2V 14B, with a CLIP image encoder), ti2v-5b (2.2, its 4x16x16 VAE), a1
 
 import argparse
 import json
+import logging
 import string
 from pathlib import Path
 
 import torch
+
+# diffusers' Wan image-to-video pipeline imports transformers' CLIPImageProcessor, and transformers then
+# notes that torchvision (its default image backend) is missing: the PIL processor the tiny models use
+# needs none, so that one notice is noise.
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: "requires torchvision" not in record.getMessage())
 from diffusers import (
     AutoencoderKLCogVideoX,
     AutoencoderKLWan,
@@ -32,9 +39,9 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from transformers import (
-    CLIPImageProcessor,
+    CLIPImageProcessorPil,
     CLIPVisionConfig,
-    CLIPVisionModelWithProjection,
+    CLIPVisionModel,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -227,10 +234,12 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
         if boundary is not None:  # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
             components["transformer_2"] = make_wan_transformer(channels, image)
         if pipeline_cls is WanImageToVideoPipeline:
-            components["image_encoder"] = CLIPVisionModelWithProjection(CLIPVisionConfig(
+            # The published 2.1 I2V folders hold a CLIPVisionModel (no projection), the class the pipeline
+            # declares; the PIL image processor saves as CLIPImageProcessor, as theirs, and needs no torchvision.
+            components["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
                 hidden_size=16, projection_dim=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                 intermediate_size=32, patch_size=8)) if image else None
-            components["image_processor"] = CLIPImageProcessor(
+            components["image_processor"] = CLIPImageProcessorPil(
                 size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) if image else None
     pipe = pipeline_cls(**components, boundary_ratio=boundary, expand_timesteps=bool(expand))
     pipe.save_pretrained(out)
@@ -243,6 +252,8 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
     index = json.loads((root / "model_index.json").read_text())
     if variant in ("t2v", "i2v"):  # 2.1's folders predate the 2.2 pipeline arguments
         index = {k: v for k, v in index.items() if k not in ("boundary_ratio", "expand_timesteps", "transformer_2")}
+    if index.get("image_processor", [None])[0]:  # the published class name, whichever backend saved it
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
     (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
