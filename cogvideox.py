@@ -1,4 +1,4 @@
-"""CogVideoX 1.0 and 1.5, text-to-video and image-to-video (../shared/reference/cogvideox.md).
+"""CogVideoX 1.0 and 1.5, text-to-video and image-to-video (docs/models/cogvideox.md).
 
 v-prediction with the model's own DPM scheduler, t uniform in [0, 1000), the loss mean((v_hat - v)^2)
 computed in fp32; rotary embeddings from the pipeline's own function, so training and inference agree;
@@ -30,12 +30,22 @@ from model_adapter import Adapter, log, resolved_config, sample_posterior
 from sequence import SequenceSplit, split_blocks
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
+# diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py; docs/models/cogvideox.md):
+# inside a block (transformer_blocks.N -> blocks.N), and outside. Every nn.Linear of diffusers' model has one.
+COMFY_BLOCK = {"norm1.linear": "norm1.linear", "attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v",
+               "attn1.to_out.0": "attn_out", "norm2.linear": "norm2.linear", "ff.net.0.proj": "ff_proj",
+               "ff.net.2": "ff_out"}
+COMFY_OTHER = {"patch_embed.proj": "patch_embed.proj", "patch_embed.text_proj": "patch_embed.text_proj",
+               "time_embedding.linear_1": "time_embedding_linear_1", "time_embedding.linear_2": "time_embedding_linear_2",
+               "ofs_embedding.linear_1": "ofs_embedding_linear_1", "ofs_embedding.linear_2": "ofs_embedding_linear_2",
+               "norm_out.linear": "norm_out.linear", "proj_out": "proj_out"}
 
 
 class CogVideoXAdapter(Adapter):
     FAMILY = "cogvideox"
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, T5EncoderModel
+    COMFY = True
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__(cfg, device)
@@ -76,6 +86,10 @@ class CogVideoXAdapter(Adapter):
     def text_length(self) -> int:
         return self.transformer_config["max_text_seq_length"]
 
+    @property
+    def published_fps(self) -> int:
+        return 16 if self.transformer_config["patch_size_t"] else 8  # 1.5: 16 fps; 1.0: 8 (docs/models/cogvideox.md)
+
     def check_resolution(self, resolution, key: str) -> None:
         super().check_resolution(resolution, key)
         c, ratio = self.transformer_config, self.spatial_ratio
@@ -91,6 +105,14 @@ class CogVideoXAdapter(Adapter):
             raise ConfigError(f"{key} = {list(resolution)}, but CogVideoX 1.5's rotary grid covers at most "
                               f"{c['sample_height'] * ratio}x{c['sample_width'] * ratio} (the transformer config's "
                               "sample_height and sample_width): use a smaller height or width")
+
+    def comfy_key(self, module: str) -> str | None:
+        """transformer_blocks.N.attn1.to_q -> blocks.N.q, time_embedding.linear_1 -> time_embedding_linear_1."""
+        return _rename(module, "transformer_blocks", "blocks", COMFY_BLOCK, COMFY_OTHER)
+
+    def diffusers_key(self, original: str) -> str | None:
+        return _rename(original, "blocks", "transformer_blocks", {v: k for k, v in COMFY_BLOCK.items()},
+                       {v: k for k, v in COMFY_OTHER.items()})
 
     # Encoding.
     @torch.no_grad()
@@ -297,8 +319,9 @@ class CogVideoXAdapter(Adapter):
             condition = torch.cat([condition] * 2)
         return self.predict_v(models["transformer"], x, t.expand(x.shape[0]), embeds, state.rotary, condition)
 
-    def guidance_scale(self, scale: float, dynamic: bool, state, t: torch.Tensor) -> float:
-        if dynamic:  # the pipeline's use_dynamic_cfg, which uses the timestep t, not the step index
+    def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
+        scale = cfg.guidance_scale
+        if cfg.use_dynamic_cfg:  # the pipeline's use_dynamic_cfg, which uses the timestep t, not the step index
             return 1 + scale * (1 - math.cos(math.pi * ((state.steps - t.item()) / state.steps) ** 5.0)) / 2
         return scale
 
@@ -327,6 +350,14 @@ class CogVideoXAdapter(Adapter):
         finally:
             for layer, processor in zip(layers, originals):
                 layer.set_processor(processor)
+
+
+def _rename(name: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
+    """A module name in the other layout, or None where that layout has no such module."""
+    parts = name.split(".", 2)
+    if parts[0] == blocks and len(parts) == 3 and parts[1].isdigit():
+        return f"{new_blocks}.{parts[1]}.{in_block[parts[2]]}" if parts[2] in in_block else None
+    return outside.get(name)
 
 
 class FusedQKVAttention:

@@ -124,8 +124,8 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     # Dropout on the adapter input, drawn on the activations' device from a generator keyed by (seed, step, rank).
     dropout: float = 0.0
-    # Start from an existing LoRA instead of a fresh one: a file (or folder) in our, diffusers' or PEFT's
-    # layout, whose rank, alpha and targets must equal the ones above.
+    # Start from an existing LoRA instead of a fresh one: a file (or folder) in our, diffusers', PEFT's or
+    # ComfyUI's layout (lora/comfy/), whose rank, alpha and targets must equal the ones above.
     init_from: str = ""
 
 
@@ -198,12 +198,15 @@ class ValidationConfig:
     num_inference_steps: int = 50
     # Classifier-free guidance scale; 1 or less renders without guidance.
     guidance_scale: float = 6.0
+    # Wan 2.2 A14B: the low-noise expert's guidance scale (the pipeline's guidance_scale_2); 0: guidance_scale.
+    guidance_scale_2: float = 0.0
     # Raise the guidance scale along a cosine schedule over the steps, as the pipeline's use_dynamic_cfg.
     use_dynamic_cfg: bool = False
     # [frames, height, width] of the clips; [] renders at data.train_resolution (data.buckets[0] when set).
     resolution: list[int] = field(default_factory=list)
-    # Frame rate written into the mp4s and the TensorBoard clips.
-    gen_fps: int = 15
+    # Frame rate written into the mp4s and the TensorBoard clips; 0: the family's published rate
+    # (CogVideoX 8, CogVideoX 1.5 16, Wan 16, Wan 2.2 TI2V-5B 24; docs/models/).
+    gen_fps: int = 0
     # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say).
     images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
@@ -366,9 +369,10 @@ def check_values(cfg: Config) -> None:
     for t in cfg.validation.loss_timesteps:
         if not 0 <= t < 1000:
             raise ConfigError(f"validation.loss_timesteps holds {t}; timesteps lie in [0, 1000)")
-    for key in ("num_inference_steps", "gen_fps"):
-        if getattr(cfg.validation, key) < 1:
-            raise ConfigError(f"validation.{key} must be at least 1")
+    if cfg.validation.num_inference_steps < 1:
+        raise ConfigError("validation.num_inference_steps must be at least 1")
+    if cfg.validation.gen_fps < 0:
+        raise ConfigError("validation.gen_fps must be 0 (the family's published rate) or positive")
     if cfg.train.flow_shift < 0:
         raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
     if cfg.model.family == "cogvideox" and (cfg.model.expert or cfg.train.flow_shift):
@@ -378,14 +382,19 @@ def check_values(cfg: Config) -> None:
     if cfg.model.family == "wan" and cfg.validation.scheduler:
         raise ConfigError("validation.scheduler chooses between CogVideoX's samplers: Wan samples with its "
                           "folder's scheduler; remove it")
-    images, prompts = cfg.validation.images, cfg.validation.prompts
-    if cfg.model.type == "t2v" and images:
+    if cfg.model.type == "t2v" and cfg.validation.images:
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
+    if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says
+        check_validation_images(cfg)
+    if len(cfg.validation.resolution) not in (0, 3):
+        raise ConfigError(f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}")
+
+
+def check_validation_images(cfg: Config) -> None:
+    images, prompts = cfg.validation.images, cfg.validation.prompts
     if cfg.model.type == "i2v" and len(images) != len(prompts):
         raise ConfigError(f"model.type = \"i2v\" renders each validation prompt from an image: validation.images "
                           f"has {len(images)} for {len(prompts)} validation.prompts; give one per prompt")
-    if len(cfg.validation.resolution) not in (0, 3):
-        raise ConfigError(f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}")
 
 
 def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,

@@ -43,8 +43,8 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
 
 
 def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, out: Path) -> None:
-    """lora/comfy/<run>[_<expert>].safetensors in the original checkpoint's layout, where the family has
-    one that ComfyUI's native loader reads (Wan; not CogVideoX)."""
+    """lora/comfy/<run>[_<expert>].safetensors in the key layout ComfyUI's native loader reads: Wan's original
+    checkpoint's, CogVideoX's ComfyUI model's (comfy/ldm/cogvideo/model.py)."""
     if not adapter.COMFY:
         return
     modules = {key.rsplit(".lora_", 1)[0] for key in weights}

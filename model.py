@@ -65,7 +65,9 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         lora_device = d.device if fsdp else None
         if lora_file:
             weights, info = lora.load_lora(lora_file, adapter.diffusers_key)
-            lora.inject_lora(transformer, info["target_modules"], info["rank"], info["alpha"], 0.0, seed, lora_device)
+            # A ComfyUI file names its modules, not targets: each full name is a target.
+            targets = info["target_modules"] or sorted({key.rsplit(".lora_", 1)[0] for key in weights})
+            lora.inject_lora(transformer, targets, info["rank"], info["alpha"], 0.0, seed, lora_device)
             lora.load_lora_into(transformer, weights)
         elif train.training_type == "lora":
             lora.inject_lora(transformer, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha,

@@ -171,6 +171,7 @@ def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> 
 class Adapter:
     """The machinery every family shares. A family sets the class attributes and provides, besides:
     frame_multiple, size_multiple, text_length and transformer_config (the shape rules and configs);
+    published_fps (the frame rate the model was released at);
     encode_video, encode_image, encode_text and decode_latents (the cache and the clips); train_loss and
     fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale,
     sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and

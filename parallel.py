@@ -267,6 +267,9 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelCon
     for module in [*blocks, model]:
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward,
                     offload_policy=offload)
+    # diffusers' transformers return a view (the unpatchified output's reshape), and FSDP2 warns that an
+    # in-place op on it would skip its pre-backward hook: every op on the output here is out of place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     return model
 
 

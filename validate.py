@@ -36,7 +36,7 @@ import faults
 import lora
 import memory
 import parallel
-from config import Config, ConfigError, DataConfig, ValidationConfig, check_values
+from config import Config, ConfigError, DataConfig, ValidationConfig, check_validation_images, check_values
 from model import EMA, build_frozen, build_model, load_adapter
 
 log = logging.getLogger("vidtrain")
@@ -83,7 +83,7 @@ def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_
             prediction = adapter.denoise(denoisers, state, t, embeds, guided)
         if guided:  # cond and uncond in one forward
             uncond, cond = prediction.chunk(2)
-            scale = adapter.guidance_scale(cfg.guidance_scale, cfg.use_dynamic_cfg, state, t)
+            scale = adapter.guidance_scale(cfg, state, t)
             prediction = uncond + scale * (cond - uncond)
         adapter.sampling_step(state, prediction, t, i)
     return adapter.sampled(state)
@@ -139,7 +139,11 @@ class ClipRenderer:
         self.resolution = cfg.resolution or (data_cfg.buckets or [data_cfg.train_resolution])[0]
         key = "validation.resolution" if cfg.resolution else "data.buckets[0]" if data_cfg.buckets else "data.train_resolution"
         adapter.check_resolution(self.resolution, key)
+        if cfg.guidance_scale_2 and not adapter.other_experts():
+            raise ConfigError(f"validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert, but {adapter.path} "
+                              "has one transformer: remove it")
         self.out_dir = Path(output_dir) / "validation_res"
+        self.fps = cfg.gen_fps or adapter.published_fps
         self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         if self.prompts:
@@ -199,14 +203,14 @@ class ClipRenderer:
         return clips[: len(self.prompts)]
 
     def save(self, clips: list[torch.Tensor], name: str) -> list[Path]:
-        """Rank 0: validation_res/{name}_prompt_{i}.mp4 at gen_fps, and with validation.save_frames the
+        """Rank 0: validation_res/{name}_prompt_{i}.mp4 at self.fps, and with validation.save_frames the
         frames themselves (what was encoded, exactly) as {name}_prompt_{i}.safetensors."""
         if not self.d.is_main:
             return []
         self.out_dir.mkdir(parents=True, exist_ok=True)
         paths = [self.out_dir / f"{name}_prompt_{i}.mp4" for i in range(len(clips))]
         for path, clip in zip(paths, clips):
-            write_mp4(path, clip, self.cfg.gen_fps)
+            write_mp4(path, clip, self.fps)
             if self.cfg.save_frames:
                 save_file({"frames": clip.contiguous()}, path.with_suffix(".safetensors"))
         return paths
@@ -219,7 +223,7 @@ class ClipRenderer:
         clips = self.render(model, autocast)
         self.save(clips, f"step_{step}")
         for i, (prompt, clip) in enumerate(zip(self.prompts, clips)):
-            metrics.clip(step, f"val/clip_{i}", clip, self.cfg.gen_fps)
+            metrics.clip(step, f"val/clip_{i}", clip, self.fps)
             metrics.text(step, f"val/prompt_{i}", prompt)
         peak = parallel.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
@@ -248,6 +252,7 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
         check_values(cfg)
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
+    check_validation_images(cfg)
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,

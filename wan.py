@@ -1,4 +1,4 @@
-"""Wan 2.1 and 2.2 (../shared/reference/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.2 TI2V-5B
+"""Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.2 TI2V-5B
 (expand_timesteps) and 2.2 A14B (two experts split at boundary_ratio).
 
 Flow matching: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32; u uniform from the keyed
@@ -92,6 +92,10 @@ class WanAdapter(Adapter):
     @property
     def text_length(self) -> int:
         return TEXT_LENGTH
+
+    @property
+    def published_fps(self) -> int:
+        return 24 if self.expand else 16  # TI2V-5B: 24 fps; the others 16 (docs/models/wan.md)
 
     def other_experts(self) -> list[str]:
         return [folder for folder in EXPERTS.values() if folder != self.transformer_folder] if self.boundary else []
@@ -284,8 +288,11 @@ class WanAdapter(Adapter):
         return self._predict(models[folder], x.expand(n, *x.shape[1:]), timesteps.expand(n, *timesteps.shape[1:]),
                              embeds, None if image_embeds is None else image_embeds.expand(n, -1, -1))
 
-    def guidance_scale(self, scale: float, dynamic: bool, state, t: torch.Tensor) -> float:
-        return scale
+    def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
+        """A14B: the low-noise expert's steps (t < boundary) take guidance_scale_2, as the pipeline's."""
+        if state.boundary is not None and t < state.boundary:
+            return cfg.guidance_scale_2 or cfg.guidance_scale
+        return cfg.guidance_scale
 
     def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
         state.latents = state.scheduler.step(prediction, t, state.latents, return_dict=False)[0]

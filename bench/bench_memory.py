@@ -16,8 +16,10 @@ same build and two steps on real tensors in a fresh process and compares with th
   dp_replicate); in flight the root's weights, 3 blocks gathered in the compute dtype (computing,
   prefetched, its all-gather buffer) and one block's unsharded gradients with an fp32 reduce-scatter
   buffer; activations without autocast's weight copies; optimizer temporaries / shards.
-- sp, a model until vidtrain has sequence parallelism: each rank holds 1/sp of a sample's video tokens
-  (the latent width split, rounded up to whole patches) and all text tokens, as Ulysses attention does.
+- sp, modelled (no fake collectives here) rather than run through sequence.py: each rank holds 1/sp of
+  a sample's video tokens (the latent width split, rounded up to whole patches) and all text tokens, as
+  Ulysses attention does; sequence.py splits the tokens at the first block and gathers the last block's
+  output, so the patch embedding, the output layers and the loss on the whole sample are undercounted.
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
 buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, validation.
 """
@@ -314,7 +316,8 @@ def table(cfg, adapter, world: int, results: dict[int, dict]) -> None:
     sharded = f", sharded {first['shards']} ways" if first["shards"] > 1 else ""
     print(f"{describe(cfg, adapter, first)}\n{how}{sharded}")
     if list(results) != [1]:
-        print("sp is a model until vidtrain has sequence parallelism: each sample's video tokens split sp ways")
+        print("sp is modelled, not run: each sample's video tokens split sp ways from the input on (sequence.py "
+              "splits them inside the blocks only)")
     print(f"  {'GiB per rank':28}" + "".join(f"{f'sp {sp}':>9}" for sp in results))
     print(f"  {'video tokens per rank':28}" + "".join(f"{r['rank_tokens']:9d}" for r in results.values()))
     for name, key in (("frozen weights", "frozen"), ("trainable weights", "weights"), ("AdamW moments", "adamw"),

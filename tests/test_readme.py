@@ -65,3 +65,13 @@ def test_troubleshooting_quotes_what_the_code_prints():
     pieces = [(m, p) for m in quoted_messages() for p in m.split("...") if p.strip(" .,:;()")]
     assert len(pieces) > 20
     assert [(message, piece) for message, piece in pieces if not found_in_code(piece, patterns)] == []
+
+
+def test_what_the_code_cites_lives_in_the_repository():
+    """The documents the code and tests point readers to are in the repository (a clone has nothing
+    beside it)."""
+    sources = {path: path.read_text() for pattern in ("*.py", "tools/*.py", "bench/*.py", "tests/*.py")
+               for path in REPO.glob(pattern)}
+    assert [path.name for path, text in sources.items() if re.search(r"\.\./shared/", text)] == []
+    cited = {doc for text in sources.values() for doc in re.findall(r"docs/models/[\w.-]+\.md", text)}
+    assert cited and [doc for doc in sorted(cited) if not (REPO / doc).is_file()] == []

@@ -23,7 +23,7 @@ import lora
 import parallel
 import trainer
 import validate
-from config import ConfigError, ModelConfig, ValidationConfig, load_config
+from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from model import load_adapter
 
 PROMPTS = ["a red ball moves left", "a blue square drifts up slowly", "a small green circle bounces"]
@@ -316,11 +316,36 @@ def test_config_errors(tiny_model, adapter, one_process_group, tmp_path):
         load_config(None, [*required, "--validation.resolution", "[9, 32]"])
     with pytest.raises(ConfigError, match="validation.num_inference_steps must be at least 1"):
         load_config(None, [*required, "--validation.num_inference_steps", "0"])
+    i2v = [*required, "--model.type", "i2v", "--validation.prompts", '["a ball"]']
+    with pytest.raises(ConfigError, match="validation.images has 0 for 1 validation.prompts"):
+        load_config(None, i2v)
+    off = load_config(None, [*i2v, "--validation.do_validation", "false"])  # no clips in training: no images needed
+    with pytest.raises(ConfigError, match="validation.images has 0 for 1 validation.prompts"):  # but to render
+        validate.render_command(off, [], [], None, None, False, one_process_group)
+    with pytest.raises(ConfigError, match=r"validation.gen_fps must be 0 \(the family's published rate\) or positive"):
+        load_config(None, [*required, "--validation.gen_fps", "-1"])
     with pytest.raises(ConfigError, match="validation.scheduler"):
         load_config(None, [*required, "--validation.scheduler", "euler"])
     cfg = load_config(None, [*required, "--validation.resolution", "[8, 32, 32]"])
     with pytest.raises(ConfigError, match="validation.resolution frames = 8"):
         validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), one_process_group)
+
+
+def test_gen_fps_defaults_to_the_familys_published_rate(tiny_models, wan_models, one_process_group, tmp_path):
+    """validation.gen_fps = 0, the default, writes clips at the family's published rate, a set value
+    wins; validation.guidance_scale_2 without a second expert is refused before any compute."""
+    clip = torch.zeros(9, 32, 32, 3, dtype=torch.uint8)
+    for family, path, published in [("cogvideox", tiny_models("2b"), 8), ("cogvideox", tiny_models("1.5-5b"), 16),
+                                    ("wan", wan_models("t2v"), 16), ("wan", wan_models("ti2v-5b"), 24)]:
+        adapter = load_adapter(ModelConfig(family=family, path=str(path)), torch.device("cpu"))
+        for gen_fps, expected in ((0, published), (FPS, FPS)):
+            cfg = ValidationConfig(gen_fps=gen_fps, resolution=[9, 32, 32])
+            renderer = validate.ClipRenderer(adapter, cfg, DataConfig(), str(tmp_path / f"{path.name}_{gen_fps}"),
+                                             one_process_group)
+            assert decode_mp4(renderer.save([clip], "step_1")[0])[1] == expected, (path.name, gen_fps)
+        with pytest.raises(ConfigError, match="validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert"):
+            validate.ClipRenderer(adapter, ValidationConfig(guidance_scale_2=3.0, resolution=[9, 32, 32]), DataConfig(),
+                                  str(tmp_path), one_process_group)
 
 
 def test_render_command_errors(runs):

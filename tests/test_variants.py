@@ -3,7 +3,9 @@ published config key sets; each variant trains, samples exactly as its diffusers
 and without our exported LoRA), and exports what diffusers loads."""
 
 import contextlib
+import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -15,12 +17,14 @@ from safetensors.torch import load_file, save_file
 
 import cache
 import data
+import export
+import lora
 import parallel
 import trainer
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
-from model import load_adapter
+from model import build_model, load_adapter
 
 COMMON = {"activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
           "in_channels", "max_text_seq_length", "norm_elementwise_affine", "norm_eps", "num_attention_heads",
@@ -28,7 +32,7 @@ COMMON = {"activation_fn", "attention_bias", "attention_head_dim", "dropout", "f
           "spatial_interpolation_scale", "temporal_compression_ratio", "temporal_interpolation_scale",
           "text_embed_dim", "time_embed_dim", "timestep_activation_fn"}
 ROTARY, LEARNED = "use_rotary_positional_embeddings", "use_learned_positional_embeddings"
-# The published transformer/config.json key sets (../shared/reference/cogvideox.md, "Published configs").
+# The published transformer/config.json key sets (docs/models/cogvideox.md, "Published configs").
 PUBLISHED = {
     "2b": COMMON,
     "5b": COMMON | {ROTARY},
@@ -137,6 +141,16 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models
             channels = ours_input.shape[2] // 2
             assert ours_input[:, 0, channels:].abs().sum() > 0 and not ours_input[:, 1:, channels:].any()
 
+        # The ComfyUI file holds the same LoRA: read back through lora.init_from and as the render's --lora.
+        comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
+        assert_comfyui_layout(comfy_file)
+        trained, _ = lora.load_lora(str(lora_file))
+        init_from = dataclasses.replace(cfg.lora, init_from=str(comfy_file))
+        for model in (build_model(adapter, cfg.train, init_from, cfg.parallel, 0, d),
+                      validate.load_model(cfg, adapter, d, None, str(comfy_file))):
+            weights = lora.lora_state_dict(model)
+            assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in trained)
+
         sft_cfg = load_config(str(tmp_path / "sft.toml"))
         ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = CogVideoXTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
@@ -150,6 +164,58 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models
         expected = adapter.predict_v(ours, x_t, torch.tensor([10, 900]), embeds, rotary)
         torch.testing.assert_close(adapter.predict_v(exported, x_t, torch.tensor([10, 900]), embeds, rotary),
                                    expected, rtol=0, atol=1e-5)
+
+
+def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
+    """The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a diffusers
+    transformer config, written from comfy/ldm/cogvideo/model.py (CogVideoXBlock, CogVideoXPatchEmbed,
+    CogVideoXLayerNormZero, CogVideoXAdaLayerNorm, CogVideoXTransformer3DModel.__init__) as read at
+    comfyanonymous/ComfyUI 955ce480e27210cc7c0ea007f017077a2c539b81 (the same in the Comfy-Org tree at
+    783545f689a0af730065994b46b382ae24844c99, Aug 2026). ComfyUI converts no diffusers keys for CogVideoX
+    (comfy/model_detection.py detects it by blocks.0.norm1.linear.weight), and its LoRA loader
+    (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` from
+    `diffusion_model.<module>.lora_A/lora_B.weight` with `.alpha` (comfy/weight_adapter/lora.py)."""
+    dim, time, p, pt = c["num_attention_heads"] * c["attention_head_dim"], c["time_embed_dim"], c["patch_size"], c["patch_size_t"]
+    block = {"norm1.linear": (time, 6 * dim), "q": (dim, dim), "k": (dim, dim), "v": (dim, dim), "attn_out": (dim, dim),
+             "norm2.linear": (time, 6 * dim), "ff_proj": (dim, 4 * dim), "ff_out": (4 * dim, dim)}
+    linears = {f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()}
+    linears |= {"patch_embed.text_proj": (c["text_embed_dim"], dim), "time_embedding_linear_1": (dim, time),
+                "time_embedding_linear_2": (time, time), "norm_out.linear": (time, 2 * dim),
+                "proj_out": (dim, p * p * (pt or 1) * c["out_channels"])}
+    if pt:  # 1.5: the patch embedding is a Linear (a Conv2d in 1.0)
+        linears["patch_embed.proj"] = (c["in_channels"] * p * p * pt, dim)
+    if c["ofs_embed_dim"]:
+        linears |= {"ofs_embedding_linear_1": (c["ofs_embed_dim"],) * 2, "ofs_embedding_linear_2": (c["ofs_embed_dim"],) * 2}
+    return linears
+
+
+def assert_comfyui_layout(path) -> None:
+    keys = load_file(path).keys()
+    pattern = re.compile(r"diffusion_model\.(.+)\.(lora_A\.weight|lora_B\.weight|alpha)")
+    modules = {pattern.fullmatch(k).group(1) for k in keys}
+    block_names = {m.split(".", 2)[2] for m in modules if m.startswith("blocks.")}
+    assert modules and block_names <= {"norm1.linear", "q", "k", "v", "attn_out", "norm2.linear", "ff_proj", "ff_out"}
+    assert len(keys) == 3 * len(modules)
+
+
+@pytest.mark.parametrize("variant", ["2b", "1.5-5b-i2v"])
+def test_comfy_export_names_every_linear_as_comfyui_does(variant, tiny_models, tmp_path):
+    """A LoRA on every nn.Linear of the transformer (what lora.target_modules may name) exports to
+    ComfyUI's module names and shapes, and reads back to the same weights."""
+    adapter = load_adapter(ModelConfig(path=str(tiny_models(variant)), type=model_type(variant)), torch.device("cpu"))
+    with torch.device("meta"):
+        transformer = CogVideoXTransformer3DModel.from_config(adapter.transformer_config)
+    names = lora.inject_lora(transformer, [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)],
+                             2, 3.0, 0.0, 0, torch.device("cpu"))
+    weights = {k: torch.randn(v.shape) for k, v in lora.lora_state_dict(transformer).items()}
+    shapes = {adapter.comfy_key(n): (weights[f"{n}.lora_A.weight"].shape[1], weights[f"{n}.lora_B.weight"].shape[0])
+              for n in names}
+    assert shapes == comfyui_linears(adapter.transformer_config)
+    export._export_comfy(weights, 3.0, adapter, tmp_path / "lora", tmp_path / "run")
+    assert_comfyui_layout(tmp_path / "lora" / "comfy" / "run.safetensors")
+    read, info = lora.load_lora(str(tmp_path / "lora" / "comfy" / "run.safetensors"), adapter.diffusers_key)
+    assert read.keys() == weights.keys() and all(torch.equal(read[k], weights[k]) for k in weights)
+    assert (info["rank"], info["alpha"]) == (2, 3.0)
 
 
 def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):

@@ -62,6 +62,8 @@ def wan_settings(variant, wan_models, base_settings, tiny_data, output_dir, **ex
                 "model.family": "wan", "model.type": model_type, "model.expert": expert, "train.steps": 2,
                 "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1, "validation.do_validation": False,
                 "validation.prompts": PROMPTS, "validation.num_inference_steps": 6}
+    if expert:  # the low-noise expert's own guidance, as the A14B configs set it
+        settings["validation.guidance_scale_2"] = 3.0
     if model_type == "i2v":
         settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
     return {**settings, **extra}
@@ -83,7 +85,8 @@ def pipeline_frames(variant, path, cfg, lora_file=None):
     for i, prompt in enumerate(cfg.prompts):
         extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
         frames.append(pipe(prompt=prompt, num_frames=9, height=32, width=32, num_inference_steps=cfg.num_inference_steps,
-                           guidance_scale=cfg.guidance_scale, generator=data.keyed_generator(cfg.seed, i),
+                           guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2 or None,
+                           generator=data.keyed_generator(cfg.seed, i),
                            output_type="pt", **extra).frames[0].permute(0, 2, 3, 1))
     return frames, calls
 

@@ -10,15 +10,22 @@ diffusers added later is absent, and the class fills its default, as it does for
 
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V 1.3B/14B),
 i2v (2.1 I2V 14B, with a CLIP image encoder), ti2v-5b (2.2, its 4x16x16 VAE), a14b-t2v and a14b-i2v
-(2.2, two experts); their key sets are in ../shared/reference/wan.md.
+(2.2, two experts). docs/models/cogvideox.md and docs/models/wan.md list the published key sets.
 """
 
 import argparse
 import json
+import logging
 import string
 from pathlib import Path
 
 import torch
+
+# diffusers' Wan image-to-video pipeline imports transformers' CLIPImageProcessor, and transformers then
+# notes that torchvision (its default image backend) is missing: the PIL processor the tiny models use
+# needs none, so that one notice is noise.
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: "requires torchvision" not in record.getMessage())
 from diffusers import (
     AutoencoderKLCogVideoX,
     AutoencoderKLWan,
@@ -32,9 +39,9 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from transformers import (
-    CLIPImageProcessor,
+    CLIPImageProcessorPil,
     CLIPVisionConfig,
-    CLIPVisionModelWithProjection,
+    CLIPVisionModel,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -50,7 +57,7 @@ WORDS = (
     "moves left right up down slowly quickly across the on black background bounces "
     "drifts toward from to of and in video shape small large"
 ).split()
-# The keys of every published CogVideoX transformer/config.json (../shared/reference/cogvideox.md).
+# The keys of every published CogVideoX transformer/config.json (docs/models/cogvideox.md).
 COGVIDEOX_KEYS = {
     "activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
     "in_channels", "max_text_seq_length", "norm_elementwise_affine", "norm_eps", "num_attention_heads",
@@ -163,7 +170,7 @@ def make_tiny_model(out: str, variant: str = "5b", seed: int = 0, transformer_se
         {k: v for k, v in transformer.config.items() if not k.startswith("_")}, variant
 
 
-# Wan (../shared/reference/wan.md). The 2.1 transformer files predate pos_embed_seq_len; the 2.1 VAE
+# Wan (docs/models/wan.md). The 2.1 transformer files predate pos_embed_seq_len; the 2.1 VAE
 # files predate the 2.2 VAE's keys; 2.1's model_index has no boundary_ratio or expand_timesteps.
 WAN21_KEYS = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
               "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
@@ -227,10 +234,12 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
         if boundary is not None:  # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
             components["transformer_2"] = make_wan_transformer(channels, image)
         if pipeline_cls is WanImageToVideoPipeline:
-            components["image_encoder"] = CLIPVisionModelWithProjection(CLIPVisionConfig(
+            # The published 2.1 I2V folders hold a CLIPVisionModel (no projection), the class the pipeline
+            # declares; the PIL image processor saves as CLIPImageProcessor, as theirs, and needs no torchvision.
+            components["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
                 hidden_size=16, projection_dim=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                 intermediate_size=32, patch_size=8)) if image else None
-            components["image_processor"] = CLIPImageProcessor(
+            components["image_processor"] = CLIPImageProcessorPil(
                 size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) if image else None
     pipe = pipeline_cls(**components, boundary_ratio=boundary, expand_timesteps=bool(expand))
     pipe.save_pretrained(out)
@@ -243,6 +252,8 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
     index = json.loads((root / "model_index.json").read_text())
     if variant in ("t2v", "i2v"):  # 2.1's folders predate the 2.2 pipeline arguments
         index = {k: v for k, v in index.items() if k not in ("boundary_ratio", "expand_timesteps", "transformer_2")}
+    if index.get("image_processor", [None])[0]:  # the published class name, whichever backend saved it
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
     (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
