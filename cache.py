@@ -44,6 +44,8 @@ from model import load_adapter
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
 PROGRESS_EVERY_S = 30.0
+CACHE_FIX = ("free space there, or set data.cache_dir to a disk with room, and run again: the entries written so far "
+             "are kept")
 
 
 def _key(**parts) -> str:
@@ -75,9 +77,8 @@ class Cache:
     def write(self, item: data.Item, kind: str, tensors: dict[str, torch.Tensor]) -> None:
         path = Path(self.path(item, kind))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
+        with faults.written(path, CACHE_FIX) as tmp:
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
 
     def load_batch(self, items: list[data.Item], device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The items' entries stacked, on `device` when given: a non-blocking copy, which on a GPU queues

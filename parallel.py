@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+import faults
 from config import ConfigError, ParallelConfig, load_config
 
 log = logging.getLogger("vidtrain")
@@ -122,7 +123,8 @@ def report(error: BaseException, rank: int) -> int:
         if rank == 0:
             log.info("stopped by a signal: %s", error)
         return 0
-    if isinstance(error, (ConfigError, StopRun, CheckpointException)):  # raised alike on every rank
+    # Raised alike on every rank, or (a failed write of rank 0's files) on rank 0 alone.
+    if isinstance(error, (ConfigError, StopRun, CheckpointException, faults.WriteFailed)):
         if rank == 0:
             log.error("error: %s", first_failure(error) if isinstance(error, CheckpointException) else error)
         return 1
