@@ -48,6 +48,8 @@ PROGRESS_EVERY_S = 30.0
 # resized and cropped alike, above which the image is named: re-encoding the same frame (PNG, JPEG,
 # H.264) stays within a few levels; another frame of a moving shot, or another shot, goes far past.
 IMAGE_DIFFERENCE = 16
+CACHE_FIX = ("free space there, or set data.cache_dir to a disk with room, and run again: the entries written so far "
+             "are kept")
 
 
 def _key(**parts) -> str:
@@ -79,9 +81,8 @@ class Cache:
     def write(self, item: data.Item, kind: str, tensors: dict[str, torch.Tensor]) -> None:
         path = Path(self.path(item, kind))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
+        with faults.written(path, CACHE_FIX) as tmp:
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
 
     def load_batch(self, items: list[data.Item], device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The items' entries stacked, on `device` when given: a non-blocking copy, which on a GPU queues

@@ -1,7 +1,8 @@
 """Checkpoints of the training state with torch.distributed.checkpoint (DCP), and the command that
 exports any checkpoint (export.py writes the files).
 
-    python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]
+    python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]   # default: DIR/export/
+    python ckpt.py rehash --cfg FILE.toml --checkpoint DIR               # accept its files as they are
 
 A checkpoint is written by every rank into checkpoint-N.tmp/, then renamed to checkpoint-N/ once all
 ranks are done, then `latest` is replaced. It holds the trainable weights (never the frozen base),
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -92,15 +94,32 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Committed checkpoints, oldest first: checkpoint-<int>/ with DCP's .metadata and our meta.json.
-    Anything else in the folder (foreign files, .tmp, best.pt) is ignored."""
+def checkpoint_folders(output_dir: Path) -> list[Path]:
+    """Every checkpoint-<int>/ folder, oldest first, complete or not; anything else in the folder
+    (foreign files, .tmp, best.pt) is ignored."""
     found = []
     for path in output_dir.glob("checkpoint-*"):
         match = CHECKPOINT_NAME.fullmatch(path.name)
-        if match and (path / ".metadata").is_file() and (path / "meta.json").is_file():
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Committed checkpoints, oldest first: checkpoint-<int>/ with DCP's .metadata and our meta.json."""
+    return [p for p in checkpoint_folders(output_dir) if (p / ".metadata").is_file() and (p / "meta.json").is_file()]
+
+
+def meta_problem(path: Path) -> str | None:
+    """What makes a checkpoint's meta.json unusable (missing, empty, garbled), or None."""
+    if not (path / "meta.json").is_file():
+        return f"checkpoint {path} has no meta.json"
+    try:
+        meta = json.loads((path / "meta.json").read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        return f"checkpoint {path}: meta.json is damaged ({e})"
+    missing = sorted({"step", "identity", "files"} - set(meta if isinstance(meta, dict) else ()))
+    return f"checkpoint {path}: meta.json is damaged (it lacks {missing})" if missing else None
 
 
 def check_identity(path: Path, meta: dict, identity: dict) -> None:
@@ -164,11 +183,23 @@ def cached_planner() -> dcp.DefaultSavePlanner:
     return dcp.DefaultSavePlanner(enable_plan_caching=True)
 
 
+def staging_copy() -> DefaultStager:
+    """What an async save copies this rank's state into before training continues: DCP's stager keeps one
+    CPU copy per source tensor (storage) and refills it at every save, where a fresh stager would
+    allocate the whole state again each time (28 GB per rank for Wan 14B sft with EMA); pinned on GPUs,
+    so the device-to-host copy runs at full speed. Refilling is safe: each save waits for the previous
+    write before it stages."""
+    on_gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=on_gpu))
+
+
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict):
         self.cfg, self.dir, self.d, self.identity = cfg, Path(output_dir), d, identity
         self.frozen_excluded = identity["training_type"] == "lora"
         self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
+        self.stager = None  # async saves' CPU copy of this rank's state, made once and refilled by every save
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _state(self, objects: dict, reuse: bool = False) -> dict:
@@ -214,8 +245,9 @@ class Checkpointer:
                 if self.async_group is None:
                     # Background writes on the default group collide with training's collectives.
                     self.async_group = dist.new_group(backend="gloo")
+                    self.stager = staging_copy()
                 future = dcp.async_save(state, storage_writer=writer, planner=cached_planner(),
-                                        process_group=self.async_group)
+                                        process_group=self.async_group, async_stager=self.stager)
                 self.pending = (step, tmp, final_dir, future)
                 return
             with _write_failures_named(tmp):
@@ -242,14 +274,7 @@ class Checkpointer:
         shares = [None] * self.d.world
         dist.all_gather_object(shares, mine)
         if self.d.is_main:
-            meta = {
-                "step": step,
-                "world_size": self.d.world,
-                "identity": self.identity,
-                "versions": library_versions(),
-                "files": {k: v for share in shares for k, v in sorted(share.items())},
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            write_meta(tmp, step, self.d.world, self.identity, {k: v for share in shares for k, v in sorted(share.items())})
             if final.exists():  # one that failed its check on resume, recomputed since: move it aside first
                 stale = final.with_name(f"{final.name}.stale.tmp")
                 os.replace(final, stale)
@@ -277,7 +302,7 @@ class Checkpointer:
             if self.d.is_main:
                 for tmp in self.dir.glob("checkpoint-*.tmp"):
                     shutil.rmtree(tmp)
-                found = [str(p) for p in reversed(complete_checkpoints(self.dir))]
+                found = [str(p) for p in reversed(checkpoint_folders(self.dir))]
         found = parallel.broadcast(found, self.d)
         if self.cfg.resume == "none" and found:
             raise ConfigError(f"{self.dir} already holds {Path(found[0]).name}: set checkpoint.resume = \"auto\" "
@@ -287,6 +312,16 @@ class Checkpointer:
             return [Path(self.cfg.resume)]
         return [Path(p) for p in found] if self.cfg.resume == "auto" else []
 
+    def _none_passes(self, candidates: list[Path], skipped: list[str]) -> str:
+        """The message when every checkpoint fails its check: both ways on, spelled out."""
+        message = (f"no checkpoint in {self.dir} passes its check ({'; '.join(skipped)}): to start over, choose "
+                   "another run.output_dir")
+        loadable = [p for p in candidates if (p / ".metadata").is_file()]
+        if loadable:
+            message += (f"; to resume from {loadable[0].name} anyway, accept its files as they are with `python "
+                        f"ckpt.py rehash --cfg {self.dir / 'config.toml'} --checkpoint {loadable[0]}` and launch again")
+        return message
+
     def resume(self, objects: dict) -> None:
         """Load the newest checkpoint whose files check out into the live objects on every rank, falling
         back to older ones; resharding is DCP's. A stop signal before the check ends the run here."""
@@ -294,9 +329,11 @@ class Checkpointer:
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
-            with parallel.all_or_none():  # another model or LoRA: stop, do not fall back
-                check_identity(path, read_meta(path), self.identity)
-            problem = reads_problem(path, state, self.d)
+            problem = next((p for p in parallel.agree(lambda: meta_problem(path), self.d) if p), None)
+            if problem is None:
+                with parallel.all_or_none():  # another model or LoRA: stop, do not fall back
+                    check_identity(path, read_meta(path), self.identity)
+                problem = reads_problem(path, state, self.d)
             if problem is None:
                 break
             if self.cfg.resume != "auto":
@@ -304,9 +341,8 @@ class Checkpointer:
             skipped.append(problem)
             log.warning("%s; falling back to the previous checkpoint", problem)
         else:
-            if candidates:  # starting over would rotate the damaged ones away: leave that decision to the user
-                raise ConfigError(f"no checkpoint in {self.dir} passes its meta.json check ({'; '.join(skipped)}): "
-                                  "move them elsewhere to start over, or set checkpoint.resume to one of them")
+            if candidates:  # starting over would overwrite the damaged ones: leave that decision to the user
+                raise ConfigError(self._none_passes(candidates, skipped))
             return
         with parallel.all_or_none():
             meta = read_meta(path)
@@ -323,9 +359,17 @@ class Checkpointer:
         log.info("resumed from step %d (%s)", meta["step"], path)
 
 
+def write_meta(folder: Path, step: int, world_size: int, identity: dict, files: dict) -> None:
+    meta = {"step": step, "world_size": world_size, "identity": identity, "versions": library_versions(),
+            "files": files}
+    (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
+    os.replace(folder / "meta.json.tmp", folder / "meta.json")
+
+
 def read_meta(path: Path) -> dict:
-    if not (path / "meta.json").is_file():
-        raise ConfigError(f"{path} is not a checkpoint folder (no meta.json)")
+    problem = meta_problem(path)
+    if problem:
+        raise ConfigError(problem)
     return json.loads((path / "meta.json").read_text())
 
 
@@ -359,17 +403,40 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     with parallel.all_or_none():
         load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
-    export.export(model, cfg.train.training_type, cfg.lora, adapter, out or cfg.run.output_dir, d, ema)
+    # Beside the checkpoint by default: the run's own lora/ holds its final weights and is never replaced.
+    export.export(model, cfg.train.training_type, cfg.lora, adapter, out or str(Path(checkpoint) / "export"), d, ema)
+
+
+def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
+    """Accept a checkpoint's files as they are, for a checkpoint that fails its check and is wanted anyway:
+    rewrite its meta.json from the files now there (sizes, sha256), the model identity of this config
+    and the step its name holds. Loading it then reads whatever its shards hold."""
+    path = Path(checkpoint)
+    match = CHECKPOINT_NAME.fullmatch(path.name)
+    if not match or not (path / ".metadata").is_file():
+        raise ConfigError(f"{path} is not a checkpoint-N folder holding DCP's .metadata, so nothing can load it: "
+                          "resume from another checkpoint, or start over in another run.output_dir")
+    with parallel.all_or_none():
+        adapter = load_adapter(cfg.model, d.device)
+    if d.is_main:
+        names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != "meta.json")
+        ranks = {name.split("_")[2] for name in names if name.endswith(".distcp")}
+        files = {name: {"size": (path / name).stat().st_size, "sha256": _sha256(path / name)} for name in names}
+        write_meta(path, int(match.group(1)), len(ranks), run_identity(cfg, adapter), files)
+        log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="ckpt.py", description="Export the weights of any checkpoint.")
-    parser.add_argument("command", choices=["export"])
+    parser = argparse.ArgumentParser(prog="ckpt.py", description="Export the weights of any checkpoint, or accept "
+                                     "the files of a checkpoint that fails its check (rehash).")
+    parser.add_argument("command", choices=["export", "rehash"])
     parser.add_argument("--cfg", required=True, help="the run's TOML config")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint-N folder")
-    parser.add_argument("--out", help="where lora/ or transformer/ go (default: run.output_dir)")
+    parser.add_argument("--out", help="where lora/ or transformer/ go (default: the checkpoint's export/ folder)")
     args, overrides = parser.parse_known_args(argv)
-    parallel.run_command(lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d), args.cfg, overrides)
+    commands = {"export": lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d),
+                "rehash": lambda cfg, d: rehash(cfg, args.checkpoint, d)}
+    parallel.run_command(commands[args.command], args.cfg, overrides)
 
 
 if __name__ == "__main__":

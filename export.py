@@ -5,6 +5,7 @@ at the end of training (trainer.py) and by `python ckpt.py export` for any check
 import logging
 from pathlib import Path
 
+import faults
 import lora
 import parallel
 from config import LoraConfig
@@ -38,7 +39,8 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
                  f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "")
         _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, out)
     else:
-        adapter.transformer_from_state_dict(state).save_pretrained(out / f"transformer{suffix}")
+        with faults.written(out / f"transformer{suffix}", lora.EXPORT_FIX) as tmp:
+            adapter.transformer_from_state_dict(state).save_pretrained(tmp)
         log.info("transformer written to %s", out / f"transformer{suffix}")
 
 

@@ -6,18 +6,30 @@ fires at the point when the count matches, on every rank or only the one named. 
 that optimizer step, `save` after that step's shards are written and before the commit, `cache` after
 that many cache entries, `render` before that sampling step of the process. Actions: `kill` (SIGKILL),
 `sigterm` (as a scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a
-message no rank sends, until parallel.timeout_s). Three more are named for what they do: `save_fail`
-(the storage writer fails like a full disk), `nan_loss` (the step's loss is NaN) and `overflow` (the
-step's backward starts from its loss times 1e30: its gradients overflow, its loss stays finite)."""
+message no rank sends, until parallel.timeout_s). Four more are named for what they do: `save_fail`
+(the storage writer fails like a full disk), `disk_full` (the count-th file this process writes through
+`written` fails like a full disk: a cache entry, a clip, an exported file), `nan_loss` (the step's loss
+is NaN) and `overflow` (the step's backward starts from its loss times 1e30: its gradients overflow, its
+loss stays finite)."""
 
+import contextlib
+import errno
 import os
+import shutil
 import signal
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 FAULT_ENV = "VIDTRAIN_FAULT"
 SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
+writes = 0  # files written through `written` by this process, counted for the disk_full fault
+
+
+class WriteFailed(OSError):
+    """A file could not be written (a full disk, say): the message names the file and the fix."""
 
 
 def _specs() -> list[list[str]]:
@@ -27,6 +39,34 @@ def _specs() -> list[list[str]]:
 def active(name: str, count: int) -> bool:
     return any(spec[0] == name and int(spec[1]) == count and (len(spec) == 2 or int(spec[2]) == dist.get_rank())
                for spec in _specs())
+
+
+@contextlib.contextmanager
+def written(path: Path, fix: str):
+    """Write `path` (a file, or a folder) as the temporary beside it that this yields, renamed into place
+    once complete: a failed write leaves neither a partial `path` nor the temporary, and raises
+    WriteFailed naming `path`, the cause and `fix`. The disk_full fault fires after the write, before
+    the rename."""
+    global writes
+    writes += 1
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        if active("disk_full", writes):
+            raise OSError(errno.ENOSPC, "No space left on device (injected disk_full)")
+        if path.is_dir():  # a folder cannot be replaced in one rename: the old one goes once the new is in place
+            os.replace(path, path.with_name(f"{path.name}.old{os.getpid()}"))
+            os.replace(tmp, path)
+            shutil.rmtree(path.with_name(f"{path.name}.old{os.getpid()}"))
+        else:
+            os.replace(tmp, path)
+    except BaseException as e:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, (OSError, SafetensorError)):  # safetensors reports its own write errors
+            raise WriteFailed(f"writing {path} failed ({e}): {fix}") from None
+        raise
 
 
 def backward_factor(step: int) -> float:

@@ -10,12 +10,15 @@ so the trained adapter loads with `pipe.load_lora_weights` or `PeftModel.from_pr
 import json
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
+
+import faults
 
 # diffusers' safetensors header key (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).
 # Without it diffusers assumes alpha = rank and applies the adapter at the wrong strength.
@@ -147,6 +150,11 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+# What to do when an exported file cannot be written (a full disk): faults.written names the file.
+EXPORT_FIX = ("free space (or write elsewhere: python ckpt.py export --out DIR), then export again; launching a "
+              "finished run again exports it")
+
+
 def _adapter_config(rank: int, alpha: float, target_modules: list[str], dropout: float) -> dict:
     """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load."""
     return {
@@ -171,9 +179,8 @@ def _save_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
     header = json.loads(blob[8 : 8 + length])
     # Same characters in another order: the same length, so the data offsets stay valid.
     ordered = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    with open(path + ".tmp", "wb") as f:
-        f.write(blob[:8] + ordered.ljust(length) + blob[8 + length :])
-    os.replace(path + ".tmp", path)
+    with faults.written(Path(path), EXPORT_FIX) as tmp:
+        tmp.write_bytes(blob[:8] + ordered.ljust(length) + blob[8 + length :])
 
 
 def save_lora(
@@ -200,10 +207,8 @@ def save_peft_adapter(
     config |= _adapter_config(rank, alpha, target_modules, dropout)
     tensors = {PEFT_PREFIX + k: v for k, v in lora_sd.items()}
     _save_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors, {"format": "pt"})
-    config_path = os.path.join(directory, "adapter_config.json")
-    with open(config_path + ".tmp", "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    os.replace(config_path + ".tmp", config_path)
+    with faults.written(Path(directory) / "adapter_config.json", EXPORT_FIX) as tmp:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict]:

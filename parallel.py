@@ -26,6 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 from transformers.utils import logging as transformers_logging
 
+import faults
 from config import ConfigError, ParallelConfig, load_config
 
 log = logging.getLogger("vidtrain")
@@ -135,7 +136,8 @@ def report(error: BaseException, rank: int) -> int:
         if rank == 0:
             log.info("stopped by a signal: %s", error)
         return 0
-    if isinstance(error, (ConfigError, StopRun, CheckpointException)):  # raised alike on every rank
+    # Raised alike on every rank, or (a failed write of rank 0's files) on rank 0 alone.
+    if isinstance(error, (ConfigError, StopRun, CheckpointException, faults.WriteFailed)):
         if rank == 0:
             log.error("error: %s", first_failure(error) if isinstance(error, CheckpointException) else error)
         return 1

@@ -17,6 +17,8 @@ ranks. Attention runs through FusedQKVAttention for the duration of sampling onl
 import argparse
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 import os
@@ -99,6 +101,9 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
     return (frames * 255).round().to(torch.uint8)
 
 
+CLIP_FIX = "free space (or move run.output_dir) and launch again; a training run resumes from its last checkpoint"
+
+
 def write_mp4(path: Path, frames: torch.Tensor, fps: int) -> None:
     """uint8 [F, H, W, 3] -> H.264 mp4. yuv420p (what players accept) needs even sizes: odd ones get
     their last row or column repeated. Written under a temporary name, then renamed."""
@@ -106,14 +111,12 @@ def write_mp4(path: Path, frames: torch.Tensor, fps: int) -> None:
         frames = torch.cat([frames, frames[:, -1:]], dim=1)
     if frames.shape[2] % 2:
         frames = torch.cat([frames, frames[:, :, -1:]], dim=2)
-    tmp = path.with_name(path.name + ".tmp")
-    with av.open(str(tmp), "w", format="mp4") as container:
+    with faults.written(path, CLIP_FIX) as tmp, av.open(str(tmp), "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], "yuv420p"
         for frame in frames.numpy():
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
-    os.replace(tmp, path)
 
 
 def load_image(path: str):
@@ -202,18 +205,20 @@ class ClipRenderer:
             self.adapter.park_vae()  # on the CPU until the next validation: no second load from disk
         return clips[: len(self.prompts)]
 
-    def save(self, clips: list[torch.Tensor], name: str) -> list[Path]:
-        """Rank 0: validation_res/{name}_prompt_{i}.mp4 at self.fps, and with validation.save_frames the
-        frames themselves (what was encoded, exactly) as {name}_prompt_{i}.safetensors."""
-        if not self.d.is_main:
-            return []
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        paths = [self.out_dir / f"{name}_prompt_{i}.mp4" for i in range(len(clips))]
-        for path, clip in zip(paths, clips):
-            write_mp4(path, clip, self.fps)
-            if self.cfg.save_frames:
-                save_file({"frames": clip.contiguous()}, path.with_suffix(".safetensors"))
-        return paths
+    def save(self, clips: list[torch.Tensor], names: list[str]) -> list[Path]:
+        """Called on every rank; rank 0 writes validation_res/{name}.mp4 at self.fps, and with
+        validation.save_frames the frames themselves (what was encoded, exactly) as {name}.safetensors.
+        A failed write (a full disk) stops every rank, naming the file."""
+        paths = [self.out_dir / f"{name}.mp4" for name in names]
+        with parallel.all_or_none():
+            if self.d.is_main:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                for path, clip in zip(paths, clips):
+                    write_mp4(path, clip, self.fps)
+                    if self.cfg.save_frames:
+                        with faults.written(path.with_suffix(".safetensors"), CLIP_FIX) as tmp:
+                            save_file({"frames": clip.contiguous()}, tmp)
+        return paths if self.d.is_main else []
 
     def run(self, model, step: int, metrics, autocast) -> dict[str, float]:
         """The training-time validation: mp4s, val/clip_{i} and val/prompt_{i}; returns time and peak memory."""
@@ -221,7 +226,7 @@ class ClipRenderer:
             return {}
         start = time.perf_counter()
         clips = self.render(model, autocast)
-        self.save(clips, f"step_{step}")
+        self.save(clips, [f"step_{step}_prompt_{i}" for i in range(len(self.prompts))])
         for i, (prompt, clip) in enumerate(zip(self.prompts, clips)):
             metrics.clip(step, f"val/clip_{i}", clip, self.fps)
             metrics.text(step, f"val/prompt_{i}", prompt)
@@ -245,6 +250,34 @@ def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, l
     return model
 
 
+def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, online: bool) -> list[str]:
+    """render_{checkpoint or LoRA file}[_online]_prompt_{i}_{hash}: the hash covers what makes clip i (the
+    weights' path and the LoRA file's date, its prompt and image, the model and sampling settings), so a
+    render never replaces one of other weights, prompts or settings."""
+    weights = checkpoint or lora_file
+    source = Path(checkpoint).name if checkpoint else Path(lora_file).stem if lora_file else "base"
+    common = {"weights": str(Path(weights).resolve()) if weights else "", "online": online,
+              "lora_mtime": os.stat(lora_file).st_mtime_ns if lora_file else 0,
+              "model": dataclasses.asdict(cfg.model), "mixed_precision": cfg.train.mixed_precision,
+              "validation": {k: v for k, v in dataclasses.asdict(cfg.validation).items() if k not in ("prompts", "images")}}
+    names = []
+    for i, prompt in enumerate(cfg.validation.prompts):
+        image = hashlib.sha256(Path(cfg.validation.images[i]).read_bytes()).hexdigest() if cfg.validation.images else ""
+        digest = hashlib.sha256(json.dumps({**common, "prompt": prompt, "image": image}, sort_keys=True).encode())
+        names.append(f"render_{source}{'_online' if online else ''}_prompt_{i}_{digest.hexdigest()[:8]}")
+    return names
+
+
+def check_lora_file(lora_file: str) -> None:
+    """A part of a DCP checkpoint passed as --lora is named, with what to pass instead."""
+    path = Path(lora_file)
+    folder = path if path.is_dir() else path.parent
+    if path.suffix == ".distcp" or (folder / ".metadata").is_file():
+        raise ConfigError(f"--lora {lora_file} is part of the checkpoint {folder}, not a LoRA file: render it with "
+                          f"--checkpoint {folder}, or export it (python ckpt.py export --cfg FILE.toml --checkpoint "
+                          f"{folder}) and pass --lora {folder / 'export' / 'lora' / 'pytorch_lora_weights.safetensors'}")
+
+
 def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoint: str | None,
                    lora_file: str | None, online: bool, d: parallel.Dist) -> None:
     if prompts:  # the command line's prompts (and images) replace the config's
@@ -253,6 +286,8 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
     check_validation_images(cfg)
+    if lora_file:
+        check_lora_file(lora_file)
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
@@ -260,8 +295,8 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
         model = load_model(cfg, adapter, d, checkpoint, lora_file, online)
     mixed = cfg.train.mixed_precision
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[mixed], enabled=mixed != "no")
-    source = Path(checkpoint).name if checkpoint else Path(lora_file).stem if lora_file else "base"
-    for path in renderer.save(renderer.render(model, autocast), f"render_{source}{'_online' if online else ''}"):
+    names = render_names(cfg, checkpoint, lora_file, online)
+    for path in renderer.save(renderer.render(model, autocast), names):
         log.info("wrote %s", path)
 
 

@@ -3,6 +3,8 @@ rotation and fallback; SIGTERM; async save; failed writes; what is (not) in a ch
 
 import hashlib
 import json
+import re
+import shlex
 import shutil
 
 import pytest
@@ -176,21 +178,37 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
     assert_intact(out / "checkpoint-2")
 
 
-def test_corrupt_newest_checkpoint_falls_back(references, make_config):
+def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_config):
+    """A bad shard, a garbled or empty meta.json, a missing meta.json or .metadata: each newest checkpoint
+    in turn is passed over naming its file. When none passes (every meta.json gone), the run stops
+    without touching them, and the advice it prints works as written: the rehash command, then a launch."""
     cfg, out, nproc = make_config("corrupt", "one", **{"train.steps": STEPS + 2})
     shutil.copytree(references["one"], out)
     shard = out / f"checkpoint-{STEPS}" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    (out / "checkpoint-12" / "meta.json").write_text('{"step": 12, "iden')
+    (out / "checkpoint-10" / "meta.json").write_text("")
+    (out / "checkpoint-8" / "meta.json").unlink()
+    (out / "checkpoint-6" / ".metadata").unlink()
     result = run_ok(["--cfg", str(cfg)])
-    assert f"checkpoint-{STEPS}: __0_0.distcp does not match its size or sha256" in result.stderr
-    assert f"resumed from step {STEPS - 2}" in result.stderr
+    for problem in (f"checkpoint-{STEPS}: __0_0.distcp does not match its size or sha256",
+                    "checkpoint-12: meta.json is damaged (Unterminated string", "checkpoint-10: meta.json is damaged (Expecting value",
+                    "checkpoint-8 has no meta.json", "checkpoint-6 is missing .metadata"):
+        assert f"{problem}" in result.stderr and "; falling back to the previous checkpoint" in result.stderr, problem
+    assert "resumed from step 4" in result.stderr
     for meta in out.glob("checkpoint-*/meta.json"):  # none passes: refuse rather than start over
-        meta.write_text(meta.read_text().replace('"sha256": "', '"sha256": "0'))
+        meta.unlink()
+    before = {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/*")}
     refused = run_cmd(["--cfg", str(cfg)])
-    assert refused.returncode == 1 and "no checkpoint in" in refused.stderr and "move them elsewhere" in refused.stderr
-    assert len(ckpt.complete_checkpoints(out)) == STEPS // 2 + 1
+    assert refused.returncode == 1 and f"checkpoint-{STEPS + 2} has no meta.json" in refused.stderr
+    assert "to start over, choose another run.output_dir" in refused.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/*")} == before
+    advice = re.search(r"`python (ckpt\.py rehash [^`]+)`", refused.stderr).group(1)
+    ckpt.main(shlex.split(advice)[1:])
+    resumed = run_ok(["--cfg", str(cfg)])
+    assert f"resumed from step {STEPS + 2}" in resumed.stderr
 
 
 def test_what_a_checkpoint_holds(references):
@@ -230,12 +248,14 @@ def test_finished_run_exports_and_exits_zero(references, make_config):
 
 
 def test_export_command(references, make_config, tmp_path):
+    """Without --out beside the checkpoint (never over the run's own lora/), with --out where it says."""
     cfg, out, _ = make_config("ref_one", "one")
-    run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-8"), "--out", str(tmp_path)],
-           script="ckpt.py")
-    exported = weights(tmp_path)
+    final = (out / "lora" / "pytorch_lora_weights.safetensors").read_bytes()
+    run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-8")], script="ckpt.py")
+    exported = weights(out / "checkpoint-8" / "export")
     assert exported.keys() == weights(out).keys()
     assert not all(torch.equal(exported[k], weights(out)[k]) for k in exported)  # step 8, not the end
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").read_bytes() == final
     run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / f"checkpoint-{STEPS}"), "--out", str(tmp_path)],
            script="ckpt.py")
     for folder in ("lora", "lora_ema"):

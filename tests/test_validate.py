@@ -135,6 +135,12 @@ def clip_of(output_dir, name: str) -> torch.Tensor:
     return frames_of(output_dir / "validation_res" / f"{name}.mp4")
 
 
+def render_of(output_dir, name: str):
+    """The one render named {name}_{hash}.mp4 (validate.render_names)."""
+    [path] = (output_dir / "validation_res").glob(f"{name}_????????.mp4")
+    return path
+
+
 def test_fsdp_clips_equal_one_process(runs):
     """2 FSDP ranks (3 prompts: one rank renders a padding clip) render the clips one process renders:
     the weights differ only by the summation order of the sharded reduction, so the frames agree within
@@ -156,14 +162,14 @@ def test_render_command_reproduces_training_clips(runs):
         run_ok(["--cfg", cfg, "--checkpoint", str(out / "checkpoint-4"), "--prompt", PROMPTS[0], *extra],
                script="validate.py")
     training = clip_of(out, "step_4_prompt_0")
-    assert torch.equal(clip_of(out, "render_checkpoint-4_prompt_0"), training)
-    online = clip_of(out, "render_checkpoint-4_online_prompt_0")
+    assert torch.equal(frames_of(render_of(out, "render_checkpoint-4_prompt_0")), training)
+    online = frames_of(render_of(out, "render_checkpoint-4_online_prompt_0"))
     assert not torch.equal(online, training)  # EMA and online weights differ
     for overrides, nproc in (([], 1), (FSDP_OVERRIDES, 2)):
         run_ok(["--cfg", cfg, "--lora", str(lora_file), "--prompt", PROMPTS[0], *overrides], nproc=nproc,
                script="validate.py")
-        assert torch.equal(clip_of(out, "render_pytorch_lora_weights_prompt_0"), online)
-    _, rate = decode_mp4(out / "validation_res" / "render_checkpoint-4_prompt_0.mp4")
+        assert torch.equal(frames_of(render_of(out, "render_pytorch_lora_weights_prompt_0")), online)
+    _, rate = decode_mp4(render_of(out, "render_checkpoint-4_prompt_0"))
     assert rate == FPS
 
 
