@@ -288,7 +288,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     parallel.check_shared(str(cache_dir), "data.cache_dir", d)
     manifest = Manifest(cache_dir)
     encoders = encoder_identity(adapter, manifest, d)
-    cache = Cache(cfg.data, encoders, adapter.text_length, cfg.model.dtype,
+    cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
                   cfg.run.seed if cfg.model.type == "i2v" else None)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d)
     if d.is_main:

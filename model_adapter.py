@@ -189,6 +189,7 @@ class Adapter:
     # The model folders whose files shape each kind of cache entry.
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
+    VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
@@ -202,6 +203,7 @@ class Adapter:
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
+        self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
@@ -286,7 +288,7 @@ class Adapter:
     def _load_vae(self):
         if self._vae is None:
             log.info("loading VAE from %s", self.path)
-            self._vae = self.VAE.from_pretrained(self.path, subfolder="vae", dtype=self.dtype)
+            self._vae = self.VAE.from_pretrained(self.path, subfolder="vae", dtype=self.vae_dtype)
             self._vae.requires_grad_(False).eval()
         return self._vae.to(self.device)
 
@@ -314,8 +316,12 @@ class Adapter:
         torch.cuda.empty_cache()  # a no-op without CUDA
 
     def _pixels(self, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 [B, F, H, W, 3] -> [B, 3, F, H, W] in [-1, 1], model.dtype, on the device."""
-        return frames.to(self.device).permute(0, 4, 1, 2, 3).to(self.dtype) / 127.5 - 1.0
+        """uint8 [B, F, H, W, 3] -> [B, 3, F, H, W] in [-1, 1], in the VAE's dtype, on the device."""
+        return frames.to(self.device).permute(0, 4, 1, 2, 3).to(self.vae_dtype) / 127.5 - 1.0
+
+    def encoding_precision(self, dtype: str) -> str:
+        """What the cache's keys name as the encoders' precision: model.dtype, and the VAE's where it differs."""
+        return dtype if self.vae_dtype == self.dtype else f"{dtype}, VAE {self.vae_dtype}"
 
     def held_out_timesteps(self, timesteps: list[int]) -> list[int]:
         """The held-out loss's timesteps this run's transformer is trained on (all, but for an expert)."""
