@@ -40,6 +40,7 @@ import sequence
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
 from model import load_adapter
+from model_adapter import to_device
 
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
@@ -85,14 +86,14 @@ class Cache:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
 
     def load_batch(self, items: list[data.Item], device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """The items' entries stacked, on `device` when given: a non-blocking copy, which on a GPU queues
-        behind the running step instead of waiting for it (a blocking one synchronises the stream)."""
+        """The items' entries stacked, on `device` when given: pinned, then a non-blocking copy, which on a
+        GPU queues behind the running step instead of waiting for it (model_adapter.to_device)."""
         entries = [{k: v for kind in self.kinds for k, v in load_file(self.path(item, kind)).items()} for item in items]
         for entry in entries:
             text = entry["prompt_embeds"]
             entry["prompt_embeds"] = torch.cat([text, text.new_zeros(self.text_length - len(text), text.shape[1])])
         batch = {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
-        return batch if device is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        return batch if device is None else {k: to_device(v, device) for k, v in batch.items()}
 
 
 def encoder_identity(adapter, manifest: Manifest, d: parallel.Dist) -> dict[str, dict]:
@@ -337,7 +338,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     parallel.check_shared(str(cache_dir), "data.cache_dir", d)
     manifest = Manifest(cache_dir)
     encoders = encoder_identity(adapter, manifest, d)
-    cache = Cache(cfg.data, encoders, adapter.text_length, cfg.model.dtype,
+    cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
                   cfg.run.seed if cfg.model.type == "i2v" else None)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d)
     if d.is_main:

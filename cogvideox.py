@@ -26,7 +26,7 @@ from transformers import T5EncoderModel
 
 import lora
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, resolved_config, sample_posterior
+from model_adapter import Adapter, log, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
@@ -58,7 +58,7 @@ class CogVideoXAdapter(Adapter):
                               f"{self.transformer_config['in_channels']} input channels): set model.type = "
                               f"\"{'i2v' if takes_image else 't2v'}\"")
         self.scheduler = CogVideoXDPMScheduler.from_pretrained(self.path, subfolder="scheduler")
-        self.alphas_cumprod = self.scheduler.alphas_cumprod.to(torch.float32)
+        self.alphas_cumprod = self.scheduler.alphas_cumprod.to(device, torch.float32)  # indexed on the device every step
 
     # Shape rules read from the model's own config.
     @property
@@ -234,7 +234,7 @@ class CogVideoXAdapter(Adapter):
     def loss(self, transformer, x0: torch.Tensor, prompt_embeds, timesteps: torch.Tensor, noise: torch.Tensor,
              condition: torch.Tensor | None = None):
         """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints."""
-        a = self.alphas_cumprod.to(x0.device, non_blocking=True)[timesteps].view(-1, 1, 1, 1, 1)
+        a = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1, 1)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
         v = a.sqrt() * noise - (1 - a).sqrt() * x0
         rotary = self.rotary_embeddings(x0.shape[1], x0.shape[3], x0.shape[4])
@@ -246,11 +246,9 @@ class CogVideoXAdapter(Adapter):
         own generator, keyed by (seed, step, position in the global batch)."""
         x0 = self.clean_latents(batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators)
         timesteps = torch.stack([torch.randint(0, len(self.alphas_cumprod), (), generator=g) for g in generators])
-        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)])
-        noise = noise.to(x0.device, non_blocking=True)
+        noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), x0.device)
         condition = self.batch_condition(batch, x0.shape[1], generators)
-        return self.loss(transformer, x0, batch["prompt_embeds"].to(self.device),
-                         timesteps.to(x0.device, non_blocking=True), noise,
+        return self.loss(transformer, x0, batch["prompt_embeds"].to(self.device), to_device(timesteps, x0.device), noise,
                          condition)
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):

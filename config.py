@@ -80,8 +80,8 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     # torch.compile each transformer block (regional: one compile serves every block); slow first steps.
     compile: bool = False
-    # Optimizer steps between metric reductions and log lines.
-    log_every: int = 1
+    # Optimizer steps between metric reductions and log lines (each one waits for the device).
+    log_every: int = 10
     # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped;
     # with fp16, only those whose loss is too). Counted on the device, read on log steps, saves and
     # validations: the stop comes up to log_every - 1 steps later.

@@ -48,4 +48,7 @@ if [[ "$NNODES" -gt 1 ]]; then
 else
     args+=(--standalone)
 fi
+# Segments that grow in place: video shapes vary by bucket, and fixed-size blocks fragment (the user's
+# own setting wins).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 exec python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@"

@@ -48,7 +48,7 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
         return parallel.wrap(transformer.requires_grad_(False), adapter.blocks(transformer), parallel_cfg,
                              train.mixed_precision, train.gradient_accumulation_steps, d)
 
-    return adapter.load_transformer(folder=folder, shard=shard)
+    return adapter.load_transformer(folder=folder, shard=shard, offload=parallel_cfg.cpu_offload)
 
 
 def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
@@ -89,12 +89,15 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         total = sum(p.numel() for p in transformer.parameters())
         log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+        # sft's fp32 weights are gathered in the autocast dtype (it casts them anyway), but for the fp32 modules.
+        compute_dtype_params = frozenset(name for name, _ in transformer.named_parameters()
+                                         if train.training_type == "sft" and not adapter.keeps_fp32(name))
         return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                             train.gradient_accumulation_steps, d)
+                             train.gradient_accumulation_steps, d, compute_dtype_params)
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
     if fsdp:
-        return adapter.load_transformer(trainable_dtype, shard=prepare)
+        return adapter.load_transformer(trainable_dtype, shard=prepare, offload=parallel_cfg.cpu_offload)
     return prepare(adapter.load_transformer(trainable_dtype))
 
 
@@ -177,8 +180,8 @@ class EMA:
 
     @torch.no_grad()
     def update(self) -> None:
-        for average, param in zip(self.weights.values(), self.params):
-            average.lerp_(param.detach().float(), 1.0 - self.decay)
+        # One kernel launch per group of tensors, not one per parameter (fp32 weights: .float() is no copy).
+        torch._foreach_lerp_(list(self.weights.values()), [p.detach().float() for p in self.params], 1.0 - self.decay)
 
     def state_dict(self) -> dict:
         return dict(self.weights)

@@ -157,14 +157,22 @@ class Weights:
         local.copy_(self._rows(key, offset[0], shape[0]))
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device` that queues behind the running step instead of waiting for it: a
+    blocking copy synchronises the stream, and so may a non-blocking one from pageable memory (CUDA
+    stages it through a bounce buffer), hence pinned first on a GPU (a CPU-only torch has no pinning)."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> torch.Tensor:
     """A diagonal Gaussian's sample in fp32 (each row from its own keyed generator), or its mean."""
     mean, logvar = mean.float(), logvar.float()
     if generators is None:
         return mean
-    # Drawn on the CPU (keyed generators), copied without blocking: a blocking copy waits for the queued step.
-    eps = torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)])
-    eps = eps.to(mean.device, non_blocking=True)
+    # Drawn on the CPU (keyed generators), copied without waiting for the queued step.
+    eps = to_device(torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)]), mean.device)
     return mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps
 
 
@@ -182,6 +190,7 @@ class Adapter:
     # The model folders whose files shape each kind of cache entry.
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
+    VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
@@ -195,6 +204,7 @@ class Adapter:
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
+        self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
@@ -204,7 +214,8 @@ class Adapter:
         check_resolution(resolution, self.frame_multiple, self.size_multiple, key)
 
     # Loading.
-    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None):
+    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None,
+                         offload: bool = False):
         """The transformer this run trains (or another expert's folder), in trainable_dtype or model.dtype,
         as from_pretrained builds it, weight for weight, but without allocating any weight before its
         values are read: without accelerate (not a requirement) from_pretrained allocates the whole model
@@ -212,7 +223,8 @@ class Adapter:
         folder's safetensors files. With it, shard(model) gets the model with its parameters still on
         the meta device (buffers real), wraps it (LoRA, fully_shard) and returns it; each rank then
         reads only its own rows of every sharded weight, so no rank ever holds the whole model, nor
-        sft's fp32 copy of it."""
+        sft's fp32 copy of it. With `offload` (parallel.cpu_offload) the rows are kept in host memory,
+        where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first forward."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
         weights = Weights(self.path / folder)
@@ -230,7 +242,8 @@ class Adapter:
                 transformer = shard(transformer)
                 # fully_shard left the meta parameters on meta: allocate this rank's rows (FSDP's own
                 # _apply re-pads uneven shards), then fill them.
-                transformer._apply(lambda t: torch.empty_like(t, device=self.device) if t.is_meta else t)
+                fill = torch.device("cpu") if offload else self.device
+                transformer._apply(lambda t: torch.empty_like(t, device=fill) if t.is_meta else t)
                 with torch.no_grad():
                     for name, param in transformer.named_parameters():
                         if name in weights.keys:
@@ -263,15 +276,20 @@ class Adapter:
             _replace(transformer, name, param.to(self._load_dtype(name, dtype)))
         return transformer
 
+    def keeps_fp32(self, name: str) -> bool:
+        """Whether a weight belongs to the class's _keep_in_fp32_modules (Wan's norms, time embedder,
+        scale_shift_table): from_pretrained keeps them fp32 whatever the dtype, and so do we."""
+        keep = self.TRANSFORMER._keep_in_fp32_modules or []
+        return any(m in name.split(".") for m in keep)
+
     def _load_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """A floating weight's dtype, by from_pretrained's rule."""
-        keep = self.TRANSFORMER._keep_in_fp32_modules or []
-        return torch.float32 if any(m in name.split(".") for m in keep) else dtype
+        return torch.float32 if self.keeps_fp32(name) else dtype
 
     def _load_vae(self):
         if self._vae is None:
             log.info("loading VAE from %s", self.path)
-            self._vae = self.VAE.from_pretrained(self.path, subfolder="vae", dtype=self.dtype)
+            self._vae = self.VAE.from_pretrained(self.path, subfolder="vae", dtype=self.vae_dtype)
             self._vae.requires_grad_(False).eval()
         return self._vae.to(self.device)
 
@@ -293,11 +311,18 @@ class Adapter:
             self._vae.to("cpu")
 
     def release_encoders(self) -> None:
+        """After the cache pass: the encoders' memory goes back to the device, not to PyTorch's cache (T5-XXL's
+        9.5 GB would stay reserved otherwise, where training cannot reach them under fragmentation)."""
         self._vae = self._text_encoder = self._tokenizer = None
+        torch.cuda.empty_cache()  # a no-op without CUDA
 
     def _pixels(self, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 [B, F, H, W, 3] -> [B, 3, F, H, W] in [-1, 1], model.dtype, on the device."""
-        return frames.to(self.device).permute(0, 4, 1, 2, 3).to(self.dtype) / 127.5 - 1.0
+        """uint8 [B, F, H, W, 3] -> [B, 3, F, H, W] in [-1, 1], in the VAE's dtype, on the device."""
+        return frames.to(self.device).permute(0, 4, 1, 2, 3).to(self.vae_dtype) / 127.5 - 1.0
+
+    def encoding_precision(self, dtype: str) -> str:
+        """What the cache's keys name as the encoders' precision: model.dtype, and the VAE's where it differs."""
+        return dtype if self.vae_dtype == self.dtype else f"{dtype}, VAE {self.vae_dtype}"
 
     def held_out_timesteps(self, timesteps: list[int]) -> list[int]:
         """The held-out loss's timesteps this run's transformer is trained on (all, but for an expert)."""

@@ -247,32 +247,67 @@ def agree(work, d: Dist) -> list:
 
 
 def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str,
-         accumulation: int, d: Dist):
-    """DDP (none for one process), or FSDP2: fully_shard each block, then the root."""
+         accumulation: int, d: Dist, compute_dtype_params: frozenset[str] = frozenset()):
+    """DDP (none for one process), or FSDP2: fully_shard each block, then the root.
+
+    FSDP gathers every parameter in its own dtype (the frozen base in model.dtype, LoRA and the family's
+    fp32 modules in fp32), with no cast of the blocks' inputs, and reduces gradients in fp32: autocast
+    then computes exactly what it computes under DDP. A policy's param_dtype, or its default input
+    cast, would round the fp32 modules (Wan's scale_shift_table, time_embedder, norms) and the rotary
+    tables to bf16: another model than DDP's and the pipeline's. `compute_dtype_params` (names) are
+    gathered in the autocast dtype instead: sft's fp32 weights, which autocast casts anyway, at half the
+    traffic; where a unit also holds fp32 modules, its largest submodules without any are sharded apart
+    with that policy and the fp32 rest keeps the unit's own."""
     if cfg.strategy == "ddp" and d.world == 1:
         return model  # nothing to replicate: DDP's hooks would only cost time
     if cfg.strategy == "ddp":
         # static_graph lets DDP skip per-step graph checks, but with no_sync micro-steps it trips the
-        # reducer's internal assertions on torch 2.13: only without accumulation.
+        # reducer's internal assertions on torch 2.13: only without accumulation. No buffer changes in
+        # training (no batch norm), so re-broadcasting them every forward would only cost time: 260 MiB
+        # for CogVideoX-2B's float64 positions.
         device_ids = [d.device.index] if d.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                       static_graph=accumulation == 1)
+                                       static_graph=accumulation == 1, broadcast_buffers=False)
     if cfg.dp_replicate > 1:
         mesh = init_device_mesh(d.device.type, (cfg.dp_replicate, d.world // cfg.dp_replicate),
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(d.device.type, (d.world,))
-    # Parameters are gathered in the autocast dtype; gradients are reduced in fp32.
-    policy = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    own = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    compute = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[mixed_precision], reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False)
     # Pinned host memory lets the copies to and from the GPU overlap compute; a CPU-only torch has none.
     offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-    for module in [*blocks, model]:
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward,
-                    offload_policy=offload)
+    options = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward, "offload_policy": offload}
+    cast = {id(p) for name, p in model.named_parameters() if name in compute_dtype_params}
+    for unit in [*blocks, model]:  # fully_shard replaces a unit's parameters: each is read before its own
+        groups = _compute_dtype_groups(unit, cast, blocks)
+        if groups == [unit]:
+            fully_shard(unit, mp_policy=compute, **options)
+            continue
+        if groups:
+            fully_shard(groups, mp_policy=compute, **options)
+        fully_shard(unit, mp_policy=own, **options)
     # diffusers' transformers return a view (the unpatchified output's reshape), and FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook: every op on the output here is out of place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     return model
+
+
+def _compute_dtype_groups(module: torch.nn.Module, cast: set[int], blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The largest submodules of `module` (itself included) whose parameters outside the blocks are all in
+    `cast` (ids), to be gathered in the compute dtype."""
+    def outside_blocks(m):
+        yield from m.parameters(recurse=False)
+        for child in m.children():
+            if not any(child is block for block in blocks):
+                yield from outside_blocks(child)
+
+    params = list(outside_blocks(module))
+    if params and all(id(p) in cast for p in params):
+        return [module]
+    return [group for child in module.children() if not any(child is block for block in blocks)
+            for group in _compute_dtype_groups(child, cast, blocks)]
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -257,6 +257,7 @@ def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema
             values |= renderer.run(model, step, metrics, autocast)
     except parallel.Preempted:
         return False
+    torch.cuda.empty_cache()  # sampling's and decoding's blocks back to the device for training (no-op without CUDA)
     metrics.scalars(step, values)
     metrics.progress_validation(step, values)
     return True

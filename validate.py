@@ -131,8 +131,8 @@ def load_image(path: str):
 class ClipRenderer:
     """The validation prompts' clips. Embeddings are computed once, here; clip i is rendered by
     data-parallel rank i % dp_world (with sequence parallelism, its whole sp group), every rank making
-    the same number of forward calls (FSDP needs it); rank 0 gathers and writes them. Ranks advance in
-    lockstep, so no collective waits longer than one forward or decode."""
+    the same number of forward calls (FSDP needs it); rank 0 receives them from the data-parallel leaders
+    and writes them. Ranks advance in lockstep, so no collective waits longer than one forward or decode."""
 
     def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: parallel.Dist,
                  load_frozen=None):
@@ -197,13 +197,23 @@ class ClipRenderer:
                                        data.keyed_generator(self.cfg.seed, index), self.cfg, self.resolution, autocast,
                                        self._on_step, self.images[-1])
                         clip = torch.zeros(num_frames, height, width, 3, dtype=torch.uint8)
-                    gathered = [torch.empty_like(clip) for _ in range(self.d.world)] if self.d.is_main else None
-                    dist.gather(clip, gathered, dst=0)
-                    clips += (gathered or [])[:: self.d.sp]  # an sp group's ranks made the same clip
+                    clips += self._collect(clip)
         finally:
             model.train(was_training)
             self.adapter.park_vae()  # on the CPU until the next validation: no second load from disk
         return clips[: len(self.prompts)]
+
+    def _collect(self, clip: torch.Tensor) -> list[torch.Tensor]:
+        """Rank 0 gets the clip of each data-parallel leader (the first rank of an sp group, whose ranks all
+        made the same clip), in data-parallel rank order; the other ranks send nothing, and get []."""
+        if self.d.is_main:
+            clips = [clip] + [torch.empty_like(clip) for _ in range(1, self.d.dp_world)]
+            for dp_rank in range(1, self.d.dp_world):
+                dist.recv(clips[dp_rank], src=dp_rank * self.d.sp)
+            return clips
+        if self.d.rank % self.d.sp == 0:
+            dist.send(clip, dst=0)
+        return []
 
     def save(self, clips: list[torch.Tensor], names: list[str]) -> list[Path]:
         """Called on every rank; rank 0 writes validation_res/{name}.mp4 at self.fps, and with

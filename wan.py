@@ -22,7 +22,7 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, resolved_config, sample_posterior
+from model_adapter import Adapter, log, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks
 
 TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
@@ -39,6 +39,9 @@ class WanAdapter(Adapter):
     ENCODERS = {"video": ("vae",), "image": ("vae", "image_encoder", "image_processor"),
                 "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel
+    # As the original code and diffusers' examples run it: in bf16 the tiny VAE's latents move by 1% (L2),
+    # BENCHMARKS.md; the real one is deeper.
+    VAE_DTYPE = torch.float32
     COMFY = True
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
@@ -64,8 +67,9 @@ class WanAdapter(Adapter):
         scheduler = resolved_config(self.scheduler_class, self.path, "scheduler")
         # train.flow_shift replaces it for training (cache.prepare sets it); sampling keeps the folder's.
         self.shift = scheduler.get("flow_shift") or scheduler.get("shift") or 1.0
-        self.latents_mean = torch.tensor(self.vae_config["latents_mean"]).view(1, z, 1, 1, 1)
-        self.latents_std = torch.tensor(self.vae_config["latents_std"]).view(1, z, 1, 1, 1)
+        # On the device once: every micro-step normalises with them, and a copy from the host would wait.
+        self.latents_mean = torch.tensor(self.vae_config["latents_mean"], device=device).view(1, z, 1, 1, 1)
+        self.latents_std = torch.tensor(self.vae_config["latents_std"], device=device).view(1, z, 1, 1, 1)
         self._image_encoder = None
 
     # Shape rules read from the model's own config.
@@ -130,9 +134,19 @@ class WanAdapter(Adapter):
         if self._image_encoder is None:
             log.info("loading image encoder from %s", self.path)
             self._image_encoder = CLIPVisionModel.from_pretrained(self.path, subfolder="image_encoder",
-                                                                  dtype=self.dtype).to(self.device).eval()
+                                                                  dtype=self.dtype).eval()
             self._image_processor = AutoImageProcessor.from_pretrained(self.path, subfolder="image_processor")
-        return self._image_encoder, self._image_processor
+        return self._image_encoder.to(self.device), self._image_processor
+
+    def park_vae(self) -> None:
+        """The VAE and 2.1 I2V's CLIP image encoder (validation's image condition) wait on the CPU."""
+        super().park_vae()
+        if self._image_encoder is not None:
+            self._image_encoder.to("cpu")
+
+    def release_encoders(self) -> None:
+        self._image_encoder = self._image_processor = None
+        super().release_encoders()
 
     @torch.no_grad()
     def _condition(self, pixels: torch.Tensor, frames: int, images) -> dict:
@@ -142,7 +156,7 @@ class WanAdapter(Adapter):
         video = pixels[:, :, None]
         if not self.expand:
             video = torch.cat([video, video.new_zeros(*pixels.shape[:2], frames - 1, *pixels.shape[2:])], dim=2)
-        latents = self._load_vae().encode(video.to(self.dtype)).latent_dist.mode().float()
+        latents = self._load_vae().encode(video.to(self.vae_dtype)).latent_dist.mode().float()
         condition = {"image_latents": self._normalise(latents)}
         if self.transformer_config["image_dim"] is not None:
             encoder, processor = self._image_tower()
@@ -169,8 +183,8 @@ class WanAdapter(Adapter):
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents [B, C, F', h, w] -> pixels [B, C, F, H, W] in [-1, 1], as the pipeline decodes."""
-        latents = latents.to(self.dtype) / (1.0 / self.latents_std.to(self.device, self.dtype)) + \
-            self.latents_mean.to(self.device, self.dtype)
+        latents = latents.to(self.vae_dtype) / (1.0 / self.latents_std.to(self.vae_dtype)) + \
+            self.latents_mean.to(self.vae_dtype)
         vae = self._load_vae()
         return torch.cat([vae.decode(clip, return_dict=False)[0] for clip in latents.split(1)])
 
@@ -229,9 +243,8 @@ class WanAdapter(Adapter):
         own generator, keyed by (seed, step, position in the global batch)."""
         x0 = self._normalise(sample_posterior(batch["latent_mean"].to(self.device),
                                               batch["latent_logvar"].to(self.device), generators))
-        sigmas = self._sigmas(generators).to(self.device, non_blocking=True)
-        noise = torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)])
-        noise = noise.to(self.device, non_blocking=True)
+        sigmas = to_device(self._sigmas(generators), self.device)
+        noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device)
         return self._loss(transformer, x0, noise, sigmas, batch, batch["prompt_embeds"].to(self.device))
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):

@@ -89,6 +89,7 @@ def base_settings(tiny_model, tiny_data, tmp_path_factory) -> dict:
         "train.batch_size": 2,
         "train.learning_rate": 1e-3,
         "train.lr_warmup_steps": 2,
+        "train.log_every": 1,  # the tests compare every step's loss
         "train.mixed_precision": "no",
         "train.gradient_checkpointing": False,
         "lora.rank": 4,

@@ -1,0 +1,83 @@
+"""FSDP2 in bf16 computes the model DDP computes: every parameter is gathered in its own dtype (the
+frozen base in model.dtype, LoRA and Wan's fp32 modules in fp32), the blocks' inputs (the rotary
+tables) are not cast, and sft gathers its fp32 weights in bf16 but for the fp32 modules. The suite's
+other runs are fp32, where no cast shows."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO, free_port
+
+WORKER = r'''
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import data, parallel
+from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+from model import build_model, load_adapter
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+d = parallel.Dist(rank, 2, rank, torch.device("cpu"))
+train = TrainConfig(mixed_precision="bf16", gradient_checkpointing=False)
+lora = LoraConfig(rank=4, lora_alpha=2)
+report = {}
+
+
+def step1_loss(adapter, model, batch):
+    """The trainer's first micro-step: its loss, and the LoRA gradients' norm after the reduction."""
+    generators = [data.keyed_generator(0, 1, 2 * rank + i) for i in range(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = adapter.train_loss(model, batch, generators).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    return loss.item(), (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+
+for family, path in (("cogvideox", sys.argv[2]), ("wan", sys.argv[3])):
+    adapter = load_adapter(ModelConfig(path=path, family=family, dtype="bf16"), d.device)
+    g = torch.Generator().manual_seed(rank)
+    latents = (2, adapter.latent_channels, 3, 8, 8)
+    text = adapter.transformer_config["text_embed_dim" if family == "cogvideox" else "text_dim"]
+    batch = {"latent_mean": torch.randn(latents, generator=g), "latent_logvar": torch.randn(latents, generator=g) - 4,
+             "prompt_embeds": torch.randn(2, adapter.text_length, text, generator=g).bfloat16()}
+    report[family] = {s: step1_loss(adapter, build_model(adapter, train, lora, ParallelConfig(strategy=s), 0, d), batch)
+                      for s in ("ddp", "fsdp")}
+    if family == "wan":  # sft: the dtype each parameter has when the forward uses it
+        model = build_model(adapter, TrainConfig(training_type="sft", mixed_precision="bf16",
+                                                 gradient_checkpointing=False),
+                            lora, ParallelConfig(strategy="fsdp"), 0, d)
+        seen = {}
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(lambda m, args, name=name: seen.update(
+                {f"{name}.{n}".lstrip("."): str(p.dtype) for n, p in m.named_parameters(recurse=False)}))
+        step1_loss(adapter, model, batch)
+        report["wan_sft"] = {name: (dtype, adapter.keeps_fp32(name)) for name, dtype in seen.items()}
+with open(f"{sys.argv[4]}/rank{rank}.json", "w") as f:
+    json.dump(report, f)
+del model
+dist.destroy_process_group()
+'''
+
+
+def test_bf16_fsdp_computes_what_ddp_computes(tiny_models, wan_models, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={free_port()}", str(script), str(REPO), str(tiny_models("5b")),
+                             str(wan_models("t2v")), str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for family in ("cogvideox", "wan"):  # CogVideoX-5B's rotary tables; Wan's too, and its fp32 modules
+            (ddp_loss, ddp_norm), (fsdp_loss, fsdp_norm) = report[family]["ddp"], report[family]["fsdp"]
+            assert abs(fsdp_loss - ddp_loss) <= 1e-5 * abs(ddp_loss), (family, rank, ddp_loss, fsdp_loss)
+            assert abs(fsdp_norm - ddp_norm) <= 1e-5 * abs(ddp_norm), (family, rank, ddp_norm, fsdp_norm)
+        sft = report["wan_sft"]
+        assert {dtype for dtype, fp32 in sft.values() if fp32} == {"torch.float32"}, sft
+        assert {dtype for dtype, fp32 in sft.values() if not fp32} == {"torch.bfloat16"}, sft
+        assert any(name.endswith("scale_shift_table") for name in sft) and any("time_embedder" in n for n in sft)
