@@ -26,7 +26,7 @@ from transformers import T5EncoderModel
 
 import lora
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, resolved_config, sample_posterior, to_device
+from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
@@ -108,10 +108,10 @@ class CogVideoXAdapter(Adapter):
 
     def comfy_key(self, module: str) -> str | None:
         """transformer_blocks.N.attn1.to_q -> blocks.N.q, time_embedding.linear_1 -> time_embedding_linear_1."""
-        return _rename(module, "transformer_blocks", "blocks", COMFY_BLOCK, COMFY_OTHER)
+        return rename_module(module, "transformer_blocks", "blocks", COMFY_BLOCK, COMFY_OTHER)
 
     def diffusers_key(self, original: str) -> str | None:
-        return _rename(original, "blocks", "transformer_blocks", {v: k for k, v in COMFY_BLOCK.items()},
+        return rename_module(original, "blocks", "transformer_blocks", {v: k for k, v in COMFY_BLOCK.items()},
                        {v: k for k, v in COMFY_OTHER.items()})
 
     # Encoding.
@@ -348,14 +348,6 @@ class CogVideoXAdapter(Adapter):
         finally:
             for layer, processor in zip(layers, originals):
                 layer.set_processor(processor)
-
-
-def _rename(name: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
-    """A module name in the other layout, or None where that layout has no such module."""
-    parts = name.split(".", 2)
-    if parts[0] == blocks and len(parts) == 3 and parts[1].isdigit():
-        return f"{new_blocks}.{parts[1]}.{in_block[parts[2]]}" if parts[2] in in_block else None
-    return outside.get(name)
 
 
 class FusedQKVAttention:

@@ -166,6 +166,15 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+def rename_module(name: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
+    """A module name in another layout (ComfyUI's): blocks.N.<x> -> new_blocks.N.<in_block[x]>, others by
+    `outside`; None where that layout has no such module."""
+    parts = name.split(".", 2)
+    if parts[0] == blocks and len(parts) == 3 and parts[1].isdigit():
+        return f"{new_blocks}.{parts[1]}.{in_block[parts[2]]}" if parts[2] in in_block else None
+    return outside.get(name)
+
+
 def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> torch.Tensor:
     """A diagonal Gaussian's sample in fp32 (each row from its own keyed generator), or its mean."""
     mean, logvar = mean.float(), logvar.float()

@@ -22,7 +22,7 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, resolved_config, sample_posterior, to_device
+from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks
 
 TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
@@ -107,17 +107,10 @@ class WanAdapter(Adapter):
     def comfy_key(self, module: str) -> str | None:
         """blocks.N.attn1.to_q -> blocks.N.self_attn.q (diffusers' converter's inverse); None outside the
         blocks, where the converter takes no alpha."""
-        parts = module.split(".", 2)
-        if parts[0] != "blocks" or len(parts) < 3 or parts[2] not in COMFY_NAMES:
-            return None
-        return f"blocks.{parts[1]}.{COMFY_NAMES[parts[2]]}"
+        return rename_module(module, "blocks", "blocks", COMFY_NAMES, {})
 
     def diffusers_key(self, original: str) -> str | None:
-        parts = original.split(".", 2)
-        ours = {v: k for k, v in COMFY_NAMES.items()}
-        if parts[0] != "blocks" or len(parts) < 3 or parts[2] not in ours:
-            return None
-        return f"blocks.{parts[1]}.{ours[parts[2]]}"
+        return rename_module(original, "blocks", "blocks", {v: k for k, v in COMFY_NAMES.items()}, {})
 
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:

@@ -170,8 +170,8 @@ def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
     """The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a diffusers
     transformer config, written from comfy/ldm/cogvideo/model.py (CogVideoXBlock, CogVideoXPatchEmbed,
     CogVideoXLayerNormZero, CogVideoXAdaLayerNorm, CogVideoXTransformer3DModel.__init__) as read at
-    comfyanonymous/ComfyUI 955ce480e27210cc7c0ea007f017077a2c539b81 (the same in the Comfy-Org tree at
-    783545f689a0af730065994b46b382ae24844c99, Aug 2026). ComfyUI converts no diffusers keys for CogVideoX
+    comfyanonymous/ComfyUI 955ce480e27210cc7c0ea007f017077a2c539b81 (the same in yzkee/ComfyUI, a copy of
+    upstream to Aug 2026, at 783545f689a0af730065994b46b382ae24844c99). ComfyUI converts no diffusers keys for CogVideoX
     (comfy/model_detection.py detects it by blocks.0.norm1.linear.weight), and its LoRA loader
     (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` from
     `diffusion_model.<module>.lora_A/lora_B.weight` with `.alpha` (comfy/weight_adapter/lora.py)."""
