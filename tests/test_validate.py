@@ -337,8 +337,8 @@ def test_config_errors(tiny_model, adapter, one_process_group, tmp_path):
         validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), one_process_group)
 
 
-def test_gen_fps_defaults_to_the_familys_published_rate(tiny_models, wan_models, one_process_group, tmp_path):
-    """validation.gen_fps = 0, the default, writes clips at the family's published rate, a set value
+def test_gen_fps_zero_is_the_familys_published_rate(tiny_models, wan_models, one_process_group, tmp_path):
+    """validation.gen_fps = 0 (every shipped config but the demo) writes clips at the family's published rate, a set value
     wins; validation.guidance_scale_2 without a second expert is refused before any compute."""
     clip = torch.zeros(9, 32, 32, 3, dtype=torch.uint8)
     for family, path, published in [("cogvideox", tiny_models("2b"), 8), ("cogvideox", tiny_models("1.5-5b"), 16),
@@ -348,7 +348,7 @@ def test_gen_fps_defaults_to_the_familys_published_rate(tiny_models, wan_models,
             cfg = ValidationConfig(gen_fps=gen_fps, resolution=[9, 32, 32])
             renderer = validate.ClipRenderer(adapter, cfg, DataConfig(), str(tmp_path / f"{path.name}_{gen_fps}"),
                                              one_process_group)
-            assert decode_mp4(renderer.save([clip], "step_1")[0])[1] == expected, (path.name, gen_fps)
+            assert decode_mp4(renderer.save([clip], ["step_1_prompt_0"])[0])[1] == expected, (path.name, gen_fps)
         with pytest.raises(ConfigError, match="validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert"):
             validate.ClipRenderer(adapter, ValidationConfig(guidance_scale_2=3.0, resolution=[9, 32, 32]), DataConfig(),
                                   str(tmp_path), one_process_group)
