@@ -9,6 +9,7 @@ so a checkpoint's keys are the same wherever it is loaded.
 """
 
 import contextlib
+import importlib
 import logging
 
 import torch
@@ -17,19 +18,20 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import lora
 import parallel
 import sequence
-from cogvideox import CogVideoXAdapter
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
-from wan import WanAdapter
 
 log = logging.getLogger("vidtrain")
 
 
-ADAPTERS = {"cogvideox": CogVideoXAdapter, "wan": WanAdapter}
+# model.family -> its module and adapter class. A family's module (and with it its diffusers and
+# transformers classes) is imported only once a config names it.
+ADAPTERS = {"cogvideox": ("cogvideox", "CogVideoXAdapter"), "wan": ("wan", "WanAdapter")}
 
 
 def load_adapter(cfg: ModelConfig, device: torch.device):
     """model.family's adapter over the folder at model.path."""
-    return ADAPTERS[cfg.family](cfg, device)
+    module, name = ADAPTERS[cfg.family]
+    return getattr(importlib.import_module(module), name)(cfg, device)
 
 
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
