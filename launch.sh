@@ -48,7 +48,9 @@ if [[ "$NNODES" -gt 1 ]]; then
 else
     args+=(--standalone)
 fi
-# Segments that grow in place: video shapes vary by bucket, and fixed-size blocks fragment (the user's
-# own setting wins).
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# Segments that grow in place: video shapes vary by bucket, and fixed-size blocks fragment. The user's
+# own setting wins (PYTORCH_ALLOC_CONF is its newer name).
+if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+fi
 exec python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@"

@@ -207,12 +207,12 @@ class ClipRenderer:
         """Rank 0 gets the clip of each data-parallel leader (the first rank of an sp group, whose ranks all
         made the same clip), in data-parallel rank order; the other ranks send nothing, and get []."""
         if self.d.is_main:
-            clips = [clip] + [torch.empty_like(clip) for _ in range(1, self.d.dp_world)]
+            clips = [clip] + [clip.new_empty(clip.shape) for _ in range(1, self.d.dp_world)]  # contiguous
             for dp_rank in range(1, self.d.dp_world):
                 dist.recv(clips[dp_rank], src=dp_rank * self.d.sp)
             return clips
         if self.d.rank % self.d.sp == 0:
-            dist.send(clip, dst=0)
+            dist.send(clip.contiguous(), dst=0)  # frames come permuted from the VAE's layout
         return []
 
     def save(self, clips: list[torch.Tensor], names: list[str]) -> list[Path]:
