@@ -1,6 +1,5 @@
 """One-process training end to end: learning, determinism, the export, and errors before any compute."""
 
-import json
 import shutil
 
 import av
@@ -72,27 +71,17 @@ def test_same_seed_same_run(write_config, tmp_path):
     assert train_losses(tmp_path / "dropout") != train_losses(tmp_path / "first")
 
 
-def test_compile_trains_as_eager(tiny_data, write_config, tmp_path):
+def test_compile_trains_as_eager(write_config, tmp_path):
     """train.compile (inductor, each block, inside activation checkpointing) computes eager's 4 steps: losses
-    and weights within rtol 1e-4 (measured: 2e-8 apart), over two buckets (clips and their first frames as
-    images), with validation on. Validation runs eagerly, so the blocks' compiled variants are training's
-    alone: 4 graphs (an input with and without gradient, the first shape and dynamic sizes), none for a
-    no-grad call, far below model.RECOMPILE_LIMIT; with validation compiled the tiny run reached
-    dynamo's default limit of 8 before its first step. The compile costs about 60 s on 2 cores when
-    inductor's on-disk cache is cold."""
-    prompts = (tiny_data / "prompts.txt").read_text().splitlines()
-    rows = [{"video": f"{kind}/{i:05d}.{ext}", "prompt": p} for i, p in enumerate(prompts)
-            for kind, ext in (("videos", "mp4"), ("images", "png"))]
-    (tmp_path / "data").mkdir()
-    for name in ("images", "videos"):
-        (tmp_path / "data" / name).symlink_to(tiny_data / name)
-    (tmp_path / "data" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    settings = {"train.steps": 4, "checkpoint.checkpointing_steps": 4, "validation.do_validation": False,
-                "data.data_root": str(tmp_path / "data"), "data.cache_dir": str(tmp_path / "cache"),
-                "data.buckets": [[9, 32, 32], [1, 32, 32]]}
+    and weights within rtol 1e-4 (measured: 2e-8 apart), with validation on. Validation runs eagerly, so
+    the blocks' compiled variants are training's alone: 2 graphs (the first block's input needs no
+    gradient, the others' does), none for a no-grad call (with validation compiled, the first validation
+    alone made 5 of dynamo's default 8). A second bucket adds the same two with dynamic sizes (README).
+    The compile costs about 50 s on 2 cores when inductor's on-disk cache is cold, about 8 s from it."""
+    settings = {"train.steps": 4, "checkpoint.checkpointing_steps": 4, "validation.do_validation": False}
     run_ok(["--cfg", str(write_config("eager", **settings))])
-    compiled = run_ok(["--cfg", str(write_config("compiled", **settings, **{
-        "train.compile": True, "train.gradient_checkpointing": True, "validation.do_validation": True,
+    compiled = run_ok(["--cfg", str(write_config("compiled", **{
+        **settings, "train.compile": True, "train.gradient_checkpointing": True, "validation.do_validation": True,
         "validation.validation_steps": 2, "validation.prompts": ["a red ball"], "validation.num_inference_steps": 1}))],
         env={"TORCH_LOGS": "recompiles"}).stderr
     eager, compiled_losses = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
@@ -103,9 +92,8 @@ def test_compile_trains_as_eager(tiny_data, write_config, tmp_path):
     for key in weights:
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-4, atol=1e-7, msg=key)
     assert sorted(held_out(tmp_path / "compiled")) == [0, 2, 4]
-    assert "size mismatch" in compiled  # the steps trained both buckets' shapes
     assert "grad_mode" not in compiled and "recompile_limit" not in compiled, compiled[-3000:]
-    assert compiled.count("Recompiling function") == 3, compiled[-3000:]
+    assert compiled.count("Recompiling function") == 1, compiled[-3000:]
 
 
 def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
