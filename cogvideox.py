@@ -27,7 +27,7 @@ from transformers import T5EncoderModel
 import lora
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
-from sequence import SequenceSplit, split_blocks
+from sequence import SequenceSplit, split_blocks, stack_qkv
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 # diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py; docs/models/cogvideox.md):
@@ -391,7 +391,7 @@ class FusedQKVAttention:
                 key = torch.cat([key[:, :, :text_length], apply_rotary_emb(key[:, :, text_length:], image_rotary_emb)], 2)
         split = self.split
         if split is not None:  # [3, B, H, tokens, D]: one all-to-all for Q, K and V
-            qkv = torch.stack([query, key, value])
+            qkv = stack_qkv(query, key, value)
             text, video = qkv[..., :text_length, :], qkv[..., text_length:, :]
             qkv = torch.cat([split.heads(text, 2), split.seq_to_heads(video, 3, 2)], 3)
             query, key, value = qkv.unbind(0)

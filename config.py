@@ -25,9 +25,9 @@ class RunConfig:
     output_dir: str = ""
     # The one seed: every random draw is keyed by it.
     seed: int = 42
-    # Deterministic kernels on GPUs (torch.use_deterministic_algorithms, the math attention backend,
-    # no cuDNN autotuning), so same-seed runs and resumed runs are bitwise identical there as on CPUs;
-    # slower: FlashAttention's backward is not deterministic.
+    # Deterministic kernels on GPUs (torch.use_deterministic_algorithms: FlashAttention's and memory-efficient
+    # attention's backward passes take their deterministic paths, cuDNN attention is left out; no cuDNN
+    # autotuning), so same-seed runs and resumed runs are bitwise identical there as on CPUs; slower.
     deterministic: bool = False
 
 
@@ -80,6 +80,11 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     # torch.compile each transformer block (regional: one compile serves every block); slow first steps.
     compile: bool = False
+    # The attention kernel of every transformer call, training's and validation's (through sdpa_kernel):
+    # "" lets SDPA choose (FlashAttention-2 on H100/H200), or "flash", "cudnn" (cuDNN attention, which SDPA
+    # never picks itself), "efficient" (memory-efficient attention), "math" (unfused; memory grows with the
+    # square of the sequence). A kernel that cannot serve the device, dtype or shape stops the first step.
+    attention_backend: Literal["", "flash", "cudnn", "efficient", "math"] = ""
     # Optimizer steps between metric reductions and log lines (each one waits for the device).
     log_every: int = 10
     # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped;
@@ -337,6 +342,9 @@ def check_values(cfg: Config) -> None:
     if cfg.parallel.cpu_offload and cfg.train.mixed_precision == "fp16":
         # The loss scale lives on the GPU and offloaded gradients on the CPU; untested there, so refused.
         raise ConfigError("parallel.cpu_offload does not support train.mixed_precision = \"fp16\" yet: use \"bf16\"")
+    if cfg.run.deterministic and cfg.train.attention_backend == "cudnn":
+        raise ConfigError("train.attention_backend = \"cudnn\" has no deterministic backward, and run.deterministic "
+                          "= true: use \"flash\" or \"\" (SDPA's choice), whose backward is deterministic then")
     if len(cfg.data.train_resolution) != 3:
         raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
     if cfg.model.type == "i2v":

@@ -9,7 +9,14 @@
 # SIGTERM and SIGUSR1 (SLURM's warning before a time limit) to the workers, which save and exit 0, and
 # gives them SHUTDOWN_TIMEOUT seconds (default 600, torchrun's own is 30) before it kills them: set it
 # longer than your longest checkpoint save.
+#
+# A collective on GPU tensors that outlasts parallel.timeout_s raises nothing in Python: NCCL's watchdog
+# aborts the process (SIGABRT). With TORCH_NCCL_DUMP_ON_TIMEOUT=1 (set here unless you set it) it first
+# writes each rank's last collectives (the flight recorder's TORCH_FR_BUFFER_SIZE entries) to
+# /tmp/nccl_trace_rank_<rank> (TORCH_FR_DUMP_TEMP_FILE); `torchfrtrace` finds the rank that stopped.
 set -euo pipefail
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 cd "$(dirname "$0")"
 
 if [[ $# -eq 0 ]]; then

@@ -26,6 +26,12 @@ log = logging.getLogger("vidtrain")
 # model.family -> its module and adapter class. A family's module (and with it its diffusers and
 # transformers classes) is imported only once a config names it.
 ADAPTERS = {"cogvideox": ("cogvideox", "CogVideoXAdapter"), "wan": ("wan", "WanAdapter")}
+# train.compile: dynamo keeps at most this many compiled variants of one code object (8 by default) and
+# then runs it eagerly for good, and every block shares one forward. Training makes 4: the first block's
+# input needs no gradient and the others' does, each for the first bucket's shape and again with dynamic
+# sizes once a second bucket's differs (validation runs eagerly, validate.eager). 16 leaves room for
+# FSDP's and sequence parallelism's own guards; a run that recompiles every step still stops at it.
+RECOMPILE_LIMIT = 16
 
 
 def load_adapter(cfg: ModelConfig, device: torch.device):
@@ -84,6 +90,7 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         if train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if train.compile:
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
             # Each block, not the whole model: its repeated blocks share one compiled graph, and the
             # checkpointing and FSDP units stay what they are (fully_shard comes after, as torchtitan does).
             for block in adapter.blocks(transformer):

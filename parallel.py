@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 from transformers.utils import logging as transformers_logging
 
@@ -82,17 +83,48 @@ def init(cfg: ParallelConfig) -> Dist:
 
 
 def make_deterministic() -> None:
-    """Before any CUDA work: cuBLAS needs its workspace setting before its first handle."""
+    """Before any CUDA work: cuBLAS needs its workspace setting before its first handle.
+
+    Attention keeps its fused kernels: under torch.use_deterministic_algorithms(True) (warn_only off)
+    torch's own kernels switch to deterministic backward passes. FlashAttention-2's backward gets
+    `deterministic = true` from globalContext().deterministicAlgorithms() (aten/src/ATen/native/
+    transformers/cuda/attention_backward.cu, _flash_attention_backward: dQ accumulated per split, no
+    atomics), memory-efficient attention's backward forces num_splits_key = 1 (same file,
+    _efficient_attention_backward), and SDPA never picks cuDNN attention (sdp_utils.cpp,
+    check_cudnn_deterministic); pytorch/pytorch#182551 measured the three on CUDA.
+    Turning flash off instead would leave the math backend, whose fp32 score matrix alone is 56.5 GiB for
+    CogVideoX-5B at 49x480x720 (48 heads x 17776^2 x 4 bytes): out of memory on any card."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    if torch.cuda.is_available():
-        torch.backends.cudnn.benchmark = False
-        # FlashAttention's, memory-efficient attention's and cuDNN attention's backward passes accumulate
-        # in a varying order on GPUs: the math backend does not. (The switches reach the CPU kernels
-        # too, whose flash kernel is deterministic already: CPU runs keep it.)
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cudnn.benchmark = False
+
+
+ATTENTION_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                      "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+class Compute:
+    """Entered around every transformer call (training's forward, the held-out loss, sampling): autocast
+    in train.mixed_precision, and SDPA held to train.attention_backend ("" leaves SDPA its choice)."""
+
+    def __init__(self, device: torch.device, mixed_precision: str, attention_backend: str):
+        self.autocast = torch.autocast(device.type, dtype=AUTOCAST_DTYPES[mixed_precision],
+                                       enabled=mixed_precision != "no")
+        self.backend = attention_backend
+
+    def attention(self):
+        """The attention backend alone; training's backward runs inside it too, because activation
+        checkpointing recomputes the forward there, and with another kernel the recompute would save
+        other tensors than the forward did."""
+        return sdpa_kernel(ATTENTION_BACKENDS[self.backend]) if self.backend else contextlib.nullcontext()
+
+    def __enter__(self):
+        self.entered = contextlib.ExitStack()
+        self.entered.enter_context(self.autocast)
+        self.entered.enter_context(self.attention())
+
+    def __exit__(self, *exc_info):
+        return self.entered.__exit__(*exc_info)
 
 
 def run_command(work, config_path: str, overrides: list[str]) -> None:

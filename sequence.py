@@ -7,8 +7,9 @@ the last block's output is gathered, so the rest of the model and the loss run o
 every rank. The families' attention processors call seq_to_heads / heads_to_seq / gather
 (cogvideox.py, wan.py); the hooks here slice and gather around the blocks.
 
-Gradients: every collective is torch.distributed.nn's all_to_all_single, whose backward is the exact
-adjoint (the reverse all-to-all), so the ranks of a group together compute the gradient of the sum of
+Gradients: every collective is the functional all_to_all_single (torch.distributed._functional_collectives,
+which dynamo traces into the compiled block; torch.distributed.nn's raises under dynamo, so each block
+with an exchange would run eagerly), whose backward is the exact adjoint (the reverse all-to-all), so the ranks of a group together compute the gradient of the sum of
 their sp identical losses: sp times the one-process gradient of the sample. DDP and FSDP average over
 all dp x sp ranks, which divides the sp back out: the update is the one of dp processes, no loss
 rescaling needed (tests/test_sequence.py holds it to one process).
@@ -18,7 +19,7 @@ import inspect
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from config import ConfigError
 
@@ -41,7 +42,7 @@ class SequenceSplit:
         """Send chunks[r] to rank r; return what each rank r sent this one, in shapes[r]."""
         sent = torch.cat([c.reshape(-1) for c in chunks])
         sizes = [s.numel() for s in shapes]
-        received = all_to_all_single(sent.new_empty(sum(sizes)), sent, sizes, [c.numel() for c in chunks], self.group)
+        received = all_to_all_single_autograd(sent, sizes, [c.numel() for c in chunks], self.group)
         return [r.view(s) for r, s in zip(received.split(sizes), shapes)]
 
     def seq_to_heads(self, x: torch.Tensor, seq_dim: int, head_dim: int) -> torch.Tensor:
@@ -67,6 +68,14 @@ class SequenceSplit:
     def gather_heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
         """The inverse of heads: every rank's heads, on every rank."""
         return torch.cat(self._exchange([x] * self.size, [x.shape] * self.size), dim=head_dim)
+
+
+def stack_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """[3, ...]: Q, K and V for one exchange, in V's dtype. Under CUDA's autocast the Q and K norms return
+    fp32 (layer_norm is on its fp32 list) beside a bf16 V, and stacking would promote all three to fp32,
+    doubling the exchange's bytes; SDPA casts Q and K to bf16 anyway (it is on the lower-precision list),
+    so casting first changes no result."""
+    return torch.stack([query.to(value.dtype), key.to(value.dtype), value])
 
 
 def new_split(size: int, rank: int) -> SequenceSplit:

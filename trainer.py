@@ -161,10 +161,9 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     log.info("global batch %d = %d per rank x %d accumulation x %d data-parallel ranks; %d training clips, "
              "%d held out", global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
-    autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[t.mixed_precision],
-                              enabled=t.mixed_precision != "no")
+    compute = parallel.Compute(d.device, t.mixed_precision, t.attention_backend)
     if state.step == 0 and cfg.validation.do_validation:
-        if not run_validation(0, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics, renderer):
+        if not run_validation(0, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics, renderer):
             raise parallel.Preempted("during the validation before step 1, with nothing to save yet")
     window = TrainWindow(d, global_batch, state.step)
 
@@ -180,11 +179,12 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             if cfg.lora.dropout:
                 lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro,
                                                                        device=d.device))
-            with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), autocast:
+            with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), compute:
                 loss = adapter.train_loss(model, batch, generators).mean()
             if faults.active("nan_loss", step):
                 loss = loss * math.nan
-            scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
+            with compute.attention():  # activation checkpointing recomputes the forward in the backward
+                scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
             step_loss += loss.detach() / t.gradient_accumulation_steps
         grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss)
         window.add_step(step_loss, skipped)
@@ -207,7 +207,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             checkpoints.save(step, objects, final=stop or step == t.steps)
         if validate_now:
             with window.paused():
-                stop = not run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, autocast, metrics,
+                stop = not run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics,
                                           renderer)
         if stop:
             checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
@@ -245,16 +245,16 @@ def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: 
     return grad_norm, skipped
 
 
-def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema, d, autocast, metrics,
-                   renderer: validate.ClipRenderer) -> bool:
+def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema, d, compute: parallel.Compute,
+                   metrics, renderer: validate.ClipRenderer) -> bool:
     """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
-    cut it short (every rank agrees, between sampling steps)."""
+    cut it short (every rank agrees, between sampling steps). Eager under train.compile (validate.eager)."""
     memory.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
     try:
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext(), validate.eager():
             values = validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation, cfg.run.seed, d,
-                                            autocast)
-            values |= renderer.run(model, step, metrics, autocast)
+                                            compute)
+            values |= renderer.run(model, step, metrics, compute)
     except parallel.Preempted:
         return False
     torch.cuda.empty_cache()  # sampling's and decoding's blocks back to the device for training (no-op without CUDA)

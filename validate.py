@@ -44,6 +44,14 @@ from model import EMA, build_frozen, build_model, load_adapter
 log = logging.getLogger("vidtrain")
 
 
+def eager():
+    """Validation runs eagerly under train.compile: its calls (no grad, eval mode, the guided batch of two,
+    its own resolution) would each add compiled variants of every block to training's, counted against
+    dynamo's recompile limit (model.RECOMPILE_LIMIT), and pay their compile at the first validation; they
+    run rarely enough that eager costs little."""
+    return torch.compiler.set_stance("force_eager")
+
+
 @torch.no_grad()
 def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: parallel.Dist, autocast):
     """val/loss and val/loss_t{t}. Clip i is measured by data-parallel rank i % dp_world (the whole sp
@@ -303,10 +311,11 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
         renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
                                 lambda folder: build_frozen(adapter, folder, cfg.train, cfg.parallel, d))
         model = load_model(cfg, adapter, d, checkpoint, lora_file, online)
-    mixed = cfg.train.mixed_precision
-    autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[mixed], enabled=mixed != "no")
+    compute = parallel.Compute(d.device, cfg.train.mixed_precision, cfg.train.attention_backend)
     names = render_names(cfg, checkpoint, lora_file, online)
-    for path in renderer.save(renderer.render(model, autocast), names):
+    with eager():
+        clips = renderer.render(model, compute)
+    for path in renderer.save(clips, names):
         log.info("wrote %s", path)
 
 

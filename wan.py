@@ -23,7 +23,7 @@ from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
-from sequence import SequenceSplit, split_blocks
+from sequence import SequenceSplit, split_blocks, stack_qkv
 
 TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
 # diffusers module names -> the original checkpoint's (ComfyUI's), inside a block.
@@ -325,7 +325,7 @@ class SequenceParallelSelfAttention:
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
         query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        qkv = self.split.seq_to_heads(torch.stack([query, key, value]), 2, 3)  # [3, B, tokens, heads, D]
+        qkv = self.split.seq_to_heads(stack_qkv(query, key, value), 2, 3)  # [3, B, tokens, heads, D]
         query, key, value = qkv.transpose(2, 3).unbind(0)
         out = F.scaled_dot_product_attention(query, key, value).transpose(1, 2)
         out = self.split.heads_to_seq(out, 1, 2).flatten(2, 3).type_as(query)

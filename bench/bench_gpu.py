@@ -15,6 +15,8 @@ step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed 
     5b-lora     CogVideoX-5B LoRA, checkpointing
     5b-compile  5B LoRA, checkpointing, train.compile
     5b-no-ckpt  5B LoRA without checkpointing (running out of memory is reported as a result)
+    5b-cudnn    5B LoRA, checkpointing, train.attention_backend = "cudnn" (5b-lora runs SDPA's own choice,
+    5b-efficient  FlashAttention-2 on H100/H200; these print their time as a ratio to it)
     sampling    5B, one guided sampling step (CFG batch 2, DPM): validate.sample_latents with fused QKV
                 against CogVideoXPipeline(output_type="latent"), same weights, embeddings and seed
 
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import TRANSFORMERS, build, make_adapter, materialize, meta_transformer  # noqa: E402
 
 import memory  # noqa: E402
+import parallel  # noqa: E402
 import validate  # noqa: E402
 from config import Config, ValidationConfig  # noqa: E402
 
@@ -55,6 +58,8 @@ CONFIGS = {  # name: (arch, train settings)
     "5b-lora": ("cogvideox-5b", {"gradient_checkpointing": True}),
     "5b-compile": ("cogvideox-5b", {"gradient_checkpointing": True, "compile": True}),
     "5b-no-ckpt": ("cogvideox-5b", {"gradient_checkpointing": False}),
+    "5b-cudnn": ("cogvideox-5b", {"gradient_checkpointing": True, "attention_backend": "cudnn"}),
+    "5b-efficient": ("cogvideox-5b", {"gradient_checkpointing": True, "attention_backend": "efficient"}),
     "sampling": ("cogvideox-5b", {}),
 }
 SMOKE = {"num_layers": 2, "num_attention_heads": 2}
@@ -112,16 +117,17 @@ def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
     new = lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
     batch = {"latent_mean": new((1, *s["latent"])), "latent_logvar": new((1, *s["latent"])),
              "prompt_embeds": new((1, adapter.text_length, adapter.transformer_config["text_embed_dim"]))}
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    compute = parallel.Compute(device, "bf16", cfg.train.attention_backend)  # as trainer.py applies it
     times = []
     for i in range(WARMUP + steps):
         if i == WARMUP:
             memory.reset_peak_memory(device)
         synchronize(device)
         start = time.perf_counter()
-        with autocast:
+        with compute:
             loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(i)]).mean()
-        loss.backward()
+        with compute.attention():
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -212,6 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps = args.sampling_steps = 1
+        args.only = [n for n in args.only if not CONFIGS[n][1].get("attention_backend")]  # CUDA kernels only
     if args.one:
         print(json.dumps(one(args.one, args)))
         return
@@ -221,6 +228,7 @@ def main() -> None:
     device = "cpu (smoke: figures mean nothing)" if args.smoke else torch.cuda.get_device_name()
     print(f"{device}; bf16 peak {peak or 'unknown'} TFLOPS; batch 1 at {'9x64x64' if args.smoke else '49x480x720'}, "
           f"LoRA rank 128; median of {args.steps} steps after {WARMUP}")
+    results = {}
     for name in args.only:
         child = [sys.executable, __file__, "--one", name, "--steps", str(args.steps),
                  "--sampling-steps", str(args.sampling_steps), *(["--smoke"] if args.smoke else [])]
@@ -228,7 +236,11 @@ def main() -> None:
         if run.returncode:
             print(f"{name:12} failed:\n{run.stderr[-3000:]}")
             continue
-        report(name, json.loads(run.stdout.strip().splitlines()[-1]), peak and peak * 1e12)
+        results[name] = json.loads(run.stdout.strip().splitlines()[-1])
+        report(name, results[name], peak and peak * 1e12)
+        baseline = results.get("5b-lora", {}).get("s_per_step")
+        if CONFIGS[name][1].get("attention_backend") and baseline and "s_per_step" in results[name]:
+            print(f"{'':12} {results[name]['s_per_step'] / baseline:.3f}x 5b-lora's time (SDPA's own choice)")
         sys.stdout.flush()
 
 

@@ -59,11 +59,11 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run_counting(write_config, monkeypatch, variant: str, device: torch.device, on_window):
+def run_counting(write_config, monkeypatch, variant: str, device: torch.device, on_window, **family):
     """Train STEPS steps in this process, calling on_window(True) after step 1 and on_window(False)
     after step STEPS - 1 (the fault hook marks the step boundaries)."""
     settings = {"train.steps": STEPS, "train.log_every": 100, "checkpoint.checkpointing_steps": 100,
-                "validation.do_validation": False, **VARIANTS[variant]}
+                "validation.do_validation": False, **VARIANTS[variant], **family}
     cfg = load_config(str(write_config(variant, **settings)))
     monkeypatch.setenv("VIDTRAIN_FAULT", FAULTS[variant])
     original = faults.fault
@@ -96,11 +96,13 @@ def test_no_host_reads_on_steps_that_do_not_log(write_config, monkeypatch, varia
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync check needs a GPU")
+@pytest.mark.parametrize("family", ["cogvideox", "wan"])
 @pytest.mark.parametrize("variant", ["one_process", "fp16"])
-def test_no_device_syncs_on_a_gpu(write_config, monkeypatch, variant):
+def test_no_device_syncs_on_a_gpu(write_config, monkeypatch, wan_models, variant, family):
     """On a GPU CUDA itself raises at any synchronising call (a device read, a blocking copy) in the
-    counted steps; the dispatch mode checks that the allowed reads are of CPU tensors."""
+    counted steps, for each family; the dispatch mode checks that the allowed reads are of CPU tensors."""
     mode = HostReads()
+    settings = {"model.path": str(wan_models("t2v")), "model.family": "wan"} if family == "wan" else {}
 
     def on_window(on: bool) -> None:
         mode.counting = on
@@ -108,7 +110,7 @@ def test_no_device_syncs_on_a_gpu(write_config, monkeypatch, variant):
 
     try:
         with mode:
-            run_counting(write_config, monkeypatch, variant, torch.device("cuda", 0), on_window)
+            run_counting(write_config, monkeypatch, variant, torch.device("cuda", 0), on_window, **settings)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [read for read in mode.reads if read[:2] not in ALLOWED or read[3] != "cpu"] == []

@@ -2,7 +2,8 @@
 groups of 2 under FSDP, train to the same weights as one process, for CogVideoX (rotary embeddings,
 joint attention) and Wan (TI2V: per-token timesteps, an uneven split), with clipping engaged; their
 held-out loss and rendered frames agree too. The split itself is checked inside the ranks: each
-attends over its own slice of the tokens, and the collectives' gradients are exact."""
+attends over its own slice of the tokens, the collectives' gradients are exact, Q, K and V travel in V's
+dtype, and under torch.compile the exchanges compile with the blocks."""
 
 import json
 import os
@@ -128,6 +129,37 @@ with torch.no_grad():
     outputs = [adapter.predict_v(m, x0, torch.tensor([500]), embeds, rotary) for m in (reference, model)]
 report["tokens_seen"] = sorted(set(seen))
 report["forward_equal"] = torch.allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+
+# The exchange's dtype: under CUDA's autocast the Q and K norms return fp32 beside a bf16 V (CPU's keeps
+# them bf16, so hooks make them fp32 here); Q, K and V must travel in V's dtype.
+exchanged, seq_to_heads = [], split.seq_to_heads
+split.seq_to_heads = lambda x, *dims: exchanged.append(str(x.dtype)) or seq_to_heads(x, *dims)
+hooks = [m.register_forward_hook(lambda m, args, out: out.float()) for name, m in model.named_modules()
+         if name.endswith(("norm_q", "norm_k"))]
+with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    adapter.predict_v(model, x0, torch.tensor([500]), embeds, rotary)
+report["exchanged"] = sorted(set(exchanged))
+del split.seq_to_heads
+for hook in hooks:
+    hook.remove()
+
+# Under torch.compile (aot_eager: dynamo and AOTAutograd as inductor sees them, without its codegen), the
+# exchanges are traced into each block's graph (torch.distributed.nn's all_to_all raised under dynamo and
+# sent every block back to eager), and forward and backward still equal the unsplit eager model's.
+from torch._dynamo.utils import counters
+for block in adapter.blocks(model):
+    block.compile(backend="aot_eager")
+results = []
+for m in (reference, model):
+    x = x0.clone().requires_grad_()
+    out = adapter.predict_v(m, x, torch.tensor([500]), embeds, rotary)
+    out.square().sum().backward()
+    results.append((out.detach(), x.grad))
+dist.all_reduce(results[1][1])  # each rank's gradient is the group's sum for its own tokens: sp times the sample's
+report["compiled_equal"] = (torch.allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+                            and torch.allclose(results[0][1], results[1][1] / 2, rtol=1e-5, atol=1e-6))
+report["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
+                    "unsupported": sum(counters["unimplemented"].values()), "frames": dict(counters["frames"])}
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
@@ -147,6 +179,10 @@ def test_the_split_inside_the_ranks(tiny_models, tmp_path):
         assert report["seq_to_heads"] and report["round_trip"] and report["gather"] and report["adjoint"]
         assert report["tokens_seen"] == [[38, 37][rank]], report  # 75 video tokens, split 38 + 37
         assert report["forward_equal"]
+        assert report["exchanged"] == ["torch.bfloat16"], report["exchanged"]
+        dynamo = report["dynamo"]
+        assert dynamo["graph_breaks"] == dynamo["unsupported"] == 0 and dynamo["frames"]["ok"] == dynamo["frames"]["total"], dynamo
+        assert report["compiled_equal"]
 
 
 def test_errors_name_the_valid_sizes(write_config):
