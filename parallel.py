@@ -130,11 +130,7 @@ def report(error: BaseException, rank: int) -> int:
         if rank == 0:
             log.error("interrupted: stopped without a checkpoint (SIGTERM or SIGUSR1 save one before stopping)")
         return 130
-    if peer_failed(error):
-        if rank == 0:
-            log.error("stopping: another rank failed (torchrun reports its error)")
-        return 1
-    if timed_out(error):
+    if timed_out(error):  # before peer_failed: this rank's own timeout also closes its connections
         if not first_to_report("timeout"):
             return 1
         try:  # raised, so that the traceback torchrun prints is this one
@@ -143,6 +139,10 @@ def report(error: BaseException, rank: int) -> int:
                                f"a save or a validation legitimately takes longer ({error})") from None
         except TimeoutError as explained:
             return report_unexpected(explained)
+    if peer_failed(error):
+        if rank == 0:
+            log.error("stopping: another rank failed (torchrun reports its error)")
+        return 1
     return report_unexpected(error)
 
 
@@ -170,12 +170,15 @@ def shutdown() -> None:
 
 def peer_failed(error: BaseException) -> bool:
     """A collective broke because another rank died: that rank reports the cause, this one stays quiet."""
-    lost = ("Connection closed by peer", "Connection reset by peer", "pair closure", "NCCL communicator was aborted")
+    lost = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
     return any(text in str(error) for text in lost)
 
 
 def timed_out(error: BaseException) -> bool:
-    """gloo raises a RuntimeError ("Timed out waiting ...") and NCCL a DistBackendError on a timeout."""
+    """gloo raises a RuntimeError ("Timed out waiting ...") and NCCL a DistBackendError on a timeout; a
+    collective waited on after one that timed out in the background (the preemption flag's) raises
+    "Application timeout caused pair closure": this rank's own timeout too, not a lost peer (else it
+    exits quietly, the hung rank sees its connection close and does too, and nobody reports it)."""
     return isinstance(error, RuntimeError) and any(text in str(error) for text in ("Timed out", "timed out", "timeout"))
 
 
