@@ -11,6 +11,7 @@ Nothing of ours is pickled: non-tensor values are rebuilt from the config.
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -79,6 +80,15 @@ def run_identity(cfg, adapter) -> dict:
     return identity
 
 
+def data_identity(clips: list) -> dict:
+    """What a checkpoint's sampler state indexes: the training clips, per bucket and in order, by their
+    contents and prompts (not their paths: a dataset moved elsewhere still resumes)."""
+    per_bucket = collections.Counter(str(list(item.resolution)) for item in clips)
+    keys = [[item.content, item.image_content, item.clip.prompt, item.bucket] for item in clips]
+    return {"clips_per_bucket": dict(sorted(per_bucket.items())),
+            "clips_sha256": hashlib.sha256(json.dumps(keys).encode()).hexdigest()}
+
+
 @functools.cache  # once per process: each version() parses a package's METADATA file (~2 ms)
 def library_versions() -> dict[str, str]:
     return {p: version(p) for p in ("torch", "diffusers", "transformers")}
@@ -112,6 +122,20 @@ def check_identity(path: Path, meta: dict, identity: dict) -> None:
                 f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
                 "use the same model and training settings (the run's config.toml), or another run.output_dir"
             )
+
+
+def check_data(path: Path, meta: dict, data: dict) -> None:
+    """A checkpoint trained on other clips is refused: its sampler state would index clips that differ."""
+    saved = meta["data"]
+    if saved == data:
+        return
+    if saved["clips_per_bucket"] != data["clips_per_bucket"]:
+        what = f"clips per bucket {saved['clips_per_bucket']} there, {data['clips_per_bucket']} here"
+    else:
+        what = "as many clips per bucket, but other ones (their contents, prompts or order differ)"
+    raise ConfigError(f"checkpoint {path} was trained on other data: {what}; resume with the clips it was trained on "
+                      "(data.data_root, its list files, data.held_out, data.buckets), or start over in another "
+                      "run.output_dir")
 
 
 def check_files(path: Path, names: list[str]) -> str | None:
@@ -165,8 +189,9 @@ def cached_planner() -> dcp.DefaultSavePlanner:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict):
-        self.cfg, self.dir, self.d, self.identity = cfg, Path(output_dir), d, identity
+    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict, data: dict):
+        """identity: run_identity's; data: data_identity's, of the training clips."""
+        self.cfg, self.dir, self.d, self.identity, self.data = cfg, Path(output_dir), d, identity, data
         self.frozen_excluded = identity["training_type"] == "lora"
         self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -246,6 +271,7 @@ class Checkpointer:
                 "step": step,
                 "world_size": self.d.world,
                 "identity": self.identity,
+                "data": self.data,
                 "versions": library_versions(),
                 "files": {k: v for share in shares for k, v in sorted(share.items())},
             }
@@ -287,15 +313,18 @@ class Checkpointer:
             return [Path(self.cfg.resume)]
         return [Path(p) for p in found] if self.cfg.resume == "auto" else []
 
-    def resume(self, objects: dict) -> None:
+    def resume(self, objects: dict) -> Path | None:
         """Load the newest checkpoint whose files check out into the live objects on every rank, falling
-        back to older ones; resharding is DCP's. A stop signal before the check ends the run here."""
+        back to older ones; resharding is DCP's; return its path. A stop signal before the check ends the
+        run here."""
         parallel.stop_if_preempted(self.d, "before resuming, with nothing new to save")
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
-            with parallel.all_or_none():  # another model or LoRA: stop, do not fall back
-                check_identity(path, read_meta(path), self.identity)
+            with parallel.all_or_none():  # another model, LoRA or dataset: stop, do not fall back
+                meta = read_meta(path)
+                check_identity(path, meta, self.identity)
+                check_data(path, meta, self.data)
             problem = reads_problem(path, state, self.d)
             if problem is None:
                 break
@@ -307,7 +336,7 @@ class Checkpointer:
             if candidates:  # starting over would rotate the damaged ones away: leave that decision to the user
                 raise ConfigError(f"no checkpoint in {self.dir} passes its meta.json check ({'; '.join(skipped)}): "
                                   "move them elsewhere to start over, or set checkpoint.resume to one of them")
-            return
+            return None
         with parallel.all_or_none():
             meta = read_meta(path)
             dcp.load(state, checkpoint_id=str(path))
@@ -321,6 +350,7 @@ class Checkpointer:
                     obj.load_state_dict(state[name])
         self.saved_step = meta["step"]
         log.info("resumed from step %d (%s)", meta["step"], path)
+        return path
 
 
 def read_meta(path: Path) -> dict:

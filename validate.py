@@ -256,7 +256,11 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
     mixed = cfg.train.mixed_precision
     autocast = torch.autocast(d.device.type, dtype=parallel.AUTOCAST_DTYPES[mixed], enabled=mixed != "no")
     source = Path(checkpoint).name if checkpoint else Path(lora_file).stem if lora_file else "base"
-    for path in renderer.save(renderer.render(model, autocast), f"render_{source}{'_online' if online else ''}"):
+    try:
+        clips = renderer.render(model, autocast)
+    except parallel.Preempted:  # nothing is kept for a relaunch to continue: not a clean stop
+        raise parallel.StopRun("stopped by a signal before the clips were written; run the command again") from None
+    for path in renderer.save(clips, f"render_{source}{'_online' if online else ''}"):
         log.info("wrote %s", path)
 
 

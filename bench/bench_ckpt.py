@@ -71,7 +71,7 @@ class TrainState:
     """trainer.TrainState's tensors (nothing imports trainer.py)."""
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(1), "nonfinite_in_row": torch.tensor(0)}
+        return {"step": torch.tensor(1), "validation_pending": torch.tensor(False), "nonfinite_in_row": torch.tensor(0)}
 
 
 def save_each(tensors: list[torch.Tensor], path: Path) -> None:
@@ -96,7 +96,7 @@ def save_cost(root: Path, settings: dict, saves: int) -> None:
     global_batch = cfg.train.batch_size * cfg.train.gradient_accumulation_steps
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 24, global_batch, 0),
                "train": TrainState()}
-    checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter))
+    checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter), {})
     start = time.perf_counter()
     checkpoints.save(1, objects, final=False)
     first = time.perf_counter() - start
