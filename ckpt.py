@@ -12,6 +12,7 @@ Nothing of ours is pickled: non-tensor values are rebuilt from the config.
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -81,6 +82,15 @@ def run_identity(cfg, adapter) -> dict:
     return identity
 
 
+def data_identity(clips: list) -> dict:
+    """What a checkpoint's sampler state indexes: the training clips, per bucket and in order, by their
+    contents and prompts (not their paths: a dataset moved elsewhere still resumes)."""
+    per_bucket = collections.Counter(str(list(item.resolution)) for item in clips)
+    keys = [[item.content, item.image_content, item.clip.prompt, item.bucket] for item in clips]
+    return {"clips_per_bucket": dict(sorted(per_bucket.items())),
+            "clips_sha256": hashlib.sha256(json.dumps(keys).encode()).hexdigest()}
+
+
 @functools.cache  # once per process: each version() parses a package's METADATA file (~2 ms)
 def library_versions() -> dict[str, str]:
     return {p: version(p) for p in ("torch", "diffusers", "transformers")}
@@ -118,7 +128,7 @@ def meta_problem(path: Path) -> str | None:
         meta = json.loads((path / "meta.json").read_bytes())
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         return f"checkpoint {path}: meta.json is damaged ({e})"
-    missing = sorted({"step", "identity", "files"} - set(meta if isinstance(meta, dict) else ()))
+    missing = sorted({"step", "identity", "data", "files"} - set(meta if isinstance(meta, dict) else ()))
     return f"checkpoint {path}: meta.json is damaged (it lacks {missing})" if missing else None
 
 
@@ -131,6 +141,21 @@ def check_identity(path: Path, meta: dict, identity: dict) -> None:
                 f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
                 "use the same model and training settings (the run's config.toml), or another run.output_dir"
             )
+
+
+def check_data(path: Path, meta: dict, data: dict) -> None:
+    """A checkpoint trained on other clips is refused: its sampler state would index clips that differ.
+    A checkpoint accepted as it is (`ckpt.py rehash` of a damaged meta.json) has no record of them (None)."""
+    saved = meta["data"]
+    if saved is None or saved == data:
+        return
+    if saved["clips_per_bucket"] != data["clips_per_bucket"]:
+        what = f"clips per bucket {saved['clips_per_bucket']} there, {data['clips_per_bucket']} here"
+    else:
+        what = "as many clips per bucket, but other ones (their contents, prompts or order differ)"
+    raise ConfigError(f"checkpoint {path} was trained on other data: {what}; resume with the clips it was trained on "
+                      "(data.data_root, its list files, data.held_out, data.buckets), or start over in another "
+                      "run.output_dir")
 
 
 def check_files(path: Path, names: list[str]) -> str | None:
@@ -195,8 +220,9 @@ def staging_copy() -> DefaultStager:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict):
-        self.cfg, self.dir, self.d, self.identity = cfg, Path(output_dir), d, identity
+    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict, data: dict):
+        """identity: run_identity's; data: data_identity's, of the training clips."""
+        self.cfg, self.dir, self.d, self.identity, self.data = cfg, Path(output_dir), d, identity, data
         self.frozen_excluded = identity["training_type"] == "lora"
         self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
         self.stager = None  # async saves' CPU copy of this rank's state, made once and refilled by every save
@@ -274,7 +300,8 @@ class Checkpointer:
         shares = [None] * self.d.world
         dist.all_gather_object(shares, mine)
         if self.d.is_main:
-            write_meta(tmp, step, self.d.world, self.identity, {k: v for share in shares for k, v in sorted(share.items())})
+            files = {k: v for share in shares for k, v in sorted(share.items())}
+            write_meta(tmp, step, self.d.world, self.identity, self.data, files)
             if final.exists():  # one that failed its check on resume, recomputed since: move it aside first
                 stale = final.with_name(f"{final.name}.stale.tmp")
                 os.replace(final, stale)
@@ -322,17 +349,20 @@ class Checkpointer:
                         f"ckpt.py rehash --cfg {self.dir / 'config.toml'} --checkpoint {loadable[0]}` and launch again")
         return message
 
-    def resume(self, objects: dict) -> None:
+    def resume(self, objects: dict) -> Path | None:
         """Load the newest checkpoint whose files check out into the live objects on every rank, falling
-        back to older ones; resharding is DCP's. A stop signal before the check ends the run here."""
+        back to older ones; resharding is DCP's; return its path. A stop signal before the check ends the
+        run here."""
         parallel.stop_if_preempted(self.d, "before resuming, with nothing new to save")
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
             problem = next((p for p in parallel.agree(lambda: meta_problem(path), self.d) if p), None)
             if problem is None:
-                with parallel.all_or_none():  # another model or LoRA: stop, do not fall back
-                    check_identity(path, read_meta(path), self.identity)
+                with parallel.all_or_none():  # another model, LoRA or dataset: stop, do not fall back
+                    meta = read_meta(path)
+                    check_identity(path, meta, self.identity)
+                    check_data(path, meta, self.data)
                 problem = reads_problem(path, state, self.d)
             if problem is None:
                 break
@@ -343,7 +373,7 @@ class Checkpointer:
         else:
             if candidates:  # starting over would overwrite the damaged ones: leave that decision to the user
                 raise ConfigError(self._none_passes(candidates, skipped))
-            return
+            return None
         with parallel.all_or_none():
             meta = read_meta(path)
             dcp.load(state, checkpoint_id=str(path))
@@ -357,11 +387,12 @@ class Checkpointer:
                     obj.load_state_dict(state[name])
         self.saved_step = meta["step"]
         log.info("resumed from step %d (%s)", meta["step"], path)
+        return path
 
 
-def write_meta(folder: Path, step: int, world_size: int, identity: dict, files: dict) -> None:
-    meta = {"step": step, "world_size": world_size, "identity": identity, "versions": library_versions(),
-            "files": files}
+def write_meta(folder: Path, step: int, world_size: int, identity: dict, data: dict, files: dict) -> None:
+    meta = {"step": step, "world_size": world_size, "identity": identity, "data": data,
+            "versions": library_versions(), "files": files}
     (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
     os.replace(folder / "meta.json.tmp", folder / "meta.json")
 
@@ -410,7 +441,8 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
 def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
     """Accept a checkpoint's files as they are, for a checkpoint that fails its check and is wanted anyway:
     rewrite its meta.json from the files now there (sizes, sha256), the model identity of this config
-    and the step its name holds. Loading it then reads whatever its shards hold."""
+    and the step its name holds; the record of its training clips is kept where the old meta.json still
+    has one, else left out (None: not checked on resume). Loading it then reads whatever its shards hold."""
     path = Path(checkpoint)
     match = CHECKPOINT_NAME.fullmatch(path.name)
     if not match or not (path / ".metadata").is_file():
@@ -422,7 +454,8 @@ def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
         names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != "meta.json")
         ranks = {name.split("_")[2] for name in names if name.endswith(".distcp")}
         files = {name: {"size": (path / name).stat().st_size, "sha256": _sha256(path / name)} for name in names}
-        write_meta(path, int(match.group(1)), len(ranks), run_identity(cfg, adapter), files)
+        data = None if meta_problem(path) else read_meta(path).get("data")
+        write_meta(path, int(match.group(1)), len(ranks), run_identity(cfg, adapter), data, files)
         log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
 
 

@@ -6,7 +6,9 @@ fires at the point when the count matches, on every rank or only the one named. 
 that optimizer step, `save` after that step's shards are written and before the commit, `cache` after
 that many cache entries, `render` before that sampling step of the process. Actions: `kill` (SIGKILL),
 `sigterm` (as a scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a
-message no rank sends, until parallel.timeout_s). Four more are named for what they do: `save_fail`
+message no rank sends, until parallel.timeout_s), `pause` (print a line naming the process, then wait
+for a signal and handle it as if it had just arrived: a test can act at that point, e.g. start a second
+run or signal the launcher, without racing a timer). Four more are named for what they do: `save_fail`
 (the storage writer fails like a full disk), `disk_full` (the count-th file this process writes through
 `written` fails like a full disk: a cache entry, a clip, an exported file), `nan_loss` (the step's loss
 is NaN) and `overflow` (the step's backward starts from its loss times 1e30: its gradients overflow, its
@@ -17,6 +19,7 @@ import errno
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -83,5 +86,24 @@ def fault(point: str, count: int) -> None:
             os.kill(os.getpid(), SIGNALS[action])
         elif action == "deadlock":
             dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
+        elif action == "pause":
+            pause(f"{point} {count}")
         else:
             raise OSError(f"injected fault {point}_{action} at {count}")
+
+
+def pause(where: str) -> None:
+    """Wait until the process handles a signal (SIGTERM, SIGUSR1, Ctrl-C); its handler runs as usual.
+    Python's wakeup fd receives a byte for every signal it handles, whichever thread the kernel gave it
+    to, and it is set before the line is printed: a signal sent as soon as the line is read is never
+    missed."""
+    wake, woken = os.pipe()
+    os.set_blocking(woken, False)
+    previous = signal.set_wakeup_fd(woken)
+    print(f"rank {dist.get_rank()} (pid {os.getpid()}) paused at {where} ({FAULT_ENV})", file=sys.stderr, flush=True)
+    try:
+        os.read(wake, 1)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(wake)
+        os.close(woken)

@@ -5,10 +5,10 @@
 #   bash launch.sh FILE.toml [overrides]    train; NPROC, NNODES, NODE_RANK, RDZV_ENDPOINT from the
 #                                           environment, or from SLURM when run inside a SLURM job
 #
-# Logs are filtered to local rank 0 (LOG_RANKS to change it; "" shows every rank). torchrun forwards
-# SIGTERM and SIGUSR1 (SLURM's warning before a time limit) to the workers, which save and exit 0, and
-# gives them SHUTDOWN_TIMEOUT seconds (default 600, torchrun's own is 30) before it kills them: set it
-# longer than your longest checkpoint save.
+# Logs are filtered to local rank 0 (LOG_RANKS to change it; "" shows every rank). SIGTERM and SIGUSR1
+# (SLURM's warning before a time limit) reach the workers, which save and exit 0; torchrun gives them
+# SHUTDOWN_TIMEOUT seconds (default 600, torchrun's own is 30) before it kills them: set it longer than
+# your longest checkpoint save. The exit code is the workers' (0 after such a stop, 130 after Ctrl-C).
 #
 # A collective on GPU tensors that outlasts parallel.timeout_s raises nothing in Python: NCCL's watchdog
 # aborts the process (SIGABRT). With TORCH_NCCL_DUMP_ON_TIMEOUT=1 (set here unless you set it) it first
@@ -60,4 +60,27 @@ fi
 if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 fi
-exec python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@"
+# torchrun exits 1 after passing on a signal it got itself (Ctrl-C; a scheduler that signals every
+# process of the job), however the workers ended: each worker writes its own exit code here instead.
+exit_codes=$(mktemp -d)
+trap 'rm -rf "$exit_codes"' EXIT
+VIDTRAIN_EXIT_CODES=$exit_codes python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@" &
+torchrun=$!
+# A signal sent to this script goes to the workers themselves: torchrun may have had it already (a
+# second one would cut short its wait for them), and the workers take it twice without harm. Before
+# they exist, torchrun gets it. Ctrl-C reaches torchrun from the terminal, which passes it on.
+forward() { pkill "-$1" -P "$torchrun" || kill "-$1" "$torchrun" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap ':' INT
+while true; do
+    status=0
+    wait "$torchrun" || status=$?
+    kill -0 "$torchrun" 2>/dev/null || break  # still running: a signal only interrupted the wait
+done
+shopt -s nullglob
+codes=("$exit_codes"/*)
+if [[ ${#codes[@]} -eq $NPROC && $(sort -u "${codes[@]}" | wc -l) -eq 1 ]]; then
+    exit "$(cat "${codes[0]}")"  # every worker ended alike
+fi
+exit "$status"

@@ -27,17 +27,26 @@ class Metrics:
             return
         logs = Path(output_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        # purge_step drops events after the resumed step, so a resumed run does not duplicate them.
-        self.writer = SummaryWriter(str(logs), purge_step=start_step + 1 if start_step else None)
+        # Events from the purge step on are dropped: those after the resumed step, or on a fresh start
+        # every one of an earlier attempt that never saved a checkpoint. So a relaunch logs each step once.
+        purge_step = start_step + 1 if start_step else 0
+        self.writer = SummaryWriter(str(logs), purge_step=purge_step)
         self.jsonl_path = logs / "metrics.jsonl"
-        self._truncate_jsonl(start_step)
+        self._truncate_jsonl(purge_step)
         self.jsonl = self.jsonl_path.open("a")
 
-    def _truncate_jsonl(self, start_step: int) -> None:
+    def _truncate_jsonl(self, purge_step: int) -> None:
         if not self.jsonl_path.exists():
             return
-        kept = [line for line in self.jsonl_path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+        kept = [line for line in self.jsonl_path.read_text().splitlines() if json.loads(line)["step"] < purge_step]
         self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+
+    def logged_validation(self, step: int) -> bool | None:
+        """Whether metrics.jsonl holds the validation of `step` (written once it has completed), on rank 0."""
+        if not self.enabled:
+            return None
+        records = (json.loads(line) for line in self.jsonl_path.read_text().splitlines())
+        return any(r["step"] == step and any(k.startswith("val/") for k in r) for r in records)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled or not values:  # validation with no held-out clips and no prompts has nothing

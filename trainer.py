@@ -26,7 +26,7 @@ import memory
 import parallel
 import validate
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
-from config import Config, TrainConfig, to_toml
+from config import Config, ConfigError, TrainConfig, to_toml
 from metrics import Metrics
 from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, check_lora_matches
 
@@ -34,12 +34,16 @@ log = logging.getLogger("vidtrain")
 
 
 class TrainState:
-    """The step counter and the non-finite guard: tensors only, so checkpoints pickle nothing. The guard
-    counts on the device (reading it every step would stall the host on the device); `check_nonfinite`
-    reads it where the host waits anyway: log steps, saves and validations."""
+    """The step counter, whether this step's validation is still to run, and the non-finite guard:
+    tensors only, so checkpoints pickle nothing. The guard counts on the device (reading it every step
+    would stall the host on the device); `check_nonfinite` reads it where the host waits anyway: log
+    steps, saves and validations."""
 
     def __init__(self, device: torch.device):
         self.step = 0
+        # A step's checkpoint is written before its validation runs: this tells a relaunch from it to run
+        # that validation first, unless metrics.jsonl shows it completed (a stop cut it short, or came first).
+        self.validation_pending = False
         self.nonfinite_in_row = torch.zeros((), dtype=torch.int64, device=device)
         # The first step since the last check at which the count reached the limit (0: none). Never
         # saved: every save checks first, so a checkpoint never holds one.
@@ -60,10 +64,12 @@ class TrainState:
                                    "or check the data")
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(self.step), "nonfinite_in_row": self.nonfinite_in_row}
+        return {"step": torch.tensor(self.step), "validation_pending": torch.tensor(self.validation_pending),
+                "nonfinite_in_row": self.nonfinite_in_row}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.validation_pending = bool(state["validation_pending"])
         self.nonfinite_in_row = state["nonfinite_in_row"].to(self.nonfinite_in_row.device)
 
 
@@ -153,8 +159,13 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     objects = {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state}
     objects |= {"ema": ema} if ema is not None else {}
     objects |= {"scaler": scaler} if scaler.enabled else {}
-    checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter))
-    checkpoints.resume(objects)
+    checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter),
+                                    ckpt.data_identity(train_clips))
+    resumed = checkpoints.resume(objects)
+    if state.step > t.steps:
+        raise ConfigError(f"{resumed} is at step {state.step}, past train.steps = {t.steps}: set train.steps to "
+                          f"{state.step} or more to continue (equal: the run is finished, it exports), or choose "
+                          "another run.output_dir")
     if d.is_main:
         name = f"config-resume-{state.step}.toml" if state.step else "config.toml"
         (Path(cfg.run.output_dir) / name).write_text(to_toml(cfg))
@@ -162,10 +173,14 @@ def train(cfg: Config, d: parallel.Dist) -> None:
              "%d held out", global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
     compute = parallel.Compute(d.device, t.mixed_precision, t.attention_backend)
-    if state.step == 0 and cfg.validation.do_validation:
-        if not run_validation(0, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics, renderer):
-            raise parallel.Preempted("during the validation before step 1, with nothing to save yet")
-    window = TrainWindow(d, global_batch, state.step)
+    # The validation of the start: before step 1, or the resumed step's when a stop cut it short.
+    pending = state.validation_pending and not parallel.broadcast(metrics.logged_validation(state.step), d)
+    if cfg.validation.do_validation and (state.step == 0 or pending):
+        if not run_validation(state.step, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics,
+                              renderer):
+            raise parallel.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
+                                     "again to run it")
+    window, stop = TrainWindow(d, global_batch, state.step), False
 
     for step in range(state.step + 1, t.steps + 1):
         batch_ids = sampler.next_batch()
@@ -195,8 +210,9 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         log_now = step % t.log_every == 0 or step == t.steps
         stop = parallel.PREEMPTION.agreed_a_step_late(start_next=step < t.steps)
         save_now = stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps
-        validate_now = not stop and cfg.validation.do_validation and (
+        state.validation_pending = cfg.validation.do_validation and (
             step % cfg.validation.validation_steps == 0 or step == t.steps)
+        validate_now = state.validation_pending and not stop
         if log_now:
             values = window.flush(step, grad_norm, model, optimizer, scaler)
             metrics.scalars(step, values)
@@ -213,11 +229,13 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
             break
 
-    if state.step == t.steps:
-        export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
     metrics.close()
-    if state.step < t.steps:
+    if stop and state.step == t.steps and state.validation_pending:  # the export waits for the last validation
+        raise parallel.Preempted(f"after the last step ({state.step}), before its validation completed; checkpoint "
+                                 "written; launch again to run the validation and export")
+    if stop and state.step < t.steps:
         raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
+    export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
 
 
 def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: TrainState, step: int,
@@ -267,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="TOML config file")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    parallel.run_command(train, args.cfg, overrides)
+    parallel.run_command(train, args.cfg, overrides, lock_output_dir=True)
 
 
 if __name__ == "__main__":

@@ -313,8 +313,11 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
         model = load_model(cfg, adapter, d, checkpoint, lora_file, online)
     compute = parallel.Compute(d.device, cfg.train.mixed_precision, cfg.train.attention_backend)
     names = render_names(cfg, checkpoint, lora_file, online)
-    with eager():
-        clips = renderer.render(model, compute)
+    try:
+        with eager():
+            clips = renderer.render(model, compute)
+    except parallel.Preempted:  # nothing is kept for a relaunch to continue: not a clean stop
+        raise parallel.StopRun("stopped by a signal before the clips were written; run the command again") from None
     for path in renderer.save(clips, names):
         log.info("wrote %s", path)
 

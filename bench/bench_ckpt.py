@@ -72,7 +72,7 @@ class TrainState:
     """trainer.TrainState's tensors (nothing imports trainer.py)."""
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(1), "nonfinite_in_row": torch.tensor(0)}
+        return {"step": torch.tensor(1), "validation_pending": torch.tensor(False), "nonfinite_in_row": torch.tensor(0)}
 
 
 def cogvideox_5b_lora(rank: int) -> nn.Module:
@@ -108,7 +108,7 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
     optimizer.zero_grad(set_to_none=True)
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 24, 8, 0), "train": TrainState()}
     identity = {"family": "cogvideox", "training_type": "lora", "lora": {"rank": rank}}
-    checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=2), str(root / "save-cost"), d, identity)
+    checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=2), str(root / "save-cost"), d, identity, {})
     start = time.perf_counter()
     checkpoints.save(1, objects, final=False)
     first = time.perf_counter() - start

@@ -6,6 +6,7 @@ configs, the loading code and the process-group setup under test are the ones us
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -116,18 +117,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def command(args: list[str], nproc: int, env: dict | None, script: str) -> tuple[list[str], dict]:
+    """One of our commands: in one process, through torchrun, or through launch.sh (NPROC processes; its
+    arguments are the config file, then overrides)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    if script == "launch.sh":
+        return ["bash", str(REPO / script), *args], {**full_env, "NPROC": str(nproc)}
+    if nproc == 1:
+        return [sys.executable, str(REPO / script), *args], full_env
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            str(REPO / script), *args], full_env
+
+
+def default_sigint() -> None:
+    """A job started in the background by a non-interactive shell (as CI may be) ignores SIGINT, and so
+    would the trainer it starts: the child gets the default disposition, as under a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cmd(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 300, script: str = "trainer.py"):
     """Run one of our commands, in one process or through torchrun; return the CompletedProcess."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    if nproc == 1:
-        cmd = [sys.executable, str(REPO / script), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(REPO / script), *args]
-    # A job started in the background by a non-interactive shell (as CI may be) ignores SIGINT, and so
-    # would the trainer it starts: the child gets the default disposition, as under a terminal.
+    cmd, full_env = command(args, nproc, env, script)
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                          preexec_fn=default_sigint)
+
+
+def start_paused(args: list[str], fault: str, nproc: int = 1, script: str = "trainer.py"):
+    """Start a command with a `pause` fault (faults.pause) in a session of its own, as a terminal or a
+    scheduler starts a job; return the process, the pid of the paused rank and the output so far, once
+    it has paused. Signal the whole job with os.killpg(process.pid, ...), then finish(process, output)."""
+    cmd, full_env = command(args, nproc, {"VIDTRAIN_FAULT": fault}, script)
+    process = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, preexec_fn=default_sigint)
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if paused := re.search(r"\(pid (\d+)\) paused at", line):
+            return process, int(paused.group(1)), output
+    process.wait()
+    raise AssertionError(f"never paused (exit {process.returncode}):\n{''.join(output)[-4000:]}")
+
+
+def finish(process, output: list[str], timeout: int = 300) -> tuple[int, str]:
+    """The exit code and whole output of a process start_paused started."""
+    output.append(process.communicate(timeout=timeout)[0])
+    return process.returncode, "".join(output)
 
 
 def run_ok(*args, **kwargs):

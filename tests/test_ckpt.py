@@ -3,14 +3,17 @@ rotation and fallback; SIGTERM; async save; failed writes; what is (not) in a ch
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import finish, read_metrics, run_cmd, run_ok, start_paused, train_losses, write_toml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader
@@ -81,6 +84,8 @@ def test_killed_run_resumes_bitwise(references, make_config, variant):
     cfg, out, nproc = make_config(f"kill_{variant}", variant)
     killed = run_cmd(["--cfg", str(cfg)], nproc=nproc, env={"VIDTRAIN_FAULT": "step_kill:5"})
     assert killed.returncode != 0 and not (out / "checkpoint-6").exists()
+    # The killed run's run.lock names it, but its flock died with it: the next run takes the folder.
+    assert (out / "run.lock").read_text().startswith("pid ")
     resumed = run_ok(["--cfg", str(cfg)], nproc=nproc)
     assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
     assert (out / "config-resume-4.toml").is_file()
@@ -117,24 +122,47 @@ def test_kill_during_save_falls_back_and_rotation_keeps_the_newest(references, m
 
 def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_config):
     """SIGTERM on one rank while step 4's shards are written: the save commits, and every rank stops at
-    the next check (the first sampling step of step 4's validation) with exit 0; the next launch
-    continues bitwise."""
+    the next check (the first sampling step of step 4's validation) with exit 0. The next launch runs
+    step 4's validation first, and is stopped during the last one (step 14's), after checkpoint-14: it
+    says so and exports nothing. The third runs that validation, then exports: the run ends bitwise
+    equal to the one never stopped, with each validation's held-out loss and clip logged exactly once."""
     cfg, out, nproc = make_config("sigterm", "fsdp")
     stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_sigterm:4:1"})
     assert "stopped by a signal: after step 4, checkpoint written" in stopped.stderr
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert not (out / "lora").exists()
+    # Each validation takes 2 sampling steps of each rank: steps 4, 8 and 12 take 1-6, step 14 starts at 7.
+    last = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "render_sigterm:7:1"})
+    assert "stopped by a signal: after the last step (14), before its validation completed; checkpoint " \
+           "written; launch again to run the validation and export" in last.stderr
+    assert (out / f"checkpoint-{STEPS}").is_dir() and not (out / "lora").exists()
     run_ok(["--cfg", str(cfg)], nproc=2)
     assert_bitwise_equal_runs(references["fsdp"], out)
+    validated = [0, 4, 8, 12, 14]
+    assert [m["step"] for m in read_metrics(out) if "val/loss" in m] == validated
+    events = EventAccumulator(str(out / "logs"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Scalars("val/loss")] == validated
+    assert [e.step for e in events.Images("val/clip_0")] == validated
+    assert sorted(p.name for p in (out / "validation_res").iterdir()) == sorted(f"step_{s}_prompt_0.mp4" for s in validated)
 
 
-def test_sigterm_between_steps_stops_one_step_later(references, make_config):
-    """SIGTERM on rank 1 after step 4: the ranks learn of it from the all-reduce that step 4's end starts
-    and step 5's end reads (so no step waits for it), save checkpoint-5 and exit 0; the next launch
-    continues bitwise."""
+def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
+    """A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: a second run on it
+    stops before any compute, naming the first one's pid and host. Then SIGTERM to launch.sh and torchrun,
+    as a scheduler signals every process of a job (the workers get it from both): the ranks learn of it
+    from the all-reduce that step 4's end starts and step 5's end reads (so no step waits for it), save
+    checkpoint-5 and exit 0, and so does launch.sh (torchrun itself exits 1 after a signal); the next
+    launch continues bitwise."""
     cfg, out, nproc = make_config("sigterm_step", "ddp")
-    stopped = run_ok(["--cfg", str(cfg)], nproc=nproc, env={"VIDTRAIN_FAULT": "step_sigterm:4:1"})
-    assert "stopped by a signal: after step 5, checkpoint written" in stopped.stderr
+    process, pid, output = start_paused([str(cfg)], "step_pause:4:0", nproc=nproc, script="launch.sh")
+    second = run_cmd(["--cfg", str(cfg)])
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert f"run.output_dir = {out} is in use by another run: pid {pid} on host {socket.gethostname()}" in second.stderr
+    assert "cache:" not in second.stderr
+    os.killpg(process.pid, signal.SIGTERM)
+    code, output = finish(process, output)
+    assert code == 0, output[-4000:]
+    assert "stopped by a signal: after step 5, checkpoint written" in output
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
     run_ok(["--cfg", str(cfg)], nproc=nproc)
     assert_bitwise_equal_runs(references["ddp"], out)
@@ -236,15 +264,24 @@ def test_resume_refusals(references, make_config):
     cfg, _, _ = make_config("refusals", "one", **{"train.batch_size": 1})
     result = run_cmd(["--cfg", str(cfg)])
     assert result.returncode == 1 and "train.batch_size x train.gradient_accumulation_steps x world size" in result.stderr
+    cfg, _, _ = make_config("refusals", "one", **{"data.held_out": 6})  # the sampler would index other clips
+    result = run_cmd(["--cfg", str(cfg)])
+    assert result.returncode == 1 and f"checkpoint {out / f'checkpoint-{STEPS}'} was trained on other data: clips per " \
+        "bucket {'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here" in result.stderr, result.stderr[-3000:]
 
 
 def test_finished_run_exports_and_exits_zero(references, make_config):
+    """A finished run relaunched exports and exits 0; with train.steps lowered below its step, it exits 1."""
     cfg, out, _ = make_config("finished", "one")
     shutil.copytree(references["one"], out)
     shutil.rmtree(out / "lora")
     result = run_ok(["--cfg", str(cfg)])
     assert f"resumed from step {STEPS}" in result.stderr
     assert_bitwise_equal_runs(references["one"], out)
+    cfg, _, _ = make_config("finished", "one", **{"train.steps": STEPS - 2})
+    lowered = run_cmd(["--cfg", str(cfg)])
+    assert lowered.returncode == 1
+    assert f"{out / f'checkpoint-{STEPS}'} is at step {STEPS}, past train.steps = {STEPS - 2}" in lowered.stderr
 
 
 def test_export_command(references, make_config, tmp_path):
@@ -311,7 +348,7 @@ def test_save_views_follow_the_live_tensors(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters())
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
     one = parallel.Dist(0, 1, 0, torch.device("cpu"))
-    checkpoints, reference = (ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"})
+    checkpoints, reference = (ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"}, {})
                               for _ in range(2))
 
     def step():

@@ -3,12 +3,13 @@ shards the state, a failing rank ends the job with one message, the non-finite g
 
 import os
 import re
+import signal
 import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, free_port, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import REPO, finish, free_port, read_metrics, run_cmd, run_ok, start_paused, train_losses, write_toml
 from diffusers import CogVideoXTransformer3DModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -147,7 +148,9 @@ def test_fsdp_shards_sft_state(write_config, tmp_path):
 
 @pytest.mark.parametrize("fault, message", [
     ("step_fail:3:1", "OSError: injected fault step_fail at 3"),  # one rank raises: it reports, the other is quiet
-    ("step_deadlock:3", "TimeoutError: rank"),  # every rank times out: the first to notice reports
+    # One rank hangs: whichever rank times out first reports it, the other is quiet. (Rank 0's own timeout
+    # once read as a lost peer, and in 4 runs of 16 neither rank reported it.)
+    ("step_deadlock:3:1", "TimeoutError: rank"),
 ])
 def test_a_failure_ends_the_job_with_one_message(write_config, tmp_path, fault, message):
     cfg = write_config("fail", **{"train.batch_size": 2, "parallel.timeout_s": 10})
@@ -159,9 +162,14 @@ def test_a_failure_ends_the_job_with_one_message(write_config, tmp_path, fault, 
 
 
 def test_ctrl_c_stops_with_one_message(write_config, tmp_path):
-    result = run_cmd(["--cfg", str(write_config("interrupted"))], env={"VIDTRAIN_FAULT": "step_sigint:2"})
-    assert result.returncode == 130 and result.stderr.count("interrupted: stopped without a checkpoint") == 1
-    assert "Traceback" not in result.stderr
+    """Ctrl-C reaches launch.sh and torchrun (a terminal signals its foreground process group), and
+    torchrun passes it on: the trainer prints one line and no traceback of its own, and launch.sh exits
+    130 as the trainer did (torchrun itself exits 1 after a signal)."""
+    process, _, output = start_paused([str(write_config("interrupted"))], "step_pause:2", script="launch.sh")
+    os.killpg(process.pid, signal.SIGINT)
+    code, output = finish(process, output)
+    assert code == 130 and output.count("interrupted: stopped without a checkpoint") == 1, output[-4000:]
+    assert "KeyboardInterrupt" not in output
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path):

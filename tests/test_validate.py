@@ -355,10 +355,15 @@ def test_gen_fps_zero_is_the_familys_published_rate(tiny_models, wan_models, one
 
 
 def test_render_command_errors(runs):
-    """No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the message."""
+    """No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the message; a
+    stop signal during the render: exit 1."""
     out = runs / "one"
     no_prompt = run_cmd(["--cfg", str(runs / "plain.toml"), "--validation.prompts", "[]"], script="validate.py")
     assert no_prompt.returncode == 1 and "nothing to render: pass --prompt" in no_prompt.stderr + no_prompt.stdout
     wrong = run_cmd(["--cfg", str(runs / "one.toml"), "--checkpoint", str(out / "checkpoint-4"), "--prompt", "a",
                      "--lora.rank", "8"], script="validate.py")
     assert wrong.returncode == 1 and "was trained with lora = {" in wrong.stderr and "(the run's config.toml)" in wrong.stderr
+    # Stopped by a signal, it has written nothing for a relaunch to continue: not a success.
+    stopped = run_cmd(["--cfg", str(runs / "one.toml"), "--prompt", "a", "--validation.num_inference_steps", "2"],
+                      script="validate.py", env={"VIDTRAIN_FAULT": "render_sigterm:2"})
+    assert stopped.returncode == 1 and "stopped by a signal before the clips were written" in stopped.stderr
