@@ -191,6 +191,8 @@ def batches(todo: list, size: int, world: int, same=lambda a, b: True) -> list[l
 
 
 class _Held(logging.Filter):
+    """Keeps the warnings logged while it is attached, instead of printing them."""
+
     def __init__(self):
         super().__init__()
         self.messages = []
