@@ -13,6 +13,7 @@ Nothing of ours is pickled: non-tensor values are rebuilt from the config.
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,6 +49,7 @@ from model import EMA, build_model, load_adapter, model_state
 
 log = logging.getLogger("vidtrain")
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+WRITE_THREADS = min(4, os.cpu_count() or 1)  # files per rank, each written and hashed by its own thread
 
 
 @contextlib.contextmanager
@@ -60,7 +63,53 @@ def _write_failures_named(tmp: Path):
                                "intact, free space or move run.output_dir and resume") from None
 
 
-class FailingWriter(dcp.FileSystemWriter):
+class HashingStream:
+    """A file being written, hashed as it is written (read back afterwards, a checkpoint of GBs would
+    cost a second pass over every byte)."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        written = self.file.write(data)
+        self.size += written
+        return written
+
+    def __getattr__(self, name):  # tell, flush, fileno, close: the file's own
+        return getattr(self.file, name)
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's file system, recording the size and sha256 of every file it writes (by final name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as file:
+            stream = HashingStream(file)
+            yield stream
+        self.written[Path(path).name] = {"size": stream.size, "sha256": stream.sha256.hexdigest()}
+
+    def rename(self, path, new_path) -> None:  # DCP writes .metadata under a temporary name
+        super().rename(path, new_path)
+        self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+
+
+class HashingWriter(dcp.FileSystemWriter):
+    """DCP's writer, hashing as it writes, in WRITE_THREADS threads (files) per rank: hashing and writing
+    both release the GIL, so the threads hash and write in parallel where one torch.save cannot. No
+    fsync here: the Checkpointer syncs a committed checkpoint in the background (see _commit)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, thread_count=WRITE_THREADS, sync_files=False)
+        self.fs = HashingFileSystem()
+
+
+class FailingWriter(HashingWriter):
     """A storage writer whose writes fail like a full disk, for the save_fail fault point: DCP itself
     then reports the failure on every rank."""
 
@@ -94,6 +143,12 @@ def data_identity(clips: list) -> dict:
 @functools.cache  # once per process: each version() parses a package's METADATA file (~2 ms)
 def library_versions() -> dict[str, str]:
     return {p: version(p) for p in ("torch", "diffusers", "transformers")}
+
+
+def _fsync(paths: list[Path]) -> None:
+    for path in paths:
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
 
 
 def _sha256(path: Path) -> str:
@@ -226,6 +281,8 @@ class Checkpointer:
         self.frozen_excluded = identity["training_type"] == "lora"
         self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
         self.stager = None  # async saves' CPU copy of this rank's state, made once and refilled by every save
+        self.syncer = concurrent.futures.ThreadPoolExecutor(1)
+        self.syncing = None  # this rank's fsync of the newest checkpoint's files, running in the background
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _state(self, objects: dict, reuse: bool = False) -> dict:
@@ -264,7 +321,7 @@ class Checkpointer:
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        writer = (FailingWriter if faults.active("save_fail", step) else dcp.FileSystemWriter)(tmp)
+        writer = (FailingWriter if faults.active("save_fail", step) else HashingWriter)(tmp)
         with parallel.all_or_none():
             state = self._state(objects, reuse=True)
             if self.cfg.async_save and not final:
@@ -274,29 +331,33 @@ class Checkpointer:
                     self.stager = staging_copy()
                 future = dcp.async_save(state, storage_writer=writer, planner=cached_planner(),
                                         process_group=self.async_group, async_stager=self.stager)
-                self.pending = (step, tmp, final_dir, future)
+                self.pending = (step, tmp, final_dir, future, writer)
                 return
             with _write_failures_named(tmp):
                 dcp.save(state, storage_writer=writer, planner=cached_planner())
         faults.fault("save", step)
-        self._commit(step, tmp, final_dir)
+        self._commit(step, tmp, final_dir, writer.fs.written, last=final)
 
     def wait_and_commit(self) -> None:
         """Finish the background save, if one is running, and commit it on every rank."""
         if self.pending is None:
             return
-        step, tmp, final_dir, future = self.pending
+        step, tmp, final_dir, future, writer = self.pending
         self.pending = None
         with parallel.all_or_none(), _write_failures_named(tmp):
             future.result()
         faults.fault("save", step)
-        self._commit(step, tmp, final_dir)
+        self._commit(step, tmp, final_dir, writer.fs.written, last=False)
 
-    def _commit(self, step: int, tmp: Path, final: Path) -> None:
-        """Hash this rank's share of files, then rank 0 writes meta.json, renames, updates latest, rotates."""
-        files = sorted(p.name for p in tmp.iterdir())
-        mine = {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
-                for i, n in enumerate(files) if i % self.d.world == self.d.rank}
+    def _commit(self, step: int, tmp: Path, final: Path, mine: dict, last: bool) -> None:
+        """Gather the sizes and sha256 of the files every rank wrote (`mine`: this rank's), then rank 0
+        writes meta.json, renames, updates latest, rotates. A checkpoint reaches the disk in the
+        background (each rank fsyncs its files; until then a crash of the machine, not of the process,
+        could damage it, which its check on resume finds): rotation counts only checkpoints every rank
+        has synced, so between saves one more than checkpointing_limit is kept; the last save of a
+        launch waits for its own."""
+        if self.syncing is not None:  # the previous checkpoint's, started a save interval ago
+            self.syncing.result()
         shares = [None] * self.d.world
         dist.all_gather_object(shares, mine)
         if self.d.is_main:
@@ -312,14 +373,20 @@ class Checkpointer:
             latest_tmp = self.dir / "latest.tmp"
             latest_tmp.write_text(f"{final.name}\n")
             os.replace(latest_tmp, self.dir / "latest")
-            self._rotate()
             log.info("saved %s", final)
         dist.barrier()
+        written = [*mine, "meta.json"] if self.d.is_main else list(mine)
+        self.syncing = self.syncer.submit(_fsync, [final / name for name in written])
+        if last:
+            self.syncing.result()
+            dist.barrier()
+        if self.d.is_main:
+            self._rotate([p for p in complete_checkpoints(self.dir) if last or p != final])
 
-    def _rotate(self) -> None:
+    def _rotate(self, synced: list[Path]) -> None:
         if self.cfg.checkpointing_limit == 0:
             return
-        for path in complete_checkpoints(self.dir)[: -self.cfg.checkpointing_limit]:
+        for path in synced[: -self.cfg.checkpointing_limit]:
             shutil.rmtree(path)
 
     def _candidates(self) -> list[Path]:
@@ -434,8 +501,11 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     with parallel.all_or_none():
         load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
-    # Beside the checkpoint by default: the run's own lora/ holds its final weights and is never replaced.
-    export.export(model, cfg.train.training_type, cfg.lora, adapter, out or str(Path(checkpoint) / "export"), d, ema)
+    # Beside the checkpoint by default (its ComfyUI file named <run>_checkpoint-N): the run's own lora/ holds
+    # its final weights and is never replaced.
+    where = Path(checkpoint).resolve()
+    export.export(model, cfg.train.training_type, cfg.lora, adapter, out or str(where / "export"), d, ema,
+                  "" if out else f"{where.parent.name}_{where.name}")
 
 
 def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:

@@ -14,15 +14,18 @@ from model import model_state
 log = logging.getLogger("vidtrain")
 
 
-def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None):
-    """The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on."""
-    _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "", d)
+def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None,
+           name: str = ""):
+    """The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on.
+    `name` names the ComfyUI file (default: out_dir's name, the run's)."""
+    name = name or Path(out_dir).resolve().name
+    _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "", d, name)
     if ema is not None:
         with ema.swapped_in():
-            _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "_ema", d)
+            _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "_ema", d, name)
 
 
-def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d) -> None:
+def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d, name: str):
     """Gather only the exported weights to rank 0 and write them: the LoRA in diffusers' and PEFT's
     layouts, or the full transformer with save_pretrained."""
     state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
@@ -37,15 +40,15 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
         lora.save_peft_adapter(str(folder), *args)
         log.info("LoRA written to %s%s", folder / "pytorch_lora_weights.safetensors",
                  f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "")
-        _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, out)
+        _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, name)
     else:
         with faults.written(out / f"transformer{suffix}", lora.EXPORT_FIX) as tmp:
             adapter.transformer_from_state_dict(state).save_pretrained(tmp)
         log.info("transformer written to %s", out / f"transformer{suffix}")
 
 
-def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, out: Path) -> None:
-    """lora/comfy/<run>[_<expert>].safetensors in the key layout ComfyUI's native loader reads: Wan's original
+def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str) -> None:
+    """lora/comfy/<name>[_<expert>].safetensors in the key layout ComfyUI's native loader reads: Wan's original
     checkpoint's, CogVideoX's ComfyUI model's (comfy/ldm/cogvideo/model.py)."""
     if not adapter.COMFY:
         return
@@ -54,6 +57,6 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, out: Path)
     if unmapped:
         log.warning("no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3])
         return
-    name = out.resolve().name + (f"_{adapter.expert}" if adapter.expert else "")
+    name += f"_{adapter.expert}" if adapter.expert else ""
     lora.save_comfy(str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key)
     log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")

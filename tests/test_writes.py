@@ -167,3 +167,30 @@ def test_async_saves_reuse_one_staged_copy(tmp_path):
             assert all(torch.equal(state["model"][k], values[k]) for k in values)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkeypatch):
+    """Every file of a committed checkpoint is fsynced (in the background), and rotation counts only
+    checkpoints already synced: one more than checkpointing_limit between saves, the limit after the
+    last save, which waits for its own."""
+    synced = []
+    fsync = ckpt._fsync
+    monkeypatch.setattr(ckpt, "_fsync", lambda paths: (fsync(paths), synced.extend(paths)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        objects = {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
+        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path), d, {"training_type": "sft"})
+        kept = []
+        for step in (1, 2, 3):
+            checkpoints.save(step, objects, final=step == 3)
+            kept.append([p.name for p in ckpt.complete_checkpoints(tmp_path)])
+        checkpoints.syncing.result()
+    finally:
+        dist.destroy_process_group()
+    assert kept == [["checkpoint-1"], ["checkpoint-1", "checkpoint-2"], ["checkpoint-3"]]
+    assert sorted(p.name for p in synced if p.parent.name == "checkpoint-3") == sorted(
+        p.name for p in (tmp_path / "checkpoint-3").iterdir())
+    assert {p.parent.name for p in synced} == {"checkpoint-1", "checkpoint-2", "checkpoint-3"}
