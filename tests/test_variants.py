@@ -211,7 +211,7 @@ def test_comfy_export_names_every_linear_as_comfyui_does(variant, tiny_models, t
     shapes = {adapter.comfy_key(n): (weights[f"{n}.lora_A.weight"].shape[1], weights[f"{n}.lora_B.weight"].shape[0])
               for n in names}
     assert shapes == comfyui_linears(adapter.transformer_config)
-    export._export_comfy(weights, 3.0, adapter, tmp_path / "lora", tmp_path / "run")
+    export._export_comfy(weights, 3.0, adapter, tmp_path / "lora", "run")
     assert_comfyui_layout(tmp_path / "lora" / "comfy" / "run.safetensors")
     read, info = lora.load_lora(str(tmp_path / "lora" / "comfy" / "run.safetensors"), adapter.diffusers_key)
     assert read.keys() == weights.keys() and all(torch.equal(read[k], weights[k]) for k in weights)
