@@ -2,7 +2,7 @@
 what one save of a real-sized LoRA state costs against a plain torch.save of the same tensors.
 
     python bench/bench_ckpt.py [--parts payload stall save] [--steps 40] [--repeats 3] [--every 1]
-                               [--sft] [--nproc 1] [--saves 5] [--rank 128]
+                               [--sft] [--nproc 1] [--saves 3] [--rank 128]
 
 Parts 1 and 2 build the tiny model and a synthetic dataset in a temporary folder:
 1. Payload: trains 2 steps with LoRA rank 64 and reads the checkpoint's tensor bytes from DCP's own
@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sft", action="store_true", help="full fine-tuning in the stall part")
     parser.add_argument("--nproc", type=int, default=1, help="ranks in the stall runs (>1: torchrun, FSDP)")
-    parser.add_argument("--saves", type=int, default=5, help="timed saves of the save-cost part")
+    parser.add_argument("--saves", type=int, default=3, help="timed saves of the save-cost part")
     parser.add_argument("--rank", type=int, default=128, help="LoRA rank of the save-cost part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
