@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ import ckpt
 import data
 import lora
 import parallel
-from config import CheckpointConfig, ModelConfig
+from config import CheckpointConfig, ConfigError, ModelConfig
 from diffusers import CogVideoXPipeline
 from model import load_adapter
 
@@ -147,18 +148,18 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
 
 
 def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
-    """A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: a second run on it
-    stops before any compute, naming the first one's pid and host. Then SIGTERM to launch.sh and torchrun,
+    """A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: the lock a second
+    run takes first (parallel.run_lock, before any compute) is refused naming the first one's pid and
+    host (test_killed_run_resumes_bitwise: a SIGKILLed run leaves it free). Then SIGTERM to launch.sh and torchrun,
     as a scheduler signals every process of a job (the workers get it from both): the ranks learn of it
     from the all-reduce that step 4's end starts and step 5's end reads (so no step waits for it), save
     checkpoint-5 and exit 0, and so does launch.sh (torchrun itself exits 1 after a signal); the next
     launch continues bitwise."""
     cfg, out, nproc = make_config("sigterm_step", "ddp")
     process, pid, output = start_paused([str(cfg)], "step_pause:4:0", nproc=nproc, script="launch.sh")
-    second = run_cmd(["--cfg", str(cfg)])
-    assert second.returncode == 1, second.stderr[-3000:]
-    assert f"run.output_dir = {out} is in use by another run: pid {pid} on host {socket.gethostname()}" in second.stderr
-    assert "cache:" not in second.stderr
+    with pytest.raises(ConfigError, match=re.escape(f"run.output_dir = {out} is in use by another run: pid {pid} on "
+                                                    f"host {socket.gethostname()} (its run.lock)")):
+        parallel.take_lock(out / "run.lock").close()
     os.killpg(process.pid, signal.SIGTERM)
     code, output = finish(process, output)
     assert code == 0, output[-4000:]
@@ -264,10 +265,26 @@ def test_resume_refusals(references, make_config):
     cfg, _, _ = make_config("refusals", "one", **{"train.batch_size": 1})
     result = run_cmd(["--cfg", str(cfg)])
     assert result.returncode == 1 and "train.batch_size x train.gradient_accumulation_steps x world size" in result.stderr
-    cfg, _, _ = make_config("refusals", "one", **{"data.held_out": 6})  # the sampler would index other clips
-    result = run_cmd(["--cfg", str(cfg)])
-    assert result.returncode == 1 and f"checkpoint {out / f'checkpoint-{STEPS}'} was trained on other data: clips per " \
-        "bucket {'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here" in result.stderr, result.stderr[-3000:]
+
+
+def test_resume_on_other_data_is_refused(references):
+    """meta.json holds the training clips' identity (every resume above checks it and passes); a
+    checkpoint whose sampler state would index other clips is refused, naming what changed (resuming
+    with data.held_out = 6 here used to end in an IndexError)."""
+    path = references["one"] / f"checkpoint-{STEPS}"
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["data"]["clips_per_bucket"] == {"[9, 32, 32]": 20}
+    ckpt.check_data(path, meta, meta["data"])
+
+    def clips(count: int, content: str) -> list:
+        return [SimpleNamespace(resolution=(9, 32, 32), content=f"{content}{i}", image_content=None, bucket=0,
+                                clip=SimpleNamespace(prompt="a prompt")) for i in range(count)]
+
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint {path} was trained on other data: clips per bucket "
+                                                    "{'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here")):
+        ckpt.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
+    with pytest.raises(ConfigError, match="as many clips per bucket, but other ones"):
+        ckpt.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
 
 
 def test_finished_run_exports_and_exits_zero(references, make_config):
