@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+import command
 import data
 import decode
 import faults
@@ -209,7 +210,7 @@ def held_warnings(work, mine, r):
     returned with its result: rank 0 prints every rank's, once (the others print no warnings)."""
     held, level = _Held(), log.level
     log.addFilter(held)
-    log.setLevel(min(log.getEffectiveLevel(), logging.WARNING))  # parallel.quiet() drops them at the source
+    log.setLevel(min(log.getEffectiveLevel(), logging.WARNING))  # command.quiet() drops them at the source
     try:
         return *work(mine, r), held.messages
     finally:
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="TOML config file")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    parallel.run_command(prepare, args.cfg, overrides)
+    command.run_command(prepare, args.cfg, overrides)
 
 
 if __name__ == "__main__":

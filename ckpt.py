@@ -14,24 +14,18 @@ Nothing of ours is pickled: non-tensor values are rebuilt from the config.
 import argparse
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -41,80 +35,30 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+import command
 import export
 import faults
 import parallel
+from ckpt_files import (
+    CHECKPOINT_NAME,
+    FailingWriter,
+    HashingWriter,
+    check_data,
+    check_identity,
+    checkpoint_folders,
+    complete_checkpoints,
+    fsync_files,
+    meta_problem,
+    read_meta,
+    reads_problem,
+    sha256_of,
+    write_failures_named,
+    write_meta,
+)
 from config import CheckpointConfig, ConfigError
 from model import EMA, build_model, load_adapter, model_state
 
 log = logging.getLogger("vidtrain")
-CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-WRITE_THREADS = min(4, os.cpu_count() or 1)  # files per rank, each written and hashed by its own thread
-
-
-@contextlib.contextmanager
-def _write_failures_named(tmp: Path):
-    """DCP reports a failed write on every rank as a CheckpointException (a BaseException) holding every
-    rank's traceback: turn it into one message naming the first failing rank's cause and the fix."""
-    try:
-        yield
-    except CheckpointException as e:
-        raise parallel.StopRun(f"writing {tmp} failed on {parallel.first_failure(e)}; earlier checkpoints are "
-                               "intact, free space or move run.output_dir and resume") from None
-
-
-class HashingStream:
-    """A file being written, hashed as it is written (read back afterwards, a checkpoint of GBs would
-    cost a second pass over every byte)."""
-
-    def __init__(self, file):
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        written = self.file.write(data)
-        self.size += written
-        return written
-
-    def __getattr__(self, name):  # tell, flush, fileno, close: the file's own
-        return getattr(self.file, name)
-
-
-class HashingFileSystem(FileSystem):
-    """DCP's file system, recording the size and sha256 of every file it writes (by final name)."""
-
-    def __init__(self):
-        super().__init__()
-        self.written = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as file:
-            stream = HashingStream(file)
-            yield stream
-        self.written[Path(path).name] = {"size": stream.size, "sha256": stream.sha256.hexdigest()}
-
-    def rename(self, path, new_path) -> None:  # DCP writes .metadata under a temporary name
-        super().rename(path, new_path)
-        self.written[Path(new_path).name] = self.written.pop(Path(path).name)
-
-
-class HashingWriter(dcp.FileSystemWriter):
-    """DCP's writer, hashing as it writes, in WRITE_THREADS threads (files) per rank: hashing and writing
-    both release the GIL, so the threads hash and write in parallel where one torch.save cannot. No
-    fsync here: the Checkpointer syncs a committed checkpoint in the background (see _commit)."""
-
-    def __init__(self, path: Path):
-        super().__init__(path, thread_count=WRITE_THREADS, sync_files=False)
-        self.fs = HashingFileSystem()
-
-
-class FailingWriter(HashingWriter):
-    """A storage writer whose writes fail like a full disk, for the save_fail fault point: DCP itself
-    then reports the failure on every rank."""
-
-    def write_data(self, plan, planner):
-        raise OSError(28, "No space left on device (injected save_fail)")
 
 
 def run_identity(cfg, adapter) -> dict:
@@ -138,114 +82,6 @@ def data_identity(clips: list) -> dict:
     keys = [[item.content, item.image_content, item.clip.prompt, item.bucket] for item in clips]
     return {"clips_per_bucket": dict(sorted(per_bucket.items())),
             "clips_sha256": hashlib.sha256(json.dumps(keys).encode()).hexdigest()}
-
-
-@functools.cache  # once per process: each version() parses a package's METADATA file (~2 ms)
-def library_versions() -> dict[str, str]:
-    return {p: version(p) for p in ("torch", "diffusers", "transformers")}
-
-
-def _fsync(paths: list[Path]) -> None:
-    for path in paths:
-        with path.open("rb") as f:
-            os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def checkpoint_folders(output_dir: Path) -> list[Path]:
-    """Every checkpoint-<int>/ folder, oldest first, complete or not; anything else in the folder
-    (foreign files, .tmp, best.pt) is ignored."""
-    found = []
-    for path in output_dir.glob("checkpoint-*"):
-        match = CHECKPOINT_NAME.fullmatch(path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Committed checkpoints, oldest first: checkpoint-<int>/ with DCP's .metadata and our meta.json."""
-    return [p for p in checkpoint_folders(output_dir) if (p / ".metadata").is_file() and (p / "meta.json").is_file()]
-
-
-def meta_problem(path: Path) -> str | None:
-    """What makes a checkpoint's meta.json unusable (missing, empty, garbled), or None."""
-    if not (path / "meta.json").is_file():
-        return f"checkpoint {path} has no meta.json"
-    try:
-        meta = json.loads((path / "meta.json").read_bytes())
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        return f"checkpoint {path}: meta.json is damaged ({e})"
-    missing = sorted({"step", "identity", "data", "files"} - set(meta if isinstance(meta, dict) else ()))
-    return f"checkpoint {path}: meta.json is damaged (it lacks {missing})" if missing else None
-
-
-def check_identity(path: Path, meta: dict, identity: dict) -> None:
-    """A checkpoint of another model, LoRA shape or training type is refused naming the difference."""
-    saved = meta["identity"]
-    for key in sorted(set(saved) | set(identity)):
-        if saved.get(key) != identity.get(key):
-            raise ConfigError(
-                f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
-                "use the same model and training settings (the run's config.toml), or another run.output_dir"
-            )
-
-
-def check_data(path: Path, meta: dict, data: dict) -> None:
-    """A checkpoint trained on other clips is refused: its sampler state would index clips that differ.
-    A checkpoint accepted as it is (`ckpt.py rehash` of a damaged meta.json) has no record of them (None)."""
-    saved = meta["data"]
-    if saved is None or saved == data:
-        return
-    if saved["clips_per_bucket"] != data["clips_per_bucket"]:
-        what = f"clips per bucket {saved['clips_per_bucket']} there, {data['clips_per_bucket']} here"
-    else:
-        what = "as many clips per bucket, but other ones (their contents, prompts or order differ)"
-    raise ConfigError(f"checkpoint {path} was trained on other data: {what}; resume with the clips it was trained on "
-                      "(data.data_root, its list files, data.held_out, data.buckets), or start over in another "
-                      "run.output_dir")
-
-
-def check_files(path: Path, names: list[str]) -> str | None:
-    """Check files of a checkpoint against its meta.json, every size before any sha256; return what is
-    wrong, or None."""
-    expected = json.loads((path / "meta.json").read_text())["files"]
-    for name in names:
-        if name not in expected or not (path / name).is_file():
-            return f"checkpoint {path} is missing {name}" if name in expected else f"checkpoint {path}: {name} is not in meta.json"
-        if (path / name).stat().st_size != expected[name]["size"]:
-            return f"checkpoint {path}: {name} does not match its size or sha256 in meta.json"
-    for name in names:
-        if _sha256(path / name) != expected[name]["sha256"]:
-            return f"checkpoint {path}: {name} does not match its size or sha256 in meta.json"
-    return None
-
-
-def check_reads(path: Path, state: dict, planner) -> str | None:
-    """Check the files this rank's DCP load of `state` will read, and only those: DCP's .metadata (it is
-    unpickled to plan the reads), then the shards named by this rank's own load plan, made locally. Every
-    rank checks its share at the same time, outside any collective, so a checkpoint of tens of GB is
-    hashed in the time of one rank's share and no rank waits inside a collective's timeout meanwhile."""
-    problem = check_files(path, [".metadata"])
-    if problem:
-        return problem
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    planner.set_up_planner(state, metadata, is_coordinator=False)
-    reads = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
-    return check_files(path, sorted(reads))
-
-
-def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) -> str | None:
-    """A collective: every rank checks what it will read of `path`; the first problem found, or None."""
-    problems = parallel.agree(lambda: check_reads(path, state, dcp.DefaultLoadPlanner(**planner_options)), d)
-    return next((p for p in problems if p), None)
 
 
 @torch.no_grad()
@@ -333,7 +169,7 @@ class Checkpointer:
                                         process_group=self.async_group, async_stager=self.stager)
                 self.pending = (step, tmp, final_dir, future, writer)
                 return
-            with _write_failures_named(tmp):
+            with write_failures_named(tmp):
                 dcp.save(state, storage_writer=writer, planner=cached_planner())
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=final)
@@ -344,7 +180,7 @@ class Checkpointer:
             return
         step, tmp, final_dir, future, writer = self.pending
         self.pending = None
-        with parallel.all_or_none(), _write_failures_named(tmp):
+        with parallel.all_or_none(), write_failures_named(tmp):
             future.result()
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=False)
@@ -376,7 +212,7 @@ class Checkpointer:
             log.info("saved %s", final)
         dist.barrier()
         written = [*mine, "meta.json"] if self.d.is_main else list(mine)
-        self.syncing = self.syncer.submit(_fsync, [final / name for name in written])
+        self.syncing = self.syncer.submit(fsync_files, [final / name for name in written])
         if last:
             self.syncing.result()
             dist.barrier()
@@ -457,26 +293,6 @@ class Checkpointer:
         return path
 
 
-def write_meta(folder: Path, step: int, world_size: int, identity: dict, data: dict, files: dict) -> None:
-    meta = {"step": step, "world_size": world_size, "identity": identity, "data": data,
-            "versions": library_versions(), "files": files}
-    (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
-    os.replace(folder / "meta.json.tmp", folder / "meta.json")
-
-
-def read_meta(path: Path) -> dict:
-    problem = meta_problem(path)
-    if problem:
-        raise ConfigError(problem)
-    return json.loads((path / "meta.json").read_text())
-
-
-def has_ema(path: str) -> bool:
-    """Whether a checkpoint holds EMA weights (its run had train.ema_decay > 0), from DCP's metadata."""
-    read_meta(Path(path))
-    return any(key.startswith("ema.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-
-
 def load_weights(model, path: str, training_type: str, identity: dict, d: parallel.Dist, ema=None) -> None:
     """Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
@@ -523,7 +339,7 @@ def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
     if d.is_main:
         names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != "meta.json")
         ranks = {name.split("_")[2] for name in names if name.endswith(".distcp")}
-        files = {name: {"size": (path / name).stat().st_size, "sha256": _sha256(path / name)} for name in names}
+        files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)} for name in names}
         data = None if meta_problem(path) else read_meta(path).get("data")
         write_meta(path, int(match.group(1)), len(ranks), run_identity(cfg, adapter), data, files)
         log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
@@ -539,7 +355,7 @@ def main(argv: list[str]) -> None:
     args, overrides = parser.parse_known_args(argv)
     commands = {"export": lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d),
                 "rehash": lambda cfg, d: rehash(cfg, args.checkpoint, d)}
-    parallel.run_command(commands[args.command], args.cfg, overrides)
+    command.run_command(commands[args.command], args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import ckpt
+import command
 import data
 import export
 import faults
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="TOML config file")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    parallel.run_command(train, args.cfg, overrides, lock_output_dir=True)
+    command.run_command(train, args.cfg, overrides, lock_output_dir=True)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,10 @@ from PIL import Image, ImageOps
 from safetensors.torch import save_file
 
 import ckpt
+import ckpt_files
+import command
 import data
 import faults
-import lora
 import memory
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_validation_images, check_values
@@ -260,7 +261,7 @@ def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, l
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # a checkpoint or --lora decides the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d, lora_file or "")
     if checkpoint:
-        ema = EMA(model, cfg.train.ema_decay) if ckpt.has_ema(checkpoint) and not online else None
+        ema = EMA(model, cfg.train.ema_decay) if ckpt_files.has_ema(checkpoint) and not online else None
         ckpt.load_weights(model, checkpoint, cfg.train.training_type, ckpt.run_identity(cfg, adapter), d, ema)
         if ema is not None:
             ema.swap_in()
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
     if args.image and not args.prompt:
         parser.error("--image goes with --prompt: one image per prompt")
-    parallel.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.image, args.checkpoint, args.lora,
+    command.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.image, args.checkpoint, args.lora,
                                                        args.online, d), args.cfg, overrides)
 
 

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from common import timed_run, tiny_settings  # puts the repository on sys.path
 
 import ckpt  # noqa: E402
+import ckpt_files  # noqa: E402
 import data  # noqa: E402
 import parallel  # noqa: E402
 from config import CheckpointConfig  # noqa: E402
@@ -127,7 +128,7 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
             run(i)
             timed[name].append(time.perf_counter() - start)
         os.remove(root / "plain.pt")  # untimed: the disk holds one copy at a time
-    newest = ckpt.complete_checkpoints(root / "save-cost")[-1]
+    newest = ckpt_files.complete_checkpoints(root / "save-cost")[-1]
     pieces = {}
     for name, sync in (("dcp.save, fsync", True), ("dcp.save, no fsync", False)):
         os.sync()
@@ -138,7 +139,7 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
     start = time.perf_counter()
     for path in sorted(newest.iterdir()):
         if path.is_file() and path.name != "meta.json":
-            ckpt._sha256(path)
+            ckpt_files.sha256_of(path)
     pieces["sha256 of the files read back (the commit hashed so before hashing while writing)"] = time.perf_counter() - start
     dist.destroy_process_group()
     median = {k: statistics.median(v) for k, v in timed.items()}

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from common import REPO, free_port, make_tiny_model  # puts the repository on sys.path
 
+import command  # noqa: E402
 import memory  # noqa: E402
 import parallel  # noqa: E402
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
@@ -121,7 +122,7 @@ def measure(folder: Path, mode: str) -> None:
                       "touched_bytes": (touched - baseline) * 1024,
                       "params": sum(p.numel() for p in model.parameters())}), flush=True)
     del model
-    parallel.shutdown()
+    command.shutdown()
 
 
 def run(folder: Path, mode: str, nproc: int) -> list[dict]:

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt
+import ckpt_files
+import command
 import data
 import lora
 import parallel
@@ -66,7 +68,7 @@ def references(make_config):
 
 
 def assert_intact(path):
-    assert ckpt.check_files(path, list(json.loads((path / "meta.json").read_text())["files"])) is None
+    assert ckpt_files.check_files(path, list(json.loads((path / "meta.json").read_text())["files"])) is None
 
 
 def weights(output_dir, folder="lora"):
@@ -130,7 +132,7 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
     cfg, out, nproc = make_config("sigterm", "fsdp")
     stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_sigterm:4:1"})
     assert "stopped by a signal: after step 4, checkpoint written" in stopped.stderr
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert not (out / "lora").exists()
     # Each validation takes 2 sampling steps of each rank: steps 4, 8 and 12 take 1-6, step 14 starts at 7.
     last = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "render_sigterm:7:1"})
@@ -149,7 +151,7 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
 
 def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
     """A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: the lock a second
-    run takes first (parallel.run_lock, before any compute) is refused naming the first one's pid and
+    run takes first (command.run_lock, before any compute) is refused naming the first one's pid and
     host (test_killed_run_resumes_bitwise: a SIGKILLed run leaves it free). Then SIGTERM to launch.sh and torchrun,
     as a scheduler signals every process of a job (the workers get it from both): the ranks learn of it
     from the all-reduce that step 4's end starts and step 5's end reads (so no step waits for it), save
@@ -159,12 +161,12 @@ def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
     process, pid, output = start_paused([str(cfg)], "step_pause:4:0", nproc=nproc, script="launch.sh")
     with pytest.raises(ConfigError, match=re.escape(f"run.output_dir = {out} is in use by another run: pid {pid} on "
                                                     f"host {socket.gethostname()} (its run.lock)")):
-        parallel.take_lock(out / "run.lock").close()
+        command.take_lock(out / "run.lock").close()
     os.killpg(process.pid, signal.SIGTERM)
     code, output = finish(process, output)
     assert code == 0, output[-4000:]
     assert "stopped by a signal: after step 5, checkpoint written" in output
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
     run_ok(["--cfg", str(cfg)], nproc=nproc)
     assert_bitwise_equal_runs(references["ddp"], out)
 
@@ -189,12 +191,12 @@ def test_async_save_commits_and_resumes_bitwise(references, make_config):
     where the next launch resumes, and the run ends bitwise equal to the uninterrupted one."""
     cfg, out, nproc = make_config("async", "fsdp", **{"checkpoint.async_save": True})
     assert run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:7"}).returncode != 0
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     resumed = run_ok(["--cfg", str(cfg)], nproc=2)
     assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
     assert_bitwise_equal_runs(references["fsdp"], out)
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(2, STEPS + 1, 2)]
-    for path in ckpt.complete_checkpoints(out):
+    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(2, STEPS + 1, 2)]
+    for path in ckpt_files.complete_checkpoints(out):
         assert_intact(path)
 
 
@@ -203,7 +205,7 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
     result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_fail:4:1"}, timeout=150)
     assert result.returncode != 0
     assert f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: OSError: [Errno 28] No space left" in result.stderr
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2"]
     assert_intact(out / "checkpoint-2")
 
 
@@ -349,11 +351,11 @@ def test_a_rank_checks_only_the_files_it_reads(tmp_path):
     file_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
     assert file_of["a"] != file_of["b"]
     wants_a = {"a": torch.zeros(1000)}
-    assert ckpt.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
+    assert ckpt_files.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
     shard = tmp_path / file_of["b"]
     shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes
-    assert ckpt.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
-    problem = ckpt.check_reads(tmp_path, {"b": torch.zeros(1000)}, dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert ckpt_files.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
+    problem = ckpt_files.check_reads(tmp_path, {"b": torch.zeros(1000)}, dcp.DefaultLoadPlanner(allow_partial_load=True))
     assert problem == f"checkpoint {tmp_path}: {file_of['b']} does not match its size or sha256 in meta.json"
 
 

@@ -9,6 +9,7 @@ LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
     **dict.fromkeys(["model", "model_adapter", "cogvideox", "wan", "lora", "data", "decode", "manifest", "parallel",
+                     "ckpt_files", "command",
                      "metrics", "faults", "sequence", "memory"], 1),
     "config": 0,
 }

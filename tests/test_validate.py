@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
 
 import cache
-import ckpt
+import ckpt_files
 import data
 import lora
 import parallel
@@ -183,7 +183,7 @@ def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tm
     cfg = write_toml(tmp_path / "stopped.toml", {**base_settings, **RUN, "run.output_dir": str(tmp_path / "stopped")})
     stopped = run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "render_sigterm:30"})
     assert "stopped by a signal: after step 2, checkpoint written" in stopped.stderr
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "stopped")] == ["checkpoint-2"]
+    assert [p.name for p in ckpt_files.complete_checkpoints(tmp_path / "stopped")] == ["checkpoint-2"]
     run_ok(["--cfg", str(cfg)])
     assert train_losses(tmp_path / "stopped") == train_losses(runs / "one")
     for folder in ("lora", "lora_ema"):

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 import cache
 import ckpt
+import ckpt_files
+import command
 import data
 import faults
 import lora
@@ -82,7 +84,7 @@ def test_full_disk_during_the_export(tmp_path, disk_full):
 
 def test_a_write_failure_is_one_line(caplog):
     with caplog.at_level(logging.ERROR, logger="vidtrain"):
-        assert parallel.report(faults.WriteFailed("writing x failed (...): free space"), 0) == 1
+        assert command.report(faults.WriteFailed("writing x failed (...): free space"), 0) == 1
     assert caplog.messages == ["error: writing x failed (...): free space"]
 
 
@@ -145,7 +147,7 @@ def test_async_saves_reuse_one_staged_copy(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters())
         objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
         d = parallel.Dist(0, 1, 0, torch.device("cpu"))
-        checkpoints = ckpt.Checkpointer(CheckpointConfig(async_save=True), str(tmp_path), d, {"training_type": "sft"})
+        checkpoints = ckpt.Checkpointer(CheckpointConfig(async_save=True), str(tmp_path), d, {"training_type": "sft"}, {})
         staged, expected = [], []
         for step in (1, 2):
             model(torch.randn(3, 4)).sum().backward()
@@ -175,18 +177,18 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
     checkpoints already synced: one more than checkpointing_limit between saves, the limit after the
     last save, which waits for its own."""
     synced = []
-    fsync = ckpt._fsync
-    monkeypatch.setattr(ckpt, "_fsync", lambda paths: (fsync(paths), synced.extend(paths)))
+    fsync = ckpt.fsync_files
+    monkeypatch.setattr(ckpt, "fsync_files", lambda paths: (fsync(paths), synced.extend(paths)))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Linear(4, 2)
         objects = {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
         d = parallel.Dist(0, 1, 0, torch.device("cpu"))
-        checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path), d, {"training_type": "sft"})
+        checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path), d, {"training_type": "sft"}, {})
         kept = []
         for step in (1, 2, 3):
             checkpoints.save(step, objects, final=step == 3)
-            kept.append([p.name for p in ckpt.complete_checkpoints(tmp_path)])
+            kept.append([p.name for p in ckpt_files.complete_checkpoints(tmp_path)])
         checkpoints.syncing.result()
     finally:
         dist.destroy_process_group()
