@@ -4,6 +4,7 @@ the boundary), and exports what diffusers loads, in diffusers' layout and in Com
 
 import contextlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import data
 import lora
 import trainer
 import validate
-from config import ModelConfig, load_config
+from config import ConfigError, ModelConfig, load_config
 from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from model import load_adapter
 from test_variants import one_rank_group
@@ -32,6 +33,21 @@ VARIANTS = {
     "a14b-i2v": ("i2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
 }
 PROMPTS = ["a red circle moves right", "a blue square moves up"]
+
+
+def test_a_folder_of_another_family_or_without_weights_is_named(wan_models, tiny_models, tmp_path):
+    """A Wan folder under model.family = "cogvideox", and the reverse, is named from its model_index.json
+    with the family to set; a transformer folder without weights is named before the cache pass would run."""
+    with pytest.raises(ConfigError, match=r'holds a WanPipeline \(its model_index.json\), not a model of '
+                                          r'model.family = "cogvideox": set model.family = "wan"'):
+        load_adapter(ModelConfig(path=str(wan_models("t2v"))), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r'holds a CogVideoXPipeline .*: set model.family = "cogvideox"'):
+        load_adapter(ModelConfig(path=str(tiny_models("2b")), family="wan"), torch.device("cpu"))
+    bare = shutil.copytree(wan_models("t2v"), tmp_path / "bare")
+    for weights in (bare / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ConfigError, match="transformer holds no diffusion_pytorch_model.safetensors"):
+        load_adapter(ModelConfig(path=str(bare), family="wan"), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
