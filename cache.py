@@ -41,7 +41,7 @@ import sequence
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
 from model import load_adapter
-from model_adapter import to_device
+from model_adapter import Weights, to_device
 
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
@@ -332,6 +332,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     Returns the adapter, the cache and the training and held-out items (the last data.held_out)."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
+        Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
         sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
         if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
             adapter.shift = cfg.train.flow_shift

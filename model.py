@@ -21,7 +21,6 @@ import lora
 import parallel
 import sequence
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
-from model_adapter import Weights
 
 log = logging.getLogger("vidtrain")
 
@@ -39,8 +38,7 @@ RECOMPILE_LIMIT = 16
 
 def load_adapter(cfg: ModelConfig, device: torch.device):
     """model.family's adapter over the folder at model.path, once the folder's pipeline (its
-    model_index.json) is that family's and its transformer has weights: either mistake would otherwise
-    surface only as an obscure error while reading the configs, or after the whole cache pass."""
+    model_index.json) is that family's: another family's folder would fail obscurely in its configs."""
     index = Path(cfg.path) / "model_index.json"  # no such file: the adapter says so
     pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
     family = next((f for f in ADAPTERS if pipeline.lower().startswith(f)), None)
@@ -49,9 +47,7 @@ def load_adapter(cfg: ModelConfig, device: torch.device):
         raise ConfigError(f'model.path = {cfg.path} holds a {pipeline} (its model_index.json), not a model of '
                           f'model.family = "{cfg.family}": {fix}')
     module, name = ADAPTERS[cfg.family]
-    adapter = getattr(importlib.import_module(module), name)(cfg, device)
-    Weights(adapter.path / adapter.transformer_folder)  # reads the file headers only
-    return adapter
+    return getattr(importlib.import_module(module), name)(cfg, device)
 
 
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):

@@ -269,3 +269,19 @@ def test_two_ranks_print_each_warning_once(tiny_data, write_config, tmp_path):
     assert stderr.count("bucket [1, 32, 32] holds 1 clips, fewer than the global batch of 2") == 1, stderr
     for i in (1, 3, 5, 7):  # the odd clips' prompts are rank 1's share of the text pass
         assert stderr.count(f"clip {i}'") == 1 and f"prompt truncated to 16 tokens: '{long.format(i)}'" in stderr, stderr
+
+
+def test_a_transformer_without_weights_is_named_before_the_pass(tiny_model, write_config, tmp_path):
+    """A model copy whose transformer/ lost its weights stops the cache pass before it encodes anything
+    (training would read them only after the whole pass)."""
+    bare = shutil.copytree(tiny_model, tmp_path / "bare")
+    for weights in (bare / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    config = write_config("bare", **{"model.path": str(bare), "data.cache_dir": str(tmp_path / "cache")})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(parallel.StopRun, match="transformer holds no diffusion_pytorch_model.safetensors"):
+            cache.prepare(load_config(str(config)), parallel.Dist(0, 1, 0, torch.device("cpu")))
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
