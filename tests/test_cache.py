@@ -147,6 +147,14 @@ def test_per_node_copies_share_the_cache_and_a_finetuned_vae_does_not(own_copy, 
         assert "24 clips encoded, 0 reused" in cache_pass(caplog, copies)
 
 
+def metadata_dataset(root, tiny_data, rows: list[dict]) -> None:
+    """A metadata.jsonl dataset at root over the session's clips and images (linked, not copied)."""
+    root.mkdir()
+    for name in ("images", "videos"):
+        (root / name).symlink_to(tiny_data / name)
+    (root / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 @pytest.mark.parametrize("mix", ["images", "images and videos"])
 def test_images_train_as_one_frame_clips(mix, tiny_data, write_config, tmp_path):
     """Listed images are one-frame samples in one-frame buckets, alone or mixed with videos (each global
@@ -155,10 +163,7 @@ def test_images_train_as_one_frame_clips(mix, tiny_data, write_config, tmp_path)
             for i, p in enumerate((tiny_data / "prompts.txt").read_text().splitlines())]
     if mix == "images and videos":
         rows = [row for i, image in enumerate(rows) for row in (image, {**image, "video": f"videos/{i:05d}.mp4"})]
-    (tmp_path / "data").mkdir()
-    for name in ("images", "videos"):
-        (tmp_path / "data" / name).symlink_to(tiny_data / name)
-    (tmp_path / "data" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    metadata_dataset(tmp_path / "data", tiny_data, rows)
     config = write_config("mix", **{"data.data_root": str(tmp_path / "data"), "data.cache_dir": str(tmp_path / "cache"),
                                     "data.buckets": [[9, 40, 48], [1, 40, 48]], "train.steps": 60,
                                     "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
@@ -258,10 +263,7 @@ def test_two_ranks_print_each_warning_once(tiny_data, write_config, tmp_path):
     long = "a red square drifts left across an empty grey field for a long while, far past the tiny text length, clip {}"
     rows = [{"video": f"videos/{i:05d}.mp4", "prompt": long.format(i) if i % 2 else f"clip {i}"} for i in range(8)]
     rows.append({"video": "images/00000.png", "prompt": "a still"})  # alone in the 1-frame bucket
-    (tmp_path / "data").mkdir()
-    for name in ("images", "videos"):
-        (tmp_path / "data" / name).symlink_to(tiny_data / name)
-    (tmp_path / "data" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    metadata_dataset(tmp_path / "data", tiny_data, rows)
     config = write_config("ranks", **{"data.data_root": str(tmp_path / "data"), "data.cache_dir": str(tmp_path / "cache"),
                                       "data.buckets": [[9, 32, 32], [1, 32, 32]], "data.held_out": 0,
                                       "train.batch_size": 1})
