@@ -35,7 +35,7 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family: its adapter (cogvideox.py, wan.py) knows its classes, loss and sampling.
+    # Model family: its adapter (families/cogvideox.py, families/wan.py) knows its classes, loss and sampling.
     family: Literal["cogvideox", "wan"] = "cogvideox"
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame).

@@ -1,6 +1,6 @@
 """What every model family's adapter provides, and the machinery they share.
 
-An adapter knows one family's diffusers classes (cogvideox.py, wan.py; nothing else imports them):
+An adapter knows one family's diffusers classes (families/cogvideox.py, families/wan.py; nothing else imports them):
 loading the components from a local diffusers folder (the VAE and text encoder lazily: training from
 a complete cache never builds them), encoding video, images and text for the cache, the noise and
 the loss, the pieces of the sampling loop (validate.py runs the loop), the transformer blocks (FSDP
@@ -192,8 +192,8 @@ class Adapter:
     encode_video, encode_image, encode_text and decode_latents (the cache and the clips); train_loss and
     fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale,
     sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and
-    activation-checkpointing units); split_sequence (sequence parallelism, sequence.py). cogvideox.py
-    and wan.py are the two, and the tests of each are the template for a third."""
+    activation-checkpointing units); split_sequence (sequence parallelism, sequence.py).
+    families/cogvideox.py and families/wan.py are the two, and the tests of each are the template for a third."""
 
     FAMILY = ""
     # The model folders whose files shape each kind of cache entry.

@@ -38,9 +38,10 @@ FAULTS = {"one_process": "nan_loss:3", "fp16": "overflow:3", "fsdp": "nan_loss:3
 
 
 def caller() -> tuple[str, str, int]:
-    """The innermost function of our own root modules in the current stack (comprehensions are frames of
-    their own: their function is the one around them)."""
-    ours = [f for f in traceback.extract_stack() if Path(f.filename).parent == REPO and not f.name.startswith("<")]
+    """The innermost function of our own modules (the root's and the families') in the current stack
+    (comprehensions are frames of their own: their function is the one around them)."""
+    ours = [f for f in traceback.extract_stack()
+            if Path(f.filename).parent in (REPO, REPO / "families") and not f.name.startswith("<")]
     return (Path(ours[-1].filename).name, ours[-1].name, ours[-1].lineno) if ours else ("?", "?", 0)
 
 

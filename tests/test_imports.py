@@ -1,35 +1,41 @@
 """design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
-nothing imports trainer.py; a family's diffusers classes only in its adapter (and tools/)."""
+nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/)."""
 
 import ast
 
 from conftest import REPO
 
+FAMILIES = {"cogvideox": "cogvideo", "wan": "wan"}  # families/<name>.py, and the word in its classes' names
 LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
-    **dict.fromkeys(["model", "model_adapter", "cogvideox", "wan", "lora", "data", "decode", "manifest", "parallel",
-                     "ckpt_files", "command",
-                     "metrics", "faults", "sequence", "memory"], 1),
+    **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
+                     "ckpt_files", "command", "metrics", "faults", "sequence", "memory",
+                     *(f"families.{family}" for family in FAMILIES)], 1),
     "config": 0,
 }
 
 
+def modules() -> dict:
+    """Every module by its import name: the root's, and the families'."""
+    return {p.stem: p for p in REPO.glob("*.py")} | {f"families.{p.stem}": p for p in REPO.glob("families/*.py")}
+
+
 def our_imports(path) -> set[str]:
-    """Names of root modules that `path` imports anywhere in it (function-local imports included)."""
+    """Our modules that `path` imports anywhere in it (function-local imports included)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names} | {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names |= {node.module, node.module.split(".")[0]}
     return names & LAYERS.keys()
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = {p.stem: p for p in REPO.glob("*.py")}
-    assert modules.keys() == LAYERS.keys(), "place every root module in a layer (design.md, Files)"
-    return {name: our_imports(path) for name, path in modules.items()}
+    found = modules()
+    assert found.keys() == LAYERS.keys(), "place every module in a layer (design.md, Files)"
+    return {name: our_imports(path) for name, path in found.items()}
 
 
 def test_imports_go_one_way():
@@ -56,16 +62,13 @@ def test_no_import_cycles():
         visit(module)
 
 
-FAMILIES = {"cogvideox": "cogvideo", "wan": "wan"}
-
-
 def test_family_classes_stay_in_their_adapters():
     """No module but a family's adapter imports that family's classes (CogVideoX*, Wan*, their VAEs,
     pipelines and modules), so a fork adds a family in one file."""
-    for path in REPO.glob("*.py"):
+    for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("diffusers", "transformers"):
                 names = [alias.name for alias in node.names] + [node.module]
                 for family, word in FAMILIES.items():
-                    if path.stem != family:
+                    if name != f"families.{family}":
                         assert not [n for n in names if word in n.lower()], (path.name, names)

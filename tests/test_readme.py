@@ -11,9 +11,9 @@ WILD = None  # a placeholder of an f-string: any text
 
 
 def code_patterns() -> list[list]:
-    """Every string literal in the root modules as a list of characters and WILDs."""
+    """Every string literal in our modules as a list of characters and WILDs."""
     patterns = []
-    for path in REPO.glob("*.py"):
+    for path in [*REPO.glob("*.py"), *REPO.glob("families/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 patterns.append(list(node.value))
@@ -70,7 +70,7 @@ def test_troubleshooting_quotes_what_the_code_prints():
 def test_what_the_code_cites_lives_in_the_repository():
     """The documents the code and tests point readers to are in the repository (a clone has nothing
     beside it)."""
-    sources = {path: path.read_text() for pattern in ("*.py", "tools/*.py", "bench/*.py", "tests/*.py")
+    sources = {path: path.read_text() for pattern in ("*.py", "families/*.py", "tools/*.py", "bench/*.py", "tests/*.py")
                for path in REPO.glob(pattern)}
     assert [path.name for path, text in sources.items() if re.search(r"\.\./shared/", text)] == []
     cited = {doc for text in sources.values() for doc in re.findall(r"docs/models/[\w.-]+\.md", text)}
