@@ -167,6 +167,8 @@ class DataConfig:
     cache_batch_size: int = 4
     # Threads per rank decoding clips in the cache pass, a batch ahead of the VAE (0: min(8, CPUs per rank)).
     decode_workers: int = 0
+    # Families with sound (LTX-2): train each clip's soundtrack, cut to its frames' seconds; false: video only.
+    audio: bool = True
 
 
 @dataclass

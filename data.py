@@ -4,7 +4,8 @@ Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one
 paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
 `video`, `prompt` and optional `image` columns. A `video` may be an image (.png, .jpg, .webp): a
 one-frame clip. Every clip is planned from its header (decode.py reads it): its bucket, its first
-frame and its crop offsets, drawn from a generator keyed by (run.seed, the clip's content).
+frame and its crop offsets, drawn from a generator keyed by (run.seed, the clip's content). Its sound
+covers the seconds its frames do.
 """
 
 import csv
@@ -248,6 +249,21 @@ def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
     try:
         return torch.from_numpy(decode.read_frames(item.clip.video, item.media, times, item.resized, crop, item.pad,
                                                    threads))
+    except decode.MediaError as e:
+        raise BadClip(str(e)) from None
+
+
+def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | None:
+    """The sound of the planned frames' seconds, start / rate to (start + frames) / rate after the clip's
+    first frame, mixed to `channels` at `sample_rate`: float32 [channels, round(frames / rate *
+    sample_rate)]; zeros past the end of the stream (a padded clip's repeated frames). None for an
+    image or a file without sound (decode.read_audio); BadClip when its sound cannot be decoded."""
+    if item.media.image:
+        return None
+    frames = item.resolution[0]
+    try:
+        return decode.read_audio(item.clip.video, item.media, item.start / item.rate, frames / item.rate,
+                                 sample_rate, channels)
     except decode.MediaError as e:
         raise BadClip(str(e)) from None
 

@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
     videos = [torch.as_tensor(render_clip(rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(DIRECTIONS)),
-                                          args.frames, args.size, args.size, rng)) for _ in range(args.clips)]
+                                          args.frames, args.size, args.size, rng)[0]) for _ in range(args.clips)]
     pixels = torch.stack(videos).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # [B, 3, F, H, W]
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_wan(f"{tmp}/wan", "t2v")

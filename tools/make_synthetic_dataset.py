@@ -10,7 +10,12 @@ first frames, for image-to-video). Byte-identical output for a given seed (in th
   phone  a portrait clip as phones store it: landscape pixels in a .mov with a 90-degree display matrix
   photo  a portrait JPEG as cameras store it: landscape pixels with EXIF orientation 6
 
-    python tools/make_synthetic_dataset.py --out DIR [--num-videos N] [--frames F] [--height H] [--width W] [--seed N] [--kinds mp4,mkv,...]
+--audio gives every video a mono soundtrack: a tone whose pitch follows the shape along its path (from
+220 Hz to 880 Hz across the frame, rising to the right and upwards), so picture and sound are
+related. AAC at 44.1 kHz in mp4 and mov, Opus at 48 kHz in Matroska and WebM; --kinds then defaults
+to mp4,mkv. Without --audio the clips are the same bytes as before.
+
+    python tools/make_synthetic_dataset.py --out DIR [--num-videos N] [--frames F] [--height H] [--width W] [--audio] [--seed N] [--kinds mp4,mkv,...]
 """
 
 import argparse
@@ -35,6 +40,8 @@ COLOURS = {
 SHAPES = ("square", "circle", "triangle")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 FPS = 8
+AUDIO = {"mp4": ("aac", 44100), "fmp4": ("aac", 44100), "vfr": ("aac", 44100), "phone": ("aac", 44100),
+         "mkv": ("libopus", 48000), "webm": ("libopus", 48000)}  # codec, sample rate
 
 
 def shape_mask(shape: str, height: int, width: int, cx: float, cy: float, radius: float) -> np.ndarray:
@@ -58,7 +65,24 @@ def render_clip(shape: str, colour: str, direction: str, frames: int, height: in
     for f in range(frames):
         mask = shape_mask(shape, height, width, start_x + ux * speed * f, start_y + uy * speed * f, radius)
         video[f][mask] = COLOURS[colour]
-    return video
+    # Where the shape is along its path, frame by frame: 0 at the left (or bottom) edge, 1 at the right (or top).
+    along = np.array([(start_x + ux * speed * f) / width if ux else 1 - (start_y + uy * speed * f) / height
+                      for f in range(frames)])
+    return video, along
+
+
+def frame_times(kind: str, frames: int, fps: int) -> np.ndarray:
+    """When each frame is shown, in seconds; vfr: every third interval 1.5 times as long."""
+    k = np.arange(frames)
+    return (k + k // 3 * 0.5) / fps if kind == "vfr" else k / fps
+
+
+def tone(along: np.ndarray, times: np.ndarray, fps: int, rate: int) -> np.ndarray:
+    """A sine from the first frame's time to the last one's end whose pitch follows `along` (linear in
+    time between frames, as the shape moves): 220 Hz at 0, 880 Hz at 1. float32 [samples]."""
+    t = np.arange(round((times[-1] + 1 / fps) * rate)) / rate
+    pitch = 220 * 4 ** np.clip(np.interp(t, times, along), 0, 1)
+    return (0.3 * np.sin(2 * np.pi * np.cumsum(pitch) / rate)).astype(np.float32)
 
 
 ENCODERS = {"mp4": ("libx264", "mp4"), "mkv": ("libx264", "matroska"), "webm": ("libvpx-vp9", "webm"),
@@ -66,8 +90,9 @@ ENCODERS = {"mp4": ("libx264", "mp4"), "mkv": ("libx264", "matroska"), "webm": (
 SUFFIXES = {"mkv": ".mkv", "webm": ".webm", "phone": ".mov", "photo": ".jpg"}
 
 
-def write_clip(path: Path, video: np.ndarray, fps: int, kind: str = "mp4") -> None:
-    """uint8 frames [F, H, W, 3], as displayed, stored the way `kind` stores them."""
+def write_clip(path: Path, video: np.ndarray, fps: int, kind: str = "mp4", sound: np.ndarray | None = None) -> None:
+    """uint8 frames [F, H, W, 3], as displayed, stored the way `kind` stores them; with `sound` (float32
+    [channels, samples] at AUDIO[kind]'s rate, from the first frame's time on) muxed in."""
     if kind == "photo":
         exif = Image.Exif()
         exif[0x0112] = 6  # turn 90 degrees clockwise to display: the pixels are stored turned back
@@ -86,31 +111,54 @@ def write_clip(path: Path, video: np.ndarray, fps: int, kind: str = "mp4") -> No
         stream.options = {"crf": "18", "threads": "1"} if codec == "libx264" else \
             {"crf": "20", "b:v": "0", "deadline": "realtime", "cpu-used": "8", "threads": "1"}
         stream.thread_count = 1
+        # Every stream exists before the first packet is written (the header lists them).
+        audio = add_sound_stream(container, len(sound), *AUDIO[kind]) if sound is not None else None
         if kind == "vfr":  # frame k shown at 1000 / fps * (k + k // 3 * 0.5) ms: every third interval longer
             stream.codec_context.time_base = Fraction(1, 1000)
-        for k, pixels in enumerate(video):
+        for k, (pixels, t) in enumerate(zip(video, frame_times(kind, len(video), fps))):
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
             if kind == "vfr":
-                frame.pts, frame.time_base = round(1000 / fps * (k + k // 3 * 0.5)), Fraction(1, 1000)
+                frame.pts, frame.time_base = round(1000 * t), Fraction(1, 1000)
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
+        if audio is not None:
+            write_sound(container, audio, sound)
+
+
+def add_sound_stream(container, channels: int, codec: str, rate: int):
+    stream = container.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+    stream.options = {"threads": "1"}
+    return stream
+
+
+def write_sound(container, stream, sound: np.ndarray, start_pts: int = 0) -> None:
+    """float32 [channels, samples] encoded into `stream`, its first sample at `start_pts` (in samples)."""
+    rate = stream.codec_context.sample_rate
+    for start in range(0, sound.shape[1], 1024):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(sound[:, start : start + 1024]), format="fltp",
+                                           layout=stream.layout.name)
+        frame.sample_rate, frame.pts, frame.time_base = rate, start_pts + start, Fraction(1, rate)
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode())
 
 
 def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, height: int = 40, width: int = 48,
-                           seed: int = 0, kinds: tuple[str, ...] = ("mp4",)):
+                           seed: int = 0, kinds: tuple[str, ...] | None = None, audio: bool = False):
     root = Path(out)
     (root / "videos").mkdir(parents=True, exist_ok=True)
     (root / "images").mkdir(exist_ok=True)
     rng = random.Random(seed)
+    kinds = kinds or (("mp4", "mkv") if audio else ("mp4",))
     prompts, videos, images = [], [], []
     for i in range(num_videos):
         kind = kinds[i % len(kinds)]
         shape, colour, direction = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(DIRECTIONS))
         # Phones and cameras make portraits: those kinds render height and width swapped.
         h, w = (width, height) if kind in ("phone", "photo") else (height, width)
-        video = render_clip(shape, colour, direction, frames, h, w, rng)
+        video, along = render_clip(shape, colour, direction, frames, h, w, rng)
         name = f"videos/{i:05d}{SUFFIXES.get(kind, '.mp4')}"
-        write_clip(root / name, video, FPS, kind)
+        sound = tone(along, frame_times(kind, frames, FPS), FPS, AUDIO[kind][1])[None] if audio and kind in AUDIO else None
+        write_clip(root / name, video, FPS, kind, sound)
         Image.fromarray(video[0]).save(root / "images" / f"{i:05d}.png")
         prompts.append(f"a {colour} {shape} moves {direction} on a black background")
         videos.append(name)
@@ -127,10 +175,12 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=40)
     parser.add_argument("--width", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", default="mp4", help=f"comma-separated, cycled over the clips: {','.join([*ENCODERS, 'photo'])}")
+    parser.add_argument("--kinds", default="", help=f"comma-separated, cycled over the clips: {','.join([*ENCODERS, 'photo'])} "
+                        "(default mp4; mp4,mkv with --audio)")
+    parser.add_argument("--audio", action="store_true", help="a soundtrack per video: a tone following the shape")
     args = parser.parse_args()
     make_synthetic_dataset(args.out, args.num_videos, args.frames, args.height, args.width, args.seed,
-                           tuple(args.kinds.split(",")))
+                           tuple(args.kinds.split(",")) if args.kinds else None, args.audio)
     print(f"wrote {args.num_videos} clips to {args.out}")
 
 
