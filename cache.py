@@ -8,7 +8,11 @@ Three kinds of entry, one safetensors file each, named by a hash of what produce
 - image (image-to-video): the conditioning image's posterior, keyed by the same plus the image's
   content and the seed of its noise augmentation;
 - text: the T5 embedding of a prompt, keyed by the prompt, the text encoder's and tokenizer's content
-  and the text length.
+  and the text length;
+- audio (families with sound, data.audio): the audio VAE posterior (audio_latent_mean, audio_latent_logvar)
+  of the sound of a clip's window (data.decode_audio), keyed by the clip's content, the window, the
+  audio VAE's content and decode.SOUND; an empty entry for a clip without sound. Such a family's adapter
+  has audio_sample_rate, audio_channels and encode_audio(waveforms [1, channels, samples]).
 So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
 its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
 atomically: an interrupted pass resumes where it was. manifest.py keeps the headers and hashes.
@@ -62,14 +66,17 @@ class Cache:
     """Entries under cache_dir/{video,image,text}/<2 hex digits>/, named by what produced them."""
 
     def __init__(self, cfg: DataConfig, encoders: dict[str, dict], text_length: int, dtype: str,
-                 image_seed: int | None):
+                 image_seed: int | None, audio: bool = False):
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
         self.encoders, self.text_length, self.dtype, self.image_seed = encoders, text_length, dtype, image_seed
-        self.kinds = ("video", "text", "image") if image_seed is not None else ("video", "text")
+        self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * audio
 
     def path(self, item: data.Item, kind: str) -> str:
         if kind == "text":
             key = _key(prompt=item.clip.prompt, encoder=self.encoders["text"], length=self.text_length, dtype=self.dtype)
+        elif kind == "audio":  # the window's seconds, not its crop
+            key = _key(content=item.content, window=[item.rate, item.start, item.resolution[0]], sound=decode.SOUND,
+                       encoder=self.encoders["audio"], dtype=self.dtype)
         else:
             key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
                        dtype=self.dtype)
@@ -88,12 +95,13 @@ class Cache:
 
     def load_batch(self, items: list[data.Item], device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The items' entries stacked, on `device` when given: pinned, then a non-blocking copy, which on a
-        GPU queues behind the running step instead of waiting for it (model_adapter.to_device)."""
+        GPU queues behind the running step instead of waiting for it (model_adapter.to_device). Audio only
+        when every item has sound: a batch holding a clip without sound trains its video alone."""
         entries = [{k: v for kind in self.kinds for k, v in load_file(self.path(item, kind)).items()} for item in items]
         for entry in entries:
             text = entry["prompt_embeds"]
             entry["prompt_embeds"] = torch.cat([text, text.new_zeros(self.text_length - len(text), text.shape[1])])
-        batch = {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+        batch = {k: torch.stack([e[k] for e in entries]) for k in entries[0] if all(k in e for e in entries)}
         return batch if device is None else {k: to_device(v, device) for k, v in batch.items()}
 
 
@@ -275,13 +283,22 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
     # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
     threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
     written, pending, far = 0, {}, []
+    sound = "audio" in cache.kinds
 
     def decoded(item):
         video = data.decode_clip(item, threads)
+        audio = data.decode_audio(item, adapter.audio_sample_rate, adapter.audio_channels) if sound else None
         if not (item.clip.image and cache.image_seed is not None):
-            return video, video[0], 0.0  # the window's own first frame
+            return video, video[0], 0.0, audio  # the window's own first frame
         image = data.load_image(item)
-        return video, image, float((image.float() - video[0].float()).abs().mean())
+        return video, image, float((image.float() - video[0].float()).abs().mean()), audio
+
+    def write_audio(item, audio):
+        entry = {}  # no sound: an empty entry says so
+        if audio is not None:  # one clip a call: windows at other rates hold other numbers of samples
+            mean, logvar = adapter.encode_audio(audio[None])
+            entry = {"audio_latent_mean": mean[0], "audio_latent_logvar": logvar[0]}
+        cache.write(item, "audio", entry)
 
     def work(mine, r):
         nonlocal written
@@ -291,16 +308,16 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
         good, bad = [], []
         for item in mine[r] if r < len(mine) else []:
             try:
-                video, image, difference = pending.pop(item).result()
+                video, image, difference, audio = pending.pop(item).result()
             except data.BadClip as e:
                 bad.append(data.Problem(item.clip, str(e)))
                 continue
-            good.append((item, video, image))
+            good.append((item, video, image, audio))
             if difference > IMAGE_DIFFERENCE:
                 far.append((item.clip.line, f"{item.clip.source} line {item.clip.line}: {item.clip.image} "
                                             f"(difference {difference:.0f})"))
         if good:
-            items, videos, images = zip(*good)
+            items, videos, images, audios = zip(*good)
             mean, logvar = adapter.encode_video(torch.stack(videos))
             image = None
             if cache.image_seed is not None:
@@ -310,6 +327,8 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
                 cache.write(item, "video", {"latent_mean": mean[j], "latent_logvar": logvar[j]})
                 if image is not None:
                     cache.write(item, "image", {name: tensor[j] for name, tensor in image.items()})
+                if sound:
+                    write_audio(item, audios[j])
                 written += 1
                 faults.fault("cache", written)
         return len(good) + len(bad), bad
@@ -343,19 +362,19 @@ def prepare(cfg: Config, d: parallel.Dist):
     manifest = Manifest(cache_dir)
     encoders = encoder_identity(adapter, manifest, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
-                  cfg.run.seed if cfg.model.type == "i2v" else None)
+                  cfg.run.seed if cfg.model.type == "i2v" else None, "audio" in adapter.ENCODERS and cfg.data.audio)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d)
     if d.is_main:
         manifest.save()
     # A clip whose file is gone trains from complete entries; without them it is bad input.
     gone = [data.Problem(p.clip, "does not exist") for p, missing, present in planned
-            if isinstance(p, data.Item) and missing & {"video", "image"} and not present]
+            if isinstance(p, data.Item) and missing & {"video", "image", "audio"} and not present]
     gone_clips = {problem.clip for problem in gone}
     problems = [p for p, _, _ in planned if isinstance(p, data.Problem)] + gone
     skipped = stop_on_problems(problems, cfg.data)
     items = [(p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips]
     encode_texts([item for item, missing in items if "text" in missing], adapter, cache, cfg.data, d)
-    video_todo = [item for item, missing in items if missing & {"video", "image"}]
+    video_todo = [item for item, missing in items if missing & {"video", "image", "audio"}]
     failed = encode_videos(video_todo, adapter, cache, cfg.data, cfg.run.seed, d)
     adapter.release_encoders()
     failed_clips = {p.clip for p in failed}

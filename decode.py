@@ -241,6 +241,7 @@ def read_image(path: Path, resized: tuple[int, int], crop: tuple[int, int, int, 
 AUDIO_MARGIN_S = 0.5
 RESAMPLE_TAPS = 6  # zero crossings on each side of the sinc (torchaudio's lowpass_filter_width)
 RESAMPLE_ROLLOFF = 0.99  # cutoff as a share of the lower Nyquist frequency (torchaudio's rolloff)
+SOUND = "sinc-hann-6-0.99"  # part of the audio cache key: another resampler gives other latents
 
 
 def read_audio(path: Path, media: Media, start: float, duration: float, sample_rate: int,

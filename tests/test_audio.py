@@ -6,6 +6,8 @@ an irregular pattern: any shift of the sound against the frames, or a window of 
 """
 
 import dataclasses
+import logging
+import shutil
 from fractions import Fraction
 from pathlib import Path
 
@@ -13,12 +15,19 @@ import av
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+from diffusers import AutoencoderKLLTX2Audio
+from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
+import cache
 import data
 import decode
-from config import DataConfig
-from tools.make_synthetic_dataset import make_synthetic_dataset, write_sound
+import parallel
+from config import DataConfig, load_config
+from conftest import write_toml
+from families.cogvideox import CogVideoXAdapter
+from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
 
 FPS, RATE = 8, 16000
 # On or off per pair of frames (so a 4 fps window sees whole pairs): no shift of it matches itself.
@@ -122,10 +131,8 @@ def test_no_sound(tmp_path):
     assert data.decode_audio(image, RATE, 2) is None
 
 
-def test_undecodable_sound_is_a_bad_clip(tmp_path):
-    """An AAC stream of garbage: the clip is bad input with the reason (cache.py lists it under
-    data.skip_bad), its frames still decode."""
-    path = tmp_path / "garbage.mp4"
+def write_garbage_sound(path: Path) -> None:
+    """16 black frames and an AAC stream of random bytes."""
     with av.open(str(path), "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=FPS)
         stream.width = stream.height = 32
@@ -140,6 +147,12 @@ def test_undecodable_sound_is_a_bad_clip(tmp_path):
             packet.stream, packet.pts, packet.dts, packet.duration = audio, k * 1024, k * 1024, 1024
             packet.time_base = Fraction(1, 44100)
             container.mux(packet)
+
+
+def test_undecodable_sound_is_a_bad_clip(tmp_path):
+    """An AAC stream of garbage: the clip is bad input with the reason, its frames still decode."""
+    path = tmp_path / "garbage.mp4"
+    write_garbage_sound(path)
     item = planned(path, 9)
     assert data.decode_clip(item).shape == (9, 32, 32, 3)
     with pytest.raises(data.BadClip, match="cannot decode its audio stream"):
@@ -187,3 +200,61 @@ def test_channels_mix_as_the_official_trainer_does():
     torch.testing.assert_close(left, torch.tensor([1, 0, 0.707, 0, 0.707, 0]) / 2.414)
     torch.testing.assert_close(right, torch.tensor([0, 1, 0.707, 0, 0, 0.707]) / 2.414)
     assert decode.mix(torch.tensor([[1.0], [3.0]]), 1).tolist() == [[2.0]]
+
+
+class Sounding(CogVideoXAdapter):
+    """The tiny CogVideoX with an audio VAE beside it: what the cache needs of a family with sound
+    (LTX-2's adapter provides the same three members)."""
+
+    ENCODERS = {**CogVideoXAdapter.ENCODERS, "audio": ("audio_vae",)}
+    audio_sample_rate, audio_channels = RATE, 2
+
+    def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        vae = AutoencoderKLLTX2Audio.from_pretrained(self.path / "audio_vae")
+        posterior = vae.encode(decode.log_mel(waveforms[0], RATE, 1024, 160, 64)[None]).latent_dist
+        return posterior.mean, posterior.logvar
+
+
+def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, caplog):
+    """The cache pass of a family with sound: each clip's audio entry is its window's sound through the
+    audio VAE, keyed by the window; a clip without sound gets an empty entry (a batch holding it trains
+    video alone); an undecodable audio stream is a bad clip, skipped and listed under data.skip_bad;
+    data.audio = false writes no audio entries."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    AutoencoderKLLTX2Audio(base_channels=8, ch_mult=(1, 2), num_res_blocks=1, latent_channels=4).save_pretrained(
+        model / "audio_vae")
+    root = tmp_path / "data"
+    (root / "videos").mkdir(parents=True)
+    write_flashes(root / "videos/flashes.mp4", "mp4")
+    write_clip(root / "videos/silent.mp4", np.zeros((16, 32, 32, 3), np.uint8), FPS)
+    write_garbage_sound(root / "videos/garbage.mp4")
+    (root / "prompts.txt").write_text("flashes\nsilent\ngarbage\n")
+    (root / "videos.txt").write_text("videos/flashes.mp4\nvideos/silent.mp4\nvideos/garbage.mp4\n")
+    monkeypatch.setattr(cache, "load_adapter", Sounding)
+    settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(model), "model.dtype": "fp32",
+                "data.data_root": str(root), "data.train_resolution": [9, 32, 32], "data.skip_bad": True}
+    for audio in (False, True):
+        cfg = load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.audio": audio})))
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            with caplog.at_level(logging.INFO, logger="vidtrain"):
+                adapter, entries, items, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, torch.device("cpu")))
+        finally:
+            dist.destroy_process_group()
+        assert [item.clip.video.name for item in items] == ["flashes.mp4", "silent.mp4", "garbage.mp4"][: 3 - audio]
+        assert ("audio" in entries.kinds) == audio
+    assert (tmp_path / "run/skipped.txt").read_text().startswith(f"{root / 'videos/garbage.mp4'}\tcannot decode its audio stream")
+    flashes, silent = items
+    assert flashes.start > 0  # a window inside a longer clip
+    cached = load_file(entries.path(flashes, "audio"))
+    mean, logvar = adapter.encode_audio(data.decode_audio(flashes, RATE, 2)[None])
+    # 9 frames at 8 fps: 18,000 samples, 113 mel frames; the tiny VAE's one downsampling halves time and mel bins.
+    assert cached["audio_latent_mean"].shape == (4, 57, 32)
+    torch.testing.assert_close(cached["audio_latent_mean"], mean[0])
+    torch.testing.assert_close(cached["audio_latent_logvar"], logvar[0])
+    other = dataclasses.replace(flashes, start=flashes.start - 1)
+    assert entries.path(other, "audio") != entries.path(flashes, "audio")
+    assert load_file(entries.path(silent, "audio")) == {}
+    assert "audio_latent_mean" in entries.load_batch([flashes, flashes])
+    assert "audio_latent_mean" not in entries.load_batch([flashes, silent])
