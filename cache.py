@@ -269,25 +269,30 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
     run_rounds(batches(list(first_of.values()), cfg.cache_batch_size, d.world), work, "prompts", cfg, d)
 
 
-def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, seed: int, d: parallel.Dist):
-    """The missing video (and image) entries: the k-th clip to rank k % world (sorted by bucket, so a
+def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
+                  d: parallel.Dist):
+    """The missing video (and image, and audio) entries, `todo` naming each clip's: the k-th clip to rank k % world (sorted by bucket, so a
     batch shares a shape), cache_batch_size clips per VAE call, one batch per rank per round, decoded by
     data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the VAE. I2V
     entries hold the conditioning image's posterior (data.image_column's image, whose window starts at
     frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed, clip); an
-    image far from its video's first frame is named once, on rank 0. Returns the problems met while
-    decoding."""
+    image far from its video's first frame is named once, on rank 0. A clip missing only its audio entry
+    (data.audio turned on, another audio VAE) decodes and encodes only its sound. Returns the problems
+    met while decoding."""
     per_rank = batches(sorted(todo, key=lambda item: item.bucket), cfg.cache_batch_size, d.world,
                        lambda a, b: a.bucket == b.bucket)
     workers = cfg.decode_workers or min(8, max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
     threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
     written, pending, far = 0, {}, []
-    sound = "audio" in cache.kinds
 
     def decoded(item):
+        audio = None
+        if "audio" in todo[item]:
+            audio = data.decode_audio(item, adapter.audio_sample_rate, adapter.audio_channels)
+        if not todo[item] & {"video", "image"}:
+            return None, None, 0.0, audio
         video = data.decode_clip(item, threads)
-        audio = data.decode_audio(item, adapter.audio_sample_rate, adapter.audio_channels) if sound else None
         if not (item.clip.image and cache.image_seed is not None):
             return video, video[0], 0.0, audio  # the window's own first frame
         image = data.load_image(item)
@@ -316,21 +321,25 @@ def encode_videos(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig,
             if difference > IMAGE_DIFFERENCE:
                 far.append((item.clip.line, f"{item.clip.source} line {item.clip.line}: {item.clip.image} "
                                             f"(difference {difference:.0f})"))
-        if good:
-            items, videos, images, audios = zip(*good)
+        pictures = [(item, video, image) for item, video, image, _ in good if video is not None]
+        index, mean, logvar, image = {}, None, None, None
+        if pictures:
+            items, videos, images = zip(*pictures)
+            index = {item: j for j, item in enumerate(items)}
             mean, logvar = adapter.encode_video(torch.stack(videos))
-            image = None
             if cache.image_seed is not None:
                 noise = [data.keyed_generator(seed, "image_noise", item.content) for item in items]
                 image = adapter.encode_image(torch.stack(images), noise, items[0].resolution[0])
-            for j, item in enumerate(items):
+        for item, _, _, audio in good:
+            if item in index:
+                j = index[item]
                 cache.write(item, "video", {"latent_mean": mean[j], "latent_logvar": logvar[j]})
                 if image is not None:
                     cache.write(item, "image", {name: tensor[j] for name, tensor in image.items()})
-                if sound:
-                    write_audio(item, audios[j])
-                written += 1
-                faults.fault("cache", written)
+            if "audio" in todo[item]:
+                write_audio(item, audio)
+            written += 1
+            faults.fault("cache", written)
         return len(good) + len(bad), bad
 
     with ThreadPoolExecutor(workers) as pool:
@@ -374,7 +383,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     skipped = stop_on_problems(problems, cfg.data)
     items = [(p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips]
     encode_texts([item for item, missing in items if "text" in missing], adapter, cache, cfg.data, d)
-    video_todo = [item for item, missing in items if missing & {"video", "image", "audio"}]
+    video_todo = {item: missing for item, missing in items if missing & {"video", "image", "audio"}}
     failed = encode_videos(video_todo, adapter, cache, cfg.data, cfg.run.seed, d)
     adapter.release_encoders()
     failed_clips = {p.clip for p in failed}

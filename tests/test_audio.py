@@ -244,6 +244,8 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
             dist.destroy_process_group()
         assert [item.clip.video.name for item in items] == ["flashes.mp4", "silent.mp4", "garbage.mp4"][: 3 - audio]
         assert ("audio" in entries.kinds) == audio
+    # The second pass added the sound alone: the video entries were complete, the video VAE stayed unloaded.
+    assert caplog.text.count("loading VAE") == 1 and "2 clips encoded, 0 reused, 1 skipped" in caplog.text
     assert (tmp_path / "run/skipped.txt").read_text().startswith(f"{root / 'videos/garbage.mp4'}\tcannot decode its audio stream")
     flashes, silent = items
     assert flashes.start > 0  # a window inside a longer clip
