@@ -1,8 +1,8 @@
-"""The latent and text cache, and the pass that completes it: batched, spread over ranks, resumable.
+"""The latent, text and audio cache, and the pass that completes it: batched, spread over ranks, resumable.
 
     python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
 
-Three kinds of entry, one safetensors file each, named by a hash of what produced it:
+Four kinds of entry, one safetensors file each, named by a hash of what produced it:
 - video: the VAE posterior (mean, log-variance) of a clip, keyed by the clip's content, its
   preprocessing (bucket, rate, first frame, crop, resize) and the VAE's content;
 - image (image-to-video): the conditioning image's posterior, keyed by the same plus the image's
@@ -63,7 +63,7 @@ def _key(**parts) -> str:
 
 
 class Cache:
-    """Entries under cache_dir/{video,image,text}/<2 hex digits>/, named by what produced them."""
+    """Entries under cache_dir/{video,image,text,audio}/<2 hex digits>/, named by what produced them."""
 
     def __init__(self, cfg: DataConfig, encoders: dict[str, dict], text_length: int, dtype: str,
                  image_seed: int | None, audio: bool = False):
@@ -271,8 +271,9 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
 
 def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
                   d: parallel.Dist):
-    """The missing video (and image, and audio) entries, `todo` naming each clip's: the k-th clip to rank k % world (sorted by bucket, so a
-    batch shares a shape), cache_batch_size clips per VAE call, one batch per rank per round, decoded by
+    """The missing video (and image, and audio) entries, `todo` naming each clip's: the k-th clip to rank
+    k % world (sorted by bucket, so a batch shares a shape), cache_batch_size clips per VAE call (the sound
+    one clip a call), one batch per rank per round, decoded by
     data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the VAE. I2V
     entries hold the conditioning image's posterior (data.image_column's image, whose window starts at
     frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed, clip); an

@@ -192,7 +192,8 @@ class Adapter:
     encode_video, encode_image, encode_text and decode_latents (the cache and the clips); train_loss and
     fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale,
     sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and
-    activation-checkpointing units); split_sequence (sequence parallelism, sequence.py).
+    activation-checkpointing units); split_sequence (sequence parallelism, sequence.py). A family with sound
+    (ENCODERS has "audio") also has audio_sample_rate, audio_channels and encode_audio (cache.py's audio entries).
     families/cogvideox.py and families/wan.py are the two, and the tests of each are the template for a third."""
 
     FAMILY = ""
