@@ -316,16 +316,17 @@ def mix(waveform: torch.Tensor, channels: int) -> torch.Tensor:
 def resample(waveform: torch.Tensor, rate: int, new_rate: int) -> torch.Tensor:
     """[C, N] at `rate` to `new_rate`: a Hann-windowed sinc (RESAMPLE_TAPS zero crossings each side,
     cutoff RESAMPLE_ROLLOFF of the lower Nyquist), output sample j at input time j / new_rate (no
-    delay); ceil(N * new_rate / rate) samples. The same filter as torchaudio.functional.resample's default."""
+    delay); ceil(N * new_rate / rate) samples, in the waveform's dtype. The same filter as
+    torchaudio.functional.resample's default."""
     divisor = math.gcd(rate, new_rate)
     rate, new_rate = rate // divisor, new_rate // divisor
     if rate == new_rate:
         return waveform
     kernels, width = _sinc_kernels(rate, new_rate)
-    padded = torch.nn.functional.pad(waveform[:, None].double(), (width, width + rate))
-    out = torch.nn.functional.conv1d(padded, kernels, stride=rate)  # [C, new_rate phases, blocks]
+    padded = torch.nn.functional.pad(waveform[:, None], (width, width + rate))
+    out = torch.nn.functional.conv1d(padded, kernels.to(waveform.dtype), stride=rate)  # [C, new_rate phases, blocks]
     samples = math.ceil(new_rate * waveform.shape[1] / rate)
-    return out.transpose(1, 2).reshape(waveform.shape[0], -1)[:, :samples].float()
+    return out.transpose(1, 2).reshape(waveform.shape[0], -1)[:, :samples]
 
 
 @functools.lru_cache(maxsize=8)
