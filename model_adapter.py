@@ -240,7 +240,8 @@ class Adapter:
         where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first forward."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
-        weights = self.single_file if self.single_file and folder == self.transformer_folder else Weights(self.path / folder)
+        from_file = self.single_file is not None and folder == self.transformer_folder  # model.transformer_file
+        weights = self.single_file if from_file else Weights(self.path / folder)
         transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
         weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
         buffers = dict(transformer.named_buffers())

@@ -77,6 +77,40 @@ def _read_small(path: Path, entry) -> torch.Tensor:
         return torch.frombuffer(bytearray(f.read(nbytes)), dtype=dtype).reshape(shape)
 
 
+def read_scales(stored: dict, metadata: dict) -> dict[str, float]:
+    """Each scaled fp8 weight's scale, by ComfyUI's rules (convert_old_quants): a `scaled_fp8` key marks
+    the old files, whose layers X carry X.scale_weight (float8_e4m3fn); the new files list their layers
+    in the `_quantization_metadata` header entry (or a X.comfy_quant tensor each), each with its format,
+    and carry X.weight_scale. A weight stored as fp8 without a scale is a plain cast (scale 1)."""
+    layers, scale_key = {}, "weight_scale"
+    if "_quantization_metadata" in metadata:
+        listed = json.loads(metadata["_quantization_metadata"])["layers"]
+        layers = {k.removeprefix(PREFIX): v for k, v in listed.items()}
+    elif "scaled_fp8" in stored:
+        layers = {k.removesuffix(".scale_weight"): {"format": "float8_e4m3fn"} for k in stored
+                  if k.endswith(".scale_weight")}
+        scale_key = "scale_weight"
+    for key in [k for k in stored if k.endswith(".comfy_quant")]:
+        config = _read_small(stored[key][0], stored[key][1:])  # the layer's JSON, as uint8
+        layers[key.removesuffix(".comfy_quant")] = json.loads(bytes(config.tolist()))
+    scales = {}
+    for layer, layer_config in layers.items():
+        where = f"model.transformer_file = {stored[f'{layer}.weight'][0]}: layer {layer}"
+        if layer_config.get("format") not in SCALED_FORMATS:
+            raise ConfigError(f"{where} is quantized as {layer_config.get('format')}, which vidtrain does not read "
+                              f"(it reads {' and '.join(SCALED_FORMATS)} with one scale per tensor): use a bf16, "
+                              "fp16 or fp8 file")
+        if f"{layer}.{scale_key}" not in stored:
+            raise ConfigError(f"{where} is quantized as {layer_config['format']} but the file lacks its scale, "
+                              f"{layer}.{scale_key}: the file is incomplete")
+        scale = _read_small(stored[f"{layer}.{scale_key}"][0], stored[f"{layer}.{scale_key}"][1:])
+        if scale.numel() != 1:
+            raise ConfigError(f"{where} has a {scale_key} of shape {list(scale.shape)}; vidtrain reads one scale "
+                              "per tensor, as ComfyUI's fp8 formats store it")
+        scales[f"{layer}.weight"] = scale.float().item()
+    return scales
+
+
 class SingleFile(Weights):
     """model.transformer_file's weights under diffusers' names, read as Weights reads a folder's."""
 
@@ -89,7 +123,9 @@ class SingleFile(Weights):
                 raise ConfigError(f"model.transformer_file = {path} does not exist")
             header = read_header(path)
             metadata |= header.pop("__metadata__")
-            stored |= {key.removeprefix(PREFIX): (path, *entry) for key, entry in header.items()}
+            stored |= {key: (path, *entry) for key, entry in header.items()}
+        if any(key.startswith(PREFIX) for key in stored):  # an all-in-one checkpoint's VAE and text encoder stay out
+            stored = {key.removeprefix(PREFIX): entry for key, entry in stored.items() if key.startswith(PREFIX)}
         if adapter.SINGLE_FILE_KEY not in stored:
             family = next((f for f, mark in marks.items() if mark in stored), None)
             kind = f"a {family} transformer (it holds {marks[family]})" if family else \
@@ -97,7 +133,7 @@ class SingleFile(Weights):
             raise ConfigError(f"model.transformer_file = {', '.join(files)} holds {kind}, not a {adapter.FAMILY} one "
                               f"(which holds {adapter.SINGLE_FILE_KEY}): use the {adapter.FAMILY} file of the model "
                               "at model.path")
-        scales = self._scales(stored, metadata)
+        scales = read_scales(stored, metadata)
         weights = [k for k in stored if k != "scaled_fp8" and not k.endswith(QUANT_SUFFIXES)]
         names = adapter.diffusers_names(weights)
         # key -> (file, dtype, shape, first byte), as Weights keeps them; the file's own names for messages.
@@ -110,37 +146,6 @@ class SingleFile(Weights):
         self._open: dict[Path, object] = {}
         log.info("model.transformer_file: %d weights (%d fp8 with a scale) in %s", len(weights), len(scales),
                  ", ".join(files))
-
-    def _scales(self, stored: dict, metadata: dict) -> dict[str, float]:
-        """Each scaled fp8 weight's scale, by ComfyUI's rules (convert_old_quants): a `scaled_fp8` key marks
-        the old files, whose layers X carry X.scale_weight (float8_e4m3fn); the new files list their layers
-        in the `_quantization_metadata` header entry (or a X.comfy_quant tensor each), each with its format,
-        and carry X.weight_scale. A weight stored as fp8 without a scale is a plain cast (scale 1)."""
-        layers, scale_key = {}, "weight_scale"
-        if "_quantization_metadata" in metadata:
-            layers = {k.removeprefix(PREFIX): v for k, v in json.loads(metadata["_quantization_metadata"])["layers"].items()}
-        elif "scaled_fp8" in stored:
-            layers = {k.removesuffix(".scale_weight"): {"format": "float8_e4m3fn"} for k in stored
-                      if k.endswith(".scale_weight")}
-            scale_key = "scale_weight"
-        for key in [k for k in stored if k.endswith(".comfy_quant")]:
-            layers[key.removesuffix(".comfy_quant")] = json.loads(bytes(_read_small(stored[key][0], stored[key][1:]).tolist()))
-        scales = {}
-        for layer, layer_config in layers.items():
-            where = f"model.transformer_file = {stored[f'{layer}.weight'][0]}: layer {layer}"
-            if layer_config.get("format") not in SCALED_FORMATS:
-                raise ConfigError(f"{where} is quantized as {layer_config.get('format')}, which vidtrain does not read "
-                                  f"(it reads {' and '.join(SCALED_FORMATS)} with one scale per tensor): use a bf16, "
-                                  "fp16 or fp8 file")
-            if f"{layer}.{scale_key}" not in stored:
-                raise ConfigError(f"{where} is quantized as {layer_config['format']} but the file lacks its scale, "
-                                  f"{layer}.{scale_key}: the file is incomplete")
-            scale = _read_small(stored[f"{layer}.{scale_key}"][0], stored[f"{layer}.{scale_key}"][1:])
-            if scale.numel() != 1:
-                raise ConfigError(f"{where} has a {scale_key} of shape {list(scale.shape)}; vidtrain reads one scale "
-                                  "per tensor, as ComfyUI's fp8 formats store it")
-            scales[f"{layer}.weight"] = scale.float().item()
-        return scales
 
     def check(self, model: torch.nn.Module, ignored: list[str]) -> None:
         """The file must hold the model's state dict, key for key and shape for shape, but for the class's

@@ -47,7 +47,8 @@ ORIGINAL_OTHER = {
     "proj_out": "head.head", "scale_shift_table": "head.modulation",
     "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
     "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
-    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3", "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
 EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 
@@ -132,7 +133,7 @@ class WanAdapter(Adapter):
 
     @staticmethod
     def single_file_key(key: str) -> str | None:
-        """A state-dict key's name in the original checkpoint (blocks.N.attn1.to_q.weight -> blocks.N.self_attn.q.weight)."""
+        """A state-dict key's name in the original checkpoint: blocks.N.attn1.to_q.weight -> blocks.N.self_attn.q.weight."""
         return rename_key(key, "blocks", "blocks", ORIGINAL_BLOCK, ORIGINAL_OTHER)
 
     @staticmethod

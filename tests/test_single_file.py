@@ -168,8 +168,9 @@ def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
 
 def comfyui_keys(config: dict) -> set[str]:
     """The state dict of ComfyUI's native CogVideoX (comfy/ldm/cogvideo/model.py, as test_variants reads it):
-    weight and bias of every Linear (1.5's patch linear too: patch_bias concerns 1.0's Conv2d), the affine LayerNorms (norm1.norm, norm2.norm, norm_q, norm_k in each
-    block; norm_final, norm_out.norm), a Conv2d patch embedding on 1.0 and the learned positions (5b-I2V)."""
+    weight and bias of every Linear (1.5's patch linear too: patch_bias concerns 1.0's Conv2d), the affine
+    LayerNorms (norm1.norm, norm2.norm, norm_q, norm_k in each block; norm_final, norm_out.norm), a Conv2d
+    patch embedding on 1.0 and the learned positions (5b-I2V)."""
     linears = comfyui_linears(config)
     keys = {f"{name}.{leaf}" for name in linears for leaf in ("weight", "bias")}
     norms = [f"blocks.{i}.{n}" for i in range(config["num_layers"]) for n in ("norm1.norm", "norm2.norm", "norm_q", "norm_k")]
