@@ -78,8 +78,9 @@ def to_metadata_form(path, out, comfy_quant_tensors: bool):
 
 @pytest.mark.parametrize("family", MODELS)
 def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
-    """Written with the ComfyUI prefix and read as two shards: every weight and buffer is the folder's, bit
-    for bit and dtype for dtype, so the first-step loss is the folder's exactly."""
+    """Written with the ComfyUI prefix and read as two shards beside a copy of the folder without the
+    transformer's weights: every weight and buffer is the folder's, bit for bit and dtype for dtype, so
+    the first-step loss is the folder's exactly."""
     whole = tmp_path / "whole.safetensors"
     to_single_file(str(folders[family]), str(whole), prefix=True)
     weights = load_file(whole)
@@ -88,7 +89,9 @@ def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
     keys = sorted(weights)
     for i, shard in enumerate(shards):
         save_file({k: weights[k] for k in keys[i::2]}, shard)
-    folder_adapter, file_adapter = adapter_for(family, folders[family]), adapter_for(family, folders[family], shards)
+    configs_only = shutil.copytree(folders[family], tmp_path / "model")
+    (configs_only / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    folder_adapter, file_adapter = adapter_for(family, folders[family]), adapter_for(family, configs_only, shards)
     theirs, ours = folder_adapter.load_transformer(), file_adapter.load_transformer()
     expected, got = tensors(theirs), tensors(ours)
     assert got.keys() == expected.keys()
