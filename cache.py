@@ -361,7 +361,8 @@ def prepare(cfg: Config, d: parallel.Dist):
     Returns the adapter, the cache and the training and held-out items (the last data.held_out)."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
-        Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
+        if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
+            Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
         sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
         if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
             adapter.shift = cfg.train.flow_shift

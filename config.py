@@ -9,6 +9,7 @@ import difflib
 import inspect
 import json
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,10 @@ class ModelConfig:
     expert: Literal["", "high_noise", "low_noise"] = ""
     # Storage dtype of the frozen weights.
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # The trained transformer's weights from a safetensors file (or a list of its shards) in ComfyUI's or the
+    # original release's layout, bf16, fp16, fp32, fp8 or ComfyUI's scaled fp8, instead of model.path's
+    # transformer folder (its config.json still shapes the model; the VAE and text encoder stay model.path's).
+    transformer_file: str | list[str] = ""
 
 
 @dataclass
@@ -247,6 +252,13 @@ def _type_name(tp) -> str:
 def _check_value(key: str, value, tp):
     """Return value as type tp, or raise naming the key. Booleans are never numbers here."""
     origin = typing.get_origin(tp)
+    if origin is types.UnionType:  # str | list[str]: the first type the value is
+        for member in typing.get_args(tp):
+            try:
+                return _check_value(key, value, member)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
     if origin is Literal:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{key} = {value!r} is not one of {_type_name(tp)}")

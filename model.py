@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import lora
 import parallel
 import sequence
+import single_file
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 
 log = logging.getLogger("vidtrain")
@@ -38,7 +39,9 @@ RECOMPILE_LIMIT = 16
 
 def load_adapter(cfg: ModelConfig, device: torch.device):
     """model.family's adapter over the folder at model.path, once the folder's pipeline (its
-    model_index.json) is that family's: another family's folder would fail obscurely in its configs."""
+    model_index.json) is that family's: another family's folder would fail obscurely in its configs.
+    With model.transformer_file, the file's reader too (single_file.py), checked against the folder's
+    transformer config."""
     index = Path(cfg.path) / "model_index.json"  # no such file: the adapter says so
     pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
     family = next((f for f in ADAPTERS if pipeline.lower().startswith(f)), None)
@@ -47,7 +50,15 @@ def load_adapter(cfg: ModelConfig, device: torch.device):
         raise ConfigError(f'model.path = {cfg.path} holds a {pipeline} (its model_index.json), not a model of '
                           f'model.family = "{cfg.family}": {fix}')
     module, name = ADAPTERS[cfg.family]
-    return getattr(importlib.import_module(module), name)(cfg, device)
+    adapter = getattr(importlib.import_module(module), name)(cfg, device)
+    if cfg.transformer_file:  # checked now, before the cache pass
+        if not adapter.SINGLE_FILE_KEY:
+            raise ConfigError(f"model.transformer_file: vidtrain reads no single files of {cfg.family} models yet; "
+                              "remove it and give the diffusers folder's transformer in model.path")
+        marks = {family: getattr(importlib.import_module(m), n).SINGLE_FILE_KEY for family, (m, n) in ADAPTERS.items()}
+        files = [cfg.transformer_file] if isinstance(cfg.transformer_file, str) else cfg.transformer_file
+        adapter.single_file = single_file.open_single_file(files, adapter, marks)
+    return adapter
 
 
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):

@@ -69,7 +69,7 @@ def _replace(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
 # safetensors' dtype names.
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-               "BOOL": torch.bool}
+               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class Weights:
@@ -202,6 +202,9 @@ class Adapter:
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
     VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
+    # A key every single file of the family holds (model.transformer_file; single_file_key and diffusers_names
+    # map the names); "" for a family whose single files vidtrain does not read.
+    SINGLE_FILE_KEY = ""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)
@@ -216,6 +219,7 @@ class Adapter:
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
+        self.single_file = None  # model.transformer_file's reader (single_file.SingleFile), set by model.load_adapter
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
 
@@ -237,7 +241,8 @@ class Adapter:
         where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first forward."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
-        weights = Weights(self.path / folder)
+        from_file = self.single_file is not None and folder == self.transformer_folder  # model.transformer_file
+        weights = self.single_file if from_file else Weights(self.path / folder)
         transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
         weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
         buffers = dict(transformer.named_buffers())
@@ -286,10 +291,11 @@ class Adapter:
             _replace(transformer, name, param.to(self._load_dtype(name, dtype)))
         return transformer
 
-    def keeps_fp32(self, name: str) -> bool:
+    @classmethod
+    def keeps_fp32(cls, name: str) -> bool:
         """Whether a weight belongs to the class's _keep_in_fp32_modules (Wan's norms, time embedder,
         scale_shift_table): from_pretrained keeps them fp32 whatever the dtype, and so do we."""
-        keep = self.TRANSFORMER._keep_in_fp32_modules or []
+        keep = cls.TRANSFORMER._keep_in_fp32_modules or []
         return any(m in name.split(".") for m in keep)
 
     def _load_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:

@@ -28,6 +28,7 @@ import lora
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
+from single_file import rename_key
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 # diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py; docs/models/cogvideox.md):
@@ -39,6 +40,11 @@ COMFY_OTHER = {"patch_embed.proj": "patch_embed.proj", "patch_embed.text_proj": 
                "time_embedding.linear_1": "time_embedding_linear_1", "time_embedding.linear_2": "time_embedding_linear_2",
                "ofs_embedding.linear_1": "ofs_embedding_linear_1", "ofs_embedding.linear_2": "ofs_embedding_linear_2",
                "norm_out.linear": "norm_out.linear", "proj_out": "proj_out"}
+# With the norms and the learned positions, the whole state dict: ComfyUI's single files (model.transformer_file).
+COMFY_WEIGHTS_BLOCK = COMFY_BLOCK | {"norm1.norm": "norm1.norm", "attn1.norm_q": "norm_q", "attn1.norm_k": "norm_k",
+                                     "norm2.norm": "norm2.norm"}
+COMFY_WEIGHTS_OTHER = COMFY_OTHER | {"norm_final": "norm_final", "norm_out.norm": "norm_out.norm",
+                                     "patch_embed.pos_embedding": "patch_embed.pos_embedding"}
 
 
 class CogVideoXAdapter(Adapter):
@@ -46,6 +52,7 @@ class CogVideoXAdapter(Adapter):
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, T5EncoderModel
     COMFY = True
+    SINGLE_FILE_KEY = "blocks.0.norm1.linear.weight"  # what ComfyUI's model detection knows CogVideoX by
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__(cfg, device)
@@ -113,6 +120,17 @@ class CogVideoXAdapter(Adapter):
     def diffusers_key(self, original: str) -> str | None:
         return rename_module(original, "blocks", "transformer_blocks", {v: k for k, v in COMFY_BLOCK.items()},
                        {v: k for k, v in COMFY_OTHER.items()})
+
+    @staticmethod
+    def single_file_key(key: str) -> str | None:
+        """A state-dict key's name in ComfyUI's model (transformer_blocks.N.attn1.to_q.weight -> blocks.N.q.weight)."""
+        return rename_key(key, "transformer_blocks", "blocks", COMFY_WEIGHTS_BLOCK, COMFY_WEIGHTS_OTHER)
+
+    @staticmethod
+    def diffusers_names(keys: list[str]) -> dict[str, str]:
+        """A single file's keys (ComfyUI's names) -> diffusers'; a key ComfyUI's model lacks keeps its name."""
+        block, other = ({v: k for k, v in names.items()} for names in (COMFY_WEIGHTS_BLOCK, COMFY_WEIGHTS_OTHER))
+        return {k: rename_key(k, "blocks", "transformer_blocks", block, other) or k for k in keys}
 
     # Encoding.
     @torch.no_grad()

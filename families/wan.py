@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
@@ -24,6 +25,7 @@ from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
+from single_file import rename_key
 
 TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
 # diffusers module names -> the original checkpoint's (ComfyUI's), inside a block.
@@ -31,6 +33,22 @@ COMFY_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.
                "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
                "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img",
                "attn2.add_v_proj": "cross_attn.v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+# The rest of the state dict in the original checkpoint's names (single files, model.transformer_file): the
+# inverse of diffusers' convert_wan_transformer_to_diffusers, which reads them (docs/models/wan.md).
+ORIGINAL_BLOCK = COMFY_NAMES | {
+    "attn1.norm_q": "self_attn.norm_q", "attn1.norm_k": "self_attn.norm_k", "attn2.norm_q": "cross_attn.norm_q",
+    "attn2.norm_k": "cross_attn.norm_k", "attn2.norm_added_k": "cross_attn.norm_k_img", "norm2": "norm3",
+    "scale_shift_table": "modulation"}
+ORIGINAL_OTHER = {
+    "patch_embedding": "patch_embedding", "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2", "condition_embedder.time_proj": "time_projection.1",
+    "proj_out": "head.head", "scale_shift_table": "head.modulation",
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
 EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 
@@ -43,6 +61,7 @@ class WanAdapter(Adapter):
     # BENCHMARKS.md; the real one is deeper.
     VAE_DTYPE = torch.float32
     COMFY = True
+    SINGLE_FILE_KEY = "head.modulation"  # what diffusers' single-file loader detects Wan by
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__(cfg, device)
@@ -111,6 +130,16 @@ class WanAdapter(Adapter):
 
     def diffusers_key(self, original: str) -> str | None:
         return rename_module(original, "blocks", "blocks", {v: k for k, v in COMFY_NAMES.items()}, {})
+
+    @staticmethod
+    def single_file_key(key: str) -> str | None:
+        """A state-dict key's name in the original checkpoint: blocks.N.attn1.to_q.weight -> blocks.N.self_attn.q.weight."""
+        return rename_key(key, "blocks", "blocks", ORIGINAL_BLOCK, ORIGINAL_OTHER)
+
+    @staticmethod
+    def diffusers_names(keys: list[str]) -> dict[str, str]:
+        """A single file's keys (the original names) -> diffusers', by diffusers' own converter."""
+        return {original: key for key, original in convert_wan_transformer_to_diffusers({k: k for k in keys}).items()}
 
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:

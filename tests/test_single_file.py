@@ -1,0 +1,230 @@
+"""model.transformer_file: the tiny Wan and CogVideoX written by tools/to_single_file.py in the layout ComfyUI
+and the original releases use (bf16, plain fp8, ComfyUI's scaled fp8 in both its forms) load as the folder
+does and give the folder's first-step loss (bf16 exactly, fp8 within the tolerance docs/models/wan.md
+records); the files are what diffusers' single-file loader and ComfyUI's model definition expect; a file
+of the other family, of another size, incomplete or cut short is refused before the cache pass."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import data
+import parallel
+from cache import prepare
+from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from conftest import write_toml
+from model import build_model, load_adapter
+from test_variants import comfyui_linears, one_rank_group
+from tools.to_single_file import to_single_file
+
+# family: (tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding, 1.5's rotary grid.
+MODELS = {"wan": ("t2v", "t2v"), "cogvideox": ("1.5-5b-i2v", "i2v")}
+# Relative difference of the first-step loss, fp8 file against the folder, both read into bf16: at most
+# 8.5e-4 measured on these models (Wan, scaled fp8; docs/models/wan.md, "Single files").
+FP8_LOSS_RTOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_models, wan_models):
+    return {"wan": wan_models("t2v"), "cogvideox": tiny_models("1.5-5b-i2v")}
+
+
+def adapter_for(family, folder, transformer_file="", dtype="bf16"):
+    return load_adapter(ModelConfig(path=str(folder), family=family, type=MODELS[family][1], dtype=dtype,
+                                    transformer_file=transformer_file), torch.device("cpu"))
+
+
+def tensors(transformer) -> dict[str, torch.Tensor]:
+    return {**dict(transformer.named_buffers()), **dict(transformer.named_parameters())}
+
+
+def first_step_loss(adapter, transformer) -> torch.Tensor:
+    """The per-sample loss of step 1 on a batch of two clips (9x32x32) with the trainer's keyed draws, in
+    the trainer's bf16 autocast."""
+    shape = (2, adapter.latent_channels, 3, 32 // adapter.spatial_ratio, 32 // adapter.spatial_ratio)
+    draw = data.keyed_generator(0, "batch")
+    batch = {"latent_mean": torch.randn(shape, generator=draw), "latent_logvar": torch.full(shape, -4.0),
+             "prompt_embeds": torch.randn(2, adapter.text_length, 32, generator=draw)}
+    if adapter.type == "i2v":
+        batch |= {"image_mean": torch.randn(2, shape[1], 1, *shape[3:], generator=draw),
+                  "image_logvar": torch.full((2, shape[1], 1, *shape[3:]), -4.0)}
+    with torch.no_grad(), parallel.Compute(torch.device("cpu"), "bf16", ""):
+        return adapter.train_loss(transformer, batch, [data.keyed_generator(42, 1, p) for p in range(2)])
+
+
+def to_metadata_form(path, out, comfy_quant_tensors: bool):
+    """The same scaled fp8 file in ComfyUI's newer form: X.weight_scale, the layers listed in the
+    `_quantization_metadata` header entry (or in a X.comfy_quant tensor each), no `scaled_fp8` marker."""
+    tensors_, layers = {}, {}
+    for key, tensor in load_file(path).items():
+        if key.endswith(".scale_weight"):
+            layers[key.removesuffix(".scale_weight")] = {"format": "float8_e4m3fn"}
+            tensors_[key.removesuffix("scale_weight") + "weight_scale"] = tensor
+        elif not key.endswith("scaled_fp8"):
+            tensors_[key] = tensor
+    if comfy_quant_tensors:
+        tensors_ |= {f"{layer}.comfy_quant": torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+                     for layer, conf in layers.items()}
+        save_file(tensors_, out)
+    else:
+        save_file(tensors_, out, metadata={"_quantization_metadata": json.dumps({"format_version": "1.0",
+                                                                                  "layers": layers})})
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
+    """Written with the ComfyUI prefix and read as two shards beside a copy of the folder without the
+    transformer's weights: every weight and buffer is the folder's, bit for bit and dtype for dtype, so
+    the first-step loss is the folder's exactly."""
+    whole = tmp_path / "whole.safetensors"
+    to_single_file(str(folders[family]), str(whole), prefix=True)
+    weights = load_file(whole)
+    assert all(k.startswith("model.diffusion_model.") for k in weights)
+    shards = [str(tmp_path / f"part-{i}.safetensors") for i in range(2)]
+    keys = sorted(weights)
+    for i, shard in enumerate(shards):
+        save_file({k: weights[k] for k in keys[i::2]}, shard)
+    configs_only = shutil.copytree(folders[family], tmp_path / "model")
+    (configs_only / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    folder_adapter, file_adapter = adapter_for(family, folders[family]), adapter_for(family, configs_only, shards)
+    theirs, ours = folder_adapter.load_transformer(), file_adapter.load_transformer()
+    expected, got = tensors(theirs), tensors(ours)
+    assert got.keys() == expected.keys()
+    assert [k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])] == []
+    assert torch.equal(first_step_loss(file_adapter, ours), first_step_loss(folder_adapter, theirs))
+
+
+@pytest.mark.parametrize("form", ["cast", "scaled"])
+@pytest.mark.parametrize("family", MODELS)
+def test_an_fp8_file_dequantizes_as_comfyui_does(family, form, folders, tmp_path):
+    """Each fp8 weight is read as weight.float() * scale (the scale 1 for a plain cast), computed here from
+    safetensors' own reading of the file; the first-step loss is the folder's within FP8_LOSS_RTOL."""
+    path = tmp_path / "model.safetensors"
+    to_single_file(str(folders[family]), str(path), fp8=True, scaled=form == "scaled")
+    folder_adapter, file_adapter = adapter_for(family, folders[family]), adapter_for(family, folders[family], str(path))
+    ours = file_adapter.load_transformer()
+    stored = load_file(path)
+    fp8 = {k: v for k, v in stored.items() if v.dtype == torch.float8_e4m3fn and v.numel()}
+    assert fp8 and fp8.keys() == {k for k, v in stored.items() if k.startswith("blocks.") and v.ndim == 2}  # the blocks' linears
+    assert ("scaled_fp8" in stored) == (form == "scaled")
+    params = tensors(ours)
+    for key, name in file_adapter.single_file.file_keys.items():
+        if name in fp8:
+            scale = stored.get(name.removesuffix("weight") + "scale_weight", torch.tensor(1.0)).float()
+            assert (form == "cast") == (scale == 1.0)
+            assert torch.equal(params[key], (fp8[name].float() * scale).to(params[key].dtype)), key
+    reference = first_step_loss(folder_adapter, folder_adapter.load_transformer())
+    loss = first_step_loss(file_adapter, ours)
+    assert not torch.equal(loss, reference)
+    torch.testing.assert_close(loss, reference, rtol=FP8_LOSS_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("comfy_quant_tensors", [False, True])
+def test_the_newer_scaled_fp8_form_reads_as_the_old_one(comfy_quant_tensors, folders, tmp_path):
+    """ComfyUI's newer form of the same file (X.weight_scale; the layers in the _quantization_metadata
+    header entry, or in X.comfy_quant tensors) gives the same weights as the scaled_fp8 marker's form."""
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    to_single_file(str(folders["wan"]), str(old), fp8=True, scaled=True)
+    to_metadata_form(old, new, comfy_quant_tensors)
+    assert not [k for k in load_file(new) if k.endswith(("scale_weight", "scaled_fp8"))]
+    expected = tensors(adapter_for("wan", folders["wan"], str(old)).load_transformer())
+    got = tensors(adapter_for("wan", folders["wan"], str(new)).load_transformer())
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_fsdp_reads_each_ranks_rows_of_a_scaled_fp8_file(folders, tmp_path):
+    """Under FSDP (one rank) the rows are read and dequantized into the sharded parameters: the same
+    weights as the plain load."""
+    path = tmp_path / "model.safetensors"
+    to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=True)
+    adapter = adapter_for("wan", folders["wan"], str(path), dtype="fp32")
+    plain = tensors(adapter.load_transformer())
+    train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
+    with one_rank_group() as d:
+        model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
+        sharded = {k: v.full_tensor() for k, v in model.named_parameters() if isinstance(v, torch.distributed.tensor.DTensor)}
+        del model
+    frozen = {k: v for k, v in sharded.items() if "lora_" not in k}
+    assert frozen.keys() == {k for k, v in plain.items() if isinstance(v, torch.nn.Parameter)}
+    assert [k for k, v in frozen.items() if not torch.equal(v, plain[k])] == []
+
+
+def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
+    """diffusers' own reader of the original layout (from_single_file, its Wan converter) loads our file
+    to the folder's weights, rounded to bf16 where the file stores bf16."""
+    path = tmp_path / "model.safetensors"
+    to_single_file(str(folders["wan"]), str(path), prefix=True)
+    theirs = WanTransformer3DModel.from_single_file(str(path), config=str(folders["wan"]), subfolder="transformer",
+                                                    torch_dtype=torch.float32).state_dict()
+    folder = WanTransformer3DModel.from_pretrained(folders["wan"], subfolder="transformer").state_dict()
+    with safe_open(path, "pt") as f:
+        stored = {k.removeprefix("model.diffusion_model."): f.get_slice(k).get_dtype() for k in f.keys()}
+    assert theirs.keys() == folder.keys() and "BF16" in stored.values() and "F32" in stored.values()
+    assert all(torch.equal(theirs[k], folder[k].to(torch.bfloat16).float()) or torch.equal(theirs[k], folder[k])
+               for k in folder)
+
+
+def comfyui_keys(config: dict) -> set[str]:
+    """The state dict of ComfyUI's native CogVideoX (comfy/ldm/cogvideo/model.py, as test_variants reads it):
+    weight and bias of every Linear (1.5's patch linear too: patch_bias concerns 1.0's Conv2d), the affine
+    LayerNorms (norm1.norm, norm2.norm, norm_q, norm_k in each block; norm_final, norm_out.norm), a Conv2d
+    patch embedding on 1.0 and the learned positions (5b-I2V)."""
+    linears = comfyui_linears(config)
+    keys = {f"{name}.{leaf}" for name in linears for leaf in ("weight", "bias")}
+    norms = [f"blocks.{i}.{n}" for i in range(config["num_layers"]) for n in ("norm1.norm", "norm2.norm", "norm_q", "norm_k")]
+    keys |= {f"{name}.{leaf}" for name in norms + ["norm_final", "norm_out.norm"] for leaf in ("weight", "bias")}
+    if not config["patch_size_t"]:
+        keys |= {"patch_embed.proj.weight", "patch_embed.proj.bias"}
+    return keys | ({"patch_embed.pos_embedding"} if config["use_learned_positional_embeddings"] else set())
+
+
+@pytest.mark.parametrize("variant", ["2b", "1.5-5b-i2v"])
+def test_cogvideox_files_hold_comfyuis_state_dict(variant, tiny_models, tmp_path):
+    path = tmp_path / "model.safetensors"
+    to_single_file(str(tiny_models(variant)), str(path))
+    adapter = load_adapter(ModelConfig(path=str(tiny_models(variant)), type=MODELS["cogvideox"][1] if "i2v" in variant
+                                       else "t2v"), torch.device("cpu"))
+    assert set(load_file(path)) == comfyui_keys(adapter.transformer_config)
+
+
+def other_size(folder, out):
+    """The same model with twice the attention heads: what a 14B file is to a 1.3B folder."""
+    shutil.copytree(folder, out)
+    config = WanTransformer3DModel.load_config(out / "transformer")
+    WanTransformer3DModel.from_config({**config, "num_attention_heads": 4}).save_pretrained(out / "transformer")
+    return out
+
+
+def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp_path):
+    """The other family's file, another size's, one with a weight missing, one cut short: each refused
+    when the adapter loads (which cache.py does first), naming the file and the first differing key."""
+    wan, cog = tmp_path / "wan.safetensors", tmp_path / "cog.safetensors"
+    to_single_file(str(folders["wan"]), str(wan), fp8=True, scaled=True)
+    to_single_file(str(folders["cogvideox"]), str(cog))
+    cases = {"other family": ("cogvideox", cog, wan, f"model.transformer_file = {wan} holds a wan transformer (it holds "
+                              "head.modulation), not a cogvideox one"),
+             "other size": ("wan", wan, tmp_path / "big.safetensors", "head.modulation is [1, 2, 64] there, but "
+                            f"{folders['wan']}/transformer/config.json makes it [1, 2, 32] (scale_shift_table)"),
+             "missing": ("wan", wan, tmp_path / "missing.safetensors", "lacks 1 weights of WanTransformer3DModel"),
+             "truncated": ("wan", wan, tmp_path / "cut.safetensors", "is truncated:")}
+    to_single_file(str(other_size(folders["wan"], tmp_path / "big")), str(tmp_path / "big.safetensors"))
+    save_file({k: v for k, v in load_file(wan).items() if k != "head.head.bias"}, tmp_path / "missing.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes(wan.read_bytes()[:-100])
+    for name, (family, _, path, message) in cases.items():
+        with pytest.raises(ConfigError) as refused:
+            adapter_for(family, folders[family], str(path))
+        assert message in str(refused.value), (name, str(refused.value))
+    # cache.prepare, the trainer's first step (the session's CogVideoX-2b): stopped before the cache pass.
+    to_single_file(base_settings["model.path"], str(tmp_path / "2b.safetensors"))
+    (tmp_path / "2b-cut.safetensors").write_bytes((tmp_path / "2b.safetensors").read_bytes()[:-100])
+    cfg = load_config(str(write_toml(tmp_path / "cut.toml", {
+        **base_settings, "run.output_dir": str(tmp_path / "run"), "data.cache_dir": str(tmp_path / "cache"),
+        "model.transformer_file": str(tmp_path / "2b-cut.safetensors")})))
+    with one_rank_group() as d, pytest.raises(parallel.StopRun, match=f"{tmp_path / '2b-cut.safetensors'} is truncated:"):
+        prepare(cfg, d)
+    assert not (tmp_path / "cache").exists()

@@ -1,0 +1,106 @@
+"""Write a diffusers model folder's transformer as one safetensors file in the layout ComfyUI and the original
+releases use (what model.transformer_file reads): Wan in the original checkpoint's names, CogVideoX in
+ComfyUI's native ones (docs/models/wan.md and docs/models/cogvideox.md, "Single files").
+
+    python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp8 [--scaled]] [--prefix] [--folder transformer]
+
+Every floating tensor is written in bf16, but for those the diffusers class keeps in fp32 (Wan's norms, time
+embedder and modulation, as the folder stores them). --fp8 stores the 2-D weights of the transformer blocks' linear
+layers as float8_e4m3fn: a plain cast, or with --scaled ComfyUI's scaled fp8 (per tensor: scale = max|w| / 448,
+the stored value w / scale, its `.scale_weight` beside it and the `scaled_fp8` marker key, as
+comfy/utils.py convert_old_quants reads them). --prefix puts every key under `model.diffusion_model.`,
+as ComfyUI's own checkpoints have them. The file is written one tensor at a time, never held whole.
+"""
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import ADAPTERS  # noqa: E402
+from model_adapter import FILE_DTYPES, Weights  # noqa: E402
+from single_file import PREFIX  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: a plain cast of a value past it gives NaN, not 448
+FILE_NAMES = {dtype: name for name, dtype in FILE_DTYPES.items()}
+
+
+def adapter_class(model_dir: Path):
+    """The family's adapter class, from the folder's model_index.json (as model.load_adapter tells it)."""
+    pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
+    family = next(f for f in ADAPTERS if pipeline.lower().startswith(f))
+    module, name = ADAPTERS[family]
+    return getattr(importlib.import_module(module), name)
+
+
+def quantized(key: str, shape: tuple) -> bool:
+    """A linear layer's weight inside a transformer block: what ComfyUI's fp8 files store in fp8."""
+    return key.startswith("blocks.") and key.endswith(".weight") and len(shape) == 2
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def to_single_file(model_dir: str, out: str, fp8: bool = False, scaled: bool = False, prefix: bool = False,
+                   folder: str = "transformer") -> None:
+    cls = adapter_class(Path(model_dir))
+    weights = Weights(Path(model_dir) / folder)
+    names = {key: cls.single_file_key(key) for key in weights.entries}
+    unnamed = [key for key, name in names.items() if name is None]
+    if unnamed or cls.diffusers_names(list(names.values())) != {v: k for k, v in names.items()}:
+        raise SystemExit(f"{model_dir}/{folder}: no single-file name for {unnamed[:3]}, or the names do not read back")
+    # key -> (its name in the file, the dtype written); scaled layers' scales follow their weights.
+    plan = {}
+    for key, (_, dtype, shape, _) in weights.entries.items():
+        if dtype.is_floating_point and not cls.keeps_fp32(key):
+            dtype = FP8 if fp8 and quantized(names[key], shape) else torch.bfloat16
+        plan[key] = (names[key], dtype, shape)
+    header, offset = {}, 0
+    for name, dtype, shape in plan.values():
+        entries = [(name, dtype, shape)] + ([(name.removesuffix("weight") + "scale_weight", torch.float32, ())]
+                                            if scaled and dtype == FP8 else [])
+        for entry_name, entry_dtype, entry_shape in entries:
+            size = entry_dtype.itemsize * int(torch.Size(entry_shape).numel())
+            header[(PREFIX if prefix else "") + entry_name] = {"dtype": FILE_NAMES[entry_dtype], "shape": list(entry_shape),
+                                                               "data_offsets": [offset, offset + size]}
+            offset += size
+    if scaled:
+        header[(PREFIX if prefix else "") + "scaled_fp8"] = {"dtype": "F8_E4M3", "shape": [0], "data_offsets": [offset] * 2}
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+    with open(out, "wb") as f, weights.opened():
+        f.write(len(text).to_bytes(8, "little") + text)
+        for key, (name, dtype, shape) in plan.items():
+            tensor = weights.read(key, torch.float32) if dtype.is_floating_point else weights.read(key, dtype)
+            scale = None
+            if dtype == FP8:
+                scale = tensor.abs().max() / FP8_MAX if scaled else torch.tensor(1.0)
+                tensor = (tensor / scale).clamp(-FP8_MAX, FP8_MAX)
+            f.write(raw_bytes(tensor.to(dtype)))
+            if scaled and scale is not None:
+                f.write(raw_bytes(scale.float()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", help="a diffusers model folder (model_index.json, transformer/, ...)")
+    parser.add_argument("out", help="the .safetensors file to write")
+    parser.add_argument("--fp8", action="store_true", help="the blocks' linear weights as float8_e4m3fn")
+    parser.add_argument("--scaled", action="store_true", help="with --fp8: ComfyUI's scaled fp8, a scale per tensor")
+    parser.add_argument("--prefix", action="store_true", help=f"every key under {PREFIX}")
+    parser.add_argument("--folder", default="transformer", help="the transformer's subfolder (Wan 2.2 A14B: transformer_2)")
+    args = parser.parse_args()
+    if args.scaled and not args.fp8:
+        parser.error("--scaled scales fp8 weights: add --fp8")
+    to_single_file(args.model_dir, args.out, args.fp8, args.scaled, args.prefix, args.folder)
+
+
+if __name__ == "__main__":
+    main()
