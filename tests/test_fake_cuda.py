@@ -3,8 +3,8 @@ dtypes and devices, no data, no kernels): each variant's training loss under CUD
 where a CPU tensor mixed into a CUDA op raises as it does on a GPU and every host-to-device copy that
 would make the host wait is recorded (a blocking one, or a non-blocking one from pageable memory), its
 batch encoded first by the family's encoders, which are all gone after the cache pass releases them
-(2.1 I2V's CLIP image encoder included); and the lean loader's fill under parallel.cpu_offload, on a
-CUDA mesh over a fake process group.
+(2.1 I2V's CLIP image encoder included); and the lean loader's fill under parallel.cpu_offload (every
+unit on the host, or the first parallel.offload_blocks blocks), on a CUDA mesh over a fake process group.
 
 Two things a CPU-only build lacks. A CUDA device guard: indexing, autocast's cast cache and autograd
 ask it for the device or stream of a CUDA tensor, and FakeTensorMode's no-op guard only replaces an
