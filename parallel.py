@@ -244,7 +244,8 @@ def check_offload_blocks(cfg: ParallelConfig, num_blocks: int) -> None:
 
 def offloaded(model: torch.nn.Module) -> set[int]:
     """ids of the parameters that FSDP keeps in host memory (parallel.cpu_offload), read from FSDP2's own
-    record of each unit's policy: the lean loader allocates their shards there, the others' on the device."""
+    record of each unit's policy (FSDPParam.offload_to_cpu; torch 2.13 has no public accessor): the lean
+    loader allocates their shards there, the others' on the device."""
     return {id(p.sharded_param) for module in model.modules() if isinstance(module, FSDPModule)
             if (group := module._get_fsdp_state()._fsdp_param_group) is not None
             for p in group.fsdp_params if p.offload_to_cpu}
