@@ -364,6 +364,7 @@ def prepare(cfg: Config, d: parallel.Dist):
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
             Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
         sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
+        parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])
         if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
             adapter.shift = cfg.train.flow_shift
         shapes = data.resolutions(cfg.data, adapter.check_resolution)

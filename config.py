@@ -83,6 +83,9 @@ class TrainConfig:
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     # Recompute each transformer block in the backward pass to save activation memory.
     gradient_checkpointing: bool = True
+    # With gradient_checkpointing: the block inputs that checkpointing keeps for the backward (one per block,
+    # the largest activations left) wait in pinned host memory instead, copied out and back beside the compute.
+    activation_offload: bool = False
     # torch.compile each transformer block (regional: one compile serves every block); slow first steps.
     compile: bool = False
     # The attention kernel of every transformer call, training's and validation's (through sdpa_kernel):
@@ -119,9 +122,13 @@ class ParallelConfig:
     # between them; must divide the world size and the model's attention heads. Per-rank batches count
     # sp groups: the global batch is batch_size x accumulation x world / sp_size.
     sp_size: int = 1
-    # FSDP: keep the sharded weights, gradients and optimizer state in CPU memory (FSDP2's
-    # CPUOffloadPolicy; AdamW steps on the CPU): for GPUs too small for them, at a cost in speed.
+    # FSDP (one process too): keep the sharded weights in pinned CPU memory, each block streamed to the GPU
+    # as it runs (FSDP2's CPUOffloadPolicy); LoRA's weights and AdamW state stay on the GPU, sft's gradients
+    # and AdamW state go to the CPU too (AdamW steps there): for GPUs too small for the model, at a cost in speed.
     cpu_offload: bool = False
+    # FSDP with cpu_offload, LoRA: only the first this many transformer blocks live in host memory, streamed
+    # to the GPU block by block; the others and the rest of the model stay on the GPU. 0: all of it on the host.
+    offload_blocks: int = 0
 
 
 @dataclass
@@ -356,6 +363,19 @@ def check_values(cfg: Config) -> None:
     if cfg.parallel.cpu_offload and cfg.train.mixed_precision == "fp16":
         # The loss scale lives on the GPU and offloaded gradients on the CPU; untested there, so refused.
         raise ConfigError("parallel.cpu_offload does not support train.mixed_precision = \"fp16\" yet: use \"bf16\"")
+    if cfg.parallel.offload_blocks < 0:
+        raise ConfigError(f"parallel.offload_blocks must be 0 (every block) or a number of blocks, got "
+                          f"{cfg.parallel.offload_blocks}")
+    if cfg.parallel.offload_blocks and not cfg.parallel.cpu_offload:
+        raise ConfigError("parallel.offload_blocks chooses how many blocks parallel.cpu_offload keeps in host memory: "
+                          "set parallel.cpu_offload = true, or remove it")
+    if cfg.parallel.offload_blocks and cfg.train.training_type == "sft":
+        # sft's gradients and AdamW state would be split between host and GPU: one device per run instead.
+        raise ConfigError("parallel.offload_blocks is for LoRA: with train.training_type = \"sft\" parallel.cpu_offload "
+                          "keeps every block, its gradients and its AdamW state in host memory; remove it")
+    if cfg.train.activation_offload and not cfg.train.gradient_checkpointing:
+        raise ConfigError("train.activation_offload moves the block inputs that activation checkpointing keeps to "
+                          "host memory: set train.gradient_checkpointing = true, or remove it")
     if cfg.run.deterministic and cfg.train.attention_backend == "cudnn":
         raise ConfigError("train.attention_backend = \"cudnn\" has no deterministic backward, and run.deterministic "
                           "= true: use \"flash\" or \"\" (SDPA's choice), whose backward is deterministic then")

@@ -2,7 +2,8 @@
 its trainable weights.
 
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
-the sequence split (parallel.sp_size), activation checkpointing per block, DDP or fully_shard per block then the root (under FSDP the base
+the sequence split (parallel.sp_size), activation checkpointing per block (its kept inputs in host memory with
+train.activation_offload), DDP or fully_shard per block then the root (under FSDP the base
 weights are read only then, each rank its shard), then AdamW over the trainable parameters only (with,
 for fp16, the loss scale). trainer.py, the export command and the render command all build it here,
 so a checkpoint's keys are the same wherever it is loaded.
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+import activations
 import lora
 import parallel
 import sequence
@@ -77,7 +79,7 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
         return parallel.wrap(transformer.requires_grad_(False), adapter.blocks(transformer), parallel_cfg,
                              train.mixed_precision, train.gradient_accumulation_steps, d)
 
-    return adapter.load_transformer(folder=folder, shard=shard, offload=parallel_cfg.cpu_offload)
+    return adapter.load_transformer(folder=folder, shard=shard)
 
 
 def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
@@ -109,7 +111,8 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
             sequence.check_heads(parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
             adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
         if train.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
+            transformer.enable_gradient_checkpointing(
+                activations.HostActivations(d.device).checkpoint if train.activation_offload else None)
         if train.compile:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
             # Each block, not the whole model: its repeated blocks share one compiled graph, and the
@@ -122,12 +125,15 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         # sft's fp32 weights are gathered in the autocast dtype (it casts them anyway), but for the fp32 modules.
         compute_dtype_params = frozenset(name for name, _ in transformer.named_parameters()
                                          if train.training_type == "sft" and not adapter.keeps_fp32(name))
+        # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the host.
+        resident = frozenset(name for name, p in transformer.named_parameters()
+                             if train.training_type == "lora" and p.requires_grad)
         return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                             train.gradient_accumulation_steps, d, compute_dtype_params)
+                             train.gradient_accumulation_steps, d, compute_dtype_params, resident)
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
     if fsdp:
-        return adapter.load_transformer(trainable_dtype, shard=prepare, offload=parallel_cfg.cpu_offload)
+        return adapter.load_transformer(trainable_dtype, shard=prepare)
     return prepare(adapter.load_transformer(trainable_dtype))
 
 

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoTokenizer
 
+import parallel
 from config import ConfigError, ModelConfig, check_resolution
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -228,8 +229,7 @@ class Adapter:
         check_resolution(resolution, self.frame_multiple, self.size_multiple, key)
 
     # Loading.
-    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None,
-                         offload: bool = False):
+    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None):
         """The transformer this run trains (or another expert's folder), in trainable_dtype or model.dtype,
         as from_pretrained builds it, weight for weight, but without allocating any weight before its
         values are read: without accelerate (not a requirement) from_pretrained allocates the whole model
@@ -237,8 +237,9 @@ class Adapter:
         folder's safetensors files. With it, shard(model) gets the model with its parameters still on
         the meta device (buffers real), wraps it (LoRA, fully_shard) and returns it; each rank then
         reads only its own rows of every sharded weight, so no rank ever holds the whole model, nor
-        sft's fp32 copy of it. With `offload` (parallel.cpu_offload) the rows are kept in host memory,
-        where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first forward."""
+        sft's fp32 copy of it. The rows of the units that parallel.cpu_offload streams are kept in host
+        memory, where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first
+        forward; the others' on the device."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
         from_file = self.single_file is not None and folder == self.transformer_folder  # model.transformer_file
@@ -256,9 +257,10 @@ class Adapter:
             else:
                 transformer = shard(transformer)
                 # fully_shard left the meta parameters on meta: allocate this rank's rows (FSDP's own
-                # _apply re-pads uneven shards), then fill them.
-                fill = torch.device("cpu") if offload else self.device
-                transformer._apply(lambda t: torch.empty_like(t, device=fill) if t.is_meta else t)
+                # _apply re-pads uneven shards) where FSDP keeps them, then fill them.
+                on_host = parallel.offloaded(transformer)
+                transformer._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in on_host else self.device)
+                                   if t.is_meta else t)
                 with torch.no_grad():
                     for name, param in transformer.named_parameters():
                         if name in weights.keys:

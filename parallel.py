@@ -159,8 +159,10 @@ def agree(work, d: Dist) -> list:
 
 
 def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str,
-         accumulation: int, d: Dist, compute_dtype_params: frozenset[str] = frozenset()):
-    """DDP (none for one process), or FSDP2: fully_shard each block, then the root.
+         accumulation: int, d: Dist, compute_dtype_params: frozenset[str] = frozenset(),
+         resident: frozenset[str] = frozenset()):
+    """DDP (none for one process), or FSDP2: fully_shard each block, then the root; one process too (a
+    1-rank mesh), which is what streaming needs.
 
     FSDP gathers every parameter in its own dtype (the frozen base in model.dtype, LoRA and the family's
     fp32 modules in fp32), with no cast of the blocks' inputs, and reduces gradients in fp32: autocast
@@ -169,7 +171,15 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelCon
     tables to bf16: another model than DDP's and the pipeline's. `compute_dtype_params` (names) are
     gathered in the autocast dtype instead: sft's fp32 weights, which autocast casts anyway, at half the
     traffic; where a unit also holds fp32 modules, its largest submodules without any are sharded apart
-    with that policy and the fp32 rest keeps the unit's own."""
+    with that policy and the fp32 rest keeps the unit's own.
+
+    Streaming (parallel.cpu_offload): the units of `streamed` keep their shards in pinned host memory;
+    FSDP2 copies a unit's shards to the GPU on its all-gather streams just before the unit runs, and
+    frees them after (reshard_after_forward), in the forward and again in the backward. Each unit
+    prefetches the next one's (the root block 0's) as it starts, so a copy overlaps the compute before
+    it; the backward prefetches in reverse by FSDP2's own order. `resident` (names: LoRA's weights) stay
+    on the GPU in a unit of their own within their block's, with their gradients and AdamW state: sft
+    passes none, and FSDP2 offloads its gradients and AdamW state with the weights (AdamW steps on the CPU)."""
     if cfg.strategy == "ddp" and d.world == 1:
         return model  # nothing to replicate: DDP's hooks would only cost time
     if cfg.strategy == "ddp":
@@ -189,26 +199,61 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelCon
     compute = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[mixed_precision], reduce_dtype=torch.float32,
                                    cast_forward_inputs=False)
     # Pinned host memory lets the copies to and from the GPU overlap compute; a CPU-only torch has none.
-    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-    options = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward, "offload_policy": offload}
+    host = CPUOffloadPolicy(pin_memory=d.device.type == "cuda")
+    options = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     cast = {id(p) for name, p in model.named_parameters() if name in compute_dtype_params}
+    kept = {id(p) for name, p in model.named_parameters() if name in resident}
+    on_host = streamed(model, blocks, cfg)
     for unit in [*blocks, model]:  # fully_shard replaces a unit's parameters: each is read before its own
-        groups = _compute_dtype_groups(unit, cast, blocks)
+        offload = host if any(unit is u for u in on_host) else OffloadPolicy()
+        groups = _groups(unit, cast, blocks)
         if groups == [unit]:
-            fully_shard(unit, mp_policy=compute, **options)
+            fully_shard(unit, mp_policy=compute, offload_policy=offload, **options)
             continue
         if groups:
-            fully_shard(groups, mp_policy=compute, **options)
-        fully_shard(unit, mp_policy=own, **options)
+            fully_shard(groups, mp_policy=compute, offload_policy=offload, **options)
+        if offload is host and (on_device := _groups(unit, kept, blocks)):
+            fully_shard(on_device, mp_policy=own, **options)
+        fully_shard(unit, mp_policy=own, offload_policy=offload, **options)
+    if cfg.cpu_offload:
+        for unit, following in zip([model, *blocks], blocks):
+            unit.set_modules_to_forward_prefetch([following])
     # diffusers' transformers return a view (the unpatchified output's reshape), and FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook: every op on the output here is out of place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     return model
 
 
-def _compute_dtype_groups(module: torch.nn.Module, cast: set[int], blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The largest submodules of `module` (itself included) whose parameters outside the blocks are all in
-    `cast` (ids), to be gathered in the compute dtype."""
+def streamed(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig) -> list[torch.nn.Module]:
+    """The units whose weights parallel.cpu_offload keeps in host memory: with offload_blocks = N the first
+    N blocks, else every block and the root. The first, not the last: the forward's first copy can hide
+    behind the root's embeddings (the root prefetches block 0), and the backward, which starts from the
+    last block the moment the forward ends, finds it resident; each later offloaded block's copy hides
+    behind the block computed before it, in either direction."""
+    if not cfg.cpu_offload:
+        return []
+    return blocks[:cfg.offload_blocks] if cfg.offload_blocks else [*blocks, model]
+
+
+def check_offload_blocks(cfg: ParallelConfig, num_blocks: int) -> None:
+    """parallel.offload_blocks against the model's blocks (its config's num_layers)."""
+    if cfg.offload_blocks > num_blocks:
+        raise ConfigError(f"parallel.offload_blocks = {cfg.offload_blocks}, but the model has {num_blocks} transformer "
+                          f"blocks: set at most {num_blocks} (0 streams every block and the rest of the model)")
+
+
+def offloaded(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters that FSDP keeps in host memory (parallel.cpu_offload), read from FSDP2's own
+    record of each unit's policy (FSDPParam.offload_to_cpu; torch 2.13 has no public accessor): the lean
+    loader allocates their shards there, the others' on the device."""
+    return {id(p.sharded_param) for module in model.modules() if isinstance(module, FSDPModule)
+            if (group := module._get_fsdp_state()._fsdp_param_group) is not None
+            for p in group.fsdp_params if p.offload_to_cpu}
+
+
+def _groups(module: torch.nn.Module, chosen: set[int], blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The largest submodules of `module` (itself included) whose parameters outside the blocks are all
+    `chosen` (ids): sharded apart with their own policy."""
     def outside_blocks(m):
         yield from m.parameters(recurse=False)
         for child in m.children():
@@ -216,10 +261,10 @@ def _compute_dtype_groups(module: torch.nn.Module, cast: set[int], blocks: list[
                 yield from outside_blocks(child)
 
     params = list(outside_blocks(module))
-    if params and all(id(p) in cast for p in params):
+    if params and all(id(p) in chosen for p in params):
         return [module]
     return [group for child in module.children() if not any(child is block for block in blocks)
-            for group in _compute_dtype_groups(child, cast, blocks)]
+            for group in _groups(child, chosen, blocks)]
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -9,8 +9,8 @@
 # 1. host syncs: CUDA's sync debug mode set to "error" over the non-log steps of each family
 #    (tests/test_host_syncs.py; on a CPU its dispatch-mode count instead)
 # 2. the attention kernel SDPA picks at every shipped config's sequence length (GPU only)
-# 3. the tiny trainer in bf16, 1 process: DDP, FSDP, FSDP with cpu_offload, each with async save,
-#    validation and export
+# 3. the tiny trainer in bf16, 1 process: DDP, FSDP, FSDP with cpu_offload (every block streamed; and
+#    block 0 alone with activation offload), each with async save, validation and export
 # 4. train.compile, its recompiles counted with TORCH_LOGS=recompiles (under the limit, model.py)
 # 5. run.deterministic: one attention forward and backward at CogVideoX-5B's sequence length
 # 6. bench/bench_gpu.py (--smoke on a CPU)
@@ -57,6 +57,8 @@ exported() {  # exported NAME OVERRIDES...: the run ends 0 with its LoRA written
 check tiny-ddp exported ddp --parallel.strategy ddp
 check tiny-fsdp exported fsdp --parallel.strategy fsdp
 check tiny-fsdp-cpu-offload exported offload --parallel.strategy fsdp --parallel.cpu_offload true
+check tiny-streaming exported streaming --parallel.strategy fsdp --parallel.cpu_offload true --parallel.offload_blocks 1 \
+    --train.gradient_checkpointing true --train.activation_offload true
 
 compiled() {  # the compiled run ends 0 without reaching dynamo's recompile limit
     TORCH_LOGS=recompiles exported compile --train.compile true --train.gradient_checkpointing true &&

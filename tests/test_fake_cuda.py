@@ -3,8 +3,8 @@ dtypes and devices, no data, no kernels): each variant's training loss under CUD
 where a CPU tensor mixed into a CUDA op raises as it does on a GPU and every host-to-device copy that
 would make the host wait is recorded (a blocking one, or a non-blocking one from pageable memory), its
 batch encoded first by the family's encoders, which are all gone after the cache pass releases them
-(2.1 I2V's CLIP image encoder included); and the lean loader's fill under parallel.cpu_offload, on a
-CUDA mesh over a fake process group.
+(2.1 I2V's CLIP image encoder included); and the lean loader's fill under parallel.cpu_offload (every
+unit on the host, or the first parallel.offload_blocks blocks), on a CUDA mesh over a fake process group.
 
 Two things a CPU-only build lacks. A CUDA device guard: indexing, autocast's cast cache and autograd
 ask it for the device or stream of a CUDA tensor, and FakeTensorMode's no-op guard only replaces an
@@ -33,7 +33,7 @@ import lora
 import model_adapter
 import parallel
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
-from model import build_model, load_adapter
+from model import build_frozen, build_model, load_adapter
 
 CUDA = torch.device("cuda", 0)  # an index: without one, .to() asks the (absent) CUDA runtime for the current device
 aten = torch.ops.aten
@@ -182,28 +182,46 @@ def outside_the_mode(function):
     return call
 
 
-def test_offloaded_shards_are_filled_on_the_cpu(tiny_models, monkeypatch, cuda_device_guard):
-    """parallel.cpu_offload on a GPU: FSDP2 wants every shard in (pinned) host memory at the first forward.
-    Filled on the GPU, each block's shards would be made there, then copied back by FSDP2's re-pinning
-    (torch 2.13 moves a shard that is not pinned to the CPU when its policy pins): GPU memory that
-    offloading is there to save. Full fine-tuning: LoRA's layers are made by skip_init, whose
-    to_empty cannot swap tensors in this mode."""
+def on_a_fake_cuda_mesh(monkeypatch, path: str, build) -> tuple[torch.nn.Module, dict[str, str], HostWaits]:
+    """build(adapter, d) on rank 0 of 2 over a fake process group, under fake CUDA tensors: the model, each
+    parameter's local shard's device type, and the copies made."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # fully_shard asks the runtime for it
     for module, name in ((parallel, "init_device_mesh"), (model_adapter, "compute_local_shape_and_global_offset"),
                          (model_adapter.Weights, "_rows")):
         monkeypatch.setattr(module, name, outside_the_mode(getattr(module, name)))
-    path = str(tiny_models("5b"))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), HostWaits() as copies:
             adapter = load_adapter(ModelConfig(path=path, dtype="bf16"), CUDA)
-            model = build_model(adapter, TrainConfig(training_type="sft"), LoraConfig(),
-                                ParallelConfig(strategy="fsdp", cpu_offload=True), 0, parallel.Dist(0, 2, 0, CUDA))
+            model = build(adapter, parallel.Dist(0, 2, 0, CUDA))
             devices = {name: p.to_local().device.type for name, p in model.named_parameters()}
     finally:
         dist.destroy_process_group()
     assert all(isinstance(p, DTensor) for p in model.parameters())
+    return model, devices, copies
+
+
+def test_offloaded_shards_are_filled_on_the_cpu(tiny_models, monkeypatch, cuda_device_guard):
+    """parallel.cpu_offload on a GPU: FSDP2 wants every shard in (pinned) host memory at the first forward.
+    Filled on the GPU, each block's shards would be made there, then copied back by FSDP2's re-pinning
+    (torch 2.13 moves a shard that is not pinned to the CPU when its policy pins): GPU memory that
+    offloading is there to save. Full fine-tuning: LoRA's layers are made by skip_init, whose
+    to_empty cannot swap tensors in this mode."""
+    model, devices, copies = on_a_fake_cuda_mesh(monkeypatch, str(tiny_models("5b")), lambda adapter, d: build_model(
+        adapter, TrainConfig(training_type="sft"), LoraConfig(), ParallelConfig(strategy="fsdp", cpu_offload=True), 0, d))
     assert set(devices.values()) == {"cpu"}, {name: device for name, device in devices.items() if device != "cpu"}
     assert copies.to_host == []
+
+
+def test_offload_blocks_keeps_the_first_blocks_on_the_host(tiny_models, monkeypatch, cuda_device_guard):
+    """parallel.offload_blocks = 1: block 0's shards are made in host memory, the other block's and the
+    rest of the model's on the GPU, each where FSDP keeps it (a frozen model: the other expert's path,
+    which LoRA's skip_init cannot take here)."""
+    model, devices, copies = on_a_fake_cuda_mesh(monkeypatch, str(tiny_models("5b")), lambda adapter, d: build_frozen(
+        adapter, adapter.transformer_folder, TrainConfig(),
+        ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=1), d))
+    on_host = {name for name, device in devices.items() if device == "cpu"}
+    assert on_host == {name for name in devices if name.startswith("transformer_blocks.0.")} and on_host
+    assert set(devices.values()) == {"cpu", "cuda"} and copies.to_host == []

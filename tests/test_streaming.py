@@ -1,0 +1,156 @@
+"""Training one card's way, on one process: block streaming (parallel.cpu_offload on a 1-rank FSDP mesh,
+all of the frozen base or its first parallel.offload_blocks blocks in host memory) and activation offload
+(train.activation_offload) train the LoRA of the plain run, render its validation clips and resume
+bitwise after a stop. On this CPU-only machine host and device are one memory: the runs hold the code
+paths (FSDP2's units and policies, the saved-tensors hooks) to the plain run's numbers, and
+tests/test_fake_cuda.py holds where each weight lives on a CUDA mesh."""
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import train_losses, write_toml
+from safetensors.torch import load_file
+
+import activations
+import parallel
+import trainer
+from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from model import build_model, load_adapter
+
+STREAMING = {"parallel.strategy": "fsdp", "parallel.cpu_offload": True}
+RUNS = {
+    "plain": {},
+    "streamed": STREAMING,
+    # Block 0 on the host, block 1 and the rest resident; with checkpointing and its inputs offloaded.
+    "one_block": {**STREAMING, "parallel.offload_blocks": 1, "train.gradient_checkpointing": True,
+                  "train.activation_offload": True},
+}
+VALIDATED = ("plain", "streamed")  # validation costs about as much as training here: two runs render
+STEPS, BLOCKS = 4, 2  # the tiny CogVideoX-2b has 2 blocks
+
+
+@pytest.fixture(scope="module")
+def settings(base_settings, tmp_path_factory):
+    root = tmp_path_factory.mktemp("streaming")
+
+    def make(name: str, run: str) -> tuple:
+        validation = {"validation.do_validation": True, "validation.validation_steps": STEPS,
+                      "validation.prompts": ["a red ball"], "validation.num_inference_steps": 2,
+                      "validation.save_frames": True} if name in VALIDATED else {}
+        merged = {**base_settings, "run.output_dir": str(root / name), "train.steps": STEPS,
+                  "checkpoint.checkpointing_steps": 2, **validation, **RUNS[run]}
+        return write_toml(root / f"{name}.toml", merged), root / name
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def runs(settings):
+    """Each run in this process, 4 steps in fp32; the tensors that activation offload packed and unpacked."""
+    outputs, packed, unpacked = {}, [], []
+    pack, unpack = activations.HostActivations.pack, activations.HostActivations.unpack
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(activations.HostActivations, "pack",
+                  lambda self, kept, tensor: packed.append(tuple(tensor.shape)) or pack(self, kept, tensor))
+        m.setattr(activations.HostActivations, "unpack", lambda self, handle: unpacked.append(1) or unpack(self, handle))
+        for run in RUNS:
+            config, outputs[run] = settings(run, run)
+            trainer.main(["--cfg", str(config)])
+    outputs["packed"], outputs["unpacked"] = packed, len(unpacked)
+    return outputs
+
+
+def lora_of(output_dir):
+    return load_file(output_dir / "lora" / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.parametrize("run", ["streamed", "one_block"])
+def test_trains_the_plain_runs_lora(runs, run):
+    plain, ours = lora_of(runs["plain"]), lora_of(runs[run])
+    assert ours.keys() == plain.keys()
+    assert max((ours[k] - plain[k]).abs().max().item() for k in plain) <= 1e-6
+    assert train_losses(runs[run]) == pytest.approx(train_losses(runs["plain"]), rel=1e-6, abs=0)
+
+
+def test_activation_offload_moves_what_checkpointing_keeps(runs):
+    """Each step's forward sends every block's tensor inputs (the video tokens [batch, tokens, width], the
+    text tokens, the timestep embedding) to the host once, and the backward takes each back."""
+    assert runs["unpacked"] == len(runs["packed"])
+    # The tiny CogVideoX-2b at 9x32x32: 3 latent frames of 4x4 patches (48 video tokens), 16 text tokens, width 32.
+    assert runs["packed"] == [(2, 48, 32), (2, 16, 32), (2, 32)] * (STEPS * BLOCKS)
+
+
+def test_validation_clips_equal_the_plain_runs(runs):
+    """Rendered with every block streamed, before training and after it: the plain run's frames."""
+    clips = sorted(p.name for p in (runs["plain"] / "validation_res").glob("*.safetensors"))
+    assert clips == sorted(p.name for p in (runs["streamed"] / "validation_res").glob("*.safetensors"))
+    assert clips == ["step_0_prompt_0.safetensors", f"step_{STEPS}_prompt_0.safetensors"]
+    for name in clips:
+        ours = load_file(runs["streamed"] / "validation_res" / name)
+        plain = load_file(runs["plain"] / "validation_res" / name)
+        assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in plain), name
+
+
+def test_stopped_streaming_run_resumes_bitwise(runs, settings, monkeypatch):
+    """Stopped by an error after step 3, in this process: what a kill leaves on disk (checkpoint-2, nothing
+    after it; tests/test_ckpt.py kills with SIGKILL), at a fraction of a new process's cost."""
+    config, out = settings("stopped", "one_block")
+    monkeypatch.setenv("VIDTRAIN_FAULT", "step_fail:3")
+    with pytest.raises(SystemExit):
+        trainer.main(["--cfg", str(config)])
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
+    monkeypatch.delenv("VIDTRAIN_FAULT")
+    trainer.main(["--cfg", str(config)])
+    assert train_losses(out) == train_losses(runs["one_block"])
+    ours, reference = lora_of(out), lora_of(runs["one_block"])
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+@pytest.mark.parametrize("offload_blocks", [0, 1])
+def test_what_lives_on_the_host_and_what_prefetches(tiny_model, offload_blocks):
+    """FSDP2's record of each unit's policy, which decides on a GPU where a shard lives: the frozen base
+    on the host (every block and the root's own weights, or block 0 alone), LoRA's weights never; every
+    unit prefetches the next block's copy as it starts, the root block 0's."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        adapter = load_adapter(ModelConfig(path=str(tiny_model), dtype="fp32"), d.device)
+        model = build_model(adapter, TrainConfig(mixed_precision="no"), LoraConfig(rank=4),
+                            ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=offload_blocks), 0, d)
+    finally:
+        dist.destroy_process_group()
+    host = parallel.offloaded(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert {name for name, p in model.named_parameters() if id(p) in host} == (
+        frozen if offload_blocks == 0 else {name for name in frozen if name.startswith("transformer_blocks.0.")})
+    units = [model, *adapter.blocks(model)]
+    assert [unit._get_fsdp_state()._states_to_forward_prefetch for unit in units[:-1]] == \
+        [[block._get_fsdp_state()] for block in units[1:]]
+
+
+REQUIRED = ["--run.output_dir", "/tmp/out", "--model.path", "/m", "--data.data_root", "/d"]
+STREAM = ["--parallel.strategy", "fsdp", "--parallel.cpu_offload", "true"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel.offload_blocks", "-1"], "parallel.offload_blocks must be 0 (every block) or a number of blocks"),
+    (["--parallel.offload_blocks", "2"], "parallel.offload_blocks chooses how many blocks parallel.cpu_offload keeps"),
+    ([*STREAM, "--parallel.offload_blocks", "2", "--train.training_type", "sft"],
+     "parallel.offload_blocks is for LoRA"),
+    (["--train.activation_offload", "true", "--train.gradient_checkpointing", "false"],
+     "train.activation_offload moves the block inputs that activation checkpointing keeps"),
+])
+def test_mistakes_name_the_key(args, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, REQUIRED + args)
+    assert message in str(error.value)
+
+
+def test_more_blocks_than_the_model_has_stop_before_the_cache_pass(settings, caplog):
+    config, out = settings("too_many", "streamed")
+    with pytest.raises(SystemExit), caplog.at_level(logging.ERROR, logger="vidtrain"):
+        trainer.main(["--cfg", str(config), "--parallel.offload_blocks", "3", "--data.cache_dir", str(out / "cache")])
+    assert "parallel.offload_blocks = 3, but the model has 2 transformer blocks: set at most 2" in caplog.text
+    assert not (out / "cache").exists()
