@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,54 +105,34 @@ class Cache:
 
 
 class Prefetch:
-    """The training step's micro-batches, each read by a thread of its own while the micro-step before it
-    computes: the cache files, the stack, and on a GPU a copy into pinned memory, from which the step's
-    copy to the device queues behind the running step (from pageable memory CUDA would stage it
+    """The training step's micro-batches, each read by one background thread while the micro-step before
+    it computes: the cache files, the stack, and on a GPU a copy into pinned memory, from which the
+    step's copy to the device queues behind the running step (from pageable memory CUDA would stage it
     synchronously). It reads exactly the items it is given, so batches and their order are the
-    sampler's; it holds nothing a checkpoint needs, and no thread outlives its one read. A read that
-    fails raises its error in the step that takes the batch."""
+    sampler's, and holds nothing a checkpoint needs. A read that fails raises its error in the step
+    that takes the batch. The thread ends at close(), or when the object is collected (an error)."""
 
     def __init__(self, cache: Cache, device: torch.device):
-        self.cache, self.device, self.ahead = cache, device, None
+        self.cache, self.device, self.ahead = cache, device, None  # ahead: (items, their read)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="vidtrain-prefetch")  # started once: no per-read start
 
     def batch(self, items: list[data.Item], following: list[data.Item] | None) -> dict[str, torch.Tensor]:
         """`items`' batch on the device (read ahead when the last call named them), then `following`'s read
         started (None: nothing follows)."""
-        read = self.ahead if self.ahead is not None and self.ahead.items == items else _Read(self.host, items)
-        host = read.result()
-        self.ahead = _Read(self.host, following) if following is not None else None
-        return {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+        ahead = self.ahead is not None and self.ahead[0] == items
+        host = (self.ahead[1] if ahead else self.reader.submit(self.host, items)).result()
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}  # queued before the next read
+        self.ahead = (following, self.reader.submit(self.host, following)) if following is not None else None
+        return batch
 
     def host(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
         batch = self.cache.load_batch(items)
         return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
 
     def close(self) -> None:
-        """Wait for the read under way (a stop after a step leaves the next step's)."""
-        if self.ahead is not None:
-            self.ahead.join()
-            self.ahead = None
-
-
-class _Read(threading.Thread):
-    """One batch read in the background; result() waits for it, raising its error here."""
-
-    def __init__(self, read, items: list[data.Item]):
-        super().__init__(name="vidtrain-prefetch")
-        self.read, self.items, self.batch, self.error = read, items, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.batch = self.read(self.items)
-        except BaseException as e:  # noqa: BLE001 - handed to the thread that wants the batch
-            self.error = e
-
-    def result(self) -> dict[str, torch.Tensor]:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.batch
+        """Wait for the read under way (a stop after a step leaves the next step's), and end the thread."""
+        self.reader.shutdown(wait=True)
+        self.ahead = None
 
 
 def encoder_identity(adapter, manifest: Manifest, d: parallel.Dist) -> dict[str, dict]:

@@ -2,6 +2,7 @@
 
     python bench/bench_cache.py [--part all|throughput|memory|workers|startup|prefetch] [--clips 96]
         [--startup-clips 10000] [--repeats 2] [--cold-repeats 2] [--startup-dir DIR] [--prefetch-steps 200]
+        [--read-latency-ms 0]
 
 Every part builds its model and clips in a temporary folder and compares against a baseline measured
 in the same run:
@@ -19,7 +20,9 @@ in the same run:
 - prefetch: training's batch fetch in this process, one thread, the tiny CogVideoX with LoRA rank 4:
   --prefetch-steps micro-steps (fetch, loss, backward) with each batch read in the step's thread
   (cache.load_batch, the baseline) against cache.Prefetch (read while the step before computes),
-  interleaved --repeats times; the step thread's wait for its batch and the whole micro-step, medians.
+  interleaved --repeats times (each first in every other one); the step thread's wait for its batch
+  and the whole micro-step, medians. --read-latency-ms sleeps before each file read, a stand-in for a
+  network filesystem (an emulation, not a measurement of one).
 """
 
 import argparse
@@ -197,6 +200,9 @@ def prefetch(root: Path, args) -> None:
     cpu = torch.device("cpu")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     adapter, entries, clips, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, cpu))
+    if args.read_latency_ms:  # a stand-in for a network filesystem's latency per file (it sleeps, as I/O waits)
+        read = entries.read
+        entries.read = lambda item, kind: time.sleep(args.read_latency_ms / 1000) or read(item, kind)
     model = adapter.load_transformer()
     lora.inject_lora(model, cfg.lora.target_modules, 4, 2, 0.0, 0)
     sampler = data.Sampler([clip.bucket for clip in clips], 2, 0)
@@ -218,16 +224,20 @@ def prefetch(root: Path, args) -> None:
     def inline(k):
         return {key: value.to(cpu, non_blocking=True) for key, value in entries.load_batch(batches[k]).items()}
 
+    def prefetched(k):
+        return ahead.batch(batches[k], batches[k + 1] if k + 1 < len(batches) else None)
+
     measured = {"in the step's thread": [], "cache.Prefetch": []}
-    for _ in range(args.repeats):
-        measured["in the step's thread"].append(micro_steps(inline))
+    for r in range(args.repeats):
         ahead = cache.Prefetch(entries, cpu)
-        measured["cache.Prefetch"].append(micro_steps(
-            lambda k: ahead.batch(batches[k], batches[k + 1] if k + 1 < len(batches) else None)))
+        for name, fetch in sorted({"in the step's thread": inline, "cache.Prefetch": prefetched}.items(),
+                                  reverse=r % 2 == 1):  # each first in every other repetition
+            measured[name].append(micro_steps(fetch))
         ahead.close()
     dist.destroy_process_group()
-    print(f"prefetch: {args.prefetch_steps} micro-steps of batch 2 (9x32x32, 2 cache files per clip), tiny CogVideoX "
-          f"LoRA rank 4, loss + backward, 1 thread, {args.repeats} interleaved repetitions; medians in ms")
+    latency = f", {args.read_latency_ms} ms slept per file read" if args.read_latency_ms else ""
+    print(f"prefetch: {args.prefetch_steps} micro-steps of batch 2 (9x32x32, 2 cache files per clip{latency}), tiny "
+          f"CogVideoX LoRA rank 4, loss + backward, 1 thread, {args.repeats} interleaved repetitions; medians in ms")
     base_wait, base_step = (statistics.median(run[i] for run in measured["in the step's thread"]) for i in (0, 1))
     for name, runs in measured.items():
         wait, step = (statistics.median(run[i] for run in runs) for i in (0, 1))
@@ -249,6 +259,8 @@ def main() -> None:
     parser.add_argument("--cold-repeats", type=int, default=2, help="startup runs without the manifest")
     parser.add_argument("--startup-dir", default="", help="keep the startup part's clips and cache here, and reuse them")
     parser.add_argument("--prefetch-steps", type=int, default=200, help="micro-steps per run of the prefetch part")
+    parser.add_argument("--read-latency-ms", type=float, default=0.0,
+                        help="prefetch part: sleep this long before each cache file read (a slow filesystem's stand-in)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
