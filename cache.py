@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import command
@@ -45,7 +46,7 @@ import sequence
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
 from model import load_adapter
-from model_adapter import Weights, to_device
+from model_adapter import Weights
 
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
@@ -93,16 +94,53 @@ class Cache:
         with faults.written(path, CACHE_FIX) as tmp:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
 
-    def load_batch(self, items: list[data.Item], device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """The items' entries stacked, on `device` when given: pinned, then a non-blocking copy, which on a
-        GPU queues behind the running step instead of waiting for it (model_adapter.to_device). Audio only
-        when every item has sound: a batch holding a clip without sound trains its video alone."""
-        entries = [{k: v for kind in self.kinds for k, v in load_file(self.path(item, kind)).items()} for item in items]
+    def load_batch(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
+        """The items' entries stacked, in host memory. A damaged or missing entry is named. Audio only when
+        every item has sound: a batch holding a clip without sound trains its video alone."""
+        entries = [{k: v for kind in self.kinds for k, v in self.read(item, kind).items()} for item in items]
         for entry in entries:
             text = entry["prompt_embeds"]
             entry["prompt_embeds"] = torch.cat([text, text.new_zeros(self.text_length - len(text), text.shape[1])])
-        batch = {k: torch.stack([e[k] for e in entries]) for k in entries[0] if all(k in e for e in entries)}
-        return batch if device is None else {k: to_device(v, device) for k, v in batch.items()}
+        return {k: torch.stack([e[k] for e in entries]) for k in entries[0] if all(k in e for e in entries)}
+
+    def read(self, item: data.Item, kind: str) -> dict[str, torch.Tensor]:
+        path = self.path(item, kind)
+        try:
+            return load_file(path)
+        except (OSError, SafetensorError) as e:  # safetensors names neither the file nor what to do
+            raise OSError(f"cache entry {path} cannot be read ({e}): delete it and launch again, the cache pass "
+                          "encodes it anew") from None
+
+
+class Prefetch:
+    """The training step's micro-batches, each read by one background thread while the micro-step before
+    it computes: the cache files, the stack, and on a GPU a copy into pinned memory, from which the
+    step's copy to the device queues behind the running step (from pageable memory CUDA would stage it
+    synchronously). It reads exactly the items it is given, so batches and their order are the
+    sampler's, and holds nothing a checkpoint needs. A read that fails raises its error in the step
+    that takes the batch. The thread ends at close(), or when the object is collected (an error)."""
+
+    def __init__(self, cache: Cache, device: torch.device):
+        self.cache, self.device, self.ahead = cache, device, None  # ahead: (items, their read)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="vidtrain-prefetch")  # started once: no per-read start
+
+    def batch(self, items: list[data.Item], following: list[data.Item] | None) -> dict[str, torch.Tensor]:
+        """`items`' batch on the device (read ahead when the last call named them), then `following`'s read
+        started (None: nothing follows)."""
+        ahead = self.ahead is not None and self.ahead[0] == items
+        host = (self.ahead[1] if ahead else self.reader.submit(self.host, items)).result()
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}  # queued before the next read
+        self.ahead = (following, self.reader.submit(self.host, following)) if following is not None else None
+        return batch
+
+    def host(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
+        batch = self.cache.load_batch(items)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
+
+    def close(self) -> None:
+        """Wait for the read under way (a stop after a step leaves the next step's), and end the thread."""
+        self.reader.shutdown(wait=True)
+        self.ahead = None
 
 
 def encoder_identity(adapter, manifest: Manifest, d: parallel.Dist) -> dict[str, dict]:

@@ -311,10 +311,19 @@ class Sampler:
         return self._batches[1]
 
     def next_batch(self) -> list[int]:
-        if self.consumed == len(self._epoch_batches(self.epoch)):
-            self.epoch, self.consumed = self.epoch + 1, 0
-        self.consumed += 1
+        self.epoch, self.consumed = self._after()
         return self._epoch_batches(self.epoch)[self.consumed - 1]
+
+    def peek(self) -> list[int]:
+        """The batch next_batch returns next, not taken: the state a checkpoint holds stays as it is."""
+        epoch, consumed = self._after()
+        return self._epoch_batches(epoch)[consumed - 1]
+
+    def _after(self) -> tuple[int, int]:
+        """(epoch, consumed) once the next batch is taken."""
+        if self.consumed == len(self._epoch_batches(self.epoch)):
+            return self.epoch + 1, 1
+        return self.epoch, self.consumed + 1
 
     def state_dict(self) -> dict:
         return {"epoch": torch.tensor(self.epoch), "consumed": torch.tensor(self.consumed),

@@ -26,6 +26,7 @@ import lora
 import memory
 import parallel
 import validate
+from cache import Prefetch
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
 from config import Config, ConfigError, TrainConfig, to_toml
 from metrics import Metrics
@@ -182,6 +183,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             raise parallel.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
                                      "again to run it")
     window, stop = TrainWindow(d, global_batch, state.step), False
+    prefetch = Prefetch(cache, d.device)
 
     for step in range(state.step + 1, t.steps + 1):
         batch_ids = sampler.next_batch()
@@ -190,7 +192,8 @@ def train(cfg: Config, d: parallel.Dist) -> None:
         step_loss = torch.zeros((), device=d.device)
         for micro in range(t.gradient_accumulation_steps):
             positions = data.micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)
-            batch = cache.load_batch([train_clips[batch_ids[p]] for p in positions], d.device)
+            batch = prefetch.batch([train_clips[batch_ids[p]] for p in positions],
+                                   following_clips(train_clips, sampler, batch_ids, step, micro, t, d))
             generators = [data.keyed_generator(cfg.run.seed, step, p) for p in positions]
             if cfg.lora.dropout:
                 lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro,
@@ -230,6 +233,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
             break
 
+    prefetch.close()
     metrics.close()
     if stop and state.step == t.steps and state.validation_pending:  # the export waits for the last validation
         raise parallel.Preempted(f"after the last step ({state.step}), before its validation completed; checkpoint "
@@ -237,6 +241,19 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     if stop and state.step < t.steps:
         raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
     export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
+
+
+def following_clips(clips: list, sampler: data.Sampler, batch_ids: list[int], step: int, micro: int,
+                    t: TrainConfig, d: parallel.Dist) -> list | None:
+    """This rank's clips of the micro-step after (step, micro), read while this one computes; None after
+    the last step. The sampler is peeked at, not advanced: its state stays the completed steps'."""
+    if micro + 1 < t.gradient_accumulation_steps:
+        micro += 1
+    elif step < t.steps:
+        batch_ids, micro = sampler.peek(), 0
+    else:
+        return None
+    return [clips[batch_ids[p]] for p in data.micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)]
 
 
 def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: TrainState, step: int,

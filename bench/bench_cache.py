@@ -1,7 +1,8 @@
 """The data path: cache-pass throughput, decode memory, decode workers, and startup with a full cache.
 
-    python bench/bench_cache.py [--part all|throughput|memory|workers|startup] [--clips 96] [--startup-clips 10000]
-        [--repeats 2] [--cold-repeats 2] [--startup-dir DIR]
+    python bench/bench_cache.py [--part all|throughput|memory|workers|startup|prefetch] [--clips 96]
+        [--startup-clips 10000] [--repeats 2] [--cold-repeats 2] [--startup-dir DIR] [--prefetch-steps 200]
+        [--read-latency-ms 0]
 
 Every part builds its model and clips in a temporary folder and compares against a baseline measured
 in the same run:
@@ -16,6 +17,12 @@ in the same run:
   and hashed again), medians of --repeats and --cold-repeats runs; target warm < 10 s. With
   --startup-dir DIR the model, clips and cache stay in DIR and later runs reuse them (the fill takes
   minutes).
+- prefetch: training's batch fetch in this process, one thread, the tiny CogVideoX with LoRA rank 4:
+  --prefetch-steps micro-steps (fetch, loss, backward) with each batch read in the step's thread
+  (cache.load_batch, the baseline) against cache.Prefetch (read while the step before computes),
+  interleaved --repeats times (each first in every other one); the step thread's wait for its batch
+  and the whole micro-step, medians. --read-latency-ms sleeps before each file read, a stand-in for a
+  network filesystem (an emulation, not a measurement of one).
 """
 
 import argparse
@@ -176,9 +183,73 @@ def startup(root: Path, args) -> None:
         print(f"  cold / warm    {statistics.median(cold) / statistics.median(warm):6.2f}x")
 
 
+def prefetch(root: Path, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import cache
+    import data
+    import lora
+    import parallel
+    from config import load_config
+
+    torch.set_num_threads(1)
+    make_synthetic_dataset(str(root / "pf"), 24, 17, 40, 48, seed=0)
+    cfg = load_config(str(write_toml(root / "prefetch.toml", {**settings(root, "pf", [9, 32, 32], "pf-cache"),
+                                                              "train.batch_size": 2, "data.held_out": 4})))
+    cpu = torch.device("cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    adapter, entries, clips, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, cpu))
+    if args.read_latency_ms:  # a stand-in for a network filesystem's latency per file (it sleeps, as I/O waits)
+        read = entries.read
+        entries.read = lambda item, kind: time.sleep(args.read_latency_ms / 1000) or read(item, kind)
+    model = adapter.load_transformer()
+    lora.inject_lora(model, cfg.lora.target_modules, 4, 2, 0.0, 0)
+    sampler = data.Sampler([clip.bucket for clip in clips], 2, 0)
+    batches = [[clips[i] for i in sampler.next_batch()] for _ in range(args.prefetch_steps)]
+
+    def micro_steps(fetch) -> tuple[float, float]:
+        """Median seconds of the step thread's wait for its batch, and of the whole micro-step."""
+        waits, steps = [], []
+        for k in range(len(batches)):
+            start = time.perf_counter()
+            batch = fetch(k)
+            fetched = time.perf_counter()
+            adapter.train_loss(model, batch, [data.keyed_generator(0, k, p) for p in range(2)]).mean().backward()
+            model.zero_grad(set_to_none=True)
+            waits.append(fetched - start)
+            steps.append(time.perf_counter() - start)
+        return statistics.median(waits), statistics.median(steps)
+
+    def inline(k):
+        return {key: value.to(cpu, non_blocking=True) for key, value in entries.load_batch(batches[k]).items()}
+
+    def prefetched(k):
+        return ahead.batch(batches[k], batches[k + 1] if k + 1 < len(batches) else None)
+
+    measured = {"in the step's thread": [], "cache.Prefetch": []}
+    for r in range(args.repeats):
+        ahead = cache.Prefetch(entries, cpu)
+        for name, fetch in sorted({"in the step's thread": inline, "cache.Prefetch": prefetched}.items(),
+                                  reverse=r % 2 == 1):  # each first in every other repetition
+            measured[name].append(micro_steps(fetch))
+        ahead.close()
+    dist.destroy_process_group()
+    latency = f", {args.read_latency_ms} ms slept per file read" if args.read_latency_ms else ""
+    print(f"prefetch: {args.prefetch_steps} micro-steps of batch 2 (9x32x32, 2 cache files per clip{latency}), tiny "
+          f"CogVideoX LoRA rank 4, loss + backward, 1 thread, {args.repeats} interleaved repetitions; medians in ms")
+    base_wait, base_step = (statistics.median(run[i] for run in measured["in the step's thread"]) for i in (0, 1))
+    for name, runs in measured.items():
+        wait, step = (statistics.median(run[i] for run in runs) for i in (0, 1))
+        print(f"  {name:22s} wait for the batch {wait * 1000:6.3f} ({wait / base_wait:5.2f}x)   micro-step "
+              f"{step * 1000:6.2f} ({step / base_step:5.3f}x)   runs: "
+              + " ".join(f"{w * 1000:.3f}/{s * 1000:.2f}" for w, s in runs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "throughput", "memory", "workers", "startup"], default="all")
+    parser.add_argument("--part", choices=["all", "throughput", "memory", "workers", "startup", "prefetch"],
+                        default="all")
     parser.add_argument("--clips", type=int, default=48, help="clips in the throughput part")
     parser.add_argument("--batch", type=int, default=8, help="clips per VAE/T5 call in the batched runs")
     parser.add_argument("--nproc", type=int, default=2, help="ranks in the spread run")
@@ -187,11 +258,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cold-repeats", type=int, default=2, help="startup runs without the manifest")
     parser.add_argument("--startup-dir", default="", help="keep the startup part's clips and cache here, and reuse them")
+    parser.add_argument("--prefetch-steps", type=int, default=200, help="micro-steps per run of the prefetch part")
+    parser.add_argument("--read-latency-ms", type=float, default=0.0,
+                        help="prefetch part: sleep this long before each cache file read (a slow filesystem's stand-in)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_tiny_model(str(root / "model"))
-        for part in (throughput, memory, workers, startup):
+        for part in (throughput, memory, workers, startup, prefetch):
             if args.part in ("all", part.__name__):
                 part(root, args)
 

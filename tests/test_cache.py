@@ -2,10 +2,12 @@
 make them, aspect-aware buckets, images as one-frame clips, entries that survive recaptioning and
 per-node copies, the manifest."""
 
+import gc
 import json
 import logging
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -287,3 +289,40 @@ def test_a_transformer_without_weights_is_named_before_the_pass(tiny_model, writ
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
+
+
+class InFolder(cache.Cache):
+    """A cache whose entries are files in `folder` named by their item (a string) and kind."""
+
+    def __init__(self, folder, text_length: int):
+        self.dir, self.kinds, self.text_length = folder, ("video", "text"), text_length
+
+    def path(self, item, kind: str) -> str:
+        return str(self.dir / f"{item}-{kind}.safetensors")
+
+
+def test_a_damaged_entry_is_named_by_the_step_that_takes_it(tmp_path):
+    """An entry cut short (a full disk, an interrupted copy) read ahead by the prefetch thread stops the
+    step that takes its batch, naming the file and the fix; the thread ends with the failed run's prefetch."""
+    for item in ("a", "b"):
+        save_file({"latent_mean": torch.zeros(2, 4), "latent_logvar": torch.zeros(2, 4)},
+                  tmp_path / f"{item}-video.safetensors")
+        save_file({"prompt_embeds": torch.ones(3, 8)}, tmp_path / f"{item}-text.safetensors")
+    damaged = tmp_path / "b-video.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-8])
+    prefetch = cache.Prefetch(InFolder(tmp_path, 5), torch.device("cpu"))
+    assert prefetch.batch(["a"], ["b"])["prompt_embeds"].shape == (1, 5, 8)  # b is read meanwhile
+    with pytest.raises(OSError) as raised:
+        prefetch.batch(["b"], None)
+    assert str(raised.value) == (f"cache entry {damaged} cannot be read (Error while deserializing header: incomplete "
+                                 "metadata, file not fully covered): delete it and launch again, the cache pass "
+                                 "encodes it anew")
+    threads = [thread for thread in threading.enumerate() if thread.name.startswith("vidtrain-prefetch")]
+    assert len(threads) == 1
+    # A failed run drops its prefetch; the error's traceback holds it in a cycle, which command.shutdown's
+    # gc.collect() frees: the thread ends then.
+    del prefetch, raised
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not threads[0].is_alive()

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import data
 import parallel
 from cache import prepare as prepare_data
-from config import load_config
-from model import build_model
+from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from model import build_model, load_adapter
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
@@ -220,3 +220,35 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(write_c
                                                                 "train.max_nonfinite_steps": 1, **settings}))],
                       env={"VIDTRAIN_FAULT": "nan_loss:3"})
         assert nan.returncode == 1 and "step 3: 1 steps in a row with a non-finite gradient norm" in nan.stderr
+
+
+def test_ddp_broadcasts_no_buffer_at_each_forward(tiny_model, monkeypatch):
+    """The trainer's DDP (parallel.wrap) sends no buffer from rank 0 before each forward, as torch's default
+    would: no buffer changes in training, and CogVideoX-2B's float64 positions (the tiny 2b model has them)
+    are 260 MiB at 49x480x720. DDP's broadcasts counted on 2 ranks of a fake process group (collectives
+    that do nothing, so no backward: its reduction wants a result) in this process, over two forwards
+    with autograd on; the same model under torch's default DDP is the counter's control."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    broadcasts, broadcast = [], dist._broadcast_coalesced
+    monkeypatch.setattr(dist, "_broadcast_coalesced", lambda group, tensors, *args: broadcasts.append(
+        [(tuple(t.shape), t.dtype) for t in tensors]) or broadcast(group, tensors, *args))
+    cpu = torch.device("cpu")
+    adapter = load_adapter(ModelConfig(path=str(tiny_model), dtype="fp32"), cpu)
+    inputs = {"hidden_states": torch.randn(1, 3, 4, 8, 8), "encoder_hidden_states": torch.randn(1, 16, 32),
+              "timestep": torch.tensor([10])}
+    per_forward = {}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ours = build_model(adapter, TrainConfig(), LoraConfig(), ParallelConfig(strategy="ddp"), 0,
+                           parallel.Dist(0, 2, 0, cpu))
+        for name, model in (("ours", ours), ("default", DistributedDataParallel(ours.module))):
+            broadcasts.clear()
+            for _ in range(2):
+                model(**inputs)
+            per_forward[name] = list(broadcasts)
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(ours, DistributedDataParallel)
+    assert per_forward == {"ours": [], "default": [[((1, 64, 32), torch.float64)]] * 2}

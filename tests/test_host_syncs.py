@@ -13,15 +13,16 @@ import torch.distributed as dist
 from conftest import REPO
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cache
+import data
 import faults
 import parallel
 import trainer
-from config import load_config
+from config import RunConfig, load_config
+from families.cogvideox import CogVideoXAdapter
 
 # Host reads allowed on a step that does not log, keyed by (root module, function), with the reason.
 ALLOWED = {
-    ("cache.py", "load_batch"): "safetensors reads the cache file's bytes through a CPU storage: a host "
-                                "tensor, the file itself, before any copy to the device",
     ("parallel.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
                                            "earlier, so reading it waits neither for the device nor for a peer",
 }
@@ -115,3 +116,32 @@ def test_no_device_syncs_on_a_gpu(write_config, monkeypatch, wan_models, variant
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [read for read in mode.reads if read[:2] not in ALLOWED or read[3] != "cpu"] == []
+
+
+def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
+    """The batches the step trains on, each read while the micro-step before it computes, are those the
+    sampler and the cache give without reading ahead: same clips, same order, across the accumulation's
+    micro-steps, the steps, the epoch's end (20 clips, 5 global batches of 4 per epoch) and the NaN step."""
+    prepared, trained, reads = [], [], []
+    prepare, train_loss, read = trainer.prepare_data, CogVideoXAdapter.train_loss, cache.Prefetch.host
+    monkeypatch.setattr(trainer, "prepare_data", lambda *args: prepared.append(prepare(*args)) or prepared[0])
+    monkeypatch.setattr(cache.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items))
+
+    def recorded(adapter, model, batch, generators):
+        trained.append({k: v.clone() for k, v in batch.items()})
+        return train_loss(adapter, model, batch, generators)
+
+    monkeypatch.setattr(CogVideoXAdapter, "train_loss", recorded)
+    run_counting(write_config, monkeypatch, "one_process", torch.device("cpu"), lambda on: None)
+    _, entries, clips, _ = prepared[0]
+    sampler = data.Sampler([item.bucket for item in clips], 4, RunConfig().seed)
+    expected = []
+    for _ in range(STEPS):
+        batch_ids = sampler.next_batch()
+        expected += [entries.load_batch([clips[batch_ids[p]] for p in data.micro_slice(micro, 0, 1, 2)])
+                     for micro in range(2)]
+    assert sampler.epoch == 1 and len(trained) == len(expected) == 2 * STEPS
+    # Each read once: the first when the run starts, every other one while the micro-step before it computed.
+    assert len(reads) == 2 * STEPS, f"{len(reads)} reads"
+    for step, (ours, theirs) in enumerate(zip(trained, expected)):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), step // 2 + 1

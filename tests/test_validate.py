@@ -367,3 +367,30 @@ def test_render_command_errors(runs):
     stopped = run_cmd(["--cfg", str(runs / "one.toml"), "--prompt", "a", "--validation.num_inference_steps", "2"],
                       script="validate.py", env={"VIDTRAIN_FAULT": "render_sigterm:2"})
     assert stopped.returncode == 1 and "stopped by a signal before the clips were written" in stopped.stderr
+
+
+def test_clips_come_from_data_parallel_leaders_only(monkeypatch):
+    """With sequence parallelism every rank of an sp group renders the same clip: rank 0 receives it from
+    the group's first rank only, in data-parallel order, and the other ranks send nothing (their copies
+    would multiply the traffic by parallel.sp_size). 6 ranks as 3 sp groups of 2, each rank's collection
+    run in turn (ClipRenderer._collect, what render calls), with the sends recorded and handed to rank 0's
+    receives."""
+    world, sp = 6, 2
+    clips = {rank: torch.full((1, 2, 2, 3), rank, dtype=torch.uint8) for rank in range(world)}
+    sent, received = {}, []
+    monkeypatch.setattr(dist, "send", lambda tensor, dst: sent.setdefault(rank, []).append((dst, tensor.clone())))
+
+    def recv(tensor, src):
+        received.append(src)
+        tensor.copy_(sent[src].pop(0)[1])
+
+    monkeypatch.setattr(dist, "recv", recv)
+    renderer = object.__new__(validate.ClipRenderer)
+    gathered = {}
+    for rank in [*range(1, world), 0]:
+        renderer.d = parallel.Dist(rank, world, rank, torch.device("cpu"), sp)
+        gathered[rank] = renderer._collect(clips[rank])
+    assert sorted(sent) == [2, 4], "the ranks that sent their clip"
+    assert received == [2, 4] and all(not unreceived for unreceived in sent.values())
+    assert [int(clip.max()) for clip in gathered[0]] == [0, 2, 4]
+    assert all(gathered[rank] == [] for rank in range(1, world))
