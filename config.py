@@ -45,6 +45,10 @@ class ModelConfig:
     expert: Literal["", "high_noise", "low_noise"] = ""
     # Storage dtype of the frozen weights.
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # "fp8" stores the frozen linear weights of the transformer blocks as float8_e4m3fn with a scale per
+    # output row (half of bf16's bytes), upcast to model.dtype per layer as it runs (LoRA only); "" keeps
+    # them in model.dtype.
+    storage_dtype: Literal["", "fp8"] = ""
 
 
 @dataclass
@@ -342,6 +346,9 @@ def check_values(cfg: Config) -> None:
     if cfg.parallel.cpu_offload and cfg.train.mixed_precision == "fp16":
         # The loss scale lives on the GPU and offloaded gradients on the CPU; untested there, so refused.
         raise ConfigError("parallel.cpu_offload does not support train.mixed_precision = \"fp16\" yet: use \"bf16\"")
+    if cfg.model.storage_dtype == "fp8" and cfg.train.training_type == "sft":
+        raise ConfigError("model.storage_dtype = \"fp8\" stores a frozen base, but train.training_type = \"sft\" "
+                          "trains every weight: remove model.storage_dtype, or train a LoRA")
     if cfg.run.deterministic and cfg.train.attention_backend == "cudnn":
         raise ConfigError("train.attention_backend = \"cudnn\" has no deterministic backward, and run.deterministic "
                           "= true: use \"flash\" or \"\" (SDPA's choice), whose backward is deterministic then")
