@@ -19,15 +19,21 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # The smallest scale: an all-zero row still divides by something, and quantizes to zeros.
 MIN_SCALE = 1e-12
+# Rows quantized at a time: the fp32 temporaries are a block's (20 MB at Wan 14B's width), not the tensor's.
+ROWS = 1024
 
 
 def quantize(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight, scale [rows, 1] in `dtype`) of a 2-d weight, its largest magnitude per row mapped to
     fp8's largest value. The scale is rounded to `dtype` first and the weight divided by the rounded
     one, so fp8 * scale in `dtype` is the weight up to fp8's own rounding."""
-    weight = weight.float()
-    scale = (weight.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE).to(dtype)
-    return (weight / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    low, high = torch.aminmax(weight, dim=1, keepdim=True)
+    scale = (torch.maximum(-low, high).float() / FP8_MAX).clamp(min=MIN_SCALE).to(dtype)
+    quantized = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    for start in range(0, weight.shape[0], ROWS):
+        rows = slice(start, start + ROWS)
+        quantized[rows] = (weight[rows].float() / scale[rows].float()).clamp_(-FP8_MAX, FP8_MAX)
+    return quantized, scale
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
