@@ -72,6 +72,30 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
     assert torch.equal(storage.weight(per_tensor), module.weight.to(torch.bfloat16) * module.weight_scale[0])
 
 
+def test_fp8_linear_computes_as_its_upcast_weight():
+    """Forward and backward (which keeps the fp8 weight, not its upcast copy) equal nn.Linear's with the
+    upcast weight, under bf16 autocast as in training, and inside a LoRALinear."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(48, 24).to(torch.bfloat16)
+    weight, scale = storage.quantize(reference.weight.detach(), torch.bfloat16)
+    reference.weight.data = storage.dequantize(weight, scale)
+    fp8 = storage.Fp8Linear(weight, scale, reference.bias.detach())
+    layers = [torch.nn.Sequential(module) for module in (reference, fp8)]
+    for model in layers:
+        lora.inject_lora(model, ["0"], 4, 4, 0.0, seed=0)
+        torch.nn.init.normal_(model[0].lora_B.weight, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(6, 48)
+    results = []
+    for model in layers:
+        leaf = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(leaf * 1)  # not a leaf: autocast would share its cast between the two paths
+        out.float().square().sum().backward()
+        results.append((out, leaf.grad, model[0].lora_A.weight.grad))
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
+
+
 def test_sft_with_fp8_storage_stops_before_any_work(write_config):
     with pytest.raises(ConfigError, match='model.storage_dtype = "fp8" stores a frozen base, but train.training_type'):
         load_config(str(write_config("sft", **{"model.storage_dtype": "fp8", "train.training_type": "sft"})))
