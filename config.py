@@ -50,6 +50,10 @@ class ModelConfig:
     # original release's layout, bf16, fp16, fp32, fp8 or ComfyUI's scaled fp8, instead of model.path's
     # transformer folder (its config.json still shapes the model; the VAE and text encoder stay model.path's).
     transformer_file: str | list[str] = ""
+    # "fp8" stores the frozen linear weights of the transformer blocks as float8_e4m3fn with a scale per
+    # output row (half of bf16's bytes), upcast to model.dtype per layer as it runs (LoRA only); "" keeps
+    # them in model.dtype.
+    storage_dtype: Literal["", "fp8"] = ""
 
 
 @dataclass
@@ -376,6 +380,9 @@ def check_values(cfg: Config) -> None:
     if cfg.train.activation_offload and not cfg.train.gradient_checkpointing:
         raise ConfigError("train.activation_offload moves the block inputs that activation checkpointing keeps to "
                           "host memory: set train.gradient_checkpointing = true, or remove it")
+    if cfg.model.storage_dtype == "fp8" and cfg.train.training_type == "sft":
+        raise ConfigError("model.storage_dtype = \"fp8\" stores a frozen base, but train.training_type = \"sft\" "
+                          "trains every weight: remove model.storage_dtype, or train a LoRA")
     if cfg.run.deterministic and cfg.train.attention_backend == "cudnn":
         raise ConfigError("train.attention_backend = \"cudnn\" has no deterministic backward, and run.deterministic "
                           "= true: use \"flash\" or \"\" (SDPA's choice), whose backward is deterministic then")

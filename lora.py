@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
 
 import faults
+import storage
 
 # diffusers' safetensors header key (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).
 # Without it diffusers assumes alpha = rank and applies the adapter at the wrong strength.
@@ -36,6 +36,8 @@ class LoRALinear(nn.Linear):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
+        if isinstance(base, storage.Fp8Linear):  # model.storage_dtype = "fp8": the scale goes with its weight
+            self.weight_scale = base.weight_scale
         self.rank, self.alpha, self.scale, self.dropout = rank, alpha, alpha / rank, dropout
         # LoRA weights are trainable, hence fp32 whatever the frozen base dtype. skip_init avoids
         # nn.Linear's own init, which would draw from the global RNG.
@@ -66,7 +68,7 @@ class LoRALinear(nn.Linear):
         return x * keep / (1.0 - self.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_delta(F.linear(x, self.weight, self.bias), x)
+        return self.add_delta(storage.linear(self, x), x)
 
     def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The base layer's output `base` of input x, plus the adapter's path. Under autocast both paths
@@ -77,9 +79,11 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B @ A, computed in fp32 and returned as a new tensor in W's dtype."""
+        """W + scale * B @ A, computed in fp32 and returned as a new tensor in W's dtype (the compute dtype
+        of an fp8 W)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
-        return (self.weight.float() + self.scale * delta).to(self.weight.dtype)
+        weight = storage.weight(self)
+        return (weight.float() + self.scale * delta).to(weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}"

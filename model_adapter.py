@@ -22,6 +22,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoTokenizer
 
 import parallel
+import storage
 from config import ConfigError, ModelConfig, check_resolution
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -149,13 +150,17 @@ class Weights:
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     def read_shard(self, key: str, param: torch.Tensor) -> None:
-        """Copy this rank's part of `key` into the sharded parameter (a DTensor sharded on dim 0 by
-        FSDP2, replicated on HSDP's other mesh dimension): only those rows are read."""
+        """Copy this rank's part of `key` into the sharded parameter: only those rows are read."""
+        param.to_local().copy_(self.shard_rows(key, param))
+
+    def shard_rows(self, key: str, param: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `key`, as stored, for the sharded parameter (a DTensor sharded on dim 0 by
+        FSDP2, replicated on HSDP's other mesh dimension)."""
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         local = param.to_local()
         if tuple(local.shape) != tuple(shape) or any(offset[1:]):
             raise ValueError(f"{key}: expected a dim-0 shard, got {local.shape} at {offset}")
-        local.copy_(self._rows(key, offset[0], shape[0]))
+        return self._rows(key, offset[0], shape[0])
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -218,6 +223,7 @@ class Adapter:
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
+        self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
         self.single_file = None  # model.transformer_file's reader (single_file.SingleFile), set by model.load_adapter
@@ -239,17 +245,26 @@ class Adapter:
         reads only its own rows of every sharded weight, so no rank ever holds the whole model, nor
         sft's fp32 copy of it. The rows of the units that parallel.cpu_offload streams are kept in host
         memory, where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first
-        forward; the others' on the device."""
+        forward; the others' on the device. With model.storage_dtype = "fp8" the blocks' linear weights are
+        quantized as they are read, one tensor (or one rank's rows) at a time: no copy of the whole model in
+        model.dtype ever exists."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
         from_file = self.single_file is not None and folder == self.transformer_folder  # model.transformer_file
         weights = self.single_file if from_file else Weights(self.path / folder)
         transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
         weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
+        fp8 = set(storage.store_fp8(transformer, self.blocks(transformer), self.keeps_fp32)
+                  if self.storage_dtype == "fp8" else [])
         buffers = dict(transformer.named_buffers())
         with weights.opened():
             for name in weights.keys:
-                if shard is None or name in buffers:  # buffers are whole on every rank
+                if name in fp8 and shard is None:
+                    stored = weights.read(name, weights.entries[name][1])  # quantized from the file's values
+                    weight, scale = storage.quantize(stored.to(self.device), dtype)
+                    _replace(transformer, name, weight)
+                    _replace(transformer, f"{name}_scale", scale)
+                elif shard is None or name in buffers:  # buffers are whole on every rank
                     _replace(transformer, name, weights.read(name, self._load_dtype(name, dtype)).to(self.device))
             transformer.eval()  # as from_pretrained returns it
             if shard is None:
@@ -263,11 +278,18 @@ class Adapter:
                                    if t.is_meta else t)
                 with torch.no_grad():
                     for name, param in transformer.named_parameters():
-                        if name in weights.keys:
+                        if name in fp8:
+                            scale = transformer.get_parameter(f"{name}_scale").to_local()
+                            storage.load_rows(param.to_local(), scale, weights.shard_rows(name, param))
+                        elif name in weights.keys:
                             weights.read_shard(name, param)
         log.info("loaded %s/: read %.1f%% of its %.1f MB of weights%s", folder,
                  100 * weights.read_bytes / weights.data_bytes, weights.data_bytes / 2**20,
                  ", this rank's shard" if shard else "")
+        if fp8:
+            elements = sum(math.prod(weights.entries[name][2]) for name in fp8)
+            log.info("model.storage_dtype = fp8: %d linear weights of the blocks stored in %.1f MB (%.1f MB in %s)",
+                     len(fp8), elements / 2**20, elements * dtype.itemsize / 2**20, str(dtype).removeprefix("torch."))
         return transformer
 
     def transformer_from_state_dict(self, state: dict[str, torch.Tensor]):

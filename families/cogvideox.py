@@ -25,6 +25,7 @@ from diffusers.video_processor import VideoProcessor
 from transformers import T5EncoderModel
 
 import lora
+import storage
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
@@ -392,7 +393,7 @@ class FusedQKVAttention:
         tokens = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         batch, length, _ = tokens.shape
         projections = (attn.to_q, attn.to_k, attn.to_v)
-        weight = torch.cat([p.weight for p in projections])
+        weight = torch.cat([storage.weight(p) for p in projections])  # fp8 storage: upcast
         bias = None if attn.to_q.bias is None else torch.cat([p.bias for p in projections])
         outputs = F.linear(tokens, weight, bias).chunk(3, dim=-1)
         outputs = [p.add_delta(out, tokens) if isinstance(p, lora.LoRALinear) else out

@@ -1,0 +1,143 @@
+"""model.storage_dtype = "fp8": the frozen linears of the transformer blocks stored in float8_e4m3fn with a
+scale per output row, upcast per layer (storage.py). The model computes what the bf16 one does within
+fp8's rounding, a LoRA trains on it as on bf16, and its export is a LoRA of the original model."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import read_metrics, write_toml
+from diffusers import CogVideoXPipeline
+
+import lora
+import parallel
+import storage
+import trainer
+import validate
+from config import ConfigError, ModelConfig, load_config
+from model import load_adapter
+
+# Relative L2 error of the tiny models' output against bf16's (measured: CogVideoX 0.006, Wan 0.009; bf16's
+# own against fp32 is 0.005-0.007). bench/bench_fp8.py measures it at full size (BENCHMARKS.md).
+TOLERANCE = 0.02
+
+
+def linear_weights(model) -> dict[str, torch.Tensor]:
+    return {f"{name}.weight": m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def transformer_output(adapter, transformer) -> torch.Tensor:
+    """The transformer's prediction for a fixed noisy latent, prompt and timestep."""
+    c, g = adapter.transformer_config, torch.Generator().manual_seed(0)
+    latent = (1, 3, adapter.latent_channels, 8, 8)  # [B, F, C, h, w]: CogVideoX's order
+    x = torch.randn(latent, generator=g).to(adapter.dtype)
+    text = torch.randn(1, adapter.text_length, c.get("text_embed_dim") or c["text_dim"], generator=g).to(adapter.dtype)
+    if adapter.FAMILY == "wan":
+        x = x.transpose(1, 2)  # [B, C, F, h, w]
+    with torch.no_grad():
+        return transformer(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]),
+                           return_dict=False)[0].float()
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "wan"])
+def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_model, wan_models):
+    """Only the blocks' linear weights turn fp8 (scales in bf16, one per row); norms, biases, embeddings and
+    everything outside the blocks stay bf16 (Wan's fp32 modules fp32); those weights take half the bytes;
+    the output is bf16's within TOLERANCE. An Fp8Linear built from the same fp8 weight with a per-tensor
+    scale (ComfyUI's scaled fp8) spreads the scale to every row."""
+    path = str(tiny_model if family == "cogvideox" else wan_models("t2v"))
+    adapters = {s: load_adapter(ModelConfig(path=path, family=family, dtype="bf16", storage_dtype=s), torch.device("cpu"))
+                for s in ("", "fp8")}
+    plain, fp8 = (adapters[s].load_transformer() for s in ("", "fp8"))
+    block_linears = {f"{name}.weight" for name, m in fp8.named_modules() if isinstance(m, storage.Fp8Linear)}
+    in_blocks = {f"{name}.weight" for block in adapters[""].blocks(plain) for name, m in plain.named_modules()
+                 if isinstance(m, torch.nn.Linear) and any(m is b for b in block.modules())}
+    assert block_linears == in_blocks and block_linears
+    params = dict(fp8.named_parameters())
+    for name, param in plain.named_parameters():
+        if name in block_linears:
+            assert params[name].dtype == torch.float8_e4m3fn and params[name].shape == param.shape
+            assert params[f"{name}_scale"].dtype == torch.bfloat16 and params[f"{name}_scale"].shape == (param.shape[0], 1)
+            assert params[name].nbytes * 2 == param.nbytes
+        else:
+            assert torch.equal(params[name], param), name  # bitwise the bf16 model's
+    assert params.keys() - dict(plain.named_parameters()).keys() == {f"{name}_scale" for name in block_linears}
+
+    expected = transformer_output(adapters[""], plain)
+    error = ((transformer_output(adapters["fp8"], fp8) - expected).norm() / expected.norm()).item()
+    assert 0 < error < TOLERANCE
+
+    module = fp8.get_submodule(sorted(block_linears)[0].removesuffix(".weight"))
+    per_tensor = storage.Fp8Linear(module.weight.data, module.weight_scale[:1, 0].clone(), module.bias)
+    assert per_tensor.weight_scale.shape == module.weight_scale.shape
+    assert torch.equal(storage.weight(per_tensor), module.weight.to(torch.bfloat16) * module.weight_scale[0])
+
+
+def test_fp8_linear_computes_as_its_upcast_weight():
+    """Forward and backward (which keeps the fp8 weight, not its upcast copy) equal nn.Linear's with the
+    upcast weight, under bf16 autocast as in training, and inside a LoRALinear."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(48, 24).to(torch.bfloat16)
+    weight, scale = storage.quantize(reference.weight.detach(), torch.bfloat16)
+    reference.weight.data = storage.dequantize(weight, scale)
+    fp8 = storage.Fp8Linear(weight, scale, reference.bias.detach())
+    layers = [torch.nn.Sequential(module) for module in (reference, fp8)]
+    for model in layers:
+        lora.inject_lora(model, ["0"], 4, 4, 0.0, seed=0)
+        torch.nn.init.normal_(model[0].lora_B.weight, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(6, 48)
+    results = []
+    for model in layers:
+        leaf = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(leaf * 1)  # not a leaf: autocast would share its cast between the two paths
+        out.float().square().sum().backward()
+        results.append((out, leaf.grad, model[0].lora_A.weight.grad))
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
+
+
+def test_sft_with_fp8_storage_stops_before_any_work(write_config):
+    with pytest.raises(ConfigError, match='model.storage_dtype = "fp8" stores a frozen base, but train.training_type'):
+        load_config(str(write_config("sft", **{"model.storage_dtype": "fp8", "train.training_type": "sft"})))
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(base_settings, tiny_model, tmp_path,
+                                                                      one_process_group):
+    """20 steps (one-process FSDP, activation checkpointing, EMA, a validation render): the held-out loss
+    falls on the fp8 base as on the model.dtype one. The export holds the same keys as that run's, and
+    diffusers' pipeline loads it (load_lora_weights) into the original model, where it computes what our
+    model computes with it. In fp32 (the session's cache), where the tiny model steps 40x faster than in
+    bf16 on these CPUs: fp8 storage upcasts to model.dtype, whichever it is, and the test above holds
+    its output to bf16's."""
+    settings = {**base_settings, "train.steps": 20, "train.learning_rate": 3e-3, "train.gradient_checkpointing": True, "train.ema_decay": 0.9,
+                "parallel.strategy": "fsdp", "lora.rank": 8, "lora.lora_alpha": 4, "checkpoint.checkpointing_steps": 20,
+                "validation.validation_steps": 20, "validation.prompts": ["a red ball"],
+                "validation.num_inference_steps": 2}
+    losses, configs = {}, {}
+    for name in ("plain", "fp8"):
+        configs[name] = load_config(str(write_toml(tmp_path / f"{name}.toml", {
+            **settings, "run.output_dir": str(tmp_path / name), "model.storage_dtype": "fp8" if name == "fp8" else ""})))
+        trainer.train(configs[name], one_process_group)
+        losses[name] = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / name) if "val/loss" in m}
+    drops = {name: held_out[0] - held_out[20] for name, held_out in losses.items()}
+    assert drops["plain"] > 0 and abs(drops["fp8"] - drops["plain"]) < 0.2 * drops["plain"], losses
+    assert (tmp_path / "fp8" / "validation_res" / "step_20_prompt_0.mp4").is_file()
+
+    exported = tmp_path / "fp8" / "lora" / "pytorch_lora_weights.safetensors"
+    weights, info = lora.load_lora(str(exported))
+    assert weights.keys() == lora.load_lora(str(tmp_path / "plain" / "lora" / "pytorch_lora_weights.safetensors"))[0].keys()
+    pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
+    pipe.load_lora_weights(str(exported))
+    adapter = load_adapter(configs["plain"].model, torch.device("cpu"))
+    ours = validate.load_model(configs["plain"], adapter, one_process_group, None, str(exported))
+    base = transformer_output(adapter, adapter.load_transformer())
+    theirs = transformer_output(adapter, pipe.transformer)
+    torch.testing.assert_close(theirs, transformer_output(adapter, ours.eval()), rtol=0, atol=1e-5)
+    assert (theirs - base).abs().max() > 0.1  # the LoRA shows
