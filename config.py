@@ -35,8 +35,9 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family: its adapter (families/cogvideox.py, families/wan.py) knows its classes, loss and sampling.
-    family: Literal["cogvideox", "wan"] = "cogvideox"
+    # Model family: its adapter (families/cogvideox.py, families/wan.py, families/ltx2.py) knows its classes,
+    # loss and sampling.
+    family: Literal["cogvideox", "wan", "ltx2"] = "cogvideox"
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame).
     type: Literal["t2v", "i2v"] = "t2v"

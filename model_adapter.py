@@ -201,6 +201,7 @@ class Adapter:
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
     VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
+    COMFY_ALPHA = True  # whether that file carries an .alpha per module (else alpha / rank is baked into lora_B)
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)

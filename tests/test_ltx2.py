@@ -1,0 +1,147 @@
+"""LTX-2 and LTX-2.3: the tiny models carry the published key sets; every variant trains video-only (LoRA and
+sft), samples exactly as LTX2Pipeline / LTX2ImageToVideoPipeline do (with and without our exported LoRA), and
+exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel
+from PIL import Image
+
+import data
+import lora
+import trainer
+import validate
+from config import ModelConfig, load_config
+from conftest import assert_loads_lean, write_toml
+from families.ltx2 import TEXT_LENGTH
+from model import load_adapter
+from test_variants import one_rank_group
+from tools.make_tiny_model import LTX2_KEYS, make_tiny_ltx2
+
+# variant: (model.type, pipeline)
+VARIANTS = {"2.0": ("t2v", LTX2Pipeline)}
+PROMPTS = ["a red circle moves right", "a blue square moves up"]
+
+
+@pytest.fixture(scope="session")
+def ltx2_models(tmp_path_factory):
+    """Each LTX-2 variant's tiny model, written on first use."""
+    root, made = tmp_path_factory.mktemp("ltx2"), {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = root / variant
+            make_tiny_ltx2(str(made[variant]), variant)
+        return made[variant]
+
+    return get
+
+
+def model_of(variant: str) -> str:
+    return variant.split("-")[0]
+
+
+def test_tiny_models_carry_the_published_key_sets(ltx2_models):
+    for variant in ("2.0", "2.3"):
+        path = ltx2_models(variant)
+        keys = set(json.loads((path / "transformer" / "config.json").read_text())) - {"_class_name", "_diffusers_version"}
+        assert keys == LTX2_KEYS
+        assert not {"duration_head", "processor", "prompt_enhancer"} & set(json.loads((path / "model_index.json").read_text()))
+
+
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models, monkeypatch):
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="bf16"), torch.device("cpu"))
+    assert_loads_lean(adapter, monkeypatch)
+
+
+def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **extra) -> dict:
+    model_type = VARIANTS[variant][0]
+    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(ltx2_models(model_of(variant))),
+                "model.family": "ltx2", "model.type": model_type, "train.steps": 2, "train.learning_rate": 1e-2,
+                "train.lr_warmup_steps": 1, "validation.do_validation": False, "validation.prompts": PROMPTS,
+                "validation.num_inference_steps": 3, "validation.gen_fps": 24}
+    if model_type == "i2v":
+        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
+    return {**settings, **extra}
+
+
+def pipeline_frames(variant, path, cfg, lora_file=None):
+    """The pipeline's float frames [F, H, W, 3] per prompt, with its extra guidance terms off (STG, modality
+    isolation, rescale) and the audio guided as the video."""
+    pipe = VARIANTS[variant][1].from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    if lora_file:
+        pipe.load_lora_weights(str(lora_file))
+    frames = []
+    for i, prompt in enumerate(cfg.prompts):
+        extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
+        frames.append(pipe(prompt=prompt, negative_prompt=cfg.negative_prompt, num_frames=9, height=32, width=32,
+                           num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+                           audio_guidance_scale=cfg.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0,
+                           modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
+                           audio_guidance_rescale=0.0, generator=data.keyed_generator(cfg.seed, i), output_type="pt",
+                           **extra).frames[0].permute(0, 2, 3, 1))
+    return frames
+
+
+def transformer_output(transformer, adapter):
+    gen = torch.Generator().manual_seed(0)
+    c = adapter.transformer_config
+    video = torch.randn(2, 2 * 4 * 4, c["in_channels"], generator=gen)
+    audio = torch.randn(2, 9, c["audio_in_channels"], generator=gen)
+    embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
+    t = torch.tensor([10.0, 900.0])
+    with torch.no_grad():
+        return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, t, t, t, embeds, (2, 4, 4), 9)], 1)
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, tiny_data, tmp_path):
+    """Two video-only LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32
+    with the base model and with our exported LoRA loaded by load_lora_weights; the ComfyUI file loads through
+    the same loader's conversion to the same transformer; the sft export loads with from_pretrained and
+    computes what the checkpoint's weights compute."""
+    path = ltx2_models(model_of(variant))
+    settings = ltx2_settings(variant, ltx2_models, base_settings, tiny_data, tmp_path / "lora")
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    outputs = []
+    for file in (lora_file, next((lora_file.parent / "comfy").glob("*.safetensors"))):
+        pipe = LTX2Pipeline.from_pretrained(str(path))
+        pipe.load_lora_weights(str(file))
+        outputs.append(transformer_output(pipe.transformer, adapter))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
+    # lora.init_from (and validate.py --lora) read the ComfyUI file back: its alpha / rank is baked into lora_B.
+    comfy_weights, comfy_info = lora.load_lora(str(next((lora_file.parent / "comfy").glob("*"))), adapter.diffusers_key)
+    weights, info = lora.load_lora(str(lora_file))
+    assert comfy_weights.keys() == weights.keys() and comfy_info["alpha"] == comfy_info["rank"] == info["rank"]
+    scale = info["alpha"] / info["rank"]
+    assert all(torch.equal(comfy_weights[k], weights[k] * (scale if ".lora_B." in k else 1)) for k in weights)
+
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        for source in (None, lora_file):
+            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            scheduler = adapter.sampler("")
+            ours = [renderer.frames(model, i, scheduler, contextlib.nullcontext()) for i in range(len(PROMPTS))]
+            theirs = pipeline_frames(variant, path, cfg.validation, source)
+            for a, b in zip(ours, theirs):
+                assert a.shape == b.shape == (9, 32, 32, 3)
+                assert (a - b).abs().max() <= 1e-4, (variant, source, (a - b).abs().max())
+            if source is not None:
+                assert max((a - b).abs().max() for a, b in zip(ours, base)) > 1e-3  # the LoRA shows
+            base = ours
+        sft_cfg = load_config(str(tmp_path / "sft.toml"))
+        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+    exported = LTX2VideoTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
+    torch.testing.assert_close(transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5)
