@@ -17,6 +17,7 @@ sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with cla
 
 import contextlib
 import copy
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -89,6 +90,9 @@ class LTX2Adapter(Adapter):
         with (audio := Weights(self.path / "audio_vae")).opened():
             self.audio_mean, self.audio_std = (audio.read(f"latents_{n}", torch.float32).to(device)
                                                for n in ("mean", "std"))
+        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation (33 for Gemma 3).
+        text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
+        self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
         self.losses: dict[str, torch.Tensor] = {}  # the last train_loss's per-stream means (detached), for the logs
 
@@ -154,9 +158,7 @@ class LTX2Adapter(Adapter):
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
         """I2V conditioning images, uint8 [B, H, W, 3] -> their latent frame, compressed first as the pipeline
         compresses its image (one H.264 frame at the model's CRF)."""
-        crf = resolve_default_image_crf(self._text()[0])
-        pictures = [np.asarray(image.cpu()) for image in images]
-        pictures = [apply_image_conditioning_crf(p, crf) for p in pictures] if crf else pictures
+        pictures = [apply_image_conditioning_crf(np.asarray(image.cpu()), self.image_crf) for image in images]
         pixels = torch.stack([torch.from_numpy(p) for p in pictures]).to(self.device).permute(0, 3, 1, 2).float()
         return {"image_latents": self._image_latents(pixels / 127.5 - 1.0)}
 
@@ -315,9 +317,9 @@ class LTX2Adapter(Adapter):
         noise = torch.randn((1, self.latent_channels, *shape), generator=generator, dtype=torch.float32).to(self.device)
         condition = None
         if image is not None:
-            crf = resolve_default_image_crf(self._text()[0])
-            image = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf)) if crf else image
-            pixels = VideoProcessor(vae_scale_factor=self.spatial_ratio).preprocess(image, height=height, width=width)
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), self.image_crf))
+            pixels = VideoProcessor(vae_scale_factor=self.spatial_ratio, resample="bilinear").preprocess(
+                image, height=height, width=width)
             condition = self._pack(self._image_latents(pixels.to(self.device, torch.float32)))
         latents = self._pack(noise)
         if condition is not None:

@@ -22,7 +22,7 @@ from test_variants import one_rank_group
 from tools.make_tiny_model import LTX2_KEYS, make_tiny_ltx2
 
 # variant: (model.type, pipeline)
-VARIANTS = {"2.0": ("t2v", LTX2Pipeline)}
+VARIANTS = {"2.0": ("t2v", LTX2Pipeline), "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline)}
 PROMPTS = ["a red circle moves right", "a blue square moves up"]
 
 
