@@ -94,7 +94,8 @@ class LTX2Adapter(Adapter):
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
-        self.losses: dict[str, torch.Tensor] = {}  # the last train_loss's per-stream means (detached), for the logs
+        self.losses: dict[str, torch.Tensor] = {}
+        self._audio_vae = None  # the last train_loss's per-stream means (detached), for the logs
 
     # Shape rules read from the model's own config.
     @property
@@ -162,6 +163,18 @@ class LTX2Adapter(Adapter):
         pixels = torch.stack([torch.from_numpy(p) for p in pictures]).to(self.device).permute(0, 3, 1, 2).float()
         return {"image_latents": self._image_latents(pixels / 127.5 - 1.0)}
 
+    @torch.no_grad()
+    def encode_audio(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The audio VAE's input, a log-mel spectrogram [B, channels, mel frames, mel bins] (audio_config's
+        sample_rate, mel_hop_length, mel_bins; stereo) -> its posterior mean and log-variance [B, C', L, M']
+        (not normalised): the cache's audio_latent_mean and audio_latent_logvar."""
+        if self._audio_vae is None:
+            log.info("loading audio VAE from %s", self.path)
+            self._audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae",
+                                                                     dtype=self.vae_dtype).requires_grad_(False).eval()
+        posterior = self._audio_vae.to(self.device).encode(mel.to(self.device, self.vae_dtype)).latent_dist
+        return posterior.mean, posterior.logvar
+
     def _text(self):
         if self._text_encoder is None:
             super()._text()
@@ -174,7 +187,7 @@ class LTX2Adapter(Adapter):
         self._connectors = None
 
     def release_encoders(self) -> None:
-        self._connectors = None
+        self._connectors = self._audio_vae = None
         super().release_encoders()
 
     @torch.no_grad()

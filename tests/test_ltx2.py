@@ -154,3 +154,33 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
         ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = LTX2VideoTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
     torch.testing.assert_close(transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5)
+
+
+def test_audio_latents_add_their_own_loss(ltx2_models):
+    """The hook the soundtrack's cache entries plug into: the audio VAE's posterior of a mel spectrogram
+    (encode_audio) in the batch adds audio_loss_weight x the audio loss, from its own timestep draw; without
+    it the video trains alone, its stream cut off from the audio (the audio latents change nothing)."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu"))
+    transformer = adapter.load_transformer().eval()
+    gen = torch.Generator().manual_seed(0)
+    mel = torch.randn(2, 2, 36, adapter.audio_config["mel_bins"], generator=gen)
+    audio_mean, audio_logvar = adapter.encode_audio(mel)
+    assert audio_mean.shape == (2, adapter.audio_config["latent_channels"], 9, adapter.audio_config["mel_bins"] // 4)
+    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen), "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
+             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    sound = {**batch, "audio_latent_mean": audio_mean, "audio_latent_logvar": audio_logvar}
+
+    def losses(batch, weight):
+        adapter.audio_loss_weight = weight
+        with torch.no_grad():
+            total = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
+        return total, adapter.losses
+
+    silent, parts = losses(batch, 1.0)
+    assert torch.equal(silent.mean(), parts["loss_video"]) and parts["loss_audio"] == 0
+    half, half_parts = losses(sound, 0.5)
+    full, full_parts = losses(sound, 1.0)
+    assert full_parts["loss_audio"] > 0 and torch.equal(full_parts["loss_video"], half_parts["loss_video"])
+    torch.testing.assert_close((full - half).mean() * 2, full_parts["loss_audio"])
+    torch.testing.assert_close(full.mean(), full_parts["loss_video"] + full_parts["loss_audio"])
+    assert not torch.allclose(full_parts["loss_video"], parts["loss_video"])  # the video attends to the sound
