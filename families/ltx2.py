@@ -69,9 +69,6 @@ class LTX2Adapter(Adapter):
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__(cfg, device)
-        if cfg.expert:
-            raise ConfigError(f"model.expert = \"{cfg.expert}\" is for Wan 2.2 A14B; {cfg.path} has one transformer: "
-                              "remove it")
         self.transformer_config = resolved_config(LTX2VideoTransformer3DModel, self.path, "transformer")
         self.vae_config = resolved_config(AutoencoderKLLTX2Video, self.path, "vae")
         connectors = resolved_config(LTX2TextConnectors, self.path, "connectors")
@@ -312,9 +309,6 @@ class LTX2Adapter(Adapter):
     @staticmethod
     def blocks(transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
-
-    def split_sequence(self, transformer, split) -> None:
-        raise ConfigError("parallel.sp_size > 1 is not built for LTX-2 yet: set parallel.sp_size = 1")
 
     # Sampling: LTX2Pipeline's (LTX2ImageToVideoPipeline's) loop, run by validate.sample_latents. Both streams are
     # denoised (the video attends to the audio); the denoiser returns the video and audio velocities flattened

@@ -14,7 +14,7 @@ import data
 import lora
 import trainer
 import validate
-from config import ModelConfig, load_config
+from config import ConfigError, ModelConfig, load_config
 from conftest import assert_loads_lean, write_toml
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
@@ -184,3 +184,17 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
     torch.testing.assert_close((full - half).mean() * 2, full_parts["loss_audio"])
     torch.testing.assert_close(full.mean(), full_parts["loss_video"] + full_parts["loss_audio"])
     assert not torch.allclose(full_parts["loss_video"], parts["loss_video"])  # the video attends to the sound
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"parallel.sp_size": 2}, r"parallel.sp_size > 1: sequence parallelism is not built for LTX-2 yet"),
+    ({"train.flow_shift": 3.0}, r"model.expert and train.flow_shift are for Wan"),
+    ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
+])
+def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
+    """Named by the config check, before anything loads (the adapter ignores a flow shift: its timestep
+    sampler sets its own)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path), "run.output_dir": str(tmp_path),
+                                                          "data.data_root": str(tmp_path),
+                                                          "parallel.strategy": "fsdp", **setting})))
