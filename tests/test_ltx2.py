@@ -178,6 +178,12 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
 
     silent, parts = losses(batch, 1.0)
     assert torch.equal(silent.mean(), parts["loss_video"]) and parts["loss_audio"] == 0
+    # Without sound the video stream sees nothing of the audio one: every audio weight changed, the same loss.
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if "audio" in name:
+                param.add_(torch.randn(param.shape, generator=gen))
+    assert torch.equal(losses(batch, 1.0)[0], silent)
     half, half_parts = losses(sound, 0.5)
     full, full_parts = losses(sound, 1.0)
     assert full_parts["loss_audio"] > 0 and torch.equal(full_parts["loss_video"], half_parts["loss_video"])
