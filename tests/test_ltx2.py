@@ -15,7 +15,7 @@ import lora
 import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
-from conftest import assert_loads_lean, write_toml
+from conftest import assert_loads_lean, read_metrics, write_toml
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
 from test_variants import one_rank_group
@@ -204,3 +204,13 @@ def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
         load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path), "run.output_dir": str(tmp_path),
                                                           "data.data_root": str(tmp_path),
                                                           "parallel.strategy": "fsdp", **setting})))
+
+
+def test_ltx2_lowers_the_held_out_loss(ltx2_models, base_settings, ltx2_data, tmp_path):
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path / "learn", **{
+        "train.steps": 40, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
+        "checkpoint.checkpointing_steps": 40, "validation.do_validation": True, "validation.prompts": [],
+        "validation.validation_steps": 40})
+    trainer.main(["--cfg", str(write_toml(tmp_path / "learn.toml", settings))])
+    losses = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "learn") if "val/loss" in m}
+    assert sorted(losses) == [0, 40] and losses[40] < 0.9 * losses[0], losses
