@@ -79,7 +79,6 @@ class LTX2Adapter(Adapter):
                                   f"{registers}, but the cache keeps no text mask and needs registers filling the "
                                   f"padding of {TEXT_LENGTH} tokens (the published 128 do)")
         self.audio_config = resolved_config(AutoencoderKLLTX2Audio, self.path, "audio_vae")
-        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(self.path, subfolder="scheduler")
         # Latent statistics live in the VAEs' weights (buffers): read those few values, not the VAEs.
         with (video := Weights(self.path / "vae")).opened():
             mean, std = (video.read(f"latents_{n}", torch.float32).to(device) for n in ("mean", "std"))
@@ -91,8 +90,8 @@ class LTX2Adapter(Adapter):
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
-        self.losses: dict[str, torch.Tensor] = {}
-        self._audio_vae = None  # the last train_loss's per-stream means (detached), for the logs
+        self.losses: dict[str, torch.Tensor] = {}  # the last train_loss's per-stream means (detached), for the logs
+        self._audio_vae = self._connectors = None
 
     # Shape rules read from the model's own config.
     @property
@@ -202,8 +201,10 @@ class LTX2Adapter(Adapter):
         return torch.cat([video, audio], dim=-1)
 
     def _split_text(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        video_dim = self.transformer_config["cross_attention_dim"] if not self.transformer_config[
-            "use_prompt_embeddings"] else self.transformer_config["caption_channels"]
+        """The cached text's two halves: the connectors give 2.0's streams caption_channels each (the transformer
+        projects them), 2.3's the streams' own widths."""
+        c = self.transformer_config
+        video_dim = c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"]
         return embeds[..., :video_dim], embeds[..., video_dim:]
 
     @torch.no_grad()
