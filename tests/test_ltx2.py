@@ -9,13 +9,14 @@ import pytest
 import torch
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel
 from PIL import Image
+from safetensors.torch import load_file
 
 import data
 import lora
 import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
-from conftest import assert_loads_lean, read_metrics, write_toml
+from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
 from test_variants import one_rank_group
@@ -214,3 +215,32 @@ def test_ltx2_lowers_the_held_out_loss(ltx2_models, base_settings, ltx2_data, tm
     trainer.main(["--cfg", str(write_toml(tmp_path / "learn.toml", settings))])
     losses = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "learn") if "val/loss" in m}
     assert sorted(losses) == [0, 40] and losses[40] < 0.9 * losses[0], losses
+
+
+def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
+    """2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
+    bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and computes
+    what our model with it computes."""
+    lifecycle = {"parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 4, "checkpoint.checkpointing_steps": 2,
+                 "validation.do_validation": True, "validation.validation_steps": 2, "validation.save_frames": True}
+    configs = {name: write_toml(tmp_path / f"{name}.toml", ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data,
+                                                                           tmp_path / name, **lifecycle))
+               for name in ("reference", "killed")}
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}).returncode != 0
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 2 ({tmp_path / 'killed' / 'checkpoint-2'})" in resumed.stderr
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "reference")
+    ours, theirs = (load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors") for name in ("killed", "reference"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_4_prompt_0.safetensors"
+    assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
+    lora_file = tmp_path / "reference" / "lora" / "pytorch_lora_weights.safetensors"
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = validate.load_model(cfg, adapter, d, None, str(lora_file)).eval()
+    pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
+    pipe.load_lora_weights(str(lora_file))
+    torch.testing.assert_close(transformer_output(pipe.transformer, adapter), transformer_output(model, adapter),
+                               rtol=0, atol=1e-5)
