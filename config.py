@@ -36,8 +36,9 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family: its adapter (families/cogvideox.py, families/wan.py) knows its classes, loss and sampling.
-    family: Literal["cogvideox", "wan"] = "cogvideox"
+    # Model family: its adapter (families/cogvideox.py, families/wan.py, families/ltx2.py) knows its classes,
+    # loss and sampling.
+    family: Literal["cogvideox", "wan", "ltx2"] = "cogvideox"
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame).
     type: Literal["t2v", "i2v"] = "t2v"
@@ -424,13 +425,16 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("validation.gen_fps must be 0 (the family's published rate) or positive")
     if cfg.train.flow_shift < 0:
         raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
-    if cfg.model.family == "cogvideox" and (cfg.model.expert or cfg.train.flow_shift):
+    if cfg.model.family != "wan" and (cfg.model.expert or cfg.train.flow_shift):
         raise ConfigError("model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
-    if cfg.model.family == "wan" and cfg.validation.use_dynamic_cfg:
-        raise ConfigError("validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's pipelines have none: remove it")
-    if cfg.model.family == "wan" and cfg.validation.scheduler:
-        raise ConfigError("validation.scheduler chooses between CogVideoX's samplers: Wan samples with its "
-                          "folder's scheduler; remove it")
+    if cfg.model.family == "ltx2" and cfg.parallel.sp_size > 1:
+        raise ConfigError("parallel.sp_size > 1: sequence parallelism is not built for LTX-2 yet; set it to 1")
+    if cfg.model.family != "cogvideox" and cfg.validation.use_dynamic_cfg:
+        raise ConfigError("validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's and LTX-2's pipelines "
+                          "have none: remove it")
+    if cfg.model.family != "cogvideox" and cfg.validation.scheduler:
+        raise ConfigError("validation.scheduler chooses between CogVideoX's samplers: Wan and LTX-2 sample with "
+                          "their folder's scheduler; remove it")
     if cfg.model.type == "t2v" and cfg.validation.images:
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
     if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says

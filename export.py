@@ -58,5 +58,5 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str)
         log.warning("no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3])
         return
     name += f"_{adapter.expert}" if adapter.expert else ""
-    lora.save_comfy(str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key)
+    lora.save_comfy(str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key, adapter.COMFY_ALPHA)
     log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")

@@ -276,6 +276,8 @@ def _from_comfy(path: str, tensors: dict[str, torch.Tensor], from_comfy) -> tupl
                          "maps (only the transformer blocks' projections are read)")
     alphas = {float(tensors[f"{COMFY_PREFIX}{m}.alpha"]) for m in modules if f"{COMFY_PREFIX}{m}.alpha" in tensors}
     ranks = {tensors[f"{COMFY_PREFIX}{m}.lora_A.weight"].shape[0] for m in modules}
+    if not any(k.endswith(".alpha") for k in tensors):  # the scale is baked into lora_B: alpha = rank
+        alphas = {float(r) for r in ranks}
     if len(alphas) > 1 or len(ranks) > 1 or len(alphas) == 0:
         raise ValueError(f"{path}: ranks {sorted(ranks)} and alphas {sorted(alphas)}: only one rank and one alpha "
                          "(an .alpha per module) are supported")
@@ -284,15 +286,20 @@ def _from_comfy(path: str, tensors: dict[str, torch.Tensor], from_comfy) -> tupl
     return lora_sd, {"rank": ranks.pop(), "alpha": alphas.pop(), "target_modules": None}
 
 
-def save_comfy(path: str, lora_sd: dict[str, torch.Tensor], alpha: float, to_comfy) -> None:
+def save_comfy(path: str, lora_sd: dict[str, torch.Tensor], alpha: float, to_comfy, alpha_keys: bool = True) -> None:
     """ComfyUI's native layout: diffusion_model.<original module>.lora_A/lora_B.weight and a 0-dim .alpha per
     module (ComfyUI scales by alpha / rank), with no lora_adapter_metadata (diffusers' converter of such
-    files bakes alpha in, and would apply it twice with the metadata). `to_comfy` maps our module names."""
+    files bakes alpha in, and would apply it twice with the metadata). `to_comfy` maps our module names.
+    Without alpha_keys (a family whose diffusers loader refuses them, LTX-2's) alpha / rank is baked into
+    lora_B instead, which ComfyUI, reading no .alpha, applies at scale 1."""
     tensors = {}
     for key, value in lora_sd.items():
         module, part = key.rsplit(".lora_", 1)
+        if alpha_keys:
+            tensors[f"{COMFY_PREFIX}{to_comfy(module)}.alpha"] = torch.tensor(float(alpha))
+        elif part.startswith("B"):
+            value = value * (alpha / value.shape[1])
         tensors[f"{COMFY_PREFIX}{to_comfy(module)}.lora_{part}"] = value
-        tensors[f"{COMFY_PREFIX}{to_comfy(module)}.alpha"] = torch.tensor(float(alpha))
     _save_safetensors(path, tensors, {"format": "pt"})
 
 

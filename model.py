@@ -30,7 +30,8 @@ log = logging.getLogger("vidtrain")
 
 # model.family -> its module and adapter class. A family's module (and with it its diffusers and
 # transformers classes) is imported only once a config names it.
-ADAPTERS = {"cogvideox": ("families.cogvideox", "CogVideoXAdapter"), "wan": ("families.wan", "WanAdapter")}
+ADAPTERS = {"cogvideox": ("families.cogvideox", "CogVideoXAdapter"), "wan": ("families.wan", "WanAdapter"),
+            "ltx2": ("families.ltx2", "LTX2Adapter")}
 # train.compile: dynamo keeps at most this many compiled variants of one code object (8 by default) and
 # then runs it eagerly for good, and every block shares one forward. Training makes 4: the first block's
 # input needs no gradient and the others' does, each for the first bucket's shape and again with dynamic

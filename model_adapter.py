@@ -211,6 +211,7 @@ class Adapter:
     # A key every single file of the family holds (model.transformer_file; single_file_key and diffusers_names
     # map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
+    COMFY_ALPHA = True  # whether that file carries an .alpha per module (else alpha / rank is baked into lora_B)
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)

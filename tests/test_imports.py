@@ -5,7 +5,7 @@ import ast
 
 from conftest import REPO
 
-FAMILIES = {"cogvideox": "cogvideo", "wan": "wan"}  # families/<name>.py, and the word in its classes' names
+FAMILIES = {"cogvideox": "cogvideo", "wan": "wan", "ltx2": "ltx2"}  # families/<name>.py, and the word in its classes' names
 LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),

@@ -6,11 +6,12 @@ and the demo exercise the real loading code without any hub download. Sizes are 
 transformer's config.json carries exactly the keys the published checkpoint's file carries (a key
 diffusers added later is absent, and the class fills its default, as it does for the real file).
 
-    python tools/make_tiny_model.py --out DIR [--family cogvideox|wan] [--variant NAME] [--seed N]
+    python tools/make_tiny_model.py --out DIR [--family cogvideox|wan|ltx2] [--variant NAME] [--seed N]
 
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V 1.3B/14B),
 i2v (2.1 I2V 14B, with a CLIP image encoder), ti2v-5b (2.2, its 4x16x16 VAE), a14b-t2v and a14b-i2v
-(2.2, two experts). docs/models/cogvideox.md and docs/models/wan.md list the published key sets.
+(2.2, two experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B), each text- and image-to-video (the
+same folder serves both pipelines). docs/models/<family>.md list the published key sets.
 """
 
 import argparse
@@ -28,6 +29,11 @@ logging.getLogger("transformers.utils.import_utils").addFilter(
     lambda record: "requires torchvision" not in record.getMessage())
 from diffusers import (
     AutoencoderKLCogVideoX,
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
+    FlowMatchEulerDiscreteScheduler,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
     AutoencoderKLWan,
     CogVideoXDPMScheduler,
     CogVideoXImageToVideoPipeline,
@@ -38,10 +44,15 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from transformers import (
     CLIPImageProcessorPil,
     CLIPVisionConfig,
     CLIPVisionModel,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    GemmaTokenizer,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -257,18 +268,117 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
     (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+# LTX-2 (docs/models/ltx2.md): the transformer/config.json keys of the published folders, as diffusers'
+# conversion script writes them for 2.0 and 2.3 (the four keys LTX-2.5 added later are absent).
+LTX2_KEYS = {
+    "activation_fn", "attention_bias", "attention_head_dim", "attention_out_bias", "audio_attention_head_dim",
+    "audio_cross_attention_dim", "audio_cross_attn_mod", "audio_gated_attn", "audio_hop_length", "audio_in_channels",
+    "audio_num_attention_heads", "audio_out_channels", "audio_patch_size", "audio_patch_size_t",
+    "audio_pos_embed_max_pos", "audio_sampling_rate", "audio_scale_factor", "base_height", "base_width",
+    "caption_channels", "causal_offset", "cross_attention_dim", "cross_attn_mod", "cross_attn_timestep_scale_multiplier",
+    "gated_attn", "in_channels", "norm_elementwise_affine", "norm_eps", "num_attention_heads", "num_layers",
+    "out_channels", "patch_size", "patch_size_t", "perturbed_attn", "pos_embed_max_pos", "qk_norm", "rope_double_precision",
+    "rope_theta", "rope_type", "timestep_scale_multiplier", "use_prompt_embeddings", "vae_scale_factors",
+}
+LTX2_TEXT_LAYERS = 2  # the tiny Gemma 3's layers: the connectors read every layer's hidden states and the embeddings'
+LTX2_LATENT_CHANNELS = 8
+# The audio VAE: mel_bins 16 and its 4x mel compression give 4 latent mel bins, x 2 latent channels = 8 features
+# per audio token, which must equal base_channels (its latents_mean/std hold one value per token feature).
+LTX2_AUDIO = {"base_channels": 8, "latent_channels": 2, "mel_bins": 16}
+# variant: LTX-2.3's changes (gated attention, cross-attention modulation, per-modality text projections, STG's
+# perturbed attention, the vocoder with bandwidth extension)
+LTX2_VARIANTS = {"2.0": False, "2.3": True}
+
+
+def make_gemma_tokenizer() -> GemmaTokenizer:
+    """A character-level BPE vocabulary (no merges): Gemma's special tokens, then letters, digits and the word
+    boundary; the pipeline pads it on the left, as Gemma's."""
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"])}
+    for c in string.ascii_lowercase + string.digits + ".,'-\u2581":
+        vocab.setdefault(c, len(vocab))
+    return GemmaTokenizer(vocab=vocab, merges=[])
+
+
+def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
+    is_23 = LTX2_VARIANTS[variant]
+    tokenizer = make_gemma_tokenizer()
+    video_dim, audio_dim = 16, 8  # the transformer's streams: 2 heads of 8, 2 heads of 4
+    audio_features = LTX2_AUDIO["latent_channels"] * LTX2_AUDIO["mel_bins"] // 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config={"vocab_size": len(tokenizer) + 8, "hidden_size": TEXT_DIM // 2, "intermediate_size": 32,
+                         "num_hidden_layers": LTX2_TEXT_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 1,
+                         "head_dim": 8, "sliding_window": 64},
+            vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+            mm_tokens_per_image=4))
+        caption = TEXT_DIM // 2
+        transformer = LTX2VideoTransformer3DModel(
+            in_channels=LTX2_LATENT_CHANNELS, out_channels=LTX2_LATENT_CHANNELS, patch_size=1, patch_size_t=1,
+            num_attention_heads=2, attention_head_dim=8, cross_attention_dim=video_dim, vae_scale_factors=(8, 8, 8),
+            gated_attn=is_23, cross_attn_mod=is_23, audio_in_channels=audio_features, audio_out_channels=audio_features,
+            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=audio_dim,
+            audio_gated_attn=is_23, audio_cross_attn_mod=is_23, num_layers=2, caption_channels=caption,
+            rope_type="split", use_prompt_embeddings=not is_23, perturbed_attn=is_23)
+        connectors = LTX2TextConnectors(
+            caption_channels=caption, text_proj_in_factor=LTX2_TEXT_LAYERS + 1,
+            video_connector_num_attention_heads=2, video_connector_attention_head_dim=8, video_connector_num_layers=1,
+            video_connector_num_learnable_registers=128, video_gated_attn=is_23,
+            audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=4 if is_23 else 8,
+            audio_connector_num_layers=1, audio_connector_num_learnable_registers=128, audio_gated_attn=is_23,
+            rope_type="split", per_modality_projections=is_23, video_hidden_dim=video_dim, audio_hidden_dim=audio_dim,
+            proj_bias=is_23)
+        # The published layout (a spatial, a temporal and two spatio-temporal downsamplings: 8x in time, 8x in
+        # space before the patch) with patch_size 1 where the published VAE has 4: 8x8 in space, not 32x32.
+        vae = AutoencoderKLLTX2Video(
+            latent_channels=LTX2_LATENT_CHANNELS, block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), patch_size=1,
+            decoder_causal=False, spatial_compression_ratio=8, temporal_compression_ratio=8)
+        vae.register_buffer("latents_mean", torch.randn(LTX2_LATENT_CHANNELS) * 0.1)
+        vae.register_buffer("latents_std", 1.0 + torch.rand(LTX2_LATENT_CHANNELS))
+        audio_vae = AutoencoderKLLTX2Audio(**LTX2_AUDIO, ch_mult=(1, 2, 4), num_res_blocks=1, resolution=32)
+        audio_vae.register_buffer("latents_mean", torch.randn(LTX2_AUDIO["base_channels"]) * 0.1)
+        audio_vae.register_buffer("latents_std", 1.0 + torch.rand(LTX2_AUDIO["base_channels"]))
+        # The vocoders upsample mel frames (hop 160 at 16 kHz) by the published totals, in two layers: x120 to
+        # 24 kHz (2.0); x160 to 16 kHz, then the bandwidth extension's x240 over hop 80 to 48 kHz (2.3).
+        mel_features = 2 * LTX2_AUDIO["mel_bins"]  # the decoder's stereo mel spectrogram, flattened
+        if is_23:
+            vocoder = LTX2VocoderWithBWE(
+                in_channels=mel_features, hidden_channels=8, upsample_kernel_sizes=[20, 32], upsample_factors=[10, 16],
+                resnet_kernel_sizes=[3], resnet_dilations=[[1]], bwe_in_channels=mel_features, bwe_hidden_channels=8,
+                bwe_upsample_kernel_sizes=[12, 80], bwe_upsample_factors=[6, 40], bwe_resnet_kernel_sizes=[3],
+                bwe_resnet_dilations=[[1]], num_mel_channels=LTX2_AUDIO["mel_bins"])
+        else:
+            vocoder = LTX2Vocoder(in_channels=mel_features, hidden_channels=8, upsample_kernel_sizes=[24, 20],
+                                  upsample_factors=[12, 10], resnet_kernel_sizes=[3], resnet_dilations=[[1]])
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+    pipe = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+    pipe.save_pretrained(out)
+    root = Path(out)
+    keep_keys(root / "transformer" / "config.json", LTX2_KEYS)
+    # The optional components LTX-2.5 added: absent from the 2.0 and 2.3 folders.
+    index = json.loads((root / "model_index.json").read_text())
+    index = {k: v for k, v in index.items() if k not in ("duration_head", "processor", "prompt_enhancer")}
+    (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--family", choices=["cogvideox", "wan"], default="cogvideox")
-    parser.add_argument("--variant", help="default: 5b (CogVideoX), t2v (Wan)")
+    parser.add_argument("--family", choices=["cogvideox", "wan", "ltx2"], default="cogvideox")
+    parser.add_argument("--variant", help="default: 5b (CogVideoX), t2v (Wan), 2.0 (LTX-2)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    variants = WAN_VARIANTS if args.family == "wan" else COGVIDEOX_VARIANTS
-    variant = args.variant or ("t2v" if args.family == "wan" else "5b")
+    variants, default, make = {"cogvideox": (COGVIDEOX_VARIANTS, "5b", make_tiny_model),
+                               "wan": (WAN_VARIANTS, "t2v", make_tiny_wan),
+                               "ltx2": (LTX2_VARIANTS, "2.0", make_tiny_ltx2)}[args.family]
+    variant = args.variant or default
     if variant not in variants:
         parser.error(f"--variant {variant} is not a {args.family} variant: one of {', '.join(variants)}")
-    (make_tiny_wan if args.family == "wan" else make_tiny_model)(args.out, variant, args.seed)
+    make(args.out, variant, args.seed)
     print(f"wrote tiny {args.family} {variant} to {args.out}")
 
 

@@ -1,0 +1,385 @@
+"""LTX-2 and LTX-2.3 (docs/models/ltx2.md): one transformer with a video and an audio stream, text- and
+image-to-video from the same folder.
+
+Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream draws
+its own s (LTX-2's trainer, ltx-trainer, samples every generated modality separately) from the shifted
+logit-normal sampler of ltx-trainer, its shift set by the stream's token count; model timesteps are
+1000 s. A batch without audio latents trains the video alone, as ltx-trainer does with no audio modality:
+the audio stream gets no tokens and the audio-video cross-attention is off (isolate_modalities), so the
+video stream computes exactly what ltx-core computes without audio; with audio latents the loss is the
+video loss plus audio_loss_weight times the audio loss. Video latents are normalised with the VAE's
+latents_mean/std and scaling_factor, audio latents per token feature with the audio VAE's; text is
+Gemma 3's hidden states of every layer through the connectors, whose learnable registers fill every
+padded position, so the cache holds the video and audio text embeddings side by side (no mask). The
+sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with classifier-free guidance
+(their STG, modality-isolation guidance and guidance rescale off).
+"""
+
+import contextlib
+import copy
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import (
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
+    FlowMatchEulerDiscreteScheduler,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
+)
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import apply_image_conditioning_crf, resolve_default_image_crf
+from diffusers.video_processor import VideoProcessor
+from transformers import Gemma3ForConditionalGeneration
+
+from config import ConfigError, ModelConfig
+from model_adapter import Adapter, Weights, log, resolved_config, sample_posterior, to_device
+
+TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
+FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
+# ltx-trainer's shifted logit-normal timestep sampler: its shift interpolates between these token counts.
+SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
+
+
+def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """One s in [0, 1]: sigmoid(N(mu, 1)) stretched between its 0.5th and 99.9th percentiles (reflected at 1e-3),
+    or, one draw in ten, uniform in [1e-3, 1); mu grows linearly with the token count, capped at 4096."""
+    tokens = min(tokens, SHIFT_TOKENS[1])
+    mu = SHIFTS[0] + (SHIFTS[1] - SHIFTS[0]) * (tokens - SHIFT_TOKENS[0]) / (SHIFT_TOKENS[1] - SHIFT_TOKENS[0])
+    normal, uniform, choice = torch.randn((), generator=generator), torch.rand((), generator=generator), \
+        torch.rand((), generator=generator)
+    low, high = torch.sigmoid(torch.tensor(mu - 2.5758)), torch.sigmoid(torch.tensor(mu + 3.0902))
+    stretched = (torch.sigmoid(normal + mu) - low) / (high - low)
+    stretched = torch.where(stretched >= 1e-3, stretched, 2e-3 - stretched).clamp(0, 1)
+    return torch.where(choice > 0.1, stretched, (1 - 1e-3) * uniform + 1e-3)
+
+
+class LTX2Adapter(Adapter):
+    FAMILY = "ltx2"
+    # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio VAE's files.
+    ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer", "connectors"),
+                "audio": ("audio_vae",)}
+    TRANSFORMER, VAE, TEXT_ENCODER = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video, Gemma3ForConditionalGeneration
+    COMFY = True
+    COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__(cfg, device)
+        self.transformer_config = resolved_config(LTX2VideoTransformer3DModel, self.path, "transformer")
+        self.vae_config = resolved_config(AutoencoderKLLTX2Video, self.path, "vae")
+        connectors = resolved_config(LTX2TextConnectors, self.path, "connectors")
+        for stream in ("video", "audio"):
+            registers = connectors[f"{stream}_connector_num_learnable_registers"]
+            if not registers or TEXT_LENGTH % registers:
+                raise ConfigError(f"{self.path}/connectors/config.json: {stream}_connector_num_learnable_registers = "
+                                  f"{registers}, but the cache keeps no text mask and needs registers filling the "
+                                  f"padding of {TEXT_LENGTH} tokens (the published 128 do)")
+        self.audio_config = resolved_config(AutoencoderKLLTX2Audio, self.path, "audio_vae")
+        # Latent statistics live in the VAEs' weights (buffers): read those few values, not the VAEs.
+        with (video := Weights(self.path / "vae")).opened():
+            mean, std = (video.read(f"latents_{n}", torch.float32).to(device) for n in ("mean", "std"))
+        self.latents_mean, self.latents_std = mean.view(1, -1, 1, 1, 1), std.view(1, -1, 1, 1, 1)
+        with (audio := Weights(self.path / "audio_vae")).opened():
+            self.audio_mean, self.audio_std = (audio.read(f"latents_{n}", torch.float32).to(device)
+                                               for n in ("mean", "std"))
+        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation (33 for Gemma 3).
+        text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
+        self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
+        self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
+        self.losses: dict[str, torch.Tensor] = {}  # the last train_loss's per-stream means (detached), for the logs
+        self._audio_vae = self._connectors = None
+
+    # Shape rules read from the model's own config.
+    @property
+    def temporal_ratio(self) -> int:
+        return self.vae_config["temporal_compression_ratio"]
+
+    @property
+    def spatial_ratio(self) -> int:
+        return self.vae_config["spatial_compression_ratio"]
+
+    @property
+    def latent_channels(self) -> int:
+        return self.vae_config["latent_channels"]
+
+    @property
+    def frame_multiple(self) -> int:
+        return self.temporal_ratio  # 8k+1 frames: the causal VAE encodes the first frame alone
+
+    @property
+    def size_multiple(self) -> int:
+        return self.spatial_ratio * self.transformer_config["patch_size"]
+
+    @property
+    def text_length(self) -> int:
+        return TEXT_LENGTH
+
+    @property
+    def published_fps(self) -> int:
+        return int(FRAME_RATE)
+
+    @property
+    def audio_latents_per_second(self) -> float:
+        """The audio VAE's latent frames per second: 16000 Hz / hop 160 / 4 = 25 for the published one."""
+        return self.audio_config["sample_rate"] / self.audio_config["mel_hop_length"] / 4
+
+    def comfy_key(self, module: str) -> str | None:
+        """The original checkpoint names the transformer's blocks and attention projections as diffusers does."""
+        return module if module.startswith("transformer_blocks.") else None
+
+    def diffusers_key(self, original: str) -> str | None:
+        return original if original.startswith("transformer_blocks.") else None
+
+    # Encoding.
+    def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
+        """The pipelines' (x - mean) * scaling_factor / std, [B, C, F, h, w]."""
+        return (latents - self.latents_mean.to(latents)) * self.vae_config["scaling_factor"] / self.latents_std.to(latents)
+
+    @torch.no_grad()
+    def encode_video(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 [B, F, H, W, 3] -> posterior mean and log-variance [B, C, F', h, w] (not normalised)."""
+        posterior = self._load_vae().encode(self._pixels(video)).latent_dist
+        return posterior.mean, posterior.logvar
+
+    @torch.no_grad()
+    def _image_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Image pixels [B, 3, H, W] in [-1, 1] -> the VAE's mode of the one-frame video, normalised as the I2V
+        pipeline's prepare_latents does (without the scaling factor), [B, C, 1, h, w]."""
+        latents = self._load_vae().encode(pixels[:, :, None].to(self.vae_dtype)).latent_dist.mode().float()
+        return (latents - self.latents_mean.to(latents)) / self.latents_std.to(latents)
+
+    def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
+        """I2V conditioning images, uint8 [B, H, W, 3] -> their latent frame, compressed first as the pipeline
+        compresses its image (one H.264 frame at the model's CRF)."""
+        pictures = [apply_image_conditioning_crf(np.asarray(image.cpu()), self.image_crf) for image in images]
+        pixels = torch.stack([torch.from_numpy(p) for p in pictures]).to(self.device).permute(0, 3, 1, 2).float()
+        return {"image_latents": self._image_latents(pixels / 127.5 - 1.0)}
+
+    @torch.no_grad()
+    def encode_audio(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The audio VAE's input, a log-mel spectrogram [B, channels, mel frames, mel bins] (audio_config's
+        sample_rate, mel_hop_length, mel_bins; stereo) -> its posterior mean and log-variance [B, C', L, M']
+        (not normalised): the cache's audio_latent_mean and audio_latent_logvar."""
+        if self._audio_vae is None:
+            log.info("loading audio VAE from %s", self.path)
+            self._audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae",
+                                                                     dtype=self.vae_dtype).requires_grad_(False).eval()
+        posterior = self._audio_vae.to(self.device).encode(mel.to(self.device, self.vae_dtype)).latent_dist
+        return posterior.mean, posterior.logvar
+
+    def _text(self):
+        if self._text_encoder is None:
+            super()._text()
+            self._connectors = LTX2TextConnectors.from_pretrained(self.path, subfolder="connectors", dtype=self.dtype)
+            self._connectors.to(self.device).requires_grad_(False).eval()
+        return self._text_encoder, self._tokenizer
+
+    def release_text_encoder(self) -> None:
+        super().release_text_encoder()
+        self._connectors = None
+
+    def release_encoders(self) -> None:
+        self._connectors = self._audio_vae = None
+        super().release_encoders()
+
+    @torch.no_grad()
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma 3's every hidden state, left
+        padding, the connectors), the video stream's text and the audio stream's side by side."""
+        text_encoder, tokenizer = self._text()
+        tokenizer.padding_side = "left"
+        inputs = tokenizer([p.strip() for p in prompts], padding="max_length", max_length=TEXT_LENGTH,
+                           truncation=True, add_special_tokens=True, return_tensors="pt").to(self.device)
+        hidden = text_encoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                              output_hidden_states=True).hidden_states
+        embeds = torch.stack(hidden, dim=-1).flatten(2, 3).to(self.dtype)
+        video, audio, _ = self._connectors(embeds, inputs.attention_mask, padding_side="left")
+        return torch.cat([video, audio], dim=-1)
+
+    def _split_text(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached text's two halves: the connectors give 2.0's streams caption_channels each (the transformer
+        projects them), 2.3's the streams' own widths."""
+        c = self.transformer_config
+        video_dim = c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"]
+        return embeds[..., :video_dim], embeds[..., video_dim:]
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents [B, C, F', h, w] -> pixels [B, 3, F, H, W] in [-1, 1], as the pipeline decodes
+        (a timestep-conditioned VAE at the pipeline's decode_timestep 0)."""
+        latents = latents * self.latents_std.to(latents) / self.vae_config["scaling_factor"] + self.latents_mean.to(latents)
+        vae = self._load_vae()
+        timestep = torch.zeros(1, device=self.device) if self.vae_config["timestep_conditioning"] else None
+        return torch.cat([vae.decode(clip.to(self.vae_dtype), timestep, return_dict=False)[0]
+                          for clip in latents.split(1)])
+
+    # Training.
+    def _pack(self, latents: torch.Tensor) -> torch.Tensor:
+        c = self.transformer_config
+        return LTX2Pipeline._pack_latents(latents, c["patch_size"], c["patch_size_t"])
+
+    def _normalise_audio(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens - self.audio_mean.to(tokens)) / self.audio_std.to(tokens)
+
+    def _predict(self, transformer, video, audio, video_t, sigma, audio_t, embeds, shape, audio_frames):
+        """(video, audio) velocities [B, tokens, C] in fp32: video_t the video's timesteps [B] (or per token
+        [B, tokens], I2V), sigma [B] its noise level (LTX-2.3's prompt modulation), audio_t [B]. No audio
+        tokens: the video stream alone (isolate_modalities turns off the audio-video cross-attention; the audio
+        stream, which the video then never sees, runs on one zero token: the rotary tables refuse none)."""
+        dtype = next(transformer.parameters()).dtype
+        video_text, audio_text = self._split_text(embeds.to(dtype))
+        frames, height, width = shape
+        n, isolate = len(video), audio.shape[1] == 0
+        if isolate:
+            audio, audio_frames = audio.new_zeros(n, 1, audio.shape[2]), 1
+        out = transformer(
+            hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype), encoder_hidden_states=video_text,
+            audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_t,
+            sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
+            width=width, fps=FRAME_RATE, audio_num_frames=audio_frames, isolate_modalities=isolate,
+            use_cross_timestep=True, return_dict=False)
+        return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
+
+    def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, batch, embeds):
+        """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at sigmas [B],
+        and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas [B]. I2V: the first latent
+        frame's tokens are the image's, clean, at timestep 0 and outside the loss, as ltx-trainer's first-frame
+        condition and the I2V pipeline have them."""
+        n, shape = len(x0), batch["shape"]
+        s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
+        x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
+        video_t, first = 1000 * sigmas, 0  # first: the tokens of the conditioning frame
+        if self.type == "i2v":
+            image = self._pack(batch["image_latents"].to(self.device).float()).expand(n, -1, -1)
+            first = image.shape[1]
+            x_t = torch.cat([image, x_t[:, first:]], dim=1)
+            video_t = torch.cat([video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1)
+        video, audio = self._predict(transformer, x_t, a_t, video_t, 1000 * sigmas, 1000 * audio_sigmas, embeds, shape,
+                                     a0.shape[1])
+        video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
+        if a0.shape[1] == 0:
+            return video_loss, video_loss, torch.zeros_like(video_loss)
+        audio_loss = (audio - (audio_noise - a0)).pow(2).mean(dim=(1, 2))
+        return video_loss + self.audio_loss_weight * audio_loss, video_loss, audio_loss
+
+    def _clean(self, batch, generators):
+        """Packed clean latents, video [B, tokens, C] and audio [B, audio tokens, C'] (none without the batch's
+        audio entries), each a posterior sample (its mean without generators); the video's latent shape."""
+        mean = batch["latent_mean"].to(self.device)
+        x0 = self._pack(self._normalise(sample_posterior(mean, batch["latent_logvar"].to(self.device), generators)))
+        if "audio_latent_mean" in batch:
+            audio = sample_posterior(batch["audio_latent_mean"].to(self.device),
+                                     batch["audio_latent_logvar"].to(self.device), generators)
+            a0 = self._normalise_audio(LTX2Pipeline._pack_audio_latents(audio))
+        else:
+            a0 = x0.new_zeros(len(x0), 0, self.transformer_config["audio_in_channels"])
+        return x0, a0, tuple(mean.shape[2:])
+
+    def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
+        """Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and position in the
+        global batch) draws, in order: the video posterior sample, the audio one, the video s, the audio s, the
+        video noise, the audio noise. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
+        [B, C', L, M'], the audio VAE's posterior) add the audio loss; self.losses keeps each stream's mean."""
+        x0, a0, shape = self._clean(batch, generators)
+        sigmas = to_device(torch.stack([shifted_logit_normal(x0.shape[1], g) for g in generators]), self.device)
+        audio_sigmas = to_device(torch.stack([shifted_logit_normal(max(a0.shape[1], 1), g) for g in generators]),
+                                 self.device)
+        noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device)
+        audio_noise = to_device(torch.stack([torch.randn(a.shape, generator=g) for a, g in zip(a0, generators)]),
+                                self.device)
+        total, video, audio = self._loss(transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas,
+                                         {**batch, "shape": shape}, batch["prompt_embeds"].to(self.device))
+        self.losses = {"loss_video": video.detach().mean(), "loss_audio": audio.detach().mean()}
+        return total
+
+    def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
+        """The loss of one cached clip (its posterior means) at each of `timesteps` for both streams, the same noise."""
+        x0, a0, shape = self._clean(batch, None)
+        noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
+        audio_noise = torch.randn(a0.shape[1:], generator=generator).to(self.device)
+        n = len(timesteps)
+        sigmas = torch.tensor(timesteps, device=self.device) / 1000
+        return self._loss(transformer, x0.expand(n, -1, -1), noise.expand(n, -1, -1), sigmas, a0.expand(n, -1, -1),
+                          audio_noise.expand(n, -1, -1), sigmas, {**batch, "shape": shape},
+                          batch["prompt_embeds"].to(self.device).expand(n, -1, -1))[0]
+
+    @staticmethod
+    def blocks(transformer) -> list[torch.nn.Module]:
+        return list(transformer.transformer_blocks)
+
+    # Sampling: LTX2Pipeline's (LTX2ImageToVideoPipeline's) loop, run by validate.sample_latents. Both streams are
+    # denoised (the video attends to the audio); the denoiser returns the video and audio velocities flattened
+    # side by side, so validate's guidance applies to both.
+    def sampler(self, name: str):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.path, subfolder="scheduler")
+
+    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
+        """Initial video and audio latents (fp32, packed) from `generator`, the two schedulers, and I2V's image
+        latent frame, as the pipelines' prepare_latents, prepare_audio_latents and timesteps."""
+        frames, height, width = resolution
+        shape = ((frames - 1) // self.temporal_ratio + 1, height // self.spatial_ratio, width // self.spatial_ratio)
+        noise = torch.randn((1, self.latent_channels, *shape), generator=generator, dtype=torch.float32).to(self.device)
+        condition = None
+        if image is not None:
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), self.image_crf))
+            pixels = VideoProcessor(vae_scale_factor=self.spatial_ratio, resample="bilinear").preprocess(
+                image, height=height, width=width)
+            condition = self._pack(self._image_latents(pixels.to(self.device, torch.float32)))
+        latents = self._pack(noise)
+        if condition is not None:
+            latents = torch.cat([condition, latents[:, condition.shape[1]:]], dim=1)
+        audio_frames = round(frames / FRAME_RATE * self.audio_latents_per_second)
+        mel_bins = self.audio_config["mel_bins"] // 4
+        audio = torch.randn((1, self.audio_config["latent_channels"], audio_frames, mel_bins), generator=generator,
+                            dtype=torch.float32).to(self.device)
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        c = scheduler.config
+        mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+        scheduler.set_timesteps(sigmas=sigmas, mu=mu, device=self.device)
+        audio_scheduler = copy.deepcopy(scheduler)
+        scheduler.set_begin_index(0)
+        audio_scheduler.set_begin_index(0)
+        return SimpleNamespace(scheduler=scheduler, audio_scheduler=audio_scheduler, latents=latents,
+                               audio=LTX2Pipeline._pack_audio_latents(audio), shape=shape, audio_frames=audio_frames,
+                               first=0 if condition is None else condition.shape[1])
+
+    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
+        """[n, video numbers + audio numbers]: both streams' velocities at step t, with guidance of the latents
+        twice (uncond, cond) in one forward."""
+        n = 2 if guided else 1
+        video_t = t.expand(n)
+        if state.first:  # I2V: the image's tokens at timestep 0
+            video_t = video_t[:, None].repeat(1, state.latents.shape[1])
+            video_t[:, :state.first] = 0
+        video, audio = self._predict(models["transformer"], state.latents.expand(n, -1, -1),
+                                     state.audio.expand(n, -1, -1), video_t, t.expand(n), t.expand(n), embeds,
+                                     state.shape, state.audio_frames)
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+    def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
+        return cfg.guidance_scale
+
+    def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
+        split = state.latents.numel()
+        video, audio = prediction[:, :split].view_as(state.latents), prediction[:, split:].view_as(state.audio)
+        first = state.first
+        stepped = state.scheduler.step(video[:, first:], t, state.latents[:, first:], return_dict=False)[0]
+        state.latents = torch.cat([state.latents[:, :first], stepped], dim=1)
+        state.audio = state.audio_scheduler.step(audio, t, state.audio, return_dict=False)[0]
+
+    def sampled(self, state) -> torch.Tensor:
+        c = self.transformer_config
+        return LTX2Pipeline._unpack_latents(state.latents, *state.shape, c["patch_size"], c["patch_size_t"])
+
+    def sampled_audio(self, state) -> torch.Tensor:
+        """The audio latents [1, C', L, M'] as the pipeline hands them to the audio VAE (denormalised)."""
+        audio = state.audio * self.audio_std.to(state.audio) + self.audio_mean.to(state.audio)
+        return LTX2Pipeline._unpack_audio_latents(audio, state.audio_frames, self.audio_config["mel_bins"] // 4)
+
+    def sampling_attention(self, model: torch.nn.Module):
+        return contextlib.nullcontext()

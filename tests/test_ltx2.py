@@ -1,0 +1,246 @@
+"""LTX-2 and LTX-2.3: the tiny models carry the published key sets; every variant trains video-only (LoRA and
+sft), samples exactly as LTX2Pipeline / LTX2ImageToVideoPipeline do (with and without our exported LoRA), and
+exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel
+from PIL import Image
+from safetensors.torch import load_file
+
+import data
+import lora
+import trainer
+import validate
+from config import ConfigError, ModelConfig, load_config
+from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from families.ltx2 import TEXT_LENGTH
+from model import load_adapter
+from test_variants import one_rank_group
+from tools.make_synthetic_dataset import make_synthetic_dataset
+from tools.make_tiny_model import LTX2_KEYS, make_tiny_ltx2
+
+# variant: (model.type, pipeline)
+VARIANTS = {"2.0": ("t2v", LTX2Pipeline), "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline)}
+PROMPTS = ["a red circle moves right"]
+
+
+@pytest.fixture(scope="session")
+def ltx2_models(tmp_path_factory):
+    """Each LTX-2 variant's tiny model, written on first use."""
+    root, made = tmp_path_factory.mktemp("ltx2"), {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = root / variant
+            make_tiny_ltx2(str(made[variant]), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ltx2_data(tmp_path_factory):
+    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24 would dominate."""
+    path = tmp_path_factory.mktemp("ltx2_data") / "shapes"
+    make_synthetic_dataset(str(path), num_videos=6, frames=17, height=40, width=48, seed=0)
+    return path
+
+
+def model_of(variant: str) -> str:
+    return variant.split("-")[0]
+
+
+def test_tiny_models_carry_the_published_key_sets(ltx2_models):
+    for variant in ("2.0", "2.3"):
+        path = ltx2_models(variant)
+        keys = set(json.loads((path / "transformer" / "config.json").read_text())) - {"_class_name", "_diffusers_version"}
+        assert keys == LTX2_KEYS
+        assert not {"duration_head", "processor", "prompt_enhancer"} & set(json.loads((path / "model_index.json").read_text()))
+
+
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models, monkeypatch):
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="bf16"), torch.device("cpu"))
+    assert_loads_lean(adapter, monkeypatch)
+
+
+def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **extra) -> dict:
+    model_type = VARIANTS[variant][0]
+    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(ltx2_models(model_of(variant))),
+                "model.family": "ltx2", "model.type": model_type, "data.data_root": str(tiny_data),
+                "data.held_out": 2, "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
+                "validation.do_validation": False, "validation.prompts": PROMPTS, "validation.num_inference_steps": 2,
+                "validation.gen_fps": 24}
+    if model_type == "i2v":
+        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
+    return {**settings, **extra}
+
+
+def pipeline_frames(pipe, cfg):
+    """The pipeline's float frames [F, H, W, 3] per prompt, with its extra guidance terms off (STG, modality
+    isolation, rescale) and the audio guided as the video."""
+    frames = []
+    for i, prompt in enumerate(cfg.prompts):
+        extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
+        frames.append(pipe(prompt=prompt, negative_prompt=cfg.negative_prompt, num_frames=9, height=32, width=32,
+                           num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+                           audio_guidance_scale=cfg.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0,
+                           modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
+                           audio_guidance_rescale=0.0, generator=data.keyed_generator(cfg.seed, i), output_type="pt",
+                           **extra).frames[0].permute(0, 2, 3, 1))
+    return frames
+
+
+def transformer_output(transformer, adapter):
+    gen = torch.Generator().manual_seed(0)
+    c = adapter.transformer_config
+    video = torch.randn(2, 2 * 4 * 4, c["in_channels"], generator=gen)
+    audio = torch.randn(2, 9, c["audio_in_channels"], generator=gen)
+    embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
+    t = torch.tensor([10.0, 900.0])
+    with torch.no_grad():
+        return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, t, t, t, embeds, (2, 4, 4), 9)], 1)
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, ltx2_data, tmp_path):
+    """Two video-only LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32
+    with the base model and with our exported LoRA loaded by load_lora_weights; the ComfyUI file loads through
+    the same loader's conversion to the same transformer; the sft export loads with from_pretrained and
+    computes what the checkpoint's weights compute."""
+    path = ltx2_models(model_of(variant))
+    settings = ltx2_settings(variant, ltx2_models, base_settings, ltx2_data, tmp_path / "lora")
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    # lora.init_from (and validate.py --lora) read the ComfyUI file back: its alpha / rank is baked into lora_B.
+    comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
+    comfy_weights, comfy_info = lora.load_lora(str(comfy_file), adapter.diffusers_key)
+    weights, info = lora.load_lora(str(lora_file))
+    assert comfy_weights.keys() == weights.keys() and comfy_info["alpha"] == comfy_info["rank"] == info["rank"]
+    scale = info["alpha"] / info["rank"]
+    assert all(torch.equal(comfy_weights[k], weights[k] * (scale if ".lora_B." in k else 1)) for k in weights)
+
+    pipe = VARIANTS[variant][1].from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        for source in (None, lora_file):
+            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            ours = [renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext()) for i in range(len(PROMPTS))]
+            if source:
+                pipe.load_lora_weights(str(source))
+            for a, b in zip(ours, pipeline_frames(pipe, cfg.validation)):
+                assert a.shape == b.shape == (9, 32, 32, 3)
+                assert (a - b).abs().max() <= 1e-4, (variant, source, (a - b).abs().max())
+            if source is not None:
+                assert max((a - b).abs().max() for a, b in zip(ours, base)) > 1e-3  # the LoRA shows
+            base = ours
+        # The ComfyUI file through the loader's conversion of diffusion_model. keys: the same transformer.
+        ours = transformer_output(pipe.transformer, adapter)
+        pipe.unload_lora_weights()
+        pipe.load_lora_weights(str(comfy_file))
+        torch.testing.assert_close(transformer_output(pipe.transformer, adapter), ours, rtol=0, atol=1e-5)
+
+        sft_cfg = load_config(str(tmp_path / "sft.toml"))
+        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+    exported = LTX2VideoTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
+    torch.testing.assert_close(transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5)
+
+
+def test_audio_latents_add_their_own_loss(ltx2_models):
+    """The hook the soundtrack's cache entries plug into: the audio VAE's posterior of a mel spectrogram
+    (encode_audio) in the batch adds audio_loss_weight x the audio loss, from its own timestep draw; without
+    it the video trains alone, its stream cut off from the audio (the audio latents change nothing)."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu"))
+    transformer = adapter.load_transformer().eval()
+    gen = torch.Generator().manual_seed(0)
+    mel = torch.randn(2, 2, 36, adapter.audio_config["mel_bins"], generator=gen)
+    audio_mean, audio_logvar = adapter.encode_audio(mel)
+    assert audio_mean.shape == (2, adapter.audio_config["latent_channels"], 9, adapter.audio_config["mel_bins"] // 4)
+    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen), "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
+             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    sound = {**batch, "audio_latent_mean": audio_mean, "audio_latent_logvar": audio_logvar}
+
+    def losses(batch, weight):
+        adapter.audio_loss_weight = weight
+        with torch.no_grad():
+            total = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
+        return total, adapter.losses
+
+    silent, parts = losses(batch, 1.0)
+    assert torch.equal(silent.mean(), parts["loss_video"]) and parts["loss_audio"] == 0
+    # Without sound the video stream sees nothing of the audio one: every audio weight changed, the same loss.
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if "audio" in name:
+                param.add_(torch.randn(param.shape, generator=gen))
+    assert torch.equal(losses(batch, 1.0)[0], silent)
+    half, half_parts = losses(sound, 0.5)
+    full, full_parts = losses(sound, 1.0)
+    assert full_parts["loss_audio"] > 0 and torch.equal(full_parts["loss_video"], half_parts["loss_video"])
+    torch.testing.assert_close((full - half).mean() * 2, full_parts["loss_audio"])
+    torch.testing.assert_close(full.mean(), full_parts["loss_video"] + full_parts["loss_audio"])
+    assert not torch.allclose(full_parts["loss_video"], parts["loss_video"])  # the video attends to the sound
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"parallel.sp_size": 2}, r"parallel.sp_size > 1: sequence parallelism is not built for LTX-2 yet"),
+    ({"train.flow_shift": 3.0}, r"model.expert and train.flow_shift are for Wan"),
+    ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
+])
+def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
+    """Named by the config check, before anything loads (the adapter ignores a flow shift: its timestep
+    sampler sets its own)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path), "run.output_dir": str(tmp_path),
+                                                          "data.data_root": str(tmp_path),
+                                                          "parallel.strategy": "fsdp", **setting})))
+
+
+def test_ltx2_lowers_the_held_out_loss(ltx2_models, base_settings, ltx2_data, tmp_path):
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path / "learn", **{
+        "train.steps": 40, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
+        "checkpoint.checkpointing_steps": 40, "validation.do_validation": True, "validation.prompts": [],
+        "validation.validation_steps": 40})
+    trainer.main(["--cfg", str(write_toml(tmp_path / "learn.toml", settings))])
+    losses = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "learn") if "val/loss" in m}
+    assert sorted(losses) == [0, 40] and losses[40] < 0.9 * losses[0], losses
+
+
+def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
+    """2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
+    bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and computes
+    what our model with it computes."""
+    lifecycle = {"parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 4, "checkpoint.checkpointing_steps": 2,
+                 "validation.do_validation": True, "validation.validation_steps": 2, "validation.save_frames": True}
+    configs = {name: write_toml(tmp_path / f"{name}.toml", ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data,
+                                                                           tmp_path / name, **lifecycle))
+               for name in ("reference", "killed")}
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}).returncode != 0
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 2 ({tmp_path / 'killed' / 'checkpoint-2'})" in resumed.stderr
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "reference")
+    ours, theirs = (load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors") for name in ("killed", "reference"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_4_prompt_0.safetensors"
+    assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
+    lora_file = tmp_path / "reference" / "lora" / "pytorch_lora_weights.safetensors"
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = validate.load_model(cfg, adapter, d, None, str(lora_file)).eval()
+    pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
+    pipe.load_lora_weights(str(lora_file))
+    torch.testing.assert_close(transformer_output(pipe.transformer, adapter), transformer_output(model, adapter),
+                               rtol=0, atol=1e-5)
