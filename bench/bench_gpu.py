@@ -1,7 +1,8 @@
-"""Full-size CogVideoX on one GPU: seconds per training step, model FLOP utilisation (MFU) and peak memory,
-and our sampling step against diffusers' pipeline's.
+"""Full-size CogVideoX and Wan 14B on one GPU: seconds per training step, model FLOP utilisation (MFU) and peak
+memory, our sampling step against diffusers' pipeline's, and what the one-card settings cost.
 
     python bench/bench_gpu.py [--steps 4] [--sampling-steps 4] [--peak-tflops 989] [--only NAME ...] [--smoke]
+                              [--folder DIR]
 
 Nothing is downloaded: each transformer is built from its published config (bench_memory.PUBLISHED)
 with random weights, through model.build_model (LoRA rank 128 and alpha 64 on q, k, v, out as
@@ -19,6 +20,16 @@ step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed 
     5b-efficient  FlashAttention-2 on H100/H200; these print their time as a ratio to it)
     sampling    5B, one guided sampling step (CFG batch 2, DPM): validate.sample_latents with fused QKV
                 against CogVideoXPipeline(output_type="latent"), same weights, embeddings and seed
+    14b-resident  Wan 2.1 T2V 14B LoRA r32 (configs/wan-t2v-14b.toml) at 81x480x832, one process, every
+                  block resident (about 52 GB: an 80 GB card)
+    14b-one-gpu   the same with parallel.cpu_offload (offload_blocks = 0: every block streamed from pinned
+                  host memory), model.storage_dtype = "fp8" and train.activation_offload; its time is printed
+                  as a ratio to 14b-resident's: what the one-card settings cost in speed
+
+The 14b configurations build the model as trainer.py does (the adapter's loader reading a folder,
+model.build_model, AdamW): the first writes Wan 2.1 14B's transformer with random bf16 weights (28 GB,
+drawn on the GPU) beside the tiny Wan's VAE and text encoder in --folder, reused after. Their peak is
+printed beside bench_memory's estimate of the same setting's training step (bench/one_gpu.py).
 
 Model FLOPs of a step (what the step must compute; checkpointing's recompute is not counted), per
 sample, for S tokens (226 text + the video's patches), L layers, width D = heads x head_dim, N the
@@ -32,7 +43,8 @@ peak = 989 TFLOPS, H100/H200 SXM dense bf16 (--peak-tflops for another chip). Pe
 torch.cuda.max_memory_allocated over the timed steps, weights and optimizer state included.
 
 --smoke runs the same code on the CPU with 2-layer, 2-head versions of the models at 9x64x64 for one
-step: it checks that the code runs; its figures mean nothing.
+step: it checks that the code runs; its figures mean nothing. 14b-one-gpu needs the keys of issue 19
+(parallel.offload_blocks, model.storage_dtype, train.activation_offload) in config.py.
 """
 
 import argparse

@@ -18,9 +18,9 @@ back once; fp8 halves the first.
 
 Phases, each of which must fit: training (one step's peak); validation (the training state, the other
 expert of Wan 2.2 A14B placed as the trained one, and the larger of a guided sampling forward, batch 2,
-and the VAE decoding one clip); the cache pass (the text encoder, which stays loaded while the VAE
-encodes data.cache_batch_size clips, as cache.prepare runs them; the validation prompts' encoding
-before the model is built needs less). Host RAM: the pinned weights and activations, this process's
+and the VAE decoding one clip); the cache pass (the text encoder's pass, then the VAE encoding
+data.cache_batch_size clips, or one where that many do not fit: cache.prepare frees the text encoder
+between them; the validation prompts' encoding, before the model is built, is the same text pass). Host RAM: the pinned weights and activations, this process's
 resident size, the VAE parked between validations; in the cache pass the text encoder, which
 from_pretrained reads on the host before moving it.
 """
@@ -34,7 +34,7 @@ MARGIN = GIB
 
 PARTS = {"outside the blocks": "root", "a block": "block", "in fp8": "block_fp8", "LoRA + AdamW": "trainable",
          "step": "activations", "of which block inputs": "inputs", "step, inputs offloaded": "offload_activations",
-         "sampling": "sampling", "VAE": "vae", "encode": "encode", "decode": "decode",
+         "sampling": "sampling", "VAE": "vae", "encode": "encode", "one clip": "encode_1", "decode": "decode",
          "text encoder": "text_encoder", "its pass": "text"}
 
 
@@ -98,8 +98,13 @@ def gpu(p: dict, s: Setting) -> dict[str, int]:
         phases["validation"] = (weights + (p["experts"] - 1) * resident(p, s) + p["trainable"] + p["ema_swap"]
                                 + max(p["sampling"], p["vae"] + p["decode"]))
     if p["cache_pass"]:
-        phases["cache pass"] = p["text_encoder"] + max(p["text"], p["vae"] + p["encode"])
+        phases["cache pass"] = cache_pass(p)
     return phases
+
+
+def cache_pass(p: dict) -> int:
+    """The text encoder's pass, then, once cache.prepare has freed it, the VAE's."""
+    return max(p["text_encoder"] + p["text"], p["vae"] + p["encode"])
 
 
 def host(p: dict, s: Setting) -> dict[str, int]:
@@ -127,7 +132,7 @@ def fits(p: dict, s: Setting, gb: float, ram: float | None = None) -> bool:
 
 def with_cache_batch(p: dict, gb: float) -> dict:
     """p with the cache pass's VAE batch at data.cache_batch_size, or at 1 clip where only that fits."""
-    fitting = p["text_encoder"] + max(p["text"], p["vae"] + p["encode"]) + MARGIN <= gb * GIB
+    fitting = cache_pass(p) + MARGIN <= gb * GIB
     return p if fitting or p["cache_batch_size"] == 1 else p | {"encode": p["encode_1"], "cache_batch_size": 1}
 
 
@@ -150,10 +155,11 @@ def why_none(p: dict, gb: float, ram: float | None = None) -> str:
         least = min(host_needed(p, s) for s in settings(p) if fits(p, s, gb))
         return (f"none fits {gb:g} GiB with {ram:g} GiB of host RAM: the settings that fit the GPU need "
                 f"{least / GIB:.1f} GiB of host RAM or more (pinned weights and activations, the process)")
-    if phase == "cache pass":
-        reason = (f"the text encoder alone holds {p['text_encoder'] / GIB:.1f} GiB and the VAE encoding "
-                  f"{(p['vae'] + p['encode']) / GIB:.1f} GiB beside it (the validation prompts load the text "
-                  "encoder too)")
+    if phase == "cache pass" and p["text_encoder"] + p["text"] >= p["vae"] + p["encode"]:
+        reason = (f"the text encoder's pass needs {(p['text_encoder'] + p['text']) / GIB:.1f} GiB, its weights "
+                  f"alone {p['text_encoder'] / GIB:.1f} GiB (the validation prompts load it too)")
+    elif phase == "cache pass":
+        reason = f"the VAE's encoding of one clip needs {(p['vae'] + p['encode']) / GIB:.1f} GiB"
     elif phase == "validation":
         reason = (f"a guided sampling forward needs {p['sampling'] / GIB:.1f} GiB, the VAE's decode "
                   f"{(p['vae'] + p['decode']) / GIB:.1f} GiB")
