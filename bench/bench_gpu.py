@@ -60,7 +60,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import one_gpu  # noqa: E402
-from bench_memory import PUBLISHED, TRANSFORMERS, build, estimate, make_adapter, materialize, meta_transformer, shapes  # noqa: E402
+from bench_memory import build, estimate, materialize, shapes  # noqa: E402
+from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
 from common import REPO, write_random_transformer  # noqa: E402
 
 import memory  # noqa: E402

@@ -10,6 +10,7 @@ from conftest import REPO, write_toml
 sys.path.insert(0, str(REPO / "bench"))
 import bench_memory  # noqa: E402
 import one_gpu  # noqa: E402
+import published  # noqa: E402
 from config import load_config  # noqa: E402
 
 
@@ -57,11 +58,11 @@ def one_gpu_parts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_gpu")
     cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), ["--data.train_resolution", "[17, 480, 832]",
                                                                    "--data.cache_batch_size", "1", "--model.path", str(tmp)])
-    bench_memory.make_adapter(cfg, "wan2.1-t2v-14b", tmp, bench_memory.torch.device("cpu"))
-    small_umt5 = {**bench_memory.TEXT_ENCODERS["wan"], "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 2}
+    published.make_adapter(cfg, "wan2.1-t2v-14b", tmp, bench_memory.torch.device("cpu"))
+    small_umt5 = {**published.TEXT_ENCODERS["wan"], "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 2}
     (tmp / "text_encoder" / "config.json").write_text(json.dumps(small_umt5))
     (tmp / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", "base_dim": 8}))
-    family, adapter = bench_memory.make_adapter(cfg, None, tmp, bench_memory.torch.device("cpu"))
+    family, adapter = published.make_adapter(cfg, None, tmp, bench_memory.torch.device("cpu"))
     adapter.transformer_config["num_layers"] = 4
     return bench_memory.one_gpu_parts(cfg, family, adapter)
 
