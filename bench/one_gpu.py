@@ -147,26 +147,26 @@ def host_needed(p: dict, s: Setting) -> int:
 
 
 def why_none(p: dict, gb: float, ram: float | None = None) -> str:
-    """What stops the setting that needs the least GPU memory, or, where that one fits, the host RAM."""
+    """What stops every setting: the cache pass (the same for all), the phase that stops the setting
+    needing the least GPU memory, or, where that one fits, the host RAM."""
+    if p["cache_pass"] and cache_pass(p) + MARGIN > gb * GIB:
+        text, vae = p["text_encoder"] + p["text"], p["vae"] + p["encode"]
+        reason = (f"the text encoder's pass needs {text / GIB:.1f} GiB, its weights alone {p['text_encoder'] / GIB:.1f}"
+                  " GiB (the validation prompts load it too)" if text >= vae else
+                  f"the VAE's encoding of one clip needs {vae / GIB:.1f} GiB")
+        return (f"none fits {gb:g} GiB: the cache pass needs {cache_pass(p) / GIB:.1f} GiB + {MARGIN / GIB:.0f} GiB "
+                f"margin whatever the setting: {reason}")
     leanest = min(settings(p), key=lambda s: max(gpu(p, s).values()))
-    phases = gpu(p, leanest)
-    phase, peak = max(phases.items(), key=lambda kv: kv[1])
+    phase, peak = max(gpu(p, leanest).items(), key=lambda kv: kv[1])
     if peak + MARGIN <= gb * GIB:
         least = min(host_needed(p, s) for s in settings(p) if fits(p, s, gb))
         return (f"none fits {gb:g} GiB with {ram:g} GiB of host RAM: the settings that fit the GPU need "
                 f"{least / GIB:.1f} GiB of host RAM or more (pinned weights and activations, the process)")
-    if phase == "cache pass" and p["text_encoder"] + p["text"] >= p["vae"] + p["encode"]:
-        reason = (f"the text encoder's pass needs {(p['text_encoder'] + p['text']) / GIB:.1f} GiB, its weights "
-                  f"alone {p['text_encoder'] / GIB:.1f} GiB (the validation prompts load it too)")
-    elif phase == "cache pass":
-        reason = f"the VAE's encoding of one clip needs {(p['vae'] + p['encode']) / GIB:.1f} GiB"
-    elif phase == "validation":
-        reason = (f"a guided sampling forward needs {p['sampling'] / GIB:.1f} GiB, the VAE's decode "
-                  f"{(p['vae'] + p['decode']) / GIB:.1f} GiB")
-    else:
-        weights = weights_on_gpu(p, leanest)
-        reason = (f"the trainable state and one step's gradients and activations need "
-                  f"{(peak - weights) / GIB:.1f} GiB beside {weights / GIB:.1f} GiB of weights")
+    weights = weights_on_gpu(p, leanest)
+    reason = (f"a guided sampling forward needs {p['sampling'] / GIB:.1f} GiB, the VAE's decode "
+              f"{(p['vae'] + p['decode']) / GIB:.1f} GiB" if phase == "validation" else
+              f"the trainable state and one step's gradients and activations need {(peak - weights) / GIB:.1f} GiB "
+              f"beside {weights / GIB:.1f} GiB of weights")
     return (f"none fits {gb:g} GiB: the setting that needs the least ({leanest.describe(p['layers'])}) needs "
             f"{peak / GIB:.1f} GiB + {MARGIN / GIB:.0f} GiB margin in the {phase}: {reason}")
 

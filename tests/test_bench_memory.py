@@ -102,8 +102,8 @@ def test_fit_is_monotone_and_fastest(one_gpu_parts):
 
 
 def test_none_fits_names_why(one_gpu_parts, capsys):
-    """Below what the leanest setting needs, and with too little host RAM, the report says that none fits
-    and why."""
+    """Below what the leanest setting needs, with too little host RAM, and with a text encoder larger than
+    the card allows, the report says that none fits and why."""
     leanest = min(max(one_gpu.gpu(one_gpu_parts, s).values()) for s in one_gpu.settings(one_gpu_parts))
     gb = (leanest + one_gpu.MARGIN) / one_gpu.GIB - 0.01
     assert one_gpu.fit(one_gpu_parts, gb) is None and one_gpu.report(one_gpu_parts, gb, "") is None
@@ -113,3 +113,7 @@ def test_none_fits_names_why(one_gpu_parts, capsys):
     ram = one_gpu_parts["process"] / one_gpu.GIB
     assert one_gpu.fit(one_gpu_parts, 12, ram) is None
     assert one_gpu.why_none(one_gpu_parts, 12, ram).startswith(f"none fits 12 GiB with {ram:g} GiB of host RAM")
+    big_text_encoder = one_gpu_parts | {"text_encoder": 11 * one_gpu.GIB}
+    assert one_gpu.fit(big_text_encoder, 12) is None
+    assert one_gpu.why_none(big_text_encoder, 12).startswith(
+        "none fits 12 GiB: the cache pass needs 11.0 GiB + 1 GiB margin whatever the setting: the text encoder's pass")
