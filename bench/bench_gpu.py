@@ -64,6 +64,7 @@ from bench_memory import build, estimate, materialize, shapes  # noqa: E402
 from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
 from common import REPO, write_random_transformer  # noqa: E402
 
+import command  # noqa: E402
 import memory  # noqa: E402
 import parallel  # noqa: E402
 import validate  # noqa: E402
@@ -229,7 +230,8 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     settings = {"model.path": str(folder), "data.train_resolution": [9, 64, 64] if smoke else [81, 480, 832],
                 **ONE_GPU[name]}
     literal = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731  (TOML literals)
-    cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), [f"--{k}={literal(v)}" for k, v in settings.items()])
+    overrides = [f"--{key}={literal(value)}" for key, value in settings.items()]
+    cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
     d = parallel.init(cfg.parallel)
     adapter = load_adapter(cfg.model, d.device)
     model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
@@ -258,6 +260,8 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     setting = one_gpu.Setting(keys.get("model.storage_dtype") == "fp8", keys.get("train.activation_offload", False),
                               streamed)
     estimated = one_gpu.training(estimate(cfg, cfg.model.family, adapter), setting) / 2**30
+    del model, params, optimizer
+    command.shutdown()  # the model collected before the process group goes: FSDP2 may abort at exit otherwise
     return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "warmup_s": sum(times[:WARMUP]),
             "peak_gb": peak, "estimate_gib": estimated, "tokens": s["video_tokens"]}
 

@@ -20,9 +20,9 @@ Phases, each of which must fit: training (one step's peak); validation (the trai
 expert of Wan 2.2 A14B placed as the trained one, and the larger of a guided sampling forward, batch 2,
 and the VAE decoding one clip); the cache pass (the text encoder's pass, then the VAE encoding
 data.cache_batch_size clips, or one where that many do not fit: cache.prepare frees the text encoder
-between them; the validation prompts' encoding, before the model is built, is the same text pass). Host RAM: the pinned weights and activations, this process's
-resident size, the VAE parked between validations; in the cache pass the text encoder, which
-from_pretrained reads on the host before moving it.
+between them; the validation prompts' encoding, before the model is built, is the same text pass).
+Host RAM: the pinned weights and activations, this process's resident size, the VAE parked between
+validations; in the cache pass the text encoder, which from_pretrained reads on the host first.
 """
 
 from dataclasses import dataclass
@@ -45,7 +45,8 @@ class Setting:
     streamed: int  # blocks in pinned host memory
 
     def describe(self, layers: int) -> str:
-        blocks = f"{self.streamed} of {layers} blocks streamed from host memory" if self.streamed else "every block resident"
+        blocks = (f"{self.streamed} of {layers} blocks streamed from host memory" if self.streamed
+                  else "every block resident")
         return (f"{'fp8' if self.fp8 else 'bf16'} weights, {blocks}, activations "
                 f"{'offloaded to host memory' if self.activation_offload else 'on the GPU'}")
 
@@ -124,10 +125,13 @@ def moved(p: dict, s: Setting) -> int:
     return 2 * s.streamed * block_bytes(p, s) + (2 * p["inputs"] if s.activation_offload else 0)
 
 
+def host_needed(p: dict, s: Setting) -> int:
+    return max(host(p, s)["training"], host(p, s)["cache pass"])
+
+
 def fits(p: dict, s: Setting, gb: float, ram: float | None = None) -> bool:
     """Every phase within gb GiB of GPU memory less the margin, and, given ram, the host RAM within ram GiB."""
-    ram_needed = max(host(p, s)[phase] for phase in ("training", "cache pass"))
-    return max(gpu(p, s).values()) + MARGIN <= gb * GIB and (ram is None or ram_needed <= ram * GIB)
+    return max(gpu(p, s).values()) + MARGIN <= gb * GIB and (ram is None or host_needed(p, s) <= ram * GIB)
 
 
 def with_cache_batch(p: dict, gb: float) -> dict:
@@ -140,10 +144,6 @@ def fit(p: dict, gb: float, ram: float | None = None) -> Setting | None:
     """The fastest setting that fits gb GiB of GPU memory (and ram GiB of host RAM), or None."""
     p = with_cache_batch(p, gb)
     return next((s for s in settings(p) if fits(p, s, gb, ram)), None)
-
-
-def host_needed(p: dict, s: Setting) -> int:
-    return max(host(p, s)["training"], host(p, s)["cache pass"])
 
 
 def why_none(p: dict, gb: float, ram: float | None = None) -> str:
@@ -196,7 +196,7 @@ def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting 
     if chosen is None:
         print(why_none(p, gb, ram))
         elsewhere = p | {"cache_pass": False, "validation": False}
-        if p["cache_pass"] and fit(elsewhere, gb, ram):
+        if p["cache_pass"] and cache_pass(p) + MARGIN > gb * GIB and fit(elsewhere, gb, ram):
             print("with the cache built on a larger GPU (python cache.py; the cache is reused through data.cache_dir) "
                   "and no validation prompts:")
             return report(elsewhere, gb, title, ram)

@@ -56,8 +56,8 @@ def one_gpu_parts(tmp_path_factory):
     LoRA r32 with validation, and a small VAE and UMT5 (the published ones, 10.6 GiB for UMT5-XXL, would
     hide the training phase below 12 GiB; their figures are in BENCHMARKS.md)."""
     tmp = tmp_path_factory.mktemp("one_gpu")
-    cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), ["--data.train_resolution", "[17, 480, 832]",
-                                                                   "--data.cache_batch_size", "1", "--model.path", str(tmp)])
+    overrides = ["--data.train_resolution", "[17, 480, 832]", "--data.cache_batch_size", "1", "--model.path", str(tmp)]
+    cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
     published.make_adapter(cfg, "wan2.1-t2v-14b", tmp, bench_memory.torch.device("cpu"))
     small_umt5 = {**published.TEXT_ENCODERS["wan"], "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 2}
     (tmp / "text_encoder" / "config.json").write_text(json.dumps(small_umt5))
