@@ -2,6 +2,7 @@
 
     python bench/bench_memory.py --cfg FILE.toml [--arch NAME] [--world 8] [--sp 1 2 4 8] [--layers N] [overrides]
     python bench/bench_memory.py --cfg FILE.toml --check [--arch NAME] [--layers 2] [overrides]
+    python bench/bench_memory.py --cfg FILE.toml --fit GB [--ram GB] [--arch NAME] [overrides]
 
 The transformer (model.path's config, or --arch's published one) is built on fake tensors (shapes and
 dtypes, no storage) by model.build_model (frozen weights in model.dtype and keep-in-fp32 modules in fp32,
@@ -20,8 +21,11 @@ same build and two steps on real tensors in a fresh process and compares with th
   a sample's video tokens (the latent width split, rounded up to whole patches) and all text tokens, as
   Ulysses attention does; sequence.py splits the tokens at the first block and gathers the last block's
   output, so the patch embedding, the output layers and the loss on the whole sample are undercounted.
+- --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
+  parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
-buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, validation.
+buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
+the cache pass but with --fit.
 """
 
 import argparse
