@@ -424,6 +424,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     skipped = stop_on_problems(problems, cfg.data)
     items = [(p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips]
     encode_texts([item for item, missing in items if "text" in missing], adapter, cache, cfg.data, d)
+    adapter.release_text_encoder()  # before the VAE: on one card T5-XXL's 9 GB would sit beside its encoding
     video_todo = {item: missing for item, missing in items if missing & {"video", "image", "audio"}}
     failed = encode_videos(video_todo, adapter, cache, cfg.data, cfg.run.seed, d)
     adapter.release_encoders()

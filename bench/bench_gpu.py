@@ -1,7 +1,8 @@
-"""Full-size CogVideoX on one GPU: seconds per training step, model FLOP utilisation (MFU) and peak memory,
-and our sampling step against diffusers' pipeline's.
+"""Full-size CogVideoX and Wan 14B on one GPU: seconds per training step, model FLOP utilisation (MFU) and peak
+memory, our sampling step against diffusers' pipeline's, and what the one-card settings cost.
 
     python bench/bench_gpu.py [--steps 4] [--sampling-steps 4] [--peak-tflops 989] [--only NAME ...] [--smoke]
+                              [--folder DIR]
 
 Nothing is downloaded: each transformer is built from its published config (bench_memory.PUBLISHED)
 with random weights, through model.build_model (LoRA rank 128 and alpha 64 on q, k, v, out as
@@ -19,6 +20,16 @@ step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed 
     5b-efficient  FlashAttention-2 on H100/H200; these print their time as a ratio to it)
     sampling    5B, one guided sampling step (CFG batch 2, DPM): validate.sample_latents with fused QKV
                 against CogVideoXPipeline(output_type="latent"), same weights, embeddings and seed
+    14b-resident  Wan 2.1 T2V 14B LoRA r32 (configs/wan-t2v-14b.toml) at 81x480x832, one process, every
+                  block resident (about 52 GB: an 80 GB card)
+    14b-one-gpu   the same with parallel.cpu_offload (offload_blocks = 0: every block streamed from pinned
+                  host memory), model.storage_dtype = "fp8" and train.activation_offload; its time is printed
+                  as a ratio to 14b-resident's: what the one-card settings cost in speed
+
+The 14b configurations build the model as trainer.py does (the adapter's loader reading a folder,
+model.build_model, AdamW): the first writes Wan 2.1 14B's transformer with random bf16 weights (28 GB,
+drawn on the GPU) beside the tiny Wan's VAE and text encoder in --folder, reused after. Their peak is
+printed beside bench_memory's estimate of the same setting's training step (bench/one_gpu.py).
 
 Model FLOPs of a step (what the step must compute; checkpointing's recompute is not counted), per
 sample, for S tokens (226 text + the video's patches), L layers, width D = heads x head_dim, N the
@@ -32,11 +43,13 @@ peak = 989 TFLOPS, H100/H200 SXM dense bf16 (--peak-tflops for another chip). Pe
 torch.cuda.max_memory_allocated over the timed steps, weights and optimizer state included.
 
 --smoke runs the same code on the CPU with 2-layer, 2-head versions of the models at 9x64x64 for one
-step: it checks that the code runs; its figures mean nothing.
+step: it checks that the code runs; its figures mean nothing. 14b-one-gpu needs the keys of issue 19
+(parallel.offload_blocks, model.storage_dtype, train.activation_offload) in config.py.
 """
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,12 +59,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import TRANSFORMERS, build, make_adapter, materialize, meta_transformer  # noqa: E402
+import one_gpu  # noqa: E402
+from bench_memory import build, estimate, materialize, shapes  # noqa: E402
+from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
+from common import REPO, write_random_transformer  # noqa: E402
 
+import command  # noqa: E402
 import memory  # noqa: E402
 import parallel  # noqa: E402
 import validate  # noqa: E402
-from config import Config, ValidationConfig  # noqa: E402
+from config import Config, ValidationConfig, load_config  # noqa: E402
+from model import build_model, build_optimizer, load_adapter  # noqa: E402
+from tools.make_tiny_model import make_tiny_wan  # noqa: E402
 
 CONFIGS = {  # name: (arch, train settings)
     "2b-lora": ("cogvideox-2b", {"gradient_checkpointing": True}),
@@ -61,6 +80,16 @@ CONFIGS = {  # name: (arch, train settings)
     "5b-cudnn": ("cogvideox-5b", {"gradient_checkpointing": True, "attention_backend": "cudnn"}),
     "5b-efficient": ("cogvideox-5b", {"gradient_checkpointing": True, "attention_backend": "efficient"}),
     "sampling": ("cogvideox-5b", {}),
+    "14b-resident": ("wan2.1-t2v-14b", {}),
+    "14b-one-gpu": ("wan2.1-t2v-14b", {}),
+}
+# Wan 2.1 14B LoRA (configs/wan-t2v-14b.toml) on one process, as the trainer builds it from a folder: every
+# block resident, and every block streamed from pinned host memory with its linear weights stored in fp8
+# and the checkpointed block inputs in host memory (issue 19's keys).
+ONE_GPU = {
+    "14b-resident": {"parallel.strategy": "ddp"},
+    "14b-one-gpu": {"parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 0,
+                    "model.storage_dtype": "fp8", "train.activation_offload": True},
 }
 SMOKE = {"num_layers": 2, "num_attention_heads": 2}
 WARMUP = 2
@@ -181,11 +210,70 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
     return result
 
 
+def write_wan_14b(folder: Path, smoke: bool) -> None:
+    """Once: the tiny Wan's folder (VAE, text encoder, scheduler) with Wan 2.1 14B's transformer, random bf16
+    (28 GB on disk, drawn on the GPU where there is one; --smoke: 2 blocks of 2 heads)."""
+    if (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file():
+        return
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted write left
+    make_tiny_wan(str(folder))
+    shutil.rmtree(folder / "transformer")
+    config = {**PUBLISHED["wan2.1-t2v-14b"][1], **(SMOKE if smoke else {})}
+    write_random_transformer(folder / "transformer", TRANSFORMERS["wan"], config, 5 * 10**9,
+                             "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
+    """A Wan 14B LoRA r32 step at 81x480x832 (--smoke: 9x64x64) through the trainer's own build (the
+    adapter's loader, model.build_model, AdamW), with ONE_GPU's settings; the estimate of the same
+    setting (bench_memory, bench/one_gpu.py) beside the measured peak."""
+    settings = {"model.path": str(folder), "data.train_resolution": [9, 64, 64] if smoke else [81, 480, 832],
+                **ONE_GPU[name]}
+    literal = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731  (TOML literals)
+    overrides = [f"--{key}={literal(value)}" for key, value in settings.items()]
+    cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
+    d = parallel.init(cfg.parallel)
+    adapter = load_adapter(cfg.model, d.device)
+    model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
+    params, optimizer = build_optimizer(model, cfg.train)
+    s = shapes(cfg, adapter, 1)
+    new = lambda shape: torch.randn(shape, device=d.device).to(adapter.dtype)  # noqa: E731
+    batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
+    compute = parallel.Compute(d.device, cfg.train.mixed_precision, cfg.train.attention_backend)
+    times = []
+    for i in range(WARMUP + steps):
+        if i == WARMUP:
+            memory.reset_peak_memory(d.device)
+        synchronize(d.device)
+        start = time.perf_counter()
+        with compute:
+            loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(i)]).mean()
+        with compute.attention():
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(d.device)
+        times.append(time.perf_counter() - start)
+    peak, layers, keys = memory.peak_memory_gb(d.device), adapter.transformer_config["num_layers"], ONE_GPU[name]
+    streamed = (keys.get("parallel.offload_blocks") or layers) if keys.get("parallel.cpu_offload") else 0
+    setting = one_gpu.Setting(keys.get("model.storage_dtype") == "fp8", keys.get("train.activation_offload", False),
+                              streamed)
+    estimated = one_gpu.training(estimate(cfg, cfg.model.family, adapter), setting) / 2**30
+    del model, params, optimizer
+    command.shutdown()  # the model collected before the process group goes: FSDP2 may abort at exit otherwise
+    return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "warmup_s": sum(times[:WARMUP]),
+            "peak_gb": peak, "estimate_gib": estimated, "tokens": s["video_tokens"]}
+
+
 def one(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             if name == "sampling":
                 return sampling_run(args.sampling_steps, args.smoke, Path(tmp))
+            if name in ONE_GPU:
+                write_wan_14b(Path(args.folder), args.smoke)
+                return one_gpu_run(name, args.steps, args.smoke, Path(args.folder))
             return train_run(name, args.steps, args.smoke, Path(tmp))
         except torch.OutOfMemoryError as e:
             return {"oom": str(e).splitlines()[0]}
@@ -202,6 +290,9 @@ def report(name: str, r: dict, peak_flops: float | None) -> None:
                   f"peak {x['peak_gb']:6.1f} GB")
         print(f"{'':12} pipeline / ours {r['pipeline']['s_per_step'] / r['ours']['s_per_step']:.3f}x; "
               f"{r['tokens']} tokens; largest latent difference {r['max_diff']:.2e}")
+    elif name in ONE_GPU:
+        print(f"{name:12} {r['s_per_step']:7.3f} s/step  peak {r['peak_gb']:6.1f} GB, estimated {r['estimate_gib']:.1f} "
+              f"({r['tokens']} video tokens, warm-up {r['warmup_s']:.0f} s)")
     else:
         print(f"{name:12} {r['s_per_step']:7.3f} s/step  MFU {mfu(r['s_per_step'])}  peak {r['peak_gb']:6.1f} GB  "
               f"({r['tokens']} tokens, {r['flops'] / 1e12:.3g} TFLOP/step, warm-up {r['warmup_s']:.0f} s)")
@@ -214,8 +305,11 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="the chip's dense bf16 peak (default: 989 on H100/H200)")
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, 1 step: checks the code only")
+    parser.add_argument("--folder", help="where the 14b configurations' model is written once and reused "
+                        "(28 GB; default /tmp/vidtrain-bench-gpu-wan14b, -smoke with --smoke)")
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
+    args.folder = args.folder or f"/tmp/vidtrain-bench-gpu-wan14b{'-smoke' if args.smoke else ''}"
     if args.smoke:
         args.steps = args.sampling_steps = 1
         args.only = [n for n in args.only if not CONFIGS[n][1].get("attention_backend")]  # CUDA kernels only
@@ -227,10 +321,11 @@ def main() -> None:
         peak = 989.0
     device = "cpu (smoke: figures mean nothing)" if args.smoke else torch.cuda.get_device_name()
     print(f"{device}; bf16 peak {peak or 'unknown'} TFLOPS; batch 1 at {'9x64x64' if args.smoke else '49x480x720'}, "
-          f"LoRA rank 128; median of {args.steps} steps after {WARMUP}")
+          f"LoRA rank 128 (14b: Wan at {'9x64x64' if args.smoke else '81x480x832'}, rank 32); median of "
+          f"{args.steps} steps after {WARMUP}")
     results = {}
     for name in args.only:
-        child = [sys.executable, __file__, "--one", name, "--steps", str(args.steps),
+        child = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--folder", args.folder,
                  "--sampling-steps", str(args.sampling_steps), *(["--smoke"] if args.smoke else [])]
         run = subprocess.run(child, capture_output=True, text=True)
         if run.returncode:
@@ -241,6 +336,10 @@ def main() -> None:
         baseline = results.get("5b-lora", {}).get("s_per_step")
         if CONFIGS[name][1].get("attention_backend") and baseline and "s_per_step" in results[name]:
             print(f"{'':12} {results[name]['s_per_step'] / baseline:.3f}x 5b-lora's time (SDPA's own choice)")
+        resident = results.get("14b-resident", {}).get("s_per_step")
+        if name == "14b-one-gpu" and resident and "s_per_step" in results[name]:
+            print(f"{'':12} {results[name]['s_per_step'] / resident:.3f}x 14b-resident's time: the cost of streaming, "
+                  "fp8 upcasts and activation offload")
         sys.stdout.flush()
 
 

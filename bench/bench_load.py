@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 from diffusers import CogVideoXTransformer3DModel
-from safetensors.torch import save_file
 
-from common import REPO, free_port, make_tiny_model  # puts the repository on sys.path
+from common import REPO, free_port, make_tiny_model, write_random_transformer  # puts the repository on sys.path
 
 import command  # noqa: E402
 import memory  # noqa: E402
@@ -57,35 +56,9 @@ SHARD_BYTES = 2 * 10**9  # the published folder's two shards
 def write_model(folder: Path) -> None:
     """The tiny 2b model's folder with CogVideoX-2B's transformer in place of its own, random bf16."""
     make_tiny_model(str(folder), "2b")
-    transformer = folder / "transformer"
-    shutil.rmtree(transformer)
-    transformer.mkdir()
-    (transformer / "config.json").write_text(json.dumps(CONFIG_2B, indent=2) + "\n")
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in CogVideoXTransformer3DModel.from_config(CONFIG_2B).state_dict().items()}
-    generator, shard, shards, weight_map = torch.Generator().manual_seed(0), {}, [], {}
-
-    def flush():
-        name = f"diffusion_pytorch_model-{len(shards) + 1:05d}.safetensors"
-        save_file(shard, transformer / name, metadata={"format": "pt"})
-        shards.append(name)
-        weight_map.update(dict.fromkeys(shard, name))
-        shard.clear()
-
-    for key, shape in shapes.items():
-        shard[key] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
-            flush()
-    if shard:
-        flush()
-    # Files named 00001-of-00002 by diffusers; the count is known only now.
-    for name in shards:
-        final = name.replace(".safetensors", f"-of-{len(shards):05d}.safetensors")
-        (transformer / name).rename(transformer / final)
-        weight_map = {k: final if v == name else v for k, v in weight_map.items()}
-    total = sum((transformer / n).stat().st_size for n in set(weight_map.values()))
-    (transformer / "diffusion_pytorch_model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    shutil.rmtree(folder / "transformer")
+    config = {k: v for k, v in CONFIG_2B.items() if k != "_class_name"}
+    write_random_transformer(folder / "transformer", CogVideoXTransformer3DModel, config, SHARD_BYTES)
 
 
 def rss_kb(field: str) -> int:

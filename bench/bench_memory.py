@@ -2,6 +2,7 @@
 
     python bench/bench_memory.py --cfg FILE.toml [--arch NAME] [--world 8] [--sp 1 2 4 8] [--layers N] [overrides]
     python bench/bench_memory.py --cfg FILE.toml --check [--arch NAME] [--layers 2] [overrides]
+    python bench/bench_memory.py --cfg FILE.toml --fit GB [--ram GB] [--arch NAME] [overrides]
 
 The transformer (model.path's config, or --arch's published one) is built on fake tensors (shapes and
 dtypes, no storage) by model.build_model (frozen weights in model.dtype and keep-in-fp32 modules in fp32,
@@ -20,8 +21,11 @@ same build and two steps on real tensors in a fresh process and compares with th
   a sample's video tokens (the latent width split, rounded up to whole patches) and all text tokens, as
   Ulysses attention does; sequence.py splits the tokens at the first block and gathers the last block's
   output, so the patch embedding, the output layers and the loss on the whole sample are undercounted.
+- --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
+  parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
-buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, validation.
+buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
+the cache pass but with --fit.
 """
 
 import argparse
@@ -38,7 +42,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from diffusers import CogVideoXTransformer3DModel, UniPCMultistepScheduler, WanTransformer3DModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
@@ -46,55 +49,15 @@ from torch.utils._pytree import tree_map_only
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
-from model import load_adapter  # noqa: E402
 from parallel import AUTOCAST_DTYPES, Dist  # noqa: E402
-from tools.make_tiny_model import make_scheduler  # noqa: E402
+
+import one_gpu  # noqa: E402
+from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
 
 GIB = 2**30
-TRANSFORMERS = {"cogvideox": CogVideoXTransformer3DModel, "wan": WanTransformer3DModel}
-# Published transformer configs (cogvideox.md: 5B's values besides these are the class defaults; wan.md).
-PUBLISHED = {
-    "cogvideox-2b": ("cogvideox", {"num_attention_heads": 30, "num_layers": 30}),  # the class defaults, spelled out
-    "cogvideox-5b": ("cogvideox", {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}),
-    "wan2.1-t2v-14b": ("wan", {"num_attention_heads": 40, "attention_head_dim": 128, "num_layers": 40, "ffn_dim": 13824,
-                               "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "eps": 1e-6,
-                               "patch_size": [1, 2, 2], "cross_attn_norm": True, "rope_max_seq_len": 1024}),
-}
 # Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h, AT_FORALL_FP32*).
 CUDA_FP32_OPS = ["layer_norm", "native_layer_norm", "group_norm", "exp", "log", "rsqrt", "reciprocal", "softplus",
                  "pow.Tensor_Scalar", "pow.Tensor_Tensor", "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList"]
-
-
-def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
-    """(family, adapter): model.path's, or the adapter of a folder holding only the published configs."""
-    if arch is None:
-        if not Path(cfg.model.path, "model_index.json").is_file():
-            raise ConfigError(f"model.path = {cfg.model.path} is not here: pass --arch ({', '.join(PUBLISHED)})")
-        return cfg.model.family, load_adapter(cfg.model, device)
-    family, published = PUBLISHED[arch]
-    transformer, vae, pipeline = {"cogvideox": ("CogVideoXTransformer3DModel", "AutoencoderKLCogVideoX", "CogVideoXPipeline"),
-                                  "wan": ("WanTransformer3DModel", "AutoencoderKLWan", "WanPipeline")}[family]
-    configs = {"transformer": {"_class_name": transformer, **published}, "vae": {"_class_name": vae},
-               "text_encoder": {}, "tokenizer": {}}
-    for name, config in configs.items():  # VAE, scheduler: class defaults (memory does not depend on them)
-        (root / name).mkdir(parents=True)
-        (root / name / "config.json").write_text(json.dumps(config))
-    (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
-    scheduler = make_scheduler(1.0) if family == "cogvideox" else UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    scheduler.save_pretrained(root / "scheduler")
-    model_cfg = dataclasses.replace(cfg.model, path=str(root), family=family)
-    return family, load_adapter(model_cfg, device)
-
-
-def meta_transformer(cls, config: dict, dtype: torch.dtype):
-    """The transformer as from_pretrained(dtype=...) loads it, on the meta device: parameters in dtype but
-    the class's keep-in-fp32 modules; buffers in the dtype they are made in."""
-    with torch.device("meta"):
-        transformer = cls.from_config(config)
-    for name, p in transformer.named_parameters():
-        p.data = p.data.to(torch.float32 if set(name.split(".")) & set(cls._keep_in_fp32_modules or []) else dtype)
-    return transformer
 
 
 def materialize(module, fake_mode, device) -> None:
@@ -148,6 +111,8 @@ def train_step(cfg, adapter, model, params, optimizer, ema, s: dict, device, tra
     generators = [torch.Generator().manual_seed(i) for i in range(t.batch_size)]
     with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[t.mixed_precision], enabled=t.mixed_precision != "no"):
         loss = adapter.train_loss(model, batch, generators).mean()
+    if tracker:
+        tracker.forward = False
     loss.backward()
     if tracker:
         tracker.phase = "opt"
@@ -159,17 +124,40 @@ def train_step(cfg, adapter, model, params, optimizer, ema, s: dict, device, tra
 
 
 class Tracker(TorchDispatchMode):
-    """Bytes of every storage an op creates, by kind, while it lives: act, cast (autocast's copy of a
-    weight), grad (retagged once accumulated), opt (made in the optimizer step); the peak of each sum a
-    strategy needs, and the gradients at the one-process peak. Storages that exist before are not counted."""
-    SUMS = {"single": ("act", "cast", "grad", "opt"), "ddp": ("act", "cast", "opt"), "fsdp": ("act",), "opt": ("opt",)}
+    """Bytes of every storage an op creates, by kind, while it lives: act, input (an activation that is a
+    transformer block's input, which checkpointing keeps and train.activation_offload moves to the host),
+    cast (autocast's copy of a weight), grad (retagged once accumulated), opt (made in the optimizer
+    step); the peak of each sum a strategy needs, and the gradients at each peak. Storages that exist
+    before are not counted."""
+    SUMS = {"single": ("act", "input", "cast", "grad", "opt"), "offload": ("act", "cast", "grad", "opt"),
+            "ddp": ("act", "input", "cast", "opt"), "fsdp": ("act", "input"), "opt": ("opt",)}
 
     def __init__(self, existing):
         super().__init__()
-        self.existing, self.phase = list(existing), "act"
+        self.existing, self.phase, self.forward = list(existing), "act", True
         self.sizes = {id(t.untyped_storage()): None for t in self.existing}
-        self.now, self.peak = dict.fromkeys(("act", "cast", "grad", "opt"), 0), dict.fromkeys(self.SUMS, 0)
-        self.grads_at_peak = 0
+        self.now, self.peak = dict.fromkeys(("act", "input", "cast", "grad", "opt"), 0), dict.fromkeys(self.SUMS, 0)
+        self.grads_at_peak = dict.fromkeys(self.SUMS, 0)
+        self.inputs = []  # bytes of each block's inputs, in call order
+
+    def watch_blocks(self, blocks) -> None:
+        """Retag each block's activation inputs "input" in the forward (not in checkpointing's recompute): the
+        first block's inputs in the positions of what it returns, then every block's outputs but the last's."""
+        def tag(tensors) -> None:
+            fresh = [t for t in tensors if (self.sizes.get(id(t.untyped_storage())) or [None])[0] == "act"]
+            for t in fresh:
+                self.retag(t, "input")
+            self.inputs.append(sum(t.untyped_storage().nbytes() for t in fresh))
+
+        def after(block, args, kwargs, output):
+            outputs = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
+            if self.forward and block is blocks[0]:
+                tag([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)][: len(outputs)])
+            if self.forward and block is not blocks[-1]:
+                tag(outputs)
+
+        for block in blocks:
+            block.register_forward_hook(after, with_kwargs=True)
 
     def add(self, t: torch.Tensor, kind: str) -> None:
         st = t.untyped_storage()
@@ -198,8 +186,7 @@ class Tracker(TorchDispatchMode):
         for name, kinds in self.SUMS.items():
             total = sum(self.now[k] for k in kinds)
             if total > self.peak[name]:
-                self.peak[name] = total
-                self.grads_at_peak = self.now["grad"] if name == "single" else self.grads_at_peak
+                self.peak[name], self.grads_at_peak[name] = total, self.now["grad"]
         return out
 
 
@@ -234,6 +221,7 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
     model, params, optimizer, ema = build(cfg, family, adapter, fake, cpu, foreach=gpu)
     moments, averages = [v for st in optimizer.state.values() for v in st.values()], list(ema.weights.values()) if ema else []
     tracker = Tracker([*model.parameters(), *model.buffers(), *moments, *averages])
+    tracker.watch_blocks(adapter.blocks(model))
     for p in params:
         p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "grad"))
     with fake, cuda_autocast_policy() if gpu else contextlib.nullcontext(), tracker:
@@ -242,7 +230,9 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
     state = {"frozen": nbytes(frozen), "weights": nbytes(params), "adamw": nbytes(moments), "ema": nbytes(averages)}
     parts = {"grads": nbytes(params), "activations": tracker.peak["ddp"], "in_flight": 0, "shards": 1}
     if world == 1:
-        parts |= {"grads": tracker.grads_at_peak, "activations": tracker.peak["single"] - tracker.grads_at_peak}
+        parts |= {"grads": tracker.grads_at_peak["single"],
+                  "activations": tracker.peak["single"] - tracker.grads_at_peak["single"],
+                  **block_parts(cfg, adapter, model, tracker)}
     elif cfg.parallel.strategy == "fsdp":
         shards, blocks = world // cfg.parallel.dp_replicate, adapter.blocks(model)
         compute = AUTOCAST_DTYPES[cfg.train.mixed_precision]  # FSDP's param_dtype (None: each weight's own)
@@ -258,6 +248,96 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
               "video_tokens": s["video_tokens"], "rank_tokens": s["rank_tokens"]}
     parts["total"] = sum(parts[k] for k in ("frozen", "trainable", "grads", "activations", "in_flight"))
     return parts
+
+
+def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
+    """One process's parts for bench/one_gpu.py: the frozen bytes outside the blocks and of the largest
+    block (in model.dtype, and with its frozen linear weights in fp8 plus an fp32 scale per row), those
+    linears in the compute dtype, a block's gradient buffer, and the step without the block inputs."""
+    blocks, compute = adapter.blocks(model), AUTOCAST_DTYPES[cfg.train.mixed_precision] or adapter.dtype
+    frozen = lambda m: [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())  # noqa: E731
+    linears = lambda b: [m.weight for m in b.modules()  # noqa: E731
+                         if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    in_blocks = [nbytes(frozen(b)) for b in blocks]
+    fp8 = [n - nbytes(linears(b)) + sum(w.numel() + 4 * w.shape[0] for w in linears(b))
+           for b, n in zip(blocks, in_blocks)]
+    grads = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
+    return {"layers": len(blocks), "root": nbytes(frozen(model)) - sum(in_blocks), "block": max(in_blocks),
+            "block_fp8": max(fp8), "upcast": max(nbytes(linears(b), compute) for b in blocks),
+            "reduce": grads * (compute.itemsize + 4), "offload_grads": tracker.grads_at_peak["offload"],
+            "offload_activations": tracker.peak["offload"] - tracker.grads_at_peak["offload"],
+            "block_input": max(tracker.inputs, default=0), "inputs": sum(tracker.inputs)}
+
+
+def peak_of(run, modules=(), existing=()) -> int:
+    """The peak bytes of the storages run() creates (fake tensors, CUDA's autocast policy), modules'
+    weights and `existing` tensors not counted."""
+    tracker = Tracker([*existing, *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
+    with cuda_autocast_policy(), tracker:
+        run()
+    return tracker.peak["single"]
+
+
+def fake_module(make, dtype: torch.dtype, fake) -> torch.nn.Module:
+    with torch.device("meta"):
+        module = make()
+    for p in module.parameters():
+        p.data = p.data.to(dtype)
+    materialize(module.eval().requires_grad_(False), fake, torch.device("cpu"))
+    return module
+
+
+def other_phases(cfg, family, adapter) -> dict:
+    """Bytes of what runs besides training steps: a guided sampling forward (cond and uncond, batch 2, no
+    gradients, at the validation resolution) over the training model; the VAE's weights, its encoding of
+    data.cache_batch_size clips (and of one) and its decoding of one; the text encoder's weights and its
+    pass over a batch of prompts. Each on fake tensors, as the adapter runs it."""
+    fake, cpu = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu")
+    resolution = cfg.validation.resolution or (cfg.data.buckets or [cfg.data.train_resolution])[0]
+    sampled = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=2),
+                                  data=dataclasses.replace(cfg.data, train_resolution=resolution))
+    model, params, optimizer, ema = build(sampled, family, adapter, fake, cpu, foreach=True)
+    model.eval()
+    vae = fake_module(lambda: adapter.VAE.from_config(adapter.vae_config), adapter.vae_dtype, fake)
+    config = adapter.TEXT_ENCODER.config_class.from_pretrained(adapter.path / "text_encoder")
+    text_encoder = fake_module(lambda: adapter.TEXT_ENCODER(config), adapter.dtype, fake)
+    s = shapes(sampled, adapter, 1)
+    new = lambda shape: torch.randn(shape, device=cpu).to(adapter.dtype)  # noqa: E731
+    with fake, torch.no_grad():
+        batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
+        if adapter.type == "i2v":
+            batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
+        generators = [torch.Generator().manual_seed(i) for i in range(2)]
+        with torch.autocast("cpu", dtype=AUTOCAST_DTYPES[cfg.train.mixed_precision] or torch.bfloat16,
+                            enabled=cfg.train.mixed_precision != "no"):
+            sampling = peak_of(lambda: adapter.train_loss(model, batch, generators), [model], batch.values())
+        adapter._load_vae = lambda: vae  # the adapter's own encode and decode, over the fake VAE
+        frames, height, width = cfg.data.train_resolution
+        encode = {n: peak_of(lambda: adapter.encode_video(torch.empty(n, frames, height, width, 3, dtype=torch.uint8)),
+                             [vae]) for n in {cfg.data.cache_batch_size, 1}}
+        _, c, f, h, w = s["latent"]
+        latents = torch.randn((1, f, c, h, w) if family == "cogvideox" else (1, c, f, h, w))
+        decode = peak_of(lambda: adapter.decode_latents(latents), [vae], [latents])
+        prompts = max(cfg.data.cache_batch_size, len(cfg.validation.prompts) + 1)
+        ids = torch.zeros(prompts, adapter.text_length, dtype=torch.long)
+        text = peak_of(lambda: text_encoder(input_ids=ids, attention_mask=torch.ones_like(ids)), [text_encoder], [ids])
+    return {"sampling": sampling, "vae": nbytes([*vae.parameters(), *vae.buffers()]), "decode": decode,
+            "encode": encode[cfg.data.cache_batch_size], "encode_1": encode[1], "text": text,
+            "text_encoder": nbytes([*text_encoder.parameters(), *text_encoder.buffers()])}
+
+
+def one_gpu_parts(cfg, family, adapter) -> dict:
+    """Everything bench/one_gpu.py adds up for one process, in bytes."""
+    if cfg.train.training_type != "lora":
+        raise ConfigError("--fit models LoRA runs: sft's streaming also moves gradients and AdamW's state to the host")
+    status = Path("/proc/self/status").read_text()
+    step = estimate(cfg, family, adapter)
+    return {**step, **other_phases(cfg, family, adapter), "experts": 1 + len(adapter.other_experts()),
+            "validation": cfg.validation.do_validation and bool(cfg.validation.prompts),
+            "checkpointing": cfg.train.gradient_checkpointing, "cache_batch_size": cfg.data.cache_batch_size,
+            "cache_pass": True,
+            "ema_swap": step["weights"] if cfg.train.ema_decay else 0,  # EMA.swapped_in keeps the online weights
+            "process": int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024}  # this process: imports, no CUDA
 
 
 def measure(cfg, family, adapter, device) -> dict:
@@ -334,22 +414,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sp", type=int, nargs="+", default=[1], help="sequence-parallel sizes (a model)")
     parser.add_argument("--layers", type=int, help="transformer blocks (default: the config's)")
     parser.add_argument("--check", action="store_true", help="compare with a measured one-process step")
+    parser.add_argument("--fit", type=float, metavar="GB", help="one process: the fastest one-GPU setting that fits GB "
+                        "GiB (bench/one_gpu.py), as config lines")
+    parser.add_argument("--ram", type=float, metavar="GB", help="with --fit: the host RAM there is, GiB")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.cfg, overrides)
     device = torch.device("cuda" if args.measure and torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
+        # the folder stays while the estimates run: the encoders' configs are read from it
         family, adapter = make_adapter(cfg, args.arch, Path(tmp), device)
-    adapter.transformer_config["num_layers"] = args.layers or adapter.transformer_config["num_layers"]
-    if hasattr(adapter, "check_resolution"):
-        adapter.check_resolution(cfg.data.train_resolution, "data.train_resolution")
-    if args.measure:
-        print(json.dumps(measure(cfg, family, adapter, device)))
-    elif args.check:
-        check(cfg, family, adapter, [a for a in argv if a != "--check"])
-    else:
-        table(cfg, adapter, args.world, {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp})
+        adapter.transformer_config["num_layers"] = args.layers or adapter.transformer_config["num_layers"]
+        if hasattr(adapter, "check_resolution"):
+            adapter.check_resolution(cfg.data.train_resolution, "data.train_resolution")
+        if args.measure:
+            print(json.dumps(measure(cfg, family, adapter, device)))
+        elif args.check:
+            check(cfg, family, adapter, [a for a in argv if a != "--check"])
+        elif args.fit is not None:
+            title = describe(cfg, adapter, shapes(cfg, adapter, 1))
+            one_gpu.report(one_gpu_parts(cfg, family, adapter), args.fit, title, args.ram)
+        else:
+            table(cfg, adapter, args.world, {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp})
 
 
 if __name__ == "__main__":

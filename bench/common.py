@@ -11,6 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
 from tests.conftest import free_port, write_toml  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
@@ -47,3 +50,36 @@ def timed_run(root: Path, name: str, settings: dict, nproc: int = 1) -> float:
     if result.returncode != 0:
         sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
     return wall
+
+
+def write_random_transformer(folder: Path, cls, config: dict, shard_bytes: int, device: str = "cpu") -> None:
+    """A transformer folder as the published ones hold it: config.json (with cls's name) and random bf16
+    weights (normal, std 0.02, drawn on `device` from seed 0) in safetensors shards of about shard_bytes,
+    with their index."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **config}, indent=2) + "\n")
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in cls.from_config(config).state_dict().items()}
+    generator, shard, shards, weight_map = torch.Generator(device).manual_seed(0), {}, [], {}
+
+    def flush():
+        name = f"diffusion_pytorch_model-{len(shards) + 1:05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        shards.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for key, shape in shapes.items():
+        shard[key] = (torch.randn(shape, generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
+        if sum(t.nbytes for t in shard.values()) >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    # Files named 00001-of-00002 by diffusers; the count is known only now.
+    for name in shards:
+        final = name.replace(".safetensors", f"-of-{len(shards):05d}.safetensors")
+        (folder / name).rename(folder / final)
+        weight_map = {k: final if v == name else v for k, v in weight_map.items()}
+    total = sum((folder / n).stat().st_size for n in set(weight_map.values()))
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")

@@ -4,10 +4,13 @@ import json
 import shutil
 import sys
 
+import pytest
 from conftest import REPO, write_toml
 
 sys.path.insert(0, str(REPO / "bench"))
 import bench_memory  # noqa: E402
+import one_gpu  # noqa: E402
+import published  # noqa: E402
 from config import load_config  # noqa: E402
 
 
@@ -45,3 +48,72 @@ def test_sharding_and_sequence_parallel(tmp_path):
     assert 0.45 < ddp_sp2["activations"] / ddp["activations"] < 0.55
     assert fsdp["frozen"] == ddp["frozen"] / 8 and fsdp["trainable"] == ddp["trainable"] / 8
     assert fsdp["in_flight"] > 3 * ddp["frozen"] / 8 and fsdp["activations"] <= ddp["activations"]
+
+
+@pytest.fixture(scope="module")
+def one_gpu_parts(tmp_path_factory):
+    """What bench/one_gpu.py adds up, on fake tensors: 4 of Wan 2.1 14B's published blocks at 17x480x832,
+    LoRA r32 with validation, and a small VAE and UMT5 (the published ones, 10.6 GiB for UMT5-XXL, would
+    hide the training phase below 12 GiB; their figures are in BENCHMARKS.md)."""
+    tmp = tmp_path_factory.mktemp("one_gpu")
+    overrides = ["--data.train_resolution", "[17, 480, 832]", "--data.cache_batch_size", "1", "--model.path", str(tmp)]
+    cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
+    published.make_adapter(cfg, "wan2.1-t2v-14b", tmp, bench_memory.torch.device("cpu"))
+    small_umt5 = {**published.TEXT_ENCODERS["wan"], "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 2}
+    (tmp / "text_encoder" / "config.json").write_text(json.dumps(small_umt5))
+    (tmp / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", "base_dim": 8}))
+    family, adapter = published.make_adapter(cfg, None, tmp, bench_memory.torch.device("cpu"))
+    adapter.transformer_config["num_layers"] = 4
+    return bench_memory.one_gpu_parts(cfg, family, adapter)
+
+
+def test_one_gpu_parts(one_gpu_parts):
+    """The parts against arithmetic on the published sizes: a 14B block's frozen bytes in bf16 and with its
+    ten linear weights in fp8 (one byte each, an fp32 scale per row); the checkpointed block inputs, 4 x
+    7800 video tokens (5x60x104 latents in 2x2 patches) x 5120 in bf16; with them on the host the step
+    needs less, but no less than the step without them."""
+    p, width, ffn = one_gpu_parts, 5120, 13824
+    linears, rows = 8 * width * width + 2 * width * ffn, 9 * width + ffn  # attention's q, k, v, out (x2); the FFN
+    assert p["layers"] == 4 and 0 < p["block"] - 2 * linears < 0.01 * p["block"]
+    assert p["block_fp8"] == p["block"] - linears + 4 * rows
+    assert p["inputs"] == 4 * p["block_input"] == 4 * 7800 * width * 2
+    assert p["activations"] - p["inputs"] <= p["offload_activations"] < p["activations"]
+
+
+def test_fit_is_monotone_and_fastest(one_gpu_parts):
+    """Cards from 1 to 12 GiB, with any host RAM and with 1.5 GiB beside the process: each pick fits its
+    own estimate (every phase, with the margin; the host RAM), no faster setting does, and a larger card
+    never picks a slower one. The picks stream 0, 3 and 4 blocks (the first two streamed blocks save
+    nothing: they come back as the two in flight), with activation offload or fp8 where they fit first."""
+    order, chosen = one_gpu.settings(one_gpu_parts), set()
+    for ram in (None, one_gpu_parts["process"] / one_gpu.GIB + 1.5):
+        picks = [(gb, one_gpu.fit(one_gpu_parts, gb, ram)) for gb in [x / 100 for x in range(100, 1201)]]
+        ranks = [order.index(s) for _, s in picks if s is not None]
+        assert ranks == sorted(ranks, reverse=True)
+        for gb, s in picks:
+            if s is not None:
+                p = one_gpu.with_cache_batch(one_gpu_parts, gb)
+                assert max(one_gpu.gpu(p, s).values()) + one_gpu.MARGIN <= gb * one_gpu.GIB
+                assert ram is None or one_gpu.host_needed(p, s) <= ram * one_gpu.GIB
+                assert not any(one_gpu.fits(p, faster, gb, ram) for faster in order[: order.index(s)])
+                chosen.add(s)
+    assert {s.streamed for s in chosen} == {0, 3, 4}
+    assert {(s.fp8, s.activation_offload) for s in chosen} == {(False, False), (False, True), (True, False)}
+
+
+def test_none_fits_names_why(one_gpu_parts, capsys):
+    """Below what the leanest setting needs, with too little host RAM, and with a text encoder larger than
+    the card allows, the report says that none fits and why."""
+    leanest = min(max(one_gpu.gpu(one_gpu_parts, s).values()) for s in one_gpu.settings(one_gpu_parts))
+    gb = (leanest + one_gpu.MARGIN) / one_gpu.GIB - 0.01
+    assert one_gpu.fit(one_gpu_parts, gb) is None and one_gpu.report(one_gpu_parts, gb, "") is None
+    assert f"none fits {gb:g} GiB: the setting that needs the least" in capsys.readouterr().out
+    assert "in the training: the trainable state and one step's gradients and activations need" in \
+        one_gpu.why_none(one_gpu_parts, gb)
+    ram = one_gpu_parts["process"] / one_gpu.GIB
+    assert one_gpu.fit(one_gpu_parts, 12, ram) is None
+    assert one_gpu.why_none(one_gpu_parts, 12, ram).startswith(f"none fits 12 GiB with {ram:g} GiB of host RAM")
+    big_text_encoder = one_gpu_parts | {"text_encoder": 11 * one_gpu.GIB}
+    assert one_gpu.fit(big_text_encoder, 12) is None
+    assert one_gpu.why_none(big_text_encoder, 12).startswith(
+        "none fits 12 GiB: the cache pass needs 11.0 GiB + 1 GiB margin whatever the setting: the text encoder's pass")

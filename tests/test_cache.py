@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -98,10 +99,26 @@ def count_calls(monkeypatch, owner, name) -> list:
 
 
 def test_recaptioning_encodes_prompts_and_no_video(own_copy, write_config, caplog, monkeypatch):
+    """A new prompt is encoded again, its clip's video is not. And the first pass frees the text encoder
+    before the VAE encodes (T5-XXL's 9 GB would sit beside the VAE's encoding on one card)."""
     model, data = own_copy
     config = write_config("recaption", **{"model.path": str(model), "data.data_root": str(data),
                                           "data.cache_dir": str(data.parent / "cache")})
+    text_encoders, t5_forward, vae_encode = [], T5EncoderModel.forward, AutoencoderKLCogVideoX.encode
+
+    def remembered(self, *args, **kwargs):
+        text_encoders.append(weakref.ref(self))
+        return t5_forward(self, *args, **kwargs)
+
+    def after_the_text_encoder(self, *args, **kwargs):
+        gc.collect()
+        assert text_encoders and all(ref() is None for ref in text_encoders)
+        return vae_encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(T5EncoderModel, "forward", remembered)
+    monkeypatch.setattr(AutoencoderKLCogVideoX, "encode", after_the_text_encoder)
     assert "24 clips encoded, 0 reused" in cache_pass(caplog, config)
+    monkeypatch.undo()
     prompts = (data / "prompts.txt").read_text().splitlines()
     prompts[:3] = ["a red ball rolls left", "a green box moves up", "a small circle drifts right"]
     (data / "prompts.txt").write_text("\n".join(prompts) + "\n")
