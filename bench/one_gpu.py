@@ -2,7 +2,7 @@
 from bench_memory's parts (bytes) of one process. bench_memory.py --fit GB prints what this finds.
 
 A setting: the frozen weights in bf16 (model.dtype) or fp8 (model.storage_dtype: 1 byte per frozen
-block-linear weight plus an fp32 scale per output row; norms, biases, embeddings and the layers outside
+block-linear weight plus a scale per output row in model.dtype; norms, biases, embeddings and the layers outside
 the blocks keep their dtype); N of the L blocks in pinned host memory (parallel.cpu_offload with
 parallel.offload_blocks), streamed in one block ahead: on the GPU the other blocks, the layers outside
 the blocks, and two streamed blocks in flight (the one computing, the one prefetched), with one block's

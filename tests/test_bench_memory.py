@@ -69,13 +69,13 @@ def one_gpu_parts(tmp_path_factory):
 
 def test_one_gpu_parts(one_gpu_parts):
     """The parts against arithmetic on the published sizes: a 14B block's frozen bytes in bf16 and with its
-    ten linear weights in fp8 (one byte each, an fp32 scale per row); the checkpointed block inputs, 4 x
+    ten linear weights in fp8 (one byte each, a bf16 scale per row); the checkpointed block inputs, 4 x
     7800 video tokens (5x60x104 latents in 2x2 patches) x 5120 in bf16; with them on the host the step
     needs less, but no less than the step without them."""
     p, width, ffn = one_gpu_parts, 5120, 13824
     linears, rows = 8 * width * width + 2 * width * ffn, 9 * width + ffn  # attention's q, k, v, out (x2); the FFN
     assert p["layers"] == 4 and 0 < p["block"] - 2 * linears < 0.01 * p["block"]
-    assert p["block_fp8"] == p["block"] - linears + 4 * rows
+    assert p["block_fp8"] == p["block"] - linears + 2 * rows
     assert p["inputs"] == 4 * p["block_input"] == 4 * 7800 * width * 2
     assert p["activations"] - p["inputs"] <= p["offload_activations"] < p["activations"]
 
@@ -117,3 +117,18 @@ def test_none_fits_names_why(one_gpu_parts, capsys):
     assert one_gpu.fit(big_text_encoder, 12) is None
     assert one_gpu.why_none(big_text_encoder, 12).startswith(
         "none fits 12 GiB: the cache pass needs 11.0 GiB + 1 GiB margin whatever the setting: the text encoder's pass")
+
+
+def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
+    """The estimate's block in fp8 against the tiny Wan as the trainer loads it with model.storage_dtype =
+    "fp8" (storage.py's weights and scales, counted on the real tensors), and the same in model.dtype."""
+    cfg_file = write_toml(tmp_path / "fp8.toml", {
+        "run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("t2v")), "model.family": "wan",
+        "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32], "model.storage_dtype": "fp8"})
+    cfg = load_config(str(cfg_file))
+    family, adapter = published.make_adapter(cfg, None, tmp_path, bench_memory.torch.device("cpu"))
+    parts = bench_memory.estimate(cfg, family, adapter)
+    stored = adapter.load_transformer()
+    frozen = [sum(t.numel() * t.element_size() for t in [*block.parameters(), *block.buffers()])
+              for block in adapter.blocks(stored)]
+    assert parts["block_fp8"] == max(frozen) < parts["block"]
