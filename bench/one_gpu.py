@@ -5,7 +5,8 @@ A setting: the frozen weights in bf16 (model.dtype) or fp8 (model.storage_dtype:
 block-linear weight plus a scale per output row in model.dtype; norms, biases, embeddings and the layers outside
 the blocks keep their dtype); N of the L blocks in pinned host memory (parallel.cpu_offload with
 parallel.offload_blocks), streamed in one block ahead: on the GPU the other blocks, the layers outside
-the blocks, and two streamed blocks in flight (the one computing, the one prefetched), with one block's
+the blocks, and two blocks in flight (the one computing, the one prefetched: FSDP2 on one rank gathers
+every block, resident ones too, into a buffer of its own; DDP's resident run has none), with one block's
 gradient buffer; the checkpointed block inputs on the GPU or in pinned host memory
 (train.activation_offload), two of them back on the GPU in flight. fp8 adds up to one block's linear
 weights upcast to the compute dtype (the copies a block's backward keeps). LoRA only: sft's streaming
@@ -78,8 +79,8 @@ def resident(p: dict, s: Setting) -> int:
 
 
 def weights_on_gpu(p: dict, s: Setting) -> int:
-    """The resident frozen weights, the streamed blocks in flight and fp8's upcast copies."""
-    return resident(p, s) + min(s.streamed, 2) * block_bytes(p, s) + (p["upcast"] if s.fp8 else 0)
+    """The resident frozen weights, the blocks FSDP2 has gathered (streaming only) and fp8's upcast copies."""
+    return resident(p, s) + (2 if s.streamed else 0) * block_bytes(p, s) + (p["upcast"] if s.fp8 else 0)
 
 
 def training(p: dict, s: Setting) -> int:
