@@ -1,7 +1,9 @@
 """Sequence parallelism (parallel.sp_size): 2 ranks sharing each sample, and 4 ranks as 2 data-parallel
 groups of 2 under FSDP, train to the same weights as one process, for CogVideoX (rotary embeddings,
 joint attention) and Wan (TI2V: per-token timesteps, an uneven split), with clipping engaged; their
-held-out loss and rendered frames agree too. The split itself is checked inside the ranks: each
+held-out loss and rendered frames agree too. LTX-2's split (video tokens split, audio and text
+replicated, the audio-video cross-attentions both ways) is held to one process inside the same 2 ranks:
+its losses and every weight's gradient. The split itself is checked inside the ranks: each
 attends over its own slice of the tokens, the collectives' gradients are exact, Q, K and V travel in V's
 dtype, and under torch.compile the exchanges compile with the blocks."""
 
@@ -17,7 +19,9 @@ from safetensors.torch import load_file
 from test_ltx2 import ltx2_models  # noqa: F401 (the fixture)
 
 import sequence
-from config import ConfigError, load_config
+from config import ConfigError, ModelConfig, load_config
+from model import load_adapter
+from test_variants import one_rank_group
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
@@ -254,3 +258,14 @@ def test_errors_name_the_valid_sizes(write_config):
         load_config(str(write_config("dropout", **{"lora.dropout": 0.1, "parallel.sp_size": 2})))
     with pytest.raises(ConfigError, match="parallel.sp_size must be at least 1"):
         load_config(str(write_config("zero", **{"parallel.sp_size": 0})))
+
+
+def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
+    """The config accepts LTX-2 with sp (it refused it before the split was built); the video-to-audio
+    attention splits the audio heads, so their count is checked as the video's is."""
+    cfg = load_config(str(write_config("ltx2", **{"model.family": "ltx2", "model.path": str(ltx2_models("2.0")),
+                                                  "parallel.sp_size": 2, "parallel.strategy": "fsdp"})))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    adapter.transformer_config["audio_num_attention_heads"] = 3
+    with one_rank_group(), pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"):
+        adapter.split_sequence(adapter.load_transformer(), sequence.SequenceSplit(None, 2, 0))
