@@ -427,8 +427,6 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
     if cfg.model.family != "wan" and (cfg.model.expert or cfg.train.flow_shift):
         raise ConfigError("model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
-    if cfg.model.family == "ltx2" and cfg.parallel.sp_size > 1:
-        raise ConfigError("parallel.sp_size > 1: sequence parallelism is not built for LTX-2 yet; set it to 1")
     if cfg.model.family != "cogvideox" and cfg.validation.use_dynamic_cfg:
         raise ConfigError("validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's and LTX-2's pipelines "
                           "have none: remove it")

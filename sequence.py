@@ -5,7 +5,7 @@ lengths allowed: `torch.tensor_split`'s sizes); around self-attention an all-to-
 split for a head split, so each rank attends over the whole sequence with 1/sp of the heads, and back;
 the last block's output is gathered, so the rest of the model and the loss run on the whole sample on
 every rank. The families' attention processors call seq_to_heads / heads_to_seq / gather
-(families/cogvideox.py, families/wan.py); the hooks here slice and gather around the blocks.
+(families/cogvideox.py, families/wan.py, families/ltx2.py); the hooks here slice and gather around the blocks.
 
 Gradients: every collective is the functional all_to_all_single (torch.distributed._functional_collectives,
 which dynamo traces into the compiled block; torch.distributed.nn's raises under dynamo, so each block

@@ -23,6 +23,8 @@ from types import SimpleNamespace
 import numpy as np
 import PIL.Image
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
@@ -30,6 +32,7 @@ from diffusers import (
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
+from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import apply_image_conditioning_crf, resolve_default_image_crf
@@ -38,6 +41,7 @@ from transformers import Gemma3ForConditionalGeneration
 
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, Weights, log, resolved_config, sample_posterior, to_device
+from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
@@ -311,6 +315,30 @@ class LTX2Adapter(Adapter):
     def blocks(transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
+    def split_sequence(self, transformer, split: SequenceSplit) -> None:
+        """Sequence parallelism: the video tokens split at the first block, with every per-token video input (the
+        rotary embeddings of self-attention and of the audio-video cross-attention; I2V's per-token timestep
+        embeddings); the audio tokens and both texts replicated. Video self-attention and the video-to-audio
+        cross-attention (audio queries, video keys) exchange through all-to-alls (SequenceParallelAttention);
+        the text cross-attentions, audio self-attention and the audio-to-video cross-attention (video queries,
+        the whole audio's keys) stay local. The video-to-audio attention splits the audio heads too: sp must
+        divide both counts (model.py and cache.py check the video's)."""
+        check_heads(split.size, self.transformer_config["audio_num_attention_heads"], dist.get_world_size())
+
+        def per_token_inputs(arguments: dict) -> dict[str, int]:
+            # rotary (cos, sin): [B, tokens, D] interleaved, [B, heads, tokens, D / 2] split
+            rotary = {name: 2 if arguments[name][0].ndim == 4 else 1
+                      for name in ("video_rotary_emb", "ca_video_rotary_emb")}
+            # the video's timestep embeddings: [B, 1, n] for one timestep per sample, [B, tokens, n] per token
+            embeddings = ("temb", "temb_ca_scale_shift", "temb_ca_gate")
+            return rotary | {name: 1 for name in embeddings if arguments[name].shape[1] > 1}
+
+        self.sequence = split
+        split_blocks(self.blocks(transformer), split, per_token_inputs)
+        for block in self.blocks(transformer):
+            for attention in (block.attn1, block.video_to_audio_attn):
+                attention.set_processor(SequenceParallelAttention(split))
+
     # Sampling: LTX2Pipeline's (LTX2ImageToVideoPipeline's) loop, run by validate.sample_latents. Both streams are
     # denoised (the video attends to the audio); the denoiser returns the video and audio velocities flattened
     # side by side, so validate's guidance applies to both.
@@ -383,3 +411,38 @@ class LTX2Adapter(Adapter):
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
+
+
+class SequenceParallelAttention:
+    """diffusers' LTX2AudioVideoAttnProcessor (and LTX-2.3's LTX2PerturbedAttnProcessor without STG, which the
+    adapter never asks for; nor masks) step for step, with this rank's slice of the video tokens as keys and
+    values: video self-attention (the queries the same slice) or the video-to-audio cross-attention (the
+    queries the whole audio, replicated). Keys and values, with the video's queries, go through one all-to-all
+    to the whole video with 1/sp of the heads, the audio's queries are cut to the same heads; the output goes
+    back to the sequence split (video) or is gathered across the heads (audio)."""
+
+    def __init__(self, split: SequenceSplit):
+        self.split = split
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+                 key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):
+        video_queries = encoder_hidden_states is None
+        keys = hidden_states if video_queries else encoder_hidden_states
+        query, key, value = attn.to_q(hidden_states), attn.to_k(keys), attn.to_v(keys)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        rotate = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else apply_split_rotary_emb
+        query = rotate(query, query_rotary_emb)
+        key = rotate(key, query_rotary_emb if key_rotary_emb is None else key_rotary_emb)
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        if video_queries:  # [3, B, tokens, heads, D] -> the whole video, 1/sp of the heads
+            query, key, value = self.split.seq_to_heads(stack_qkv(query, key, value), 2, 3).unbind(0)
+        else:
+            key, value = self.split.seq_to_heads(torch.stack([key.to(value.dtype), value]), 2, 3).unbind(0)
+            query = self.split.heads(query, 2)
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query, key, value))).transpose(1, 2)
+        out = self.split.heads_to_seq(out, 1, 2) if video_queries else self.split.gather_heads(out, 2)
+        out = out.flatten(2, 3).to(query.dtype)
+        if attn.to_gate_logits is not None:  # LTX-2.3: a gate per query token and head, from the query's input
+            gates = 2.0 * torch.sigmoid(attn.to_gate_logits(hidden_states))
+            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))

@@ -194,7 +194,6 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"parallel.sp_size": 2}, r"parallel.sp_size > 1: sequence parallelism is not built for LTX-2 yet"),
     ({"train.flow_shift": 3.0}, r"model.expert and train.flow_shift are for Wan"),
     ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
 ])

@@ -1,7 +1,9 @@
 """Sequence parallelism (parallel.sp_size): 2 ranks sharing each sample, and 4 ranks as 2 data-parallel
 groups of 2 under FSDP, train to the same weights as one process, for CogVideoX (rotary embeddings,
 joint attention) and Wan (TI2V: per-token timesteps, an uneven split), with clipping engaged; their
-held-out loss and rendered frames agree too. The split itself is checked inside the ranks: each
+held-out loss and rendered frames agree too. LTX-2's split (video tokens split, audio and text
+replicated, the audio-video cross-attentions both ways) is held to one process inside the same 2 ranks:
+its losses and every weight's gradient. The split itself is checked inside the ranks: each
 attends over its own slice of the tokens, the collectives' gradients are exact, Q, K and V travel in V's
 dtype, and under torch.compile the exchanges compile with the blocks."""
 
@@ -14,9 +16,12 @@ import pytest
 import torch
 from conftest import REPO, free_port, read_metrics, run_ok, write_toml
 from safetensors.torch import load_file
+from test_ltx2 import ltx2_models  # noqa: F401 (the fixture)
 
 import sequence
-from config import ConfigError, load_config
+from config import ConfigError, ModelConfig, load_config
+from model import load_adapter
+from test_variants import one_rank_group
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
@@ -160,17 +165,66 @@ report["compiled_equal"] = (torch.allclose(results[0][0], results[1][0], rtol=1e
                             and torch.allclose(results[0][1], results[1][1] / 2, rtol=1e-5, atol=1e-6))
 report["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
                     "unsupported": sum(counters["unimplemented"].values()), "frames": dict(counters["frames"])}
+
+# LTX-2 (sys.argv[4]: the tiny 2.0, split rotary embeddings; sys.argv[5]: 2.3, gated attention and STG's
+# processor): train_loss and the gradient of every weight, split 14 + 13 video tokens, equal one process's.
+# T2V with the audio latents (both streams, the audio-video cross-attentions both ways), T2V video-only
+# (no audio tokens: isolate_modalities) and I2V with audio (per-token timestep embeddings).
+def ltx2_batch(adapter, audio):
+    c, g = adapter.transformer_config, torch.Generator().manual_seed(4)
+    text = 2 * c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"] + c["audio_cross_attention_dim"]
+    batch = {"latent_mean": torch.randn(2, adapter.latent_channels, 3, 3, 3, generator=g),  # 27 tokens
+             "latent_logvar": torch.randn(2, adapter.latent_channels, 3, 3, 3, generator=g) - 3,
+             "prompt_embeds": torch.randn(2, adapter.text_length, text, generator=g),
+             "image_latents": torch.randn(1, adapter.latent_channels, 1, 3, 3, generator=g)}
+    if audio:  # 5 audio tokens
+        features = adapter.audio_config["latent_channels"], 5, adapter.audio_config["mel_bins"] // 4
+        batch |= {"audio_latent_mean": torch.randn(2, *features, generator=g),
+                  "audio_latent_logvar": torch.randn(2, *features, generator=g) - 3}
+    return batch
+
+report["ltx2"] = {}
+for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", False), (sys.argv[5], "i2v", True)):
+    adapter = load_adapter(ModelConfig(path=folder, family="ltx2", type=kind, dtype="fp32"), torch.device("cpu"))
+    batch, results, seen = ltx2_batch(adapter, audio), [], {}
+    for split_it in (False, True):
+        model = adapter.load_transformer().requires_grad_(True)
+        if split_it:
+            for block in adapter.blocks(model):
+                for name in ("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn"):
+                    def record(m, args, kwargs, name=name):
+                        inputs = kwargs.get("encoder_hidden_states")
+                        queries = args[0] if args else kwargs["hidden_states"]
+                        seen[name] = [queries.shape[1], None if inputs is None else inputs.shape[1]]
+                    getattr(block, name).register_forward_pre_hook(record, with_kwargs=True)
+            adapter.split_sequence(model, split)
+        loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(5 + i) for i in range(2)])
+        loss.sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        if split_it:
+            for grad in grads.values():  # the group's sum: sp times the sample's
+                dist.all_reduce(grad)
+                grad /= 2
+        results.append((loss.detach(), {k: v.item() for k, v in adapter.losses.items()}, grads))
+    (loss, parts, grads), (split_loss, split_parts, split_grads) = results
+    report["ltx2"][f"{kind}{'_audio' if audio else ''}"] = {
+        "loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6), "parts": [parts, split_parts],
+        "grads": len(grads), "same_grads": grads.keys() == split_grads.keys(),
+        "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
+        "seen": seen}
+
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
 '''
 
 
-def test_the_split_inside_the_ranks(tiny_models, tmp_path):
+def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--master_port={free_port()}", str(script), str(REPO), str(tiny_models("5b")), str(tmp_path)],
+                             f"--master_port={free_port()}", str(script), str(REPO), str(tiny_models("5b")), str(tmp_path),
+                             str(ltx2_models("2.0")), str(ltx2_models("2.3"))],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -183,6 +237,18 @@ def test_the_split_inside_the_ranks(tiny_models, tmp_path):
         dynamo = report["dynamo"]
         assert dynamo["graph_breaks"] == dynamo["unsupported"] == 0 and dynamo["frames"]["ok"] == dynamo["frames"]["total"], dynamo
         assert report["compiled_equal"]
+        assert report["ltx2"].keys() == {"t2v_audio", "t2v", "i2v_audio"}
+        for case, ltx2 in report["ltx2"].items():
+            assert ltx2["loss_equal"] and ltx2["same_grads"] and not ltx2["grads_differ"], (case, ltx2)
+            (one, split), audio = ltx2["parts"], case.endswith("audio")
+            assert one["loss_video"] == pytest.approx(split["loss_video"], rel=1e-5)
+            assert one["loss_audio"] == pytest.approx(split["loss_audio"], rel=1e-5, abs=1e-6)
+            assert (one["loss_audio"] > 0) == audio
+            # each rank's video attention sees its 14 or 13 tokens, and the audio attention all 5 (1: video-only)
+            tokens, sound = [14, 13][rank], 5 if audio else 1
+            expected = {"attn1": [tokens, None], "audio_attn1": [sound, None], "audio_to_video_attn": [tokens, sound],
+                        "video_to_audio_attn": [sound, tokens]}
+            assert ltx2["seen"] == (expected if audio else {k: v for k, v in expected.items() if "_to_" not in k}), case
 
 
 def test_errors_name_the_valid_sizes(write_config):
@@ -192,3 +258,14 @@ def test_errors_name_the_valid_sizes(write_config):
         load_config(str(write_config("dropout", **{"lora.dropout": 0.1, "parallel.sp_size": 2})))
     with pytest.raises(ConfigError, match="parallel.sp_size must be at least 1"):
         load_config(str(write_config("zero", **{"parallel.sp_size": 0})))
+
+
+def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
+    """The config accepts LTX-2 with sp (it refused it before the split was built); the video-to-audio
+    attention splits the audio heads, so their count is checked as the video's is."""
+    cfg = load_config(str(write_config("ltx2", **{"model.family": "ltx2", "model.path": str(ltx2_models("2.0")),
+                                                  "parallel.sp_size": 2, "parallel.strategy": "fsdp"})))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    adapter.transformer_config["audio_num_attention_heads"] = 3
+    with one_rank_group(), pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"):
+        adapter.split_sequence(adapter.load_transformer(), sequence.SequenceSplit(None, 2, 0))
