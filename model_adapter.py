@@ -212,6 +212,10 @@ class Adapter:
     # map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
     COMFY_ALPHA = True  # whether that file carries an .alpha per module (else alpha / rank is baked into lora_B)
+    # Parts of the loss logged beside it (train/<part>, val/<part>): a family with several streams (LTX-2's video
+    # and audio) names them, and its train_loss and fixed_losses leave `losses`, [parts, 2]: each part's sum over
+    # the samples that have it, and their count (a clip without sound has no audio loss to average in).
+    LOSS_PARTS: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)
