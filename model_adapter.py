@@ -199,7 +199,9 @@ class Adapter:
     fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale,
     sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and
     activation-checkpointing units); split_sequence (sequence parallelism, sequence.py). A family with sound
-    (ENCODERS has "audio") also has audio_sample_rate, audio_channels and encode_audio (cache.py's audio entries).
+    (ENCODERS has "audio") also has audio_sample_rate, audio_channels and encode_audio (cache.py's audio entries),
+    sampled_audio, decode_audio and sound_rate (validate.py's soundtracks), and audio_loss_weight (cache.prepare
+    sets it from train.audio_loss_weight).
     families/cogvideox.py and families/wan.py are the two, and the tests of each are the template for a third."""
 
     FAMILY = ""

@@ -180,7 +180,8 @@ class LTX2Adapter(Adapter):
         """Waveforms [B, channels, samples] at audio_sample_rate -> the audio VAE's input, the log-mel spectrogram
         [B, channels, samples // hop + 1, mel bins] (decode.log_mel: ltx-core's AudioProcessor), in fp32."""
         c = self.audio_config
-        mel = decode.log_mel(waveforms.flatten(0, 1).float(), c["sample_rate"], MEL_FFT, c["mel_hop_length"], c["mel_bins"])
+        mel = decode.log_mel(waveforms.flatten(0, 1).float(), c["sample_rate"], MEL_FFT, c["mel_hop_length"],
+                             c["mel_bins"])
         return mel.unflatten(0, waveforms.shape[:2])
 
     def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

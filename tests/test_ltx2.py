@@ -72,7 +72,8 @@ def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **
     model_type = VARIANTS[variant][0]
     settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(ltx2_models(model_of(variant))),
                 "model.family": "ltx2", "model.type": model_type, "data.data_root": str(tiny_data),
-                "data.held_out": 2, "data.audio": False, "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
+                "data.held_out": 2, "data.audio": False,  # video only: these clips have no sound
+                "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
                 "validation.do_validation": False, "validation.prompts": PROMPTS, "validation.num_inference_steps": 2,
                 "validation.gen_fps": 24}
     if model_type == "i2v":

@@ -52,7 +52,8 @@ def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):  # noqa
     out = tmp_path_factory.mktemp("ltx2_sound_run")
     settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, out / "run", **SOUND, **{
         "train.steps": STEPS, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
-        "checkpoint.checkpointing_steps": STEPS, "validation.do_validation": True, "validation.validation_steps": STEPS})
+        "checkpoint.checkpointing_steps": STEPS, "validation.do_validation": True,
+        "validation.validation_steps": STEPS})
     trainer.main(["--cfg", str(write_toml(out / "run.toml", settings))])
     return out / "run", load_config(str(out / "run.toml"))
 
@@ -118,7 +119,8 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
     lora.inject_lora(transformer, ["to_q", "to_k", "to_v", "to_out.0"], 4, 4, 0.0, 0)
     gen = torch.Generator().manual_seed(0)
     mean, logvar = adapter.encode_audio(0.1 * torch.randn(2, 2, 6000, generator=gen))
-    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen), "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
+    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
+             "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
              "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
     sound = {**batch, "audio_latent_mean": mean, "audio_latent_logvar": logvar}
 
