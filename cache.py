@@ -95,13 +95,20 @@ class Cache:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
 
     def load_batch(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
-        """The items' entries stacked, in host memory. A damaged or missing entry is named. Audio only when
-        every item has sound: a batch holding a clip without sound trains its video alone."""
+        """The items' entries stacked, in host memory. A damaged or missing entry is named. A batch mixing
+        clips with and without sound holds zeros in the place of the missing sound and audio_mask [B], true
+        where a clip has sound (the adapter gives the others no audio loss)."""
         entries = [{k: v for kind in self.kinds for k, v in self.read(item, kind).items()} for item in items]
         for entry in entries:
             text = entry["prompt_embeds"]
             entry["prompt_embeds"] = torch.cat([text, text.new_zeros(self.text_length - len(text), text.shape[1])])
-        return {k: torch.stack([e[k] for e in entries]) for k in entries[0] if all(k in e for e in entries)}
+        sound = [e for e in entries if "audio_latent_mean" in e]
+        if sound and len(sound) < len(entries):  # the clips of a bucket share their window's length
+            for entry in entries:
+                entry["audio_mask"] = torch.tensor("audio_latent_mean" in entry)
+                for k in ("audio_latent_mean", "audio_latent_logvar"):
+                    entry.setdefault(k, torch.zeros_like(sound[0][k]))
+        return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
 
     def read(self, item: data.Item, kind: str) -> dict[str, torch.Tensor]:
         path = self.path(item, kind)
@@ -405,6 +412,10 @@ def prepare(cfg: Config, d: parallel.Dist):
         parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])
         if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
             adapter.shift = cfg.train.flow_shift
+        if "audio" in adapter.ENCODERS:  # a family with sound
+            adapter.audio_loss_weight = cfg.train.audio_loss_weight
+        if cfg.data.target_fps:  # every clip's rate: LTX-2's video positions count seconds at it
+            adapter.frame_rate = cfg.data.target_fps
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")

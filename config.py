@@ -107,6 +107,8 @@ class TrainConfig:
     # Flow-matching families (Wan): the timestep shift, s = shift u / (1 + (shift - 1) u); 0 takes the
     # scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at 720p).
     flow_shift: float = 0.0
+    # Families with sound (LTX-2): the loss is the video loss plus this times the audio loss.
+    audio_loss_weight: float = 1.0
     # Exponential moving average of the trainable weights (0 = off, e.g. 0.999), used for validation
     # and exported beside the online weights.
     ema_decay: float = 0.0
@@ -427,12 +429,19 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
     if cfg.model.family != "wan" and (cfg.model.expert or cfg.train.flow_shift):
         raise ConfigError("model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
+    if cfg.train.audio_loss_weight < 0:
+        raise ConfigError(f"train.audio_loss_weight must be 0 or positive, got {cfg.train.audio_loss_weight}")
     if cfg.model.family != "cogvideox" and cfg.validation.use_dynamic_cfg:
         raise ConfigError("validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's and LTX-2's pipelines "
                           "have none: remove it")
     if cfg.model.family != "cogvideox" and cfg.validation.scheduler:
         raise ConfigError("validation.scheduler chooses between CogVideoX's samplers: Wan and LTX-2 sample with "
                           "their folder's scheduler; remove it")
+    if cfg.model.family == "ltx2" and cfg.data.audio and not cfg.data.target_fps:
+        raise ConfigError("data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate "
+                          "(the clips of a batch then have sound of one length, and the video's positions count "
+                          "seconds at that rate): set data.target_fps (24, as LTX-2 was published), or data.audio = "
+                          "false to train video only")
     if cfg.model.type == "t2v" and cfg.validation.images:
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
     if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says

@@ -86,6 +86,12 @@ class Metrics:
                               encoded_image_string=gif.getvalue())
         self.writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
+    def audio(self, step: int, tag: str, sound, rate: int) -> None:
+        """A clip's soundtrack, float [channels, samples] in [-1, 1], as TensorBoard's audio summary (which holds
+        one channel: the channels' mean)."""
+        if self.enabled:
+            self.writer.add_audio(tag, sound.float().mean(0, keepdim=True).clamp(-1, 1), step, sample_rate=rate)
+
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:
             self.writer.add_text(tag, text, step)

@@ -199,7 +199,9 @@ class Adapter:
     fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale,
     sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and
     activation-checkpointing units); split_sequence (sequence parallelism, sequence.py). A family with sound
-    (ENCODERS has "audio") also has audio_sample_rate, audio_channels and encode_audio (cache.py's audio entries).
+    (ENCODERS has "audio") also has audio_sample_rate, audio_channels and encode_audio (cache.py's audio entries),
+    sampled_audio, decode_audio and sound_rate (validate.py's soundtracks), and audio_loss_weight (cache.prepare
+    sets it from train.audio_loss_weight).
     families/cogvideox.py and families/wan.py are the two, and the tests of each are the template for a third."""
 
     FAMILY = ""
@@ -212,6 +214,10 @@ class Adapter:
     # map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
     COMFY_ALPHA = True  # whether that file carries an .alpha per module (else alpha / rank is baked into lora_B)
+    # Parts of the loss logged beside it (train/<part>, val/<part>): a family with several streams (LTX-2's video
+    # and audio) names them, and its train_loss and fixed_losses leave `losses`, [parts, 2]: each part's sum over
+    # the samples that have it, and their count (a clip without sound has no audio loss to average in).
+    LOSS_PARTS: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)

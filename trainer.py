@@ -76,12 +76,15 @@ class TrainState:
 
 
 class TrainWindow:
-    """Loss, throughput and peak memory since the last log step, kept on the device and reduced only
-    when logged. Validations inside the window are left out of its time and its peak memory."""
+    """Loss (and the family's loss parts: LTX-2's video and audio), throughput and peak memory since the last
+    log step, kept on the device and reduced only when logged. Validations inside the window are left out of
+    its time and its peak memory."""
 
-    def __init__(self, d: parallel.Dist, global_batch: int, start_step: int):
+    def __init__(self, d: parallel.Dist, global_batch: int, start_step: int, parts: tuple[str, ...] = ()):
         self.d, self.global_batch, self.last_step = d, global_batch, start_step
         self.loss, self.start, self.first = torch.zeros((), device=d.device), time.perf_counter(), True
+        # Per part: its sum over the samples that have it, and their count (adapter.losses, every micro-step).
+        self.part_names, self.parts = parts, torch.zeros(len(parts), 2, device=d.device)
         self.skipped = torch.zeros((), dtype=torch.int64, device=d.device)  # steps whose update was skipped
         self.peak = 0.0  # of the window's training before a validation
         memory.reset_peak_memory(d.device, trim_heap=True)  # after the validation before step 1
@@ -89,6 +92,9 @@ class TrainWindow:
     def add_step(self, loss: torch.Tensor, skipped: torch.Tensor) -> None:
         self.loss += loss
         self.skipped += skipped
+
+    def add_parts(self, parts: torch.Tensor) -> None:
+        self.parts += parts
 
     @contextlib.contextmanager
     def paused(self):
@@ -113,6 +119,10 @@ class TrainWindow:
         }
         if scaler.enabled:
             values["train/loss_scale"] = scaler.scale.item()
+        # Each part's mean over the window's samples that have it (none with sound: no train/loss_audio).
+        parts = parallel.mean_over_ranks(self.parts).tolist() if self.part_names else []
+        for name, (total, count) in zip(self.part_names, parts):
+            values |= {f"train/{name}": total / count} if count else {}
         skipped = int(self.skipped)  # the same on every rank: the norm deciding it is global
         if skipped:
             log.warning("steps %d-%d: %d update(s) skipped for a non-finite gradient norm (last norm %s)",
@@ -122,6 +132,7 @@ class TrainWindow:
             values["train/state_mb"] = memory.local_state_bytes(model, optimizer) / 2**20
         self.loss.zero_()
         self.skipped.zero_()
+        self.parts.zero_()
         self.last_step, self.start, self.first, self.peak = step, time.perf_counter(), False, 0.0
         memory.reset_peak_memory(self.d.device)
         return values
@@ -182,7 +193,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
                               renderer):
             raise parallel.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
                                      "again to run it")
-    window, stop = TrainWindow(d, global_batch, state.step), False
+    window, stop = TrainWindow(d, global_batch, state.step, adapter.LOSS_PARTS), False
     prefetch = Prefetch(cache, d.device)
 
     for step in range(state.step + 1, t.steps + 1):
@@ -200,6 +211,8 @@ def train(cfg: Config, d: parallel.Dist) -> None:
                                                                        device=d.device))
             with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), compute:
                 loss = adapter.train_loss(model, batch, generators).mean()
+            if adapter.LOSS_PARTS:
+                window.add_parts(adapter.losses)
             if faults.active("nan_loss", step):
                 loss = loss * math.nan
             with compute.attention():  # activation checkpointing recomputes the forward in the backward

@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -55,13 +56,15 @@ def eager():
 
 @torch.no_grad()
 def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: parallel.Dist, autocast):
-    """val/loss and val/loss_t{t}. Clip i is measured by data-parallel rank i % dp_world (the whole sp
-    group); every rank makes the same number of forward calls (FSDP needs it), the padding ones
-    weighted 0."""
+    """val/loss and val/loss_t{t}, and each of the family's loss parts (LTX-2's val/loss_video and
+    val/loss_audio: means over the clips that have the stream, and the timesteps). Clip i is measured by
+    data-parallel rank i % dp_world (the whole sp group); every rank makes the same number of forward
+    calls (FSDP needs it), the padding ones weighted 0."""
     timesteps = adapter.held_out_timesteps(cfg.loss_timesteps)
     if not clips or not timesteps:
         return {}
     sums = torch.zeros(len(timesteps), device=d.device)
+    parts = torch.zeros(len(adapter.LOSS_PARTS), 2, device=d.device)  # per part: (sum, count), adapter.losses
     was_training = model.training
     model.eval()
     for j in range(math.ceil(len(clips) / d.dp_world)):
@@ -70,21 +73,28 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
         batch = cache.load_batch([clips[min(index, len(clips) - 1)]])
         with autocast:
             sums += weight * adapter.fixed_losses(model, batch, timesteps, data.keyed_generator(seed, "held_out", index))
+        if adapter.LOSS_PARTS:
+            parts += weight * adapter.losses.to(d.device)
     model.train(was_training)
     dist.all_reduce(sums)
     losses = (sums / (len(clips) * d.sp)).tolist()  # the ranks of an sp group hold the same sums
-    return {"val/loss": sum(losses) / len(losses), **{f"val/loss_t{t}": v for t, v in zip(timesteps, losses)}}
+    values = {"val/loss": sum(losses) / len(losses), **{f"val/loss_t{t}": v for t, v in zip(timesteps, losses)}}
+    if adapter.LOSS_PARTS:
+        dist.all_reduce(parts)
+        values |= {f"val/{name}": total / count for name, (total, count) in zip(adapter.LOSS_PARTS, parts.tolist())
+                   if count}
+    return values
 
 
 @torch.no_grad()
 def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
                    cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
-                   image=None) -> torch.Tensor:
-    """Denoised latents of one prompt (and, image-to-video, its conditioning image): the family's
-    pipeline loop, step for step, with every draw from `generator` (a CPU generator, as the pipelines
-    use it); the adapter builds the denoiser's input (condition, expert, per-token timesteps) and steps
-    the scheduler. Latents and scheduler math stay fp32. on_step(i) runs before sampling step i (from
-    1): the renderer's stop check."""
+                   image=None):
+    """The final sampling state of one prompt (and, image-to-video, its conditioning image): adapter.sampled
+    gives its latents (sampled_audio its sound, LTX-2). The family's pipeline loop, step for step, with
+    every draw from `generator` (a CPU generator, as the pipelines use it); the adapter builds the
+    denoiser's input (condition, expert, per-token timesteps) and steps the scheduler. Latents and
+    scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check."""
     state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image)
     guided = cfg.guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
@@ -97,7 +107,7 @@ def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_
             scale = adapter.guidance_scale(cfg, state, t)
             prediction = uncond + scale * (cond - uncond)
         adapter.sampling_step(state, prediction, t, i)
-    return adapter.sampled(state)
+    return state
 
 
 def to_frames(pixels: torch.Tensor) -> torch.Tensor:
@@ -113,9 +123,10 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
 CLIP_FIX = "free space (or move run.output_dir) and launch again; a training run resumes from its last checkpoint"
 
 
-def write_mp4(path: Path, frames: torch.Tensor, fps: int) -> None:
-    """uint8 [F, H, W, 3] -> H.264 mp4. yuv420p (what players accept) needs even sizes: odd ones get
-    their last row or column repeated. Written under a temporary name, then renamed."""
+def write_mp4(path: Path, frames: torch.Tensor, fps: int, sound: torch.Tensor | None = None, rate: int = 0) -> None:
+    """uint8 [F, H, W, 3] -> H.264 mp4, with `sound` (float [channels, samples] at `rate`) as AAC beside it.
+    yuv420p (what players accept) needs even sizes: odd ones get their last row or column repeated.
+    Written under a temporary name, then renamed."""
     if frames.shape[1] % 2:
         frames = torch.cat([frames, frames[:, -1:]], dim=1)
     if frames.shape[2] % 2:
@@ -123,9 +134,24 @@ def write_mp4(path: Path, frames: torch.Tensor, fps: int) -> None:
     with faults.written(path, CLIP_FIX) as tmp, av.open(str(tmp), "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], "yuv420p"
+        # Every stream before the first packet: the header is written then.
+        audio = None if sound is None else container.add_stream("aac", rate=rate, layout="stereo" if len(sound) == 2
+                                                                else "mono")
         for frame in frames.numpy():
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+        if audio is not None:
+            write_aac(container, audio, sound, rate)
+
+
+def write_aac(container, stream, sound: torch.Tensor, rate: int) -> None:
+    """float [channels, samples] into the AAC `stream`, clipped to [-1, 1]."""
+    samples = sound.clamp(-1, 1).contiguous().numpy()
+    for start in range(0, samples.shape[1], 1024):  # AAC's frame size
+        frame = av.AudioFrame.from_ndarray(samples[:, start : start + 1024], format="fltp", layout=stream.layout.name)
+        frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode())
 
 
 def load_image(path: str):
@@ -157,6 +183,8 @@ class ClipRenderer:
         self.out_dir = Path(output_dir) / "validation_res"
         self.fps = cfg.gen_fps or adapter.published_fps
         self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection
+        # A family with sound (LTX-2) renders each clip's soundtrack too: muxed into the mp4, and in TensorBoard.
+        self.sound, self.sounds = "audio" in adapter.ENCODERS, []
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
@@ -172,11 +200,18 @@ class ClipRenderer:
 
     def frames(self, model, index: int, scheduler, autocast, on_step=lambda i: None) -> torch.Tensor:
         """Float frames [F, H, W, 3] in [0, 1] of prompt `index`."""
-        generator = data.keyed_generator(self.cfg.seed, index)
-        latents = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[index : index + 1],
-                                 self.negative_embeds, generator, self.cfg, self.resolution, autocast, on_step,
-                                 self.images[index])
-        return to_frames(self.adapter.decode_latents(latents)[0])
+        return self.clip(model, index, scheduler, autocast, on_step)[0]
+
+    def clip(self, model, index: int, scheduler, autocast, on_step=lambda i: None, prompt: int | None = None):
+        """Float frames [F, H, W, 3] in [0, 1] and, for a family with sound, the soundtrack (float [channels,
+        samples] at adapter.sound_rate; else None) of prompt `prompt` (default: `index`) with clip `index`'s noise."""
+        prompt = index if prompt is None else prompt
+        state = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[prompt : prompt + 1],
+                               self.negative_embeds, data.keyed_generator(self.cfg.seed, index), self.cfg,
+                               self.resolution, autocast, on_step, self.images[prompt])
+        frames = to_frames(self.adapter.decode_latents(self.adapter.sampled(state))[0])
+        sound = self.adapter.decode_audio(self.adapter.sampled_audio(state)).cpu() if self.sound else None
+        return frames, sound
 
     def _on_step(self, i: int) -> None:
         """Between sampling steps every rank learns whether any got a stop signal (a collective: every
@@ -186,12 +221,13 @@ class ClipRenderer:
         parallel.stop_if_preempted(self.d, "during validation")
 
     def render(self, model, autocast) -> list[torch.Tensor]:
-        """Called on every rank: uint8 clips [F, H, W, 3] of every prompt on rank 0, [] on the others."""
+        """Called on every rank: uint8 clips [F, H, W, 3] of every prompt on rank 0, [] on the others; with
+        sound, self.sounds holds their soundtracks (rank 0)."""
         was_training = model.training
         model.eval()
         scheduler = self.adapter.sampler(self.cfg.scheduler)
         num_frames, height, width = self.resolution
-        clips = []
+        clips, self.sounds = [], []
         try:
             with contextlib.ExitStack() as stack:
                 for denoiser in self.denoisers(model).values():
@@ -199,17 +235,17 @@ class ClipRenderer:
                 for j in range(math.ceil(len(self.prompts) / self.d.dp_world)):
                     index = j * self.d.dp_world + self.d.dp_rank
                     if index < len(self.prompts):
-                        clip = to_uint8(self.frames(model, index, scheduler, autocast, self._on_step))
-                    else:  # a padding rank: its forward calls are needed, its clip is not
-                        sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[-1:],
-                                       self.negative_embeds,
-                                       data.keyed_generator(self.cfg.seed, index), self.cfg, self.resolution, autocast,
-                                       self._on_step, self.images[-1])
+                        clip, sound = self.clip(model, index, scheduler, autocast, self._on_step)
+                        clip = to_uint8(clip)
+                    else:  # a padding rank: its forward calls are needed, its clip is not (its sound's shape is)
+                        _, sound = self.clip(model, index, scheduler, autocast, self._on_step, len(self.prompts) - 1)
                         clip = torch.zeros(num_frames, height, width, 3, dtype=torch.uint8)
                     clips += self._collect(clip)
+                    self.sounds += self._collect(sound) if self.sound else []
         finally:
             model.train(was_training)
             self.adapter.park_vae()  # on the CPU until the next validation: no second load from disk
+        self.sounds = self.sounds[: len(self.prompts)]
         return clips[: len(self.prompts)]
 
     def _collect(self, clip: torch.Tensor) -> list[torch.Tensor]:
@@ -224,16 +260,18 @@ class ClipRenderer:
             dist.send(clip.contiguous(), dst=0)  # frames come permuted from the VAE's layout
         return []
 
-    def save(self, clips: list[torch.Tensor], names: list[str]) -> list[Path]:
-        """Called on every rank; rank 0 writes validation_res/{name}.mp4 at self.fps, and with
+    def save(self, clips: list[torch.Tensor], names: list[str], sounds: list[torch.Tensor] = ()) -> list[Path]:
+        """Called on every rank; rank 0 writes validation_res/{name}.mp4 at self.fps (with its sound, from
+        `sounds`, at the adapter's sound_rate), and with
         validation.save_frames the frames themselves (what was encoded, exactly) as {name}.safetensors.
         A failed write (a full disk) stops every rank, naming the file."""
         paths = [self.out_dir / f"{name}.mp4" for name in names]
         with parallel.all_or_none():
             if self.d.is_main:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
-                for path, clip in zip(paths, clips):
-                    write_mp4(path, clip, self.fps)
+                for i, (path, clip) in enumerate(zip(paths, clips)):
+                    sound, rate = (sounds[i], self.adapter.sound_rate) if sounds else (None, 0)
+                    write_mp4(path, clip, self.fps, sound, rate)
                     if self.cfg.save_frames:
                         with faults.written(path.with_suffix(".safetensors"), CLIP_FIX) as tmp:
                             save_file({"frames": clip.contiguous()}, tmp)
@@ -245,9 +283,11 @@ class ClipRenderer:
             return {}
         start = time.perf_counter()
         clips = self.render(model, autocast)
-        self.save(clips, [f"step_{step}_prompt_{i}" for i in range(len(self.prompts))])
+        self.save(clips, [f"step_{step}_prompt_{i}" for i in range(len(self.prompts))], self.sounds)
         for i, (prompt, clip) in enumerate(zip(self.prompts, clips)):
             metrics.clip(step, f"val/clip_{i}", clip, self.fps)
+            if self.sounds:
+                metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)
             metrics.text(step, f"val/prompt_{i}", prompt)
         peak = parallel.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
@@ -309,6 +349,8 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
         check_lora_file(lora_file)
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
+        if cfg.data.target_fps:  # LTX-2's positions in seconds at the rate the clips trained at (cache.prepare)
+            adapter.frame_rate = cfg.data.target_fps
         renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
                                 lambda folder: build_frozen(adapter, folder, cfg.train, cfg.parallel, d))
         model = load_model(cfg, adapter, d, checkpoint, lora_file, online)
@@ -319,7 +361,7 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
             clips = renderer.render(model, compute)
     except parallel.Preempted:  # nothing is kept for a relaunch to continue: not a clean stop
         raise parallel.StopRun("stopped by a signal before the clips were written; run the command again") from None
-    for path in renderer.save(clips, names):
+    for path in renderer.save(clips, names, renderer.sounds):
         log.info("wrote %s", path)
 
 

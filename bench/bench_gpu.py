@@ -187,9 +187,9 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
     def ours(k: int):
         vcfg = ValidationConfig(num_inference_steps=k)
         with torch.no_grad(), adapter.sampling_attention(transformer):
-            return validate.sample_latents(adapter, {adapter.transformer_folder: transformer}, adapter.sampler(""),
-                                           embeds, negative, torch.Generator().manual_seed(0), vcfg,
-                                           cfg.data.train_resolution, autocast)
+            return adapter.sampled(validate.sample_latents(
+                adapter, {adapter.transformer_folder: transformer}, adapter.sampler(""), embeds, negative,
+                torch.Generator().manual_seed(0), vcfg, cfg.data.train_resolution, autocast))
 
     def theirs(k: int):
         return pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, num_frames=frames, height=height,

@@ -36,15 +36,18 @@ from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rot
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import apply_image_conditioning_crf, resolve_default_image_crf
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffusers.video_processor import VideoProcessor
 from transformers import Gemma3ForConditionalGeneration
 
+import decode
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, Weights, log, resolved_config, sample_posterior, to_device
 from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
+MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in diffusers' config)
 # ltx-trainer's shifted logit-normal timestep sampler: its shift interpolates between these token counts.
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
 
@@ -70,6 +73,7 @@ class LTX2Adapter(Adapter):
     TRANSFORMER, VAE, TEXT_ENCODER = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video, Gemma3ForConditionalGeneration
     COMFY = True
     COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
+    LOSS_PARTS = ("loss_video", "loss_audio")
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__(cfg, device)
@@ -94,8 +98,13 @@ class LTX2Adapter(Adapter):
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
-        self.losses: dict[str, torch.Tensor] = {}  # the last train_loss's per-stream means (detached), for the logs
-        self._audio_vae = self._connectors = None
+        # The rate the video's rotary positions count seconds in: data.target_fps (every clip's rate) when set.
+        self.frame_rate = FRAME_RATE
+        self.losses = torch.zeros(len(self.LOSS_PARTS), 2)  # the last loss's per stream: (sum, samples), detached
+        self._audio_vae = self._connectors = self._vocoder = None
+        vocoder = json.loads((self.path / "model_index.json").read_text())["vocoder"][1]  # 2.3's extends the band
+        self.vocoder_class = {c.__name__: c for c in (LTX2Vocoder, LTX2VocoderWithBWE)}[vocoder]
+        self.sound_rate = resolved_config(self.vocoder_class, self.path, "vocoder")["output_sampling_rate"]
 
     # Shape rules read from the model's own config.
     @property
@@ -125,6 +134,14 @@ class LTX2Adapter(Adapter):
     @property
     def published_fps(self) -> int:
         return int(FRAME_RATE)
+
+    @property
+    def audio_sample_rate(self) -> int:
+        return self.audio_config["sample_rate"]
+
+    @property
+    def audio_channels(self) -> int:
+        return self.audio_config["in_channels"]  # stereo mel spectrograms
 
     @property
     def audio_latents_per_second(self) -> float:
@@ -163,17 +180,44 @@ class LTX2Adapter(Adapter):
         pixels = torch.stack([torch.from_numpy(p) for p in pictures]).to(self.device).permute(0, 3, 1, 2).float()
         return {"image_latents": self._image_latents(pixels / 127.5 - 1.0)}
 
-    @torch.no_grad()
-    def encode_audio(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The audio VAE's input, a log-mel spectrogram [B, channels, mel frames, mel bins] (audio_config's
-        sample_rate, mel_hop_length, mel_bins; stereo) -> its posterior mean and log-variance [B, C', L, M']
-        (not normalised): the cache's audio_latent_mean and audio_latent_logvar."""
+    def mel(self, waveforms: torch.Tensor) -> torch.Tensor:
+        """Waveforms [B, channels, samples] at audio_sample_rate -> the audio VAE's input, the log-mel spectrogram
+        [B, channels, samples // hop + 1, mel bins] (decode.log_mel: ltx-core's AudioProcessor), in fp32."""
+        c = self.audio_config
+        mel = decode.log_mel(waveforms.flatten(0, 1).float(), c["sample_rate"], MEL_FFT, c["mel_hop_length"],
+                             c["mel_bins"])
+        return mel.unflatten(0, waveforms.shape[:2])
+
+    def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A window's sound, [B, audio_channels, samples] at audio_sample_rate (data.decode_audio) -> the audio
+        VAE's posterior mean and log-variance of its mel spectrogram, [B, C', L, M'] (not normalised): the
+        cache's audio_latent_mean and audio_latent_logvar. L is what the VAE gives (1 + (mel frames - 1) // 4:
+        127 for 121 frames at 24 fps, where the pipeline generates round(121 / 24 x 25) = 126), kept as
+        ltx-trainer keeps it: the audio tokens' positions come from their own count."""
+        return self.encode_mel(self.mel(waveforms))
+
+    def _load_audio_vae(self):
         if self._audio_vae is None:
             log.info("loading audio VAE from %s", self.path)
             self._audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae",
                                                                      dtype=self.vae_dtype).requires_grad_(False).eval()
-        posterior = self._audio_vae.to(self.device).encode(mel.to(self.device, self.vae_dtype)).latent_dist
+        return self._audio_vae.to(self.device)
+
+    @torch.no_grad()
+    def encode_mel(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The audio VAE's posterior of a log-mel spectrogram [B, channels, mel frames, mel bins]."""
+        posterior = self._load_audio_vae().encode(mel.to(self.device, self.vae_dtype)).latent_dist
         return posterior.mean, posterior.logvar
+
+    @torch.no_grad()
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """Audio latents [1, C', L, M'] (sampled_audio) -> the waveform [channels, samples] at sound_rate, fp32, as
+        the pipeline decodes them: the audio VAE's mel spectrogram through the vocoder."""
+        if self._vocoder is None:
+            self._vocoder = self.vocoder_class.from_pretrained(self.path, subfolder="vocoder", dtype=self.vae_dtype)
+            self._vocoder.requires_grad_(False).eval()
+        mel = self._load_audio_vae().decode(latents.to(self.vae_dtype), return_dict=False)[0]
+        return self._vocoder.to(self.device)(mel)[0].float()
 
     def _text(self):
         if self._text_encoder is None:
@@ -186,8 +230,14 @@ class LTX2Adapter(Adapter):
         super().release_text_encoder()
         self._connectors = None
 
+    def park_vae(self) -> None:
+        super().park_vae()
+        for module in (self._audio_vae, self._vocoder):
+            if module is not None:
+                module.to("cpu")
+
     def release_encoders(self) -> None:
-        self._connectors = self._audio_vae = None
+        self._connectors = self._audio_vae = None  # the vocoder is never loaded before validation
         super().release_encoders()
 
     @torch.no_grad()
@@ -244,15 +294,16 @@ class LTX2Adapter(Adapter):
             hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype), encoder_hidden_states=video_text,
             audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_t,
             sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
-            width=width, fps=FRAME_RATE, audio_num_frames=audio_frames, isolate_modalities=isolate,
+            width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
             use_cross_timestep=True, return_dict=False)
         return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
 
-    def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, batch, embeds):
+    def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
         """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at sigmas [B],
-        and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas [B]. I2V: the first latent
-        frame's tokens are the image's, clean, at timestep 0 and outside the loss, as ltx-trainer's first-frame
-        condition and the I2V pipeline have them."""
+        and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas [B]; sound [B] says which
+        samples have sound (the others have no audio loss). I2V: the first latent frame's tokens are the
+        image's, clean, at timestep 0 and outside the loss, as ltx-trainer's first-frame condition and the I2V
+        pipeline have them. Sets self.losses."""
         n, shape = len(x0), batch["shape"]
         s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
         x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
@@ -265,50 +316,58 @@ class LTX2Adapter(Adapter):
         video, audio = self._predict(transformer, x_t, a_t, video_t, 1000 * sigmas, 1000 * audio_sigmas, embeds, shape,
                                      a0.shape[1])
         video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
-        if a0.shape[1] == 0:
-            return video_loss, video_loss, torch.zeros_like(video_loss)
-        audio_loss = (audio - (audio_noise - a0)).pow(2).mean(dim=(1, 2))
+        audio_loss = torch.zeros_like(video_loss)
+        if a0.shape[1]:
+            audio_loss = (audio - (audio_noise - a0)).pow(2).mean(dim=(1, 2)) * sound
+        self.losses = torch.stack([torch.stack([video_loss.sum(), video_loss.new_tensor(n)]),
+                                   torch.stack([audio_loss.sum(), sound.sum().float()])]).detach()
         return video_loss + self.audio_loss_weight * audio_loss, video_loss, audio_loss
 
     def _clean(self, batch, generators):
         """Packed clean latents, video [B, tokens, C] and audio [B, audio tokens, C'] (none without the batch's
-        audio entries), each a posterior sample (its mean without generators); the video's latent shape."""
+        audio entries), each a posterior sample (its mean without generators); which samples have sound [B]
+        (load_batch's audio_mask in a batch mixing clips with and without); the video's latent shape."""
         mean = batch["latent_mean"].to(self.device)
         x0 = self._pack(self._normalise(sample_posterior(mean, batch["latent_logvar"].to(self.device), generators)))
+        sound = torch.zeros(len(x0), device=self.device)
         if "audio_latent_mean" in batch:
             audio = sample_posterior(batch["audio_latent_mean"].to(self.device),
                                      batch["audio_latent_logvar"].to(self.device), generators)
             a0 = self._normalise_audio(LTX2Pipeline._pack_audio_latents(audio))
+            sound = batch["audio_mask"].to(self.device).float() if "audio_mask" in batch else sound + 1
         else:
             a0 = x0.new_zeros(len(x0), 0, self.transformer_config["audio_in_channels"])
-        return x0, a0, tuple(mean.shape[2:])
+        return x0, a0, sound, tuple(mean.shape[2:])
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and position in the
         global batch) draws, in order: the video posterior sample, the audio one, the video s, the audio s, the
         video noise, the audio noise. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
-        [B, C', L, M'], the audio VAE's posterior) add the audio loss; self.losses keeps each stream's mean."""
-        x0, a0, shape = self._clean(batch, generators)
+        [B, C', L, M'], the audio VAE's posterior) add audio_loss_weight x the audio loss. A clip without sound in
+        a batch with sound (audio_mask false) has an audio stream of pure noise at s = 1, where generation
+        starts, and no audio loss; a batch without sound runs the video stream alone."""
+        x0, a0, sound, shape = self._clean(batch, generators)
         sigmas = to_device(torch.stack([shifted_logit_normal(x0.shape[1], g) for g in generators]), self.device)
         audio_sigmas = to_device(torch.stack([shifted_logit_normal(max(a0.shape[1], 1), g) for g in generators]),
                                  self.device)
+        if a0.shape[1]:
+            audio_sigmas = torch.where(sound > 0, audio_sigmas, 1.0)
         noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device)
         audio_noise = to_device(torch.stack([torch.randn(a.shape, generator=g) for a, g in zip(a0, generators)]),
                                 self.device)
-        total, video, audio = self._loss(transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas,
-                                         {**batch, "shape": shape}, batch["prompt_embeds"].to(self.device))
-        self.losses = {"loss_video": video.detach().mean(), "loss_audio": audio.detach().mean()}
-        return total
+        return self._loss(transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound,
+                          {**batch, "shape": shape}, batch["prompt_embeds"].to(self.device))[0]
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
-        """The loss of one cached clip (its posterior means) at each of `timesteps` for both streams, the same noise."""
-        x0, a0, shape = self._clean(batch, None)
+        """The loss of one cached clip (its posterior means) at each of `timesteps` for both streams, the same noise;
+        self.losses sums each stream's over the timesteps."""
+        x0, a0, sound, shape = self._clean(batch, None)
         noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
         audio_noise = torch.randn(a0.shape[1:], generator=generator).to(self.device)
         n = len(timesteps)
         sigmas = torch.tensor(timesteps, device=self.device) / 1000
         return self._loss(transformer, x0.expand(n, -1, -1), noise.expand(n, -1, -1), sigmas, a0.expand(n, -1, -1),
-                          audio_noise.expand(n, -1, -1), sigmas, {**batch, "shape": shape},
+                          audio_noise.expand(n, -1, -1), sigmas, sound.expand(n), {**batch, "shape": shape},
                           batch["prompt_embeds"].to(self.device).expand(n, -1, -1))[0]
 
     @staticmethod
@@ -360,7 +419,7 @@ class LTX2Adapter(Adapter):
         latents = self._pack(noise)
         if condition is not None:
             latents = torch.cat([condition, latents[:, condition.shape[1]:]], dim=1)
-        audio_frames = round(frames / FRAME_RATE * self.audio_latents_per_second)
+        audio_frames = round(frames / self.frame_rate * self.audio_latents_per_second)
         mel_bins = self.audio_config["mel_bins"] // 4
         audio = torch.randn((1, self.audio_config["latent_channels"], audio_frames, mel_bins), generator=generator,
                             dtype=torch.float32).to(self.device)

@@ -259,4 +259,6 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
     assert entries.path(other, "audio") != entries.path(flashes, "audio")
     assert load_file(entries.path(silent, "audio")) == {}
     assert "audio_latent_mean" in entries.load_batch([flashes, flashes])
-    assert "audio_latent_mean" not in entries.load_batch([flashes, silent])
+    mixed = entries.load_batch([flashes, silent])  # zeros for the silent clip's sound, which the mask leaves out
+    assert mixed["audio_mask"].tolist() == [True, False] and not mixed["audio_latent_mean"][1].any()
+    assert "audio_mask" not in entries.load_batch([flashes, flashes])

@@ -72,7 +72,8 @@ def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **
     model_type = VARIANTS[variant][0]
     settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(ltx2_models(model_of(variant))),
                 "model.family": "ltx2", "model.type": model_type, "data.data_root": str(tiny_data),
-                "data.held_out": 2, "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
+                "data.held_out": 2, "data.audio": False,  # video only: these clips have no sound
+                "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
                 "validation.do_validation": False, "validation.prompts": PROMPTS, "validation.num_inference_steps": 2,
                 "validation.gen_fps": 24}
     if model_type == "i2v":
@@ -165,7 +166,7 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
     transformer = adapter.load_transformer().eval()
     gen = torch.Generator().manual_seed(0)
     mel = torch.randn(2, 2, 36, adapter.audio_config["mel_bins"], generator=gen)
-    audio_mean, audio_logvar = adapter.encode_audio(mel)
+    audio_mean, audio_logvar = adapter.encode_mel(mel)
     assert audio_mean.shape == (2, adapter.audio_config["latent_channels"], 9, adapter.audio_config["mel_bins"] // 4)
     batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen), "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
              "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
@@ -175,7 +176,8 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
         adapter.audio_loss_weight = weight
         with torch.no_grad():
             total = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
-        return total, adapter.losses
+        sums, counts = adapter.losses.T
+        return total, {"loss_video": sums[0] / counts[0], "loss_audio": sums[1] / counts[1].clamp(min=1)}
 
     silent, parts = losses(batch, 1.0)
     assert torch.equal(silent.mean(), parts["loss_video"]) and parts["loss_audio"] == 0
@@ -196,6 +198,7 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
 @pytest.mark.parametrize("setting, message", [
     ({"train.flow_shift": 3.0}, r"model.expert and train.flow_shift are for Wan"),
     ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
+    ({}, r"data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate"),
 ])
 def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
     """Named by the config check, before anything loads (the adapter ignores a flow shift: its timestep
@@ -204,16 +207,6 @@ def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
         load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path), "run.output_dir": str(tmp_path),
                                                           "data.data_root": str(tmp_path),
                                                           "parallel.strategy": "fsdp", **setting})))
-
-
-def test_ltx2_lowers_the_held_out_loss(ltx2_models, base_settings, ltx2_data, tmp_path):
-    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path / "learn", **{
-        "train.steps": 40, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
-        "checkpoint.checkpointing_steps": 40, "validation.do_validation": True, "validation.prompts": [],
-        "validation.validation_steps": 40})
-    trainer.main(["--cfg", str(write_toml(tmp_path / "learn.toml", settings))])
-    losses = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "learn") if "val/loss" in m}
-    assert sorted(losses) == [0, 40] and losses[40] < 0.9 * losses[0], losses
 
 
 def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):

@@ -1,0 +1,165 @@
+"""LTX-2 with its sound: the cache pass encodes each window's soundtrack with the adapter, the loss adds the
+audio stream's (logged apart, as the held-out loss is), and the validation clips carry the sound our loop
+denoises exactly as LTX2Pipeline does, muxed into the mp4 and beside the clip in TensorBoard.
+
+One training run (the synthetic clips with sound, one without among them, so batches mix) serves the
+tests that read its outputs."""
+
+import contextlib
+import json
+import math
+import shutil
+
+import av
+import pytest
+import torch
+from diffusers import LTX2Pipeline
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import cache
+import data
+import decode
+import lora
+import trainer
+import validate
+from config import ModelConfig, load_config
+from conftest import read_metrics, write_toml
+from families.ltx2 import TEXT_LENGTH
+from model import load_adapter
+from test_ltx2 import PROMPTS, ltx2_models, ltx2_settings  # noqa: F401 (a fixture)
+from test_variants import one_rank_group
+from tools.make_synthetic_dataset import make_synthetic_dataset
+
+STEPS = 40
+SOUND = {"data.audio": True, "data.target_fps": 24}
+
+
+@pytest.fixture(scope="module")
+def sound_data(tmp_path_factory):
+    """Six clips with a tone following the shape (mp4/AAC and mkv/Opus), the first replaced by one without sound."""
+    root = tmp_path_factory.mktemp("ltx2_sound") / "shapes"
+    make_synthetic_dataset(str(root), num_videos=6, frames=17, height=40, width=48, seed=0, audio=True)
+    silent = root.parent / "silent"
+    make_synthetic_dataset(str(silent), num_videos=1, frames=17, height=40, width=48, seed=1)
+    shutil.copy(silent / "videos" / "00000.mp4", root / "videos" / "00000.mp4")
+    return root
+
+
+@pytest.fixture(scope="module")
+def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):  # noqa: F811
+    """LoRA on LTX-2.0 with sound: validation (held-out loss and one clip) before step 1 and at the end."""
+    out = tmp_path_factory.mktemp("ltx2_sound_run")
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, out / "run", **SOUND, **{
+        "train.steps": STEPS, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
+        "checkpoint.checkpointing_steps": STEPS, "validation.do_validation": True,
+        "validation.validation_steps": STEPS})
+    trainer.main(["--cfg", str(write_toml(out / "run.toml", settings))])
+    return out / "run", load_config(str(out / "run.toml"))
+
+
+def test_sound_trains_and_both_held_out_losses_fall(sound_run):
+    """Every log step has the video and the audio loss (batches mix a clip without sound: the audio loss
+    averages the clips with sound); the held-out loss falls for each stream."""
+    run, _ = sound_run
+    metrics = read_metrics(run)
+    train = [m for m in metrics if "train/loss" in m]
+    assert len(train) == STEPS and all(m["train/loss_video"] > 0 and m["train/loss_audio"] > 0 for m in train)
+    held = {m["step"]: m for m in metrics if "val/loss" in m}
+    assert sorted(held) == [0, STEPS]
+    for name in ("val/loss", "val/loss_video", "val/loss_audio"):
+        assert held[STEPS][name] < 0.9 * held[0][name], (name, held[0][name], held[STEPS][name])
+
+
+def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
+    """Each clip's audio entry is encode_mel of its window's log-mel (decode.log_mel with the VAE's settings),
+    every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without sound has none."""
+    _, cfg = sound_run
+    with one_rank_group() as d:
+        adapter, entries, train, held = cache.prepare(cfg, d)
+    items = {item.clip.video.name: item for item in train + held}
+    silent, sounding = items.pop("00000.mp4"), items["00001.mkv"]
+    assert load_file(entries.path(silent, "audio")) == {}
+    cached = load_file(entries.path(sounding, "audio"))
+    sound = data.decode_audio(sounding, adapter.audio_sample_rate, adapter.audio_channels)
+    c = adapter.audio_config
+    mel = decode.log_mel(sound, c["sample_rate"], 1024, c["mel_hop_length"], c["mel_bins"])
+    mean, logvar = adapter.encode_mel(mel[None])
+    assert mean.shape[2] == 1 + (mel.shape[1] - 1) // 4
+    torch.testing.assert_close(cached["audio_latent_mean"], mean[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(cached["audio_latent_logvar"], logvar[0], rtol=0, atol=1e-6)
+
+
+def test_validation_clip_carries_its_sound(sound_run):
+    """The step's mp4 holds an AAC stream PyAV decodes, at the vocoder's rate and as long as the rendered
+    sound; TensorBoard's event reader finds it beside the clip."""
+    run, cfg = sound_run
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with av.open(str(run / "validation_res" / f"step_{STEPS}_prompt_0.mp4")) as container:
+        (stream,) = container.streams.audio
+        assert stream.codec_context.name == "aac" and stream.codec_context.channels == 2
+        samples = sum(frame.samples for frame in container.decode(stream))
+    assert stream.sample_rate == adapter.sound_rate
+    # The pipeline's latent frames for 9 frames at 24 fps; the audio VAE's mel frames; the vocoder's samples.
+    latents = round(9 / 24 * adapter.audio_latents_per_second)
+    vocoder = json.loads((adapter.path / "vocoder" / "config.json").read_text())
+    rendered = (4 * (latents - 1) + 1) * math.prod(vocoder["upsample_factors"])
+    assert rendered <= samples < rendered + 1024, (samples, rendered)  # AAC ends on a whole 1024-sample frame
+    events = EventAccumulator(str(run / "logs"), size_guidance={"audio": 0}).Reload()
+    assert {"val/audio_0", "val/clip_0"} <= set(events.Tags()["audio"] + events.Tags()["images"])
+    (first, *_), last = events.Audio("val/audio_0"), events.Audio("val/audio_0")[-1]
+    assert last.step == STEPS and first.step == 0 and last.sample_rate == adapter.sound_rate
+
+
+def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
+    """With sound, the loss's gradient reaches the audio stream's LoRA; without, none of it does (the video
+    trains alone); a clip without sound in a batch with sound adds no audio loss."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu"))
+    transformer = adapter.load_transformer()
+    lora.inject_lora(transformer, ["to_q", "to_k", "to_v", "to_out.0"], 4, 4, 0.0, 0)
+    gen = torch.Generator().manual_seed(0)
+    mean, logvar = adapter.encode_audio(0.1 * torch.randn(2, 2, 6000, generator=gen))
+    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
+             "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
+             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    sound = {**batch, "audio_latent_mean": mean, "audio_latent_logvar": logvar}
+
+    def audio_grads(batch):
+        transformer.zero_grad(set_to_none=True)
+        adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)]).sum().backward()
+        return [p.grad for n, p in transformer.named_parameters() if "lora_B" in n and "audio_attn1" in n]
+
+    grads = audio_grads(sound)
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert adapter.losses[1].tolist()[1] == 2  # both clips' audio losses
+    assert all(g is None or not g.any() for g in audio_grads(batch))
+    assert adapter.losses[1].tolist() == [0, 0]
+    mixed = {**sound, "audio_mask": torch.tensor([True, False])}
+    with torch.no_grad():
+        total = adapter.train_loss(transformer, mixed, [data.keyed_generator(0, 1, i) for i in range(2)])
+        assert adapter.losses[1, 1] == 1  # the clip with sound's audio loss alone
+        adapter.audio_loss_weight = 0.0
+        video = adapter.train_loss(transformer, mixed, [data.keyed_generator(0, 1, i) for i in range(2)])
+    assert total[0] > video[0] and total[1] == video[1]  # the clip without sound: its video loss alone
+
+
+def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, tmp_path):  # noqa: F811
+    """Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in fp32."""
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path, **SOUND)
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
+    pipe.set_progress_bar_config(disable=True)
+    v = cfg.validation
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, v, cfg.data, str(tmp_path), d)
+        model = validate.load_model(cfg, adapter, d, None, None).eval()
+        _, ours = renderer.clip(model, 0, adapter.sampler(""), contextlib.nullcontext())
+    theirs = pipe(prompt=PROMPTS[0], negative_prompt=v.negative_prompt, num_frames=9, height=32, width=32,
+                  num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
+                  audio_guidance_scale=v.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
+                  audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
+                  generator=data.keyed_generator(v.seed, 0), output_type="pt").audio[0]
+    assert ours.shape == theirs.shape and ours.shape[0] == 2
+    assert (ours - theirs.float()).abs().max() <= 1e-4, (ours - theirs).abs().max()
+    assert theirs.abs().max() > 1e-3  # a sound, not silence
