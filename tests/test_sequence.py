@@ -205,7 +205,8 @@ for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", Fal
             for grad in grads.values():  # the group's sum: sp times the sample's
                 dist.all_reduce(grad)
                 grad /= 2
-        results.append((loss.detach(), {k: v.item() for k, v in adapter.losses.items()}, grads))
+        parts = {name: (total / max(count, 1)).item() for name, (total, count) in zip(adapter.LOSS_PARTS, adapter.losses)}
+        results.append((loss.detach(), parts, grads))
     (loss, parts, grads), (split_loss, split_parts, split_grads) = results
     report["ltx2"][f"{kind}{'_audio' if audio else ''}"] = {
         "loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6), "parts": [parts, split_parts],
