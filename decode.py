@@ -189,6 +189,11 @@ def read_frames(path: Path, media: Media, times: list[float], resized: tuple[int
                 if k == len(times):
                     return out
                 previous = (t, frame)
+            while previous and k < len(times) and times[k] < media.duration:  # the last frame, shown until then
+                keep(k, previous[1])
+                k += 1
+            if k == len(times):
+                return out
     except av.error.FFmpegError as e:
         raise MediaError(f"cannot decode ({e})") from None
     if k == 0 or not pad:

@@ -359,3 +359,17 @@ def test_skip_bad_trains_on_the_rest_and_lists_the_skipped(bad_data, write_confi
     assert [path for path, _ in listed] == [str(bad_data / BAD[line]) for line in sorted(BAD)]
     assert "does not exist" in listed[3][1] and all(reason for _, reason in listed)
     assert sorted(train_losses(tmp_path / "skip")) == [1, 2]
+
+
+def test_a_higher_rate_reads_up_to_the_last_frames_end(tiny_data):
+    """data.target_fps above the clip's rate: the window that ends where the clip does takes the last frame for
+    every time it is shown (until the clip's end), not only for the times nearer it than half a frame."""
+    path = sorted((tiny_data / "videos").iterdir())[0]
+    media = decode.probe(path)
+    rate = 3 * media.fps
+    end = decode.available_frames(media, rate)
+    times = [k / rate for k in range(end - 9, end)]
+    window = decode.read_frames(path, media, times, (40, 48), (0, 0, 40, 48), pad=False)
+    last = decode.read_frames(path, media, [(media.frames - 1) / media.fps], (40, 48), (0, 0, 40, 48), pad=False)
+    shown = [t for t in times if t >= (media.frames - 1) / media.fps]
+    assert len(shown) == 3 and all((frame == last[0]).all() for frame in window[-len(shown):])
