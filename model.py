@@ -130,7 +130,8 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         resident = frozenset(name for name, p in transformer.named_parameters()
                              if train.training_type == "lora" and p.requires_grad)
         return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                             train.gradient_accumulation_steps, d, compute_dtype_params, resident)
+                             train.gradient_accumulation_steps, d, compute_dtype_params, resident,
+                             adapter.GRAPH_VARIES)
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
     if fsdp:

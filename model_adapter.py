@@ -218,6 +218,9 @@ class Adapter:
     # and audio) names them, and its train_loss and fixed_losses leave `losses`, [parts, 2]: each part's sum over
     # the samples that have it, and their count (a clip without sound has no audio loss to average in).
     LOSS_PARTS: tuple[str, ...] = ()
+    # Whether a step may leave trainable weights without a gradient (LTX-2's audio stream in a batch without
+    # sound): DDP then looks for them every step instead of assuming one graph for the run.
+    GRAPH_VARIES = False
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)

@@ -160,7 +160,7 @@ def agree(work, d: Dist) -> list:
 
 def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelConfig, mixed_precision: str,
          accumulation: int, d: Dist, compute_dtype_params: frozenset[str] = frozenset(),
-         resident: frozenset[str] = frozenset()):
+         resident: frozenset[str] = frozenset(), graph_varies: bool = False):
     """DDP (none for one process), or FSDP2: fully_shard each block, then the root; one process too (a
     1-rank mesh), which is what streaming needs.
 
@@ -184,12 +184,14 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg: ParallelCon
         return model  # nothing to replicate: DDP's hooks would only cost time
     if cfg.strategy == "ddp":
         # static_graph lets DDP skip per-step graph checks, but with no_sync micro-steps it trips the
-        # reducer's internal assertions on torch 2.13: only without accumulation. No buffer changes in
+        # reducer's internal assertions on torch 2.13: only without accumulation, and only where every step
+        # gives the same weights a gradient (graph_varies: DDP finds those without one). No buffer changes in
         # training (no batch norm), so re-broadcasting them every forward would only cost time: 260 MiB
         # for CogVideoX-2B's float64 positions.
         device_ids = [d.device.index] if d.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                       static_graph=accumulation == 1, broadcast_buffers=False)
+                                       static_graph=accumulation == 1 and not graph_varies,
+                                       find_unused_parameters=graph_varies, broadcast_buffers=False)
     if cfg.dp_replicate > 1:
         mesh = init_device_mesh(d.device.type, (cfg.dp_replicate, d.world // cfg.dp_replicate),
                                 mesh_dim_names=("replicate", "shard"))

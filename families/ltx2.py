@@ -74,6 +74,7 @@ class LTX2Adapter(Adapter):
     COMFY = True
     COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
     LOSS_PARTS = ("loss_video", "loss_audio")
+    GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__(cfg, device)

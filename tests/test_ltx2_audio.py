@@ -24,7 +24,7 @@ import lora
 import trainer
 import validate
 from config import ModelConfig, load_config
-from conftest import read_metrics, write_toml
+from conftest import read_metrics, run_ok, write_toml
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
 from test_ltx2 import PROMPTS, ltx2_models, ltx2_settings  # noqa: F401 (a fixture)
@@ -163,3 +163,15 @@ def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, 
     assert ours.shape == theirs.shape and ours.shape[0] == 2
     assert (ours - theirs.float()).abs().max() <= 1e-4, (ours - theirs).abs().max()
     assert theirs.abs().max() > 1e-3  # a sound, not silence
+
+
+def test_ddp_trains_batches_with_and_without_sound(ltx2_models, base_settings, sound_data, tmp_path):  # noqa: F811
+    """2 DDP ranks over the clips with sound and the one without: a rank whose batch has no sound runs the video
+    alone, so the audio stream's weights get no gradient there (DDP must look for them each step: with one
+    graph assumed for the run, its second step stops)."""
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path / "run", **SOUND, **{
+        "parallel.strategy": "ddp", "train.batch_size": 1, "train.steps": 3, "train.log_every": 1,
+        "checkpoint.checkpointing_steps": 3})
+    run_ok(["--cfg", str(write_toml(tmp_path / "run.toml", settings))], nproc=2)
+    losses = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
+    assert len(losses) == 3 and all(m["train/loss_video"] > 0 for m in losses)
