@@ -21,11 +21,13 @@ same build and two steps on real tensors in a fresh process and compares with th
   a sample's video tokens (the latent width split, rounded up to whole patches) and all text tokens, as
   Ulysses attention does; sequence.py splits the tokens at the first block and gathers the last block's
   output, so the patch embedding, the output layers and the loss on the whole sample are undercounted.
+- sound (LTX-2, data.audio): the batch holds the audio VAE's latents of the clip's seconds (the adapter's
+  audio rate at its published frame rate: 126 frames for 121 at 24 fps), every rank all of them.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
   parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
 buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
-the cache pass but with --fit.
+the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
 """
 
 import argparse
