@@ -119,7 +119,9 @@ def text_width(c: dict) -> int:
     connectors give caption_channels each, 2.3's each stream's own width; families/ltx2.py encode_text)."""
     if "caption_channels" not in c:
         return c.get("text_embed_dim") or c["text_dim"]
-    return 2 * c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"] + c["audio_cross_attention_dim"]
+    if c["use_prompt_embeddings"]:
+        return 2 * c["caption_channels"]
+    return c["cross_attention_dim"] + c["audio_cross_attention_dim"]
 
 
 def cached_batch(adapter, s: dict, new) -> dict:
@@ -431,7 +433,8 @@ def describe(cfg, adapter, e: dict) -> str:
     what = f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}" if t.training_type == "lora" else "sft"
     return (f"{c['num_layers']} blocks x {c['num_attention_heads']} heads x {c['attention_head_dim']}, {what}, "
             f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
-            f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), {t.mixed_precision}, checkpointing "
+            f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), "
+            f"{t.mixed_precision}, checkpointing "
             f"{'on' if t.gradient_checkpointing else 'off'}{f', EMA {t.ema_decay}' if t.ema_decay else ''}")
 
 

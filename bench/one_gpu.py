@@ -207,7 +207,8 @@ def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting 
         return None
     needed = host(p, chosen)
     smaller = p["cache_batch_size"] < configured
-    data = ["[data]", "cache_batch_size = 1  # clips per VAE call, prompts per text encoder call, in the cache pass"] if smaller else []
+    data = ["[data]", "cache_batch_size = 1  # clips per VAE call, prompts per text encoder call, in the cache pass"] \
+        if smaller else []
     print(f"fastest that fits: {chosen.describe(p['layers'])}")
     print("  host RAM: " + ", ".join(f"{k} {needed[k] / GIB:.1f}" for k in ("pinned weights", "offloaded activations",
                                                                              "process", "parked VAE"))

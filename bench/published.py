@@ -21,7 +21,8 @@ from config import ConfigError  # noqa: E402
 from model import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_scheduler  # noqa: E402
 
-TRANSFORMERS = {"cogvideox": CogVideoXTransformer3DModel, "wan": WanTransformer3DModel, "ltx2": LTX2VideoTransformer3DModel}
+TRANSFORMERS = {"cogvideox": CogVideoXTransformer3DModel, "wan": WanTransformer3DModel,
+                "ltx2": LTX2VideoTransformer3DModel}
 # LTX-2's published configs (docs/models/ltx2.md: diffusers' convert_ltx2_to_diffusers.py, versions "2.0" and "2.3";
 # the keys LTX-2.5 added to the class are absent, as in the published folders).
 LTX2_19B = {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "num_attention_heads": 32,
@@ -41,8 +42,9 @@ LTX2_23 = {**LTX2_19B, "gated_attn": True, "cross_attn_mod": True, "audio_gated_
            "audio_cross_attn_mod": True, "use_prompt_embeddings": False, "perturbed_attn": True}
 LTX2_CONNECTORS_20 = {
     "caption_channels": 3840, "text_proj_in_factor": 49, "video_connector_num_attention_heads": 30,
-    "video_connector_attention_head_dim": 128, "video_connector_num_layers": 2, "video_connector_num_learnable_registers": 128,
-    "video_gated_attn": False, "audio_connector_num_attention_heads": 30, "audio_connector_attention_head_dim": 128,
+    "video_connector_attention_head_dim": 128, "video_connector_num_layers": 2,
+    "video_connector_num_learnable_registers": 128, "video_gated_attn": False,
+    "audio_connector_num_attention_heads": 30, "audio_connector_attention_head_dim": 128,
     "audio_connector_num_layers": 2, "audio_connector_num_learnable_registers": 128, "audio_gated_attn": False,
     "connector_rope_base_seq_len": 4096, "rope_theta": 10000.0, "rope_double_precision": True,
     "causal_temporal_positioning": False, "rope_type": "split", "per_modality_projections": False, "proj_bias": False}
@@ -56,10 +58,13 @@ LTX2_PARTS = {
                 "decoder_block_out_channels": [256, 512, 512, 1024], "layers_per_block": [4, 6, 4, 2, 2],
                 "decoder_layers_per_block": [4, 6, 4, 2, 2], "decoder_spatio_temporal_scaling": [True] * 4,
                 "decoder_inject_noise": [False] * 5,
-                "upsample_type": ["spatiotemporal", "spatiotemporal", "temporal", "spatial"], "upsample_residual": [False] * 4, "upsample_factor": [2, 2, 1, 2], "decoder_spatial_padding_mode": "zeros"},
+                "upsample_type": ["spatiotemporal", "spatiotemporal", "temporal", "spatial"],
+                "upsample_residual": [False] * 4, "upsample_factor": [2, 2, 1, 2],
+                "decoder_spatial_padding_mode": "zeros"},
         "connectors": {**LTX2_CONNECTORS_20, "video_connector_num_attention_heads": 32, "video_connector_num_layers": 8,
                        "video_gated_attn": True, "audio_connector_num_attention_heads": 32,
-                       "audio_connector_attention_head_dim": 64, "audio_connector_num_layers": 8, "audio_gated_attn": True,
+                       "audio_connector_attention_head_dim": 64, "audio_connector_num_layers": 8,
+                       "audio_gated_attn": True,
                        "per_modality_projections": True, "video_hidden_dim": 4096, "audio_hidden_dim": 2048,
                        "proj_bias": True}}}
 # Published transformer configs (cogvideox.md: 5B's values besides these are the class defaults; wan.md; ltx2.md).
@@ -96,9 +101,10 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
             raise ConfigError(f"model.path = {cfg.model.path} is not here: pass --arch ({', '.join(PUBLISHED)})")
         return cfg.model.family, load_adapter(cfg.model, device)
     family, published = PUBLISHED[arch]
-    transformer, vae, pipeline = {"cogvideox": ("CogVideoXTransformer3DModel", "AutoencoderKLCogVideoX", "CogVideoXPipeline"),
-                                  "wan": ("WanTransformer3DModel", "AutoencoderKLWan", "WanPipeline"),
-                                  "ltx2": ("LTX2VideoTransformer3DModel", "AutoencoderKLLTX2Video", "LTX2Pipeline")}[family]
+    transformer, vae, pipeline = {
+        "cogvideox": ("CogVideoXTransformer3DModel", "AutoencoderKLCogVideoX", "CogVideoXPipeline"),
+        "wan": ("WanTransformer3DModel", "AutoencoderKLWan", "WanPipeline"),
+        "ltx2": ("LTX2VideoTransformer3DModel", "AutoencoderKLLTX2Video", "LTX2Pipeline")}[family]
     extras = PIPELINE_EXTRAS.get(arch, {})
     experts = ("transformer", "transformer_2") if "boundary_ratio" in extras else ("transformer",)
     configs = {**{folder: {"_class_name": transformer, **published} for folder in experts},
