@@ -83,7 +83,8 @@ PUBLISHED = {
 PIPELINE_EXTRAS = {"wan2.2-t2v-a14b": {"boundary_ratio": 0.875}}
 # The text encoders' published configs (T5 v1.1 XXL's and UMT5-XXL's encoders, docs/models/), for --arch.
 T5_XXL = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "feed_forward_proj": "gated-gelu"}
-# LTX-2's Gemma 3 12B (google/gemma-3-12b-it's config.json: its language model and SigLIP vision tower).
+# LTX-2's Gemma 3 12B (google/gemma-3-12b-it's config.json: its language model and SigLIP vision tower): 11.77B +
+# 0.43B parameters (keras-hub's gemma3_12b_text preset lists 11,765,788,416 for a vocabulary 64 tokens shorter).
 GEMMA3_12B = {"model_type": "gemma3", "mm_tokens_per_image": 256,
               "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
                               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
