@@ -21,11 +21,13 @@ same build and two steps on real tensors in a fresh process and compares with th
   a sample's video tokens (the latent width split, rounded up to whole patches) and all text tokens, as
   Ulysses attention does; sequence.py splits the tokens at the first block and gathers the last block's
   output, so the patch embedding, the output layers and the loss on the whole sample are undercounted.
+- sound (LTX-2, data.audio): the batch holds the audio VAE's latents of the clip's seconds (the adapter's
+  audio rate at its published frame rate: 126 frames for 121 at 24 fps), every rank all of them.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
   parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
 buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
-the cache pass but with --fit.
+the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
 """
 
 import argparse
@@ -42,13 +44,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
+from transformers import BatchEncoding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
+from model_adapter import resolved_config  # noqa: E402
 from parallel import AUTOCAST_DTYPES, Dist  # noqa: E402
 
 import one_gpu  # noqa: E402
@@ -97,17 +102,42 @@ def shapes(cfg, adapter, sp: int) -> dict:
     patch = c["patch_size"][-1] if isinstance(c["patch_size"], (list, tuple)) else c["patch_size"]
     f, h, w = (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio, width // adapter.spatial_ratio
     w_rank, grid = -(-w // patch // sp) * patch, -(-f // (c.get("patch_size_t") or 1)) * (h // patch)
-    return {"latent": (cfg.train.batch_size, adapter.latent_channels, f, h, w_rank),
-            "text": (cfg.train.batch_size, adapter.text_length, c.get("text_embed_dim") or c["text_dim"]),
-            "video_tokens": grid * (w // patch), "rank_tokens": grid * (w_rank // patch)}
+    s = {"latent": (cfg.train.batch_size, adapter.latent_channels, f, h, w_rank),
+         "text": (cfg.train.batch_size, adapter.text_length, text_width(c)),
+         "video_tokens": grid * (w // patch), "rank_tokens": grid * (w_rank // patch), "audio_tokens": 0}
+    if hasattr(adapter, "audio_latents_per_second") and cfg.data.audio:
+        # The clip's soundtrack, as the audio cache holds it: [B, C', L, M'] for the frames' seconds (every
+        # rank's whole: sp replicates the audio tokens).
+        a = adapter.audio_config
+        s["audio_tokens"] = round(frames / adapter.published_fps * adapter.audio_latents_per_second)
+        s["audio"] = (cfg.train.batch_size, a["latent_channels"], s["audio_tokens"], a["mel_bins"] // 4)
+    return s
+
+
+def text_width(c: dict) -> int:
+    """The cached text embeddings' width: T5's, or LTX-2's video and audio streams' side by side (2.0's
+    connectors give caption_channels each, 2.3's each stream's own width; families/ltx2.py encode_text)."""
+    if "caption_channels" not in c:
+        return c.get("text_embed_dim") or c["text_dim"]
+    if c["use_prompt_embeddings"]:
+        return 2 * c["caption_channels"]
+    return c["cross_attention_dim"] + c["audio_cross_attention_dim"]
+
+
+def cached_batch(adapter, s: dict, new) -> dict:
+    """A cached batch of shapes s: latents, text, I2V's image latents, the soundtrack's latents."""
+    batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
+    if adapter.type == "i2v":
+        batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
+    if "audio" in s:
+        batch["audio_latent_mean"], batch["audio_latent_logvar"] = new(s["audio"]), new(s["audio"])
+    return batch
 
 
 def train_step(cfg, adapter, model, params, optimizer, ema, s: dict, device, tracker=None) -> None:
     """One step as trainer.py runs it on a cached batch: loss under autocast, backward, clip, AdamW, EMA."""
     t, new = cfg.train, lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
-    batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
-    if adapter.type == "i2v":
-        batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
+    batch = cached_batch(adapter, s, new)
     generators = [torch.Generator().manual_seed(i) for i in range(t.batch_size)]
     with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[t.mixed_precision], enabled=t.mixed_precision != "no"):
         loss = adapter.train_loss(model, batch, generators).mean()
@@ -245,7 +275,7 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
                  "activations": tracker.peak["fsdp"] if forward else tracker.peak["opt"] / shards}
         state = {k: v / shards for k, v in state.items()}
     parts |= {**state, "trainable": state["weights"] + state["adamw"] + state["ema"],
-              "video_tokens": s["video_tokens"], "rank_tokens": s["rank_tokens"]}
+              "video_tokens": s["video_tokens"], "rank_tokens": s["rank_tokens"], "audio_tokens": s["audio_tokens"]}
     parts["total"] = sum(parts[k] for k in ("frozen", "trainable", "grads", "activations", "in_flight"))
     return parts
 
@@ -305,9 +335,7 @@ def other_phases(cfg, family, adapter) -> dict:
     s = shapes(sampled, adapter, 1)
     new = lambda shape: torch.randn(shape, device=cpu).to(adapter.dtype)  # noqa: E731
     with fake, torch.no_grad():
-        batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
-        if adapter.type == "i2v":
-            batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
+        batch = cached_batch(adapter, s, new)
         generators = [torch.Generator().manual_seed(i) for i in range(2)]
         with torch.autocast("cpu", dtype=AUTOCAST_DTYPES[cfg.train.mixed_precision] or torch.bfloat16,
                             enabled=cfg.train.mixed_precision != "no"):
@@ -319,12 +347,31 @@ def other_phases(cfg, family, adapter) -> dict:
         _, c, f, h, w = s["latent"]
         latents = torch.randn((1, f, c, h, w) if family == "cogvideox" else (1, c, f, h, w))
         decode = peak_of(lambda: adapter.decode_latents(latents), [vae], [latents])
-        prompts = max(cfg.data.cache_batch_size, len(cfg.validation.prompts) + 1)
-        ids = torch.zeros(prompts, adapter.text_length, dtype=torch.long)
-        text = peak_of(lambda: text_encoder(input_ids=ids, attention_mask=torch.ones_like(ids)), [text_encoder], [ids])
+        # The text pass over data.cache_batch_size prompts (and over 1), or validation's prompts and negative prompt.
+        prompts = {n: max(n, len(cfg.validation.prompts) + 1) for n in (cfg.data.cache_batch_size, 1)}
+        text_modules = [text_encoder]
+        if "connectors" in adapter.ENCODERS["text"]:
+            # LTX-2: the adapter's own encode_text (Gemma's every hidden state kept, stacked, through the connectors)
+            connectors = fake_module(lambda: LTX2TextConnectors.from_config(
+                resolved_config(LTX2TextConnectors, adapter.path, "connectors")), adapter.dtype, fake)
+            adapter._text_encoder, adapter._connectors = text_encoder, connectors
+            text_modules.append(connectors)
+        text = {n: text_pass(adapter, text_modules, n) for n in set(prompts.values())}
     return {"sampling": sampling, "vae": nbytes([*vae.parameters(), *vae.buffers()]), "decode": decode,
-            "encode": encode[cfg.data.cache_batch_size], "encode_1": encode[1], "text": text,
-            "text_encoder": nbytes([*text_encoder.parameters(), *text_encoder.buffers()])}
+            "encode": encode[cfg.data.cache_batch_size], "encode_1": encode[1],
+            "text": text[prompts[cfg.data.cache_batch_size]], "text_1": text[prompts[1]],
+            "text_encoder": nbytes([t for m in text_modules for t in (*m.parameters(), *m.buffers())])}
+
+
+def text_pass(adapter, text_modules: list, prompts: int) -> int:
+    """The peak of encoding `prompts` prompts of text_length tokens: the text encoder's forward, or for a text
+    path with connectors (LTX-2) the adapter's own encode_text."""
+    ids = torch.zeros(prompts, adapter.text_length, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    if len(text_modules) == 1:
+        return peak_of(lambda: text_modules[0](input_ids=ids, attention_mask=mask), text_modules, [ids, mask])
+    adapter._tokenizer = lambda texts, **_: BatchEncoding({"input_ids": ids, "attention_mask": mask})
+    return peak_of(lambda: adapter.encode_text([""] * prompts), text_modules, [ids, mask])
 
 
 def one_gpu_parts(cfg, family, adapter) -> dict:
@@ -386,7 +433,8 @@ def describe(cfg, adapter, e: dict) -> str:
     what = f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}" if t.training_type == "lora" else "sft"
     return (f"{c['num_layers']} blocks x {c['num_attention_heads']} heads x {c['attention_head_dim']}, {what}, "
             f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
-            f"{adapter.text_length} text tokens), {t.mixed_precision}, checkpointing "
+            f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), "
+            f"{t.mixed_precision}, checkpointing "
             f"{'on' if t.gradient_checkpointing else 'off'}{f', EMA {t.ema_decay}' if t.ema_decay else ''}")
 
 

@@ -19,9 +19,10 @@ back once; fp8 halves the first.
 
 Phases, each of which must fit: training (one step's peak); validation (the training state, the other
 expert of Wan 2.2 A14B placed as the trained one, and the larger of a guided sampling forward, batch 2,
-and the VAE decoding one clip); the cache pass (the text encoder's pass, then the VAE encoding
-data.cache_batch_size clips, or one where that many do not fit: cache.prepare frees the text encoder
-between them; the validation prompts' encoding, before the model is built, is the same text pass).
+and the VAE decoding one clip); the cache pass (the text encoder's pass over data.cache_batch_size
+prompts, then the VAE encoding data.cache_batch_size clips, or one of each where that many do not fit:
+cache.prepare frees the text encoder between them; the validation prompts' encoding, before the model is
+built, is a text pass too, over the prompts and the negative prompt).
 Host RAM: the pinned weights and activations, this process's resident size, the VAE parked between
 validations; in the cache pass the text encoder, which from_pretrained reads on the host first.
 """
@@ -136,9 +137,11 @@ def fits(p: dict, s: Setting, gb: float, ram: float | None = None) -> bool:
 
 
 def with_cache_batch(p: dict, gb: float) -> dict:
-    """p with the cache pass's VAE batch at data.cache_batch_size, or at 1 clip where only that fits."""
+    """p with the cache pass's batches (clips per VAE call, prompts per text encoder call) at
+    data.cache_batch_size, or at 1 where only that fits."""
     fitting = cache_pass(p) + MARGIN <= gb * GIB
-    return p if fitting or p["cache_batch_size"] == 1 else p | {"encode": p["encode_1"], "cache_batch_size": 1}
+    return p if fitting or p["cache_batch_size"] == 1 else \
+        p | {"encode": p["encode_1"], "text": p["text_1"], "cache_batch_size": 1}
 
 
 def fit(p: dict, gb: float, ram: float | None = None) -> Setting | None:
@@ -204,7 +207,8 @@ def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting 
         return None
     needed = host(p, chosen)
     smaller = p["cache_batch_size"] < configured
-    data = ["[data]", "cache_batch_size = 1  # clips per VAE call in the cache pass"] if smaller else []
+    data = ["[data]", "cache_batch_size = 1  # clips per VAE call, prompts per text encoder call, in the cache pass"] \
+        if smaller else []
     print(f"fastest that fits: {chosen.describe(p['layers'])}")
     print("  host RAM: " + ", ".join(f"{k} {needed[k] / GIB:.1f}" for k in ("pinned weights", "offloaded activations",
                                                                              "process", "parked VAE"))

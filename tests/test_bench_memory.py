@@ -132,3 +132,24 @@ def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
     frozen = [sum(t.numel() * t.element_size() for t in [*block.parameters(), *block.buffers()])
               for block in adapter.blocks(stored)]
     assert parts["block_fp8"] == max(frozen) < parts["block"]
+
+
+def test_ltx2_block_and_its_audio(tmp_path):
+    """One published LTX-2 19B block (bench/published.py), configs/ltx2-19b.toml's LoRA r32 at 121x64x96: its frozen
+    bytes are those of its linear weights in bf16 and little else (video 4096 wide: self-, text- and
+    feed-forward 4 + 4 + 8 d^2; audio 2048: 16 a^2; the audio-video cross-attentions at the audio's width, 4da
+    + 4a^2); with the clip's sound (121 frames at 24 fps: 126 audio latent frames) each checkpointed block
+    input holds the audio tokens beside the video's, 16 x 2 x 3 latents in 1x1 patches, and the step needs
+    more than without (the audio stream then runs on one zero token)."""
+    cfg = load_config(str(REPO / "configs" / "ltx2-19b.toml"), ["--data.train_resolution", "[121, 64, 96]"])
+    family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
+    adapter.transformer_config["num_layers"] = 1
+    with_audio = bench_memory.estimate(cfg, family, adapter)
+    cfg.data.audio = False
+    without = bench_memory.estimate(cfg, family, adapter)
+    d, a = 4096, 2048
+    linears = 16 * d * d + 16 * a * a + 4 * d * a + 4 * a * a
+    assert 0 < with_audio["block"] - 2 * linears < 0.01 * with_audio["block"]
+    assert (with_audio["audio_tokens"], with_audio["video_tokens"], without["audio_tokens"]) == (126, 96, 0)
+    assert with_audio["block_input"] == (96 * d + 126 * a) * 2 and without["block_input"] == (96 * d + a) * 2
+    assert with_audio["activations"] > without["activations"]
