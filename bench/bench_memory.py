@@ -81,8 +81,9 @@ def materialize(module, fake_mode, device) -> None:
 
 def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     """model.build_model's model (one process), AdamW with its state in place, and EMA."""
-    loader = SimpleNamespace(blocks=adapter.blocks, keeps_fp32=adapter.keeps_fp32, load_transformer=lambda dtype=None: meta_transformer(
-        TRANSFORMERS[family], adapter.transformer_config, dtype or adapter.dtype))
+    loader = SimpleNamespace(blocks=adapter.blocks, keeps_fp32=adapter.keeps_fp32, GRAPH_VARIES=adapter.GRAPH_VARIES,
+                             load_transformer=lambda dtype=None: meta_transformer(
+                                 TRANSFORMERS[family], adapter.transformer_config, dtype or adapter.dtype))
     model = vidtrain_model.build_model(loader, cfg.train, cfg.lora, ParallelConfig(), cfg.run.seed, Dist(0, 1, 0, device))
     materialize(model, fake_mode, device)
     with fake_mode or contextlib.nullcontext():

@@ -52,8 +52,9 @@ LTX2_CONNECTORS_20 = {
 LTX2_VAE_20 = {"decoder_causal": False, "spatial_compression_ratio": 32, "temporal_compression_ratio": 8}
 # The video VAE and text connectors per published model (the audio VAE's config is the class defaults for both).
 LTX2_PARTS = {
-    "ltx2-19b": {"vae": LTX2_VAE_20, "connectors": LTX2_CONNECTORS_20},
+    "ltx2-19b": {"vae": LTX2_VAE_20, "connectors": LTX2_CONNECTORS_20, "vocoder": "LTX2Vocoder"},
     "ltx2.3-22b": {
+        "vocoder": "LTX2VocoderWithBWE",  # its bandwidth extension to 48 kHz
         "vae": {**LTX2_VAE_20, "block_out_channels": [256, 512, 1024, 1024],
                 "decoder_block_out_channels": [256, 512, 512, 1024], "layers_per_block": [4, 6, 4, 2, 2],
                 "decoder_layers_per_block": [4, 6, 4, 2, 2], "decoder_spatio_temporal_scaling": [True] * 4,
@@ -113,7 +114,9 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
     if family == "ltx2":
         configs |= {"vae": {"_class_name": vae, **LTX2_PARTS[arch]["vae"]},
                     "audio_vae": {"_class_name": "AutoencoderKLLTX2Audio"},
-                    "connectors": {"_class_name": "LTX2TextConnectors", **LTX2_PARTS[arch]["connectors"]}}
+                    "connectors": {"_class_name": "LTX2TextConnectors", **LTX2_PARTS[arch]["connectors"]},
+                    "vocoder": {"_class_name": LTX2_PARTS[arch]["vocoder"]}}
+        extras = {**extras, "vocoder": ["ltx2", LTX2_PARTS[arch]["vocoder"]]}  # which one the adapter builds
     for name, config in configs.items():  # the other VAEs, schedulers: class defaults (memory does not depend on them)
         (root / name).mkdir(parents=True)
         (root / name / "config.json").write_text(json.dumps(config))

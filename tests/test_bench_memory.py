@@ -141,7 +141,8 @@ def test_ltx2_block_and_its_audio(tmp_path):
     + 4a^2); with the clip's sound (121 frames at 24 fps: 126 audio latent frames) each checkpointed block
     input holds the audio tokens beside the video's, 16 x 2 x 3 latents in 1x1 patches, and the step needs
     more than without (the audio stream then runs on one zero token)."""
-    cfg = load_config(str(REPO / "configs" / "ltx2-19b.toml"), ["--data.train_resolution", "[121, 64, 96]"])
+    cfg = load_config(str(REPO / "configs" / "ltx2-19b.toml"), ["--data.train_resolution", "[121, 64, 96]",
+                                                                 "--data.audio", "true", "--data.target_fps", "24"])
     family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
     adapter.transformer_config["num_layers"] = 1
     with_audio = bench_memory.estimate(cfg, family, adapter)
