@@ -16,7 +16,7 @@ import lora
 import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
-from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
 from test_variants import one_rank_group

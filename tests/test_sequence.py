@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from test_ltx2 import ltx2_models  # noqa: F401 (the fixture)
 
 import sequence
-from config import ConfigError, ModelConfig, load_config
+from config import ConfigError, load_config
 from model import load_adapter
 from test_variants import one_rank_group
 
