@@ -137,16 +137,9 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
-    cfg, family, adapter, device = setup(name, smoke, root)
-    model, params, optimizer, _ = build(cfg, family, adapter, None, device, foreach=None)  # trainer's defaults
-    s = sizes(adapter, cfg.data.train_resolution)
-    n, n_lora = linear_weights(model)
-    flops = 4 * n * s["S"] + 6 * n_lora * s["S"] + 12 * s["L"] * s["S"] ** 2 * s["D"]
-    new = lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
-    batch = {"latent_mean": new((1, *s["latent"])), "latent_logvar": new((1, *s["latent"])),
-             "prompt_embeds": new((1, adapter.text_length, adapter.transformer_config["text_embed_dim"]))}
-    compute = parallel.Compute(device, "bf16", cfg.train.attention_backend)  # as trainer.py applies it
+def timed_steps(adapter, model, batch, params, optimizer, compute, max_grad_norm, steps, device) -> list[float]:
+    """Seconds of each of WARMUP + steps training steps (the trainer's: loss, backward, clip, AdamW), the
+    peak memory counted from the first measured one."""
     times = []
     for i in range(WARMUP + steps):
         if i == WARMUP:
@@ -157,11 +150,25 @@ def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
             loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(i)]).mean()
         with compute.attention():
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         times.append(time.perf_counter() - start)
+    return times
+
+
+def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
+    cfg, family, adapter, device = setup(name, smoke, root)
+    model, params, optimizer, _ = build(cfg, family, adapter, None, device, foreach=None)  # trainer's defaults
+    s = sizes(adapter, cfg.data.train_resolution)
+    n, n_lora = linear_weights(model)
+    flops = 4 * n * s["S"] + 6 * n_lora * s["S"] + 12 * s["L"] * s["S"] ** 2 * s["D"]
+    new = lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
+    batch = {"latent_mean": new((1, *s["latent"])), "latent_logvar": new((1, *s["latent"])),
+             "prompt_embeds": new((1, adapter.text_length, adapter.transformer_config["text_embed_dim"]))}
+    compute = parallel.Compute(device, "bf16", cfg.train.attention_backend)  # as trainer.py applies it
+    times = timed_steps(adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, device)
     return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "flops": flops, "tokens": s["S"],
             "warmup_s": sum(times[:WARMUP]), "peak_gb": memory.peak_memory_gb(device)}
 
@@ -240,21 +247,7 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     new = lambda shape: torch.randn(shape, device=d.device).to(adapter.dtype)  # noqa: E731
     batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
     compute = parallel.Compute(d.device, cfg.train.mixed_precision, cfg.train.attention_backend)
-    times = []
-    for i in range(WARMUP + steps):
-        if i == WARMUP:
-            memory.reset_peak_memory(d.device)
-        synchronize(d.device)
-        start = time.perf_counter()
-        with compute:
-            loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(i)]).mean()
-        with compute.attention():
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(d.device)
-        times.append(time.perf_counter() - start)
+    times = timed_steps(adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, d.device)
     peak, layers, keys = memory.peak_memory_gb(d.device), adapter.transformer_config["num_layers"], ONE_GPU[name]
     streamed = (keys.get("parallel.offload_blocks") or layers) if keys.get("parallel.cpu_offload") else 0
     setting = one_gpu.Setting(keys.get("model.storage_dtype") == "fp8", keys.get("train.activation_offload", False),

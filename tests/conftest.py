@@ -25,32 +25,29 @@ from config import toml_value  # noqa: E402
 from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Every published CogVideoX variant's tiny model, written on first use."""
-    root, made = tmp_path_factory.mktemp("models"), {}
+def written_on_first_use(root: Path, make):
+    """get(variant): the folder make(folder, variant) writes under root, written on the first call."""
+    made = {}
 
     def get(variant: str) -> Path:
         if variant not in made:
             made[variant] = root / variant
-            make_tiny_model(str(made[variant]), variant)
+            make(str(made[variant]), variant)
         return made[variant]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Every published CogVideoX variant's tiny model, written on first use."""
+    return written_on_first_use(tmp_path_factory.mktemp("models"), make_tiny_model)
 
 
 @pytest.fixture(scope="session")
 def wan_models(tmp_path_factory):
     """Every Wan variant's tiny model, written on first use."""
-    root, made = tmp_path_factory.mktemp("wan"), {}
-
-    def get(variant):
-        if variant not in made:
-            made[variant] = root / variant
-            make_tiny_wan(str(made[variant]), variant)
-        return made[variant]
-
-    return get
+    return written_on_first_use(tmp_path_factory.mktemp("wan"), make_tiny_wan)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ import av
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from diffusers import AutoencoderKLLTX2Audio
 from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
@@ -23,10 +22,10 @@ from transformers.audio_utils import mel_filter_bank, spectrogram, window_functi
 import cache
 import data
 import decode
-import parallel
 from config import DataConfig, load_config
 from conftest import write_toml
 from families.cogvideox import CogVideoXAdapter
+from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
 
 FPS, RATE = 8, 16000
@@ -236,12 +235,8 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
                 "data.data_root": str(root), "data.train_resolution": [9, 32, 32], "data.skip_bad": True}
     for audio in (False, True):
         cfg = load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.audio": audio})))
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            with caplog.at_level(logging.INFO, logger="vidtrain"):
-                adapter, entries, items, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, torch.device("cpu")))
-        finally:
-            dist.destroy_process_group()
+        with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
+            adapter, entries, items, _ = cache.prepare(cfg, d)
         assert [item.clip.video.name for item in items] == ["flashes.mp4", "silent.mp4", "garbage.mp4"][: 3 - audio]
         assert ("audio" in entries.kinds) == audio
     # The second pass added the sound alone: the video entries were complete, the video VAE stayed unloaded.

@@ -25,6 +25,7 @@ import decode
 import parallel
 from conftest import read_metrics, run_cmd, run_ok, train_losses
 from config import load_config
+from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
 
 REAL_WORLD = ("mkv", "webm", "fmp4", "vfr", "phone", "photo")
@@ -253,12 +254,8 @@ def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, 
                                     "data.data_root": str(colour_switch_data), "data.image_column": image_column,
                                     "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0})
     cfg = load_config(str(config))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with caplog.at_level(logging.INFO, logger="vidtrain"):
-            adapter, entries, items, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, torch.device("cpu")))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
+        adapter, entries, items, _ = cache.prepare(cfg, d)
     named = [r.getMessage() for r in caplog.records if "differs from their video's first frame" in r.getMessage()]
     if image_column:
         assert [item.start for item in items] == [0, 0, 0, 0]

@@ -16,7 +16,7 @@ import lora
 import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
-from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml
+from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml, written_on_first_use
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
 from test_variants import one_rank_group
@@ -31,15 +31,7 @@ PROMPTS = ["a red circle moves right"]
 @pytest.fixture(scope="session")
 def ltx2_models(tmp_path_factory):
     """Each LTX-2 variant's tiny model, written on first use."""
-    root, made = tmp_path_factory.mktemp("ltx2"), {}
-
-    def get(variant):
-        if variant not in made:
-            made[variant] = root / variant
-            make_tiny_ltx2(str(made[variant]), variant)
-        return made[variant]
-
-    return get
+    return written_on_first_use(tmp_path_factory.mktemp("ltx2"), make_tiny_ltx2)
 
 
 @pytest.fixture(scope="session")
