@@ -265,7 +265,8 @@ def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
     """The config accepts LTX-2 with sp (it refused it before the split was built); the video-to-audio
     attention splits the audio heads, so their count is checked as the video's is."""
     cfg = load_config(str(write_config("ltx2", **{"model.family": "ltx2", "model.path": str(ltx2_models("2.0")),
-                                                  "parallel.sp_size": 2, "parallel.strategy": "fsdp"})))
+                                                  "parallel.sp_size": 2, "parallel.strategy": "fsdp",
+                                                  "data.audio": True, "data.target_fps": 24})))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     adapter.transformer_config["audio_num_attention_heads"] = 3
     with one_rank_group(), pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"):
