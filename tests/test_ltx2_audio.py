@@ -143,26 +143,32 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
     assert total[0] > video[0] and total[1] == video[1]  # the clip without sound: its video loss alone
 
 
-def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, tmp_path):  # noqa: F811
-    """Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in fp32."""
+def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, sound_run, tmp_path):  # noqa: F811
+    """Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in fp32,
+    without and with the LoRA the run with sound exported (load_lora_weights), which changes the sound."""
     settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path, **SOUND)
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
-    pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
-    pipe.set_progress_bar_config(disable=True)
-    v = cfg.validation
-    with one_rank_group() as d:
-        renderer = validate.ClipRenderer(adapter, v, cfg.data, str(tmp_path), d)
-        model = validate.load_model(cfg, adapter, d, None, None).eval()
-        _, ours = renderer.clip(model, 0, adapter.sampler(""), contextlib.nullcontext())
-    theirs = pipe(prompt=PROMPTS[0], negative_prompt=v.negative_prompt, num_frames=9, height=32, width=32,
-                  num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
-                  audio_guidance_scale=v.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
-                  audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
-                  generator=data.keyed_generator(v.seed, 0), output_type="pt").audio[0]
-    assert ours.shape == theirs.shape and ours.shape[0] == 2
-    assert (ours - theirs.float()).abs().max() <= 1e-4, (ours - theirs).abs().max()
-    assert theirs.abs().max() > 1e-3  # a sound, not silence
+    v, sounds = cfg.validation, []
+    for lora_file in (None, sound_run[0] / "lora" / "pytorch_lora_weights.safetensors"):
+        pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
+        pipe.set_progress_bar_config(disable=True)
+        if lora_file:
+            pipe.load_lora_weights(str(lora_file))
+        with one_rank_group() as d:
+            renderer = validate.ClipRenderer(adapter, v, cfg.data, str(tmp_path), d)
+            model = validate.load_model(cfg, adapter, d, None, str(lora_file) if lora_file else None).eval()
+            _, ours = renderer.clip(model, 0, adapter.sampler(""), contextlib.nullcontext())
+        theirs = pipe(prompt=PROMPTS[0], negative_prompt=v.negative_prompt, num_frames=9, height=32, width=32,
+                      num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
+                      audio_guidance_scale=v.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
+                      audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
+                      generator=data.keyed_generator(v.seed, 0), output_type="pt").audio[0]
+        assert ours.shape == theirs.shape and ours.shape[0] == 2
+        assert (ours - theirs.float()).abs().max() <= 1e-4, (lora_file, (ours - theirs).abs().max())
+        assert theirs.abs().max() > 1e-3  # a sound, not silence
+        sounds.append(ours)
+    assert (sounds[0] - sounds[1]).abs().max() > 1e-3  # the LoRA shows in the sound
 
 
 def test_ddp_trains_batches_with_and_without_sound(ltx2_models, base_settings, sound_data, tmp_path):  # noqa: F811
