@@ -13,13 +13,12 @@ from safetensors.torch import load_file
 
 import data
 import lora
-import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
 from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml, written_on_first_use
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
-from test_variants import one_rank_group
+from test_variants import lora_and_sft_runs, one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset
 from tools.make_tiny_model import LTX2_KEYS, make_tiny_ltx2
 
@@ -107,14 +106,8 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     the same loader's conversion to the same transformer; the sft export loads with from_pretrained and
     computes what the checkpoint's weights compute."""
     path = ltx2_models(model_of(variant))
-    settings = ltx2_settings(variant, ltx2_models, base_settings, ltx2_data, tmp_path / "lora")
-    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
-    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
-    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
-    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
-
-    cfg = load_config(str(tmp_path / "lora.toml"))
-    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    lora_file, cfg, adapter = lora_and_sft_runs(ltx2_settings(variant, ltx2_models, base_settings, ltx2_data,
+                                                              tmp_path / "lora"), tmp_path)
     # lora.init_from (and validate.py --lora) read the ComfyUI file back: its alpha / rank is baked into lora_B.
     comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
     comfy_weights, comfy_info = lora.load_lora(str(comfy_file), adapter.diffusers_key)

@@ -102,20 +102,24 @@ def pipeline_run(variant, path, cfg: ValidationConfig, adapter, images, lora_fil
     return frames, inputs[0]
 
 
+def lora_and_sft_runs(settings: dict, tmp_path):
+    """Two steps of LoRA with `settings` (under tmp_path/lora) and two of sft beside it (tmp_path/sft): the
+    exported LoRA file, the LoRA run's config and its adapter (the family template's runs)."""
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    return tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors", cfg, load_adapter(cfg.model, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("variant", list(PUBLISHED))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models, base_settings, images, tmp_path):
     """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32, with
     the base model and with our exported LoRA loaded by load_lora_weights (so at the trained scale); for
     I2V the transformer's first input equals the pipeline's (channel order, scale, padding); the sft
     export loads with from_pretrained and computes what the checkpoint's weights compute."""
-    settings = variant_settings(variant, tiny_models, base_settings, images, tmp_path / "lora")
-    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
-    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
-    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
-    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
-
-    cfg = load_config(str(tmp_path / "lora.toml"))
-    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    lora_file, cfg, adapter = lora_and_sft_runs(variant_settings(variant, tiny_models, base_settings, images,
+                                                                 tmp_path / "lora"), tmp_path)
     with one_rank_group() as d:
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         first_inputs = {}
