@@ -14,7 +14,7 @@ WORKER = r'''
 import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import data, parallel
+import command, data, parallel
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from model import build_model, load_adapter
 
@@ -59,7 +59,7 @@ for family, path in (("cogvideox", sys.argv[2]), ("wan", sys.argv[3])):
 with open(f"{sys.argv[4]}/rank{rank}.json", "w") as f:
     json.dump(report, f)
 del model
-dist.destroy_process_group()
+command.shutdown()  # FSDP2 models collected before the group goes, as the trainer does
 '''
 
 
