@@ -26,7 +26,7 @@ import lora
 import memory
 import parallel
 import validate
-from cache import Prefetch
+from cache_files import Prefetch
 from cache import prepare as prepare_data  # check the model and every clip, complete the cache
 from config import Config, ConfigError, TrainConfig, to_toml
 from metrics import Metrics

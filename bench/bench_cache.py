@@ -19,7 +19,7 @@ in the same run:
   minutes).
 - prefetch: training's batch fetch in this process, one thread, the tiny CogVideoX with LoRA rank 4:
   --prefetch-steps micro-steps (fetch, loss, backward) with each batch read in the step's thread
-  (cache.load_batch, the baseline) against cache.Prefetch (read while the step before computes),
+  (Cache.load_batch, the baseline) against cache_files.Prefetch (read while the step before computes),
   interleaved --repeats times (each first in every other one); the step thread's wait for its batch
   and the whole micro-step, medians. --read-latency-ms sleeps before each file read, a stand-in for a
   network filesystem (an emulation, not a measurement of one).
@@ -188,6 +188,7 @@ def prefetch(root: Path, args) -> None:
     import torch.distributed as dist
 
     import cache
+    import cache_files
     import data
     import lora
     import parallel
@@ -227,10 +228,10 @@ def prefetch(root: Path, args) -> None:
     def prefetched(k):
         return ahead.batch(batches[k], batches[k + 1] if k + 1 < len(batches) else None)
 
-    measured = {"in the step's thread": [], "cache.Prefetch": []}
+    measured = {"in the step's thread": [], "cache_files.Prefetch": []}
     for r in range(args.repeats):
-        ahead = cache.Prefetch(entries, cpu)
-        for name, fetch in sorted({"in the step's thread": inline, "cache.Prefetch": prefetched}.items(),
+        ahead = cache_files.Prefetch(entries, cpu)
+        for name, fetch in sorted({"in the step's thread": inline, "cache_files.Prefetch": prefetched}.items(),
                                   reverse=r % 2 == 1):  # each first in every other repetition
             measured[name].append(micro_steps(fetch))
         ahead.close()

@@ -3,7 +3,7 @@ dtypes and devices, no data, no kernels): each variant's training loss under CUD
 where a CPU tensor mixed into a CUDA op raises as it does on a GPU and every host-to-device copy that
 would make the host wait is recorded (a blocking one, or a non-blocking one from pageable memory), its
 batch encoded first by the family's encoders, which are all gone after the cache pass releases them
-(2.1 I2V's CLIP image encoder included), and fetched as the trainer fetches it (cache.Prefetch: read
+(2.1 I2V's CLIP image encoder included), and fetched as the trainer fetches it (cache_files.Prefetch: read
 into pinned memory by a thread, then copied); and the lean loader's fill under parallel.cpu_offload (every
 unit on the host, or the first parallel.offload_blocks blocks), on a CUDA mesh over a fake process group.
 
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import cpp_extension
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import cache
+import cache_files
 import data
 import lora
 import model_adapter
@@ -121,7 +121,7 @@ def on_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class InMemory(cache.Cache):
+class InMemory(cache_files.Cache):
     """The cache's load_batch over entries held in memory (what its files would hold)."""
 
     def __init__(self, entries: dict[str, dict[str, torch.Tensor]], text_length: int):
@@ -161,21 +161,21 @@ def test_training_loss_on_cuda_neither_mixes_devices_nor_waits(variant, tiny_mod
     entries = cache_entries(on_cpu, type_)
     model = on_cpu.load_transformer()
     lora.inject_lora(model, LoraConfig().target_modules, 4, 2.0, 0.0, seed=0)
-    monkeypatch.setattr(cache, "load_file", lambda kind: entries[kind])
+    monkeypatch.setattr(cache_files, "load_file", lambda kind: entries[kind])
     waits = HostWaits()
-    read = cache.Prefetch.host
+    read = cache_files.Prefetch.host
 
     def read_in_mode(prefetch, items):  # dispatch modes are per thread: the read's thread enters its own
         with waits:
             return read(prefetch, items)
 
-    monkeypatch.setattr(cache.Prefetch, "host", read_in_mode)
+    monkeypatch.setattr(cache_files.Prefetch, "host", read_in_mode)
     with FakeTensorMode(allow_non_fake_inputs=True):
         adapter = load_adapter(cfg, CUDA)
         model = on_fake_cuda(model)
         with waits, cuda_autocast(torch.bfloat16):
             # The trainer's fetch: a batch read then, and one read ahead while the step before computes.
-            prefetch = cache.Prefetch(InMemory(entries, adapter.text_length), CUDA)
+            prefetch = cache_files.Prefetch(InMemory(entries, adapter.text_length), CUDA)
             prefetch.batch(["a", "b"], ["b", "a"])
             batch = prefetch.batch(["b", "a"], None)
             loss = adapter.train_loss(model, batch, [data.keyed_generator(0, 1, p) for p in range(2)])

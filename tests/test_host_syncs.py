@@ -13,7 +13,7 @@ import torch.distributed as dist
 from conftest import REPO
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import cache
+import cache_files
 import data
 import faults
 import parallel
@@ -123,9 +123,9 @@ def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
     sampler and the cache give without reading ahead: same clips, same order, across the accumulation's
     micro-steps, the steps, the epoch's end (20 clips, 5 global batches of 4 per epoch) and the NaN step."""
     prepared, trained, reads = [], [], []
-    prepare, train_loss, read = trainer.prepare_data, CogVideoXAdapter.train_loss, cache.Prefetch.host
+    prepare, train_loss, read = trainer.prepare_data, CogVideoXAdapter.train_loss, cache_files.Prefetch.host
     monkeypatch.setattr(trainer, "prepare_data", lambda *args: prepared.append(prepare(*args)) or prepared[0])
-    monkeypatch.setattr(cache.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items))
+    monkeypatch.setattr(cache_files.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items))
 
     def recorded(adapter, model, batch, generators):
         trained.append({k: v.clone() for k, v in batch.items()})

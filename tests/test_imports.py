@@ -10,7 +10,7 @@ LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
     **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
-                     "ckpt_files", "command", "metrics", "faults", "sequence", "memory", "single_file",
+                     "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "single_file",
                      "activations", "storage",
                      *(f"families.{family}" for family in FAMILIES)], 1),
     "config": 0,

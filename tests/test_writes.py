@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import write_toml
 from safetensors.torch import load_file
 
-import cache
+import cache_files
 import ckpt
 import ckpt_files
 import command
@@ -39,7 +39,7 @@ def leftovers(folder) -> list[str]:
 
 
 def test_full_disk_while_writing_a_cache_entry(tmp_path, disk_full):
-    entries = cache.Cache(DataConfig(data_root=str(tmp_path), cache_dir=str(tmp_path)), {"text": {}}, 4, "fp32", None)
+    entries = cache_files.Cache(DataConfig(data_root=str(tmp_path), cache_dir=str(tmp_path)), {"text": {}}, 4, "fp32", None)
     item = SimpleNamespace(clip=SimpleNamespace(prompt="a red ball"))
     path = entries.path(item, "text")
     disk_full()
