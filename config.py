@@ -228,6 +228,19 @@ class ValidationConfig:
     guidance_scale_2: float = 0.0
     # Raise the guidance scale along a cosine schedule over the steps, as the pipeline's use_dynamic_cfg.
     use_dynamic_cfg: bool = False
+    # LTX-2: the sound's guidance scale (the pipeline's audio_guidance_scale; LTX-2's configs: 7); 0: guidance_scale.
+    audio_guidance_scale: float = 0.0
+    # LTX-2.3: spatio-temporal guidance (STG) of both streams, away from one more forward per step with the
+    # self-attention of validation.stg_blocks skipped (the pipeline's stg_scale and audio_stg_scale; 1); 0: off.
+    stg_scale: float = 0.0
+    # LTX-2.3: the blocks STG skips; []: the pipelines' [28].
+    stg_blocks: list[int] = field(default_factory=list)
+    # LTX-2: modality-isolation guidance of both streams, away from one more forward per step without the
+    # audio-video cross-attention (the pipeline's modality_scale and audio_modality_scale; 3); 1: off.
+    modality_scale: float = 1.0
+    # LTX-2: the guided prediction rescaled toward the conditional one's spread, both streams (the pipeline's
+    # guidance_rescale and audio_guidance_rescale; 0.7); 0: off.
+    guidance_rescale: float = 0.0
     # [frames, height, width] of the clips; [] renders at data.train_resolution (data.buckets[0] when set).
     resolution: list[int] = field(default_factory=list)
     # Frame rate written into the mp4s and the TensorBoard clips; 0: the family's published rate (CogVideoX 8,
@@ -434,6 +447,7 @@ def check_values(cfg: Config) -> None:
     if cfg.model.family != "cogvideox" and cfg.validation.use_dynamic_cfg:
         raise ConfigError("validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's and LTX-2's pipelines "
                           "have none: remove it")
+    check_ltx2_guidance(cfg)
     if cfg.model.family != "cogvideox" and cfg.validation.scheduler:
         raise ConfigError("validation.scheduler chooses between CogVideoX's samplers: Wan and LTX-2 sample with "
                           "their folder's scheduler; remove it")
@@ -448,6 +462,30 @@ def check_values(cfg: Config) -> None:
         check_validation_images(cfg)
     if len(cfg.validation.resolution) not in (0, 3):
         raise ConfigError(f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}")
+
+
+def check_ltx2_guidance(cfg: Config) -> None:
+    """LTX-2's pipelines add terms to classifier-free guidance; the other families' pipelines have none."""
+    v = cfg.validation
+    extras = {"audio_guidance_scale": v.audio_guidance_scale != 0, "stg_scale": v.stg_scale != 0,
+              "stg_blocks": bool(v.stg_blocks), "modality_scale": v.modality_scale != 1,
+              "guidance_rescale": v.guidance_rescale != 0}
+    named = [key for key, given in extras.items() if given]
+    if cfg.model.family != "ltx2" and named:
+        raise ConfigError(f"validation.{named[0]} is an option of LTX-2's pipelines; {cfg.model.family}'s pipeline has "
+                          "no such guidance term: remove it")
+    if v.audio_guidance_scale < 0 or v.stg_scale < 0 or v.modality_scale < 0 or any(b < 0 for b in v.stg_blocks):
+        raise ConfigError("validation.audio_guidance_scale, stg_scale, modality_scale and stg_blocks cannot be negative")
+    if not 0 <= v.guidance_rescale <= 1:
+        raise ConfigError(f"validation.guidance_rescale must be between 0 and 1, got {v.guidance_rescale}")
+    if v.stg_blocks and not v.stg_scale:
+        raise ConfigError("validation.stg_blocks names the blocks STG skips, but validation.stg_scale = 0 turns STG off: "
+                          "set stg_scale, or remove stg_blocks")
+    guided = v.guidance_scale > 1 or v.audio_guidance_scale > 1
+    added = [key for key in ("stg_scale", "modality_scale", "guidance_rescale") if key in named]
+    if added and not guided:
+        raise ConfigError(f"validation.{added[0]} adds to classifier-free guidance, which is off (validation.guidance_scale "
+                          f"= {v.guidance_scale}): set validation.guidance_scale above 1, or remove {added[0]}")
 
 
 def check_validation_images(cfg: Config) -> None:

@@ -196,7 +196,7 @@ class Adapter:
     frame_multiple, size_multiple, text_length and transformer_config (the shape rules and configs);
     published_fps (the frame rate the model was released at);
     encode_video, encode_image, encode_text and decode_latents (the cache and the clips); train_loss and
-    fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale,
+    fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale (or guide),
     sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and
     activation-checkpointing units); split_sequence (sequence parallelism, sequence.py). A family with sound
     (ENCODERS has "audio") also has audio_sample_rate, audio_channels and encode_audio (cache.py's audio entries),
@@ -383,6 +383,16 @@ class Adapter:
     def other_experts(self) -> list[str]:
         """Folders of the transformers that sampling needs besides the trained one (Wan 2.2 A14B)."""
         return []
+
+    def check_guidance(self, cfg) -> None:
+        """validation's guidance options against this model, before any compute (LTX-2 checks its STG blocks)."""
+
+    def guide(self, cfg, models: dict, state, t: torch.Tensor, i: int, embeds: torch.Tensor,
+              prediction: torch.Tensor) -> torch.Tensor:
+        """The guided prediction from denoise's (uncond, cond) pair: classifier-free guidance at guidance_scale. A
+        family whose pipeline adds terms (LTX-2) overrides it; models and embeds serve its extra forwards."""
+        uncond, cond = prediction.chunk(2)
+        return uncond + self.guidance_scale(cfg, state, t) * (cond - uncond)
 
     def comfy_key(self, module: str) -> str | None:
         """A LoRA module's name in the original checkpoint's layout (ComfyUI's), or None if the family has none."""

@@ -96,16 +96,14 @@ def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_
     denoiser's input (condition, expert, per-token timesteps) and steps the scheduler. Latents and
     scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check."""
     state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image)
-    guided = cfg.guidance_scale > 1.0
+    guided = cfg.guidance_scale > 1.0 or cfg.audio_guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
     for i, t in enumerate(scheduler.timesteps):
         on_step(i + 1)
         with autocast:
-            prediction = adapter.denoise(denoisers, state, t, embeds, guided)
-        if guided:  # cond and uncond in one forward
-            uncond, cond = prediction.chunk(2)
-            scale = adapter.guidance_scale(cfg, state, t)
-            prediction = uncond + scale * (cond - uncond)
+            prediction = adapter.denoise(denoisers, state, t, embeds, guided)  # cond and uncond in one forward
+            if guided:
+                prediction = adapter.guide(cfg, denoisers, state, t, i, embeds, prediction)
         adapter.sampling_step(state, prediction, t, i)
     return state
 
@@ -180,6 +178,7 @@ class ClipRenderer:
         if cfg.guidance_scale_2 and not adapter.other_experts():
             raise ConfigError(f"validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert, but {adapter.path} "
                               "has one transformer: remove it")
+        adapter.check_guidance(cfg)
         self.out_dir = Path(output_dir) / "validation_res"
         self.fps = cfg.gen_fps or adapter.published_fps
         self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection

@@ -11,8 +11,8 @@ video loss plus audio_loss_weight times the audio loss. Video latents are normal
 latents_mean/std and scaling_factor, audio latents per token feature with the audio VAE's; text is
 Gemma 3's hidden states of every layer through the connectors, whose learnable registers fill every
 padded position, so the cache holds the video and audio text embeddings side by side (no mask). The
-sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with classifier-free guidance
-(their STG, modality-isolation guidance and guidance rescale off).
+sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with their guidance: classifier-free
+(the sound at its own scale), STG, modality isolation and the rescale, each at validation's setting.
 """
 
 import contextlib
@@ -34,7 +34,7 @@ from diffusers import (
 )
 from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
-from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
 from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import apply_image_conditioning_crf, resolve_default_image_crf
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffusers.video_processor import VideoProcessor
@@ -48,6 +48,7 @@ from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
 MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in diffusers' config)
+STG_BLOCKS = [28]  # the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
 # ltx-trainer's shifted logit-normal timestep sampler: its shift interpolates between these token counts.
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
 
@@ -280,23 +281,25 @@ class LTX2Adapter(Adapter):
     def _normalise_audio(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens - self.audio_mean.to(tokens)) / self.audio_std.to(tokens)
 
-    def _predict(self, transformer, video, audio, video_t, sigma, audio_t, embeds, shape, audio_frames):
+    def _predict(self, transformer, video, audio, video_t, sigma, audio_t, embeds, shape, audio_frames,
+                 isolate: bool = False, stg_blocks: list[int] | None = None):
         """(video, audio) velocities [B, tokens, C] in fp32: video_t the video's timesteps [B] (or per token
-        [B, tokens], I2V), sigma [B] its noise level (LTX-2.3's prompt modulation), audio_t [B]. No audio
-        tokens: the video stream alone (isolate_modalities turns off the audio-video cross-attention; the audio
-        stream, which the video then never sees, runs on one zero token: the rotary tables refuse none)."""
+        [B, tokens], I2V), sigma [B] its noise level (LTX-2.3's prompt modulation), audio_t [B]. isolate turns
+        off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks skips those blocks'
+        self-attention (their STG). No audio tokens: the video stream alone, isolated (the audio stream, which
+        the video then never sees, runs on one zero token: the rotary tables refuse none)."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
         frames, height, width = shape
-        n, isolate = len(video), audio.shape[1] == 0
-        if isolate:
-            audio, audio_frames = audio.new_zeros(n, 1, audio.shape[2]), 1
+        n = len(video)
+        if audio.shape[1] == 0:
+            audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
         out = transformer(
             hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype), encoder_hidden_states=video_text,
             audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_t,
             sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
             width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
-            use_cross_timestep=True, return_dict=False)
+            spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=True, return_dict=False)
         return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
 
     def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
@@ -436,9 +439,10 @@ class LTX2Adapter(Adapter):
                                audio=LTX2Pipeline._pack_audio_latents(audio), shape=shape, audio_frames=audio_frames,
                                first=0 if condition is None else condition.shape[1])
 
-    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
+    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool,
+                **perturbed) -> torch.Tensor:
         """[n, video numbers + audio numbers]: both streams' velocities at step t, with guidance of the latents
-        twice (uncond, cond) in one forward."""
+        twice (uncond, cond) in one forward; `perturbed` (isolate, stg_blocks) as _predict's."""
         n = 2 if guided else 1
         video_t = t.expand(n)
         if state.first:  # I2V: the image's tokens at timestep 0
@@ -446,11 +450,45 @@ class LTX2Adapter(Adapter):
             video_t[:, :state.first] = 0
         video, audio = self._predict(models["transformer"], state.latents.expand(n, -1, -1),
                                      state.audio.expand(n, -1, -1), video_t, t.expand(n), t.expand(n), embeds,
-                                     state.shape, state.audio_frames)
+                                     state.shape, state.audio_frames, **perturbed)
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
-    def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
-        return cfg.guidance_scale
+    def check_guidance(self, cfg) -> None:
+        if not cfg.stg_scale:
+            return
+        if not self.transformer_config["perturbed_attn"]:
+            raise ConfigError(f"validation.stg_scale: {self.path}'s transformer has no perturbed attention (LTX-2.0; "
+                              "perturbed_attn = false), so its STG forward is the conditional one and adds nothing, as "
+                              "in the pipelines: remove stg_scale")
+        blocks = self.transformer_config["num_layers"]
+        if any(block >= blocks for block in cfg.stg_blocks or STG_BLOCKS):
+            raise ConfigError(f"validation.stg_blocks = {cfg.stg_blocks or STG_BLOCKS} names a block the transformer of "
+                              f"{self.path} lacks (it has {blocks}): name blocks below {blocks}")
+
+    def guide(self, cfg, models: dict, state, t: torch.Tensor, i: int, embeds: torch.Tensor,
+              prediction: torch.Tensor) -> torch.Tensor:
+        """The pipelines' guidance, in x0 space and per stream: classifier-free (the sound at audio_guidance_scale),
+        then STG and modality isolation (one more forward each, with the prompt alone), summed in the pipelines'
+        order, then rescaled toward the conditional prediction's spread; back to velocities for the step."""
+        sigma = state.scheduler.sigmas[i]
+        sample = torch.cat([state.latents.flatten(1), state.audio.flatten(1)], dim=1)
+        uncond, cond = (sample - prediction * sigma).chunk(2)
+        terms = [(uncond, cfg.guidance_scale - 1, (cfg.audio_guidance_scale or cfg.guidance_scale) - 1)]
+        if cfg.stg_scale:
+            stg = self.denoise(models, state, t, embeds[1:], False, stg_blocks=cfg.stg_blocks or STG_BLOCKS)
+            terms.append((sample - stg * sigma, cfg.stg_scale, cfg.stg_scale))
+        if cfg.modality_scale != 1:
+            isolated = self.denoise(models, state, t, embeds[1:], False, isolate=True)
+            terms.append((sample - isolated * sigma, cfg.modality_scale - 1, cfg.modality_scale - 1))
+        split, streams = state.latents.numel(), []
+        for stream, part in enumerate((slice(0, split), slice(split, None))):
+            guided = cond[:, part]
+            for other, *scales in terms:
+                guided = guided + scales[stream] * (cond[:, part] - other[:, part])
+            if cfg.guidance_rescale:
+                guided = rescale_noise_cfg(guided, cond[:, part], guidance_rescale=cfg.guidance_rescale)
+            streams.append(guided)
+        return (sample - torch.cat(streams, dim=1)) / sigma
 
     def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
         split = state.latents.numel()
@@ -474,8 +512,8 @@ class LTX2Adapter(Adapter):
 
 
 class SequenceParallelAttention:
-    """diffusers' LTX2AudioVideoAttnProcessor (and LTX-2.3's LTX2PerturbedAttnProcessor without STG, which the
-    adapter never asks for; nor masks) step for step, with this rank's slice of the video tokens as keys and
+    """diffusers' LTX2AudioVideoAttnProcessor (and LTX-2.3's LTX2PerturbedAttnProcessor, whose STG passes the
+    values of this rank's tokens through; no masks) step for step, with this rank's slice of the video tokens as keys and
     values: video self-attention (the queries the same slice) or the video-to-audio cross-attention (the
     queries the whole audio, replicated). Keys and values, with the video's queries, go through one all-to-all
     to the whole video with 1/sp of the heads, the audio's queries are cut to the same heads; the output goes
@@ -488,6 +526,16 @@ class SequenceParallelAttention:
                  key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):
         video_queries = encoder_hidden_states is None
         keys = hidden_states if video_queries else encoder_hidden_states
+        if all_perturbed:  # STG (LTX-2.3's video self-attention): the values of this rank's tokens, no attention
+            out = attn.to_v(keys)
+        else:
+            out = self.attention(attn, hidden_states, keys, video_queries, query_rotary_emb, key_rotary_emb)
+        if attn.to_gate_logits is not None:  # LTX-2.3: a gate per query token and head, from the query's input
+            gates = 2.0 * torch.sigmoid(attn.to_gate_logits(hidden_states))
+            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def attention(self, attn, hidden_states, keys, video_queries: bool, query_rotary_emb, key_rotary_emb):
         query, key, value = attn.to_q(hidden_states), attn.to_k(keys), attn.to_v(keys)
         query, key = attn.norm_q(query), attn.norm_k(key)
         rotate = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else apply_split_rotary_emb
@@ -501,8 +549,4 @@ class SequenceParallelAttention:
             query = self.split.heads(query, 2)
         out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query, key, value))).transpose(1, 2)
         out = self.split.heads_to_seq(out, 1, 2) if video_queries else self.split.gather_heads(out, 2)
-        out = out.flatten(2, 3).to(query.dtype)
-        if attn.to_gate_logits is not None:  # LTX-2.3: a gate per query token and head, from the query's input
-            gates = 2.0 * torch.sigmoid(attn.to_gate_logits(hidden_states))
-            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
-        return attn.to_out[1](attn.to_out[0](out))
+        return out.flatten(2, 3).to(query.dtype)

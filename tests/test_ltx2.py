@@ -3,6 +3,7 @@ sft), samples exactly as LTX2Pipeline / LTX2ImageToVideoPipeline do (with and wi
 exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
 
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 import data
 import lora
 import validate
-from config import ConfigError, ModelConfig, load_config
+from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml, written_on_first_use
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
@@ -25,6 +26,10 @@ from tools.make_tiny_model import LTX2_KEYS, make_tiny_ltx2
 # variant: (model.type, pipeline)
 VARIANTS = {"2.0": ("t2v", LTX2Pipeline), "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline)}
 PROMPTS = ["a red circle moves right"]
+# The pipelines' own guidance terms at their defaults; STG on 2.3 only (2.0 has no perturbed attention), at the
+# tiny model's last block (the published models' 28 is past its 2).
+PIPELINE_GUIDANCE = {"audio_guidance_scale": 7.0, "modality_scale": 3.0, "guidance_rescale": 0.7}
+STG = {"stg_scale": 1.0, "stg_blocks": [1]}
 
 
 @pytest.fixture(scope="session")
@@ -72,17 +77,22 @@ def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **
     return {**settings, **extra}
 
 
+def pipeline_guidance(cfg) -> dict:
+    """The pipelines' guidance arguments for validation's settings (each term on both streams, as ours)."""
+    return dict(guidance_scale=cfg.guidance_scale, audio_guidance_scale=cfg.audio_guidance_scale or cfg.guidance_scale,
+                stg_scale=cfg.stg_scale, audio_stg_scale=cfg.stg_scale, spatio_temporal_guidance_blocks=cfg.stg_blocks,
+                modality_scale=cfg.modality_scale, audio_modality_scale=cfg.modality_scale,
+                guidance_rescale=cfg.guidance_rescale, audio_guidance_rescale=cfg.guidance_rescale)
+
+
 def pipeline_frames(pipe, cfg):
-    """The pipeline's float frames [F, H, W, 3] per prompt, with its extra guidance terms off (STG, modality
-    isolation, rescale) and the audio guided as the video."""
+    """The pipeline's float frames [F, H, W, 3] per prompt, guided as validation's settings say."""
     frames = []
     for i, prompt in enumerate(cfg.prompts):
         extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
         frames.append(pipe(prompt=prompt, negative_prompt=cfg.negative_prompt, num_frames=9, height=32, width=32,
-                           num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
-                           audio_guidance_scale=cfg.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0,
-                           modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
-                           audio_guidance_rescale=0.0, generator=data.keyed_generator(cfg.seed, i), output_type="pt",
+                           num_inference_steps=cfg.num_inference_steps, **pipeline_guidance(cfg),
+                           generator=data.keyed_generator(cfg.seed, i), output_type="pt",
                            **extra).frames[0].permute(0, 2, 3, 1))
     return frames
 
@@ -102,7 +112,8 @@ def transformer_output(transformer, adapter):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, ltx2_data, tmp_path):
     """Two video-only LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32
-    with the base model and with our exported LoRA loaded by load_lora_weights; the ComfyUI file loads through
+    with the base model and with our exported LoRA loaded by load_lora_weights, with plain classifier-free
+    guidance and with the pipelines' own terms (STG on 2.3, modality isolation, rescale, the sound's scale); the ComfyUI file loads through
     the same loader's conversion to the same transformer; the sft export loads with from_pretrained and
     computes what the checkpoint's weights compute."""
     path = ltx2_models(model_of(variant))
@@ -131,6 +142,13 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
             if source is not None:
                 assert max((a - b).abs().max() for a, b in zip(ours, base)) > 1e-3  # the LoRA shows
             base = ours
+        # With the LoRA, the pipelines' own guidance terms: ours equal theirs, and the terms show.
+        guided = dataclasses.replace(cfg.validation, **PIPELINE_GUIDANCE, **(STG if variant != "2.0" else {}))
+        renderer = validate.ClipRenderer(adapter, guided, cfg.data, str(tmp_path), d)
+        ours = [renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext()) for i in range(len(PROMPTS))]
+        for a, b, plain in zip(ours, pipeline_frames(pipe, guided), base):
+            assert (a - b).abs().max() <= 1e-4, (variant, "guided", (a - b).abs().max())
+            assert (a - plain).abs().max() > 1e-3
         # The ComfyUI file through the loader's conversion of diffusion_model. keys: the same transformer.
         ours = transformer_output(pipe.transformer, adapter)
         pipe.unload_lora_weights()
@@ -192,6 +210,33 @@ def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
         load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path), "run.output_dir": str(tmp_path),
                                                           "data.data_root": str(tmp_path),
                                                           "parallel.strategy": "fsdp", **setting})))
+
+
+@pytest.mark.parametrize("family, setting, message", [
+    ("wan", {"validation.stg_scale": 1.0}, r"validation.stg_scale is an option of LTX-2's pipelines; wan's pipeline"),
+    ("cogvideox", {"validation.audio_guidance_scale": 7.0}, r"validation.audio_guidance_scale is an option of LTX-2's"),
+    ("ltx2", {"validation.guidance_rescale": 1.5}, r"validation.guidance_rescale must be between 0 and 1, got 1.5"),
+    ("ltx2", {"validation.stg_blocks": [3]}, r"validation.stg_blocks names the blocks STG skips, but validation.stg_scale = 0"),
+    ("ltx2", {"validation.modality_scale": 3.0, "validation.guidance_scale": 1.0},
+     r"validation.modality_scale adds to classifier-free guidance, which is off \(validation.guidance_scale = 1.0\)"),
+])
+def test_guidance_terms_are_checked_before_anything_loads(family, setting, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(write_toml(tmp_path / "c.toml", {"model.family": family, "model.path": str(tmp_path),
+                                                          "run.output_dir": str(tmp_path), "data.data_root": str(tmp_path),
+                                                          **setting})))
+
+
+def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models):
+    """LTX-2.0's blocks ignore STG (diffusers passes its perturbation to LTX-2.3's only): refused, not a wasted
+    forward; a block past the model's would perturb nothing."""
+    v = ValidationConfig(stg_scale=1.0)
+    with pytest.raises(ConfigError, match=r"transformer has no perturbed attention \(LTX-2.0; perturbed_attn = false\)"):
+        load_adapter(ModelConfig(path=str(ltx2_models("2.0")), family="ltx2"), torch.device("cpu")).check_guidance(v)
+    adapter = load_adapter(ModelConfig(path=str(ltx2_models("2.3")), family="ltx2"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"validation.stg_blocks = \[28\] names a block the transformer of .* lacks \(it has 2\)"):
+        adapter.check_guidance(v)
+    adapter.check_guidance(dataclasses.replace(v, stg_blocks=[1]))
 
 
 def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):

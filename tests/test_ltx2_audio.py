@@ -6,6 +6,7 @@ One training run (the synthetic clips with sound, one without among them, so bat
 tests that read its outputs."""
 
 import contextlib
+import dataclasses
 import json
 import math
 import shutil
@@ -27,7 +28,7 @@ from config import ModelConfig, load_config
 from conftest import read_metrics, run_ok, write_toml
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
-from test_ltx2 import PROMPTS, ltx2_models, ltx2_settings  # noqa: F401 (a fixture)
+from test_ltx2 import PIPELINE_GUIDANCE, PROMPTS, ltx2_models, ltx2_settings, pipeline_guidance  # noqa: F401 (a fixture)
 from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
@@ -145,30 +146,32 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
 
 def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, sound_run, tmp_path):  # noqa: F811
     """Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in fp32,
-    without and with the LoRA the run with sound exported (load_lora_weights), which changes the sound."""
+    without and with the LoRA the run with sound exported (load_lora_weights), which changes the sound, and
+    with the pipeline's own guidance terms (the sound's scale, modality isolation, rescale), which change it."""
     settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path, **SOUND)
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
-    v, sounds = cfg.validation, []
-    for lora_file in (None, sound_run[0] / "lora" / "pytorch_lora_weights.safetensors"):
+    lora_file = sound_run[0] / "lora" / "pytorch_lora_weights.safetensors"
+    sounds = []
+    for trained, v in ((None, cfg.validation), (lora_file, cfg.validation),
+                       (lora_file, dataclasses.replace(cfg.validation, **PIPELINE_GUIDANCE))):
         pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
         pipe.set_progress_bar_config(disable=True)
-        if lora_file:
-            pipe.load_lora_weights(str(lora_file))
+        if trained:
+            pipe.load_lora_weights(str(trained))
         with one_rank_group() as d:
             renderer = validate.ClipRenderer(adapter, v, cfg.data, str(tmp_path), d)
-            model = validate.load_model(cfg, adapter, d, None, str(lora_file) if lora_file else None).eval()
+            model = validate.load_model(cfg, adapter, d, None, str(trained) if trained else None).eval()
             _, ours = renderer.clip(model, 0, adapter.sampler(""), contextlib.nullcontext())
         theirs = pipe(prompt=PROMPTS[0], negative_prompt=v.negative_prompt, num_frames=9, height=32, width=32,
-                      num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
-                      audio_guidance_scale=v.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
-                      audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
+                      num_inference_steps=v.num_inference_steps, **pipeline_guidance(v),
                       generator=data.keyed_generator(v.seed, 0), output_type="pt").audio[0]
         assert ours.shape == theirs.shape and ours.shape[0] == 2
-        assert (ours - theirs.float()).abs().max() <= 1e-4, (lora_file, (ours - theirs).abs().max())
+        assert (ours - theirs.float()).abs().max() <= 1e-4, (trained, v, (ours - theirs).abs().max())
         assert theirs.abs().max() > 1e-3  # a sound, not silence
         sounds.append(ours)
     assert (sounds[0] - sounds[1]).abs().max() > 1e-3  # the LoRA shows in the sound
+    assert (sounds[1] - sounds[2]).abs().max() > 1e-3  # and the guidance terms
 
 
 def test_ddp_trains_batches_with_and_without_sound(ltx2_models, base_settings, sound_data, tmp_path):  # noqa: F811

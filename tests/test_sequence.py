@@ -167,7 +167,8 @@ report["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
                     "unsupported": sum(counters["unimplemented"].values()), "frames": dict(counters["frames"])}
 
 # LTX-2 (sys.argv[4]: the tiny 2.0, split rotary embeddings; sys.argv[5]: 2.3, gated attention and STG's
-# processor): train_loss and the gradient of every weight, split 14 + 13 video tokens, equal one process's.
+# processor): train_loss and the gradient of every weight, split 14 + 13 video tokens, equal one process's,
+# and so does 2.3's STG forward (validation's guidance), which the perturbation changes.
 # T2V with the audio latents (both streams, the audio-video cross-attentions both ways), T2V video-only
 # (no audio tokens: isolate_modalities) and I2V with audio (per-token timestep embeddings).
 def ltx2_batch(adapter, audio):
@@ -186,7 +187,7 @@ def ltx2_batch(adapter, audio):
 report["ltx2"] = {}
 for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", False), (sys.argv[5], "i2v", True)):
     adapter = load_adapter(ModelConfig(path=folder, family="ltx2", type=kind, dtype="fp32"), torch.device("cpu"))
-    batch, results, seen = ltx2_batch(adapter, audio), [], {}
+    batch, results, seen, stg = ltx2_batch(adapter, audio), [], {}, []
     for split_it in (False, True):
         model = adapter.load_transformer().requires_grad_(True)
         if split_it:
@@ -207,7 +208,17 @@ for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", Fal
                 grad /= 2
         parts = {name: (total / max(count, 1)).item() for name, (total, count) in zip(adapter.LOSS_PARTS, adapter.losses)}
         results.append((loss.detach(), parts, grads))
+        if adapter.transformer_config["perturbed_attn"]:  # validation's STG forward (LTX-2.3), as guide runs it
+            c, g = adapter.transformer_config, torch.Generator().manual_seed(6)
+            inputs = (torch.randn(1, 27, c["in_channels"], generator=g), torch.randn(1, 5, c["audio_in_channels"], generator=g),
+                      *[torch.tensor([700.0])] * 3, batch["prompt_embeds"][:1], (3, 3, 3), 5)
+            with torch.no_grad():
+                stg.append([torch.cat([x.flatten() for x in adapter._predict(model, *inputs, stg_blocks=blocks)])
+                            for blocks in ([0, 1], None)])
     (loss, parts, grads), (split_loss, split_parts, split_grads) = results
+    if stg:
+        report["ltx2_stg"] = {"equal": torch.allclose(stg[1][0], stg[0][0], rtol=1e-5, atol=1e-6),
+                              "perturbs": (stg[0][0] - stg[0][1]).abs().max().item()}
     report["ltx2"][f"{kind}{'_audio' if audio else ''}"] = {
         "loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6), "parts": [parts, split_parts],
         "grads": len(grads), "same_grads": grads.keys() == split_grads.keys(),
@@ -239,6 +250,7 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
         assert dynamo["graph_breaks"] == dynamo["unsupported"] == 0 and dynamo["frames"]["ok"] == dynamo["frames"]["total"], dynamo
         assert report["compiled_equal"]
         assert report["ltx2"].keys() == {"t2v_audio", "t2v", "i2v_audio"}
+        assert report["ltx2_stg"]["equal"] and report["ltx2_stg"]["perturbs"] > 1e-3, report["ltx2_stg"]
         for case, ltx2 in report["ltx2"].items():
             assert ltx2["loss_equal"] and ltx2["same_grads"] and not ltx2["grads_differ"], (case, ltx2)
             (one, split), audio = ltx2["parts"], case.endswith("audio")
