@@ -303,6 +303,7 @@ def prepare(cfg: Config, d: parallel.Dist):
             Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
         sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
         parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])
+        adapter.check_guidance(cfg.validation)  # validate.py's renderer checks it too, for renders without training
         if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
             adapter.shift = cfg.train.flow_shift
         if "audio" in adapter.ENCODERS:  # a family with sound

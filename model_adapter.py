@@ -385,7 +385,10 @@ class Adapter:
         return []
 
     def check_guidance(self, cfg) -> None:
-        """validation's guidance options against this model, before any compute (LTX-2 checks its STG blocks)."""
+        """validation's guidance options against this model, before any compute (LTX-2 adds its STG blocks')."""
+        if cfg.guidance_scale_2 and not self.other_experts():
+            raise ConfigError(f"validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert, but {self.path} "
+                              "has one transformer: remove it")
 
     def guide(self, cfg, models: dict, state, t: torch.Tensor, i: int, embeds: torch.Tensor,
               prediction: torch.Tensor) -> torch.Tensor:

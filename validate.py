@@ -175,9 +175,6 @@ class ClipRenderer:
         self.resolution = cfg.resolution or (data_cfg.buckets or [data_cfg.train_resolution])[0]
         key = "validation.resolution" if cfg.resolution else "data.buckets[0]" if data_cfg.buckets else "data.train_resolution"
         adapter.check_resolution(self.resolution, key)
-        if cfg.guidance_scale_2 and not adapter.other_experts():
-            raise ConfigError(f"validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert, but {adapter.path} "
-                              "has one transformer: remove it")
         adapter.check_guidance(cfg)
         self.out_dir = Path(output_dir) / "validation_res"
         self.fps = cfg.gen_fps or adapter.published_fps

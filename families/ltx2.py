@@ -454,6 +454,7 @@ class LTX2Adapter(Adapter):
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def check_guidance(self, cfg) -> None:
+        super().check_guidance(cfg)
         if not cfg.stg_scale:
             return
         if not self.transformer_config["perturbed_attn"]:

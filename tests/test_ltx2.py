@@ -12,6 +12,7 @@ from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransform
 from PIL import Image
 from safetensors.torch import load_file
 
+import cache
 import data
 import lora
 import validate
@@ -19,6 +20,7 @@ from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml, written_on_first_use
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
+from parallel import StopRun
 from test_variants import lora_and_sft_runs, one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset
 from tools.make_tiny_model import LTX2_KEYS, make_tiny_ltx2
@@ -227,12 +229,15 @@ def test_guidance_terms_are_checked_before_anything_loads(family, setting, messa
                                                           **setting})))
 
 
-def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models):
-    """LTX-2.0's blocks ignore STG (diffusers passes its perturbation to LTX-2.3's only): refused, not a wasted
-    forward; a block past the model's would perturb nothing."""
+def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, base_settings, ltx2_data, tmp_path):
+    """LTX-2.0's blocks ignore STG (diffusers passes its perturbation to LTX-2.3's only): refused before the
+    cache pass, not a wasted forward; a block past the model's would perturb nothing."""
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path, **{"validation.stg_scale": 1.0})
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    with one_rank_group() as d, pytest.raises(StopRun, match=r"transformer has no perturbed attention \(LTX-2.0; "
+                                                             r"perturbed_attn = false\)"):
+        cache.prepare(cfg, d)
     v = ValidationConfig(stg_scale=1.0)
-    with pytest.raises(ConfigError, match=r"transformer has no perturbed attention \(LTX-2.0; perturbed_attn = false\)"):
-        load_adapter(ModelConfig(path=str(ltx2_models("2.0")), family="ltx2"), torch.device("cpu")).check_guidance(v)
     adapter = load_adapter(ModelConfig(path=str(ltx2_models("2.3")), family="ltx2"), torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"validation.stg_blocks = \[28\] names a block the transformer of .* lacks \(it has 2\)"):
         adapter.check_guidance(v)

@@ -11,6 +11,7 @@ from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DMode
 from PIL import Image
 from safetensors.torch import load_file
 
+import cache
 import data
 import lora
 import trainer
@@ -18,6 +19,7 @@ import validate
 from config import ConfigError, ModelConfig, load_config
 from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from model import load_adapter
+from parallel import StopRun
 from test_variants import one_rank_group
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
@@ -42,6 +44,13 @@ def test_a_folder_of_another_family_is_named(wan_models, tiny_models):
         load_adapter(ModelConfig(path=str(wan_models("t2v"))), torch.device("cpu"))
     with pytest.raises(ConfigError, match=r'holds a CogVideoXPipeline .*: set model.family = "cogvideox"'):
         load_adapter(ModelConfig(path=str(tiny_models("2b")), family="wan"), torch.device("cpu"))
+
+
+def test_guidance_scale_2_needs_a_second_expert_before_the_cache_pass(wan_models, base_settings, tiny_data, tmp_path):
+    settings = wan_settings("t2v", wan_models, base_settings, tiny_data, tmp_path, **{"validation.guidance_scale_2": 3.0})
+    with one_rank_group() as d, pytest.raises(StopRun, match=r"validation.guidance_scale_2 guides Wan 2.2 A14B's "
+                                                             r"low-noise expert, but .* has one transformer: remove it"):
+        cache.prepare(load_config(str(write_toml(tmp_path / "c.toml", settings))), d)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
