@@ -514,13 +514,15 @@ def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: 
 
 
 def reference() -> str:
-    """The README's configuration reference: every key, its type, default and the comment above it."""
-    lines = ["Every key, its type, default and meaning (the comments of `config.py`, which is the schema;",
-             "`python config.py` prints this section):", ""]
+    """docs/configuration.md: every key, its type, default and the comment above it."""
+    lines = ["# Configuration reference", "",
+             "Every key, its type, default and meaning: the comments of `config.py`, which is the schema.",
+             "`python config.py` prints this page (a test keeps the two equal); how a run reads a config and",
+             "its `--section.key value` overrides is in [training.md](training.md).", ""]
     for section in dataclasses.fields(Config):
         schema = typing.get_type_hints(section.type)
         comments = _field_comments(section.type)
-        lines += [f"**[{section.name}]**", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        lines += [f"## [{section.name}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for name, default in dataclasses.asdict(section.type()).items():
             kind = _type_name(schema[name]).replace("|", "\\|")
             lines.append(f"| `{section.name}.{name}` | {kind} | `{toml_value(default)}` | {comments[name]} |")

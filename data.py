@@ -339,7 +339,7 @@ class Sampler:
 
 
 def micro_slice(micro: int, rank: int, world: int, batch_size: int) -> range:
-    """Positions in the global batch that this rank uses in this micro-step (design.md, Steps)."""
+    """Positions in the global batch that this rank uses in this micro-step (docs/training.md, Steps and batches)."""
     start = (micro * world + rank) * batch_size
     return range(start, start + batch_size)
 

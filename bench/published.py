@@ -68,7 +68,8 @@ LTX2_PARTS = {
                        "audio_gated_attn": True,
                        "per_modality_projections": True, "video_hidden_dim": 4096, "audio_hidden_dim": 2048,
                        "proj_bias": True}}}
-# Published transformer configs (cogvideox.md: 5B's values besides these are the class defaults; wan.md; ltx2.md).
+# Published transformer configs (docs/models/cogvideox.md: 5B's values besides these are the class
+# defaults; docs/models/wan.md and docs/models/ltx2.md).
 PUBLISHED = {
     "cogvideox-2b": ("cogvideox", {"num_attention_heads": 30, "num_layers": 30}),  # the class defaults, spelled out
     "cogvideox-5b": ("cogvideox", {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}),

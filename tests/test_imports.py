@@ -1,4 +1,4 @@
-"""design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
+"""docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
 nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/)."""
 
 import ast
@@ -35,7 +35,7 @@ def our_imports(path) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     found = modules()
-    assert found.keys() == LAYERS.keys(), "place every module in a layer (design.md, Files)"
+    assert found.keys() == LAYERS.keys(), "place every module in a layer (docs/design.md, Files and import layers)"
     return {name: our_imports(path) for name, path in found.items()}
 
 
