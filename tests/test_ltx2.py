@@ -6,6 +6,7 @@ inside the blocks and out)."""
 import contextlib
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -130,6 +131,16 @@ def test_comfy_names_outside_the_blocks_are_the_original_checkpoints(variant, lt
     assert converted.keys() == {f"transformer.{k}" for k in weights}
     read, info = lora.load_lora(str(tmp_path / "lora" / "comfy" / "run.safetensors"), adapter.diffusers_key)
     assert read.keys() == weights.keys() and (info["rank"], info["alpha"]) == (2, 2)
+
+
+def test_a_folder_with_another_text_encoder_is_refused(ltx2_models, tmp_path):
+    """LTX2Pipeline takes Gemma 3 (2.0, 2.3) or Gemma 4 (2.5): another text encoder is named before any cache pass."""
+    folder = shutil.copytree(ltx2_models("2.5"), tmp_path / "model")
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "T5EncoderModel"]}))
+    with pytest.raises(ConfigError, match=r"model_index.json: text_encoder is T5EncoderModel, which LTX2Pipeline does "
+                                          r"not load: .* Gemma3ForConditionalGeneration or Gemma4Unified"):
+        load_adapter(ModelConfig(family="ltx2", path=str(folder)), torch.device("cpu"))
 
 
 def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **extra) -> dict:
