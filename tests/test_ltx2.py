@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
+from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -79,8 +80,14 @@ def test_tiny_models_carry_the_published_key_sets(ltx2_models):
 
 @pytest.mark.parametrize("variant", ["2.0", "2.3", "2.5"])
 def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models, monkeypatch):
+    """The transformer as from_pretrained builds it; the text encoder of model_index.json, and the image CRF the
+    I2V pipeline picks for it (33 for Gemma 3, 18 for 2.5's Gemma 4)."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="bf16"), torch.device("cpu"))
     assert_loads_lean(adapter, monkeypatch)
+    text_encoder = LTX2Pipeline.from_pretrained(adapter.path, transformer=None, vae=None, audio_vae=None, vocoder=None,
+                                                connectors=None).text_encoder
+    assert isinstance(text_encoder, adapter.TEXT_ENCODER)
+    assert adapter.image_crf == resolve_default_image_crf(text_encoder) == (18 if variant == "2.5" else 33)
 
 
 def original_top_level_linears(c: dict) -> set[str]:
