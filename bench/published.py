@@ -117,7 +117,9 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
                     "audio_vae": {"_class_name": "AutoencoderKLLTX2Audio"},
                     "connectors": {"_class_name": "LTX2TextConnectors", **LTX2_PARTS[arch]["connectors"]},
                     "vocoder": {"_class_name": LTX2_PARTS[arch]["vocoder"]}}
-        extras = {**extras, "vocoder": ["ltx2", LTX2_PARTS[arch]["vocoder"]]}  # which one the adapter builds
+        # which vocoder and text encoder the adapter builds
+        extras = {**extras, "vocoder": ["ltx2", LTX2_PARTS[arch]["vocoder"]],
+                  "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"]}
     for name, config in configs.items():  # the other VAEs, schedulers: class defaults (memory does not depend on them)
         (root / name).mkdir(parents=True)
         (root / name / "config.json").write_text(json.dumps(config))

@@ -1,5 +1,5 @@
-"""LTX-2 and LTX-2.3 (docs/models/ltx2.md): one transformer with a video and an audio stream, text- and
-image-to-video from the same folder.
+"""LTX-2, LTX-2.3 and LTX-2.5 (docs/models/ltx2.md): one transformer with a video and an audio stream,
+text- and image-to-video from the same folder.
 
 Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream draws
 its own s (LTX-2's trainer, ltx-trainer, samples every generated modality separately) from the shifted
@@ -9,10 +9,11 @@ the audio stream gets no tokens and the audio-video cross-attention is off (isol
 video stream computes exactly what ltx-core computes without audio; with audio latents the loss is the
 video loss plus audio_loss_weight times the audio loss. Video latents are normalised with the VAE's
 latents_mean/std and scaling_factor, audio latents per token feature with the audio VAE's; text is
-Gemma 3's hidden states of every layer through the connectors, whose learnable registers fill every
-padded position, so the cache holds the video and audio text embeddings side by side (no mask). The
-sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with their guidance: classifier-free
-(the sound at its own scale), STG, modality isolation and the rescale, each at validation's setting.
+Gemma's hidden states of every layer (Gemma 3; Gemma 4 for 2.5) through the connectors, whose learnable
+registers fill every padded position, so the cache holds the video and audio text embeddings side by side (no
+mask). The sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with their guidance:
+classifier-free (the sound at its own scale), STG, modality isolation and the rescale, each at validation's
+setting.
 """
 
 import contextlib
@@ -38,7 +39,7 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_nois
 from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import apply_image_conditioning_crf, resolve_default_image_crf
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffusers.video_processor import VideoProcessor
-from transformers import Gemma3ForConditionalGeneration
+from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
 import decode
 from config import ConfigError, ModelConfig
@@ -51,6 +52,22 @@ MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in d
 STG_BLOCKS = [28]  # the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
 # ltx-trainer's shifted logit-normal timestep sampler: its shift interpolates between these token counts.
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
+# model_index.json's text encoder: Gemma 3 (2.0, 2.3) or Gemma 4 (2.5); the pipelines accept these two.
+TEXT_ENCODERS = {c.__name__: c for c in (Gemma3ForConditionalGeneration,
+                                          Gemma4UnifiedForConditionalGeneration)}
+# The original checkpoint's (Lightricks', ComfyUI's) names of the modules outside the blocks whose diffusers
+# names differ: diffusers' conversion script's rename tables (LTX_2_3_TRANSFORMER_KEYS_RENAME_DICT and its
+# adaln_single handler), reversed. proj_out, audio_proj_out and the caption projections keep their names.
+ORIGINAL_NAMES = {
+    "proj_in": "patchify_proj", "audio_proj_in": "audio_patchify_proj",
+    "time_embed": "adaln_single", "audio_time_embed": "audio_adaln_single",
+    "av_cross_attn_video_scale_shift": "av_ca_video_scale_shift_adaln_single",
+    "av_cross_attn_video_a2v_gate": "av_ca_a2v_gate_adaln_single",
+    "av_cross_attn_audio_scale_shift": "av_ca_audio_scale_shift_adaln_single",
+    "av_cross_attn_audio_v2a_gate": "av_ca_v2a_gate_adaln_single",
+    "prompt_adaln": "prompt_adaln_single", "audio_prompt_adaln": "audio_prompt_adaln_single",
+}
+DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
 
 
 def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -71,7 +88,7 @@ class LTX2Adapter(Adapter):
     # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio VAE's files.
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer", "connectors"),
                 "audio": ("audio_vae",)}
-    TRANSFORMER, VAE, TEXT_ENCODER = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video, Gemma3ForConditionalGeneration
+    TRANSFORMER, VAE = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
     COMFY = True
     COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
     LOSS_PARTS = ("loss_video", "loss_audio")
@@ -96,7 +113,15 @@ class LTX2Adapter(Adapter):
         with (audio := Weights(self.path / "audio_vae")).opened():
             self.audio_mean, self.audio_std = (audio.read(f"latents_{n}", torch.float32).to(device)
                                                for n in ("mean", "std"))
-        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation (33 for Gemma 3).
+        index = json.loads((self.path / "model_index.json").read_text())
+        text_encoder = index["text_encoder"][1]
+        if text_encoder not in TEXT_ENCODERS:
+            raise ConfigError(f"{self.path}/model_index.json: text_encoder is {text_encoder}, which "
+                              f"LTX2Pipeline does not load: model.path must be an LTX-2 folder with "
+                              f"{' or '.join(TEXT_ENCODERS)}")
+        self.TEXT_ENCODER = TEXT_ENCODERS[text_encoder]
+        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation (33 for
+        # Gemma 3, 18 for Gemma 4).
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
@@ -104,7 +129,7 @@ class LTX2Adapter(Adapter):
         self.frame_rate = FRAME_RATE
         self.losses = torch.zeros(len(self.LOSS_PARTS), 2)  # the last loss's per stream: (sum, samples), detached
         self._audio_vae = self._connectors = self._vocoder = None
-        vocoder = json.loads((self.path / "model_index.json").read_text())["vocoder"][1]  # 2.3's extends the band
+        vocoder = index["vocoder"][1]  # 2.3's and 2.5's extend the band
         self.vocoder_class = {c.__name__: c for c in (LTX2Vocoder, LTX2VocoderWithBWE)}[vocoder]
         self.sound_rate = resolved_config(self.vocoder_class, self.path, "vocoder")["output_sampling_rate"]
 
@@ -150,12 +175,15 @@ class LTX2Adapter(Adapter):
         """The audio VAE's latent frames per second: 16000 Hz / hop 160 / 4 = 25 for the published one."""
         return self.audio_config["sample_rate"] / self.audio_config["mel_hop_length"] / 4
 
-    def comfy_key(self, module: str) -> str | None:
-        """The original checkpoint names the transformer's blocks and attention projections as diffusers does."""
-        return module if module.startswith("transformer_blocks.") else None
+    def comfy_key(self, module: str) -> str:
+        """The original checkpoint's name (Lightricks' and ComfyUI's): the blocks' modules as diffusers names
+        them, the top-level modules by ORIGINAL_NAMES."""
+        top, _, rest = module.partition(".")
+        return ".".join(filter(None, (ORIGINAL_NAMES.get(top, top), rest)))
 
-    def diffusers_key(self, original: str) -> str | None:
-        return original if original.startswith("transformer_blocks.") else None
+    def diffusers_key(self, original: str) -> str:
+        top, _, rest = original.partition(".")
+        return ".".join(filter(None, (DIFFUSERS_NAMES.get(top, top), rest)))
 
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
@@ -244,7 +272,7 @@ class LTX2Adapter(Adapter):
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma 3's every hidden state, left
+        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma's every hidden state, left
         padding, the connectors), the video stream's text and the audio stream's side by side."""
         text_encoder, tokenizer = self._text()
         tokenizer.padding_side = "left"
