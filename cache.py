@@ -288,8 +288,9 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     far = sorted(f for part in parallel.agree(lambda: far, d) for f in part)
     read, sounding = (sum(counts) for counts in zip(*parallel.agree(lambda: heard, d)))
     if read and not sounding and d.is_main:
-        log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an audio "
-                    "stream: the run trains video alone (add clips with sound, or set data.audio = false)")
+        log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
+                    "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
+                    "false)")
     if far and d.is_main:
         named = "; ".join(name for _, name in far[:5]) + (f"; and {len(far) - 5} more" if len(far) > 5 else "")
         log.warning(f"{len(far)} clip(s) have an image (data.image_column) that differs from their video's first "

@@ -11,9 +11,9 @@ Images (EXIF orientation applied) are one-frame clips.
 
 Sound: a clip's first audio stream, cut to the seconds its frames cover on the same clock (both
 streams' timestamps, measured from the first frame's display time: an audio stream may start before
-or after the video), mixed to the channels a model takes and resampled with a windowed sinc (equal
-to torchaudio's default, which the official LTX-2 trainer uses), then turned into the log-mel
-spectrogram an audio VAE encodes.
+or after the video), decoded in a child process (sound_decoder.py: a crashing decoder names the clip),
+mixed to the channels a model takes and resampled with a windowed sinc (equal to torchaudio's default,
+which the official LTX-2 trainer uses), then turned into the log-mel spectrogram an audio VAE encodes.
 """
 
 import functools
@@ -286,8 +286,8 @@ def read_audio(path: Path, media: Media, start: float, duration: float, sample_r
     rate, native = found
     peak = float(np.abs(native).max())
     if peak > LOUDEST:
-        raise MediaError(f"its sound decodes to samples up to {peak:.3g}, far outside [-1, 1] (a corrupt stream): "
-                         "re-encode its sound or remove the clip")
+        raise MediaError(f"its sound decodes to samples up to {peak:.3g}, far outside [-1, 1] (a corrupt "
+                         "stream): re-encode its sound or remove the clip")
     waveform = resample(mix(torch.from_numpy(native), channels), rate, sample_rate)
     first = round(AUDIO_MARGIN_S * sample_rate)
     return waveform[:, first : first + round(duration * sample_rate)]

@@ -31,8 +31,9 @@ from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, wri
 FPS, RATE = 8, 16000
 # On or off per pair of frames (so a 4 fps window sees whole pairs): no shift of it matches itself.
 PATTERN = [1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 1, 1, 0, 0, 1, 0]
-CONTAINERS = {"mp4": ("mp4", "aac", 44100), "mkv": ("matroska", "libopus", 48000), "mka": ("matroska", "aac", 44100),
-              "ts": ("mpegts", "mp2", 44100), "m2ts": ("mpegts", "aac", 48000)}
+CONTAINERS = {"mp4": ("mp4", "aac", 44100), "mkv": ("matroska", "libopus", 48000),
+              "mka": ("matroska", "aac", 44100), "ts": ("mpegts", "mp2", 44100),
+              "m2ts": ("mpegts", "aac", 48000)}
 LAYOUTS = {1: "mono", 2: "stereo", 8: "7.1"}
 SUFFIXES = {"mp4": "mp4", "matroska": "mkv", "mpegts": "ts"}
 
@@ -168,8 +169,9 @@ def write_tone(path: Path, form: str, codec: str, channels: int, frames: int = 9
         stream.width = stream.height = 32
         stream.pix_fmt = "yuv420p"
         audio = container.add_stream(codec, rate=48000, layout=LAYOUTS[channels])
+        grey = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 128, np.uint8), format="rgb24")
         for _ in range(frames):
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), 128, np.uint8), format="rgb24")))
+            container.mux(stream.encode(grey))
         container.mux(stream.encode())
         tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(frames * 48000 // FPS) / 48000)
         write_sound(container, audio, np.repeat(tone[None].astype(np.float32), channels, 0))
@@ -190,7 +192,8 @@ def test_a_steady_tone_sounds_in_every_slot(tmp_path, form, codec, channels):
     write_tone(path, form, codec, channels)
     sound = decode.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
     slot, edge = RATE // FPS, round(0.02 * RATE)
-    levels = [float(sound[:, j * slot + edge : (j + 1) * slot - edge].pow(2).mean().sqrt()) for j in range(FPS)]
+    levels = [float(sound[:, j * slot + edge : (j + 1) * slot - edge].pow(2).mean().sqrt())
+              for j in range(FPS)]
     assert levels == pytest.approx([0.3 / 2**0.5] * FPS, rel=0.05)
 
 
@@ -212,21 +215,23 @@ def test_a_crashing_decoder_names_the_clip(tmp_path, monkeypatch):
     write_tone(path, "matroska", "flac", 2)
     item = planned(path, 9)
     monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{decode._sounds + 1}")
-    with pytest.raises(data.BadClip, match=r"^crashed the audio decoder \(SIGSEGV\), a bug in FFmpeg or PyAV"):
+    with pytest.raises(data.BadClip, match=r"^crashed the audio decoder \(SIGSEGV\), a bug in FFmpeg or "):
         data.decode_audio(item, RATE, 2)
     assert data.decode_audio(item, RATE, 2).abs().max() > 0.2
 
 
 def test_a_corrupt_stream_far_past_full_scale_is_a_bad_clip(tmp_path):
-    """Opus packets of random bytes decode to samples in the hundreds: the clip is bad input, not trained on."""
+    """Opus packets of random bytes decode to samples in the hundreds: the clip is bad input, not
+    trained on."""
     path = tmp_path / "corrupt.mkv"
     with av.open(str(path), "w", format="matroska") as container:
         stream = container.add_stream("libx264", rate=FPS)
         stream.width = stream.height = 32
         stream.pix_fmt = "yuv420p"
         audio = container.add_stream("libopus", rate=48000, layout="stereo")
+        black = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")
         for _ in range(9):
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")))
+            container.mux(stream.encode(black))
         container.mux(stream.encode())
         noise = np.random.default_rng(1)  # seeds differ: this one peaks at 258
         for k in range(60):
@@ -243,8 +248,8 @@ def test_rates_without_a_common_factor_resample_pointwise():
     output's weights are computed where needed. The same filter as the kernels' (44.1 kHz both ways), and
     a 1 kHz sine at 44,101 Hz comes out as that sine at 16 kHz."""
     noise = torch.randn(2, 44100)
-    torch.testing.assert_close(decode._resample_pointwise(noise, 441, 160, RATE), decode.resample(noise, 44100, RATE),
-                               rtol=0, atol=1e-5)
+    pointwise = decode._resample_pointwise(noise, 441, 160, RATE)
+    torch.testing.assert_close(pointwise, decode.resample(noise, 44100, RATE), rtol=0, atol=1e-5)
     sine = torch.sin(2 * torch.pi * 1000 * torch.arange(44101, dtype=torch.float64) / 44101)[None].float()
     expected = torch.sin(2 * torch.pi * 1000 * torch.arange(RATE) / RATE)[None]
     out = decode.resample(sine, 44101, RATE)
@@ -359,8 +364,8 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
     assert "audio_mask" not in entries.load_batch([flashes, flashes])
 
 
-def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tiny_model, tmp_path, monkeypatch,
-                                                                              caplog):
+def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tiny_model, tmp_path,
+                                                                              monkeypatch, caplog):
     """A 7.1 soundtrack (AAC in mp4) is encoded; a clip whose sound decoder crashes (the sound_segv fault on
     the second clip read, one decode worker) is skipped and listed with the signal, and the pass goes on.
     A run none of whose clips has sound says so, once."""
@@ -388,5 +393,5 @@ def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tin
         (root / "prompts.txt").write_text("silent\n")
         cache.prepare(load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.cache_dir": str(
             tmp_path / "other")}))), d)
-    assert caplog.text.count("data.audio is on, but none of the 1 clip(s) whose sound this pass read has an audio "
-                             "stream") == 1
+    assert caplog.text.count("data.audio is on, but none of the 1 clip(s) whose sound this pass read has an "
+                             "audio stream") == 1
