@@ -13,6 +13,7 @@ samples instead); a frame within a timestamp tick of where the previous one ende
 """
 
 import atexit
+import itertools
 import math
 import os
 import pickle
@@ -46,24 +47,20 @@ def native(path: str, first_pts: int | None, start: float, seconds: float) -> tu
 
 
 def _span(container, stream, begin: float, length: int, rate: int) -> np.ndarray | None:
+    """`length` samples at `rate` from `begin` seconds on (the container's clock), each frame placed as
+    the module says; None when the stream holds no frame from the seek on."""
     tick = float(stream.time_base)
     seek = max(math.floor(begin / tick), stream.start_time or 0)
     container.seek(seek, stream=stream, backward=True)
     frames = container.decode(stream)
     first = next(frames, None)
-    if seek > (stream.start_time or 0) and (first is None or first.pts is not None and first.pts > seek):
-        # An MPEG transport stream has no index: its seek bisects the file and can land past the span's
-        # start, or find nothing. Decode from the file's start instead.
-        container.seek(0)
-        frames = container.decode(stream)
-        first = next(frames, None)
     if first is None:
         return None
     # Packed float, reshaped here: PyAV 18.1 reports 9 planes for a planar 8-channel frame, and its
     # to_ndarray then reads past the frame (a segfault).
     to_float = av.AudioResampler(format="flt")  # any sample format to packed float, rate and layout kept
     buffer, position = np.zeros((first.layout.nb_channels, length), np.float32), None
-    for frame in _chain(first, frames):
+    for frame in itertools.chain([first], frames):
         converted = [c.to_ndarray().reshape(-1, c.layout.nb_channels) for c in to_float.resample(frame)]
         samples = np.concatenate(converted).T if converted else buffer[:, :0]
         if frame.pts is not None:
@@ -79,11 +76,6 @@ def _span(container, stream, begin: float, length: int, rate: int) -> np.ndarray
         if position >= length:
             break
     return buffer
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 class _Child:
