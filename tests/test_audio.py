@@ -162,8 +162,9 @@ def test_undecodable_sound_is_a_bad_clip(tmp_path):
         data.decode_audio(item, RATE, 2)
 
 
-def write_tone(path: Path, form: str, codec: str, channels: int, frames: int = 9) -> None:
-    """`frames` grey frames at 8 fps and as long a 440 Hz tone at 48 kHz, the same on every channel."""
+def write_tone(path: Path, form: str, codec: str, channels: int, frames: int = 9, levels=None) -> None:
+    """`frames` grey frames at 8 fps and as long a 440 Hz tone at 48 kHz, of amplitude 0.3 on every
+    channel (or channel k's levels[k])."""
     with av.open(str(path), "w", format=form) as container:
         stream = container.add_stream("libx264", rate=FPS)
         stream.width = stream.height = 32
@@ -173,8 +174,9 @@ def write_tone(path: Path, form: str, codec: str, channels: int, frames: int = 9
         for _ in range(frames):
             container.mux(stream.encode(grey))
         container.mux(stream.encode())
-        tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(frames * 48000 // FPS) / 48000)
-        write_sound(container, audio, np.repeat(tone[None].astype(np.float32), channels, 0))
+        tone = np.sin(2 * np.pi * 440 * np.arange(frames * 48000 // FPS) / 48000)
+        levels = np.full(channels, 0.3) if levels is None else np.asarray(levels)
+        write_sound(container, audio, (levels[:, None] * tone[None]).astype(np.float32))
 
 
 # Codecs in containers that users' clips carry: 7.1 in mp4 and Matroska (PyAV 18.1 segfaulted reading planar
@@ -195,6 +197,20 @@ def test_a_steady_tone_sounds_in_every_slot(tmp_path, form, codec, channels):
     levels = [float(sound[:, j * slot + edge : (j + 1) * slot - edge].pow(2).mean().sqrt())
               for j in range(FPS)]
     assert levels == pytest.approx([0.3 / 2**0.5] * FPS, rel=0.05)
+
+
+def test_surround_folds_each_side_from_its_own_channels(tmp_path):
+    """PCM 7.1 in Matroska, each channel the tone at its own level, in FFmpeg's order (front L, R,
+    centre, LFE, back L, R, side L, R): each side of the fold is its front plus 0.707 x (the centre and
+    its two surrounds), over 3.121, the LFE dropped. The packed samples come apart into their channels."""
+    path = tmp_path / "surround.mkv"
+    levels = 0.02 * np.arange(1, 9)
+    write_tone(path, "matroska", "pcm_s16le", 8, levels=levels)
+    sound = decode.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
+    amplitude = sound[:, 1000:-1000].pow(2).mean(1).sqrt() * 2**0.5
+    expected = [(levels[front] + 0.707 * levels[[2, *surrounds]].sum()) / 3.121
+                for front, surrounds in ((0, [4, 6]), (1, [5, 7]))]
+    torch.testing.assert_close(amplitude, torch.tensor(expected, dtype=torch.float32), rtol=0.01, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["ts", "m2ts"])
