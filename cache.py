@@ -224,6 +224,7 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
     threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
     written, pending, far = 0, {}, []
+    heard = [0, 0]  # clips whose sound this rank read, and those that had any
 
     def decoded(item):
         audio = None
@@ -277,6 +278,7 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
                     cache.write(item, "image", {name: tensor[j] for name, tensor in image.items()})
             if "audio" in todo[item]:
                 write_audio(item, audio)
+                heard[0], heard[1] = heard[0] + 1, heard[1] + (audio is not None)
             written += 1
             faults.fault("cache", written)
         return len(good) + len(bad), bad
@@ -284,6 +286,11 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     with ThreadPoolExecutor(workers) as pool:
         problems = run_rounds(per_rank, work, "clips", cfg, d)
     far = sorted(f for part in parallel.agree(lambda: far, d) for f in part)
+    read, sounding = (sum(counts) for counts in zip(*parallel.agree(lambda: heard, d)))
+    if read and not sounding and d.is_main:
+        log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
+                    "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
+                    "false)")
     if far and d.is_main:
         named = "; ".join(name for _, name in far[:5]) + (f"; and {len(far) - 5} more" if len(far) > 5 else "")
         log.warning(f"{len(far)} clip(s) have an image (data.image_column) that differs from their video's first "

@@ -11,7 +11,7 @@ LAYERS = {
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
     **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
                      "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "single_file",
-                     "activations", "storage",
+                     "activations", "storage", "sound_decoder",
                      *(f"families.{family}" for family in FAMILIES)], 1),
     "config": 0,
 }

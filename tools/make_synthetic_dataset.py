@@ -132,14 +132,16 @@ def add_sound_stream(container, channels: int, codec: str, rate: int):
 
 
 def write_sound(container, stream, sound: np.ndarray, start_pts: int = 0) -> None:
-    """float32 [channels, samples] encoded into `stream`, its first sample at `start_pts` (in samples)."""
+    """float32 [channels, samples] encoded into `stream`, its first sample at `start_pts` (in samples).
+    Packed frames: PyAV 18.1 cannot build planar ones of 8 channels; the encoder converts."""
     rate = stream.codec_context.sample_rate
     for start in range(0, sound.shape[1], 1024):
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(sound[:, start : start + 1024]), format="fltp",
-                                           layout=stream.layout.name)
+        packed = np.ascontiguousarray(sound[:, start : start + 1024].T).reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(packed, format="flt", layout=stream.layout.name)
         frame.sample_rate, frame.pts, frame.time_base = rate, start_pts + start, Fraction(1, rate)
         container.mux(stream.encode(frame))
-    container.mux(stream.encode())
+    # FLAC's encoder ends with an empty packet, which Matroska refuses.
+    container.mux([packet for packet in stream.encode() if packet.size])
 
 
 def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, height: int = 40, width: int = 48,
