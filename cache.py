@@ -317,7 +317,8 @@ def prepare(cfg: Config, d: parallel.Dist):
     manifest = Manifest(cache_dir)
     encoders = encoder_identity(adapter, manifest, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
-                  cfg.run.seed if cfg.model.type == "i2v" else None, "audio" in adapter.ENCODERS and cfg.data.audio)
+                  cfg.run.seed if cfg.model.type == "i2v" else None,
+                  adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d)
     if d.is_main:
         manifest.save()
