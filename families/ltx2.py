@@ -4,8 +4,9 @@ image-to-video from the same folder.
 Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream draws
 its own s (LTX-2's trainer, ltx-trainer, samples every generated modality separately) from the shifted
 logit-normal sampler of ltx-trainer, its shift set by the stream's token count; model timesteps are
-1000 s. The clean latents are the cached posteriors' means, as ltx-trainer trains. A batch
-without audio latents trains the video alone, as ltx-trainer does with no audio modality:
+1000 s. The clean latents are the cached posteriors' means, as ltx-trainer trains; the audio-video
+cross-attention is modulated as ltx-core modulates it (_cross_gates). A batch without audio latents
+trains the video alone, as ltx-trainer does with no audio modality:
 the audio stream gets no tokens and the audio-video cross-attention is off (isolate_modalities), so the
 video stream computes exactly what ltx-core computes without audio; with audio latents the loss is the
 video loss plus audio_loss_weight times the audio loss. Video latents are normalised with the VAE's
@@ -300,13 +301,38 @@ class LTX2Adapter(Adapter):
         n = len(video)
         if audio.shape[1] == 0:
             audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
-        out = transformer(
-            hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype), encoder_hidden_states=video_text,
-            audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_t,
-            sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
-            width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
-            spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=True, return_dict=False)
+        with self._cross_gates(transformer, sigma, audio_t):
+            out = transformer(
+                hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
+                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_t,
+                audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
+                width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
+                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, return_dict=False)
         return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
+
+    @contextlib.contextmanager
+    def _cross_gates(self, transformer, sigma: torch.Tensor, audio_sigma: torch.Tensor):
+        """The audio-video cross-attention's AdaLN inputs as ltx-core computes them (transformer_args.py,
+        _prepare_cross_attention_timestep): each stream's scale/shift from its own timesteps (per token: I2V's
+        image tokens at 0), its gate from the other stream's sigma. diffusers takes both from one timestep,
+        the other stream's sigma (use_cross_timestep) or the stream's own: run without use_cross_timestep and
+        give the two gates the other stream's sigma. With one sigma for both streams (T2V sampling) this
+        equals use_cross_timestep; with a sigma per stream (training with sound) or I2V's image tokens, not."""
+        c = self.transformer_config
+        factor = c["cross_attn_timestep_scale_multiplier"] / c["timestep_scale_multiplier"]
+        model = getattr(transformer, "module", transformer)  # DDP's wrapper
+
+        def other(sigma):
+            # The gate's AdaLN is called with (timestep x factor, batch_size=..., hidden_dtype=...).
+            return lambda module, args, kwargs: ((sigma.flatten().to(args[0]) * factor, *args[1:]), kwargs)
+
+        gates = {model.av_cross_attn_video_a2v_gate: audio_sigma, model.av_cross_attn_audio_v2a_gate: sigma}
+        hooks = [gate.register_forward_pre_hook(other(s), with_kwargs=True) for gate, s in gates.items()]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
         """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at sigmas [B],

@@ -4,6 +4,8 @@ other stream's sigma), the audio VAE in fp32, and the encoders' means as the cle
 formulas are Lightricks/LTX-2's (packages/ltx-trainer, packages/ltx-core), written here with their files
 named."""
 
+import contextlib
+
 import pytest
 import torch
 from diffusers import AutoencoderKLLTX2Audio
@@ -37,6 +39,95 @@ def test_timestep_sampler_is_ltx_trainers(tokens):
         ours = shifted_logit_normal(tokens, torch.Generator().manual_seed(seed))
         theirs = ltx_trainer_sigma(tokens, torch.Generator().manual_seed(seed))
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def ltx_core_cross_inputs(model, video_t, video_sigma, audio_t, audio_sigma) -> dict[str, torch.Tensor]:
+    """The four audio-video cross-attention AdaLN inputs as packages/ltx-core's
+    model/transformer/transformer_args.py computes them (MultiModalTransformerArgsPreprocessor.
+    _prepare_cross_attention_timestep, called per modality with the other as cross_modality):
+    scale/shift = cross_scale_shift_adaln(modality.timesteps x timestep_scale_multiplier), per token;
+    gate = cross_gate_adaln(cross_modality.sigma x timestep_scale_multiplier x av_ca_factor),
+    av_ca_factor = av_ca_timestep_scale_multiplier / timestep_scale_multiplier. The arguments here are what
+    diffusers' transformer takes (timestep_scale_multiplier already applied: 1000 s). ltx-core's modules
+    (model/transformer/model.py) are diffusers' av_cross_attn_*: video_scale_shift, video_a2v_gate,
+    audio_scale_shift, audio_v2a_gate."""
+    factor = model.config.cross_attn_timestep_scale_multiplier / model.config.timestep_scale_multiplier
+    batch, dtype = len(video_sigma), model.proj_in.weight.dtype
+
+    def adaln(module, t):
+        out = module(t.flatten(), batch_size=batch, hidden_dtype=dtype)[0]
+        return out.view(batch, -1, out.shape[-1])
+
+    return {"temb_ca_scale_shift": adaln(model.av_cross_attn_video_scale_shift, video_t),
+            "temb_ca_audio_scale_shift": adaln(model.av_cross_attn_audio_scale_shift, audio_t),
+            "temb_ca_gate": adaln(model.av_cross_attn_video_a2v_gate, audio_sigma * factor),
+            "temb_ca_audio_gate": adaln(model.av_cross_attn_audio_v2a_gate, video_sigma * factor)}
+
+
+@contextlib.contextmanager
+def ltx_core_cross_modulation(model):
+    """diffusers' transformer `model` with ltx-core's cross-attention modulation: each call's four inputs
+    (ltx_core_cross_inputs, from the call's timesteps and sigmas) replace what every block is given."""
+    inputs = {}
+
+    def on_call(module, args, kwargs):
+        timestep, sigma = kwargs["timestep"], kwargs.get("sigma", kwargs["timestep"])
+        audio_t = kwargs.get("audio_timestep")
+        audio_t = timestep if audio_t is None else audio_t
+        audio_sigma = kwargs.get("audio_sigma")
+        inputs.update(ltx_core_cross_inputs(module, timestep, sigma, audio_t, sigma if audio_sigma is None
+                                            else audio_sigma))
+
+    def on_block(module, args, kwargs):
+        return args, {**kwargs, **inputs}
+
+    hooks = [model.register_forward_pre_hook(on_call, with_kwargs=True)]
+    hooks += [block.register_forward_pre_hook(on_block, with_kwargs=True) for block in model.transformer_blocks]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):  # noqa: F811
+    """Our forward's output equals diffusers' transformer given ltx-core's four cross-attention inputs: with a
+    sigma per stream (training with sound), and with I2V's image tokens at timestep 0 (their scale/shift their
+    own 0, not the audio's sigma); with one sigma for both it still equals the call LTX2Pipeline makes
+    (use_cross_timestep), while with a sigma per stream that call differs."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="fp32"),
+                           torch.device("cpu"))
+    transformer = adapter.load_transformer().eval()
+    c = adapter.transformer_config
+    gen = torch.Generator().manual_seed(0)
+    video = torch.randn(2, 2 * 4 * 4, c["in_channels"], generator=gen)
+    audio = torch.randn(2, 9, c["audio_in_channels"], generator=gen)
+    embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
+    video_text, audio_text = adapter._split_text(embeds)
+    sigma, audio_sigma = torch.tensor([300.0, 800.0]), torch.tensor([900.0, 100.0])
+    image_t = torch.cat([torch.zeros(2, 16), sigma[:, None].expand(2, 16)], dim=1)  # I2V: the first frame's
+
+    def diffusers_call(video_t, sigma, audio_sigma, cross_timestep=True):
+        out = transformer(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=video_text,
+                          audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_sigma,
+                          sigma=sigma, audio_sigma=audio_sigma, num_frames=2, height=4, width=4,
+                          fps=adapter.frame_rate, audio_num_frames=9, use_cross_timestep=cross_timestep,
+                          return_dict=False)
+        return torch.cat([x.flatten(1) for x in out], 1)
+
+    with torch.no_grad():
+        for video_t, audio_t in ((sigma, audio_sigma), (image_t, audio_sigma), (image_t, sigma), (sigma, sigma)):
+            ours = torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, video_t, sigma,
+                                                                      audio_t, embeds, (2, 4, 4), 9)], 1)
+            with ltx_core_cross_modulation(transformer):
+                theirs = diffusers_call(video_t, sigma, audio_t)
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+            pipelines = diffusers_call(video_t, sigma, audio_t)  # scale/shift from the other stream's sigma
+            if video_t is sigma and audio_t is sigma:
+                torch.testing.assert_close(ours, pipelines, rtol=0, atol=1e-5)
+            else:
+                assert (ours - pipelines).abs().max() > 1e-3, (variant, video_t, audio_t)
 
 
 def test_audio_vae_encodes_in_fp32(ltx2_models):  # noqa: F811
