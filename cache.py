@@ -310,6 +310,8 @@ def prepare(cfg: Config, d: parallel.Dist):
             adapter.audio_loss_weight = cfg.train.audio_loss_weight
         if cfg.data.target_fps:  # every clip's rate: LTX-2's video positions count seconds at it
             adapter.frame_rate = cfg.data.target_fps
+        if cfg.validation.do_validation:  # validate.py's renderer asks it too, for renders without training
+            adapter.clip_rate(cfg.validation.gen_fps)
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")

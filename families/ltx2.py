@@ -20,6 +20,7 @@ sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with the
 import contextlib
 import copy
 import json
+from fractions import Fraction
 from types import SimpleNamespace
 
 import numpy as np
@@ -142,6 +143,17 @@ class LTX2Adapter(Adapter):
     @property
     def published_fps(self) -> int:
         return int(FRAME_RATE)
+
+    def clip_rate(self, gen_fps: int) -> Fraction:
+        """The rate the sound was generated for, frame_rate (data.target_fps, else the pipelines' 24): the
+        pipeline makes frames / frame_rate seconds of sound (sampling_start's audio_frames), so a clip written
+        at another rate plays out of step with it; such a validation.gen_fps is refused."""
+        rate = Fraction(self.frame_rate).limit_denominator(1001)
+        if gen_fps and gen_fps != rate:
+            raise ConfigError(f"validation.gen_fps = {gen_fps}, but LTX-2 generates each clip's sound for its "
+                              f"frames at {float(rate):g} fps (data.target_fps, else the published 24): at another "
+                              f"rate picture and sound would disagree; set validation.gen_fps = 0 (that rate)")
+        return rate
 
     @property
     def audio_sample_rate(self) -> int:

@@ -10,11 +10,17 @@ import pytest
 import torch
 from diffusers import AutoencoderKLLTX2Audio
 
+import cache
 import data
-from config import ModelConfig
-from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
+import validate
+from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
+from conftest import write_toml
+from families.ltx2 import FRAME_RATE, TEXT_LENGTH, shifted_logit_normal
 from model import load_adapter
-from test_ltx2 import ltx2_models  # noqa: F401 (a fixture)
+from parallel import StopRun
+from test_ltx2 import ltx2_data, ltx2_models, ltx2_settings  # noqa: F401 (fixtures)
+from test_validate import decode_mp4
+from test_variants import one_rank_group
 
 def ltx_trainer_sigma(seq_length: int, generator: torch.Generator) -> torch.Tensor:
     """packages/ltx-trainer/src/ltx_trainer/timestep_samplers.py, ShiftedLogitNormalTimestepSampler.sample
@@ -164,3 +170,27 @@ def test_training_takes_the_encoders_means(ltx2_models):  # noqa: F811
                                              [data.keyed_generator(0, 1, i) for i in range(2)]))
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
 
+
+def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_settings, ltx2_data, tmp_path):  # noqa: F811
+    """validation.gen_fps = 0 (the default): the mp4 is written at the rate the sound was generated for
+    (data.target_fps, else 24), so the frames last as long as their sound; another gen_fps is refused before
+    the cache pass, and by validate.py's renderer (renders without training)."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))), torch.device("cpu"))
+    clip = torch.zeros(17, 32, 32, 3, dtype=torch.uint8)
+    for target_fps in (0, 30):  # what cache.prepare and validate.py's render command set
+        adapter.frame_rate = target_fps or FRAME_RATE
+        with one_rank_group() as d:
+            renderer = validate.ClipRenderer(adapter, ValidationConfig(resolution=[17, 32, 32]), DataConfig(),
+                                             str(tmp_path / str(target_fps)), d)
+            _, rate = decode_mp4(renderer.save([clip], ["step_1_prompt_0"])[0])
+        assert rate == (target_fps or 24)
+        state = adapter.sampling_start(adapter.sampler(""), 2, (17, 32, 32), torch.Generator().manual_seed(0))
+        assert abs(state.audio_frames / adapter.audio_latents_per_second - 17 / rate) <= 0.5 / 25  # one latent
+        with pytest.raises(ConfigError, match=r"validation.gen_fps = 15, but LTX-2 generates each clip's sound"):
+            validate.ClipRenderer(adapter, ValidationConfig(gen_fps=15, resolution=[17, 32, 32]), DataConfig(),
+                                  str(tmp_path), None)
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path, **{
+        "data.target_fps": 24, "validation.gen_fps": 15, "validation.do_validation": True})
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    with one_rank_group() as d, pytest.raises(StopRun, match=r"validation.gen_fps = 15, but LTX-2 generates"):
+        cache.prepare(cfg, d)
