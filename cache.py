@@ -317,6 +317,8 @@ def prepare(cfg: Config, d: parallel.Dist):
             adapter.audio_loss_weight = cfg.train.audio_loss_weight
         if cfg.data.target_fps:  # every clip's rate: LTX-2's video positions count seconds at it
             adapter.frame_rate = cfg.data.target_fps
+        if cfg.validation.do_validation:  # validate.py's renderer asks it too, for renders without training
+            adapter.clip_rate(cfg.validation.gen_fps)
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
@@ -324,7 +326,8 @@ def prepare(cfg: Config, d: parallel.Dist):
     manifest = Manifest(cache_dir)
     encoders = encoder_identity(adapter, manifest, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
-                  cfg.run.seed if cfg.model.type == "i2v" else None, "audio" in adapter.ENCODERS and cfg.data.audio)
+                  cfg.run.seed if cfg.model.type == "i2v" else None,
+                  adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d)
     if d.is_main:
         manifest.save()

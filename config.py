@@ -245,7 +245,8 @@ class ValidationConfig:
     resolution: list[int] = field(default_factory=list)
     # Frame rate written into the mp4s and the TensorBoard clips; 0: the family's published rate (CogVideoX 8,
     # CogVideoX 1.5 16, Wan 16, Wan 2.2 TI2V-5B 24; docs/models/), as the configs of published models set.
-    gen_fps: int = 15
+    # LTX-2 (sound) writes at the rate its sound was generated for (data.target_fps, else 24), no other.
+    gen_fps: int = 0
     # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say).
     images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -383,6 +384,11 @@ class Adapter:
     def other_experts(self) -> list[str]:
         """Folders of the transformers that sampling needs besides the trained one (Wan 2.2 A14B)."""
         return []
+
+    def clip_rate(self, gen_fps: int) -> Fraction:
+        """The frame rate validation's mp4s are written at: validation.gen_fps, or the published rate for 0.
+        A family with sound (LTX-2) writes at the rate its sound was generated for."""
+        return Fraction(gen_fps or self.published_fps)
 
     def check_guidance(self, cfg) -> None:
         """validation's guidance options against this model, before any compute (LTX-2 adds its STG blocks')."""

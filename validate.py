@@ -121,7 +121,8 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
 CLIP_FIX = "free space (or move run.output_dir) and launch again; a training run resumes from its last checkpoint"
 
 
-def write_mp4(path: Path, frames: torch.Tensor, fps: int, sound: torch.Tensor | None = None, rate: int = 0) -> None:
+def write_mp4(path: Path, frames: torch.Tensor, fps: Fraction, sound: torch.Tensor | None = None,
+              rate: int = 0) -> None:
     """uint8 [F, H, W, 3] -> H.264 mp4, with `sound` (float [channels, samples] at `rate`) as AAC beside it.
     yuv420p (what players accept) needs even sizes: odd ones get their last row or column repeated.
     Written under a temporary name, then renamed."""
@@ -177,7 +178,7 @@ class ClipRenderer:
         adapter.check_resolution(self.resolution, key)
         adapter.check_guidance(cfg)
         self.out_dir = Path(output_dir) / "validation_res"
-        self.fps = cfg.gen_fps or adapter.published_fps
+        self.fps = adapter.clip_rate(cfg.gen_fps)
         self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection
         # A family with sound (LTX-2) renders each clip's soundtrack too: muxed into the mp4, and in TensorBoard.
         self.sound, self.sounds = "audio" in adapter.ENCODERS, []

@@ -4,7 +4,9 @@ text- and image-to-video from the same folder.
 Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream draws
 its own s (LTX-2's trainer, ltx-trainer, samples every generated modality separately) from the shifted
 logit-normal sampler of ltx-trainer, its shift set by the stream's token count; model timesteps are
-1000 s. A batch without audio latents trains the video alone, as ltx-trainer does with no audio modality:
+1000 s. The clean latents are the cached posteriors' means, as ltx-trainer trains; the audio-video
+cross-attention is modulated as ltx-core modulates it (_cross_gates). A batch without audio latents
+trains the video alone, as ltx-trainer does with no audio modality:
 the audio stream gets no tokens and the audio-video cross-attention is off (isolate_modalities), so the
 video stream computes exactly what ltx-core computes without audio; with audio latents the loss is the
 video loss plus audio_loss_weight times the audio loss. Video latents are normalised with the VAE's
@@ -19,6 +21,7 @@ setting.
 import contextlib
 import copy
 import json
+from fractions import Fraction
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,14 +46,15 @@ from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditi
 
 import decode
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, Weights, log, resolved_config, sample_posterior, to_device
+from model_adapter import DTYPES, Adapter, Weights, log, resolved_config, to_device
 from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
 MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in diffusers' config)
 STG_BLOCKS = [28]  # the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
-# ltx-trainer's shifted logit-normal timestep sampler: its shift interpolates between these token counts.
+# ltx-trainer's shifted logit-normal timestep sampler: its shift is the line through these (tokens, shift)
+# points, extrapolated both ways (timestep_samplers.py's _get_shift_for_sequence_length clamps neither end).
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
 # model_index.json's text encoder: Gemma 3 (2.0, 2.3) or Gemma 4 (2.5); the pipelines accept these two.
 TEXT_ENCODERS = {c.__name__: c for c in (Gemma3ForConditionalGeneration,
@@ -72,8 +76,8 @@ DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
 
 def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tensor:
     """One s in [0, 1]: sigmoid(N(mu, 1)) stretched between its 0.5th and 99.9th percentiles (reflected at 1e-3),
-    or, one draw in ten, uniform in [1e-3, 1); mu grows linearly with the token count, capped at 4096."""
-    tokens = min(tokens, SHIFT_TOKENS[1])
+    or, one draw in ten, uniform in [1e-3, 1); mu grows linearly with the token count, uncapped (2.78 at the
+    shipped 121 x 512 x 768's 6,144 tokens)."""
     mu = SHIFTS[0] + (SHIFTS[1] - SHIFTS[0]) * (tokens - SHIFT_TOKENS[0]) / (SHIFT_TOKENS[1] - SHIFT_TOKENS[0])
     normal, uniform, choice = torch.randn((), generator=generator), torch.rand((), generator=generator), \
         torch.rand((), generator=generator)
@@ -92,6 +96,9 @@ class LTX2Adapter(Adapter):
     COMFY = True
     COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
     LOSS_PARTS = ("loss_video", "loss_audio")
+    # The audio VAE's precision, whatever model.dtype: ltx-trainer's process_videos.py encodes in float32
+    # ("Audio VAE needs float32 for quality"). It names the cache's audio entries.
+    AUDIO_DTYPE = "fp32"
     GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
@@ -162,6 +169,17 @@ class LTX2Adapter(Adapter):
     def published_fps(self) -> int:
         return int(FRAME_RATE)
 
+    def clip_rate(self, gen_fps: int) -> Fraction:
+        """The rate the sound was generated for, frame_rate (data.target_fps, else the pipelines' 24): the
+        pipeline makes frames / frame_rate seconds of sound (sampling_start's audio_frames), so a clip written
+        at another rate plays out of step with it; such a validation.gen_fps is refused."""
+        rate = Fraction(self.frame_rate).limit_denominator(1001)
+        if gen_fps and gen_fps != rate:
+            raise ConfigError(f"validation.gen_fps = {gen_fps}, but LTX-2 generates each clip's sound for its "
+                              f"frames at {float(rate):g} fps (data.target_fps, else the published 24): at another "
+                              f"rate picture and sound would disagree; set validation.gen_fps = 0 (that rate)")
+        return rate
+
     @property
     def audio_sample_rate(self) -> int:
         return self.audio_config["sample_rate"]
@@ -230,13 +248,14 @@ class LTX2Adapter(Adapter):
         if self._audio_vae is None:
             log.info("loading audio VAE from %s", self.path)
             self._audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae",
-                                                                     dtype=self.vae_dtype).requires_grad_(False).eval()
+                                                                     dtype=DTYPES[self.AUDIO_DTYPE])
+            self._audio_vae.requires_grad_(False).eval()
         return self._audio_vae.to(self.device)
 
     @torch.no_grad()
     def encode_mel(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The audio VAE's posterior of a log-mel spectrogram [B, channels, mel frames, mel bins]."""
-        posterior = self._load_audio_vae().encode(mel.to(self.device, self.vae_dtype)).latent_dist
+        """The audio VAE's posterior of a log-mel spectrogram [B, channels, mel frames, mel bins], in fp32."""
+        posterior = self._load_audio_vae().encode(mel.to(self.device, DTYPES[self.AUDIO_DTYPE])).latent_dist
         return posterior.mean, posterior.logvar
 
     @torch.no_grad()
@@ -246,8 +265,8 @@ class LTX2Adapter(Adapter):
         if self._vocoder is None:
             self._vocoder = self.vocoder_class.from_pretrained(self.path, subfolder="vocoder", dtype=self.vae_dtype)
             self._vocoder.requires_grad_(False).eval()
-        mel = self._load_audio_vae().decode(latents.to(self.vae_dtype), return_dict=False)[0]
-        return self._vocoder.to(self.device)(mel)[0].float()
+        mel = self._load_audio_vae().decode(latents.to(DTYPES[self.AUDIO_DTYPE]), return_dict=False)[0]
+        return self._vocoder.to(self.device)(mel.to(self.vae_dtype))[0].float()
 
     def _text(self):
         if self._text_encoder is None:
@@ -322,13 +341,38 @@ class LTX2Adapter(Adapter):
         n = len(video)
         if audio.shape[1] == 0:
             audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
-        out = transformer(
-            hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype), encoder_hidden_states=video_text,
-            audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_t,
-            sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
-            width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
-            spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=True, return_dict=False)
+        with self._cross_gates(transformer, sigma, audio_t):
+            out = transformer(
+                hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
+                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_t,
+                audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
+                width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
+                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, return_dict=False)
         return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
+
+    @contextlib.contextmanager
+    def _cross_gates(self, transformer, sigma: torch.Tensor, audio_sigma: torch.Tensor):
+        """The audio-video cross-attention's AdaLN inputs as ltx-core computes them (transformer_args.py,
+        _prepare_cross_attention_timestep): each stream's scale/shift from its own timesteps (per token: I2V's
+        image tokens at 0), its gate from the other stream's sigma. diffusers takes both from one timestep,
+        the other stream's sigma (use_cross_timestep) or the stream's own: run without use_cross_timestep and
+        give the two gates the other stream's sigma. With one sigma for both streams (T2V sampling) this
+        equals use_cross_timestep; with a sigma per stream (training with sound) or I2V's image tokens, not."""
+        c = self.transformer_config
+        factor = c["cross_attn_timestep_scale_multiplier"] / c["timestep_scale_multiplier"]
+        model = getattr(transformer, "module", transformer)  # DDP's wrapper
+
+        def other(sigma):
+            # The gate's AdaLN is called with (timestep x factor, batch_size=..., hidden_dtype=...).
+            return lambda module, args, kwargs: ((sigma.flatten().to(args[0]) * factor, *args[1:]), kwargs)
+
+        gates = {model.av_cross_attn_video_a2v_gate: audio_sigma, model.av_cross_attn_audio_v2a_gate: sigma}
+        hooks = [gate.register_forward_pre_hook(other(s), with_kwargs=True) for gate, s in gates.items()]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
         """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at sigmas [B],
@@ -355,16 +399,16 @@ class LTX2Adapter(Adapter):
                                    torch.stack([audio_loss.sum(), sound.sum().float()])]).detach()
         return video_loss + self.audio_loss_weight * audio_loss, video_loss, audio_loss
 
-    def _clean(self, batch, generators):
+    def _clean(self, batch):
         """Packed clean latents, video [B, tokens, C] and audio [B, audio tokens, C'] (none without the batch's
-        audio entries), each a posterior sample (its mean without generators); which samples have sound [B]
-        (load_batch's audio_mask in a batch mixing clips with and without); the video's latent shape."""
+        audio entries): the posteriors' means, what ltx-trainer trains on (ltx-core's encoders return the
+        normalised means; docs/models/ltx2.md); which samples have sound [B] (load_batch's audio_mask in a
+        batch mixing clips with and without); the video's latent shape."""
         mean = batch["latent_mean"].to(self.device)
-        x0 = self._pack(self._normalise(sample_posterior(mean, batch["latent_logvar"].to(self.device), generators)))
+        x0 = self._pack(self._normalise(mean.float()))
         sound = torch.zeros(len(x0), device=self.device)
         if "audio_latent_mean" in batch:
-            audio = sample_posterior(batch["audio_latent_mean"].to(self.device),
-                                     batch["audio_latent_logvar"].to(self.device), generators)
+            audio = batch["audio_latent_mean"].to(self.device).float()
             a0 = self._normalise_audio(LTX2Pipeline._pack_audio_latents(audio))
             sound = batch["audio_mask"].to(self.device).float() if "audio_mask" in batch else sound + 1
         else:
@@ -373,12 +417,12 @@ class LTX2Adapter(Adapter):
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and position in the
-        global batch) draws, in order: the video posterior sample, the audio one, the video s, the audio s, the
-        video noise, the audio noise. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
-        [B, C', L, M'], the audio VAE's posterior) add audio_loss_weight x the audio loss. A clip without sound in
-        a batch with sound (audio_mask false) has an audio stream of pure noise at s = 1, where generation
-        starts, and no audio loss; a batch without sound runs the video stream alone."""
-        x0, a0, sound, shape = self._clean(batch, generators)
+        global batch) draws, in order: the video s, the audio s, the video noise, the audio noise. Audio
+        entries (the audio cache's audio_latent_mean and audio_latent_logvar, [B, C', L, M'], the audio VAE's
+        posterior) add audio_loss_weight x the audio loss. A clip without sound in a batch with sound
+        (audio_mask false) has an audio stream of pure noise at s = 1, where generation starts, and no audio
+        loss; a batch without sound runs the video stream alone."""
+        x0, a0, sound, shape = self._clean(batch)
         sigmas = to_device(torch.stack([shifted_logit_normal(x0.shape[1], g) for g in generators]), self.device)
         audio_sigmas = to_device(torch.stack([shifted_logit_normal(max(a0.shape[1], 1), g) for g in generators]),
                                  self.device)
@@ -393,7 +437,7 @@ class LTX2Adapter(Adapter):
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
         """The loss of one cached clip (its posterior means) at each of `timesteps` for both streams, the same noise;
         self.losses sums each stream's over the timesteps."""
-        x0, a0, sound, shape = self._clean(batch, None)
+        x0, a0, sound, shape = self._clean(batch)
         noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
         audio_noise = torch.randn(a0.shape[1:], generator=generator).to(self.device)
         n = len(timesteps)

@@ -201,7 +201,11 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     with the base model and with our exported LoRA loaded by load_lora_weights, with plain classifier-free
     guidance and with the pipelines' own terms (STG on 2.3, modality isolation, rescale, the sound's scale); the ComfyUI file loads through
     the same loader's conversion to the same transformer; the sft export loads with from_pretrained and
-    computes what the checkpoint's weights compute."""
+    computes what the checkpoint's weights compute. Image-to-video: the pipeline's transformer takes
+    ltx-core's audio-video cross-attention modulation (the image tokens' scale/shift at their own timestep
+    0, as ours; diffusers' use_cross_timestep gives them the audio's sigma: test_ltx2_training)."""
+    from test_ltx2_training import ltx_core_cross_modulation  # here: that module imports this one's fixture
+
     path = ltx2_models(model_of(variant))
     lora_file, cfg, adapter = lora_and_sft_runs(ltx2_settings(variant, ltx2_models, base_settings, ltx2_data,
                                                               tmp_path / "lora", **EXTRA.get(variant, {})), tmp_path)
@@ -218,7 +222,9 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
 
     pipe = VARIANTS[variant][1].from_pretrained(str(path))
     pipe.set_progress_bar_config(disable=True)
-    with one_rank_group() as d:
+    i2v = VARIANTS[variant][0] == "i2v"
+    modulation = ltx_core_cross_modulation if i2v else lambda transformer: contextlib.nullcontext()
+    with one_rank_group() as d, modulation(pipe.transformer):
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         for source in (None, lora_file):
             model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
