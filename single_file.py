@@ -170,6 +170,14 @@ class SingleFile(Weights):
                               f"{self.file_keys[unexpected[0]]}): the file is of another variant")
         self.keys = [k for k in expected if k in self.entries]
 
+    def fp8_source(self, key: str, start: int, count: int) -> tuple[torch.Tensor, float | None]:
+        """For model.storage_dtype = "fp8": a weight the file stores as storage.py keeps one (float8_e4m3fn,
+        one scale for its rows; 1 for a plain cast) as it is stored, rounded once, by the file's maker; any
+        other (float8_e5m2 too) at full precision, an fp8 one dequantized, to be quantized once."""
+        if self.entries[key][1] == torch.float8_e4m3fn:
+            return Weights._rows(self, key, start, count), self.scales.get(key, 1.0)
+        return super().fp8_source(key, start, count)
+
     def _rows(self, key: str, start: int, count: int) -> torch.Tensor:
         rows = super()._rows(key, start, count)
         if rows.dtype in FP8:  # ComfyUI's dequantization: the stored value times the layer's scale, in fp32
