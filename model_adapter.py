@@ -409,6 +409,18 @@ class Adapter:
         uncond, cond = prediction.chunk(2)
         return uncond + self.guidance_scale(cfg, state, t) * (cond - uncond)
 
+    @classmethod
+    def single_file_tables(cls, config: dict) -> dict[str, torch.Tensor]:
+        """Tensors tools/to_single_file.py writes beside the weights of a transformer built from `config`,
+        under their diffusers names, for other readers' sake (CogVideoX 2b's sincos table, for ComfyUI's
+        model detection)."""
+        return {}
+
+    def single_file_extra(self, key: str) -> bool:
+        """Whether a single file's key (its own name, without ComfyUI's prefix) holds something besides the
+        transformer's weights, which reading skips (LTX-2's text connectors; CogVideoX 2b's sincos table)."""
+        return False
+
     def comfy_key(self, module: str) -> str | None:
         """A LoRA module's name in the original checkpoint's layout (ComfyUI's), or None if the family has none."""
         return None

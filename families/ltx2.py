@@ -18,6 +18,7 @@ sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with the
 import contextlib
 import copy
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -49,6 +50,26 @@ TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
 MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in diffusers' config)
 STG_BLOCKS = [28]  # the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
+# Lightricks' single files (ltx-2-19b-dev.safetensors, LTX-2.3's): ltx-core's transformer under
+# model.diffusion_model., named as diffusers' but for these substrings, replaced in this order (diffusers'
+# scripts/convert_ltx2_to_diffusers.py, LTX_2_3_TRANSFORMER_KEYS_RENAME_DICT: LTX_2_0_'s and 2.3's prompt
+# AdaLNs), and for a leading adaln_single. or audio_adaln_single. (convert_ltx2_transformer_adaln_single,
+# applied after them). docs/models/ltx2.md, "Single files".
+ORIGINAL_NAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
+                  "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
+                  "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
+                  "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
+                  "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
+                  "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
+                  "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
+                  "q_norm": "norm_q", "k_norm": "norm_k",
+                  "audio_prompt_adaln_single": "audio_prompt_adaln", "prompt_adaln_single": "prompt_adaln"}
+ORIGINAL_STARTS = {"adaln_single.": "time_embed.", "audio_adaln_single.": "audio_time_embed."}
+# The text connectors the same file holds beside the transformer, which diffusers keeps in another folder
+# (split_transformer_and_connector_state_dict's prefixes); the VAEs and the vocoder are outside the prefix.
+CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector", "transformer_1d_blocks",
+                      "text_embedding_projection", "connectors.", "video_connector", "audio_connector",
+                      "text_proj_in")
 # ltx-trainer's shifted logit-normal timestep sampler: its shift interpolates between these token counts.
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
 
@@ -73,6 +94,7 @@ class LTX2Adapter(Adapter):
                 "audio": ("audio_vae",)}
     TRANSFORMER, VAE, TEXT_ENCODER = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video, Gemma3ForConditionalGeneration
     COMFY = True
+    SINGLE_FILE_KEY = "audio_adaln_single.linear.weight"  # what ComfyUI's detection knows LTX-2 by ("ltxav")
     COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
     LOSS_PARTS = ("loss_video", "loss_audio")
     GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
@@ -156,6 +178,34 @@ class LTX2Adapter(Adapter):
 
     def diffusers_key(self, original: str) -> str | None:
         return original if original.startswith("transformer_blocks.") else None
+
+    @staticmethod
+    def single_file_key(key: str) -> str:
+        """A state-dict key's name in Lightricks' single files: ORIGINAL_NAMES and ORIGINAL_STARTS undone."""
+        for original, ours in ORIGINAL_STARTS.items():
+            if key.startswith(ours):
+                key = original + key.removeprefix(ours)
+        # One pass, the longest name first where two start at one place: replaced one by one, prompt_adaln's
+        # inverse would find audio_prompt_adaln_single's "audio_prompt_adaln" again.
+        inverse = {ours: original for original, ours in ORIGINAL_NAMES.items()}
+        longest_first = "|".join(sorted(map(re.escape, inverse), key=len, reverse=True))
+        return re.sub(longest_first, lambda m: inverse[m[0]], key)
+
+    @staticmethod
+    def diffusers_names(keys: list[str]) -> dict[str, str]:
+        """Lightricks' names -> diffusers', as diffusers' conversion script renames them."""
+        def renamed(key: str) -> str:
+            for original, ours in ORIGINAL_NAMES.items():
+                key = key.replace(original, ours)
+            for original, ours in ORIGINAL_STARTS.items():
+                if key.startswith(original) and key.endswith((".weight", ".bias")):
+                    key = ours + key.removeprefix(original)
+            return key
+        return {k: renamed(k) for k in keys}
+
+    def single_file_extra(self, key: str) -> bool:
+        """Lightricks' files hold the text connectors beside the transformer, under the same prefix."""
+        return key.startswith(CONNECTOR_PREFIXES)
 
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
