@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import data
 import parallel
+import storage
 from cache import prepare
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from conftest import write_toml
@@ -157,13 +158,17 @@ def test_fsdp_reads_each_ranks_rows_of_a_scaled_fp8_file(folders, tmp_path):
     assert [k for k, v in frozen.items() if not torch.equal(v, plain[k])] == []
 
 
-@pytest.mark.parametrize("form", ["cast", "scaled"])
+@pytest.mark.parametrize("form", ["cast", "scaled", "e5m2"])
 def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path):
     """model.storage_dtype = "fp8" on an fp8 file (a plain cast, ComfyUI's scaled fp8): each of its fp8
     weights keeps the file's bytes and its scale (1 for a cast), spread to every row in fp32, without
-    FSDP and under it (one rank): rounded once, by the file's maker, not dequantized and quantized again."""
+    FSDP and under it (one rank): rounded once, by the file's maker, not dequantized and quantized again.
+    An e5m2 cast, which storage.py does not keep, is quantized once from its values at full precision."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=form == "scaled")
+    if form == "e5m2":
+        save_file({k: v.to(torch.float8_e5m2) if v.dtype == torch.float8_e4m3fn else v
+                   for k, v in load_file(path).items()}, path)
     adapter = load_adapter(ModelConfig(path=str(folders["wan"]), family="wan", dtype="bf16", storage_dtype="fp8",
                                        transformer_file=str(path)), torch.device("cpu"))
     whole = dict(adapter.load_transformer().named_parameters())
@@ -173,10 +178,15 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
         sharded = {k: v.full_tensor() for k, v in model.named_parameters() if isinstance(v, torch.distributed.tensor.DTensor)}
         del model
     stored = load_file(path)
-    fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].dtype == torch.float8_e4m3fn}
+    fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].dtype.itemsize == 1}
     assert fp8
     for params in (whole, sharded):
         for key, name in fp8.items():
+            if form == "e5m2":
+                quantized, scale = storage.quantize(stored[name].float())
+                assert torch.equal(params[key].view(torch.uint8), quantized.view(torch.uint8)), key
+                assert torch.equal(params[f"{key}_scale"], scale), key
+                continue
             scale = stored.get(name.removesuffix("weight") + "scale_weight", torch.tensor(1.0))
             assert params[key].dtype == torch.float8_e4m3fn and params[f"{key}_scale"].dtype == torch.float32
             assert torch.equal(params[key].view(torch.uint8), stored[name].view(torch.uint8)), key
