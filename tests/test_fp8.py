@@ -59,7 +59,8 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
     for name, param in plain.named_parameters():
         if name in block_linears:
             assert params[name].dtype == torch.float8_e4m3fn and params[name].shape == param.shape
-            assert params[f"{name}_scale"].dtype == torch.float32 and params[f"{name}_scale"].shape == (param.shape[0], 1)
+            scale = params[f"{name}_scale"]
+            assert scale.dtype == torch.float32 and scale.shape == (param.shape[0], 1)
             assert params[name].nbytes * 2 == param.nbytes
         else:
             assert torch.equal(params[name], param), name  # bitwise the bf16 model's
@@ -70,16 +71,18 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
     assert 0 < error < TOLERANCE
 
     module = fp8.get_submodule(sorted(block_linears)[0].removesuffix(".weight"))
-    per_tensor = storage.Fp8Linear(module.weight.data, module.weight_scale[:1, 0].clone(), module.bias, torch.bfloat16)
+    per_tensor = storage.Fp8Linear(module.weight.data, module.weight_scale[:1, 0].clone(), module.bias,
+                                   torch.bfloat16)
     assert per_tensor.weight_scale.shape == module.weight_scale.shape
     assert torch.equal(storage.weight(per_tensor),
                        (module.weight.float() * module.weight_scale[0]).to(torch.bfloat16))
 
 
 def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
-    """model.dtype = "fp16": a row of zeros and a row of weights below 2.7e-5 (whose scale, max / 448, is under
-    fp16's smallest value, 6e-8) come back as zeros and as themselves within fp8's rounding, and the model's
-    output is finite: the scales are kept in fp32, not in fp16, where they would be 0 and the rows NaN."""
+    """model.dtype = "fp16": a row of zeros and a row of weights below 2.7e-5 (whose scale, max / 448, is
+    under fp16's smallest value, 6e-8) come back as zeros and as themselves within fp8's rounding, and the
+    model's output is finite: the scales are kept in fp32, not in fp16, where they would be 0 and the rows
+    NaN."""
     folder = shutil.copytree(tiny_model, tmp_path / "model")
     file = folder / "transformer" / "diffusion_pytorch_model.safetensors"
     weights = load_file(file)
@@ -87,7 +90,8 @@ def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
     weights[name][0] = 0
     weights[name][1] *= 1e-5 / weights[name][1].abs().max()
     save_file(weights, file)
-    adapter = load_adapter(ModelConfig(path=str(folder), dtype="fp16", storage_dtype="fp8"), torch.device("cpu"))
+    cfg = ModelConfig(path=str(folder), dtype="fp16", storage_dtype="fp8")
+    adapter = load_adapter(cfg, torch.device("cpu"))
     model = adapter.load_transformer()
     upcast = storage.weight(model.get_submodule(name.removesuffix(".weight")))
     assert upcast.dtype == torch.float16 and torch.isfinite(upcast).all()

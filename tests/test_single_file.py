@@ -47,6 +47,11 @@ def tensors(transformer) -> dict[str, torch.Tensor]:
     return {**dict(transformer.named_buffers()), **dict(transformer.named_parameters())}
 
 
+def differing(got: dict, expected: dict) -> list[str]:
+    """The keys whose tensors differ in dtype or in value."""
+    return [k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])]
+
+
 def first_step_loss(adapter, transformer) -> torch.Tensor:
     """The per-sample loss of step 1 on a batch of two clips (9x32x32) with the trainer's keyed draws, in
     the trainer's bf16 autocast."""
@@ -169,16 +174,17 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
     if form == "e5m2":
         save_file({k: v.to(torch.float8_e5m2) if v.dtype == torch.float8_e4m3fn else v
                    for k, v in load_file(path).items()}, path)
-    adapter = load_adapter(ModelConfig(path=str(folders["wan"]), family="wan", dtype="bf16", storage_dtype="fp8",
-                                       transformer_file=str(path)), torch.device("cpu"))
+    cfg = ModelConfig(path=str(folders["wan"]), family="wan", storage_dtype="fp8", transformer_file=str(path))
+    adapter = load_adapter(cfg, torch.device("cpu"))
     whole = dict(adapter.load_transformer().named_parameters())
     train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
     with one_rank_group() as d:
         model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
-        sharded = {k: v.full_tensor() for k, v in model.named_parameters() if isinstance(v, torch.distributed.tensor.DTensor)}
+        sharded = {k: v.full_tensor() for k, v in model.named_parameters()
+                   if isinstance(v, torch.distributed.tensor.DTensor)}
         del model
     stored = load_file(path)
-    fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].dtype.itemsize == 1}
+    fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].itemsize == 1}
     assert fp8
     for params in (whole, sharded):
         for key, name in fp8.items():
@@ -210,9 +216,10 @@ def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
 
 def comfyui_detection(keys) -> dict:
     """What ComfyUI's model detection makes of a CogVideoX file's positions (comfy/model_detection.py,
-    detect_unet_config's CogVideoX branch, at comfyanonymous/ComfyUI 3e4d15a4f70f5de24f426d9681d8505d42bf19d7):
-    with patch_embed.pos_embedding, learned positions and no rotary embeddings; without it, rotary ones. Its
-    model (comfy/ldm/cogvideo/model.py there) adds sincos positions whenever it has no rotary embeddings."""
+    detect_unet_config's CogVideoX branch, at comfyanonymous/ComfyUI
+    3e4d15a4f70f5de24f426d9681d8505d42bf19d7): with patch_embed.pos_embedding, learned positions and no
+    rotary embeddings; without it, rotary ones. Its model (comfy/ldm/cogvideo/model.py there) adds sincos
+    positions whenever it has no rotary embeddings."""
     learned = "patch_embed.pos_embedding" in keys
     return {"use_learned_positional_embeddings": learned, "use_rotary_positional_embeddings": not learned}
 
@@ -238,16 +245,17 @@ def test_cogvideox_files_hold_comfyuis_state_dict(variant, tiny_models, tmp_path
     (model.dtype bf16, as the file's), accepting 2b's table."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(tiny_models(variant)), str(path))
-    cfg = ModelConfig(path=str(tiny_models(variant)), type=MODELS["cogvideox"][1] if "i2v" in variant else "t2v")
+    cfg = ModelConfig(path=str(tiny_models(variant)), type="i2v" if "i2v" in variant else "t2v")
     adapter = load_adapter(cfg, torch.device("cpu"))
     stored = load_file(path)
-    detected = comfyui_detection(stored)
-    assert detected["use_rotary_positional_embeddings"] == adapter.transformer_config["use_rotary_positional_embeddings"]
-    assert set(stored) == comfyui_keys({**adapter.transformer_config, **detected})
+    detected, config = comfyui_detection(stored), adapter.transformer_config
+    assert detected["use_rotary_positional_embeddings"] == config["use_rotary_positional_embeddings"]
+    assert set(stored) == comfyui_keys({**config, **detected})
     folder = tensors(adapter.load_transformer())
-    read = tensors(load_adapter(dataclasses.replace(cfg, transformer_file=str(path)), torch.device("cpu")).load_transformer())
+    file_cfg = dataclasses.replace(cfg, transformer_file=str(path))
+    read = tensors(load_adapter(file_cfg, torch.device("cpu")).load_transformer())
     assert read.keys() == folder.keys()
-    assert [k for k in folder if read[k].dtype != folder[k].dtype or not torch.equal(read[k], folder[k])] == []
+    assert differing(read, folder) == []
     if variant == "2b":  # diffusers' own table, the one its non-persistent buffer holds
         torch.testing.assert_close(stored["patch_embed.pos_embedding"].float(),
                                    folder["patch_embed.pos_embedding"].float(), rtol=2**-8, atol=0)
@@ -292,9 +300,9 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
 
 
 def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, tmp_path):
-    """ComfyUI's old scaled fp8 layout: a file with one .scale_weight missing (that layer would be read 1/scale,
-    thousands of times, too large) and a file without the scaled_fp8 marker (every scale would be dropped) are
-    refused when the adapter loads, naming the file and the key."""
+    """ComfyUI's old scaled fp8 layout: a file with one .scale_weight missing (that layer would be read
+    1 / scale, thousands of times, too large) and a file without the scaled_fp8 marker (every scale would
+    be dropped) are refused when the adapter loads, naming the file and the key."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=True)
     stored = load_file(path)
@@ -302,21 +310,23 @@ def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, t
     save_file({k: v for k, v in stored.items() if k != scale}, tmp_path / "one-scale-missing.safetensors")
     save_file({k: v for k, v in stored.items() if k != "scaled_fp8"}, tmp_path / "no-marker.safetensors")
     layer = scale.removesuffix(".scale_weight")
-    cases = {"one-scale-missing": f"layer {layer} is quantized as float8_e4m3fn but the file lacks its scale, {scale}",
-             "no-marker": "holds ComfyUI's old fp8 scales (blocks.0.cross_attn.k.scale_weight, ...) but not the "
-                          "scaled_fp8 key"}
+    cases = {"one-scale-missing": f"layer {layer} is quantized as float8_e4m3fn but the file lacks its "
+                                  f"scale, {scale}",
+             "no-marker": "holds ComfyUI's old fp8 scales (blocks.0.cross_attn.k.scale_weight, ...) but not "
+                          "the scaled_fp8 key"}
     for name, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             adapter_for("wan", folders["wan"], str(tmp_path / f"{name}.safetensors"))
 
 
-def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_models, tmp_path):
+def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_models, tmp_path):  # noqa: F811
     """model.transformer_file given a folder, a diffusers folder's transformer file (under its own name and
     under another), a PyTorch pickle, a GGUF file (refused by its first bytes: a header length read from them
     would be gigabytes) or a file whose JSON header is not safetensors': each message says which it is."""
     wan = folders["wan"]
     diffusers_file = wan / "transformer" / "diffusion_pytorch_model.safetensors"
-    shutil.copy(ltx2_models("2.0") / "transformer" / "diffusion_pytorch_model.safetensors", tmp_path / "ltx2.safetensors")
+    shutil.copy(ltx2_models("2.0") / "transformer" / "diffusion_pytorch_model.safetensors",
+                tmp_path / "ltx2.safetensors")
     torch.save(load_file(diffusers_file), tmp_path / "model.ckpt")
     (tmp_path / "model.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
     header = json.dumps({"weight": {"dtype": "BF16", "shape": [2]}}).encode()
@@ -330,15 +340,17 @@ def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_mo
              ("wan", wan, tmp_path / "odd.safetensors", "its header's entry 'weight' is not a tensor's")]
     for family, folder, path, message in cases:
         with pytest.raises(ConfigError, match=re.escape(f"model.transformer_file = {path}")) as refused:
-            load_adapter(ModelConfig(path=str(folder), family=family, transformer_file=str(path)), torch.device("cpu"))
+            cfg = ModelConfig(path=str(folder), family=family, transformer_file=str(path))
+            load_adapter(cfg, torch.device("cpu"))
         assert message in str(refused.value), (path.name, str(refused.value))
 
 
-# How diffusers' scripts/convert_ltx2_to_diffusers.py (huggingface/diffusers 58eb52c0803ea9af3abec60841c2a093bdf1f951)
-# reads Lightricks' files (ltx-2-19b-dev.safetensors, LTX-2.3's): get_model_state_dict_from_combined_ckpt takes the
-# keys under model.diffusion_model., split_transformer_and_connector_state_dict sets the connectors apart,
-# convert_ltx2_transformer replaces LTX_2_0_ (2.3: LTX_2_3_) TRANSFORMER_KEYS_RENAME_DICT's substrings in order,
-# then convert_ltx2_transformer_adaln_single renames a leading adaln_single. / audio_adaln_single.
+# How diffusers' scripts/convert_ltx2_to_diffusers.py (huggingface/diffusers
+# 58eb52c0803ea9af3abec60841c2a093bdf1f951) reads Lightricks' files (ltx-2-19b-dev.safetensors, LTX-2.3's):
+# get_model_state_dict_from_combined_ckpt takes the keys under model.diffusion_model.,
+# split_transformer_and_connector_state_dict sets the connectors apart, convert_ltx2_transformer replaces
+# LTX_2_0_ (2.3: LTX_2_3_) TRANSFORMER_KEYS_RENAME_DICT's substrings in order, then
+# convert_ltx2_transformer_adaln_single renames a leading adaln_single. / audio_adaln_single.
 LTX2_RENAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
                 "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
                 "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
@@ -347,29 +359,31 @@ LTX2_RENAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_i
                 "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
                 "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
                 "q_norm": "norm_q", "k_norm": "norm_k"}
-LTX2_3_RENAMES = {**LTX2_RENAMES, "audio_prompt_adaln_single": "audio_prompt_adaln", "prompt_adaln_single": "prompt_adaln"}
-LTX2_CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector", "transformer_1d_blocks",
-                           "text_embedding_projection", "connectors.", "video_connector", "audio_connector", "text_proj_in")
+LTX2_3_RENAMES = {**LTX2_RENAMES, "audio_prompt_adaln_single": "audio_prompt_adaln",
+                  "prompt_adaln_single": "prompt_adaln"}
+LTX2_CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector",
+                           "transformer_1d_blocks", "text_embedding_projection", "connectors.",
+                           "video_connector", "audio_connector", "text_proj_in")
 # LTX_2_0_ / LTX_2_3_CONNECTORS_KEYS_RENAME_DICT read backwards: the connectors' names in Lightricks' files.
 LTX2_CONNECTOR_NAMES = {"video_text_proj_in": "text_embedding_projection.video_aggregate_embed",
                         "audio_text_proj_in": "text_embedding_projection.audio_aggregate_embed",
                         "text_proj_in": "text_embedding_projection.aggregate_embed",
-                        "video_connector": "video_embeddings_connector", "audio_connector": "audio_embeddings_connector",
+                        "video_connector": "video_embeddings_connector",
+                        "audio_connector": "audio_embeddings_connector",
                         "transformer_blocks": "transformer_1d_blocks", "norm_q": "q_norm", "norm_k": "k_norm"}
 
 
 def diffusers_ltx2_transformer(combined: dict, version: str) -> dict:
     """The transformer's state dict diffusers' conversion script makes of a Lightricks file."""
     renames = LTX2_3_RENAMES if version == "2.3" else LTX2_RENAMES
-    state = {}
+    state, starts = {}, {"adaln_single.": "time_embed.", "audio_adaln_single.": "audio_time_embed."}
     for key, tensor in combined.items():
-        if not key.startswith("model.diffusion_model.") or key.removeprefix("model.diffusion_model.").startswith(
-                LTX2_CONNECTOR_PREFIXES):
+        prefix, _, key = key.partition("model.diffusion_model.")
+        if prefix or not key or key.startswith(LTX2_CONNECTOR_PREFIXES):
             continue
-        key = key.removeprefix("model.diffusion_model.")
         for original, new in renames.items():
             key = key.replace(original, new)
-        for original, new in {"adaln_single.": "time_embed.", "audio_adaln_single.": "audio_time_embed."}.items():
+        for original, new in starts.items():
             if key.startswith(original) and (".weight" in key or ".bias" in key):
                 key = new + key.removeprefix(original)
         state[key] = tensor
@@ -377,26 +391,29 @@ def diffusers_ltx2_transformer(combined: dict, version: str) -> dict:
 
 
 def lightricks_file(folder, out):
-    """The tiny model as Lightricks lay theirs out: the transformer under model.diffusion_model. in ltx-core's names
-    (tools/to_single_file.py), the text connectors beside it in theirs, the text projection outside the prefix (as
-    some of their files have it), the VAEs and the vocoder under vae., audio_vae. and vocoder. (their own names
-    there do not matter: nothing reads them)."""
+    """The tiny model as Lightricks lay theirs out: the transformer under model.diffusion_model. in ltx-core's
+    names (tools/to_single_file.py), the text connectors beside it in theirs, the text projection outside the
+    prefix (as some of their files have it), the VAEs and the vocoder under vae., audio_vae. and vocoder.
+    (their own names there do not matter: nothing reads them)."""
     to_single_file(str(folder), str(out), prefix=True)
     combined = load_file(out)
     for key, tensor in load_file(folder / "connectors" / "diffusion_pytorch_model.safetensors").items():
         name = re.sub("|".join(LTX2_CONNECTOR_NAMES), lambda m: LTX2_CONNECTOR_NAMES[m[0]], key)
-        combined[name if name.startswith("text_embedding_projection") else f"model.diffusion_model.{name}"] = tensor
+        outside = name.startswith("text_embedding_projection")
+        combined[name if outside else f"model.diffusion_model.{name}"] = tensor
     for part in ("vae", "audio_vae", "vocoder"):
-        combined |= {f"{part}.{k}": v for k, v in load_file(folder / part / "diffusion_pytorch_model.safetensors").items()}
+        part_file = folder / part / "diffusion_pytorch_model.safetensors"
+        combined |= {f"{part}.{k}": v for k, v in load_file(part_file).items()}
     save_file(combined, out)
     return combined
 
 
 @pytest.mark.parametrize("version", ["2.0", "2.3"])
-def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tmp_path):
-    """A file laid out as ltx-2-19b-dev.safetensors (LTX-2.3's as 2.3's): diffusers' conversion script turns its
-    transformer part into the folder's state dict, and model.transformer_file reads the transformer from it,
-    skipping the connectors, VAEs and vocoder, to the folder's weights (bf16, as the file's), bit for bit."""
+def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tmp_path):  # noqa: F811
+    """A file laid out as ltx-2-19b-dev.safetensors (LTX-2.3's as 2.3's): diffusers' conversion script turns
+    its transformer part into the folder's state dict, and model.transformer_file reads the transformer from
+    it, skipping the connectors, VAEs and vocoder, to the folder's weights (bf16, as the file's), bit for
+    bit."""
     folder, path = ltx2_models(version), tmp_path / "ltx-2-19b-dev.safetensors"
     combined = lightricks_file(folder, path)
     assert any(k.startswith("model.diffusion_model.video_embeddings_connector.") for k in combined)
@@ -406,6 +423,7 @@ def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tm
     assert all(torch.equal(converted[k], expected[k].to(torch.bfloat16)) for k in expected)
     cfg = ModelConfig(path=str(folder), family="ltx2", dtype="bf16")
     theirs = tensors(load_adapter(cfg, torch.device("cpu")).load_transformer())
-    ours = tensors(load_adapter(dataclasses.replace(cfg, transformer_file=str(path)), torch.device("cpu")).load_transformer())
+    file_cfg = dataclasses.replace(cfg, transformer_file=str(path))
+    ours = tensors(load_adapter(file_cfg, torch.device("cpu")).load_transformer())
     assert ours.keys() == theirs.keys()
-    assert [k for k in theirs if ours[k].dtype != theirs[k].dtype or not torch.equal(ours[k], theirs[k])] == []
+    assert differing(ours, theirs) == []
