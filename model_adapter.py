@@ -266,7 +266,7 @@ class Adapter:
         memory, where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first
         forward; the others' on the device. With model.storage_dtype = "fp8" the blocks' linear weights are
         quantized as they are read, one tensor (or one rank's rows) at a time: no copy of the whole model in
-        model.dtype ever exists."""
+        model.dtype ever exists (a single file's float8_e4m3fn weights are kept as stored, fp8_source)."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
         from_file = self.single_file is not None and folder == self.transformer_folder  # model.transformer_file

@@ -111,15 +111,19 @@ def read_scales(stored: dict, metadata: dict) -> dict[str, float]:
         layers = {k.removesuffix(".weight"): {"format": "float8_e4m3fn"} for k, entry in stored.items()
                   if k.endswith(".weight") and entry[1] in FP8}
         scale_key = "scale_weight"
-    elif any(k.endswith(".scale_weight") for k in stored):  # read as plain casts, every scale would be lost
-        first = next(k for k in stored if k.endswith(".scale_weight"))
-        raise ConfigError(f"model.transformer_file = {stored[first][0]} holds ComfyUI's old fp8 scales "
-                          f"({first}, ...) but not the scaled_fp8 key that marks such a file, so whether "
-                          "they apply is unknown: the file is incomplete or was re-saved without it; "
-                          "download it again")
     for key in [k for k in stored if k.endswith(".comfy_quant")]:
         config = _read_small(stored[key][0], stored[key][1:])  # the layer's JSON, as uint8
         layers[key.removesuffix(".comfy_quant")] = json.loads(bytes(config.tolist()))
+    # An fp8 weight with a scale beside it that no marker or metadata assigns would be read as a plain cast.
+    unassigned = [k for k in stored if k.endswith((".scale_weight", ".weight_scale"))
+                  and k.rpartition(".")[0] not in layers and stored.get(f"{k.rpartition('.')[0]}.weight",
+                                                                         (None, None))[1] in FP8]
+    if unassigned:
+        raise ConfigError(f"model.transformer_file = {stored[unassigned[0]][0]} holds fp8 scales "
+                          f"({unassigned[0]}, ...) that neither ComfyUI's scaled_fp8 key nor its quantization "
+                          "metadata (_quantization_metadata, .comfy_quant) assign to their layers, so whether "
+                          "they apply is unknown: the file is incomplete or was re-saved without them; "
+                          "download it again")
     scales = {}
     for layer, layer_config in layers.items():
         where = f"model.transformer_file = {stored[f'{layer}.weight'][0]}: layer {layer}"

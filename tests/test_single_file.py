@@ -302,7 +302,8 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
 def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, tmp_path):
     """ComfyUI's old scaled fp8 layout: a file with one .scale_weight missing (that layer would be read
     1 / scale, thousands of times, too large) and a file without the scaled_fp8 marker (every scale would
-    be dropped) are refused when the adapter loads, naming the file and the key."""
+    be dropped) are refused when the adapter loads, naming the file and the key; so is a file of the new
+    layout whose metadata leaves out a layer that has its .weight_scale."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=True)
     stored = load_file(path)
@@ -310,10 +311,17 @@ def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, t
     save_file({k: v for k, v in stored.items() if k != scale}, tmp_path / "one-scale-missing.safetensors")
     save_file({k: v for k, v in stored.items() if k != "scaled_fp8"}, tmp_path / "no-marker.safetensors")
     layer = scale.removesuffix(".scale_weight")
+    to_metadata_form(path, tmp_path / "new.safetensors", comfy_quant_tensors=False)
+    with safe_open(tmp_path / "new.safetensors", "pt") as f:
+        listed = json.loads(f.metadata()["_quantization_metadata"])
+    del listed["layers"][layer]
+    save_file(load_file(tmp_path / "new.safetensors"), tmp_path / "unlisted.safetensors",
+              metadata={"_quantization_metadata": json.dumps(listed)})
     cases = {"one-scale-missing": f"layer {layer} is quantized as float8_e4m3fn but the file lacks its "
                                   f"scale, {scale}",
-             "no-marker": "holds ComfyUI's old fp8 scales (blocks.0.cross_attn.k.scale_weight, ...) but not "
-                          "the scaled_fp8 key"}
+             "no-marker": "holds fp8 scales (blocks.0.cross_attn.k.scale_weight, ...) that neither ComfyUI's "
+                          "scaled_fp8 key nor its quantization metadata",
+             "unlisted": f"holds fp8 scales ({layer}.weight_scale, ...) that neither"}
     for name, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             adapter_for("wan", folders["wan"], str(tmp_path / f"{name}.safetensors"))
