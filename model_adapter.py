@@ -155,13 +155,22 @@ class Weights:
         param.to_local().copy_(self.shard_rows(key, param))
 
     def shard_rows(self, key: str, param: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `key`, as stored, for the sharded parameter (a DTensor sharded on dim 0 by
-        FSDP2, replicated on HSDP's other mesh dimension)."""
+        """This rank's rows of `key`, as stored, for the sharded parameter."""
+        return self._rows(key, *self.shard_range(key, param))
+
+    def shard_range(self, key: str, param: torch.Tensor) -> tuple[int, int]:
+        """(first row, rows) of `key` that this rank holds of the sharded parameter (a DTensor sharded on
+        dim 0 by FSDP2, replicated on HSDP's other mesh dimension)."""
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         local = param.to_local()
         if tuple(local.shape) != tuple(shape) or any(offset[1:]):
             raise ValueError(f"{key}: expected a dim-0 shard, got {local.shape} at {offset}")
-        return self._rows(key, offset[0], shape[0])
+        return offset[0], shape[0]
+
+    def fp8_source(self, key: str, start: int, count: int) -> tuple[torch.Tensor, float | None]:
+        """Rows of a weight for model.storage_dtype = "fp8" (storage.load_rows) and the scale they are already
+        stored with, None where they are to be quantized: a folder stores no fp8 (single files can)."""
+        return self._rows(key, start, count), None
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -258,7 +267,7 @@ class Adapter:
         memory, where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first
         forward; the others' on the device. With model.storage_dtype = "fp8" the blocks' linear weights are
         quantized as they are read, one tensor (or one rank's rows) at a time: no copy of the whole model in
-        model.dtype ever exists."""
+        model.dtype ever exists (a single file's float8_e4m3fn weights are kept as stored, fp8_source)."""
         folder = folder or self.transformer_folder
         dtype = trainable_dtype or self.dtype
         from_file = self.single_file is not None and folder == self.transformer_folder  # model.transformer_file
@@ -271,8 +280,10 @@ class Adapter:
         with weights.opened():
             for name in weights.keys:
                 if name in fp8 and shard is None:
-                    stored = weights.read(name, weights.entries[name][1])  # quantized from the file's values
-                    weight, scale = storage.quantize(stored.to(self.device), dtype)
+                    shape = weights.entries[name][2]
+                    weight = torch.empty(shape, dtype=storage.FP8, device=self.device)
+                    scale = torch.empty(shape[0], 1, device=self.device)
+                    storage.load_rows(weight, scale, *weights.fp8_source(name, 0, shape[0]))
                     _replace(transformer, name, weight)
                     _replace(transformer, f"{name}_scale", scale)
                 elif shard is None or name in buffers:  # buffers are whole on every rank
@@ -291,7 +302,8 @@ class Adapter:
                     for name, param in transformer.named_parameters():
                         if name in fp8:
                             scale = transformer.get_parameter(f"{name}_scale").to_local()
-                            storage.load_rows(param.to_local(), scale, weights.shard_rows(name, param))
+                            rows = weights.fp8_source(name, *weights.shard_range(name, param))
+                            storage.load_rows(param.to_local(), scale, *rows)
                         elif name in weights.keys:
                             weights.read_shard(name, param)
         log.info("loaded %s/: read %.1f%% of its %.1f MB of weights%s", folder,
@@ -402,6 +414,18 @@ class Adapter:
         family whose pipeline adds terms (LTX-2) overrides it; models and embeds serve its extra forwards."""
         uncond, cond = prediction.chunk(2)
         return uncond + self.guidance_scale(cfg, state, t) * (cond - uncond)
+
+    @classmethod
+    def single_file_tables(cls, config: dict) -> dict[str, torch.Tensor]:
+        """Tensors tools/to_single_file.py writes beside the weights of a transformer built from `config`,
+        under their diffusers names, for other readers' sake (CogVideoX 2b's sincos table, for ComfyUI's
+        model detection)."""
+        return {}
+
+    def single_file_extra(self, key: str) -> bool:
+        """Whether a single file's key (its own name, without ComfyUI's prefix) holds something besides the
+        transformer's weights, which reading skips (LTX-2's text connectors; CogVideoX 2b's sincos table)."""
+        return False
 
     def comfy_key(self, module: str) -> str | None:
         """A LoRA module's name in the original checkpoint's layout (ComfyUI's), or None if the family has none."""

@@ -283,15 +283,15 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
 
 def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
     """One process's parts for bench/one_gpu.py: the frozen bytes outside the blocks and of the largest
-    block (in model.dtype, and with its frozen linear weights in fp8 plus a scale per row in model.dtype,
-    as storage.py keeps them), those
+    block (in model.dtype, and with its frozen linear weights in fp8 plus an fp32 scale per row, as
+    storage.py keeps them), those
     linears in the compute dtype, a block's gradient buffer, and the step without the block inputs."""
     blocks, compute = adapter.blocks(model), AUTOCAST_DTYPES[cfg.train.mixed_precision] or adapter.dtype
     frozen = lambda m: [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())  # noqa: E731
     linears = lambda b: [m.weight for m in b.modules()  # noqa: E731
                          if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     in_blocks = [nbytes(frozen(b)) for b in blocks]
-    fp8 = [n - nbytes(linears(b)) + sum(w.numel() + adapter.dtype.itemsize * w.shape[0] for w in linears(b))
+    fp8 = [n - nbytes(linears(b)) + sum(w.numel() + 4 * w.shape[0] for w in linears(b))
            for b, n in zip(blocks, in_blocks)]
     grads = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
     return {"layers": len(blocks), "root": nbytes(frozen(model)) - sum(in_blocks), "block": max(in_blocks),

@@ -21,6 +21,7 @@ setting.
 import contextlib
 import copy
 import json
+import re
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -53,6 +54,26 @@ TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
 MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in diffusers' config)
 STG_BLOCKS = [28]  # the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
+# Lightricks' single files (ltx-2-19b-dev.safetensors, LTX-2.3's): ltx-core's transformer under
+# model.diffusion_model., named as diffusers' but for these substrings, replaced in this order (diffusers'
+# scripts/convert_ltx2_to_diffusers.py, LTX_2_3_TRANSFORMER_KEYS_RENAME_DICT: LTX_2_0_'s and 2.3's prompt
+# AdaLNs), and for a leading adaln_single. or audio_adaln_single. (convert_ltx2_transformer_adaln_single,
+# applied after them). docs/models/ltx2.md, "Single files".
+SINGLE_FILE_NAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
+                     "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
+                     "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
+                     "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
+                     "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
+                     "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
+                     "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
+                     "q_norm": "norm_q", "k_norm": "norm_k",
+                     "audio_prompt_adaln_single": "audio_prompt_adaln", "prompt_adaln_single": "prompt_adaln"}
+SINGLE_FILE_STARTS = {"adaln_single.": "time_embed.", "audio_adaln_single.": "audio_time_embed."}
+# The text connectors the same file holds beside the transformer, which diffusers keeps in another folder
+# (split_transformer_and_connector_state_dict's prefixes); the VAEs and the vocoder are outside the prefix.
+CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector", "transformer_1d_blocks",
+                      "text_embedding_projection", "connectors.", "video_connector", "audio_connector",
+                      "text_proj_in")
 # ltx-trainer's shifted logit-normal timestep sampler: its shift is the line through these (tokens, shift)
 # points, extrapolated both ways (timestep_samplers.py's _get_shift_for_sequence_length clamps neither end).
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
@@ -60,17 +81,9 @@ SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
 TEXT_ENCODERS = {c.__name__: c for c in (Gemma3ForConditionalGeneration,
                                           Gemma4UnifiedForConditionalGeneration)}
 # The original checkpoint's (Lightricks', ComfyUI's) names of the modules outside the blocks whose diffusers
-# names differ: diffusers' conversion script's rename tables (LTX_2_3_TRANSFORMER_KEYS_RENAME_DICT and its
-# adaln_single handler), reversed. proj_out, audio_proj_out and the caption projections keep their names.
-ORIGINAL_NAMES = {
-    "proj_in": "patchify_proj", "audio_proj_in": "audio_patchify_proj",
-    "time_embed": "adaln_single", "audio_time_embed": "audio_adaln_single",
-    "av_cross_attn_video_scale_shift": "av_ca_video_scale_shift_adaln_single",
-    "av_cross_attn_video_a2v_gate": "av_ca_a2v_gate_adaln_single",
-    "av_cross_attn_audio_scale_shift": "av_ca_audio_scale_shift_adaln_single",
-    "av_cross_attn_audio_v2a_gate": "av_ca_v2a_gate_adaln_single",
-    "prompt_adaln": "prompt_adaln_single", "audio_prompt_adaln": "audio_prompt_adaln_single",
-}
+# names differ (proj_out, audio_proj_out and the caption projections keep theirs): the tables above, reversed.
+ORIGINAL_NAMES = ({ours: original for original, ours in SINGLE_FILE_NAMES.items()}
+                  | {ours.rstrip("."): original.rstrip(".") for original, ours in SINGLE_FILE_STARTS.items()})
 DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
 
 
@@ -94,6 +107,7 @@ class LTX2Adapter(Adapter):
                 "audio": ("audio_vae",)}
     TRANSFORMER, VAE = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
     COMFY = True
+    SINGLE_FILE_KEY = "audio_adaln_single.linear.weight"  # what ComfyUI's detection knows LTX-2 by ("ltxav")
     COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
     LOSS_PARTS = ("loss_video", "loss_audio")
     # The audio VAE's precision, whatever model.dtype: ltx-trainer's process_videos.py encodes in float32
@@ -202,6 +216,34 @@ class LTX2Adapter(Adapter):
     def diffusers_key(self, original: str) -> str:
         top, _, rest = original.partition(".")
         return ".".join(filter(None, (DIFFUSERS_NAMES.get(top, top), rest)))
+
+    @staticmethod
+    def single_file_key(key: str) -> str:
+        """A state-dict key's name in Lightricks' single files: SINGLE_FILE_NAMES and SINGLE_FILE_STARTS undone."""
+        for original, ours in SINGLE_FILE_STARTS.items():
+            if key.startswith(ours):
+                key = original + key.removeprefix(ours)
+        # One pass, the longest name first where two start at one place: replaced one by one, prompt_adaln's
+        # inverse would find audio_prompt_adaln_single's "audio_prompt_adaln" again.
+        inverse = {ours: original for original, ours in SINGLE_FILE_NAMES.items()}
+        longest_first = "|".join(sorted(map(re.escape, inverse), key=len, reverse=True))
+        return re.sub(longest_first, lambda m: inverse[m[0]], key)
+
+    @staticmethod
+    def diffusers_names(keys: list[str]) -> dict[str, str]:
+        """Lightricks' names -> diffusers', as diffusers' conversion script renames them."""
+        def renamed(key: str) -> str:
+            for original, ours in SINGLE_FILE_NAMES.items():
+                key = key.replace(original, ours)
+            for original, ours in SINGLE_FILE_STARTS.items():
+                if key.startswith(original) and key.endswith((".weight", ".bias")):
+                    key = ours + key.removeprefix(original)
+            return key
+        return {k: renamed(k) for k in keys}
+
+    def single_file_extra(self, key: str) -> bool:
+        """Lightricks' files hold the text connectors beside the transformer, under the same prefix."""
+        return key.startswith(CONNECTOR_PREFIXES)
 
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
