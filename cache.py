@@ -308,6 +308,7 @@ def prepare(cfg: Config, d: parallel.Dist):
             adapter.shift = cfg.train.flow_shift
         if "audio" in adapter.ENCODERS:  # a family with sound
             adapter.audio_loss_weight = cfg.train.audio_loss_weight
+            adapter.trains_sound = cfg.data.audio
         if cfg.data.target_fps:  # every clip's rate: LTX-2's video positions count seconds at it
             adapter.frame_rate = cfg.data.target_fps
         shapes = data.resolutions(cfg.data, adapter.check_resolution)

@@ -129,9 +129,20 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the host.
         resident = frozenset(name for name, p in transformer.named_parameters()
                              if train.training_type == "lora" and p.requires_grad)
-        return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                             train.gradient_accumulation_steps, d, compute_dtype_params, resident,
-                             adapter.GRAPH_VARIES)
+        wrapped = parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
+                                train.gradient_accumulation_steps, d, compute_dtype_params, resident,
+                                adapter.GRAPH_VARIES)
+        if fsdp and adapter.GRAPH_VARIES and adapter.trains_sound:
+            # A rank whose batch has no sound leaves the audio stream out of the graph, and FSDP2 reduce-scatters
+            # only the weights that got a gradient: the ranks' collectives would differ (gloo stops, NCCL hangs).
+            # Instead each such weight reduce-scatters a zero gradient, in its unit's usual place, so every rank
+            # issues the same collectives and the step's gradient is the other ranks' (FSDP2's counterpart of
+            # DDP's find_unused_parameters). The units must also finish their backward in the same order on
+            # every rank: LTX-2's blocks are reached through the video stream on every rank, and the root unit
+            # ends the backward (its inputs need no gradient). A run without sound leaves the same weights out
+            # on every rank and needs none of it.
+            wrapped.set_reduce_scatter_unused_params(True)
+        return wrapped
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
     if fsdp:
