@@ -210,7 +210,8 @@ def test_fsdp_trains_batches_with_and_without_sound(ddp_sound_run, tmp_path):
     step for step and in the exported weights; sft with sequence parallelism on 2 x 2 ranks (each pair shares a
     clip) as one process does with the same global batch (accumulation 2 x 1)."""
     out, ddp = ddp_sound_run
-    settings = {**ddp, "run.output_dir": str(tmp_path / "lora"), "parallel.strategy": "fsdp"}
+    settings = {**ddp, "run.output_dir": str(tmp_path / "lora"), "parallel.strategy": "fsdp",
+                "parallel.cpu_offload": True, "parallel.offload_blocks": 1}  # the first block streams from the host
     run_ok(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))], nproc=2)
     assert_same_steps(tmp_path / "lora", out / "ddp")
     ours, theirs = (load_file(run / "lora" / "pytorch_lora_weights.safetensors") for run in (tmp_path / "lora", out / "ddp"))
