@@ -315,6 +315,14 @@ def prepare(cfg: Config, d: parallel.Dist):
             adapter.shift = cfg.train.flow_shift
         if "audio" in adapter.ENCODERS:  # a family with sound
             adapter.audio_loss_weight = cfg.train.audio_loss_weight
+            adapter.trains_sound = cfg.data.audio
+        if adapter.GRAPH_VARIES and adapter.trains_sound and cfg.parallel.offload_blocks:
+            # model.build_model streams LoRA with its block then: some blocks' on the host, others' on the GPU
+            raise ConfigError(
+                f"parallel.offload_blocks = {cfg.parallel.offload_blocks} with data.audio = true: batches "
+                "with and without sound keep LoRA's weights in their blocks' FSDP units, which would split "
+                "them between host and GPU; set parallel.offload_blocks = 0 (every block on the host) or "
+                "remove parallel.cpu_offload")
         if cfg.data.target_fps:  # every clip's rate: LTX-2's video positions count seconds at it
             adapter.frame_rate = cfg.data.target_fps
         if cfg.validation.do_validation:  # validate.py's renderer asks it too, for renders without training

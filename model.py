@@ -126,12 +126,29 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         # sft's fp32 weights are gathered in the autocast dtype (it casts them anyway), but for the fp32 modules.
         compute_dtype_params = frozenset(name for name, _ in transformer.named_parameters()
                                          if train.training_type == "sft" and not adapter.keeps_fp32(name))
-        # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the host.
+        # Batches with and without sound (data.audio on LTX-2): a rank whose batch has none leaves the audio
+        # stream out of the graph, and FSDP2 reduce-scatters only the weights that got a gradient: the
+        # ranks' collectives would differ (gloo stops, NCCL hangs). See set_reduce_scatter_unused_params.
+        varies = fsdp and adapter.GRAPH_VARIES and adapter.trains_sound
+        # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the
+        # host, in a unit of several modules per block (fully_shard of a list). FSDP2 ends such a unit's
+        # backward otherwise when some of its modules never ran (the audio-video cross-attentions without
+        # sound), and the ranks' collectives differ: with batches that vary, LoRA streams with its block
+        # instead, as sft's does (cache.prepare refuses parallel.offload_blocks then).
         resident = frozenset(name for name, p in transformer.named_parameters()
-                             if train.training_type == "lora" and p.requires_grad)
-        return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                             train.gradient_accumulation_steps, d, compute_dtype_params, resident,
-                             adapter.GRAPH_VARIES)
+                             if train.training_type == "lora" and p.requires_grad and not varies)
+        wrapped = parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
+                                train.gradient_accumulation_steps, d, compute_dtype_params, resident,
+                                adapter.GRAPH_VARIES)
+        if varies:
+            # Each weight the backward skipped reduce-scatters a zero gradient in its unit's usual place, so
+            # every rank issues the same collectives and the step's gradient is the other ranks' (FSDP2's
+            # counterpart of DDP's find_unused_parameters). The units end their backward in the same order
+            # on every rank too: LTX-2's blocks are reached through the video stream, and the root unit's
+            # inputs need no gradient (it ends last). A run without sound leaves the same weights out on
+            # every rank and needs none of it.
+            wrapped.set_reduce_scatter_unused_params(True)
+        return wrapped
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
     if fsdp:

@@ -231,6 +231,8 @@ class Adapter:
     # Whether a step may leave trainable weights without a gradient (LTX-2's audio stream in a batch without
     # sound): DDP then looks for them every step instead of assuming one graph for the run.
     GRAPH_VARIES = False
+    # data.audio on a family with sound (cache.prepare sets it): the batches may differ in sound.
+    trains_sound = False
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)
