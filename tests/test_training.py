@@ -184,3 +184,24 @@ def test_synthetic_dataset_is_byte_identical_per_seed(tmp_path):
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
     assert (tmp_path / "a" / "prompts.txt").read_text() != (tmp_path / "c" / "prompts.txt").read_text()
+
+
+def test_a_weight_no_batch_reached_steps_on_a_zero_gradient():
+    """LTX-2's audio stream in a step where no rank's batch has sound: FSDP reduce-scatters a zero gradient
+    for it (set_reduce_scatter_unused_params), so one process and DDP step on zeros too, and AdamW's weight
+    decay and momentum move it alike under every strategy (with None, AdamW would skip it)."""
+    import trainer
+    from config import TrainConfig
+    from model import LossScaler, build_optimizer
+
+    t = TrainConfig(learning_rate=1e-2, weight_decay=0.1)
+    model = torch.nn.ModuleDict({"video": torch.nn.Linear(4, 4), "audio": torch.nn.Linear(4, 4)})
+    params, optimizer = build_optimizer(model, t)
+    scaler, state = LossScaler(torch.device("cpu"), enabled=False), trainer.TrainState(torch.device("cpu"))
+    for step, streams in enumerate([("video", "audio"), ("video",)], start=1):  # step 2 has no sound
+        before = model["audio"].weight.detach().clone()
+        loss = sum(model[s](torch.ones(1, 4)).square().sum() for s in streams)
+        loss.backward()
+        trainer.clip_and_step(params, optimizer, scaler, t, state, step, loss.detach(), zero_missing=True)
+    assert not torch.equal(model["audio"].weight, before)  # moved by momentum and decay alone
+    assert optimizer.state[model["audio"].weight]["step"] == 2  # stepped twice, as FSDP steps it
