@@ -7,10 +7,10 @@ hooks set around the checkpoint call; what the block computes inside is dropped 
 checkpointing's own hooks, which take precedence there. Hooks set around each checkpoint call therefore
 see exactly what checkpointing keeps: the video tokens entering each block (the dominant activation term
 at 81 frames), with the text and timestep embeddings beside them. Those are the same tensors for every
-block of a Wan or LTX-2 model (LTX-2 I2V's per-token timestep embedding is 6 times the video tokens):
-the first block call copies them out, and the later ones keep a reference to the device tensor, which
-that first call's forward holds anyway, instead of one more host copy each (a tensor counts as seen while
-its storage lives and its version is unchanged).
+block of a Wan or LTX-2 model (LTX-2's I2V timestep embedding has a row per token): the first block
+call copies them out, and the later ones keep the device tensor itself, which the forward holds anyway,
+instead of one more host copy each (a tensor counts as seen while its storage lives and its version is
+unchanged); it stays on the device until the backward reaches the first block.
 
 On CUDA every copy runs on a side stream into pinned memory, so neither direction makes the host wait.
 Forward: each block's inputs are copied out after the compute that made them, and the caching allocator

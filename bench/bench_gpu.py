@@ -294,8 +294,8 @@ def report(name: str, r: dict, peak_flops: float | None) -> None:
     elif name in ONE_GPU:
         print(f"{name:12} {r['s_per_step']:7.3f} s/step  peak {r['peak_gb']:6.1f} GB, estimated {r['estimate_gib']:.1f} "
               f"({r['tokens']} video tokens, warm-up {r['warmup_s']:.0f} s)")
-        pinned = "n/a on a CPU" if r["pinned_gib"] is None else f"{r['pinned_gib']:.2f}"
-        print(f"{'':12} pinned host memory {pinned} GiB, estimated {r['pinned_estimate_gib']:.2f} GiB")
+        pinned = "n/a (no CUDA)" if r["pinned_gib"] is None else f"{r['pinned_gib']:.2f} GiB"
+        print(f"{'':12} pinned host memory {pinned}, estimated {r['pinned_estimate_gib']:.2f} GiB")
     else:
         print(f"{name:12} {r['s_per_step']:7.3f} s/step  MFU {mfu(r['s_per_step'])}  peak {r['peak_gb']:6.1f} GB  "
               f"({r['tokens']} tokens, {r['flops'] / 1e12:.3g} TFLOP/step, warm-up {r['warmup_s']:.0f} s)")

@@ -87,7 +87,8 @@ def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     # Activation offload is modelled (the tracker's "input" tag and its copies), not run: its host copies
     # would count as device memory here.
     train = dataclasses.replace(cfg.train, activation_offload=False)
-    model = vidtrain_model.build_model(loader, train, cfg.lora, ParallelConfig(), cfg.run.seed, Dist(0, 1, 0, device))
+    model = vidtrain_model.build_model(loader, train, cfg.lora, ParallelConfig(), cfg.run.seed,
+                                       Dist(0, 1, 0, device))
     materialize(model, fake_mode, device)
     with fake_mode or contextlib.nullcontext():
         params, optimizer = vidtrain_model.build_optimizer(model, cfg.train)

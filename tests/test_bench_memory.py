@@ -109,7 +109,8 @@ def test_fit_is_monotone_and_fastest(one_gpu_parts):
                 assert not any(one_gpu.fits(p, faster, gb, ram) for faster in order[: order.index(s)])
                 chosen.add(s)
     assert {s.streamed for s in chosen} == {0, 3, 4}
-    assert {(s.fp8, s.activation_offload) for s in chosen} == {(False, False), (False, True), (True, False), (True, True)}
+    assert {(s.fp8, s.activation_offload) for s in chosen} == {(fp8, offload) for fp8 in (False, True)
+                                                               for offload in (False, True)}
 
 
 def test_none_fits_names_why(one_gpu_parts, capsys):
@@ -127,7 +128,8 @@ def test_none_fits_names_why(one_gpu_parts, capsys):
     big_text_encoder = one_gpu_parts | {"text_encoder": 11 * one_gpu.GIB}
     assert one_gpu.fit(big_text_encoder, 12) is None
     assert one_gpu.why_none(big_text_encoder, 12).startswith(
-        "none fits 12 GiB: the cache pass needs 11.0 GiB + 2.5 GiB margin whatever the setting: the text encoder's pass")
+        "none fits 12 GiB: the cache pass needs 11.0 GiB + 2.5 GiB margin whatever the setting: "
+        "the text encoder's pass")
 
 
 def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
@@ -151,7 +153,8 @@ def test_ltx2_block_and_its_audio(tmp_path):
     feed-forward 4 + 4 + 8 d^2; audio 2048: 16 a^2; the audio-video cross-attentions at the audio's width, 4da
     + 4a^2); with the clip's sound (121 frames at 24 fps: 126 audio latent frames) each checkpointed block
     input holds the audio tokens beside the video's, 16 x 2 x 3 latents in 1x1 patches, and the step needs
-    more than without (the audio stream then runs on one zero token)."""
+    more than without (the audio stream then runs on one zero token); activation offload copies those and
+    what every block shares."""
     cfg = load_config(str(REPO / "configs" / "ltx2-19b.toml"), ["--data.train_resolution", "[121, 64, 96]",
                                                                  "--data.audio", "true", "--data.target_fps", "24"])
     family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
@@ -163,7 +166,10 @@ def test_ltx2_block_and_its_audio(tmp_path):
     linears = 16 * d * d + 16 * a * a + 4 * d * a + 4 * a * a
     assert 0 < with_audio["block"] - 2 * linears < 0.01 * with_audio["block"]
     assert (with_audio["audio_tokens"], with_audio["video_tokens"], without["audio_tokens"]) == (126, 96, 0)
-    assert with_audio["block_input"] == (96 * d + 126 * a) * 2 and without["block_input"] == (96 * d + a) * 2
+    assert with_audio["inputs"] == (96 * d + 126 * a) * 2 and without["inputs"] == (96 * d + a) * 2
+    # What activation offload copies from the first block call: also the 1024 text tokens of each stream and
+    # the timestep embeddings every block shares (6 + 4 + 1 rows of each stream's width).
+    assert with_audio["block_input"] == with_audio["inputs"] + (1024 + 11) * (d + a) * 2
     assert with_audio["activations"] > without["activations"]
 
 
@@ -208,7 +214,8 @@ def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
     assert one_gpu.host(one_gpu_parts, one_gpu.Setting(False, False, 4))["pinned weights"] == 4 * bf16 + root
     setting = one_gpu.Setting(False, True, 3)  # with too little host RAM to stream all 4 blocks
     card = (max(one_gpu.gpu(one_gpu_parts, setting).values()) + one_gpu.MARGIN) / one_gpu.GIB
-    assert one_gpu.report(one_gpu_parts, card, "", one_gpu.host_needed(one_gpu_parts, setting) / one_gpu.GIB) == setting
+    ram = one_gpu.host_needed(one_gpu_parts, setting) / one_gpu.GIB
+    assert one_gpu.report(one_gpu_parts, card, "", ram) == setting
     total = 3 * bf16 + activations + one_gpu_parts["process"] + one_gpu_parts["vae"]
     out = capsys.readouterr().out
     assert f"host RAM: pinned weights {3 * bf16 / one_gpu.GIB:.1f}, offloaded activations " \

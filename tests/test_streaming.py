@@ -56,8 +56,8 @@ def runs(settings):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(activations.HostActivations, "pack",
                   lambda self, kept, tensor: packed.append(tuple(tensor.shape)) or pack(self, kept, tensor))
-        m.setattr(activations.HostActivations, "host_like",
-                  lambda self, kept, tensor: copied.append(tuple(tensor.shape)) or host_like(self, kept, tensor))
+        m.setattr(activations.HostActivations, "host_like", lambda self, kept, tensor:
+                  copied.append(tuple(tensor.shape)) or host_like(self, kept, tensor))
         m.setattr(activations.HostActivations, "unpack", lambda self, handle: unpacked.append(1) or unpack(self, handle))
         for run in RUNS:
             config, outputs[run] = settings(run, run)
