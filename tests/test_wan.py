@@ -84,13 +84,15 @@ def wan_settings(variant, wan_models, base_settings, tiny_data, output_dir, **ex
                 "validation.prompts": PROMPTS, "validation.num_inference_steps": 6}
     if expert:  # the low-noise expert's own guidance, as the A14B configs set it
         settings["validation.guidance_scale_2"] = 3.0
+    settings = {**settings, **extra}
+    prompts = range(len(settings["validation.prompts"]))
     if model_type == "i2v":
-        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
+        settings.setdefault("validation.images", [str(tiny_data / "images" / f"0000{i}.png") for i in prompts])
     if variant == "flf2v":  # each clip's last frame (the dataset writes them), and another clip's for validation
-        settings["data.last_image_column"] = "last_images.txt"
-        settings["validation.last_images"] = [str(tiny_data / "last_images" / f"0000{i + 2}.png")
-                                              for i in range(len(PROMPTS))]
-    return {**settings, **extra}
+        settings.setdefault("data.last_image_column", "last_images.txt")
+        settings.setdefault("validation.last_images", [str(tiny_data / "last_images" / f"0000{i + 2}.png")
+                                                       for i in prompts])
+    return settings
 
 
 def image_tokens(config, gen: torch.Generator, batch: int = 2):
