@@ -185,8 +185,8 @@ class ClipRenderer:
         # A family with sound (LTX-2) renders each clip's soundtrack too: muxed into the mp4, and in TensorBoard.
         self.sound, self.sounds = "audio" in adapter.ENCODERS, []
         if adapter.first_last and self.prompts and not cfg.last_images:
-            raise ConfigError(f"{adapter.path} is a first-last-frame model (Wan FLF2V): each validation prompt renders "
-                              "between its image and its last image; set validation.last_images (validate.py: "
+            raise ConfigError(f"{adapter.path} is a first-last-frame model (Wan FLF2V): each validation prompt "
+                              "renders between its image and its last image; set validation.last_images (validate.py: "
                               "--last-image), one per prompt")
         if cfg.last_images and not adapter.first_last:
             raise ConfigError(f"validation.last_images conditions first-last-frame models, and {adapter.path} is not "

@@ -196,7 +196,8 @@ class WanAdapter(Adapter):
             condition["image_embeds"] = embeds.reshape(len(pixels), -1, embeds.shape[-1])  # pairs side by side
         return condition
 
-    def encode_image(self, images: torch.Tensor, generators, frames: int, last_images: torch.Tensor | None = None) -> dict:
+    def encode_image(self, images: torch.Tensor, generators, frames: int,
+                     last_images: torch.Tensor | None = None) -> dict:
         """I2V conditioning images, uint8 [B, H, W, 3] (and FLF2V's last images) -> the cached condition (no
         noise augmentation: the pipelines add none)."""
         pixels, last_pixels, last = images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0, None, None

@@ -282,5 +282,6 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
     x, embeds = torch.randn(2, config["in_channels"], 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
     image = image_tokens(config, gen)
     with torch.no_grad():
-        torch.testing.assert_close(adapter._predict(pipe.transformer, x, torch.tensor([10, 900]), embeds, image),
-                                   adapter._predict(model, x, torch.tensor([10, 900]), embeds, image), rtol=0, atol=1e-5)
+        t = torch.tensor([10, 900])
+        torch.testing.assert_close(adapter._predict(pipe.transformer, x, t, embeds, image),
+                                   adapter._predict(model, x, t, embeds, image), rtol=0, atol=1e-5)
