@@ -28,6 +28,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
+import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageOps
@@ -285,7 +286,8 @@ class ClipRenderer:
         return paths if self.d.is_main else []
 
     def run(self, model, step: int, metrics, autocast) -> dict[str, float]:
-        """The training-time validation: mp4s, val/clip_{i} and val/prompt_{i}; returns time and peak memory."""
+        """The training-time validation: mp4s, val/clip_{i}, val/prompt_{i} and (image-to-video) val/conditions_{i};
+        returns time and peak memory."""
         if not self.prompts:
             return {}
         start = time.perf_counter()
@@ -296,6 +298,11 @@ class ClipRenderer:
             if self.sounds:
                 metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)
             metrics.text(step, f"val/prompt_{i}", prompt)
+            conditions = [image for image in (self.images[i], self.last_images[i]) if image is not None]
+            if conditions:  # beside the clip: its image (and last image) side by side, at the clip's size
+                size = (clip.shape[2], clip.shape[1])
+                side_by_side = np.concatenate([np.asarray(image.resize(size)) for image in conditions], axis=1)
+                metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
         peak = parallel.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
 

@@ -3,13 +3,16 @@ as WanPipeline / WanImageToVideoPipeline do (with and without our exported LoRA,
 the boundary; FLF2V with last_image), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
 
 import contextlib
+import io
 import json
 
+import numpy as np
 import pytest
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 from PIL import Image
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import cache
 import data
@@ -272,6 +275,17 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
     assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
     assert_comfy_file_equals_ours(variant, wan_models(variant), lora_dir, expert)
     cfg = load_config(str(configs["reference"]))
+    if variant == "flf2v":  # TensorBoard shows the prompt's first and last image beside its clip
+        events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
+        events.Reload()
+        shown = events.Images("val/conditions_0")
+        assert [c.step for c in shown] == [0, 3, 6]
+        with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
+            pixels = torch.from_numpy(np.asarray(gif.convert("RGB"))).float()
+        images = [Image.open(path).convert("RGB").resize((32, 32)) for path in (cfg.validation.images[0],
+                                                                                 cfg.validation.last_images[0])]
+        expected = torch.from_numpy(np.concatenate([np.asarray(image) for image in images], axis=1)).float()
+        assert pixels.shape == (32, 64, 3) and (pixels - expected).abs().mean() < 4
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
         model = validate.load_model(cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")).eval()
