@@ -62,7 +62,8 @@ class Cache:
             key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
                        dtype=self.dtype)
             if kind == "image":  # the window's first frame, or data.image_column's image, noised by a keyed draw
-                key = _key(video=key, image=item.image_content, seed=self.image_seed)
+                last = {} if item.last_image_content is None else {"last_image": item.last_image_content}
+                key = _key(video=key, image=item.image_content, seed=self.image_seed, **last)
         return os.path.join(self.dir, kind, key[:2], f"{key}.safetensors")  # strings: 10,000 clips start in seconds
 
     def missing(self, item: data.Item) -> set[str]:

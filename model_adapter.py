@@ -249,6 +249,9 @@ class Adapter:
         self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
         self.single_file = None  # model.transformer_file's reader (single_file.SingleFile), set by model.load_adapter
+        # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V): the
+        # cache and validation then need a last image per clip and per prompt.
+        self.first_last = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
 

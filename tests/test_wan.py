@@ -1,15 +1,18 @@
 """Wan 2.1 and 2.2: the tiny models carry the published key sets; every variant trains, samples exactly
 as WanPipeline / WanImageToVideoPipeline do (with and without our exported LoRA, switching experts at
-the boundary), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
+the boundary; FLF2V with last_image), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
 
 import contextlib
+import io
 import json
 
+import numpy as np
 import pytest
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 from PIL import Image
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import cache
 import data
@@ -29,6 +32,7 @@ WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "f
 VARIANTS = {
     "t2v": ("t2v", "", WAN21, WanPipeline),
     "i2v": ("i2v", "", WAN21, WanImageToVideoPipeline),
+    "flf2v": ("i2v", "", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
     "ti2v-5b": ("i2v", "", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
     "a14b-t2v": ("t2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanPipeline),
     "a14b-i2v": ("i2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
@@ -71,7 +75,7 @@ def test_tiny_models_carry_the_published_key_sets(wan_models):
                 assert set(json.loads((path / folder / "config.json").read_text())) - {"_class_name",
                                                                                         "_diffusers_version"} == keys
         index = json.loads((path / "model_index.json").read_text())
-        assert ("boundary_ratio" in index) == (variant not in ("t2v", "i2v")), variant
+        assert ("boundary_ratio" in index) == (variant not in ("t2v", "i2v", "flf2v")), variant
         assert (path / "transformer_2").is_dir() == variant.startswith("a14b")
 
 
@@ -83,9 +87,22 @@ def wan_settings(variant, wan_models, base_settings, tiny_data, output_dir, **ex
                 "validation.prompts": PROMPTS, "validation.num_inference_steps": 6}
     if expert:  # the low-noise expert's own guidance, as the A14B configs set it
         settings["validation.guidance_scale_2"] = 3.0
+    settings = {**settings, **extra}
+    prompts = range(len(settings["validation.prompts"]))
     if model_type == "i2v":
-        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
-    return {**settings, **extra}
+        settings.setdefault("validation.images", [str(tiny_data / "images" / f"0000{i}.png") for i in prompts])
+    if variant == "flf2v":  # each clip's last frame (the dataset writes them), and another clip's for validation
+        settings.setdefault("data.last_image_column", "last_images.txt")
+        settings.setdefault("validation.last_images", [str(tiny_data / "last_images" / f"0000{i + 2}.png")
+                                                       for i in prompts])
+    return settings
+
+
+def image_tokens(config, gen: torch.Generator, batch: int = 2):
+    """CLIP image tokens for `batch` rows of the tiny transformer: FLF2V's two images per row."""
+    if not config["image_dim"]:
+        return None
+    return torch.randn(batch * (2 if config["pos_embed_seq_len"] else 1), 17, 16, generator=gen)
 
 
 def pipeline_frames(variant, path, cfg, lora_file=None):
@@ -103,6 +120,8 @@ def pipeline_frames(variant, path, cfg, lora_file=None):
     frames = []
     for i, prompt in enumerate(cfg.prompts):
         extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
+        if cfg.last_images:
+            extra["last_image"] = Image.open(cfg.last_images[i]).convert("RGB")
         frames.append(pipe(prompt=prompt, num_frames=9, height=32, width=32, num_inference_steps=cfg.num_inference_steps,
                            guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2 or None,
                            generator=data.keyed_generator(cfg.seed, i),
@@ -123,7 +142,7 @@ def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
         config = transformer.config
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(2, config.in_channels, 3, 4, 4, generator=gen)
-        image = torch.randn(2, 17, 16, generator=gen) if config.image_dim else None
+        image = image_tokens(config, gen)
         with torch.no_grad():
             outputs.append(transformer(hidden_states=x, timestep=torch.tensor([10, 900]), return_dict=False,
                                        encoder_hidden_states=torch.randn(2, 512, 32, generator=gen),
@@ -187,7 +206,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models,
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, config["in_channels"], 3, 4, 4, generator=gen)
     embeds = torch.randn(2, adapter.text_length, 32, generator=gen)
-    image = torch.randn(2, 17, 16, generator=gen) if config["image_dim"] else None
+    image = image_tokens(config, gen)
     with torch.no_grad():
         expected = adapter._predict(ours, x, torch.tensor([10.0, 900.0]), embeds, image)
         torch.testing.assert_close(adapter._predict(exported, x, torch.tensor([10.0, 900.0]), embeds, image),
@@ -224,11 +243,11 @@ def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_
     assert sorted(losses) == [0, 60] and losses[60] < 0.9 * losses[0], losses
 
 
-@pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise")])
+@pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise"), ("flf2v", "")])
 def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, tmp_path):
     """2 FSDP ranks with validation: SIGKILL after step 4, the next launch resumes from step 3 and ends
-    bitwise equal to the run never stopped, clips included; the export loads in WanPipeline and its
-    ComfyUI file equals it through diffusers' converter."""
+    bitwise equal to the run never stopped, clips included; the export loads in the variant's pipeline
+    and its ComfyUI file equals it through diffusers' converter."""
     lifecycle = {"model.expert": expert, "parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 6,
                  "checkpoint.checkpointing_steps": 3, "validation.do_validation": True, "validation.validation_steps": 3,
                  "validation.num_inference_steps": 3, "validation.save_frames": True, "validation.prompts": PROMPTS[:1]}
@@ -256,13 +275,27 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
     assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
     assert_comfy_file_equals_ours(variant, wan_models(variant), lora_dir, expert)
     cfg = load_config(str(configs["reference"]))
+    if variant == "flf2v":  # TensorBoard shows the prompt's first and last image beside its clip
+        events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
+        events.Reload()
+        shown = events.Images("val/conditions_0")
+        assert [c.step for c in shown] == [0, 3, 6]
+        with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
+            pixels = torch.from_numpy(np.asarray(gif.convert("RGB"))).float()
+        images = [Image.open(path).convert("RGB").resize((32, 32)) for path in (cfg.validation.images[0],
+                                                                                 cfg.validation.last_images[0])]
+        expected = torch.from_numpy(np.concatenate([np.asarray(image) for image in images], axis=1)).float()
+        assert pixels.shape == (32, 64, 3) and (pixels - expected).abs().mean() < 4
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
         model = validate.load_model(cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")).eval()
-    pipe = WanPipeline.from_pretrained(str(wan_models(variant)))
+    pipe = VARIANTS[variant][3].from_pretrained(str(wan_models(variant)))
     pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
     gen = torch.Generator().manual_seed(0)
-    x, embeds = torch.randn(2, 16, 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    config = adapter.transformer_config
+    x, embeds = torch.randn(2, config["in_channels"], 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    image = image_tokens(config, gen)
     with torch.no_grad():
-        torch.testing.assert_close(adapter._predict(pipe.transformer, x, torch.tensor([10, 900]), embeds, None),
-                                   adapter._predict(model, x, torch.tensor([10, 900]), embeds, None), rtol=0, atol=1e-5)
+        t = torch.tensor([10, 900])
+        torch.testing.assert_close(adapter._predict(pipe.transformer, x, t, embeds, image),
+                                   adapter._predict(model, x, t, embeds, image), rtol=0, atol=1e-5)

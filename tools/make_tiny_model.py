@@ -185,7 +185,7 @@ def make_tiny_model(out: str, variant: str = "5b", seed: int = 0, transformer_se
         {k: v for k, v in transformer.config.items() if not k.startswith("_")}, variant
 
 
-# Wan (docs/models/wan.md). The 2.1 transformer files predate pos_embed_seq_len; the 2.1 VAE
+# Wan (docs/models/wan.md). The 2.1 T2V and I2V transformer files predate pos_embed_seq_len; the 2.1 VAE
 # files predate the 2.2 VAE's keys; 2.1's model_index has no boundary_ratio or expand_timesteps.
 WAN21_KEYS = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
               "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
@@ -208,18 +208,25 @@ WAN22_LATENTS_STD = [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.50
 WAN_VARIANTS = {
     "t2v": (WanPipeline, (16, 16), False, False, None, None, 3.0),
     "i2v": (WanImageToVideoPipeline, (36, 16), True, False, None, None, 3.0),
+    "flf2v": (WanImageToVideoPipeline, (36, 16), True, False, None, None, 3.0),
     "ti2v-5b": (WanPipeline, (48, 48), False, True, None, True, 5.0),
     "a14b-t2v": (WanPipeline, (16, 16), False, False, 0.875, False, 3.0),
     "a14b-i2v": (WanImageToVideoPipeline, (36, 16), False, False, 0.9, False, 3.0),
 }
 
 
-def make_wan_transformer(channels: tuple[int, int], image: bool) -> WanTransformer3DModel:
+# The tiny CLIP's tokens per image: (32 / 8)^2 patches and its class token (the published one's 257).
+CLIP_TOKENS = 17
+
+
+def make_wan_transformer(channels: tuple[int, int], image: bool, first_last: bool = False) -> WanTransformer3DModel:
+    # FLF2V: the image embedder's position table covers two images' tokens, as diffusers' convert_wan_to_diffusers
+    # writes for Wan-FLF2V-14B-720P ("pos_embed_seq_len": 257 * 2).
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
                                  in_channels=channels[0], out_channels=channels[1], text_dim=TEXT_DIM, freq_dim=256,
                                  ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                  eps=1e-6, image_dim=16 if image else None, added_kv_proj_dim=32 if image else None,
-                                 rope_max_seq_len=1024)
+                                 rope_max_seq_len=1024, pos_embed_seq_len=2 * CLIP_TOKENS if first_last else None)
 
 
 def make_wan_vae(is_22: bool) -> AutoencoderKLWan:
@@ -243,7 +250,7 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
             feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True, dropout_rate=0.1,
             layer_norm_epsilon=1e-6, scalable_attention=True, tie_word_embeddings=False))
         components = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": make_wan_vae(is_22),
-                      "transformer": make_wan_transformer(channels, image),
+                      "transformer": make_wan_transformer(channels, image, variant == "flf2v"),
                       "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                            num_train_timesteps=1000, flow_shift=shift)}
         if boundary is not None:  # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
@@ -259,13 +266,14 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
     pipe = pipeline_cls(**components, boundary_ratio=boundary, expand_timesteps=bool(expand))
     pipe.save_pretrained(out)
     root = Path(out)
+    # 2.1 T2V and I2V predate pos_embed_seq_len; FLF2V's config holds it (set), 2.2's too (null).
     transformer_keys = WAN21_KEYS if variant in ("t2v", "i2v") else WAN21_KEYS | {"pos_embed_seq_len"}
     for folder in ("transformer", "transformer_2"):
         if (root / folder).is_dir():
             keep_keys(root / folder / "config.json", transformer_keys)
     keep_keys(root / "vae" / "config.json", WAN22_VAE_KEYS if is_22 else WAN21_VAE_KEYS)
     index = json.loads((root / "model_index.json").read_text())
-    if variant in ("t2v", "i2v"):  # 2.1's folders predate the 2.2 pipeline arguments
+    if variant in ("t2v", "i2v", "flf2v"):  # 2.1's folders predate the 2.2 pipeline arguments
         index = {k: v for k, v in index.items() if k not in ("boundary_ratio", "expand_timesteps", "transformer_2")}
     if index.get("image_processor", [None])[0]:  # the published class name, whichever backend saved it
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
