@@ -31,8 +31,8 @@ import sequence
 from cache_files import Cache
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
-from model import load_adapter
-from model_adapter import Weights
+from model_adapter import load_adapter
+from weights import Weights
 
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms

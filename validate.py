@@ -42,7 +42,8 @@ import faults
 import memory
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_validation_images, check_values
-from model import EMA, build_frozen, build_model, load_adapter
+from model import EMA, build_frozen, build_model
+from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
 

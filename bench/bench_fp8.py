@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import storage  # noqa: E402
 from config import ModelConfig  # noqa: E402
-from model import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
 
 WAN_14B = {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "text_dim": 4096, "freq_dim": 256, "in_channels": 16}

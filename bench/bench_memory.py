@@ -53,7 +53,7 @@ from transformers import BatchEncoding
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
-from model_adapter import resolved_config  # noqa: E402
+from transformer_loading import resolved_config  # noqa: E402
 from parallel import AUTOCAST_DTYPES, Dist, pinned_bytes  # noqa: E402
 
 import one_gpu  # noqa: E402

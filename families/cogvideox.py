@@ -27,10 +27,10 @@ from transformers import T5EncoderModel
 import lora
 import storage
 from config import ConfigError, ModelConfig
-from model_adapter import (Adapter, log, parameters_on_meta, rename_module, resolved_config, sample_posterior,
-                           to_device)
+from model_adapter import Adapter, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
-from single_file import rename_key
+from transformer_loading import parameters_on_meta, resolved_config
+from weights import rename_key, rename_module
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 # diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py; docs/models/cogvideox.md):

@@ -47,8 +47,10 @@ from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditi
 
 import decode
 from config import ConfigError, ModelConfig
-from model_adapter import DTYPES, Adapter, Weights, log, resolved_config, to_device
+from model_adapter import DTYPES, Adapter, log, to_device
 from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
+from transformer_loading import resolved_config
+from weights import Weights
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length

@@ -24,9 +24,10 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
+from model_adapter import Adapter, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
-from single_file import rename_key
+from transformer_loading import resolved_config
+from weights import rename_key, rename_module
 
 TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
 # diffusers module names -> the original checkpoint's (ComfyUI's), inside a block.

@@ -28,7 +28,7 @@ import lora
 import parallel
 from config import CheckpointConfig, ConfigError, ModelConfig
 from diffusers import CogVideoXPipeline
-from model import load_adapter
+from model_adapter import load_adapter
 
 STEPS = 14
 # Global batch 4 everywhere, with accumulation and EMA on.

@@ -18,7 +18,8 @@ import data
 import parallel
 from cache import prepare as prepare_data
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from model import build_model, load_adapter
+from model import build_model
+from model_adapter import load_adapter
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update

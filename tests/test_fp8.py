@@ -17,7 +17,7 @@ import storage
 import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
-from model import load_adapter
+from model_adapter import load_adapter
 
 # Relative L2 error of the tiny models' output against bf16's (measured: CogVideoX 0.006, Wan 0.009; bf16's
 # own against fp32 is 0.005-0.007). bench/bench_fp8.py measures it at full size (BENCHMARKS.md).

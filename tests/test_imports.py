@@ -10,8 +10,8 @@ LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
     **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
-                     "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "single_file",
-                     "activations", "storage", "sound_decoder",
+                     "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "weights",
+                     "activations", "storage", "sound_decoder", "transformer_loading",
                      *(f"families.{family}" for family in FAMILIES)], 1),
     "config": 0,
 }

@@ -24,7 +24,7 @@ import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml, written_on_first_use
 from families.ltx2 import TEXT_LENGTH
-from model import load_adapter
+from model_adapter import load_adapter
 from parallel import StopRun
 from test_variants import lora_and_sft_runs, one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset

@@ -28,7 +28,7 @@ import validate
 from config import ModelConfig, load_config
 from conftest import read_metrics, run_ok, write_toml
 from families.ltx2 import TEXT_LENGTH
-from model import load_adapter
+from model_adapter import load_adapter
 from parallel import StopRun
 from test_ltx2 import PIPELINE_GUIDANCE, PROMPTS, ltx2_models, ltx2_settings, pipeline_guidance  # noqa: F401 (a fixture)
 from test_variants import one_rank_group

@@ -16,7 +16,7 @@ import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from conftest import write_toml
 from families.ltx2 import FRAME_RATE, TEXT_LENGTH, shifted_logit_normal
-from model import load_adapter
+from model_adapter import load_adapter
 from parallel import StopRun
 from test_ltx2 import ltx2_data, ltx2_models, ltx2_settings  # noqa: F401 (fixtures)
 from test_validate import decode_mp4

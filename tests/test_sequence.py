@@ -20,7 +20,7 @@ from test_ltx2 import ltx2_models  # noqa: F401 (the fixture)
 
 import sequence
 from config import ConfigError, load_config
-from model import load_adapter
+from model_adapter import load_adapter
 from test_variants import one_rank_group
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -93,7 +93,7 @@ import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import sequence
 from config import ModelConfig
-from model import load_adapter
+from model_adapter import load_adapter
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -21,7 +21,8 @@ import storage
 from cache import prepare
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from conftest import write_toml
-from model import build_model, load_adapter
+from model import build_model
+from model_adapter import load_adapter
 from test_ltx2 import ltx2_models  # noqa: F401 (a fixture)
 from test_variants import comfyui_linears, one_rank_group
 from tools.to_single_file import to_single_file

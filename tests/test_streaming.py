@@ -17,7 +17,8 @@ import activations
 import parallel
 import trainer
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from model import build_model, load_adapter
+from model import build_model
+from model_adapter import load_adapter
 
 STREAMING = {"parallel.strategy": "fsdp", "parallel.cpu_offload": True}
 RUNS = {

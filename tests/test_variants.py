@@ -24,7 +24,8 @@ import trainer
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
-from model import build_model, load_adapter
+from model import build_model
+from model_adapter import load_adapter
 
 COMMON = {"activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
           "in_channels", "max_text_seq_length", "norm_elementwise_affine", "norm_eps", "num_attention_heads",

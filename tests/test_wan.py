@@ -21,7 +21,7 @@ import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
 from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
-from model import load_adapter
+from model_adapter import load_adapter
 from parallel import StopRun
 from test_variants import one_rank_group
 

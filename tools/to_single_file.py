@@ -14,7 +14,6 @@ as ComfyUI's own checkpoints have them. The file is written one tensor at a time
 """
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -22,9 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import ADAPTERS  # noqa: E402
-from model_adapter import FILE_DTYPES, Weights, resolved_config  # noqa: E402
-from single_file import PREFIX  # noqa: E402
+import model_adapter  # noqa: E402
+from transformer_loading import resolved_config  # noqa: E402
+from weights import FILE_DTYPES, PREFIX, Weights  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: a plain cast of a value past it gives NaN, not 448
@@ -32,11 +31,9 @@ FILE_NAMES = {dtype: name for name, dtype in FILE_DTYPES.items()}
 
 
 def adapter_class(model_dir: Path):
-    """The family's adapter class, from the folder's model_index.json (as model.load_adapter tells it)."""
+    """The family's adapter class, from the folder's model_index.json (as model_adapter.load_adapter tells it)."""
     pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
-    family = next(f for f in ADAPTERS if pipeline.lower().startswith(f))
-    module, name = ADAPTERS[family]
-    return getattr(importlib.import_module(module), name)
+    return model_adapter.adapter_class(next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f)))
 
 
 def quantized(key: str, shape: tuple) -> bool:
