@@ -23,9 +23,8 @@ import cache
 import data
 import decode
 from config import DataConfig, load_config
-from conftest import write_toml
+from conftest import one_rank_group, write_toml
 from families.cogvideox import CogVideoXAdapter
-from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
 
 FPS, RATE = 8, 16000

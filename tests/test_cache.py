@@ -24,9 +24,8 @@ import cache_files
 import data
 import decode
 import parallel
-from conftest import read_metrics, run_cmd, run_ok, train_losses
+from conftest import one_rank_group, read_metrics, run_cmd, run_ok, train_losses
 from config import load_config
-from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
 
 REAL_WORLD = ("mkv", "webm", "fmp4", "vfr", "phone", "photo")

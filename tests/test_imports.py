@@ -1,5 +1,6 @@
 """docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
-nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/)."""
+nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/). And the
+tests' own: no test module imports another (shared helpers and fixtures live in conftest.py)."""
 
 import ast
 
@@ -73,3 +74,21 @@ def test_family_classes_stay_in_their_adapters():
                 for family, word in FAMILIES.items():
                     if name != f"families.{family}":
                         assert not [n for n in names if word in n.lower()], (path.name, names)
+
+
+def test_no_test_module_imports_another():
+    """A test module that imports another runs (and collects) the other's module-level code and fixtures in
+    its own namespace, and breaks when the other is split or renamed: shared helpers belong in conftest.py."""
+    tests = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    found = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            found += [(path.name, node.lineno, name) for name in names if name.split(".")[0] in tests
+                      or name.startswith("tests.")]
+    assert found == [], f"move what these import into tests/conftest.py: {found}"

@@ -25,11 +25,11 @@ import lora
 import trainer
 import validate
 from config import ModelConfig, load_config
-from conftest import read_metrics, run_ok, write_toml
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (PIPELINE_GUIDANCE, ltx2_settings, one_rank_group, pipeline_guidance, read_metrics, run_ok,
+                      write_toml)
 from families.ltx2 import TEXT_LENGTH
 from model import load_adapter
-from test_ltx2 import PIPELINE_GUIDANCE, PROMPTS, ltx2_models, ltx2_settings, pipeline_guidance  # noqa: F401 (a fixture)
-from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 STEPS = 40

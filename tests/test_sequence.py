@@ -14,14 +14,12 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, free_port, read_metrics, run_ok, write_toml
+from conftest import REPO, free_port, one_rank_group, read_metrics, run_ok, write_toml
 from safetensors.torch import load_file
-from test_ltx2 import ltx2_models  # noqa: F401 (the fixture)
 
 import sequence
 from config import ConfigError, load_config
 from model import load_adapter
-from test_variants import one_rank_group
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update

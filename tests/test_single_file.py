@@ -20,10 +20,8 @@ import parallel
 import storage
 from cache import prepare
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from conftest import write_toml
+from conftest import comfyui_linears, one_rank_group, write_toml
 from model import build_model, load_adapter
-from test_ltx2 import ltx2_models  # noqa: F401 (a fixture)
-from test_variants import comfyui_linears, one_rank_group
 from tools.to_single_file import to_single_file
 
 # family: (tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding, 1.5's rotary grid.

@@ -4,7 +4,6 @@ reproducible from checkpoints and LoRA files, and invisible to training."""
 import contextlib
 import io
 
-import av
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import decode_mp4, read_metrics, run_cmd, run_ok, train_losses, write_toml
 
 import cache
 import ckpt_files
@@ -72,13 +71,6 @@ def one_process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield parallel.Dist(0, 1, 0, torch.device("cpu"))
     dist.destroy_process_group()
-
-
-def decode_mp4(path):
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        frames = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(stream)])
-        return frames, stream.average_rate
 
 
 def validation_steps(output_dir) -> list[int]:

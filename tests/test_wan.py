@@ -17,10 +17,9 @@ import lora
 import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
-from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import assert_loads_lean, one_rank_group, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from model import load_adapter
 from parallel import StopRun
-from test_variants import one_rank_group
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
          "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
