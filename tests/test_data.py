@@ -251,6 +251,7 @@ def two_shape_data(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_two_buckets_train_on_two_ranks_and_the_cache_is_reused(two_shape_data, write_config, tmp_path, caplog):
     config = write_config("buckets", **{"data.data_root": str(two_shape_data), "data.buckets": TWO_BUCKETS,
                                         "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0,
@@ -265,6 +266,7 @@ def test_two_buckets_train_on_two_ranks_and_the_cache_is_reused(two_shape_data, 
     assert "12 clips encoded, 12 reused" in run_cache_pass(caplog, config, "--data.buckets", "[[9, 48, 40], [17, 32, 32]]")
 
 
+@pytest.mark.slow
 def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tiny_data, tmp_path, caplog):
     config = write_config("cache", **{"data.cache_dir": str(tmp_path / "cache"), "data.cache_batch_size": 2})
     killed = run_cmd(args_of(config), env={"VIDTRAIN_FAULT": "cache_kill:5"}, script="cache.py")
@@ -290,6 +292,7 @@ def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tin
     assert f"{moved} clips encoded, {24 - moved} reused" in log_line
 
 
+@pytest.mark.slow
 def test_complete_cache_trains_without_vae_t5_videos_or_headers(write_config, tiny_data, tmp_path, caplog,
                                                                 monkeypatch):
     """With a complete manifest and cache a restart reads no header and loads no encoder, and a clip
@@ -337,6 +340,7 @@ def bad_data(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_bad_input_stops_before_training_with_the_lowest_line(bad_data, write_config, tmp_path):
     # Line 2 is checked by rank 1, line 3 by rank 0: the report must still be line 2.
     config = write_config("bad", **{"data.data_root": str(bad_data), "data.cache_dir": str(tmp_path / "cache"),
@@ -348,6 +352,7 @@ def test_bad_input_stops_before_training_with_the_lowest_line(bad_data, write_co
     assert not list((tmp_path / "cache").rglob("*.safetensors")) and "step 1/" not in result.stderr
 
 
+@pytest.mark.slow
 def test_skip_bad_trains_on_the_rest_and_lists_the_skipped(bad_data, write_config, tmp_path, caplog):
     config = write_config("skip", **{"data.data_root": str(bad_data), "data.cache_dir": str(tmp_path / "cache"),
                                      "data.held_out": 0, "data.skip_bad": True, "train.steps": 2,

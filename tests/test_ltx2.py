@@ -157,6 +157,7 @@ def transformer_output(transformer, adapter):
         return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, t, t, t, embeds, (2, 4, 4), 9)], 1)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, ltx2_data, tmp_path):
@@ -298,6 +299,7 @@ def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, bas
     adapter.check_guidance(dataclasses.replace(v, stg_blocks=[1]))
 
 
+@pytest.mark.slow
 def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
     """2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
     bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and computes

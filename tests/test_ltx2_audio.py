@@ -48,7 +48,7 @@ def sound_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):  # noqa: F811
+def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):
     """LoRA on LTX-2.0 with sound: validation (held-out loss and one clip) before step 1 and at the end."""
     out = tmp_path_factory.mktemp("ltx2_sound_run")
     settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, out / "run", **SOUND, **{
@@ -59,6 +59,7 @@ def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):  # noqa
     return out / "run", load_config(str(out / "run.toml"))
 
 
+@pytest.mark.slow
 def test_sound_trains_and_both_held_out_losses_fall(sound_run):
     """Every log step has the video and the audio loss (batches mix a clip without sound: the audio loss
     averages the clips with sound); the held-out loss falls for each stream."""
@@ -72,6 +73,7 @@ def test_sound_trains_and_both_held_out_losses_fall(sound_run):
         assert held[STEPS][name] < 0.9 * held[0][name], (name, held[0][name], held[STEPS][name])
 
 
+@pytest.mark.slow
 def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     """Each clip's audio entry is encode_mel of its window's log-mel (decode.log_mel with the VAE's settings),
     every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without sound has none."""
@@ -91,6 +93,7 @@ def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     torch.testing.assert_close(cached["audio_latent_logvar"], logvar[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_validation_clip_carries_its_sound(sound_run):
     """The step's mp4 holds an AAC stream PyAV decodes, at the vocoder's rate and as long as the rendered
     sound; TensorBoard's event reader finds it beside the clip."""
@@ -112,7 +115,7 @@ def test_validation_clip_carries_its_sound(sound_run):
     assert last.step == STEPS and first.step == 0 and last.sample_rate == adapter.sound_rate
 
 
-def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
+def test_audio_loss_reaches_the_audio_stream(ltx2_models):
     """With sound, the loss's gradient reaches the audio stream's LoRA; without, none of it does (the video
     trains alone); a clip without sound in a batch with sound adds no audio loss."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu"))
@@ -144,7 +147,8 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
     assert total[0] > video[0] and total[1] == video[1]  # the clip without sound: its video loss alone
 
 
-def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, sound_run, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, sound_run, tmp_path):
     """Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in fp32,
     without and with the LoRA the run with sound exported (load_lora_weights), which changes the sound, and
     with the pipeline's own guidance terms (the sound's scale, modality isolation, rescale), which change it."""
@@ -174,7 +178,8 @@ def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, 
     assert (sounds[1] - sounds[2]).abs().max() > 1e-3  # and the guidance terms
 
 
-def test_ddp_trains_batches_with_and_without_sound(ltx2_models, base_settings, sound_data, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_ddp_trains_batches_with_and_without_sound(ltx2_models, base_settings, sound_data, tmp_path):
     """2 DDP ranks over the clips with sound and the one without: a rank whose batch has no sound runs the video
     alone, so the audio stream's weights get no gradient there (DDP must look for them each step: with one
     graph assumed for the run, its second step stops)."""

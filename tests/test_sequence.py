@@ -65,6 +65,7 @@ def logged(output_dir, tag: str) -> dict[int, float]:
     return {m["step"]: m[tag] for m in read_metrics(output_dir) if tag in m}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("name", ["sp2", "dp2_sp2_fsdp"])
 def test_same_weights_as_one_process(sp_runs, family, name):
@@ -229,6 +230,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

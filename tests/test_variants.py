@@ -89,6 +89,7 @@ def pipeline_run(variant, path, cfg: ValidationConfig, adapter, images, lora_fil
     return frames, inputs[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(PUBLISHED))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models, base_settings, images, tmp_path):
     """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32, with
@@ -176,6 +177,7 @@ def test_comfy_export_names_every_linear_as_comfyui_does(variant, tiny_models, t
     assert (info["rank"], info["alpha"]) == (2, 3.0)
 
 
+@pytest.mark.slow
 def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):
     """CogVideoX1.5-5B-I2V's key set on 2 FSDP ranks with validation (images): SIGKILL after step 6, the
     next launch resumes from step 4 and ends bitwise equal to the run that was never stopped, clips
@@ -218,6 +220,7 @@ def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):
     assert (plain - expected).abs().max() > 1e-4  # the LoRA shows
 
 
+@pytest.mark.slow
 def test_i2v_images_follow_the_bad_input_rules_and_are_encoded_once(tiny_models, tiny_data, write_config, tmp_path,
                                                                      caplog):
     data_root = tmp_path / "data"

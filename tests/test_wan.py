@@ -131,6 +131,7 @@ def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
 
 
 # diffusers adds zero image-key LoRAs when it loads a LoRA into a 2.1 I2V transformer: its warning is expected.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models, base_settings, tiny_data, tmp_path):
@@ -193,6 +194,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models,
                                    expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_each_expert_trains_only_on_its_range(wan_models, base_settings, tiny_data, tmp_path, monkeypatch):
     """A14B: transformer/ (high noise) takes t >= boundary_ratio x 1000, transformer_2/ the rest, as the
     pipeline splits them; the held-out loss measures each on its own range."""
@@ -213,6 +215,7 @@ def test_each_expert_trains_only_on_its_range(wan_models, base_settings, tiny_da
                             {"val/loss_t100", "val/loss_t300", "val/loss_t500", "val/loss_t700"})
 
 
+@pytest.mark.slow
 def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_path):
     settings = wan_settings("t2v", wan_models, base_settings, tiny_data, tmp_path / "learn", **{
         "train.steps": 60, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
@@ -223,6 +226,7 @@ def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_
     assert sorted(losses) == [0, 60] and losses[60] < 0.9 * losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise")])
 def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, tmp_path):
     """2 FSDP ranks with validation: SIGKILL after step 4, the next launch resumes from step 3 and ends
