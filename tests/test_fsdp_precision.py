@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from conftest import REPO, free_port
 
 WORKER = r'''
@@ -65,7 +63,6 @@ command.shutdown()  # FSDP2 models collected before the group goes, as the train
 '''
 
 
-@pytest.mark.slow
 def test_bf16_fsdp_computes_what_ddp_computes(tiny_models, wan_models, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

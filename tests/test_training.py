@@ -30,7 +30,6 @@ def learned(base_settings, tmp_path_factory):
     return root / "learn", run_ok(["--cfg", str(cfg)]).stderr
 
 
-@pytest.mark.slow
 def test_training_lowers_the_held_out_loss(learned):
     out, log = learned
     losses = held_out(out)
