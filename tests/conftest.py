@@ -64,7 +64,8 @@ def ltx2_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ltx2_data(tmp_path_factory):
-    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24 would dominate."""
+    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24 would
+    dominate."""
     path = tmp_path_factory.mktemp("ltx2_data") / "shapes"
     make_synthetic_dataset(str(path), num_videos=6, frames=17, height=40, width=48, seed=0)
     return path
@@ -236,10 +237,12 @@ def lora_and_sft_runs(settings: dict, tmp_path):
     """Two steps of LoRA with `settings` (under tmp_path/lora) and two of sft beside it (tmp_path/sft): the
     exported LoRA file, the LoRA run's config and its adapter (the family template's runs)."""
     trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
-    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
+    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft",
+           "train.learning_rate": 1e-3}
     trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
     cfg = load_config(str(tmp_path / "lora.toml"))
-    return tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors", cfg, load_adapter(cfg.model, torch.device("cpu"))
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+    return lora_file, cfg, load_adapter(cfg.model, torch.device("cpu"))
 
 
 def decode_mp4(path):
@@ -259,7 +262,8 @@ def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
     (comfy/model_detection.py detects it by blocks.0.norm1.linear.weight), and its LoRA loader
     (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` from
     `diffusion_model.<module>.lora_A/lora_B.weight` with `.alpha` (comfy/weight_adapter/lora.py)."""
-    dim, time, p, pt = c["num_attention_heads"] * c["attention_head_dim"], c["time_embed_dim"], c["patch_size"], c["patch_size_t"]
+    dim, time = c["num_attention_heads"] * c["attention_head_dim"], c["time_embed_dim"]
+    p, pt = c["patch_size"], c["patch_size_t"]
     block = {"norm1.linear": (time, 6 * dim), "q": (dim, dim), "k": (dim, dim), "v": (dim, dim), "attn_out": (dim, dim),
              "norm2.linear": (time, 6 * dim), "ff_proj": (dim, 4 * dim), "ff_out": (4 * dim, dim)}
     linears = {f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()}
@@ -269,7 +273,8 @@ def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
     if pt:  # 1.5: the patch embedding is a Linear (a Conv2d in 1.0)
         linears["patch_embed.proj"] = (c["in_channels"] * p * p * pt, dim)
     if c["ofs_embed_dim"]:
-        linears |= {"ofs_embedding_linear_1": (c["ofs_embed_dim"],) * 2, "ofs_embedding_linear_2": (c["ofs_embed_dim"],) * 2}
+        linears |= {"ofs_embedding_linear_1": (c["ofs_embed_dim"],) * 2,
+                    "ofs_embedding_linear_2": (c["ofs_embed_dim"],) * 2}
     return linears
 
 
@@ -282,14 +287,16 @@ PIPELINE_GUIDANCE = {"audio_guidance_scale": 7.0, "modality_scale": 3.0, "guidan
 def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **extra) -> dict:
     """Two video-only steps of LTX-2 `variant` ("2.0", "2.3-i2v": 2.3's model for image-to-video)."""
     model_type = "i2v" if variant.endswith("i2v") else "t2v"
-    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(ltx2_models(variant.split("-")[0])),
-                "model.family": "ltx2", "model.type": model_type, "data.data_root": str(tiny_data),
+    model = ltx2_models(variant.split("-")[0])
+    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(model), "model.family": "ltx2",
+                "model.type": model_type, "data.data_root": str(tiny_data),
                 "data.held_out": 2, "data.audio": False,  # video only: these clips have no sound
                 "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
                 "validation.do_validation": False, "validation.prompts": LTX2_PROMPTS,
                 "validation.num_inference_steps": 2, "validation.gen_fps": 24}
     if model_type == "i2v":
-        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(LTX2_PROMPTS))]
+        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png")
+                                         for i in range(len(LTX2_PROMPTS))]
     return {**settings, **extra}
 
 
