@@ -23,9 +23,8 @@ import cache
 import data
 import decode
 from config import DataConfig, load_config
-from conftest import write_toml
+from conftest import one_rank_group, write_toml
 from families.cogvideox import CogVideoXAdapter
-from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
 
 FPS, RATE = 8, 16000
@@ -318,10 +317,10 @@ def test_channels_mix_as_the_official_trainer_does():
 
 class Sounding(CogVideoXAdapter):
     """The tiny CogVideoX with an audio VAE beside it: what the cache needs of a family with sound
-    (LTX-2's adapter provides the same members)."""
+    (LTX-2's adapter provides the same members; AUDIO_DTYPE, the audio VAE's, keys the audio entries)."""
 
     ENCODERS = {**CogVideoXAdapter.ENCODERS, "audio": ("audio_vae",)}
-    AUDIO_DTYPE = "fp32"  # the audio VAE's precision, which keys the audio entries
+    AUDIO_DTYPE = "fp32"  # encode_audio runs the VAE as from_pretrained loads it
     audio_sample_rate, audio_channels = RATE, 2
 
     def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from config import load_config  # noqa: E402
 from model import build_model, build_optimizer  # noqa: E402
 
 
+@pytest.mark.slow
 def test_estimate_matches_a_measured_step(tiny_models, tmp_path):
     """sft with EMA and checkpointing on a 512-wide CogVideoX: the estimate's state, step and peak are
     within 15% of what a fresh process measures (resident growth, VmHWM)."""

@@ -152,6 +152,7 @@ def cache_entries(adapter, type_: str) -> dict[str, dict[str, torch.Tensor]]:
     return entries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_training_loss_on_cuda_neither_mixes_devices_nor_waits(variant, tiny_models, wan_models, monkeypatch,
                                                               cuda_device_guard):

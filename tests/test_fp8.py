@@ -137,6 +137,7 @@ def one_process_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(base_settings, tiny_model, tmp_path,
                                                                       one_process_group):
     """20 steps (one-process FSDP, activation checkpointing, EMA, a validation render): the held-out loss

@@ -22,38 +22,22 @@ import export
 import lora
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml, written_on_first_use
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (PIPELINE_GUIDANCE, assert_loads_lean, lora_and_sft_runs, ltx2_settings, ltx_core_cross_modulation,
+                      one_rank_group, pipeline_guidance, run_cmd, run_ok, train_losses, write_toml)
 from families.ltx2 import TEXT_LENGTH
 from model_adapter import load_adapter
 from parallel import StopRun
-from test_variants import lora_and_sft_runs, one_rank_group
-from tools.make_synthetic_dataset import make_synthetic_dataset
-from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS, make_tiny_ltx2
+from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 
 # variant: (model.type, pipeline)
 VARIANTS = {"2.0": ("t2v", LTX2Pipeline), "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline), "2.5": ("t2v", LTX2Pipeline)}
 # 2.5's run also trains LoRAs outside the blocks (the video patch embedding and timestep modulation), which the
 # ComfyUI file names as the original checkpoint does (patchify_proj, adaln_single.linear).
 EXTRA = {"2.5": {"lora.target_modules": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "time_embed.linear"]}}
-PROMPTS = ["a red circle moves right"]
-# The pipelines' own guidance terms at their defaults; STG on 2.3 only (2.0 has no perturbed attention), at the
-# tiny model's last block (the published models' 28 is past its 2).
-PIPELINE_GUIDANCE = {"audio_guidance_scale": 7.0, "modality_scale": 3.0, "guidance_rescale": 0.7}
+# STG on 2.3 only (2.0 has no perturbed attention), at the tiny model's last block (the published models' 28 is
+# past its 2).
 STG = {"stg_scale": 1.0, "stg_blocks": [1]}
-
-
-@pytest.fixture(scope="session")
-def ltx2_models(tmp_path_factory):
-    """Each LTX-2 variant's tiny model, written on first use."""
-    return written_on_first_use(tmp_path_factory.mktemp("ltx2"), make_tiny_ltx2)
-
-
-@pytest.fixture(scope="session")
-def ltx2_data(tmp_path_factory):
-    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24 would dominate."""
-    path = tmp_path_factory.mktemp("ltx2_data") / "shapes"
-    make_synthetic_dataset(str(path), num_videos=6, frames=17, height=40, width=48, seed=0)
-    return path
 
 
 def model_of(variant: str) -> str:
@@ -150,27 +134,6 @@ def test_a_folder_with_another_text_encoder_is_refused(ltx2_models, tmp_path):
         load_adapter(ModelConfig(family="ltx2", path=str(folder)), torch.device("cpu"))
 
 
-def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **extra) -> dict:
-    model_type = VARIANTS[variant][0]
-    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(ltx2_models(model_of(variant))),
-                "model.family": "ltx2", "model.type": model_type, "data.data_root": str(tiny_data),
-                "data.held_out": 2, "data.audio": False,  # video only: these clips have no sound
-                "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
-                "validation.do_validation": False, "validation.prompts": PROMPTS, "validation.num_inference_steps": 2,
-                "validation.gen_fps": 24}
-    if model_type == "i2v":
-        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
-    return {**settings, **extra}
-
-
-def pipeline_guidance(cfg) -> dict:
-    """The pipelines' guidance arguments for validation's settings (each term on both streams, as ours)."""
-    return dict(guidance_scale=cfg.guidance_scale, audio_guidance_scale=cfg.audio_guidance_scale or cfg.guidance_scale,
-                stg_scale=cfg.stg_scale, audio_stg_scale=cfg.stg_scale, spatio_temporal_guidance_blocks=cfg.stg_blocks,
-                modality_scale=cfg.modality_scale, audio_modality_scale=cfg.modality_scale,
-                guidance_rescale=cfg.guidance_rescale, audio_guidance_rescale=cfg.guidance_rescale)
-
-
 def pipeline_frames(pipe, cfg):
     """The pipeline's float frames [F, H, W, 3] per prompt, guided as validation's settings say."""
     frames = []
@@ -194,6 +157,7 @@ def transformer_output(transformer, adapter):
         return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, t, t, t, embeds, (2, 4, 4), 9)], 1)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, ltx2_data, tmp_path):
@@ -204,8 +168,6 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     computes what the checkpoint's weights compute. Image-to-video: the pipeline's transformer takes
     ltx-core's audio-video cross-attention modulation (the image tokens' scale/shift at their own timestep
     0, as ours; diffusers' use_cross_timestep gives them the audio's sigma: test_ltx2_training)."""
-    from test_ltx2_training import ltx_core_cross_modulation  # here: that module imports this one's fixture
-
     path = ltx2_models(model_of(variant))
     lora_file, cfg, adapter = lora_and_sft_runs(ltx2_settings(variant, ltx2_models, base_settings, ltx2_data,
                                                               tmp_path / "lora", **EXTRA.get(variant, {})), tmp_path)
@@ -337,6 +299,7 @@ def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, bas
     adapter.check_guidance(dataclasses.replace(v, stg_blocks=[1]))
 
 
+@pytest.mark.slow
 def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
     """2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
     bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and computes

@@ -1,10 +1,8 @@
 """LTX-2 trains what Lightricks trains: ltx-trainer's timestep sampler (its shift unclamped), ltx-core's
 audio-video cross-attention modulation (each stream's scale/shift from its own timesteps, its gate from the
 other stream's sigma), the audio VAE in fp32, and the encoders' means as the clean latents. The reference
-formulas are Lightricks/LTX-2's (packages/ltx-trainer, packages/ltx-core), written here with their files
-named."""
-
-import contextlib
+formulas are Lightricks/LTX-2's (packages/ltx-trainer, packages/ltx-core), written with their files named, here
+and in conftest.py (ltx-core's cross-attention modulation, which test_ltx2.py's pipeline runs use too)."""
 
 import pytest
 import torch
@@ -14,13 +12,11 @@ import cache
 import data
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
-from conftest import write_toml
+from conftest import decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group, write_toml
 from families.ltx2 import FRAME_RATE, TEXT_LENGTH, shifted_logit_normal
 from model_adapter import load_adapter
 from parallel import StopRun
-from test_ltx2 import ltx2_data, ltx2_models, ltx2_settings  # noqa: F401 (fixtures)
-from test_validate import decode_mp4
-from test_variants import one_rank_group
+
 
 def ltx_trainer_sigma(seq_length: int, generator: torch.Generator) -> torch.Tensor:
     """packages/ltx-trainer/src/ltx_trainer/timestep_samplers.py, ShiftedLogitNormalTimestepSampler.sample
@@ -47,57 +43,8 @@ def test_timestep_sampler_is_ltx_trainers(tokens):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
-def ltx_core_cross_inputs(model, video_t, video_sigma, audio_t, audio_sigma) -> dict[str, torch.Tensor]:
-    """The four audio-video cross-attention AdaLN inputs as packages/ltx-core's
-    model/transformer/transformer_args.py computes them (MultiModalTransformerArgsPreprocessor.
-    _prepare_cross_attention_timestep, called per modality with the other as cross_modality):
-    scale/shift = cross_scale_shift_adaln(modality.timesteps x timestep_scale_multiplier), per token;
-    gate = cross_gate_adaln(cross_modality.sigma x timestep_scale_multiplier x av_ca_factor),
-    av_ca_factor = av_ca_timestep_scale_multiplier / timestep_scale_multiplier. The arguments here are what
-    diffusers' transformer takes (timestep_scale_multiplier already applied: 1000 s). ltx-core's modules
-    (model/transformer/model.py) are diffusers' av_cross_attn_*: video_scale_shift, video_a2v_gate,
-    audio_scale_shift, audio_v2a_gate."""
-    factor = model.config.cross_attn_timestep_scale_multiplier / model.config.timestep_scale_multiplier
-    batch, dtype = len(video_sigma), model.proj_in.weight.dtype
-
-    def adaln(module, t):
-        out = module(t.flatten(), batch_size=batch, hidden_dtype=dtype)[0]
-        return out.view(batch, -1, out.shape[-1])
-
-    return {"temb_ca_scale_shift": adaln(model.av_cross_attn_video_scale_shift, video_t),
-            "temb_ca_audio_scale_shift": adaln(model.av_cross_attn_audio_scale_shift, audio_t),
-            "temb_ca_gate": adaln(model.av_cross_attn_video_a2v_gate, audio_sigma * factor),
-            "temb_ca_audio_gate": adaln(model.av_cross_attn_audio_v2a_gate, video_sigma * factor)}
-
-
-@contextlib.contextmanager
-def ltx_core_cross_modulation(model):
-    """diffusers' transformer `model` with ltx-core's cross-attention modulation: each call's four inputs
-    (ltx_core_cross_inputs, from the call's timesteps and sigmas) replace what every block is given."""
-    inputs = {}
-
-    def on_call(module, args, kwargs):
-        timestep, sigma = kwargs["timestep"], kwargs.get("sigma", kwargs["timestep"])
-        audio_t = kwargs.get("audio_timestep")
-        audio_t = timestep if audio_t is None else audio_t
-        audio_sigma = kwargs.get("audio_sigma")
-        inputs.update(ltx_core_cross_inputs(module, timestep, sigma, audio_t, sigma if audio_sigma is None
-                                            else audio_sigma))
-
-    def on_block(module, args, kwargs):
-        return args, {**kwargs, **inputs}
-
-    hooks = [model.register_forward_pre_hook(on_call, with_kwargs=True)]
-    hooks += [block.register_forward_pre_hook(on_block, with_kwargs=True) for block in model.transformer_blocks]
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
 @pytest.mark.parametrize("variant", ["2.0", "2.3"])
-def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):  # noqa: F811
+def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):
     """Our forward's output equals diffusers' transformer given ltx-core's four cross-attention inputs: with a
     sigma per stream (training with sound), and with I2V's image tokens at timestep 0 (their scale/shift their
     own 0, not the audio's sigma); with one sigma for both it still equals the call LTX2Pipeline makes
@@ -136,7 +83,7 @@ def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):  # noqa:
                 assert (ours - pipelines).abs().max() > 1e-3, (variant, video_t, audio_t)
 
 
-def test_audio_vae_encodes_in_fp32(ltx2_models):  # noqa: F811
+def test_audio_vae_encodes_in_fp32(ltx2_models):
     """With model.dtype bf16, the cached sound is the fp32 audio VAE's posterior of the mel spectrogram, as
     ltx-trainer's process_videos.py encodes it ("Audio VAE needs float32 for quality")."""
     path = ltx2_models("2.0")
@@ -151,7 +98,7 @@ def test_audio_vae_encodes_in_fp32(ltx2_models):  # noqa: F811
     torch.testing.assert_close(logvar, posterior.logvar, rtol=0, atol=1e-6)
 
 
-def test_training_takes_the_encoders_means(ltx2_models):  # noqa: F811
+def test_training_takes_the_encoders_means(ltx2_models):
     """The clean latents are the cached posteriors' means (ltx-trainer's, from ltx-core's encoders): the
     loss does not depend on the cached log-variances, of the video or of the sound."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"),
@@ -171,7 +118,7 @@ def test_training_takes_the_encoders_means(ltx2_models):  # noqa: F811
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
 
 
-def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_settings, ltx2_data, tmp_path):  # noqa: F811
+def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_settings, ltx2_data, tmp_path):
     """validation.gen_fps = 0 (the default): the mp4 is written at the rate the sound was generated for
     (data.target_fps, else 24), so the frames last as long as their sound; another gen_fps is refused before
     the cache pass, and by validate.py's renderer (renders without training)."""

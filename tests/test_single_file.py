@@ -20,11 +20,9 @@ import parallel
 import storage
 from cache import prepare
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from conftest import write_toml
+from conftest import comfyui_linears, one_rank_group, write_toml
 from model import build_model
 from model_adapter import load_adapter
-from test_ltx2 import ltx2_models  # noqa: F401 (a fixture)
-from test_variants import comfyui_linears, one_rank_group
 from tools.to_single_file import to_single_file
 
 # family: (tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding, 1.5's rotary grid.
@@ -328,7 +326,7 @@ def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, t
             adapter_for("wan", folders["wan"], str(tmp_path / f"{name}.safetensors"))
 
 
-def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_models, tmp_path):  # noqa: F811
+def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_models, tmp_path):
     """model.transformer_file given a folder, a diffusers folder's transformer file (under its own name and
     under another), a PyTorch pickle, a GGUF file (refused by its first bytes: a header length read from them
     would be gigabytes) or a file whose JSON header is not safetensors': each message says which it is."""
@@ -418,7 +416,7 @@ def lightricks_file(folder, out):
 
 
 @pytest.mark.parametrize("version", ["2.0", "2.3"])
-def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tmp_path):  # noqa: F811
+def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tmp_path):
     """A file laid out as ltx-2-19b-dev.safetensors (LTX-2.3's as 2.3's): diffusers' conversion script turns
     its transformer part into the folder's state dict, and model.transformer_file reads the transformer from
     it, skipping the connectors, VAEs and vocoder, to the folder's weights (bf16, as the file's), bit for

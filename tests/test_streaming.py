@@ -71,6 +71,7 @@ def lora_of(output_dir):
     return load_file(output_dir / "lora" / "pytorch_lora_weights.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["streamed", "one_block"])
 def test_trains_the_plain_runs_lora(runs, run):
     plain, ours = lora_of(runs["plain"]), lora_of(runs[run])
@@ -79,6 +80,7 @@ def test_trains_the_plain_runs_lora(runs, run):
     assert train_losses(runs[run]) == pytest.approx(train_losses(runs["plain"]), rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
 def test_activation_offload_moves_what_checkpointing_keeps(runs):
     """Each step's forward packs every block's tensor inputs (the video tokens [batch, tokens, width], the
     text tokens, the timestep embedding), and the backward takes each back. A tensor goes to the host
@@ -90,6 +92,7 @@ def test_activation_offload_moves_what_checkpointing_keeps(runs):
     assert runs["copied"] == [(2, 48, 32), (2, 16, 32), (2, 32), (2, 48, 32), (2, 16, 32)] * STEPS
 
 
+@pytest.mark.slow
 def test_validation_clips_equal_the_plain_runs(runs):
     """Rendered with every block streamed, before training and after it: the plain run's frames."""
     clips = sorted(p.name for p in (runs["plain"] / "validation_res").glob("*.safetensors"))
@@ -101,6 +104,7 @@ def test_validation_clips_equal_the_plain_runs(runs):
         assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in plain), name
 
 
+@pytest.mark.slow
 def test_stopped_streaming_run_resumes_bitwise(runs, settings, monkeypatch):
     """Stopped by an error after step 3, in this process: what a kill leaves on disk (checkpoint-2, nothing
     after it; tests/test_ckpt.py kills with SIGKILL), at a fraction of a new process's cost."""

@@ -42,6 +42,7 @@ def test_training_lowers_the_held_out_loss(learned):
     assert (out / "config.toml").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["lora/pytorch_lora_weights.safetensors", "lora/adapter_model.safetensors"])
 def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, layout):
     """Started from a run's export (diffusers' or PEFT's layout), the step-0 held-out loss is that run's
@@ -56,6 +57,7 @@ def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, l
     assert "cache:" not in refused.stderr
 
 
+@pytest.mark.slow
 def test_same_seed_same_run(write_config, tmp_path):
     """Bitwise, with run.deterministic on in one of them (on CPUs it changes nothing, and every op used
     has a deterministic implementation, or torch would raise)."""
@@ -71,6 +73,7 @@ def test_same_seed_same_run(write_config, tmp_path):
     assert train_losses(tmp_path / "dropout") != train_losses(tmp_path / "first")
 
 
+@pytest.mark.slow
 def test_compile_trains_as_eager(write_config, tmp_path):
     """train.compile (inductor, each block, inside activation checkpointing) computes eager's 4 steps: losses
     and weights within rtol 1e-4 (measured: 2e-8 apart), with validation on. Validation runs eagerly, so
@@ -96,6 +99,7 @@ def test_compile_trains_as_eager(write_config, tmp_path):
     assert compiled.count("Recompiling function") == 1, compiled[-3000:]
 
 
+@pytest.mark.slow
 def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
     """The exported LoRA holds exactly the weights of the last checkpoint, as DCP's own converter reads it,
     with the trained alpha in its metadata; the checkpoint holds no frozen weight."""
@@ -110,6 +114,7 @@ def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
     assert not any(k.endswith(".weight") and "lora_" not in k for k in model)
 
 
+@pytest.mark.slow
 def test_peak_memory_is_measured_per_phase(write_config, tmp_path):
     """Validation (a 128x128 render, which takes far more memory than training at 32x32) reports its own
     peak, and training's next log step does not inherit it: the peak is reset before and after each
@@ -138,6 +143,7 @@ def corrupt_dataset(tiny_data, tmp_path, how: str):
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings, message", [
     ({"train.stepz": 3}, "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
     ({"train.steps": "many"}, "train.steps must be int"),
@@ -166,6 +172,7 @@ def test_synthetic_clips_decode(tiny_data):
     assert len(frames) == 17 and frames[0].shape == (40, 48, 3) and frames[5].max() > 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["1.5-5b", "1.5-5b-i2v"])
 def test_cogvideox_15_lowers_the_held_out_loss(variant, tiny_models, write_config, tmp_path):
     """1.5's latents are padded to patch_size_t as the pipeline pads them, I2V's image condition rides
