@@ -268,9 +268,9 @@ class WanAdapter(Adapter):
         ratio, latent_frames = self.vae_config["scale_factor_temporal"], condition.shape[2]
         frames = (latent_frames - 1) * ratio + 1
         known = torch.zeros(frames, device=condition.device, dtype=condition.dtype)
-        known[0] = 1
+        known[:1] = 1  # slices fill on the device; an element assignment copies a host scalar (a wait)
         if self.first_last:
-            known[-1] = 1
+            known[-1:] = 1
         per_frame = torch.cat([known[:1].repeat(ratio), known[1:]]).view(latent_frames, ratio).T
         return per_frame[None, :, :, None, None].expand(len(condition), -1, -1, *condition.shape[3:])
 
