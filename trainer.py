@@ -279,7 +279,8 @@ def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: 
     finite either: gradients overflowing a finite loss are the scale's to fix. Returns the norm (before
     clipping) and whether the update was skipped, both on the device."""
     scaler.unscale_(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+    # max_grad_norm = 0: no clipping (clip_grad_norm_ would scale every gradient to 0); the norm is still logged.
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     skipped = ~torch.isfinite(grad_norm)
     optimizer.found_inf = skipped.float()  # read by the fused kernel: 1 skips the update and the Adam step
