@@ -529,11 +529,10 @@ def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: 
     """The model's own rules: frames = k * frame_multiple + 1, height and width divisible by size_multiple."""
     frames, height, width = resolution
     if frames < 1 or (frames - 1) % frame_multiple:
-        lower = (frames - 1) // frame_multiple * frame_multiple + 1
-        choices = f"{lower} or {lower + frame_multiple}" if lower >= 1 else f"1 or {1 + frame_multiple}"
+        lower = max(1, (frames - 1) // frame_multiple * frame_multiple + 1)  # never a count below one frame
         raise ConfigError(
             f"{key} frames = {frames}, but this model needs {frame_multiple}k+1 frames "
-            f"(the VAE decodes latents in pairs): use {choices}"
+            f"(the VAE decodes latents in pairs): use {lower} or {lower + frame_multiple}"
         )
     for name, value in (("height", height), ("width", width)):
         if value % size_multiple or value <= 0:
