@@ -29,7 +29,7 @@ import parallel
 from config import ConfigError, load_config
 
 log = logging.getLogger("vidtrain")
-EXIT_CODES = "VIDTRAIN_EXIT_CODES"  # set by launch.sh: a folder where every rank writes its exit code
+EXIT_CODES = "VIDTRAIN_EXIT_CODES"  # set by launch.sh: a folder where every rank writes its exit code, rank 0 its error
 
 
 def run_command(work, config_path: str, overrides: list[str], lock_output_dir: bool = False) -> None:
@@ -42,6 +42,8 @@ def run_command(work, config_path: str, overrides: list[str], lock_output_dir: b
     previous_handlers = parallel.PREEMPTION.install()
     try:
         cfg = load_config(config_path, overrides)
+        if EXIT_CODES in os.environ and rank == 0:  # launch.sh keeps torchrun's log there
+            (Path(os.environ[EXIT_CODES]) / "output_dir").write_text(cfg.run.output_dir)
         if cfg.run.deterministic:
             parallel.make_deterministic()
         d = parallel.init(cfg.parallel)
@@ -150,7 +152,10 @@ def report(error: BaseException, rank: int) -> int:
     # Raised alike on every rank, or (a failed write of rank 0's files) on rank 0 alone.
     if isinstance(error, (ConfigError, parallel.StopRun, CheckpointException, faults.WriteFailed)):
         if rank == 0:
-            log.error("error: %s", first_failure(error) if isinstance(error, CheckpointException) else error)
+            message = f"error: {first_failure(error) if isinstance(error, CheckpointException) else error}"
+            log.error("%s", message)
+            if EXIT_CODES in os.environ:  # launch.sh prints it again, last, below torchrun's own report
+                (Path(os.environ[EXIT_CODES]) / "error").write_text(f"{message}\n")
         return 1
     if isinstance(error, KeyboardInterrupt):
         if rank == 0:

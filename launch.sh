@@ -9,6 +9,8 @@
 # (SLURM's warning before a time limit) reach the workers, which save and exit 0; torchrun gives them
 # SHUTDOWN_TIMEOUT seconds (default 600, torchrun's own is 30) before it kills them: set it longer than
 # your longest checkpoint save. The exit code is the workers' (0 after such a stop, 130 after Ctrl-C).
+# After a failure our one error line is printed last; torchrun's own report of it (the traceback and
+# "ChildFailedError" block it prints on every failure) is kept in run.output_dir/torchrun.log instead.
 #
 # A collective on GPU tensors that outlasts parallel.timeout_s raises nothing in Python: NCCL's watchdog
 # aborts the process (SIGABRT). With TORCH_NCCL_DUMP_ON_TIMEOUT=1 (set here unless you set it) it first
@@ -61,10 +63,28 @@ if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 fi
 # torchrun exits 1 after passing on a signal it got itself (Ctrl-C; a scheduler that signals every
-# process of the job), however the workers ended: each worker writes its own exit code here instead.
+# process of the job), however the workers ended: each worker writes its own exit code here instead, rank 0
+# its one-line error (error) and run.output_dir (output_dir).
 exit_codes=$(mktemp -d)
 trap 'rm -rf "$exit_codes"' EXIT
-VIDTRAIN_EXIT_CODES=$exit_codes python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@" &
+# torchrun's stderr, whole, goes to a log; the user sees it but for torchrun's own lines (its logger's, and
+# the traceback and failure block it prints as it exits), which are held back.
+log=$(mktemp "${TMPDIR:-/tmp}/vidtrain-torchrun.XXXXXX")
+mkfifo "$exit_codes/stderr"
+# The filter ignores the signals a terminal or a scheduler sends the whole job: it must outlive torchrun.
+(trap '' INT TERM USR1 HUP; exec awk -v all="$log" -v held="$exit_codes/held" '
+    { print > all; fflush(all) }
+    /^[IWEF][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ .*torch\/distributed\// {
+        if ($0 ~ /failed \(exitcode/) failing = 1
+        print > held; next
+    }
+    failing && /^Traceback \(most recent call last\):/ { exiting = 1 }
+    exiting { print > held; next }
+    { print > "/dev/stderr"; fflush("/dev/stderr") }
+') < "$exit_codes/stderr" &
+filter=$!
+VIDTRAIN_EXIT_CODES=$exit_codes python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@" \
+    2> "$exit_codes/stderr" &
 torchrun=$!
 # A signal sent to this script goes to the workers themselves: torchrun may have had it already (a
 # second one would cut short its wait for them), and the workers take it twice without harm. Before
@@ -78,8 +98,23 @@ while true; do
     wait "$torchrun" || status=$?
     kill -0 "$torchrun" 2>/dev/null || break  # still running: a signal only interrupted the wait
 done
+wait "$filter" || true
+if [[ -s "$exit_codes/error" ]]; then
+    # Our one line says what failed and what to do: it comes last, torchrun's own report goes to its log.
+    if [[ -s "$exit_codes/output_dir" && -d "$(cat "$exit_codes/output_dir")" ]]; then
+        kept="$(cat "$exit_codes/output_dir")/torchrun.log"
+        cat "$log" >> "$kept" && rm -f "$log"
+    else
+        kept=$log
+    fi
+    echo "torchrun's own report: $kept" >&2
+    cat "$exit_codes/error" >&2
+else
+    [[ -f "$exit_codes/held" ]] && cat "$exit_codes/held" >&2  # no line of ours: torchrun's report is the news
+    rm -f "$log"
+fi
 shopt -s nullglob
-codes=("$exit_codes"/*)
+codes=("$exit_codes"/rank-*)
 if [[ ${#codes[@]} -eq $NPROC && $(sort -u "${codes[@]}" | wc -l) -eq 1 ]]; then
     exit "$(cat "${codes[0]}")"  # every worker ended alike
 fi
