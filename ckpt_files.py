@@ -158,8 +158,8 @@ def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = Fals
                           "the weights it was trained on, or start over in another run.output_dir (lora.init_from "
                           "carries a LoRA over)")
     if resuming and saved.get("precision", identity["precision"]) != identity["precision"]:
-        log.warning("checkpoint %s was trained with the base in %s, this run has %s: training continues in this "
-                    "run's precision", path, saved["precision"], identity["precision"])
+        log.warning(f"checkpoint {path} was trained with the base in {saved['precision']}, this run has "
+                    f"{identity['precision']}: training continues in this run's precision")
     for key in sorted((set(saved) | set(identity)) - {"base", "precision"}):
         if saved.get(key) != identity.get(key):
             raise ConfigError(
