@@ -307,8 +307,9 @@ def check_lora_targets(adapter, targets: list[str]) -> None:
 
 
 def prepare(cfg: Config, d: parallel.Dist):
-    """Check the model, the resolutions and every clip, and complete the cache, before any training.
-    Returns the adapter, the cache and the training and held-out items (the last data.held_out)."""
+    """Check the model, the resolutions and every clip, and complete the cache, before any training (a
+    complete cache on a read-only data.cache_dir is only read). Returns the adapter, the cache and the
+    training and held-out items (the last data.held_out)."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter

@@ -328,6 +328,7 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     where = Path(checkpoint).resolve()
     target = Path(out) if out else where.parent / "exports" / where.name
     with parallel.all_or_none():  # before any compute
+        read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
         problem = command.write_problem(target) if d.is_main else None
         if problem:
             raise ConfigError(f"the export cannot be written to {target} ({problem}): "

@@ -284,6 +284,8 @@ def exporting(path: Path):
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
+        lock = None
+    if lock is None:
         yield
         return
     with lock:
