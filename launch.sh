@@ -67,21 +67,29 @@ fi
 # its one-line error (error) and run.output_dir (output_dir).
 exit_codes=$(mktemp -d)
 trap 'rm -rf "$exit_codes"' EXIT
-# torchrun's stderr, whole, goes to a log; the user sees it but for torchrun's own lines (its logger's, and
-# the traceback and failure block it prints as it exits), which are held back.
+# torchrun's stderr, whole, goes to a log; the user sees it as it comes but for torchrun's own lines (its
+# logger's, and the traceback and failure block it prints as it exits), which are held back. Read line by
+# line in bash: awk would read the pipe in blocks and hold the live output back with it.
 log=$(mktemp "${TMPDIR:-/tmp}/vidtrain-torchrun.XXXXXX")
 mkfifo "$exit_codes/stderr"
+torchrun_line='^[IWEF][0-9]{4} [0-9:.]+ +[0-9]+ .*torch/distributed/'
+hold() {
+    local line failing=0 exiting=0
+    while IFS= read -r line || [[ -n "$line" ]]; do
+        printf '%s\n' "$line" >> "$log"
+        if [[ $line =~ $torchrun_line ]]; then
+            [[ $line == *"failed (exitcode"* ]] && failing=1
+        elif [[ $failing == 1 && $line == "Traceback (most recent call last):" ]]; then
+            exiting=1
+        elif [[ $exiting == 0 ]]; then
+            printf '%s\n' "$line" >&2
+            continue
+        fi
+        printf '%s\n' "$line" >> "$exit_codes/held"
+    done
+}
 # The filter ignores the signals a terminal or a scheduler sends the whole job: it must outlive torchrun.
-(trap '' INT TERM USR1 HUP; exec awk -v all="$log" -v held="$exit_codes/held" '
-    { print > all; fflush(all) }
-    /^[IWEF][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ .*torch\/distributed\// {
-        if ($0 ~ /failed \(exitcode/) failing = 1
-        print > held; next
-    }
-    failing && /^Traceback \(most recent call last\):/ { exiting = 1 }
-    exiting { print > held; next }
-    { print > "/dev/stderr"; fflush("/dev/stderr") }
-') < "$exit_codes/stderr" &
+(trap '' INT TERM USR1 HUP; hold) < "$exit_codes/stderr" &
 filter=$!
 VIDTRAIN_EXIT_CODES=$exit_codes python -m torch.distributed.run "${args[@]}" trainer.py --cfg "$config" "$@" \
     2> "$exit_codes/stderr" &
