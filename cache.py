@@ -32,8 +32,8 @@ import sequence
 from cache_files import Cache
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
-from model import load_adapter
-from model_adapter import Weights
+from model_adapter import load_adapter
+from weights import Weights
 
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
@@ -62,9 +62,11 @@ def encoder_identity(adapter, manifest: Manifest, d: parallel.Dist) -> dict[str,
     return parallel.broadcast(identity, d)
 
 
-def read_headers(clip: data.Clip, manifest: Manifest, with_image: bool) -> tuple[dict, str | None, list]:
-    """The clip's manifest entry and (image-to-video) its image's content hash, reading what the manifest
-    does not know; and the new entries. decode.MediaError names the file that failed."""
+def read_headers(clip: data.Clip, manifest: Manifest, with_image: bool,
+                 with_last: bool = False) -> tuple[dict, str | None, str | None, list]:
+    """The clip's manifest entry, (image-to-video) its image's and (first-last-frame) its last image's
+    content hashes, reading what the manifest does not know; and the new entries. decode.MediaError names
+    the file that failed, or the missing last image."""
     new = []
 
     def entry(path: Path) -> dict:
@@ -78,10 +80,20 @@ def read_headers(clip: data.Clip, manifest: Manifest, with_image: bool) -> tuple
             image = entry(clip.image)["content"]
         except decode.MediaError as e:
             raise decode.MediaError(f"image {clip.image}: {e}") from None
-    return video, image, new
+    last = None
+    if with_last:
+        if clip.last_image is None:
+            raise decode.MediaError("has no last image: a first-last-frame model needs each clip's last frame "
+                                    "(data.last_image_column's line, or the metadata file's last_image column)")
+        try:
+            last = entry(clip.last_image)["content"]
+        except decode.MediaError as e:
+            raise decode.MediaError(f"last image {clip.last_image}: {e}") from None
+    return video, image, last, new
 
 
-def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: parallel.Dist):
+def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: parallel.Dist,
+             first_last: bool = False):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
     check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
     same on every rank; new manifest entries are added on every rank."""
@@ -93,12 +105,12 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
             out = []
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
                 try:
-                    video, image, new = read_headers(clips[i], manifest, cfg.model.type == "i2v")
+                    video, image, last, new = read_headers(clips[i], manifest, cfg.model.type == "i2v", first_last)
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
                 planned = data.plan_clip(clips[i], media_of(video), video["content"], shapes, cfg.data, cfg.run.seed,
-                                         image)
+                                         image, last)
                 missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
                 # Sent without the clip, which every rank holds: unpickling paths is most of the gather's cost.
                 out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
@@ -111,6 +123,18 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
                     manifest.add(Path(path), entry)
         parallel.stop_if_preempted(d, "while reading clip headers, with nothing encoded yet")
     return results
+
+
+def check_last_images(adapter, clips: list[data.Clip], cfg: DataConfig) -> None:
+    """A first-last-frame model trains on clips with last images; another model takes none."""
+    if adapter.first_last and not any(clip.last_image for clip in clips):
+        raise ConfigError(f"model.path = {adapter.path} is a first-last-frame model (Wan FLF2V), but no clip has a "
+                          "last image: set data.last_image_column to a file under data_root with each clip's last "
+                          "frame, one per line (or give metadata.jsonl / metadata.csv a last_image column)")
+    if not adapter.first_last and cfg.last_image_column:
+        raise ConfigError(f"data.last_image_column = {cfg.last_image_column} conditions first-last-frame models, and "
+                          f"model.path = {adapter.path} is not one: remove it, or train a first-last-frame model "
+                          "(Wan2.1-FLF2V-14B-720P)")
 
 
 def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data.Problem]:
@@ -225,6 +249,7 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
     threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
     written, pending, far = 0, {}, []
+    heard = [0, 0]  # clips whose sound this rank read, and those that had any
 
     def decoded(item):
         audio = None
@@ -233,10 +258,11 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
         if not todo[item] & {"video", "image"}:
             return None, None, 0.0, audio
         video = data.decode_clip(item, threads)
+        last = data.load_image(item, last=True) if item.last_image_content is not None else None
         if not (item.clip.image and cache.image_seed is not None):
-            return video, video[0], 0.0, audio  # the window's own first frame
+            return video, (video[0], last), 0.0, audio  # the window's own first frame
         image = data.load_image(item)
-        return video, image, float((image.float() - video[0].float()).abs().mean()), audio
+        return video, (image, last), float((image.float() - video[0].float()).abs().mean()), audio
 
     def write_audio(item, audio):
         entry = {}  # no sound: an empty entry says so
@@ -269,7 +295,10 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
             mean, logvar = adapter.encode_video(torch.stack(videos))
             if cache.image_seed is not None:
                 noise = [data.keyed_generator(seed, "image_noise", item.content) for item in items]
-                image = adapter.encode_image(torch.stack(images), noise, items[0].resolution[0])
+                firsts, lasts = zip(*images)
+                # First-last-frame (every clip has a last image then, read_headers checks): both images at once.
+                last = {"last_images": torch.stack(lasts)} if lasts[0] is not None else {}
+                image = adapter.encode_image(torch.stack(firsts), noise, items[0].resolution[0], **last)
         for item, _, _, audio in good:
             if item in index:
                 j = index[item]
@@ -278,6 +307,7 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
                     cache.write(item, "image", {name: tensor[j] for name, tensor in image.items()})
             if "audio" in todo[item]:
                 write_audio(item, audio)
+                heard[0], heard[1] = heard[0] + 1, heard[1] + (audio is not None)
             written += 1
             faults.fault("cache", written)
         return len(good) + len(bad), bad
@@ -285,6 +315,11 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     with ThreadPoolExecutor(workers) as pool:
         problems = run_rounds(per_rank, work, "clips", cfg, d)
     far = sorted(f for part in parallel.agree(lambda: far, d) for f in part)
+    read, sounding = (sum(counts) for counts in zip(*parallel.agree(lambda: heard, d)))
+    if read and not sounding and d.is_main:
+        log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
+                    "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
+                    "false)")
     if far and d.is_main:
         named = "; ".join(name for _, name in far[:5]) + (f"; and {len(far) - 5} more" if len(far) > 5 else "")
         log.warning(f"{len(far)} clip(s) have an image (data.image_column) that differs from their video's first "
@@ -325,8 +360,18 @@ def prepare(cfg: Config, d: parallel.Dist):
             adapter.shift = cfg.train.flow_shift
         if "audio" in adapter.ENCODERS:  # a family with sound
             adapter.audio_loss_weight = cfg.train.audio_loss_weight
+            adapter.trains_sound = cfg.data.audio
+        if adapter.GRAPH_VARIES and adapter.trains_sound and cfg.parallel.offload_blocks:
+            # model.build_model streams LoRA with its block then: some blocks' on the host, others' on the GPU
+            raise ConfigError(
+                f"parallel.offload_blocks = {cfg.parallel.offload_blocks} with data.audio = true: batches "
+                "with and without sound keep LoRA's weights in their blocks' FSDP units, which would split "
+                "them between host and GPU; set parallel.offload_blocks = 0 (every block on the host) or "
+                "remove parallel.cpu_offload")
         if cfg.data.target_fps:  # every clip's rate: LTX-2's video positions count seconds at it
             adapter.frame_rate = cfg.data.target_fps
+        if cfg.validation.do_validation:  # validate.py's renderer asks it too, for renders without training
+            adapter.clip_rate(cfg.validation.gen_fps)
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
@@ -340,8 +385,10 @@ def prepare(cfg: Config, d: parallel.Dist):
     manifest = Manifest(cache_dir)
     encoders = encoder_identity(adapter, manifest, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
-                  cfg.run.seed if cfg.model.type == "i2v" else None, "audio" in adapter.ENCODERS and cfg.data.audio)
-    planned = plan_all(clips, shapes, cfg, cache, manifest, d)
+                  cfg.run.seed if cfg.model.type == "i2v" else None,
+                  adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None)
+    check_last_images(adapter, clips, cfg.data)
+    planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last)
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()
     # A clip whose file is gone trains from complete entries; without them it is bad input.

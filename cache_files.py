@@ -45,22 +45,25 @@ class Cache:
     """Entries under cache_dir/{video,image,text,audio}/<2 hex digits>/, named by what produced them."""
 
     def __init__(self, cfg: DataConfig, encoders: dict[str, dict], text_length: int, dtype: str,
-                 image_seed: int | None, audio: bool = False):
+                 image_seed: int | None, audio_dtype: str | None = None):
+        """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound entries."""
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
         self.encoders, self.text_length, self.dtype, self.image_seed = encoders, text_length, dtype, image_seed
-        self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * audio
+        self.audio_dtype, sound = audio_dtype, audio_dtype is not None
+        self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * sound
 
     def path(self, item: data.Item, kind: str) -> str:
         if kind == "text":
             key = _key(prompt=item.clip.prompt, encoder=self.encoders["text"], length=self.text_length, dtype=self.dtype)
         elif kind == "audio":  # the window's seconds, not its crop
             key = _key(content=item.content, window=[item.rate, item.start, item.resolution[0]], sound=decode.SOUND,
-                       encoder=self.encoders["audio"], dtype=self.dtype)
+                       encoder=self.encoders["audio"], dtype=self.audio_dtype)
         else:
             key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
                        dtype=self.dtype)
             if kind == "image":  # the window's first frame, or data.image_column's image, noised by a keyed draw
-                key = _key(video=key, image=item.image_content, seed=self.image_seed)
+                last = {} if item.last_image_content is None else {"last_image": item.last_image_content}
+                key = _key(video=key, image=item.image_content, seed=self.image_seed, **last)
         return os.path.join(self.dir, kind, key[:2], f"{key}.safetensors")  # strings: 10,000 clips start in seconds
 
     def missing(self, item: data.Item) -> set[str]:

@@ -61,7 +61,8 @@ from ckpt_files import (
     write_meta,
 )
 from config import CheckpointConfig, ConfigError
-from model import EMA, build_model, load_adapter, model_state
+from model import EMA, build_model, model_state
+from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
 

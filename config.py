@@ -40,7 +40,8 @@ class ModelConfig:
     # loss and sampling.
     family: Literal["cogvideox", "wan", "ltx2"] = "cogvideox"
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
-    # data.image_column's, or each clip's first frame).
+    # data.image_column's, or each clip's first frame; a first-last-frame model, Wan FLF2V, also the clip's
+    # last frame from data.last_image_column).
     type: Literal["t2v", "i2v"] = "t2v"
     # Wan 2.2 A14B: the expert this run trains, "high_noise" (transformer/, t >= boundary_ratio x 1000) or
     # "low_noise" (transformer_2/, below); validation renders with both.
@@ -163,6 +164,9 @@ class DataConfig:
     video_column: str = "videos.txt"
     # File under data_root with one first-frame image per line (image-to-video; unused by t2v).
     image_column: str = ""
+    # File under data_root with one last-frame image per line (metadata files: a last_image column), for
+    # first-last-frame models (Wan FLF2V): each clip's window ends at the clip's last frame, which it shows.
+    last_image_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
     # Latent and text-embedding cache; "" means <data_root>/.cache.
@@ -245,9 +249,12 @@ class ValidationConfig:
     resolution: list[int] = field(default_factory=list)
     # Frame rate written into the mp4s and the TensorBoard clips; 0: the family's published rate (CogVideoX 8,
     # CogVideoX 1.5 16, Wan 16, Wan 2.2 TI2V-5B 24; docs/models/), as the configs of published models set.
-    gen_fps: int = 15
+    # LTX-2 (sound) writes at the rate its sound was generated for (data.target_fps, else 24), no other.
+    gen_fps: int = 0
     # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say).
     images: list[str] = field(default_factory=list)
+    # First-last-frame models (Wan FLF2V): one last-frame image per prompt, beside validation.images.
+    last_images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
     save_frames: bool = False
@@ -522,6 +529,11 @@ def check_validation_images(cfg: Config) -> None:
     if cfg.model.type == "i2v" and len(images) != len(prompts):
         raise ConfigError(f"model.type = \"i2v\" renders each validation prompt from an image: validation.images "
                           f"has {len(images)} for {len(prompts)} validation.prompts; give one per prompt")
+    last = cfg.validation.last_images
+    if last and len(last) != len(prompts):
+        raise ConfigError(f"validation.last_images has {len(last)} for {len(prompts)} validation.prompts: a "
+                          "first-last-frame model renders each prompt between its image and its last image; give "
+                          "one per prompt")
 
 
 def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,
@@ -543,13 +555,15 @@ def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: 
 
 
 def reference() -> str:
-    """The README's configuration reference: every key, its type, default and the comment above it."""
-    lines = ["Every key, its type, default and meaning (the comments of `config.py`, which is the schema;",
-             "`python config.py` prints this section):", ""]
+    """docs/configuration.md: every key, its type, default and the comment above it."""
+    lines = ["# Configuration reference", "",
+             "Every key, its type, default and meaning: the comments of `config.py`, which is the schema.",
+             "`python config.py` prints this page (a test keeps the two equal); how a run reads a config and",
+             "its `--section.key value` overrides is in [training.md](training.md).", ""]
     for section in dataclasses.fields(Config):
         schema = typing.get_type_hints(section.type)
         comments = _field_comments(section.type)
-        lines += [f"**[{section.name}]**", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        lines += [f"## [{section.name}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for name, default in dataclasses.asdict(section.type()).items():
             kind = _type_name(schema[name]).replace("|", "\\|")
             lines.append(f"| `{section.name}.{name}` | {kind} | `{toml_value(default)}` | {comments[name]} |")

@@ -2,7 +2,7 @@
 
 Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
 paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
-`video`, `prompt` and optional `image` columns. A `video` may be an image (.png, .jpg, .webp): a
+`video`, `prompt` and optional `image` and `last_image` columns. A `video` may be an image (.png, .jpg, .webp): a
 one-frame clip. Every clip is planned from its header (decode.py reads it): its bucket, its first
 frame and its crop offsets, drawn from a generator keyed by (run.seed, the clip's content). Its sound
 covers the seconds its frames do.
@@ -39,6 +39,7 @@ class Clip:
     line: int  # 1-based line in the list file, for messages and for reporting the lowest bad line
     source: str  # the list file the line belongs to
     image: Path | None = None
+    last_image: Path | None = None  # first-last-frame: the clip's last frame (data.last_image_column)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Item:
     top: int
     left: int
     pad: bool  # the clip is shorter than its bucket: repeat its last frame
+    last_image_content: str | None = None  # first-last-frame: the hash of data.last_image_column's image
 
     def preprocessing(self) -> dict:
         """Everything besides the content and the encoder that shapes the clip's latents."""
@@ -104,9 +106,10 @@ def _list_file(path: Path) -> list[str]:
 
 
 def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, dict]]]:
-    columns = {"prompt": cfg.caption_column, "video": cfg.video_column, "image": cfg.image_column}
+    columns = {"prompt": cfg.caption_column, "video": cfg.video_column, "image": cfg.image_column,
+               "last_image": cfg.last_image_column}
     values = {key: _list_file(root / name) for key, name in columns.items() if name}
-    for key in ("video", "image"):
+    for key in ("video", "image", "last_image"):
         if key in values and len(values[key]) != len(values["prompt"]):
             raise ConfigError(
                 f"{root / cfg.caption_column} has {len(values['prompt'])} lines but {root / columns[key]} has "
@@ -161,9 +164,10 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
         for key in ("video", "prompt"):
             if not isinstance(row.get(key), str) or not row[key].strip():
                 raise ConfigError(f"{source} line {line}: empty or missing {key}: every clip needs a video and a prompt")
-        image = row.get("image")
+        image, last = (row.get(key) for key in ("image", "last_image"))
         clips.append(Clip(root / row["video"].strip(), row["prompt"].strip(), line, source,
-                          root / image.strip() if isinstance(image, str) and image.strip() else None))
+                          root / image.strip() if isinstance(image, str) and image.strip() else None,
+                          root / last.strip() if isinstance(last, str) and last.strip() else None))
     if not clips:
         raise ConfigError(f"{source} lists no clips")
     return clips
@@ -209,10 +213,11 @@ def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, f
 
 
 def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[int, int, int]], cfg: DataConfig,
-              seed: int, image_content: str | None = None) -> Item | Problem:
+              seed: int, image_content: str | None = None, last_image_content: str | None = None) -> Item | Problem:
     """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass). The
     window starts at a keyed random frame, or at frame 0 for a clip with an image-to-video image
-    (`image_content`); without one, image-to-video conditions on the window's own first frame."""
+    (`image_content`); without one, image-to-video conditions on the window's own first frame. A clip with
+    a last image (`last_image_content`, first-last-frame) ends its window at its last frame."""
     rate = 0.0 if media.image else cfg.target_fps or media.fps
     available = decode.available_frames(media, rate)
     bucket = choose_bucket(shapes, media.height, media.width, available)
@@ -229,15 +234,21 @@ def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[
     # An image-to-video clip's image (data.image_column) is its video's first frame: its window must start
     # there, or the model learns a jump from the image to a later frame. Still one draw (of one choice):
     # the crop draws after it stay the same.
+    # A last image (data.last_image_column) is the clip's last frame: the window ends there, for the same reason.
     latest = 0 if image_content is not None else max(available - frames, 0)
-    start = int(torch.randint(0, latest + 1, (), generator=generator))
+    earliest = latest if last_image_content is not None else 0
+    if last_image_content is not None and image_content is not None and available > frames:
+        return Problem(clip, f"has {available} frames and both an image and a last image, which are its first and "
+                             f"last frames, but its bucket {list(shapes[bucket])} takes {frames}: cut the clip to "
+                             f"{frames} frames, or clear data.image_column to condition on the window's first frame")
+    start = int(torch.randint(earliest, latest + 1, (), generator=generator))
     if cfg.crop == "random":
         top = int(torch.randint(0, resized[0] - out_h + 1, (), generator=generator))
         left = int(torch.randint(0, resized[1] - out_w + 1, (), generator=generator))
     else:
         top, left = (resized[0] - out_h) // 2, (resized[1] - out_w) // 2
     return Item(clip, media, content, image_content, bucket, shapes[bucket], resized, rate, start, top, left,
-                available < frames)
+                available < frames, last_image_content)
 
 
 def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
@@ -268,15 +279,16 @@ def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | 
         raise BadClip(str(e)) from None
 
 
-def load_image(item: Item) -> torch.Tensor:
-    """A clip's conditioning image (data.image_column), upright as displayed (EXIF orientation), resized
-    to the clip's resized size and cropped as its frames are: uint8 [H, W, 3]. An image of the clip's
-    own size (its first frame, say) lines up with the frames exactly."""
+def load_image(item: Item, last: bool = False) -> torch.Tensor:
+    """A clip's conditioning image (data.image_column, or with `last` data.last_image_column's), upright as
+    displayed (EXIF orientation), resized to the clip's resized size and cropped as its frames are: uint8
+    [H, W, 3]. An image of the clip's own size (its first or last frame, say) lines up with the frames exactly."""
     frames, height, width = item.resolution
+    path = item.clip.last_image if last else item.clip.image
     try:
-        return torch.from_numpy(decode.read_image(item.clip.image, item.resized, (item.top, item.left, height, width)))
+        return torch.from_numpy(decode.read_image(path, item.resized, (item.top, item.left, height, width)))
     except decode.MediaError as e:
-        raise BadClip(f"image {item.clip.image}: {e}") from None
+        raise BadClip(f"{'last image' if last else 'image'} {path}: {e}") from None
 
 
 # Sampling.
@@ -339,7 +351,7 @@ class Sampler:
 
 
 def micro_slice(micro: int, rank: int, world: int, batch_size: int) -> range:
-    """Positions in the global batch that this rank uses in this micro-step (design.md, Steps)."""
+    """Positions in the global batch that this rank uses in this micro-step (docs/training.md, Steps and batches)."""
     start = (micro * world + rank) * batch_size
     return range(start, start + batch_size)
 

@@ -11,13 +11,14 @@ Images (EXIF orientation applied) are one-frame clips.
 
 Sound: a clip's first audio stream, cut to the seconds its frames cover on the same clock (both
 streams' timestamps, measured from the first frame's display time: an audio stream may start before
-or after the video), mixed to the channels a model takes and resampled with a windowed sinc (equal
-to torchaudio's default, which the official LTX-2 trainer uses), then turned into the log-mel
-spectrogram an audio VAE encodes.
+or after the video), decoded in a child process (sound_decoder.py: a crashing decoder names the clip),
+mixed to the channels a model takes and resampled with a windowed sinc (equal to torchaudio's default,
+which the official LTX-2 trainer uses), then turned into the log-mel spectrogram an audio VAE encodes.
 """
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,9 @@ import numpy as np
 import torch
 from av.sidedata.sidedata import Type
 from PIL import Image, ImageOps
+
+import faults
+import sound_decoder
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 EXIF_ORIENTATION = 0x0112
@@ -204,7 +208,9 @@ def read_frames(path: Path, media: Media, times: list[float], resized: tuple[int
 
 def _frames_from(container, stream, media: Media, t: float):
     """(time, frame) from the keyframe at or before time t on. A fragmented mp4 with B-frames indexes
-    decode times, so the seek can land after t: then back off 1 s, 2 s, 4 s, ... to the first frame."""
+    decode times, and an MPEG transport stream has no index (its seek bisects the file by timestamps), so
+    the seek can land after t, or find nothing: then back off 1 s, 2 s, 4 s, ... to the first frame, and
+    past it decode from the file's start."""
     tb, half = stream.time_base, 0.5 / media.fps
     target, margin = media.first_pts + t / tb, 0.0
     while True:
@@ -212,11 +218,15 @@ def _frames_from(container, stream, media: Media, t: float):
         container.seek(seek, stream=stream, backward=True, any_frame=False)
         frames = container.decode(stream)
         first = next(frames, None)
+        if first is None or first.pts > target + half / tb:
+            if seek > media.first_pts:
+                margin = max(2 * margin, 1 / tb)
+                continue
+            container.seek(0)  # the file's start (a transport stream's seek to its first frame can miss it)
+            frames = container.decode(stream)
+            first = next(frames, None)
         if first is None:
             return
-        if first.pts > target + half / tb and seek > media.first_pts:
-            margin = max(2 * margin, 1 / tb)
-            continue
         yield float((first.pts - media.first_pts) * tb), first
         for frame in frames:
             yield float((frame.pts - media.first_pts) * tb), frame
@@ -246,7 +256,14 @@ def read_image(path: Path, resized: tuple[int, int], crop: tuple[int, int, int, 
 AUDIO_MARGIN_S = 0.5
 RESAMPLE_TAPS = 6  # zero crossings on each side of the sinc (torchaudio's lowpass_filter_width)
 RESAMPLE_ROLLOFF = 0.99  # cutoff as a share of the lower Nyquist frequency (torchaudio's rolloff)
+# Louder than this, a decoded sample comes from a corrupt stream (a damaged Opus packet decodes to hundreds);
+# lossy codecs overshoot full scale by a few dB at most.
+LOUDEST = 4.0
+# Past this many phase-kernel values, resample computes each output's weights where it needs them: 44,101 Hz
+# to 16 kHz (no common factor) would take 16,000 kernels of 44,135 taps, 5.6 GB.
+KERNEL_VALUES = 1 << 22
 SOUND = "sinc-hann-6-0.99"  # part of the audio cache key: another resampler gives other latents
+_sounds, _sounds_lock = 0, threading.Lock()  # clips whose sound this process decoded (the sound_segv fault)
 
 
 def read_audio(path: Path, media: Media, start: float, duration: float, sample_rate: int,
@@ -254,50 +271,26 @@ def read_audio(path: Path, media: Media, start: float, duration: float, sample_r
     """The clip's sound from `start` seconds after its first frame is shown, for `duration` seconds:
     float32 [channels, round(duration * sample_rate)] at `sample_rate`; zeros where the stream has no
     sound (before it starts, after it ends). None when the file has no audio stream, or one without a
-    single frame."""
+    single frame. Decoded in a child process (sound_decoder.py): a decoder that crashes names the clip."""
+    global _sounds
+    with _sounds_lock:
+        _sounds += 1
+        crash = faults.active("sound_segv", _sounds)
     try:
-        with av.open(str(path)) as container:
-            if not container.streams.audio:
-                return None
-            stream, video = container.streams.audio[0], container.streams.video[0]
-            origin = float(media.first_pts * video.time_base) if media.first_pts is not None else \
-                float((video.start_time or 0) * video.time_base)
-            rate = stream.codec_context.sample_rate
-            begin = origin + start - AUDIO_MARGIN_S  # the buffer's first sample, in the container's seconds
-            length = math.ceil((duration + 2 * AUDIO_MARGIN_S) * rate)
-            native = _decode_span(container, stream, begin, length, rate)
-    except av.error.FFmpegError as e:
-        raise MediaError(f"cannot decode its audio stream ({e})") from None
-    if native is None:
+        found = sound_decoder.decode(str(path), media.first_pts, start - AUDIO_MARGIN_S,
+                                     duration + 2 * AUDIO_MARGIN_S, crash)
+    except sound_decoder.Failed as e:
+        raise MediaError(str(e)) from None
+    if found is None:
         return None
-    waveform = resample(mix(native, channels), rate, sample_rate)
+    rate, native = found
+    peak = float(np.abs(native).max())
+    if peak > LOUDEST:
+        raise MediaError(f"its sound decodes to samples up to {peak:.3g}, far outside [-1, 1] (a corrupt "
+                         "stream): re-encode its sound or remove the clip")
+    waveform = resample(mix(torch.from_numpy(native), channels), rate, sample_rate)
     first = round(AUDIO_MARGIN_S * sample_rate)
     return waveform[:, first : first + round(duration * sample_rate)]
-
-
-def _decode_span(container, stream, begin: float, length: int, rate: int) -> torch.Tensor | None:
-    """`length` samples at the stream's own rate from `begin` seconds on, each frame placed by its
-    timestamp; a frame within a timestamp tick of where the previous one ended follows it directly
-    (Matroska stores milliseconds, not samples). None when the stream holds no frame at all."""
-    tick = float(stream.time_base)
-    container.seek(max(math.floor(begin / tick), stream.start_time or 0), stream=stream, backward=True)
-    to_float = av.AudioResampler(format="fltp")  # any sample format to float, rate and layout kept
-    buffer, position = None, None
-    for frame in container.decode(stream):
-        for converted in to_float.resample(frame):
-            samples = torch.from_numpy(converted.to_ndarray())
-            stamped = round((converted.pts * tick - begin) * rate)
-            if position is None or abs(stamped - position) > tick * rate + 1:
-                position = stamped
-            if buffer is None:
-                buffer = torch.zeros(samples.shape[0], length)
-            lo, hi = max(position, 0), min(position + samples.shape[1], length)
-            if lo < hi:
-                buffer[:, lo:hi] = samples[:, lo - position : hi - position]
-            position += samples.shape[1]
-        if position is not None and position >= length:
-            break
-    return buffer
 
 
 def mix(waveform: torch.Tensor, channels: int) -> torch.Tensor:
@@ -327,24 +320,52 @@ def resample(waveform: torch.Tensor, rate: int, new_rate: int) -> torch.Tensor:
     rate, new_rate = rate // divisor, new_rate // divisor
     if rate == new_rate:
         return waveform
-    kernels, width = _sinc_kernels(rate, new_rate)
+    samples = math.ceil(new_rate * waveform.shape[1] / rate)
+    width = _width(rate, new_rate)
+    if new_rate * (2 * width + rate) > KERNEL_VALUES:
+        return _resample_pointwise(waveform, rate, new_rate, samples)
+    kernels = _sinc_kernels(rate, new_rate)
     padded = torch.nn.functional.pad(waveform[:, None], (width, width + rate))
     out = torch.nn.functional.conv1d(padded, kernels.to(waveform.dtype), stride=rate)  # [C, new_rate phases, blocks]
-    samples = math.ceil(new_rate * waveform.shape[1] / rate)
     return out.transpose(1, 2).reshape(waveform.shape[0], -1)[:, :samples]
 
 
-@functools.lru_cache(maxsize=8)
-def _sinc_kernels(rate: int, new_rate: int) -> tuple[torch.Tensor, int]:
-    """One kernel per output phase ([new_rate, 1, taps], float64) and the input padding each side needs."""
+def _width(rate: int, new_rate: int) -> int:
+    """Input samples each side of an output sample within the filter's reach."""
+    return math.ceil(RESAMPLE_TAPS * rate / (min(rate, new_rate) * RESAMPLE_ROLLOFF))
+
+
+def _sinc(t: torch.Tensor, rate: int, new_rate: int) -> torch.Tensor:
+    """The filter's weight of input sample n for output sample m at t = n / rate - m / new_rate."""
     cutoff = min(rate, new_rate) * RESAMPLE_ROLLOFF  # in cycles per `rate` input samples, times 2
-    width = math.ceil(RESAMPLE_TAPS * rate / cutoff)
-    offsets = torch.arange(-width, width + rate, dtype=torch.float64)[None] / rate
-    phases = -torch.arange(new_rate, dtype=torch.float64)[:, None] / new_rate
-    t = ((offsets + phases) * cutoff).clamp(-RESAMPLE_TAPS, RESAMPLE_TAPS)
+    t = (t * cutoff).clamp(-RESAMPLE_TAPS, RESAMPLE_TAPS)
     window = torch.cos(t * math.pi / RESAMPLE_TAPS / 2) ** 2
     sinc = torch.where(t == 0, 1.0, torch.sin(t * math.pi) / (t * math.pi).where(t != 0, 1.0))
-    return (sinc * window * cutoff / rate)[:, None], width
+    return sinc * window * cutoff / rate
+
+
+@functools.lru_cache(maxsize=8)
+def _sinc_kernels(rate: int, new_rate: int) -> torch.Tensor:
+    """One kernel per output phase ([new_rate, 1, 2 * _width + rate], float64)."""
+    width = _width(rate, new_rate)
+    offsets = torch.arange(-width, width + rate, dtype=torch.float64)[None] / rate
+    phases = -torch.arange(new_rate, dtype=torch.float64)[:, None] / new_rate
+    return _sinc(offsets + phases, rate, new_rate)[:, None]
+
+
+def _resample_pointwise(waveform: torch.Tensor, rate: int, new_rate: int, samples: int) -> torch.Tensor:
+    """resample's filter, each output sample's weights computed for the inputs within its reach: for
+    rates with little in common, whose phase kernels would not fit in memory. Chunks of 2**16 outputs."""
+    width, count = _width(rate, new_rate), waveform.shape[1]
+    reach = torch.arange(-width, width + 2)
+    chunks = []
+    for first in range(0, samples, 1 << 16):
+        m = torch.arange(first, min(first + (1 << 16), samples))[:, None]
+        n = m * rate // new_rate + reach  # [outputs, inputs]: the inputs around each output's time
+        weights = _sinc((n * new_rate - m * rate).double() / (rate * new_rate), rate, new_rate)
+        weights = (weights * ((n >= 0) & (n < count))).to(waveform.dtype)  # zeros past either end
+        chunks.append((waveform[:, n.clamp(0, count - 1)] * weights).sum(-1))
+    return torch.cat(chunks, 1)
 
 
 def log_mel(waveform: torch.Tensor, sample_rate: int, n_fft: int, hop: int, mel_bins: int) -> torch.Tensor:

@@ -8,9 +8,11 @@ that many cache entries, `render` before that sampling step of the process. Acti
 `sigterm` (as a scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a
 message no rank sends, until parallel.timeout_s), `pause` (print a line naming the process, then wait
 for a signal and handle it as if it had just arrived: a test can act at that point, e.g. start a second
-run or signal the launcher, without racing a timer). Four more are named for what they do: `save_fail`
+run or signal the launcher, without racing a timer). Five more are named for what they do: `save_fail`
 (the storage writer fails like a full disk), `disk_full` (the count-th file this process writes through
-`written` fails like a full disk: a cache entry, a clip, an exported file), `nan_loss` (the step's loss
+`written` fails like a full disk: a cache entry, a clip, an exported file), `sound_segv` (the child
+decoding the count-th clip's sound of this process dies of SIGSEGV, as a decoder's bug would; decode.py
+asks), `nan_loss` (the step's loss
 is NaN) and `overflow` (the step's backward starts from its loss times 1e30: its gradients overflow, its
 loss stays finite)."""
 

@@ -57,11 +57,8 @@ if [[ "$NNODES" -gt 1 ]]; then
 else
     args+=(--standalone)
 fi
-# Segments that grow in place: video shapes vary by bucket, and fixed-size blocks fragment. The user's
-# own setting wins (PYTORCH_ALLOC_CONF is its newer name).
-if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-fi
+# The allocator settings (expandable segments, exact-size pinned host memory) are set by each worker
+# itself (parallel.init), however it was launched; a key of your PYTORCH_ALLOC_CONF keeps your value.
 # torchrun exits 1 after passing on a signal it got itself (Ctrl-C; a scheduler that signals every
 # process of the job), however the workers ended: each worker writes its own exit code here instead, rank 0
 # its one-line error (error) and run.output_dir (output_dir).

@@ -37,7 +37,7 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         if isinstance(base, storage.Fp8Linear):  # model.storage_dtype = "fp8": the scale goes with its weight
-            self.weight_scale = base.weight_scale
+            self.weight_scale, self.compute_dtype = base.weight_scale, base.compute_dtype
         self.rank, self.alpha, self.scale, self.dropout = rank, alpha, alpha / rank, dropout
         # LoRA weights are trainable, hence fp32 whatever the frozen base dtype. skip_init avoids
         # nn.Linear's own init, which would draw from the global RNG.

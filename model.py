@@ -1,5 +1,5 @@
-"""The model: its family's adapter, the transformer as training builds it, and the moving average of
-its trainable weights.
+"""The model: the transformer as training builds it over its family's adapter (model_adapter.py), and the
+moving average of its trainable weights.
 
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
 the sequence split (parallel.sp_size), activation checkpointing per block (its kept inputs in host memory with
@@ -10,10 +10,7 @@ so a checkpoint's keys are the same wherever it is loaded.
 """
 
 import contextlib
-import importlib
-import json
 import logging
-from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -22,46 +19,17 @@ import activations
 import lora
 import parallel
 import sequence
-import single_file
-from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+from config import ConfigError, LoraConfig, ParallelConfig, TrainConfig
 
 log = logging.getLogger("vidtrain")
 
 
-# model.family -> its module and adapter class. A family's module (and with it its diffusers and
-# transformers classes) is imported only once a config names it.
-ADAPTERS = {"cogvideox": ("families.cogvideox", "CogVideoXAdapter"), "wan": ("families.wan", "WanAdapter"),
-            "ltx2": ("families.ltx2", "LTX2Adapter")}
 # train.compile: dynamo keeps at most this many compiled variants of one code object (8 by default) and
 # then runs it eagerly for good, and every block shares one forward. Training makes 4: the first block's
 # input needs no gradient and the others' does, each for the first bucket's shape and again with dynamic
 # sizes once a second bucket's differs (validation runs eagerly, validate.eager). 16 leaves room for
 # FSDP's and sequence parallelism's own guards; a run that recompiles every step still stops at it.
 RECOMPILE_LIMIT = 16
-
-
-def load_adapter(cfg: ModelConfig, device: torch.device):
-    """model.family's adapter over the folder at model.path, once the folder's pipeline (its
-    model_index.json) is that family's: another family's folder would fail obscurely in its configs.
-    With model.transformer_file, the file's reader too (single_file.py), checked against the folder's
-    transformer config."""
-    index = Path(cfg.path) / "model_index.json"  # no such file: the adapter says so
-    pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
-    family = next((f for f in ADAPTERS if pipeline.lower().startswith(f)), None)
-    if pipeline and family != cfg.family:
-        fix = f'set model.family = "{family}"' if family else f"vidtrain trains {', '.join(ADAPTERS)}"
-        raise ConfigError(f'model.path = {cfg.path} holds a {pipeline} (its model_index.json), not a model of '
-                          f'model.family = "{cfg.family}": {fix}')
-    module, name = ADAPTERS[cfg.family]
-    adapter = getattr(importlib.import_module(module), name)(cfg, device)
-    if cfg.transformer_file:  # checked now, before the cache pass
-        if not adapter.SINGLE_FILE_KEY:
-            raise ConfigError(f"model.transformer_file: vidtrain reads no single files of {cfg.family} models yet; "
-                              "remove it and give the diffusers folder's transformer in model.path")
-        marks = {family: getattr(importlib.import_module(m), n).SINGLE_FILE_KEY for family, (m, n) in ADAPTERS.items()}
-        files = [cfg.transformer_file] if isinstance(cfg.transformer_file, str) else cfg.transformer_file
-        adapter.single_file = single_file.open_single_file(files, adapter, marks)
-    return adapter
 
 
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
@@ -126,12 +94,29 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         # sft's fp32 weights are gathered in the autocast dtype (it casts them anyway), but for the fp32 modules.
         compute_dtype_params = frozenset(name for name, _ in transformer.named_parameters()
                                          if train.training_type == "sft" and not adapter.keeps_fp32(name))
-        # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the host.
+        # Batches with and without sound (data.audio on LTX-2): a rank whose batch has none leaves the audio
+        # stream out of the graph, and FSDP2 reduce-scatters only the weights that got a gradient: the
+        # ranks' collectives would differ (gloo stops, NCCL hangs). See set_reduce_scatter_unused_params.
+        varies = fsdp and adapter.GRAPH_VARIES and adapter.trains_sound
+        # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the
+        # host, in a unit of several modules per block (fully_shard of a list). FSDP2 ends such a unit's
+        # backward otherwise when some of its modules never ran (the audio-video cross-attentions without
+        # sound), and the ranks' collectives differ: with batches that vary, LoRA streams with its block
+        # instead, as sft's does (cache.prepare refuses parallel.offload_blocks then).
         resident = frozenset(name for name, p in transformer.named_parameters()
-                             if train.training_type == "lora" and p.requires_grad)
-        return parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                             train.gradient_accumulation_steps, d, compute_dtype_params, resident,
-                             adapter.GRAPH_VARIES)
+                             if train.training_type == "lora" and p.requires_grad and not varies)
+        wrapped = parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
+                                train.gradient_accumulation_steps, d, compute_dtype_params, resident,
+                                adapter.GRAPH_VARIES)
+        if varies:
+            # Each weight the backward skipped reduce-scatters a zero gradient in its unit's usual place, so
+            # every rank issues the same collectives and the step's gradient is the other ranks' (FSDP2's
+            # counterpart of DDP's find_unused_parameters). The units end their backward in the same order
+            # on every rank too: LTX-2's blocks are reached through the video stream, and the root unit's
+            # inputs need no gradient (it ends last). A run without sound leaves the same weights out on
+            # every rank and needs none of it.
+            wrapped.set_reduce_scatter_unused_params(True)
+        return wrapped
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
     if fsdp:

@@ -1,166 +1,31 @@
-"""What every model family's adapter provides, and the machinery they share.
+"""The family contract as code: Adapter declares everything a model family provides, and the registry of
+families (ADAPTERS) with load_adapter, which checks a family against the contract before it runs.
 
-An adapter knows one family's diffusers classes (families/cogvideox.py, families/wan.py; nothing else imports them):
-loading the components from a local diffusers folder (the VAE and text encoder lazily: training from
-a complete cache never builds them), encoding video, images and text for the cache, the noise and
-the loss, the pieces of the sampling loop (validate.py runs the loop), the transformer blocks (FSDP
-and checkpointing units), the exported LoRA's other layouts. Every config value comes from the model
-classes' resolved configs: the file's values over the class's defaults, since published files predate
-keys newer diffusers versions add.
+An adapter knows one family's diffusers classes (families/*.py; nothing else imports them): loading the
+components from a local diffusers folder (the VAE and text encoder lazily: training from a complete cache
+never builds them; the transformer through transformer_loading.py), encoding video, images, text (and sound)
+for the cache, the noise and the loss, the pieces of the sampling loop (validate.py runs the loop), the
+transformer blocks (FSDP and checkpointing units), the exported LoRA's other layouts. Every config value comes
+from the model classes' resolved configs: the file's values over the class's defaults, since published files
+predate keys newer diffusers versions add.
 """
 
-import contextlib
-import inspect
+import abc
+import importlib
 import json
 import logging
-import math
-import re
+from fractions import Fraction
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoTokenizer
 
-import parallel
-import storage
+import weights
 from config import ConfigError, ModelConfig, check_resolution
+from transformer_loading import TransformerLoading
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 log = logging.getLogger("vidtrain")
-
-
-def resolved_config(model_class, path: Path, subfolder: str) -> dict:
-    """The config the class builds from a folder: its config.json over the class's own defaults."""
-    defaults = {name: p.default for name, p in inspect.signature(model_class.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    saved = model_class.load_config(path, subfolder=subfolder)
-    return {**defaults, **{k: v for k, v in saved.items() if not k.startswith("_")}}
-
-
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Every parameter a module registers goes to the meta device at once, so the initialisation that
-    follows in the module's __init__ touches no memory (what accelerate's init_empty_weights does; a
-    parameter made from a computed tensor, as Wan's small scale_shift_table, is computed first);
-    buffers stay real, as the ones no file holds are computed only here."""
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and not param.is_meta:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
-
-
-def _replace(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Put tensor in place of the parameter or buffer `name` (a parameter stays one, as trainable as it was)."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if leaf in module._parameters:
-        tensor = torch.nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
-        module._parameters[leaf] = tensor
-    else:
-        module._buffers[leaf] = tensor
-
-
-# safetensors' dtype names.
-FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-class Weights:
-    """The safetensors files of a diffusers model folder (one file, or shards listed by an index), read
-    one tensor, or one rank's rows of one, at a time. Read with plain reads into the tensor, not through
-    safetensors' memory map: the mapped pages a read touches count in the process's resident size until
-    the map closes, so a mapped file would add its own size to the peak of loading."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        index = folder / "diffusion_pytorch_model.safetensors.index.json"
-        single = folder / "diffusion_pytorch_model.safetensors"
-        if index.is_file():
-            paths = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-        elif single.is_file():
-            paths = [single]
-        else:
-            raise ConfigError(f"{folder} holds no diffusion_pytorch_model.safetensors (nor its .index.json): "
-                              "the transformer's weights are missing")
-        # key -> (file, dtype, shape, first byte in the file)
-        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}
-        self.data_bytes = 0
-        for path in paths:
-            with path.open("rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(length))
-            header.pop("__metadata__", None)
-            for key, entry in header.items():
-                begin, end = entry["data_offsets"]
-                self.entries[key] = (path, FILE_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin)
-                self.data_bytes += end - begin
-        self.keys: list[str] = []
-        self.read_bytes = 0  # of tensor data, as stored
-        self._open: dict[Path, object] = {}
-
-    def check(self, model: torch.nn.Module, ignored: list[str]) -> None:
-        """The files must hold exactly the model's state dict (keys and shapes), but for the class's
-        ignored unexpected keys."""
-        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        unexpected = [k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)]
-        missing = [k for k in expected if k not in self.entries]
-        if missing or unexpected:
-            raise ConfigError(f"{self.folder}: the weights do not fit {type(model).__name__} built from its "
-                              f"config.json: {len(missing)} missing (first: {missing[:3]}), {len(unexpected)} "
-                              f"unexpected (first: {unexpected[:3]})")
-        self.keys = [k for k in expected if k in self.entries]
-        wrong = [k for k in self.keys if self.entries[k][2] != expected[k]]
-        if wrong:
-            raise ConfigError(f"{self.folder}: {len(wrong)} weights have another shape than its config.json "
-                              f"gives (first: {wrong[0]})")
-
-    @contextlib.contextmanager
-    def opened(self):
-        with contextlib.ExitStack() as stack:
-            self._open = {path: stack.enter_context(path.open("rb"))
-                          for path in {entry[0] for entry in self.entries.values()}}
-            try:
-                yield
-            finally:
-                self._open = {}
-
-    def _rows(self, key: str, start: int, count: int) -> torch.Tensor:
-        """Rows [start, start + count) of dim 0 (the whole tensor for a 0-dim one), as stored."""
-        path, dtype, shape, offset = self.entries[key]
-        row = math.prod(shape[1:]) * dtype.itemsize
-        tensor = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
-        file = self._open[path]
-        file.seek(offset + start * row)
-        if file.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != tensor.nbytes:
-            raise ConfigError(f"{path} is truncated: {key} is cut short")
-        self.read_bytes += tensor.nbytes
-        return tensor
-
-    def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        tensor = self._rows(key, 0, (self.entries[key][2] or (1,))[0])
-        return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-    def read_shard(self, key: str, param: torch.Tensor) -> None:
-        """Copy this rank's part of `key` into the sharded parameter: only those rows are read."""
-        param.to_local().copy_(self.shard_rows(key, param))
-
-    def shard_rows(self, key: str, param: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `key`, as stored, for the sharded parameter (a DTensor sharded on dim 0 by
-        FSDP2, replicated on HSDP's other mesh dimension)."""
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        local = param.to_local()
-        if tuple(local.shape) != tuple(shape) or any(offset[1:]):
-            raise ValueError(f"{key}: expected a dim-0 shard, got {local.shape} at {offset}")
-        return self._rows(key, offset[0], shape[0])
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -170,15 +35,6 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
-
-
-def rename_module(name: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
-    """A module name in another layout (ComfyUI's): blocks.N.<x> -> new_blocks.N.<in_block[x]>, others by
-    `outside`; None where that layout has no such module."""
-    parts = name.split(".", 2)
-    if parts[0] == blocks and len(parts) == 3 and parts[1].isdigit():
-        return f"{new_blocks}.{parts[1]}.{in_block[parts[2]]}" if parts[2] in in_block else None
-    return outside.get(name)
 
 
 def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> torch.Tensor:
@@ -191,20 +47,16 @@ def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> 
     return mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps
 
 
-class Adapter:
-    """The machinery every family shares. A family sets the class attributes and provides, besides:
-    frame_multiple, size_multiple, text_length and transformer_config (the shape rules and configs);
-    published_fps (the frame rate the model was released at);
-    encode_video, encode_image, encode_text and decode_latents (the cache and the clips); train_loss and
-    fixed_losses (training and the held-out loss); sampler, sampling_start, denoise, guidance_scale (or guide),
-    sampling_step, sampled and sampling_attention (validate.py's sampling loop); blocks (the FSDP and
-    activation-checkpointing units); split_sequence (sequence parallelism, sequence.py). A family with sound
-    (ENCODERS has "audio") also has audio_sample_rate, audio_channels and encode_audio (cache.py's audio entries),
-    sampled_audio, decode_audio and sound_rate (validate.py's soundtracks), and audio_loss_weight (cache.prepare
-    sets it from train.audio_loss_weight).
-    families/cogvideox.py and families/wan.py are the two, and the tests of each are the template for a third."""
+class Adapter(TransformerLoading, abc.ABC):
+    """One model family: its diffusers classes, read through the shared machinery below. The contract a family
+    fills comes first: its class attributes, the attributes its __init__ sets, the methods it must provide
+    (abstract: load_adapter names any a family lacks) and the optional hooks with their default behaviour.
+    A family with sound (ENCODERS has "audio") provides SOUND too; one whose SINGLE_FILE_KEY is set,
+    SINGLE_FILES.
+    families/cogvideox.py, families/wan.py and families/ltx2.py are the three; the tests of each are the
+    template for a fourth (docs/adding-a-family.md)."""
 
-    FAMILY = ""
+    FAMILY = ""  # model.family's value, and the registry's key (ADAPTERS)
     # The model folders whose files shape each kind of cache entry.
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
@@ -221,6 +73,133 @@ class Adapter:
     # Whether a step may leave trainable weights without a gradient (LTX-2's audio stream in a batch without
     # sound): DDP then looks for them every step instead of assuming one graph for the run.
     GRAPH_VARIES = False
+    # data.audio on a family with sound (cache.prepare sets it): the batches may differ in sound.
+    trains_sound = False
+    AUDIO_DTYPE = ""  # with sound: the audio VAE's precision, as model.dtype names it (the audio entries')
+
+    # Set by the family's __init__ (load_adapter names any missing): the transformer's resolved config (the
+    # folder's config.json over the class's defaults); with LOSS_PARTS, `losses`; with sound, `sound_rate`
+    # (the vocoder's samples per second) and `audio_loss_weight` (cache.prepare sets train.audio_loss_weight).
+    transformer_config: dict
+    losses: torch.Tensor
+    sound_rate: int
+    audio_loss_weight: float
+    # Written by cache.prepare for the families that read them: `shift` (train.flow_shift, Wan's flow
+    # matching) and `frame_rate` (data.target_fps: LTX-2's positions count seconds at it).
+    shift: float
+    frame_rate: float
+    SOUND = ("AUDIO_DTYPE", "audio_sample_rate", "audio_channels", "encode_audio", "sampled_audio",
+             "decode_audio")
+    SINGLE_FILES = ("single_file_key", "diffusers_names")
+
+    # Shape rules.
+    @property
+    @abc.abstractmethod
+    def frame_multiple(self) -> int:
+        """Frames are k x frame_multiple + 1 (the VAE's temporal compression, the patching's)."""
+
+    @property
+    @abc.abstractmethod
+    def size_multiple(self) -> int:
+        """Height and width are multiples of it (the VAE's spatial compression times the patch size)."""
+
+    @property
+    @abc.abstractmethod
+    def text_length(self) -> int:
+        """The text embedding's length in tokens, as the pipeline pads prompts to it."""
+
+    @property
+    @abc.abstractmethod
+    def published_fps(self) -> int:
+        """The frame rate the model was released at (validation.gen_fps = 0)."""
+
+    # Encoding, for the cache and the clips.
+    @abc.abstractmethod
+    def encode_video(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 [B, F, H, W, 3] -> the VAE posterior's mean and log-variance."""
+
+    @abc.abstractmethod
+    def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
+        """Image-to-video: uint8 [B, H, W, 3] -> the tensors of the clip's image entry."""
+
+    @abc.abstractmethod
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """Embeddings [B, L, D] as the pipeline computes them (padding rows zero)."""
+
+    @abc.abstractmethod
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Pixels [B, 3, F, H, W] in [-1, 1], as the pipeline decodes them."""
+
+    # The loss.
+    @abc.abstractmethod
+    def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
+        """Per-sample fp32 losses of a cached batch, every draw from the samples' keyed generators."""
+
+    @abc.abstractmethod
+    def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
+        """The held-out loss of one clip at each of the fixed timesteps."""
+
+    # Sampling: the pieces of the pipeline's loop that validate.sample_latents runs.
+    @abc.abstractmethod
+    def sampler(self, name: str):
+        """A fresh scheduler for validation.sampler's `name`."""
+
+    @abc.abstractmethod
+    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
+        """The loop's state: the timesteps, the first noise (and an I2V clip's condition)."""
+
+    @abc.abstractmethod
+    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool):
+        """The transformer's prediction at t, the (uncond, cond) pair side by side when guided."""
+
+    @abc.abstractmethod
+    def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
+        """The scheduler's step from the guided prediction, in place on `state`."""
+
+    @abc.abstractmethod
+    def sampled(self, state) -> torch.Tensor:
+        """The finished loop's video latents, ready for decode_latents."""
+
+    @abc.abstractmethod
+    def sampling_attention(self, model: torch.nn.Module):
+        """A context in which `model` attends as the pipeline does while sampling."""
+
+    # Parallelism.
+    @staticmethod
+    @abc.abstractmethod
+    def blocks(transformer) -> list[torch.nn.Module]:
+        """The transformer's blocks: the FSDP, activation-checkpointing and offload units."""
+
+    @abc.abstractmethod
+    def split_sequence(self, transformer, split) -> None:
+        """Install sequence parallelism (a sequence.SequenceSplit) in attention; keep it as self.sequence."""
+
+    # Single files (SINGLE_FILES, required once SINGLE_FILE_KEY is set).
+    @staticmethod
+    def single_file_key(key: str) -> str | None:
+        """A diffusers state-dict key's name in the family's single files, or None where they have none."""
+
+    @staticmethod
+    def diffusers_names(keys: list[str]) -> dict[str, str]:
+        """A single file's keys -> their diffusers names."""
+
+    # Sound (SOUND, required once ENCODERS has "audio").
+    @property
+    def audio_sample_rate(self) -> int:
+        """The rate the audio VAE's waveforms are read at (cache.py's audio entries)."""
+
+    @property
+    def audio_channels(self) -> int:
+        """The audio VAE's channel count (mono or stereo)."""
+
+    def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Waveforms -> the audio VAE posterior's mean and log-variance."""
+
+    def sampled_audio(self, state) -> torch.Tensor:
+        """The finished loop's audio latents, ready for decode_audio."""
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """Audio latents -> waveforms at sound_rate."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.path = Path(cfg.path)
@@ -236,105 +215,16 @@ class Adapter:
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
-        self.single_file = None  # model.transformer_file's reader (single_file.SingleFile), set by model.load_adapter
+        self.single_file = None  # model.transformer_file's reader (weights.SingleFile), set by load_adapter
+        # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V): the
+        # cache and validation then need a last image per clip and per prompt.
+        self.first_last = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
 
     def check_resolution(self, resolution, key: str) -> None:
         """[frames, height, width] against the model's rules, or a ConfigError naming the key."""
         check_resolution(resolution, self.frame_multiple, self.size_multiple, key)
-
-    # Loading.
-    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None):
-        """The transformer this run trains (or another expert's folder), in trainable_dtype or model.dtype,
-        as from_pretrained builds it, weight for weight, but without allocating any weight before its
-        values are read: without accelerate (not a requirement) from_pretrained allocates the whole model
-        first, and refuses Wan (its fp32 modules). Without `shard`, every weight is read from the
-        folder's safetensors files. With it, shard(model) gets the model with its parameters still on
-        the meta device (buffers real), wraps it (LoRA, fully_shard) and returns it; each rank then
-        reads only its own rows of every sharded weight, so no rank ever holds the whole model, nor
-        sft's fp32 copy of it. The rows of the units that parallel.cpu_offload streams are kept in host
-        memory, where FSDP2's CPUOffloadPolicy wants them (it pins them itself) and checks them at the first
-        forward; the others' on the device. With model.storage_dtype = "fp8" the blocks' linear weights are
-        quantized as they are read, one tensor (or one rank's rows) at a time: no copy of the whole model in
-        model.dtype ever exists."""
-        folder = folder or self.transformer_folder
-        dtype = trainable_dtype or self.dtype
-        from_file = self.single_file is not None and folder == self.transformer_folder  # model.transformer_file
-        weights = self.single_file if from_file else Weights(self.path / folder)
-        transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
-        weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
-        fp8 = set(storage.store_fp8(transformer, self.blocks(transformer), self.keeps_fp32)
-                  if self.storage_dtype == "fp8" else [])
-        buffers = dict(transformer.named_buffers())
-        with weights.opened():
-            for name in weights.keys:
-                if name in fp8 and shard is None:
-                    stored = weights.read(name, weights.entries[name][1])  # quantized from the file's values
-                    weight, scale = storage.quantize(stored.to(self.device), dtype)
-                    _replace(transformer, name, weight)
-                    _replace(transformer, f"{name}_scale", scale)
-                elif shard is None or name in buffers:  # buffers are whole on every rank
-                    _replace(transformer, name, weights.read(name, self._load_dtype(name, dtype)).to(self.device))
-            transformer.eval()  # as from_pretrained returns it
-            if shard is None:
-                transformer.to(self.device)
-            else:
-                transformer = shard(transformer)
-                # fully_shard left the meta parameters on meta: allocate this rank's rows (FSDP's own
-                # _apply re-pads uneven shards) where FSDP keeps them, then fill them.
-                on_host = parallel.offloaded(transformer)
-                transformer._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in on_host else self.device)
-                                   if t.is_meta else t)
-                with torch.no_grad():
-                    for name, param in transformer.named_parameters():
-                        if name in fp8:
-                            scale = transformer.get_parameter(f"{name}_scale").to_local()
-                            storage.load_rows(param.to_local(), scale, weights.shard_rows(name, param))
-                        elif name in weights.keys:
-                            weights.read_shard(name, param)
-        log.info("loaded %s/: read %.1f%% of its %.1f MB of weights%s", folder,
-                 100 * weights.read_bytes / weights.data_bytes, weights.data_bytes / 2**20,
-                 ", this rank's shard" if shard else "")
-        if fp8:
-            elements = sum(math.prod(weights.entries[name][2]) for name in fp8)
-            log.info("model.storage_dtype = fp8: %d linear weights of the blocks stored in %.1f MB (%.1f MB in %s)",
-                     len(fp8), elements / 2**20, elements * dtype.itemsize / 2**20, str(dtype).removeprefix("torch."))
-        return transformer
-
-    def transformer_from_state_dict(self, state: dict[str, torch.Tensor]):
-        """A CPU transformer in model.dtype holding a full state dict, for export. Built with its weights
-        on the meta device and given the tensors themselves, so rank 0 holds the weights once, not twice."""
-        transformer = self._empty_transformer(self.transformer_config, self.dtype)
-        transformer.load_state_dict({k: v.to(self.dtype) for k, v in state.items()}, assign=True)
-        return transformer
-
-    def _empty_transformer(self, config: dict, dtype: torch.dtype):
-        """The transformer with its parameters on the meta device, each in the dtype from_pretrained gives
-        it (the class's _keep_in_fp32_modules stay fp32), and its buffers computed as from_pretrained
-        computes them: under dtype as the default (the buffers no file holds, rotary tables and sincos
-        positions, are only made here)."""
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with parameters_on_meta():
-                transformer = self.TRANSFORMER.from_config(config)
-        finally:
-            torch.set_default_dtype(previous)
-        for name, param in transformer.named_parameters():
-            _replace(transformer, name, param.to(self._load_dtype(name, dtype)))
-        return transformer
-
-    @classmethod
-    def keeps_fp32(cls, name: str) -> bool:
-        """Whether a weight belongs to the class's _keep_in_fp32_modules (Wan's norms, time embedder,
-        scale_shift_table): from_pretrained keeps them fp32 whatever the dtype, and so do we."""
-        keep = cls.TRANSFORMER._keep_in_fp32_modules or []
-        return any(m in name.split(".") for m in keep)
-
-    def _load_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
-        """A floating weight's dtype, by from_pretrained's rule."""
-        return torch.float32 if self.keeps_fp32(name) else dtype
 
     def _load_vae(self):
         if self._vae is None:
@@ -384,11 +274,21 @@ class Adapter:
         """Folders of the transformers that sampling needs besides the trained one (Wan 2.2 A14B)."""
         return []
 
+    def clip_rate(self, gen_fps: int) -> Fraction:
+        """The frame rate validation's mp4s are written at: validation.gen_fps, or the published rate for 0.
+        A family with sound (LTX-2) writes at the rate its sound was generated for."""
+        return Fraction(gen_fps or self.published_fps)
+
     def check_guidance(self, cfg) -> None:
         """validation's guidance options against this model, before any compute (LTX-2 adds its STG blocks')."""
         if cfg.guidance_scale_2 and not self.other_experts():
             raise ConfigError(f"validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert, but {self.path} "
                               "has one transformer: remove it")
+
+    def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
+        """The classifier-free guidance scale at step t: validation.guidance_scale throughout, unless the
+        family's pipeline varies it (CogVideoX's use_dynamic_cfg, Wan 2.2 A14B's second expert)."""
+        return cfg.guidance_scale
 
     def guide(self, cfg, models: dict, state, t: torch.Tensor, i: int, embeds: torch.Tensor,
               prediction: torch.Tensor) -> torch.Tensor:
@@ -397,6 +297,18 @@ class Adapter:
         uncond, cond = prediction.chunk(2)
         return uncond + self.guidance_scale(cfg, state, t) * (cond - uncond)
 
+    @classmethod
+    def single_file_tables(cls, config: dict) -> dict[str, torch.Tensor]:
+        """Tensors tools/to_single_file.py writes beside the weights of a transformer built from `config`,
+        under their diffusers names, for other readers' sake (CogVideoX 2b's sincos table, for ComfyUI's
+        model detection)."""
+        return {}
+
+    def single_file_extra(self, key: str) -> bool:
+        """Whether a single file's key (its own name, without ComfyUI's prefix) holds something besides the
+        transformer's weights, which reading skips (LTX-2's text connectors; CogVideoX 2b's sincos table)."""
+        return False
+
     def comfy_key(self, module: str) -> str | None:
         """A LoRA module's name in the original checkpoint's layout (ComfyUI's), or None if the family has none."""
         return None
@@ -404,3 +316,66 @@ class Adapter:
     def diffusers_key(self, original: str) -> str | None:
         """The inverse of comfy_key: an original module name's diffusers name, or None."""
         return None
+
+
+# model.family -> its module and adapter class. A family's module (and with it its diffusers and
+# transformers classes) is imported only once a config names it.
+ADAPTERS = {"cogvideox": ("families.cogvideox", "CogVideoXAdapter"), "wan": ("families.wan", "WanAdapter"),
+            "ltx2": ("families.ltx2", "LTX2Adapter")}
+
+
+def missing_members(family: type[Adapter], adapter: Adapter | None = None) -> list[str]:
+    """What the family class (or, given it, its adapter's __init__) leaves out of the contract: the abstract
+    methods, SOUND with sound, SINGLE_FILES with a SINGLE_FILE_KEY, and the attributes __init__ sets."""
+    if adapter is None:
+        groups = [name for name, wanted in (("SOUND", "audio" in family.ENCODERS),
+                                            ("SINGLE_FILES", bool(family.SINGLE_FILE_KEY))) if wanted]
+        # A member of a group the family needs is missing while it is still Adapter's own declaration.
+        unfilled = [n for group in groups for n in getattr(Adapter, group)
+                    if getattr(family, n) is getattr(Adapter, n)]
+        return sorted(family.__abstractmethods__) + unfilled
+    wanted = ["transformer_config"] + ["losses"] * bool(family.LOSS_PARTS)
+    wanted += ["sound_rate", "audio_loss_weight"] * ("audio" in family.ENCODERS)
+    return [name for name in wanted if not hasattr(adapter, name)]
+
+
+def check_family(family: type[Adapter], adapter: Adapter | None = None) -> None:
+    """A family class that does not fill the contract is named, with what it lacks, before it runs."""
+    missing = missing_members(family, adapter)
+    if missing:
+        raise TypeError(f"the family adapter {family.__module__}.{family.__name__} does not provide "
+                        f"{', '.join(missing)}: every family defines them "
+                        "(model_adapter.Adapter declares each, docs/adding-a-family.md lists them)")
+
+
+def adapter_class(family: str) -> type[Adapter]:
+    """model.family's adapter class, imported now (ADAPTERS) and checked against the contract."""
+    module, name = ADAPTERS[family]
+    cls = getattr(importlib.import_module(module), name)
+    check_family(cls)
+    return cls
+
+
+def load_adapter(cfg: ModelConfig, device: torch.device) -> Adapter:
+    """model.family's adapter over the folder at model.path, once the folder's pipeline (its
+    model_index.json) is that family's: another family's folder would fail obscurely in its configs.
+    With model.transformer_file, the file's reader too (weights.SingleFile), checked against the folder's
+    transformer config."""
+    index = Path(cfg.path) / "model_index.json"  # no such file: the adapter says so
+    pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
+    family = next((f for f in ADAPTERS if pipeline.lower().startswith(f)), None)
+    if pipeline and family != cfg.family:
+        fix = f'set model.family = "{family}"' if family else f"vidtrain trains {', '.join(ADAPTERS)}"
+        raise ConfigError(f'model.path = {cfg.path} holds a {pipeline} (its model_index.json), not a model of '
+                          f'model.family = "{cfg.family}": {fix}')
+    cls = adapter_class(cfg.family)
+    adapter = cls(cfg, device)
+    check_family(cls, adapter)
+    if cfg.transformer_file:  # checked now, before the cache pass
+        if not adapter.SINGLE_FILE_KEY:
+            raise ConfigError(f"model.transformer_file: vidtrain reads no single files of {cfg.family} models yet; "
+                              "remove it and give the diffusers folder's transformer in model.path")
+        marks = {family: adapter_class(family).SINGLE_FILE_KEY for family in ADAPTERS}
+        files = [cfg.transformer_file] if isinstance(cfg.transformer_file, str) else cfg.transformer_file
+        adapter.single_file = weights.open_single_file(files, adapter, marks)
+    return adapter

@@ -25,6 +25,36 @@ from config import ConfigError, ParallelConfig
 
 log = logging.getLogger("vidtrain")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
+# Torch's caching allocators, set by init before the first CUDA allocation, under every launch (launch.sh,
+# torchrun, python); a key the user's PYTORCH_ALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) names keeps theirs.
+# expandable_segments: segments that grow in place, as video shapes vary by bucket and fixed-size segments
+# fragment. The pinned keys: torch 2.13's host allocator (aten/src/ATen/core/CachingHostAllocator.h,
+# CachingHostAllocatorImpl::allocate) rounds a request up to a power of two unless it is above
+# pinned_max_round_threshold_mb or pinned_max_cached_size_mb (default: never), and FSDP2 pins each streamed
+# parameter on its own: a Wan 14B block took 1.53x its bytes. Both keys, at the same size: a block kept
+# unrounded in the cache would sit in its power of two's free list, which hands out any block it holds
+# (get_free_block checks no size). Above PINNED_EXACT_MB a request gets its exact size and, freed, goes back
+# to the system; the smaller ones (a step's batch) keep the rounding and the cache.
+PINNED_EXACT_MB = 16
+ALLOCATOR_SETTINGS = {"expandable_segments": "True", "pinned_max_round_threshold_mb": str(PINNED_EXACT_MB),
+                      "pinned_max_cached_size_mb": str(PINNED_EXACT_MB)}
+
+
+def allocator_settings(user: str) -> str:
+    """The user's allocator settings with those of ALLOCATOR_SETTINGS whose keys they do not name; the two
+    pinned keys go together (one without the other would cache unrounded blocks, above)."""
+    named = {item.split(":")[0].strip() for item in user.split(",")}
+    if named & {"pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"}:
+        named |= {"pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"}
+    ours = [f"{key}:{value}" for key, value in ALLOCATOR_SETTINGS.items() if key not in named]
+    return ",".join([user] * bool(user.strip()) + ours)
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """The bytes torch's pinned allocator hands out for a request of nbytes under ALLOCATOR_SETTINGS."""
+    if nbytes == 0 or nbytes > PINNED_EXACT_MB * 2**20:
+        return nbytes
+    return 1 << (nbytes - 1).bit_length()  # c10::llvm::PowerOf2Ceil
 
 
 class StopRun(Exception):
@@ -59,6 +89,9 @@ def init(cfg: ParallelConfig) -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if torch.cuda.is_available():
+        settings = allocator_settings(torch._C._accelerator_getAllocatorSettings())
+        torch._C._accelerator_setAllocatorSettings(settings)  # torch read PYTORCH_ALLOC_CONF at import
+        log.info("allocator settings: %s", settings)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "cuda:nccl,cpu:gloo"

@@ -7,8 +7,12 @@ scale is per row, not per tensor: a row's scale needs only that row, so each ran
 it reads under FSDP (and a row of small weights keeps its precision beside a row of large ones);
 BENCHMARKS.md compares the two. The weight and its scale are ordinary frozen parameters that FSDP2
 shards on dim 0 alike and all-gathers (as bytes: a unit whose parameters differ in dtype is gathered
-as uint8). diffusers' layerwise casting (diffusers.hooks) casts without a scale and casts a module's
-every parameter, LoRA's included, back and forth around its forward: neither fits.
+as uint8). The scales are fp32, as ComfyUI's files keep theirs (model.dtype's fp16 would turn a row of
+small weights to NaN). A single file's weights that are already float8_e4m3fn with one scale per tensor
+(ComfyUI's scaled fp8, or a plain cast: scale 1) are kept as the file stores them, the scale spread to
+every row: quantizing them again would round them twice. diffusers' layerwise casting (diffusers.hooks)
+casts without a scale and casts a module's every parameter, LoRA's included, back and forth around its
+forward: neither fits.
 """
 
 import torch
@@ -23,22 +27,24 @@ MIN_SCALE = 1e-12
 ROWS = 1024
 
 
-def quantize(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, scale [rows, 1] in `dtype`) of a 2-d weight, its largest magnitude per row mapped to
-    fp8's largest value. The scale is rounded to `dtype` first and the weight divided by the rounded
-    one, so fp8 * scale in `dtype` is the weight up to fp8's own rounding."""
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, fp32 scale [rows, 1]) of a 2-d weight (bf16, fp16 or fp32), its largest magnitude per
+    row mapped to fp8's largest value. The scale stays fp32, as ComfyUI's files keep theirs: in fp16 a
+    row of weights below 2.7e-5 would have a scale under fp16's smallest value (6e-8), 0, and its
+    weights would divide into NaN."""
     low, high = torch.aminmax(weight, dim=1, keepdim=True)
-    scale = (torch.maximum(-low, high).float() / FP8_MAX).clamp(min=MIN_SCALE).to(dtype)
+    scale = (torch.maximum(-low, high).float() / FP8_MAX).clamp(min=MIN_SCALE)
     quantized = torch.empty(weight.shape, dtype=FP8, device=weight.device)
     for start in range(0, weight.shape[0], ROWS):
         rows = slice(start, start + ROWS)
-        quantized[rows] = (weight[rows].float() / scale[rows].float()).clamp_(-FP8_MAX, FP8_MAX)
+        quantized[rows] = (weight[rows].float() / scale[rows]).clamp_(-FP8_MAX, FP8_MAX)
     return quantized, scale
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The fp8 weight upcast to its scale's dtype (the compute dtype)."""
-    return weight.to(scale.dtype) * scale
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp8 weight times its fp32 scale, rounded once to `dtype` (the compute dtype). Every fp8 value
+    is exact in bf16 and fp16, so the upcast copy is the only temporary: the product is taken in fp32."""
+    return weight.to(dtype).mul_(scale)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -46,43 +52,48 @@ class _Fp8Linear(torch.autograd.Function):
     otherwise every layer between a forward and its backward would hold its weight in bf16 again."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale, bias):
+    def forward(ctx, x, weight, scale, bias, dtype):
         ctx.save_for_backward(weight, scale)
-        return F.linear(x, dequantize(weight, scale), bias)
+        ctx.dtype = dtype
+        return F.linear(x, dequantize(weight, scale, dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):
         weight, scale = ctx.saved_tensors
-        return grad @ dequantize(weight, scale).to(grad.dtype), None, None, None
+        return grad @ dequantize(weight, scale, ctx.dtype).to(grad.dtype), None, None, None, None
 
 
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A linear layer's F.linear(x, weight, bias), its weight upcast from fp8 storage where it has one."""
     if module.weight.dtype != FP8:
         return F.linear(x, module.weight, module.bias)
-    return _Fp8Linear.apply(x, module.weight, module.weight_scale, module.bias)
+    return _Fp8Linear.apply(x, module.weight, module.weight_scale, module.bias, module.compute_dtype)
 
 
 def weight(module: nn.Linear) -> torch.Tensor:
     """The weight a linear layer computes with: its own, or its fp8 storage upcast."""
-    return dequantize(module.weight, module.weight_scale) if module.weight.dtype == FP8 else module.weight
+    if module.weight.dtype != FP8:
+        return module.weight
+    return dequantize(module.weight, module.weight_scale, module.compute_dtype)
 
 
 class Fp8Linear(nn.Linear):
-    """A frozen nn.Linear stored in fp8: `weight` (float8_e4m3fn, [out, in]), `weight_scale` ([out, 1], in the
-    compute dtype) and `bias` (compute dtype, or None). Built from an already-quantized weight and its
+    """A frozen nn.Linear stored in fp8: `weight` (float8_e4m3fn, [out, in]), `weight_scale` ([out, 1], fp32)
+    and `bias` (in `dtype`, the compute dtype, or None). Built from an already-quantized weight and its
     scale, per row ([out, 1] or [out]) or per tensor (one value, as ComfyUI's scaled fp8 files keep it,
-    spread to every row); the scale's dtype is the compute dtype."""
+    spread to every row)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate and fill a weight of its own
         if weight.dtype != FP8 or weight.dim() != 2:
             raise ValueError(f"Fp8Linear takes a 2-d {FP8} weight, got {weight.dtype} {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
-        scale = scale.reshape(-1, 1).expand(self.out_features, 1).contiguous()
+        self.compute_dtype = dtype
+        scale = scale.float().reshape(-1, 1).expand(self.out_features, 1).contiguous()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.to(scale.dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     @classmethod
     def on_meta(cls, base: nn.Linear) -> "Fp8Linear":
@@ -90,7 +101,7 @@ class Fp8Linear(nn.Linear):
         loader fills them: with `quantize`, or one rank's rows at a time under FSDP: `load_rows`)."""
         out_features, in_features = base.weight.shape
         return cls(torch.empty(out_features, in_features, dtype=FP8, device="meta"),
-                   torch.empty(out_features, 1, dtype=base.weight.dtype, device="meta"), base.bias)
+                   torch.empty(out_features, 1, device="meta"), base.bias, base.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x)
@@ -111,9 +122,15 @@ def store_fp8(model: nn.Module, blocks: list[nn.Module], keep) -> list[str]:
 
 
 @torch.no_grad()
-def load_rows(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> None:
-    """Quantize `rows` of a weight into an fp8 weight's rows and their scales (tensors of the same rows,
-    e.g. one rank's shard)."""
-    quantized, row_scale = quantize(rows.to(weight.device), scale.dtype)
-    weight.copy_(quantized)
-    scale.copy_(row_scale)
+def load_rows(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+              stored_scale: float | None = None) -> None:
+    """Fill an fp8 weight's rows and their scales (tensors of the same rows, e.g. one rank's shard) from
+    `rows` of a weight: quantized, or, with `stored_scale`, rows a file already stores in fp8 with that
+    one scale, kept as they are (quantizing them again would round them twice)."""
+    if stored_scale is None:
+        quantized, row_scale = quantize(rows.to(weight.device))
+        weight.copy_(quantized)
+        scale.copy_(row_scale)
+    else:
+        weight.copy_(rows)
+        scale.fill_(stored_scale)

@@ -218,7 +218,8 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             with compute.attention():  # activation checkpointing recomputes the forward in the backward
                 scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
             step_loss += loss.detach() / t.gradient_accumulation_steps
-        grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss)
+        grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss,
+                                           zero_missing=adapter.GRAPH_VARIES and adapter.trains_sound)
         window.add_step(step_loss, skipped)
         if ema is not None:
             ema.update()
@@ -270,14 +271,20 @@ def following_clips(clips: list, sampler: data.Sampler, batch_ids: list[int], st
 
 
 def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: TrainState, step: int,
-                  step_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  step_loss: torch.Tensor, zero_missing: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscale (fp16), clip once per optimizer step by the global norm (sharded gradients included), and
     step, all without the host reading a device value. A step whose norm is not finite is skipped by
     the fused AdamW kernel itself (`found_inf`, as torch.amp.GradScaler hands it over), but still counts
     and consumes its data. The norm is global, so every rank skips the same steps. With fp16 such a
     step lowers the loss scale and counts toward train.max_nonfinite_steps only if its loss was not
     finite either: gradients overflowing a finite loss are the scale's to fix. Returns the norm (before
-    clipping) and whether the update was skipped, both on the device."""
+    clipping) and whether the update was skipped, both on the device. With `zero_missing`, a weight no rank's
+    batch reached (LTX-2's audio stream in a step without sound) steps on a zero gradient, as FSDP's
+    reduce-scattered zeros make it there: one process, DDP and FSDP take the same step."""
+    if zero_missing:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
     scaler.unscale_(params)
     # max_grad_norm = 0: no clipping (clip_grad_norm_ would scale every gradient to 0); the norm is still logged.
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or math.inf)

@@ -28,6 +28,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
+import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageOps
@@ -41,7 +42,8 @@ import faults
 import memory
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_validation_images, check_values
-from model import EMA, build_frozen, build_model, load_adapter
+from model import EMA, build_frozen, build_model
+from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
 
@@ -89,13 +91,15 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
 @torch.no_grad()
 def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
                    cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
-                   image=None):
-    """The final sampling state of one prompt (and, image-to-video, its conditioning image): adapter.sampled
+                   image=None, last_image=None):
+    """The final sampling state of one prompt (and, image-to-video, its conditioning image; first-last-frame,
+    its last image too): adapter.sampled
     gives its latents (sampled_audio its sound, LTX-2). The family's pipeline loop, step for step, with
     every draw from `generator` (a CPU generator, as the pipelines use it); the adapter builds the
     denoiser's input (condition, expert, per-token timesteps) and steps the scheduler. Latents and
     scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check."""
-    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image)
+    last = {} if last_image is None else {"last_image": last_image}  # only first-last-frame models take one
+    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image, **last)
     guided = cfg.guidance_scale > 1.0 or cfg.audio_guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
     for i, t in enumerate(scheduler.timesteps):
@@ -121,7 +125,8 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
 CLIP_FIX = "free space (or move run.output_dir) and launch again; a training run resumes from its last checkpoint"
 
 
-def write_mp4(path: Path, frames: torch.Tensor, fps: int, sound: torch.Tensor | None = None, rate: int = 0) -> None:
+def write_mp4(path: Path, frames: torch.Tensor, fps: Fraction, sound: torch.Tensor | None = None,
+              rate: int = 0) -> None:
     """uint8 [F, H, W, 3] -> H.264 mp4, with `sound` (float [channels, samples] at `rate`) as AAC beside it.
     yuv420p (what players accept) needs even sizes: odd ones get their last row or column repeated.
     Written under a temporary name, then renamed."""
@@ -158,7 +163,8 @@ def load_image(path: str):
         with Image.open(path) as image:
             return ImageOps.exif_transpose(image).convert("RGB")
     except OSError as e:
-        raise ConfigError(f"validation image {path} is unreadable ({e}): fix validation.images or --image") from None
+        raise ConfigError(f"validation image {path} is unreadable ({e}): fix validation.images or --image "
+                          "(validation.last_images or --last-image)") from None
 
 
 class ClipRenderer:
@@ -177,11 +183,19 @@ class ClipRenderer:
         adapter.check_resolution(self.resolution, key)
         adapter.check_guidance(cfg)
         self.out_dir = Path(output_dir) / "validation_res"
-        self.fps = cfg.gen_fps or adapter.published_fps
+        self.fps = adapter.clip_rate(cfg.gen_fps)
         self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection
         # A family with sound (LTX-2) renders each clip's soundtrack too: muxed into the mp4, and in TensorBoard.
         self.sound, self.sounds = "audio" in adapter.ENCODERS, []
+        if adapter.first_last and self.prompts and not cfg.last_images:
+            raise ConfigError(f"{adapter.path} is a first-last-frame model (Wan FLF2V): each validation prompt "
+                              "renders between its image and its last image; set validation.last_images (validate.py: "
+                              "--last-image), one per prompt")
+        if cfg.last_images and not adapter.first_last:
+            raise ConfigError(f"validation.last_images conditions first-last-frame models, and {adapter.path} is not "
+                              "one: remove them (and --last-image)")
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
+        self.last_images = [load_image(path) for path in cfg.last_images] or [None] * len(self.prompts)
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
@@ -204,7 +218,7 @@ class ClipRenderer:
         prompt = index if prompt is None else prompt
         state = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[prompt : prompt + 1],
                                self.negative_embeds, data.keyed_generator(self.cfg.seed, index), self.cfg,
-                               self.resolution, autocast, on_step, self.images[prompt])
+                               self.resolution, autocast, on_step, self.images[prompt], self.last_images[prompt])
         frames = to_frames(self.adapter.decode_latents(self.adapter.sampled(state))[0])
         sound = self.adapter.decode_audio(self.adapter.sampled_audio(state)).cpu() if self.sound else None
         return frames, sound
@@ -274,7 +288,8 @@ class ClipRenderer:
         return paths if self.d.is_main else []
 
     def run(self, model, step: int, metrics, autocast) -> dict[str, float]:
-        """The training-time validation: mp4s, val/clip_{i} and val/prompt_{i}; returns time and peak memory."""
+        """The training-time validation: mp4s, val/clip_{i}, val/prompt_{i} and (image-to-video) val/conditions_{i};
+        returns time and peak memory."""
         if not self.prompts:
             return {}
         start = time.perf_counter()
@@ -285,6 +300,11 @@ class ClipRenderer:
             if self.sounds:
                 metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)
             metrics.text(step, f"val/prompt_{i}", prompt)
+            conditions = [image for image in (self.images[i], self.last_images[i]) if image is not None]
+            if conditions:  # beside the clip: its image (and last image) side by side, at the clip's size
+                size = (clip.shape[2], clip.shape[1])
+                side_by_side = np.concatenate([np.asarray(image.resize(size)) for image in conditions], axis=1)
+                metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
         peak = parallel.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
 
@@ -314,11 +334,15 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
     common = {"weights": str(Path(weights).resolve()) if weights else "", "online": online,
               "lora_mtime": os.stat(lora_file).st_mtime_ns if lora_file else 0,
               "model": dataclasses.asdict(cfg.model), "mixed_precision": cfg.train.mixed_precision,
-              "validation": {k: v for k, v in dataclasses.asdict(cfg.validation).items() if k not in ("prompts", "images")}}
+              "validation": {k: v for k, v in dataclasses.asdict(cfg.validation).items()
+                             if k not in ("prompts", "images", "last_images")}}
     names = []
     for i, prompt in enumerate(cfg.validation.prompts):
         image = hashlib.sha256(Path(cfg.validation.images[i]).read_bytes()).hexdigest() if cfg.validation.images else ""
-        digest = hashlib.sha256(json.dumps({**common, "prompt": prompt, "image": image}, sort_keys=True).encode())
+        last = cfg.validation.last_images  # hashed only when given: the names of other renders stay as they were
+        last = {"last_image": hashlib.sha256(Path(last[i]).read_bytes()).hexdigest()} if last else {}
+        digest = hashlib.sha256(json.dumps({**common, "prompt": prompt, "image": image, **last},
+                                           sort_keys=True).encode())
         names.append(f"render_{source}{'_online' if online else ''}_prompt_{i}_{digest.hexdigest()[:8]}")
     return names
 
@@ -334,9 +358,10 @@ def check_lora_file(lora_file: str) -> None:
 
 
 def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoint: str | None,
-                   lora_file: str | None, online: bool, d: parallel.Dist) -> None:
-    if prompts:  # the command line's prompts (and images) replace the config's
+                   lora_file: str | None, online: bool, d: parallel.Dist, last_images: list[str] = ()) -> None:
+    if prompts:  # the command line's prompts (and images, last images) replace the config's
         cfg.validation.prompts, cfg.validation.images = prompts, images
+        cfg.validation.last_images = list(last_images)
         check_values(cfg)
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
@@ -370,13 +395,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--online", action="store_true", help="with --checkpoint: the online weights, not the EMA")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); default: validation.prompts")
     parser.add_argument("--image", action="append", default=[], help="i2v: the image of each --prompt, in order")
+    parser.add_argument("--last-image", action="append", default=[],
+                        help="first-last-frame (Wan FLF2V): the last image of each --prompt, in order")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.online and not args.checkpoint:
         parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
-    if args.image and not args.prompt:
-        parser.error("--image goes with --prompt: one image per prompt")
+    if (args.image or args.last_image) and not args.prompt:
+        parser.error("--image and --last-image go with --prompt: one of each per prompt")
     command.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.image, args.checkpoint, args.lora,
-                                                       args.online, d), args.cfg, overrides)
+                                                       args.online, d, args.last_image), args.cfg, overrides)
 
 
 if __name__ == "__main__":

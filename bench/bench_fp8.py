@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import storage  # noqa: E402
 from config import ModelConfig  # noqa: E402
-from model import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
 
 WAN_14B = {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "text_dim": 4096, "freq_dim": 256, "in_channels": 16}
@@ -44,10 +44,10 @@ def fp8_linear(linear: torch.nn.Linear, scales: str) -> storage.Fp8Linear:
     """The layer in fp8 storage (model.dtype: the weight's): per-row scales, one per tensor, or none."""
     weight, dtype = linear.weight.detach(), linear.weight.dtype
     if scales == "cast":
-        return storage.Fp8Linear(weight.to(storage.FP8), torch.ones((), dtype=dtype), linear.bias)
+        return storage.Fp8Linear(weight.to(storage.FP8), torch.ones(()), linear.bias, dtype)
     rows = weight if scales == "row" else weight.reshape(1, -1)  # per tensor: the whole tensor as one row
-    quantized, scale = storage.quantize(rows, dtype)
-    return storage.Fp8Linear(quantized.reshape(weight.shape), scale, linear.bias)
+    quantized, scale = storage.quantize(rows)
+    return storage.Fp8Linear(quantized.reshape(weight.shape), scale, linear.bias, dtype)
 
 
 def to_fp8(model: torch.nn.Module, blocks: list[torch.nn.Module], scales: str) -> torch.nn.Module:

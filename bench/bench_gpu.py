@@ -29,7 +29,9 @@ step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed 
 The 14b configurations build the model as trainer.py does (the adapter's loader reading a folder,
 model.build_model, AdamW): the first writes Wan 2.1 14B's transformer with random bf16 weights (28 GB,
 drawn on the GPU) beside the tiny Wan's VAE and text encoder in --folder, reused after. Their peak is
-printed beside bench_memory's estimate of the same setting's training step (bench/one_gpu.py).
+printed beside bench_memory's estimate of the same setting's training step (bench/one_gpu.py), and the
+pinned host memory torch's host allocator holds (torch.cuda.host_memory_stats, under the allocator settings
+parallel.init sets) beside --fit's host figure for the pinned weights and offloaded block inputs.
 
 Model FLOPs of a step (what the step must compute; checkpointing's recompute is not counted), per
 sample, for S tokens (226 text + the video's patches), L layers, width D = heads x head_dim, N the
@@ -69,7 +71,8 @@ import memory  # noqa: E402
 import parallel  # noqa: E402
 import validate  # noqa: E402
 from config import Config, ValidationConfig, load_config  # noqa: E402
-from model import build_model, build_optimizer, load_adapter  # noqa: E402
+from model import build_model, build_optimizer  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_wan  # noqa: E402
 
 CONFIGS = {  # name: (arch, train settings)
@@ -252,11 +255,17 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     streamed = (keys.get("parallel.offload_blocks") or layers) if keys.get("parallel.cpu_offload") else 0
     setting = one_gpu.Setting(keys.get("model.storage_dtype") == "fp8", keys.get("train.activation_offload", False),
                               streamed)
-    estimated = one_gpu.training(estimate(cfg, cfg.model.family, adapter), setting) / 2**30
+    # Pinned host memory as torch's host allocator counts it (every block it holds, cached ones too) against
+    # --fit's host figure for the same setting (the pinned weights and the offloaded block inputs).
+    pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"] if d.device.type == "cuda" else None
+    parts = estimate(cfg, cfg.model.family, adapter)
+    estimated = one_gpu.training(parts, setting) / 2**30
     del model, params, optimizer
     command.shutdown()  # the model collected before the process group goes: FSDP2 may abort at exit otherwise
     return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "warmup_s": sum(times[:WARMUP]),
-            "peak_gb": peak, "estimate_gib": estimated, "tokens": s["video_tokens"]}
+            "peak_gb": peak, "estimate_gib": estimated, "tokens": s["video_tokens"],
+            "pinned_gib": pinned and pinned / 2**30,
+            "pinned_estimate_gib": sum(one_gpu.pinned(parts, setting).values()) / 2**30}
 
 
 def one(name: str, args) -> dict:
@@ -286,6 +295,8 @@ def report(name: str, r: dict, peak_flops: float | None) -> None:
     elif name in ONE_GPU:
         print(f"{name:12} {r['s_per_step']:7.3f} s/step  peak {r['peak_gb']:6.1f} GB, estimated {r['estimate_gib']:.1f} "
               f"({r['tokens']} video tokens, warm-up {r['warmup_s']:.0f} s)")
+        pinned = "n/a (no CUDA)" if r["pinned_gib"] is None else f"{r['pinned_gib']:.2f} GiB"
+        print(f"{'':12} pinned host memory {pinned}, estimated {r['pinned_estimate_gib']:.2f} GiB")
     else:
         print(f"{name:12} {r['s_per_step']:7.3f} s/step  MFU {mfu(r['s_per_step'])}  peak {r['peak_gb']:6.1f} GB  "
               f"({r['tokens']} tokens, {r['flops'] / 1e12:.3g} TFLOP/step, warm-up {r['warmup_s']:.0f} s)")

@@ -53,8 +53,8 @@ from transformers import BatchEncoding
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
-from model_adapter import resolved_config  # noqa: E402
-from parallel import AUTOCAST_DTYPES, Dist  # noqa: E402
+from transformer_loading import resolved_config  # noqa: E402
+from parallel import AUTOCAST_DTYPES, Dist, pinned_bytes  # noqa: E402
 
 import one_gpu  # noqa: E402
 from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
@@ -84,7 +84,11 @@ def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     loader = SimpleNamespace(blocks=adapter.blocks, keeps_fp32=adapter.keeps_fp32, GRAPH_VARIES=adapter.GRAPH_VARIES,
                              load_transformer=lambda dtype=None: meta_transformer(
                                  TRANSFORMERS[family], adapter.transformer_config, dtype or adapter.dtype))
-    model = vidtrain_model.build_model(loader, cfg.train, cfg.lora, ParallelConfig(), cfg.run.seed, Dist(0, 1, 0, device))
+    # Activation offload is modelled (the tracker's "input" tag and its copies), not run: its host copies
+    # would count as device memory here.
+    train = dataclasses.replace(cfg.train, activation_offload=False)
+    model = vidtrain_model.build_model(loader, train, cfg.lora, ParallelConfig(), cfg.run.seed,
+                                       Dist(0, 1, 0, device))
     materialize(model, fake_mode, device)
     with fake_mode or contextlib.nullcontext():
         params, optimizer = vidtrain_model.build_optimizer(model, cfg.train)
@@ -170,6 +174,9 @@ class Tracker(TorchDispatchMode):
         self.now, self.peak = dict.fromkeys(("act", "input", "cast", "grad", "opt"), 0), dict.fromkeys(self.SUMS, 0)
         self.grads_at_peak = dict.fromkeys(self.SUMS, 0)
         self.inputs = []  # bytes of each block's inputs, in call order
+        # What activations.HostActivations copies to the host: each block call's tensor arguments, a tensor
+        # once (a later call keeps the device tensor); per call, the bytes of those copies.
+        self.copied, self.copies = set(), []
 
     def watch_blocks(self, blocks) -> None:
         """Retag each block's activation inputs "input" in the forward (not in checkpointing's recompute): the
@@ -187,8 +194,22 @@ class Tracker(TorchDispatchMode):
             if self.forward and block is not blocks[-1]:
                 tag(outputs)
 
+        def before(block, args):
+            if self.forward:
+                fresh = [t for t in args if isinstance(t, torch.Tensor) and self.copy(t)]
+                self.copies.append([t.numel() * t.element_size() for t in fresh])
+
         for block in blocks:
+            block.register_forward_pre_hook(before)
             block.register_forward_hook(after, with_kwargs=True)
+
+    def copy(self, t: torch.Tensor) -> bool:
+        """Whether activation offload copies t out (its first checkpointed call), as HostActivations.pack
+        decides: the same storage, view and version."""
+        key = (id(t.untyped_storage()), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        fresh = key not in self.copied
+        self.copied.add(key)
+        return fresh
 
     def add(self, t: torch.Tensor, kind: str) -> None:
         st = t.untyped_storage()
@@ -283,22 +304,46 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
 
 def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
     """One process's parts for bench/one_gpu.py: the frozen bytes outside the blocks and of the largest
-    block (in model.dtype, and with its frozen linear weights in fp8 plus a scale per row in model.dtype,
-    as storage.py keeps them), those
-    linears in the compute dtype, a block's gradient buffer, and the step without the block inputs."""
+    block (in model.dtype, and with its frozen linear weights in fp8 plus an fp32 scale per row, as
+    storage.py keeps them), and what streaming pins of them; those linears in the compute dtype, a
+    block's gradient buffer, the step without the block inputs, and what activation offload copies."""
     blocks, compute = adapter.blocks(model), AUTOCAST_DTYPES[cfg.train.mixed_precision] or adapter.dtype
     frozen = lambda m: [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())  # noqa: E731
     linears = lambda b: [m.weight for m in b.modules()  # noqa: E731
                          if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     in_blocks = [nbytes(frozen(b)) for b in blocks]
-    fp8 = [n - nbytes(linears(b)) + sum(w.numel() + adapter.dtype.itemsize * w.shape[0] for w in linears(b))
+    fp8 = [n - nbytes(linears(b)) + sum(w.numel() + 4 * w.shape[0] for w in linears(b))
            for b, n in zip(blocks, in_blocks)]
     grads = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
+    copies = [n for call in tracker.copies for n in call]
     return {"layers": len(blocks), "root": nbytes(frozen(model)) - sum(in_blocks), "block": max(in_blocks),
             "block_fp8": max(fp8), "upcast": max(nbytes(linears(b), compute) for b in blocks),
             "reduce": grads * (compute.itemsize + 4), "offload_grads": tracker.grads_at_peak["offload"],
             "offload_activations": tracker.peak["offload"] - tracker.grads_at_peak["offload"],
-            "block_input": max(tracker.inputs, default=0), "inputs": sum(tracker.inputs)}
+            "inputs": sum(tracker.inputs), "block_input": max(map(sum, tracker.copies), default=0),
+            "copies": copies, "offloaded": sum(copies), "offloaded_pinned": sum(map(pinned_bytes, copies)),
+            **pinned_weights(adapter, model, blocks)}
+
+
+def pinned_weights(adapter, model, blocks) -> dict:
+    """What streaming pins, by torch's pinned allocator's rule (parallel.pinned_bytes): FSDP2 pins each
+    frozen parameter of a streamed unit on its own (FSDPParam, CPUOffloadPolicy(pin_memory=True)); its
+    buffers stay on the GPU. The largest block in model.dtype and in fp8 (each linear weight and its row
+    scales two parameters, storage.py), and the parameters outside the blocks (streamed with every block)."""
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+    def requests(p, fp8: bool) -> tuple:
+        if fp8 and id(p) in linear_weights:
+            return p.numel(), p.shape[0] * adapter.dtype.itemsize
+        return (p.numel() * p.element_size(),)
+
+    def pinned(params, fp8: bool = False) -> int:
+        return sum(pinned_bytes(n) for p in params if not p.requires_grad for n in requests(p, fp8))
+
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    return {"block_pinned": max(pinned(b.parameters()) for b in blocks),
+            "block_fp8_pinned": max(pinned(b.parameters(), fp8=True) for b in blocks),
+            "root_pinned": pinned(p for p in model.parameters() if id(p) not in in_blocks)}
 
 
 def peak_of(run, modules=(), existing=()) -> int:

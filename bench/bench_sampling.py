@@ -22,7 +22,7 @@ import data  # noqa: E402
 import parallel  # noqa: E402
 import validate  # noqa: E402
 from config import DataConfig, ModelConfig, ValidationConfig  # noqa: E402
-from model import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 PROMPTS = ["a red ball moves left", "a blue square drifts up slowly", "a small green circle bounces",

@@ -31,7 +31,7 @@ from common import median_step_s, timed_run, tiny_settings  # puts the repositor
 
 import lora  # noqa: E402
 from config import LoraConfig, ModelConfig  # noqa: E402
-from model import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 
 BATCH, EMBEDS = 2, (16, 32)  # [L, D] of the tiny T5
 # Transformer settings over the tiny ones, and the training resolution (the clips are 17x40x48).

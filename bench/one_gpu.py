@@ -8,7 +8,8 @@ parallel.offload_blocks), streamed in one block ahead: on the GPU the other bloc
 the blocks, and two blocks in flight (the one computing, the one prefetched: FSDP2 on one rank gathers
 every block, resident ones too, into a buffer of its own; DDP's resident run has none), with one block's
 gradient buffer; the checkpointed block inputs on the GPU or in pinned host memory
-(train.activation_offload), two of them back on the GPU in flight. fp8 adds up to one block's linear
+(train.activation_offload: each block call's tensor inputs, a tensor shared by the blocks once), two
+blocks' back on the GPU in flight. fp8 adds up to one block's linear
 weights upcast to the compute dtype (the copies a block's backward keeps). LoRA only: sft's streaming
 also moves gradients and AdamW's state to the host, which is not modelled.
 
@@ -23,19 +24,30 @@ and the VAE decoding one clip); the cache pass (the text encoder's pass over dat
 prompts, then the VAE encoding data.cache_batch_size clips, or one of each where that many do not fit:
 cache.prepare frees the text encoder between them; the validation prompts' encoding, before the model is
 built, is a text pass too, over the prompts and the negative prompt).
-Host RAM: the pinned weights and activations, this process's resident size, the VAE parked between
-validations; in the cache pass the text encoder, which from_pretrained reads on the host first.
+Host RAM: the pinned weights and activations as torch's pinned allocator hands them out under
+parallel.ALLOCATOR_SETTINGS (parallel.pinned_bytes: exact sizes above 16 MiB, the next power of two
+below), this process's resident size, the VAE parked between validations; in the cache pass the text
+encoder, which from_pretrained reads on the host first.
 """
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from parallel import ALLOCATOR_SETTINGS  # noqa: E402
 
 GIB = 2**30
-# The CUDA context, cuBLAS and attention workspaces and the caching allocator's slack: not in the estimate.
-MARGIN = GIB
+# What the estimate leaves out, until a GPU run has measured a pick (bench/bench_gpu.py's 14b-one-gpu): the
+# CUDA context and its libraries (0.5-1 GiB outside torch's allocator), the attention backward's fp32
+# accumulator for dq (tokens x width x 4 bytes: 0.6 GiB for Wan 14B at 81x480x832) and cuBLAS's
+# workspaces, and the caching allocator's fragmentation.
+MARGIN = 2.5 * GIB
 
 
 PARTS = {"outside the blocks": "root", "a block": "block", "in fp8": "block_fp8", "LoRA + AdamW": "trainable",
          "step": "activations", "of which block inputs": "inputs", "step, inputs offloaded": "offload_activations",
+         "offloaded (tensors shared by the blocks once)": "offloaded",
          "sampling": "sampling", "VAE": "vae", "encode": "encode", "one clip": "encode_1", "decode": "decode",
          "text encoder": "text_encoder", "its pass": "text"}
 
@@ -110,12 +122,19 @@ def cache_pass(p: dict) -> int:
     return max(p["text_encoder"] + p["text"], p["vae"] + p["encode"])
 
 
+def pinned(p: dict, s: Setting, experts: int = 1) -> dict[str, int]:
+    """Pinned host memory as torch's allocator hands it out: the streamed blocks' weights (of every expert
+    validation holds) and the offloaded block inputs."""
+    block = p["block_fp8_pinned"] if s.fp8 else p["block_pinned"]
+    root = p["root_pinned"] if s.streamed == p["layers"] else 0  # offload_blocks = 0 streams the root too
+    return {"pinned weights": experts * (s.streamed * block + root),
+            "offloaded activations": p["offloaded_pinned"] if s.activation_offload else 0}
+
+
 def host(p: dict, s: Setting) -> dict[str, int]:
     """Host RAM: during training (pinned weights of every expert validation holds, pinned activations,
     the process, the parked VAE) and during the cache pass."""
-    experts = p["experts"] if p["validation"] else 1
-    parts = {"pinned weights": experts * s.streamed * block_bytes(p, s),
-             "offloaded activations": p["inputs"] if s.activation_offload else 0,
+    parts = {**pinned(p, s, p["experts"] if p["validation"] else 1),
              "process": p["process"], "parked VAE": p["vae"] if p["validation"] else 0}
     parts["training"] = sum(parts.values())
     parts["cache pass"] = p["process"] + (p["text_encoder"] if p["cache_pass"] or p["validation"] else 0)
@@ -124,7 +143,7 @@ def host(p: dict, s: Setting) -> dict[str, int]:
 
 def moved(p: dict, s: Setting) -> int:
     """Bytes over PCIe per training step (both ways)."""
-    return 2 * s.streamed * block_bytes(p, s) + (2 * p["inputs"] if s.activation_offload else 0)
+    return 2 * s.streamed * block_bytes(p, s) + (2 * p["offloaded"] if s.activation_offload else 0)
 
 
 def host_needed(p: dict, s: Setting) -> int:
@@ -158,8 +177,8 @@ def why_none(p: dict, gb: float, ram: float | None = None) -> str:
         reason = (f"the text encoder's pass needs {text / GIB:.1f} GiB, its weights alone {p['text_encoder'] / GIB:.1f}"
                   " GiB (the validation prompts load it too)" if text >= vae else
                   f"the VAE's encoding of one clip needs {vae / GIB:.1f} GiB")
-        return (f"none fits {gb:g} GiB: the cache pass needs {cache_pass(p) / GIB:.1f} GiB + {MARGIN / GIB:.0f} GiB "
-                f"margin whatever the setting: {reason}")
+        return (f"none fits {gb:g} GiB: the cache pass needs {cache_pass(p) / GIB:.1f} GiB + "
+                f"{MARGIN / GIB:g} GiB margin whatever the setting: {reason}")
     leanest = min(settings(p), key=lambda s: max(gpu(p, s).values()))
     phase, peak = max(gpu(p, leanest).items(), key=lambda kv: kv[1])
     if peak + MARGIN <= gb * GIB:
@@ -172,15 +191,16 @@ def why_none(p: dict, gb: float, ram: float | None = None) -> str:
               f"the trainable state and one step's gradients and activations need {(peak - weights) / GIB:.1f} GiB "
               f"beside {weights / GIB:.1f} GiB of weights")
     return (f"none fits {gb:g} GiB: the setting that needs the least ({leanest.describe(p['layers'])}) needs "
-            f"{peak / GIB:.1f} GiB + {MARGIN / GIB:.0f} GiB margin in the {phase}: {reason}")
+            f"{peak / GIB:.1f} GiB + {MARGIN / GIB:g} GiB margin in the {phase}: {reason}")
 
 
 def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting | None:
     """Print the fastest fitting setting per weight dtype and activation placement, the pick, and its config lines."""
     configured, p = p["cache_batch_size"], with_cache_batch(p, gb)
-    print(f"{title}\none GPU of {gb:g} GiB, less {MARGIN / GIB:.0f} GiB for the CUDA context, workspaces and "
-          f"allocator slack{f', {ram:g} GiB of host RAM' if ram else ''}; GiB per phase at its peak, host RAM, "
-          "GB moved over PCIe per training step")
+    print(f"{title}\none GPU of {gb:g} GiB, less a {MARGIN / GIB:g} GiB margin for the CUDA context, the "
+          "attention and cuBLAS workspaces and the allocator's fragmentation (not yet measured on a GPU)"
+          f"{f', {ram:g} GiB of host RAM' if ram else ''}; GiB per phase at its peak, host RAM, GB moved over "
+          "PCIe per training step")
     print("  parts: " + ", ".join(f"{name} {p[key] / GIB:.2f}" for name, key in PARTS.items()))
     print(f"  {'weights':8}{'activations':13}{'streamed':>10}{'training':>10}{'validation':>11}{'cache':>8}"
           f"{'host RAM':>10}{'moved':>8}")
@@ -214,4 +234,7 @@ def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting 
                                                                              "process", "parked VAE"))
           + f" = {needed['training'] / GIB:.1f} GiB in training; {needed['cache pass'] / GIB:.1f} GiB in the cache pass")
     print("paste into the config:\n    " + "\n    ".join(chosen.config_lines(p["layers"]) + data))
+    allocator = ",".join(f"{key}:{value}" for key, value in ALLOCATOR_SETTINGS.items())
+    print("allocator settings (the host RAM above assumes them; parallel.init sets them at the start of every "
+          f"run, but for a key PYTORCH_ALLOC_CONF names):\n    PYTORCH_ALLOC_CONF={allocator}")
     return chosen

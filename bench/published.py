@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import ConfigError  # noqa: E402
-from model import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_scheduler  # noqa: E402
 
 TRANSFORMERS = {"cogvideox": CogVideoXTransformer3DModel, "wan": WanTransformer3DModel,
@@ -68,7 +68,8 @@ LTX2_PARTS = {
                        "audio_gated_attn": True,
                        "per_modality_projections": True, "video_hidden_dim": 4096, "audio_hidden_dim": 2048,
                        "proj_bias": True}}}
-# Published transformer configs (cogvideox.md: 5B's values besides these are the class defaults; wan.md; ltx2.md).
+# Published transformer configs (docs/models/cogvideox.md: 5B's values besides these are the class
+# defaults; docs/models/wan.md and docs/models/ltx2.md).
 PUBLISHED = {
     "cogvideox-2b": ("cogvideox", {"num_attention_heads": 30, "num_layers": 30}),  # the class defaults, spelled out
     "cogvideox-5b": ("cogvideox", {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}),
@@ -116,7 +117,9 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
                     "audio_vae": {"_class_name": "AutoencoderKLLTX2Audio"},
                     "connectors": {"_class_name": "LTX2TextConnectors", **LTX2_PARTS[arch]["connectors"]},
                     "vocoder": {"_class_name": LTX2_PARTS[arch]["vocoder"]}}
-        extras = {**extras, "vocoder": ["ltx2", LTX2_PARTS[arch]["vocoder"]]}  # which one the adapter builds
+        # which vocoder and text encoder the adapter builds
+        extras = {**extras, "vocoder": ["ltx2", LTX2_PARTS[arch]["vocoder"]],
+                  "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"]}
     for name, config in configs.items():  # the other VAEs, schedulers: class defaults (memory does not depend on them)
         (root / name).mkdir(parents=True)
         (root / name / "config.json").write_text(json.dumps(config))

@@ -27,9 +27,10 @@ from transformers import T5EncoderModel
 import lora
 import storage
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
+from model_adapter import Adapter, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
-from single_file import rename_key
+from transformer_loading import parameters_on_meta, resolved_config
+from weights import rename_key, rename_module
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 # diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py; docs/models/cogvideox.md):
@@ -132,6 +133,24 @@ class CogVideoXAdapter(Adapter):
         """A single file's keys (ComfyUI's names) -> diffusers'; a key ComfyUI's model lacks keeps its name."""
         block, other = ({v: k for k, v in names.items()} for names in (COMFY_WEIGHTS_BLOCK, COMFY_WEIGHTS_OTHER))
         return {k: rename_key(k, "blocks", "transformer_blocks", block, other) or k for k in keys}
+
+    @classmethod
+    def single_file_tables(cls, config: dict) -> dict[str, torch.Tensor]:
+        """2b's sincos positions as patch_embed.pos_embedding (diffusers' non-persistent buffer, as its
+        from_config computes it): ComfyUI's model detection takes a CogVideoX file without that key for a
+        rotary model and builds 2b as the wrong one; with it, as a model with sincos positions (which
+        ComfyUI's forward computes anew: the table marks the file)."""
+        if config["use_rotary_positional_embeddings"] or config["use_learned_positional_embeddings"]:
+            return {}
+        with parameters_on_meta():
+            transformer = CogVideoXTransformer3DModel.from_config(config)
+        return {"patch_embed.pos_embedding": transformer.patch_embed.pos_embedding}
+
+    def single_file_extra(self, key: str) -> bool:
+        """2b's sincos table (single_file_tables): the model computes its own."""
+        c = self.transformer_config
+        return key == "patch_embed.pos_embedding" and not (c["use_rotary_positional_embeddings"]
+                                                           or c["use_learned_positional_embeddings"])
 
     # Encoding.
     @torch.no_grad()

@@ -1,23 +1,28 @@
-"""LTX-2 and LTX-2.3 (docs/models/ltx2.md): one transformer with a video and an audio stream, text- and
-image-to-video from the same folder.
+"""LTX-2, LTX-2.3 and LTX-2.5 (docs/models/ltx2.md): one transformer with a video and an audio stream,
+text- and image-to-video from the same folder.
 
 Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream draws
 its own s (LTX-2's trainer, ltx-trainer, samples every generated modality separately) from the shifted
 logit-normal sampler of ltx-trainer, its shift set by the stream's token count; model timesteps are
-1000 s. A batch without audio latents trains the video alone, as ltx-trainer does with no audio modality:
+1000 s. The clean latents are the cached posteriors' means, as ltx-trainer trains; the audio-video
+cross-attention is modulated as ltx-core modulates it (_cross_gates). A batch without audio latents
+trains the video alone, as ltx-trainer does with no audio modality:
 the audio stream gets no tokens and the audio-video cross-attention is off (isolate_modalities), so the
 video stream computes exactly what ltx-core computes without audio; with audio latents the loss is the
 video loss plus audio_loss_weight times the audio loss. Video latents are normalised with the VAE's
 latents_mean/std and scaling_factor, audio latents per token feature with the audio VAE's; text is
-Gemma 3's hidden states of every layer through the connectors, whose learnable registers fill every
-padded position, so the cache holds the video and audio text embeddings side by side (no mask). The
-sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with their guidance: classifier-free
-(the sound at its own scale), STG, modality isolation and the rescale, each at validation's setting.
+Gemma's hidden states of every layer (Gemma 3; Gemma 4 for 2.5) through the connectors, whose learnable
+registers fill every padded position, so the cache holds the video and audio text embeddings side by side (no
+mask). The sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with their guidance:
+classifier-free (the sound at its own scale), STG, modality isolation and the rescale, each at validation's
+setting.
 """
 
 import contextlib
 import copy
 import json
+import re
+from fractions import Fraction
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,25 +43,56 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_nois
 from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import apply_image_conditioning_crf, resolve_default_image_crf
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffusers.video_processor import VideoProcessor
-from transformers import Gemma3ForConditionalGeneration
+from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
 import decode
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, Weights, log, resolved_config, sample_posterior, to_device
+from model_adapter import DTYPES, Adapter, log, to_device
 from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
+from transformer_loading import resolved_config
+from weights import Weights
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
 MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in diffusers' config)
 STG_BLOCKS = [28]  # the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
-# ltx-trainer's shifted logit-normal timestep sampler: its shift interpolates between these token counts.
+# Lightricks' single files (ltx-2-19b-dev.safetensors, LTX-2.3's): ltx-core's transformer under
+# model.diffusion_model., named as diffusers' but for these substrings, replaced in this order (diffusers'
+# scripts/convert_ltx2_to_diffusers.py, LTX_2_3_TRANSFORMER_KEYS_RENAME_DICT: LTX_2_0_'s and 2.3's prompt
+# AdaLNs), and for a leading adaln_single. or audio_adaln_single. (convert_ltx2_transformer_adaln_single,
+# applied after them). docs/models/ltx2.md, "Single files".
+SINGLE_FILE_NAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
+                     "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
+                     "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
+                     "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
+                     "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
+                     "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
+                     "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
+                     "q_norm": "norm_q", "k_norm": "norm_k",
+                     "audio_prompt_adaln_single": "audio_prompt_adaln", "prompt_adaln_single": "prompt_adaln"}
+SINGLE_FILE_STARTS = {"adaln_single.": "time_embed.", "audio_adaln_single.": "audio_time_embed."}
+# The text connectors the same file holds beside the transformer, which diffusers keeps in another folder
+# (split_transformer_and_connector_state_dict's prefixes); the VAEs and the vocoder are outside the prefix.
+CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector", "transformer_1d_blocks",
+                      "text_embedding_projection", "connectors.", "video_connector", "audio_connector",
+                      "text_proj_in")
+# ltx-trainer's shifted logit-normal timestep sampler: its shift is the line through these (tokens, shift)
+# points, extrapolated both ways (timestep_samplers.py's _get_shift_for_sequence_length clamps neither end).
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
+# model_index.json's text encoder: Gemma 3 (2.0, 2.3) or Gemma 4 (2.5); the pipelines accept these two.
+TEXT_ENCODERS = {c.__name__: c for c in (Gemma3ForConditionalGeneration,
+                                          Gemma4UnifiedForConditionalGeneration)}
+# The original checkpoint's (Lightricks', ComfyUI's) names of the modules outside the blocks whose diffusers
+# names differ (proj_out, audio_proj_out and the caption projections keep theirs): the tables above, reversed.
+ORIGINAL_NAMES = ({ours: original for original, ours in SINGLE_FILE_NAMES.items()}
+                  | {ours.rstrip("."): original.rstrip(".") for original, ours in SINGLE_FILE_STARTS.items()})
+DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
 
 
 def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tensor:
     """One s in [0, 1]: sigmoid(N(mu, 1)) stretched between its 0.5th and 99.9th percentiles (reflected at 1e-3),
-    or, one draw in ten, uniform in [1e-3, 1); mu grows linearly with the token count, capped at 4096."""
-    tokens = min(tokens, SHIFT_TOKENS[1])
+    or, one draw in ten, uniform in [1e-3, 1); mu grows linearly with the token count, uncapped (2.78 at the
+    shipped 121 x 512 x 768's 6,144 tokens)."""
     mu = SHIFTS[0] + (SHIFTS[1] - SHIFTS[0]) * (tokens - SHIFT_TOKENS[0]) / (SHIFT_TOKENS[1] - SHIFT_TOKENS[0])
     normal, uniform, choice = torch.randn((), generator=generator), torch.rand((), generator=generator), \
         torch.rand((), generator=generator)
@@ -71,10 +107,14 @@ class LTX2Adapter(Adapter):
     # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio VAE's files.
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer", "connectors"),
                 "audio": ("audio_vae",)}
-    TRANSFORMER, VAE, TEXT_ENCODER = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video, Gemma3ForConditionalGeneration
+    TRANSFORMER, VAE = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
     COMFY = True
+    SINGLE_FILE_KEY = "audio_adaln_single.linear.weight"  # what ComfyUI's detection knows LTX-2 by ("ltxav")
     COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
     LOSS_PARTS = ("loss_video", "loss_audio")
+    # The audio VAE's precision, whatever model.dtype: ltx-trainer's process_videos.py encodes in float32
+    # ("Audio VAE needs float32 for quality"). It names the cache's audio entries.
+    AUDIO_DTYPE = "fp32"
     GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
@@ -96,7 +136,15 @@ class LTX2Adapter(Adapter):
         with (audio := Weights(self.path / "audio_vae")).opened():
             self.audio_mean, self.audio_std = (audio.read(f"latents_{n}", torch.float32).to(device)
                                                for n in ("mean", "std"))
-        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation (33 for Gemma 3).
+        index = json.loads((self.path / "model_index.json").read_text())
+        text_encoder = index["text_encoder"][1]
+        if text_encoder not in TEXT_ENCODERS:
+            raise ConfigError(f"{self.path}/model_index.json: text_encoder is {text_encoder}, which "
+                              f"LTX2Pipeline does not load: model.path must be an LTX-2 folder with "
+                              f"{' or '.join(TEXT_ENCODERS)}")
+        self.TEXT_ENCODER = TEXT_ENCODERS[text_encoder]
+        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation (33 for
+        # Gemma 3, 18 for Gemma 4).
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
@@ -104,7 +152,7 @@ class LTX2Adapter(Adapter):
         self.frame_rate = FRAME_RATE
         self.losses = torch.zeros(len(self.LOSS_PARTS), 2)  # the last loss's per stream: (sum, samples), detached
         self._audio_vae = self._connectors = self._vocoder = None
-        vocoder = json.loads((self.path / "model_index.json").read_text())["vocoder"][1]  # 2.3's extends the band
+        vocoder = index["vocoder"][1]  # 2.3's and 2.5's extend the band
         self.vocoder_class = {c.__name__: c for c in (LTX2Vocoder, LTX2VocoderWithBWE)}[vocoder]
         self.sound_rate = resolved_config(self.vocoder_class, self.path, "vocoder")["output_sampling_rate"]
 
@@ -137,6 +185,17 @@ class LTX2Adapter(Adapter):
     def published_fps(self) -> int:
         return int(FRAME_RATE)
 
+    def clip_rate(self, gen_fps: int) -> Fraction:
+        """The rate the sound was generated for, frame_rate (data.target_fps, else the pipelines' 24): the
+        pipeline makes frames / frame_rate seconds of sound (sampling_start's audio_frames), so a clip written
+        at another rate plays out of step with it; such a validation.gen_fps is refused."""
+        rate = Fraction(self.frame_rate).limit_denominator(1001)
+        if gen_fps and gen_fps != rate:
+            raise ConfigError(f"validation.gen_fps = {gen_fps}, but LTX-2 generates each clip's sound for its "
+                              f"frames at {float(rate):g} fps (data.target_fps, else the published 24): at another "
+                              f"rate picture and sound would disagree; set validation.gen_fps = 0 (that rate)")
+        return rate
+
     @property
     def audio_sample_rate(self) -> int:
         return self.audio_config["sample_rate"]
@@ -150,12 +209,43 @@ class LTX2Adapter(Adapter):
         """The audio VAE's latent frames per second: 16000 Hz / hop 160 / 4 = 25 for the published one."""
         return self.audio_config["sample_rate"] / self.audio_config["mel_hop_length"] / 4
 
-    def comfy_key(self, module: str) -> str | None:
-        """The original checkpoint names the transformer's blocks and attention projections as diffusers does."""
-        return module if module.startswith("transformer_blocks.") else None
+    def comfy_key(self, module: str) -> str:
+        """The original checkpoint's name (Lightricks' and ComfyUI's): the blocks' modules as diffusers names
+        them, the top-level modules by ORIGINAL_NAMES."""
+        top, _, rest = module.partition(".")
+        return ".".join(filter(None, (ORIGINAL_NAMES.get(top, top), rest)))
 
-    def diffusers_key(self, original: str) -> str | None:
-        return original if original.startswith("transformer_blocks.") else None
+    def diffusers_key(self, original: str) -> str:
+        top, _, rest = original.partition(".")
+        return ".".join(filter(None, (DIFFUSERS_NAMES.get(top, top), rest)))
+
+    @staticmethod
+    def single_file_key(key: str) -> str:
+        """A state-dict key's name in Lightricks' single files: SINGLE_FILE_NAMES and SINGLE_FILE_STARTS undone."""
+        for original, ours in SINGLE_FILE_STARTS.items():
+            if key.startswith(ours):
+                key = original + key.removeprefix(ours)
+        # One pass, the longest name first where two start at one place: replaced one by one, prompt_adaln's
+        # inverse would find audio_prompt_adaln_single's "audio_prompt_adaln" again.
+        inverse = {ours: original for original, ours in SINGLE_FILE_NAMES.items()}
+        longest_first = "|".join(sorted(map(re.escape, inverse), key=len, reverse=True))
+        return re.sub(longest_first, lambda m: inverse[m[0]], key)
+
+    @staticmethod
+    def diffusers_names(keys: list[str]) -> dict[str, str]:
+        """Lightricks' names -> diffusers', as diffusers' conversion script renames them."""
+        def renamed(key: str) -> str:
+            for original, ours in SINGLE_FILE_NAMES.items():
+                key = key.replace(original, ours)
+            for original, ours in SINGLE_FILE_STARTS.items():
+                if key.startswith(original) and key.endswith((".weight", ".bias")):
+                    key = ours + key.removeprefix(original)
+            return key
+        return {k: renamed(k) for k in keys}
+
+    def single_file_extra(self, key: str) -> bool:
+        """Lightricks' files hold the text connectors beside the transformer, under the same prefix."""
+        return key.startswith(CONNECTOR_PREFIXES)
 
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
@@ -202,13 +292,14 @@ class LTX2Adapter(Adapter):
         if self._audio_vae is None:
             log.info("loading audio VAE from %s", self.path)
             self._audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae",
-                                                                     dtype=self.vae_dtype).requires_grad_(False).eval()
+                                                                     dtype=DTYPES[self.AUDIO_DTYPE])
+            self._audio_vae.requires_grad_(False).eval()
         return self._audio_vae.to(self.device)
 
     @torch.no_grad()
     def encode_mel(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The audio VAE's posterior of a log-mel spectrogram [B, channels, mel frames, mel bins]."""
-        posterior = self._load_audio_vae().encode(mel.to(self.device, self.vae_dtype)).latent_dist
+        """The audio VAE's posterior of a log-mel spectrogram [B, channels, mel frames, mel bins], in fp32."""
+        posterior = self._load_audio_vae().encode(mel.to(self.device, DTYPES[self.AUDIO_DTYPE])).latent_dist
         return posterior.mean, posterior.logvar
 
     @torch.no_grad()
@@ -218,8 +309,8 @@ class LTX2Adapter(Adapter):
         if self._vocoder is None:
             self._vocoder = self.vocoder_class.from_pretrained(self.path, subfolder="vocoder", dtype=self.vae_dtype)
             self._vocoder.requires_grad_(False).eval()
-        mel = self._load_audio_vae().decode(latents.to(self.vae_dtype), return_dict=False)[0]
-        return self._vocoder.to(self.device)(mel)[0].float()
+        mel = self._load_audio_vae().decode(latents.to(DTYPES[self.AUDIO_DTYPE]), return_dict=False)[0]
+        return self._vocoder.to(self.device)(mel.to(self.vae_dtype))[0].float()
 
     def _text(self):
         if self._text_encoder is None:
@@ -244,7 +335,7 @@ class LTX2Adapter(Adapter):
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma 3's every hidden state, left
+        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma's every hidden state, left
         padding, the connectors), the video stream's text and the audio stream's side by side."""
         text_encoder, tokenizer = self._text()
         tokenizer.padding_side = "left"
@@ -294,13 +385,38 @@ class LTX2Adapter(Adapter):
         n = len(video)
         if audio.shape[1] == 0:
             audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
-        out = transformer(
-            hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype), encoder_hidden_states=video_text,
-            audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_t,
-            sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
-            width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
-            spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=True, return_dict=False)
+        with self._cross_gates(transformer, sigma, audio_t):
+            out = transformer(
+                hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
+                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_t,
+                audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
+                width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
+                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, return_dict=False)
         return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
+
+    @contextlib.contextmanager
+    def _cross_gates(self, transformer, sigma: torch.Tensor, audio_sigma: torch.Tensor):
+        """The audio-video cross-attention's AdaLN inputs as ltx-core computes them (transformer_args.py,
+        _prepare_cross_attention_timestep): each stream's scale/shift from its own timesteps (per token: I2V's
+        image tokens at 0), its gate from the other stream's sigma. diffusers takes both from one timestep,
+        the other stream's sigma (use_cross_timestep) or the stream's own: run without use_cross_timestep and
+        give the two gates the other stream's sigma. With one sigma for both streams (T2V sampling) this
+        equals use_cross_timestep; with a sigma per stream (training with sound) or I2V's image tokens, not."""
+        c = self.transformer_config
+        factor = c["cross_attn_timestep_scale_multiplier"] / c["timestep_scale_multiplier"]
+        model = getattr(transformer, "module", transformer)  # DDP's wrapper
+
+        def other(sigma):
+            # The gate's AdaLN is called with (timestep x factor, batch_size=..., hidden_dtype=...).
+            return lambda module, args, kwargs: ((sigma.flatten().to(args[0]) * factor, *args[1:]), kwargs)
+
+        gates = {model.av_cross_attn_video_a2v_gate: audio_sigma, model.av_cross_attn_audio_v2a_gate: sigma}
+        hooks = [gate.register_forward_pre_hook(other(s), with_kwargs=True) for gate, s in gates.items()]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
         """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at sigmas [B],
@@ -327,16 +443,16 @@ class LTX2Adapter(Adapter):
                                    torch.stack([audio_loss.sum(), sound.sum().float()])]).detach()
         return video_loss + self.audio_loss_weight * audio_loss, video_loss, audio_loss
 
-    def _clean(self, batch, generators):
+    def _clean(self, batch):
         """Packed clean latents, video [B, tokens, C] and audio [B, audio tokens, C'] (none without the batch's
-        audio entries), each a posterior sample (its mean without generators); which samples have sound [B]
-        (load_batch's audio_mask in a batch mixing clips with and without); the video's latent shape."""
+        audio entries): the posteriors' means, what ltx-trainer trains on (ltx-core's encoders return the
+        normalised means; docs/models/ltx2.md); which samples have sound [B] (load_batch's audio_mask in a
+        batch mixing clips with and without); the video's latent shape."""
         mean = batch["latent_mean"].to(self.device)
-        x0 = self._pack(self._normalise(sample_posterior(mean, batch["latent_logvar"].to(self.device), generators)))
+        x0 = self._pack(self._normalise(mean.float()))
         sound = torch.zeros(len(x0), device=self.device)
         if "audio_latent_mean" in batch:
-            audio = sample_posterior(batch["audio_latent_mean"].to(self.device),
-                                     batch["audio_latent_logvar"].to(self.device), generators)
+            audio = batch["audio_latent_mean"].to(self.device).float()
             a0 = self._normalise_audio(LTX2Pipeline._pack_audio_latents(audio))
             sound = batch["audio_mask"].to(self.device).float() if "audio_mask" in batch else sound + 1
         else:
@@ -345,12 +461,12 @@ class LTX2Adapter(Adapter):
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and position in the
-        global batch) draws, in order: the video posterior sample, the audio one, the video s, the audio s, the
-        video noise, the audio noise. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
-        [B, C', L, M'], the audio VAE's posterior) add audio_loss_weight x the audio loss. A clip without sound in
-        a batch with sound (audio_mask false) has an audio stream of pure noise at s = 1, where generation
-        starts, and no audio loss; a batch without sound runs the video stream alone."""
-        x0, a0, sound, shape = self._clean(batch, generators)
+        global batch) draws, in order: the video s, the audio s, the video noise, the audio noise. Audio
+        entries (the audio cache's audio_latent_mean and audio_latent_logvar, [B, C', L, M'], the audio VAE's
+        posterior) add audio_loss_weight x the audio loss. A clip without sound in a batch with sound
+        (audio_mask false) has an audio stream of pure noise at s = 1, where generation starts, and no audio
+        loss; a batch without sound runs the video stream alone."""
+        x0, a0, sound, shape = self._clean(batch)
         sigmas = to_device(torch.stack([shifted_logit_normal(x0.shape[1], g) for g in generators]), self.device)
         audio_sigmas = to_device(torch.stack([shifted_logit_normal(max(a0.shape[1], 1), g) for g in generators]),
                                  self.device)
@@ -365,7 +481,7 @@ class LTX2Adapter(Adapter):
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
         """The loss of one cached clip (its posterior means) at each of `timesteps` for both streams, the same noise;
         self.losses sums each stream's over the timesteps."""
-        x0, a0, sound, shape = self._clean(batch, None)
+        x0, a0, sound, shape = self._clean(batch)
         noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
         audio_noise = torch.randn(a0.shape[1:], generator=generator).to(self.device)
         n = len(timesteps)

@@ -1,5 +1,6 @@
-"""Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.2 TI2V-5B
-(expand_timesteps) and 2.2 A14B (two experts split at boundary_ratio).
+"""Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.1 FLF2V (first and last
+frame: two images' CLIP tokens, pos_embed_seq_len), 2.2 TI2V-5B (expand_timesteps) and 2.2 A14B (two
+experts split at boundary_ratio).
 
 Flow matching: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32; u uniform from the keyed
 generator (within the trained expert's range), s = shift u / (1 + (shift - 1) u), model timestep
@@ -23,9 +24,10 @@ from diffusers.video_processor import VideoProcessor
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, rename_module, resolved_config, sample_posterior, to_device
+from model_adapter import Adapter, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
-from single_file import rename_key
+from transformer_loading import resolved_config
+from weights import rename_key, rename_module
 
 TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
 # diffusers module names -> the original checkpoint's (ComfyUI's), inside a block.
@@ -89,6 +91,8 @@ class WanAdapter(Adapter):
         # On the device once: every micro-step normalises with them, and a copy from the host would wait.
         self.latents_mean = torch.tensor(self.vae_config["latents_mean"], device=device).view(1, z, 1, 1, 1)
         self.latents_std = torch.tensor(self.vae_config["latents_std"], device=device).view(1, z, 1, 1, 1)
+        # FLF2V: the image embedder's position table spans two images' CLIP tokens (first, then last frame).
+        self.first_last = self.transformer_config.get("pos_embed_seq_len") is not None and takes_image
         self._image_encoder = None
 
     # Shape rules read from the model's own config.
@@ -171,26 +175,37 @@ class WanAdapter(Adapter):
         super().release_encoders()
 
     @torch.no_grad()
-    def _condition(self, pixels: torch.Tensor, frames: int, images) -> dict:
+    def _condition(self, pixels: torch.Tensor, frames: int, images, last_pixels=None, last_images=None) -> dict:
         """Image pixels [B, 3, H, W] in [-1, 1] (fp32) -> what conditions the transformer, as the I2V
         pipeline's prepare_latents and encode_image build it: the VAE's mode of the image (TI2V) or of
-        the image followed by frames - 1 grey frames, normalised; 2.1 I2V also the CLIP image tokens."""
+        the image followed by frames - 1 grey frames, normalised; 2.1 I2V also the CLIP image tokens.
+        FLF2V (last_pixels): frames - 2 grey frames, then the last image; the CLIP tokens of both images,
+        [B, 2 x tokens, D] (first image's, then the last's)."""
         video = pixels[:, :, None]
-        if not self.expand:
+        if last_pixels is not None:
+            grey = video.new_zeros(*pixels.shape[:2], frames - 2, *pixels.shape[2:])
+            video = torch.cat([video, grey, last_pixels[:, :, None]], dim=2)
+        elif not self.expand:
             video = torch.cat([video, video.new_zeros(*pixels.shape[:2], frames - 1, *pixels.shape[2:])], dim=2)
         latents = self._load_vae().encode(video.to(self.vae_dtype)).latent_dist.mode().float()
         condition = {"image_latents": self._normalise(latents)}
         if self.transformer_config["image_dim"] is not None:
             encoder, processor = self._image_tower()
-            inputs = processor(images=images, return_tensors="pt").to(self.device)
-            condition["image_embeds"] = encoder(**inputs, output_hidden_states=True).hidden_states[-2]
+            pairs = list(images) if last_images is None else [x for pair in zip(images, last_images) for x in pair]
+            inputs = processor(images=pairs, return_tensors="pt").to(self.device)
+            embeds = encoder(**inputs, output_hidden_states=True).hidden_states[-2]
+            condition["image_embeds"] = embeds.reshape(len(pixels), -1, embeds.shape[-1])  # pairs side by side
         return condition
 
-    def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
-        """I2V conditioning images, uint8 [B, H, W, 3] -> the cached condition (no noise augmentation: the
-        pipelines add none)."""
-        pixels = images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-        return self._condition(pixels, frames, [np.asarray(image.cpu()) for image in images])
+    def encode_image(self, images: torch.Tensor, generators, frames: int,
+                     last_images: torch.Tensor | None = None) -> dict:
+        """I2V conditioning images, uint8 [B, H, W, 3] (and FLF2V's last images) -> the cached condition (no
+        noise augmentation: the pipelines add none)."""
+        pixels, last_pixels, last = images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0, None, None
+        if last_images is not None:
+            last_pixels = last_images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+            last = [np.asarray(image.cpu()) for image in last_images]
+        return self._condition(pixels, frames, [np.asarray(image.cpu()) for image in images], last_pixels, last)
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
@@ -237,15 +252,27 @@ class WanAdapter(Adapter):
                 mask[:, :, 0] = 0
                 x_t = (1 - mask) * condition + mask * x_t
             else:
-                frame_mask = torch.zeros_like(condition[:, :1]).expand(-1, self.vae_config["scale_factor_temporal"],
-                                                                       -1, -1, -1).clone()
-                frame_mask[:, :, 0] = 1
-                x_t = torch.cat([x_t, frame_mask, condition], dim=1)
+                x_t = torch.cat([x_t, self._frame_mask(condition), condition], dim=1)
             if "image_embeds" in batch:
                 image_embeds = batch["image_embeds"].to(self.device).expand(n, -1, -1)
+                if self.first_last:  # [n, 2 x tokens, D] -> [2n, tokens, D]: the image embedder pairs them again
+                    image_embeds = image_embeds.reshape(2 * n, -1, image_embeds.shape[-1])
         if self.expand:
             t = (mask[:, 0, :, ::2, ::2] * t.view(-1, 1, 1, 1)).flatten(1)
         return x_t, t, image_embeds, mask
+
+    def _frame_mask(self, condition: torch.Tensor) -> torch.Tensor:
+        """The pipeline's mask of known frames [B, temporal ratio, F', h, w], built as its prepare_latents
+        builds it: per pixel frame 1 for the first (and FLF2V's last) frame, the first repeated to fill its
+        latent frame, folded into channels."""
+        ratio, latent_frames = self.vae_config["scale_factor_temporal"], condition.shape[2]
+        frames = (latent_frames - 1) * ratio + 1
+        known = torch.zeros(frames, device=condition.device, dtype=condition.dtype)
+        known[0] = 1
+        if self.first_last:
+            known[-1] = 1
+        per_frame = torch.cat([known[:1].repeat(ratio), known[1:]]).view(latent_frames, ratio).T
+        return per_frame[None, :, :, None, None].expand(len(condition), -1, -1, *condition.shape[3:])
 
     def _predict(self, transformer, x, t, embeds, image_embeds):
         dtype = next(transformer.parameters()).dtype
@@ -299,9 +326,10 @@ class WanAdapter(Adapter):
     def sampler(self, name: str):
         return self.scheduler_class.from_pretrained(self.path, subfolder="scheduler")
 
-    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
-        """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's condition, as the
-        pipelines' prepare_latents."""
+    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None,
+                       last_image=None):
+        """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's (FLF2V: and the last
+        image's) condition, as the pipelines' prepare_latents."""
         frames, height, width = resolution
         ratio = self.vae_config["scale_factor_spatial"]
         scheduler.set_timesteps(steps, device=self.device)
@@ -309,8 +337,12 @@ class WanAdapter(Adapter):
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         condition = {}
         if image is not None:
-            pixels = VideoProcessor(vae_scale_factor=ratio).preprocess(image, height=height, width=width)
-            condition = self._condition(pixels.to(self.device, torch.float32), frames, image)
+            processor = VideoProcessor(vae_scale_factor=ratio)
+            pixels = processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
+            last_pixels = None if last_image is None else \
+                processor.preprocess(last_image, height=height, width=width).to(self.device, torch.float32)
+            condition = self._condition(pixels, frames, [image], last_pixels,
+                                        None if last_image is None else [last_image])
         boundary = None if self.boundary is None else self.boundary * scheduler.config.num_train_timesteps
         return SimpleNamespace(scheduler=scheduler, latents=latents, condition=condition, boundary=boundary)
 
@@ -321,7 +353,7 @@ class WanAdapter(Adapter):
         n = 2 if guided else 1
         x, timesteps, image_embeds, _ = self._inputs(state.latents, t.view(1), state.condition, 1)
         return self._predict(models[folder], x.expand(n, *x.shape[1:]), timesteps.expand(n, *timesteps.shape[1:]),
-                             embeds, None if image_embeds is None else image_embeds.expand(n, -1, -1))
+                             embeds, None if image_embeds is None else image_embeds.repeat(n, 1, 1))  # FLF2V: pairs
 
     def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
         """A14B: the low-noise expert's steps (t < boundary) take guidance_scale_2, as the pipeline's."""

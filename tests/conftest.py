@@ -4,6 +4,7 @@ Tests run the real commands (`python trainer.py`, `torchrun ... trainer.py`) as 
 configs, the loading code and the process-group setup under test are the ones users run.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -14,16 +15,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import av
 import pytest
+import numpy as np
 import torch
+import torch.distributed as dist
 from diffusers.models import modeling_utils
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
-from config import toml_value  # noqa: E402
-from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
+import parallel  # noqa: E402
+import trainer  # noqa: E402
+from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
+from config import load_config, toml_value  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
+from tools.make_tiny_model import make_tiny_ltx2, make_tiny_model, make_tiny_wan  # noqa: E402
 
 
 def written_on_first_use(root: Path, make):
@@ -49,6 +56,21 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def wan_models(tmp_path_factory):
     """Every Wan variant's tiny model, written on first use."""
     return written_on_first_use(tmp_path_factory.mktemp("wan"), make_tiny_wan)
+
+
+@pytest.fixture(scope="session")
+def ltx2_models(tmp_path_factory):
+    """Each LTX-2 variant's tiny model, written on first use."""
+    return written_on_first_use(tmp_path_factory.mktemp("ltx2"), make_tiny_ltx2)
+
+
+@pytest.fixture(scope="session")
+def ltx2_data(tmp_path_factory):
+    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24 would
+    dominate."""
+    path = tmp_path_factory.mktemp("ltx2_data") / "shapes"
+    make_synthetic_dataset(str(path), num_videos=6, frames=17, height=40, width=48, seed=0)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -218,3 +240,152 @@ def assert_loads_lean(adapter, monkeypatch, folder: str = "") -> None:
     assert mine.keys() == theirs.keys()
     different = [k for k in theirs if mine[k].dtype != theirs[k].dtype or not torch.equal(mine[k], theirs[k])]
     assert different == [] and not ours.training
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-rank process group, as trainer.py makes without torchrun (not held across trainer.main,
+    which makes and destroys its own)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def lora_and_sft_runs(settings: dict, tmp_path):
+    """Two steps of LoRA with `settings` (under tmp_path/lora) and two of sft beside it (tmp_path/sft): the
+    exported LoRA file, the LoRA run's config and its adapter (the family template's runs)."""
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft",
+           "train.learning_rate": 1e-3}
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+    return lora_file, cfg, load_adapter(cfg.model, torch.device("cpu"))
+
+
+def decode_mp4(path):
+    """PyAV's frames [F, H, W, 3] (uint8) of an mp4 and its stream's average rate."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(stream)])
+        return frames, stream.average_rate
+
+
+def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
+    """The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a diffusers
+    transformer config, written from comfy/ldm/cogvideo/model.py (CogVideoXBlock, CogVideoXPatchEmbed,
+    CogVideoXLayerNormZero, CogVideoXAdaLayerNorm, CogVideoXTransformer3DModel.__init__) as read at
+    comfyanonymous/ComfyUI 955ce480e27210cc7c0ea007f017077a2c539b81 (the same in yzkee/ComfyUI, a copy of
+    upstream to Aug 2026, at 783545f689a0af730065994b46b382ae24844c99). ComfyUI converts no diffusers keys for CogVideoX
+    (comfy/model_detection.py detects it by blocks.0.norm1.linear.weight), and its LoRA loader
+    (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` from
+    `diffusion_model.<module>.lora_A/lora_B.weight` with `.alpha` (comfy/weight_adapter/lora.py)."""
+    dim, time = c["num_attention_heads"] * c["attention_head_dim"], c["time_embed_dim"]
+    p, pt = c["patch_size"], c["patch_size_t"]
+    block = {"norm1.linear": (time, 6 * dim), "q": (dim, dim), "k": (dim, dim), "v": (dim, dim), "attn_out": (dim, dim),
+             "norm2.linear": (time, 6 * dim), "ff_proj": (dim, 4 * dim), "ff_out": (4 * dim, dim)}
+    linears = {f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()}
+    linears |= {"patch_embed.text_proj": (c["text_embed_dim"], dim), "time_embedding_linear_1": (dim, time),
+                "time_embedding_linear_2": (time, time), "norm_out.linear": (time, 2 * dim),
+                "proj_out": (dim, p * p * (pt or 1) * c["out_channels"])}
+    if pt:  # 1.5: the patch embedding is a Linear (a Conv2d in 1.0)
+        linears["patch_embed.proj"] = (c["in_channels"] * p * p * pt, dim)
+    if c["ofs_embed_dim"]:
+        linears |= {"ofs_embedding_linear_1": (c["ofs_embed_dim"],) * 2,
+                    "ofs_embedding_linear_2": (c["ofs_embed_dim"],) * 2}
+    return linears
+
+
+# LTX-2's runs, shared by the LTX-2 modules.
+LTX2_PROMPTS = ["a red circle moves right"]
+# The LTX-2 pipelines' own guidance terms at their defaults.
+PIPELINE_GUIDANCE = {"audio_guidance_scale": 7.0, "modality_scale": 3.0, "guidance_rescale": 0.7}
+
+
+def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **extra) -> dict:
+    """Two video-only steps of LTX-2 `variant` ("2.0", "2.3-i2v": 2.3's model for image-to-video)."""
+    model_type = "i2v" if variant.endswith("i2v") else "t2v"
+    model = ltx2_models(variant.split("-")[0])
+    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(model), "model.family": "ltx2",
+                "model.type": model_type, "data.data_root": str(tiny_data),
+                "data.held_out": 2, "data.audio": False,  # video only: these clips have no sound
+                "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
+                "validation.do_validation": False, "validation.prompts": LTX2_PROMPTS,
+                "validation.num_inference_steps": 2, "validation.gen_fps": 24}
+    if model_type == "i2v":
+        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png")
+                                         for i in range(len(LTX2_PROMPTS))]
+    return {**settings, **extra}
+
+
+def pipeline_guidance(cfg) -> dict:
+    """The pipelines' guidance arguments for validation's settings (each term on both streams, as ours)."""
+    return dict(guidance_scale=cfg.guidance_scale, audio_guidance_scale=cfg.audio_guidance_scale or cfg.guidance_scale,
+                stg_scale=cfg.stg_scale, audio_stg_scale=cfg.stg_scale, spatio_temporal_guidance_blocks=cfg.stg_blocks,
+                modality_scale=cfg.modality_scale, audio_modality_scale=cfg.modality_scale,
+                guidance_rescale=cfg.guidance_rescale, audio_guidance_rescale=cfg.guidance_rescale)
+
+
+def ltx_core_cross_inputs(model, video_t, video_sigma, audio_t, audio_sigma) -> dict[str, torch.Tensor]:
+    """The four audio-video cross-attention AdaLN inputs as Lightricks/LTX-2's packages/ltx-core
+    model/transformer/transformer_args.py computes them (MultiModalTransformerArgsPreprocessor.
+    _prepare_cross_attention_timestep, called per modality with the other as cross_modality):
+    scale/shift = cross_scale_shift_adaln(modality.timesteps x timestep_scale_multiplier), per token;
+    gate = cross_gate_adaln(cross_modality.sigma x timestep_scale_multiplier x av_ca_factor),
+    av_ca_factor = av_ca_timestep_scale_multiplier / timestep_scale_multiplier. The arguments here are what
+    diffusers' transformer takes (timestep_scale_multiplier already applied: 1000 s). ltx-core's modules
+    (model/transformer/model.py) are diffusers' av_cross_attn_*: video_scale_shift, video_a2v_gate,
+    audio_scale_shift, audio_v2a_gate."""
+    factor = model.config.cross_attn_timestep_scale_multiplier / model.config.timestep_scale_multiplier
+    batch, dtype = len(video_sigma), model.proj_in.weight.dtype
+
+    def adaln(module, t):
+        out = module(t.flatten(), batch_size=batch, hidden_dtype=dtype)[0]
+        return out.view(batch, -1, out.shape[-1])
+
+    return {"temb_ca_scale_shift": adaln(model.av_cross_attn_video_scale_shift, video_t),
+            "temb_ca_audio_scale_shift": adaln(model.av_cross_attn_audio_scale_shift, audio_t),
+            "temb_ca_gate": adaln(model.av_cross_attn_video_a2v_gate, audio_sigma * factor),
+            "temb_ca_audio_gate": adaln(model.av_cross_attn_audio_v2a_gate, video_sigma * factor)}
+
+
+@contextlib.contextmanager
+def ltx_core_cross_modulation(model):
+    """diffusers' transformer `model` with ltx-core's cross-attention modulation: each call's four inputs
+    (ltx_core_cross_inputs, from the call's timesteps and sigmas) replace what every block is given."""
+    inputs = {}
+
+    def on_call(module, args, kwargs):
+        timestep, sigma = kwargs["timestep"], kwargs.get("sigma", kwargs["timestep"])
+        audio_t = kwargs.get("audio_timestep")
+        audio_t = timestep if audio_t is None else audio_t
+        audio_sigma = kwargs.get("audio_sigma")
+        inputs.update(ltx_core_cross_inputs(module, timestep, sigma, audio_t, sigma if audio_sigma is None
+                                            else audio_sigma))
+
+    def on_block(module, args, kwargs):
+        return args, {**kwargs, **inputs}
+
+    hooks = [model.register_forward_pre_hook(on_call, with_kwargs=True)]
+    hooks += [block.register_forward_pre_hook(on_block, with_kwargs=True) for block in model.transformer_blocks]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def ramp_clip(path: Path, frames: int, height: int = 32, width: int = 32, kind: str = "mp4") -> None:
+    """Frame k is flat grey 10 + 12k (the decoded value tells which frame was picked), with a white top-left
+    corner (it tells which way up the frame is)."""
+    video = np.stack([np.full((height, width, 3), 10 + 12 * k, np.uint8) for k in range(frames)])
+    video[:, : height // 4, : width // 4] = 255
+    write_clip(path, video, 8, kind)
+
+
+def picked_frames(video: torch.Tensor) -> list[int]:
+    """The ramp's frame index from the grey away from the corner."""
+    h, w = video.shape[1:3]
+    return [round((v - 10) / 12) for v in video[:, h // 2 :, w // 2 :].float().mean(dim=(1, 2, 3)).tolist()]

@@ -10,7 +10,7 @@ import parallel
 import trainer
 from config import ConfigError, ModelConfig, load_config
 from conftest import read_metrics
-from model import load_adapter
+from model_adapter import load_adapter
 
 KERNELS = {"flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
            "math": "aten::_scaled_dot_product_attention_math"}

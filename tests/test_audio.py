@@ -23,15 +23,18 @@ import cache
 import data
 import decode
 from config import DataConfig, load_config
-from conftest import write_toml
+from conftest import one_rank_group, write_toml
 from families.cogvideox import CogVideoXAdapter
-from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
 
 FPS, RATE = 8, 16000
 # On or off per pair of frames (so a 4 fps window sees whole pairs): no shift of it matches itself.
 PATTERN = [1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 1, 1, 0, 0, 1, 0]
-CONTAINERS = {"mp4": ("mp4", "aac", 44100), "mkv": ("matroska", "libopus", 48000), "mka": ("matroska", "aac", 44100)}
+CONTAINERS = {"mp4": ("mp4", "aac", 44100), "mkv": ("matroska", "libopus", 48000),
+              "mka": ("matroska", "aac", 44100), "ts": ("mpegts", "mp2", 44100),
+              "m2ts": ("mpegts", "aac", 48000)}
+LAYOUTS = {1: "mono", 2: "stereo", 8: "7.1"}
+SUFFIXES = {"mp4": "mp4", "matroska": "mkv", "mpegts": "ts"}
 
 
 def write_flashes(path: Path, kind: str, video_start: float = 0.0, channels: int = 2, early_noise: bool = False,
@@ -52,7 +55,7 @@ def write_flashes(path: Path, kind: str, video_start: float = 0.0, channels: int
         stream = container.add_stream("libx264", rate=FPS)
         stream.width = stream.height = 32
         stream.pix_fmt, stream.codec_context.time_base = "yuv420p", Fraction(1, 1000)
-        audio = container.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+        audio = container.add_stream(codec, rate=rate, layout=LAYOUTS[channels])
         for k, bit in enumerate(bits):
             frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 255 * bit, np.uint8), format="rgb24")
             frame.pts, frame.time_base = round(1000 * (video_start + k / FPS)), Fraction(1, 1000)
@@ -158,6 +161,117 @@ def test_undecodable_sound_is_a_bad_clip(tmp_path):
         data.decode_audio(item, RATE, 2)
 
 
+def write_tone(path: Path, form: str, codec: str, channels: int, frames: int = 9, levels=None) -> None:
+    """`frames` grey frames at 8 fps and as long a 440 Hz tone at 48 kHz, of amplitude 0.3 on every
+    channel (or channel k's levels[k])."""
+    with av.open(str(path), "w", format=form) as container:
+        stream = container.add_stream("libx264", rate=FPS)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        audio = container.add_stream(codec, rate=48000, layout=LAYOUTS[channels])
+        grey = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 128, np.uint8), format="rgb24")
+        for _ in range(frames):
+            container.mux(stream.encode(grey))
+        container.mux(stream.encode())
+        tone = np.sin(2 * np.pi * 440 * np.arange(frames * 48000 // FPS) / 48000)
+        levels = np.full(channels, 0.3) if levels is None else np.asarray(levels)
+        write_sound(container, audio, (levels[:, None] * tone[None]).astype(np.float32))
+
+
+# Codecs in containers that users' clips carry: 7.1 in mp4 and Matroska (PyAV 18.1 segfaulted reading planar
+# 8-channel frames); lossless codecs in Matroska and MP2 in MPEG-TS, whose timestamps do not count samples.
+SOUNDS = [("mp4", "aac", 8), ("mp4", "flac", 8), ("mp4", "pcm_s16le", 8), ("matroska", "aac", 8),
+          ("matroska", "flac", 8), ("matroska", "pcm_s16le", 8), ("matroska", "flac", 2),
+          ("matroska", "pcm_s16le", 2), ("matroska", "alac", 2), ("mpegts", "mp2", 2)]
+
+
+@pytest.mark.parametrize("form, codec, channels", SOUNDS, ids=[f"{c}-{n}ch-{f}" for f, c, n in SOUNDS])
+def test_a_steady_tone_sounds_in_every_slot(tmp_path, form, codec, channels):
+    """A steady tone on every channel: the first second's sound holds it in every frame's slot, at its
+    level (7.1 folds to stereo with weights summing to 1), from each codec in each container."""
+    path = tmp_path / f"tone.{SUFFIXES[form]}"
+    write_tone(path, form, codec, channels)
+    sound = decode.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
+    slot, edge = RATE // FPS, round(0.02 * RATE)
+    levels = [float(sound[:, j * slot + edge : (j + 1) * slot - edge].pow(2).mean().sqrt())
+              for j in range(FPS)]
+    assert levels == pytest.approx([0.3 / 2**0.5] * FPS, rel=0.05)
+
+
+def test_surround_folds_each_side_from_its_own_channels(tmp_path):
+    """PCM 7.1 in Matroska, each channel the tone at its own level, in FFmpeg's order (front L, R,
+    centre, LFE, back L, R, side L, R): each side of the fold is its front plus 0.707 x (the centre and
+    its two surrounds), over 3.121, the LFE dropped. The packed samples come apart into their channels."""
+    path = tmp_path / "surround.mkv"
+    levels = 0.02 * np.arange(1, 9)
+    write_tone(path, "matroska", "pcm_s16le", 8, levels=levels)
+    sound = decode.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
+    amplitude = sound[:, 1000:-1000].pow(2).mean(1).sqrt() * 2**0.5
+    expected = [(levels[front] + 0.707 * levels[[2, *surrounds]].sum()) / 3.121
+                for front, surrounds in ((0, [4, 6]), (1, [5, 7]))]
+    torch.testing.assert_close(amplitude, torch.tensor(expected, dtype=torch.float32), rtol=0.01, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["ts", "m2ts"])
+def test_transport_streams_decode_in_step(tmp_path, kind):
+    """MPEG-TS (.ts with MP2, .m2ts with AAC) has no index: a seek can land past the window's start, or
+    find nothing. The frames and the sound of windows at the start, the middle and the end match."""
+    path = tmp_path / f"flashes.{kind}"
+    write_flashes(path, kind)
+    item = planned(path, 17)
+    for start in {item.start, 0, 11, 23}:
+        assert_in_step(dataclasses.replace(item, start=start))
+
+
+def test_a_crashing_decoder_names_the_clip(tmp_path, monkeypatch):
+    """The child decoding a clip's sound dies of SIGSEGV (the sound_segv fault, as PyAV 18.1 did on 7.1):
+    the clip is bad input naming the signal, and the next clip decodes in a new child."""
+    path = tmp_path / "tone.mkv"
+    write_tone(path, "matroska", "flac", 2)
+    item = planned(path, 9)
+    monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{decode._sounds + 1}")
+    with pytest.raises(data.BadClip, match=r"^crashed the audio decoder \(SIGSEGV\), a bug in FFmpeg or "):
+        data.decode_audio(item, RATE, 2)
+    assert data.decode_audio(item, RATE, 2).abs().max() > 0.2
+
+
+def test_a_corrupt_stream_far_past_full_scale_is_a_bad_clip(tmp_path):
+    """Opus packets of random bytes decode to samples in the hundreds: the clip is bad input, not
+    trained on."""
+    path = tmp_path / "corrupt.mkv"
+    with av.open(str(path), "w", format="matroska") as container:
+        stream = container.add_stream("libx264", rate=FPS)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        audio = container.add_stream("libopus", rate=48000, layout="stereo")
+        black = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")
+        for _ in range(9):
+            container.mux(stream.encode(black))
+        container.mux(stream.encode())
+        noise = np.random.default_rng(1)  # seeds differ: this one peaks at 258
+        for k in range(60):
+            packet = av.Packet(noise.integers(0, 256, 200, dtype=np.uint8).tobytes())
+            packet.stream, packet.pts, packet.dts, packet.duration = audio, k * 960, k * 960, 960
+            packet.time_base = Fraction(1, 48000)
+            container.mux(packet)
+    with pytest.raises(data.BadClip, match=r"^its sound decodes to samples up to \d+, far outside \[-1, 1\]"):
+        data.decode_audio(planned(path, 9), RATE, 2)
+
+
+def test_rates_without_a_common_factor_resample_pointwise():
+    """44,101 Hz has no factor in common with 16 kHz: its 16,000 phase kernels would take 5.6 GB, so each
+    output's weights are computed where needed. The same filter as the kernels' (44.1 kHz both ways), and
+    a 1 kHz sine at 44,101 Hz comes out as that sine at 16 kHz."""
+    noise = torch.randn(2, 44100)
+    pointwise = decode._resample_pointwise(noise, 441, 160, RATE)
+    torch.testing.assert_close(pointwise, decode.resample(noise, 44100, RATE), rtol=0, atol=1e-5)
+    sine = torch.sin(2 * torch.pi * 1000 * torch.arange(44101, dtype=torch.float64) / 44101)[None].float()
+    expected = torch.sin(2 * torch.pi * 1000 * torch.arange(RATE) / RATE)[None]
+    out = decode.resample(sine, 44101, RATE)
+    assert out.shape == (1, RATE)
+    torch.testing.assert_close(out[:, 100:-100], expected[:, 100:-100], rtol=0, atol=2e-3)
+
+
 def test_mel_equals_the_reference():
     """Our log-mel against transformers' numpy implementation of the same transform (torchaudio's
     MelSpectrogram with the settings of LTX-2's audio processor: magnitude STFT, periodic Hann, centred
@@ -203,9 +317,10 @@ def test_channels_mix_as_the_official_trainer_does():
 
 class Sounding(CogVideoXAdapter):
     """The tiny CogVideoX with an audio VAE beside it: what the cache needs of a family with sound
-    (LTX-2's adapter provides the same three members)."""
+    (LTX-2's adapter provides the same members; AUDIO_DTYPE, the audio VAE's, keys the audio entries)."""
 
     ENCODERS = {**CogVideoXAdapter.ENCODERS, "audio": ("audio_vae",)}
+    AUDIO_DTYPE = "fp32"  # encode_audio runs the VAE as from_pretrained loads it
     audio_sample_rate, audio_channels = RATE, 2
 
     def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,15 +329,21 @@ class Sounding(CogVideoXAdapter):
         return posterior.mean, posterior.logvar
 
 
+def sounding_model(tiny_model: Path, tmp_path: Path) -> Path:
+    """The tiny CogVideoX with a tiny audio VAE beside it (what Sounding loads)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    AutoencoderKLLTX2Audio(base_channels=8, ch_mult=(1, 2), num_res_blocks=1, latent_channels=4).save_pretrained(
+        model / "audio_vae")
+    return model
+
+
 def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, caplog):
     """The cache pass of a family with sound: each clip's audio entry is its window's sound through the
     audio VAE, keyed by the window; a clip without sound gets an empty entry (a batch holding it trains
     video alone); an undecodable audio stream is a bad clip, skipped and listed under data.skip_bad;
     data.audio = false writes no audio entries."""
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model, model)
-    AutoencoderKLLTX2Audio(base_channels=8, ch_mult=(1, 2), num_res_blocks=1, latent_channels=4).save_pretrained(
-        model / "audio_vae")
+    model = sounding_model(tiny_model, tmp_path)
     root = tmp_path / "data"
     (root / "videos").mkdir(parents=True)
     write_flashes(root / "videos/flashes.mp4", "mp4")
@@ -257,3 +378,36 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
     mixed = entries.load_batch([flashes, silent])  # zeros for the silent clip's sound, which the mask leaves out
     assert mixed["audio_mask"].tolist() == [True, False] and not mixed["audio_latent_mean"][1].any()
     assert "audio_mask" not in entries.load_batch([flashes, flashes])
+
+
+def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tiny_model, tmp_path,
+                                                                              monkeypatch, caplog):
+    """A 7.1 soundtrack (AAC in mp4) is encoded; a clip whose sound decoder crashes (the sound_segv fault on
+    the second clip read, one decode worker) is skipped and listed with the signal, and the pass goes on.
+    A run none of whose clips has sound says so, once."""
+    model = sounding_model(tiny_model, tmp_path)
+    root = tmp_path / "data"
+    (root / "videos").mkdir(parents=True)
+    write_tone(root / "videos/surround.mp4", "mp4", "aac", 8)
+    write_tone(root / "videos/crash.mp4", "mp4", "aac", 2)
+    write_clip(root / "videos/silent.mp4", np.zeros((9, 32, 32, 3), np.uint8), FPS)
+    (root / "prompts.txt").write_text("surround\ncrash\nsilent\n")
+    (root / "videos.txt").write_text("videos/surround.mp4\nvideos/crash.mp4\nvideos/silent.mp4\n")
+    monkeypatch.setattr(cache, "load_adapter", Sounding)
+    monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{decode._sounds + 2}")
+    settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(model), "model.dtype": "fp32",
+                "data.data_root": str(root), "data.train_resolution": [9, 32, 32], "data.skip_bad": True,
+                "data.audio": True, "data.decode_workers": 1}
+    with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
+        _, entries, items, _ = cache.prepare(load_config(str(write_toml(tmp_path / "run.toml", settings))), d)
+        assert [item.clip.video.name for item in items] == ["surround.mp4", "silent.mp4"]
+        assert (tmp_path / "run/skipped.txt").read_text().startswith(
+            f"{root / 'videos/crash.mp4'}\tcrashed the audio decoder (SIGSEGV)")
+        assert "audio_latent_mean" in load_file(entries.path(items[0], "audio"))
+        assert "has an audio stream" not in caplog.text
+        (root / "videos.txt").write_text("videos/silent.mp4\n")
+        (root / "prompts.txt").write_text("silent\n")
+        cache.prepare(load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.cache_dir": str(
+            tmp_path / "other")}))), d)
+    assert caplog.text.count("data.audio is on, but none of the 1 clip(s) whose sound this pass read has an "
+                             "audio stream") == 1

@@ -1,19 +1,26 @@
 """bench/bench_memory.py: the fake-tensor estimate against a measured step, and the per-rank arithmetic."""
 
+import dataclasses
 import json
+import math
 import shutil
 import sys
 
 import pytest
+import torch
 from conftest import REPO, write_toml
+from diffusers import WanTransformer3DModel
 
 sys.path.insert(0, str(REPO / "bench"))
 import bench_memory  # noqa: E402
 import one_gpu  # noqa: E402
 import published  # noqa: E402
+import parallel  # noqa: E402
 from config import load_config  # noqa: E402
+from model import build_model, build_optimizer  # noqa: E402
 
 
+@pytest.mark.slow
 def test_estimate_matches_a_measured_step(tiny_models, tmp_path):
     """sft with EMA and checkpointing on a 512-wide CogVideoX: the estimate's state, step and peak are
     within 15% of what a fresh process measures (resident growth, VmHWM)."""
@@ -69,25 +76,30 @@ def one_gpu_parts(tmp_path_factory):
 
 def test_one_gpu_parts(one_gpu_parts):
     """The parts against arithmetic on the published sizes: a 14B block's frozen bytes in bf16 and with its
-    ten linear weights in fp8 (one byte each, a bf16 scale per row); the checkpointed block inputs, 4 x
-    7800 video tokens (5x60x104 latents in 2x2 patches) x 5120 in bf16; with them on the host the step
-    needs less, but no less than the step without them."""
+    ten linear weights in fp8 (one byte each, an fp32 scale per row); the checkpointed block inputs, 4 x
+    7800 video tokens (5x60x104 latents in 2x2 patches) x 5120 in bf16; what activation offload copies:
+    those, and once, the 512 text tokens and the 6 x 5120 timestep projection every block shares (the
+    first block call copies them with its tokens); with them on the host the step needs less, but no less
+    than the step without them."""
     p, width, ffn = one_gpu_parts, 5120, 13824
     linears, rows = 8 * width * width + 2 * width * ffn, 9 * width + ffn  # attention's q, k, v, out (x2); the FFN
     assert p["layers"] == 4 and 0 < p["block"] - 2 * linears < 0.01 * p["block"]
-    assert p["block_fp8"] == p["block"] - linears + 2 * rows
-    assert p["inputs"] == 4 * p["block_input"] == 4 * 7800 * width * 2
+    assert p["block_fp8"] == p["block"] - linears + 4 * rows
+    tokens, shared = 7800 * width * 2, (512 + 6) * width * 2
+    assert p["inputs"] == 4 * tokens and p["block_input"] == tokens + shared
+    assert p["offloaded"] == 4 * tokens + shared
     assert p["activations"] - p["inputs"] <= p["offload_activations"] < p["activations"]
 
 
 def test_fit_is_monotone_and_fastest(one_gpu_parts):
-    """Cards from 1 to 12 GiB, with any host RAM and with 1.5 GiB beside the process: each pick fits its
+    """Cards from 2.5 to 13.5 GiB, with any host RAM and with 1.5 GiB beside the process: each pick fits its
     own estimate (every phase, with the margin; the host RAM), no faster setting does, and a larger card
     never picks a slower one. The picks stream 0, 3 and 4 blocks (the first two streamed blocks save
-    nothing: they come back as the two in flight), with activation offload or fp8 where they fit first."""
+    nothing: they come back as the two in flight), with activation offload or fp8 where they fit first
+    (both, with 1.5 GiB of host RAM, where bf16's pinned blocks do not fit it)."""
     order, chosen = one_gpu.settings(one_gpu_parts), set()
     for ram in (None, one_gpu_parts["process"] / one_gpu.GIB + 1.5):
-        picks = [(gb, one_gpu.fit(one_gpu_parts, gb, ram)) for gb in [x / 100 for x in range(100, 1201)]]
+        picks = [(gb, one_gpu.fit(one_gpu_parts, gb, ram)) for gb in [x / 100 for x in range(250, 1351)]]
         ranks = [order.index(s) for _, s in picks if s is not None]
         assert ranks == sorted(ranks, reverse=True)
         for gb, s in picks:
@@ -98,7 +110,8 @@ def test_fit_is_monotone_and_fastest(one_gpu_parts):
                 assert not any(one_gpu.fits(p, faster, gb, ram) for faster in order[: order.index(s)])
                 chosen.add(s)
     assert {s.streamed for s in chosen} == {0, 3, 4}
-    assert {(s.fp8, s.activation_offload) for s in chosen} == {(False, False), (False, True), (True, False)}
+    assert {(s.fp8, s.activation_offload) for s in chosen} == {(fp8, offload) for fp8 in (False, True)
+                                                               for offload in (False, True)}
 
 
 def test_none_fits_names_why(one_gpu_parts, capsys):
@@ -116,7 +129,8 @@ def test_none_fits_names_why(one_gpu_parts, capsys):
     big_text_encoder = one_gpu_parts | {"text_encoder": 11 * one_gpu.GIB}
     assert one_gpu.fit(big_text_encoder, 12) is None
     assert one_gpu.why_none(big_text_encoder, 12).startswith(
-        "none fits 12 GiB: the cache pass needs 11.0 GiB + 1 GiB margin whatever the setting: the text encoder's pass")
+        "none fits 12 GiB: the cache pass needs 11.0 GiB + 2.5 GiB margin whatever the setting: "
+        "the text encoder's pass")
 
 
 def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
@@ -140,7 +154,8 @@ def test_ltx2_block_and_its_audio(tmp_path):
     feed-forward 4 + 4 + 8 d^2; audio 2048: 16 a^2; the audio-video cross-attentions at the audio's width, 4da
     + 4a^2); with the clip's sound (121 frames at 24 fps: 126 audio latent frames) each checkpointed block
     input holds the audio tokens beside the video's, 16 x 2 x 3 latents in 1x1 patches, and the step needs
-    more than without (the audio stream then runs on one zero token)."""
+    more than without (the audio stream then runs on one zero token); activation offload copies those and
+    what every block shares."""
     cfg = load_config(str(REPO / "configs" / "ltx2-19b.toml"), ["--data.train_resolution", "[121, 64, 96]",
                                                                  "--data.audio", "true", "--data.target_fps", "24"])
     family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
@@ -152,5 +167,89 @@ def test_ltx2_block_and_its_audio(tmp_path):
     linears = 16 * d * d + 16 * a * a + 4 * d * a + 4 * a * a
     assert 0 < with_audio["block"] - 2 * linears < 0.01 * with_audio["block"]
     assert (with_audio["audio_tokens"], with_audio["video_tokens"], without["audio_tokens"]) == (126, 96, 0)
-    assert with_audio["block_input"] == (96 * d + 126 * a) * 2 and without["block_input"] == (96 * d + a) * 2
+    assert with_audio["inputs"] == (96 * d + 126 * a) * 2 and without["inputs"] == (96 * d + a) * 2
+    # What activation offload copies from the first block call: also the 1024 text tokens of each stream and
+    # the timestep embeddings every block shares (6 + 4 + 1 rows of each stream's width).
+    assert with_audio["block_input"] == with_audio["inputs"] + (1024 + 11) * (d + a) * 2
     assert with_audio["activations"] > without["activations"]
+
+
+def handed_out(nbytes: int) -> int:
+    """The bytes torch 2.13's pinned allocator hands out for a request of nbytes, under the settings
+    parallel.ALLOCATOR_SETTINGS gives it (aten/src/ATen/core/CachingHostAllocator.h,
+    CachingHostAllocatorImpl::allocate: `size <= pinned_max_round_threshold() && size <=
+    pinned_max_cached_size()` rounds to c10::llvm::PowerOf2Ceil(size), else the size itself; both keys in
+    MiB, c10/core/AllocatorConfig.h)."""
+    limits = [int(parallel.ALLOCATOR_SETTINGS[k]) * 2**20
+              for k in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")]
+    return 2 ** math.ceil(math.log2(nbytes)) if all(nbytes <= limit for limit in limits) else nbytes
+
+
+def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
+    """--fit's host RAM for a pick with blocks streamed and activations offloaded: each frozen parameter of
+    a published Wan 14B block (diffusers' own, on the meta device) is pinned on its own,
+    as FSDP2 pins a streamed unit's parameters (every block streamed: the root's too), in bf16 and with
+    storage.py's fp8 (each linear weight at
+    one byte, its bf16 row scales a second parameter); activation offload pins each block's 7800 video
+    tokens and, once, the 512 text tokens and the 6 x 5120 timestep projection. Each request as torch
+    hands it out; the printed host RAM is their sum with the process and the parked VAE."""
+    config = published.PUBLISHED["wan2.1-t2v-14b"][1]
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    with torch.device("meta"):
+        transformer = WanTransformer3DModel.from_config({**config, "num_layers": 1})
+    fp32 = set(WanTransformer3DModel._keep_in_fp32_modules)  # bf16 loading keeps these in fp32 (diffusers)
+    sizes = {id(p): 4 if set(name.split(".")) & fp32 else 2 for name, p in transformer.named_parameters()}
+    block = transformer.blocks[0]
+    linears = {id(m.weight) for m in block.modules() if isinstance(m, torch.nn.Linear)}
+    bf16 = sum(handed_out(p.numel() * sizes[id(p)]) for p in block.parameters())
+    fp8 = sum(handed_out(p.numel()) + handed_out(2 * p.shape[0]) if id(p) in linears
+              else handed_out(p.numel() * sizes[id(p)]) for p in block.parameters())
+    root = sum(handed_out(p.numel() * sizes[id(p)]) for name, p in transformer.named_parameters()
+               if not name.startswith("blocks."))
+    activations = 4 * handed_out(7800 * width * 2) + handed_out(512 * width * 2) + handed_out(6 * width * 2)
+    assert one_gpu_parts["block_pinned"] == bf16 and one_gpu_parts["block_fp8_pinned"] == fp8
+    for s in (one_gpu.Setting(False, True, 3), one_gpu.Setting(True, True, 3)):
+        host = one_gpu.host(one_gpu_parts, s)
+        assert host["pinned weights"] == 3 * (fp8 if s.fp8 else bf16)
+        assert host["offloaded activations"] == activations
+    assert one_gpu.host(one_gpu_parts, one_gpu.Setting(False, False, 4))["pinned weights"] == 4 * bf16 + root
+    setting = one_gpu.Setting(False, True, 3)  # with too little host RAM to stream all 4 blocks
+    card = (max(one_gpu.gpu(one_gpu_parts, setting).values()) + one_gpu.MARGIN) / one_gpu.GIB
+    ram = one_gpu.host_needed(one_gpu_parts, setting) / one_gpu.GIB
+    assert one_gpu.report(one_gpu_parts, card, "", ram) == setting
+    total = 3 * bf16 + activations + one_gpu_parts["process"] + one_gpu_parts["vae"]
+    out = capsys.readouterr().out
+    assert f"host RAM: pinned weights {3 * bf16 / one_gpu.GIB:.1f}, offloaded activations " \
+           f"{activations / one_gpu.GIB:.1f}" in out and f"= {total / one_gpu.GIB:.1f} GiB in training" in out
+    assert ",".join(f"{k}:{v}" for k, v in parallel.ALLOCATOR_SETTINGS.items()) in out
+
+
+def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
+    """The tiny Wan trained two steps with train.activation_offload on real tensors: HostActivations copies
+    each block's tokens and, once, what every block shares (the text tokens, the timestep projection),
+    into buffers it makes in the first step and reuses in the second; those are the copies the fake-tensor
+    estimate counts, and the trained weights are those of the run without offload."""
+    cfg_file = write_toml(tmp_path / "offload.toml", {
+        "run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("t2v")), "model.family": "wan",
+        "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32], "model.dtype": "fp32",
+        "train.mixed_precision": "no",
+        "train.activation_offload": True})
+    cfg = load_config(str(cfg_file))
+    family, adapter = published.make_adapter(cfg, None, tmp_path, torch.device("cpu"))
+    parts = bench_memory.estimate(cfg, family, adapter)
+    d, s = parallel.Dist(0, 1, 0, torch.device("cpu")), bench_memory.shapes(cfg, adapter, 1)
+    trained, pinned = {}, []
+    for offload in (True, False):
+        train = dataclasses.replace(cfg.train, activation_offload=offload)
+        model = build_model(adapter, train, cfg.lora, cfg.parallel, cfg.run.seed, d)
+        params, optimizer = build_optimizer(model, train)
+        torch.manual_seed(0)  # the batches' draws
+        for _ in range(2):
+            bench_memory.train_step(cfg, adapter, model, params, optimizer, None, s, d.device)
+            if offload:
+                pinned.append(list(model._gradient_checkpointing_func.__self__.pinned))
+        trained[offload] = [p.detach().clone() for p in params]
+    layers = adapter.transformer_config["num_layers"]
+    assert pinned[0] == pinned[1] and len(pinned[0]) == layers + 2  # nothing new in the second step
+    assert sorted(pinned[0]) == sorted(parts["copies"]) and sum(pinned[0]) == parts["offloaded"]
+    assert all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))

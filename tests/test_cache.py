@@ -24,9 +24,8 @@ import cache_files
 import data
 import decode
 import parallel
-from conftest import read_metrics, run_cmd, run_ok, train_losses
+from conftest import one_rank_group, read_metrics, run_cmd, run_ok, train_losses
 from config import load_config
-from test_variants import one_rank_group
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
 
 REAL_WORLD = ("mkv", "webm", "fmp4", "vfr", "phone", "photo")
@@ -56,6 +55,7 @@ def real_world(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_phones_and_the_web_train_in_buckets_of_their_aspect(real_world, write_config, tmp_path):
     """All of them train with skip_bad off; the rotated clips land in the portrait bucket beside the
     landscape one of equal area, the photos in the one-frame bucket."""
@@ -131,6 +131,7 @@ def test_recaptioning_encodes_prompts_and_no_video(own_copy, write_config, caplo
     assert "cache: 3/3 prompts" in caplog.text
 
 
+@pytest.mark.slow
 def test_per_node_copies_share_the_cache_and_a_finetuned_vae_does_not(own_copy, write_config, tmp_path, caplog,
                                                                     monkeypatch):
     """Models and clips are known by content: copies elsewhere (new paths, new mtimes) reuse every
@@ -176,6 +177,7 @@ def metadata_dataset(root, tiny_data, rows: list[dict]) -> None:
     (root / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mix", ["images", "images and videos"])
 def test_images_train_as_one_frame_clips(mix, tiny_data, write_config, tmp_path):
     """Listed images are one-frame samples in one-frame buckets, alone or mixed with videos (each global
@@ -196,6 +198,7 @@ def test_images_train_as_one_frame_clips(mix, tiny_data, write_config, tmp_path)
     assert held_out[60] < 0.9 * held_out[0], held_out
 
 
+@pytest.mark.slow
 def test_a_clip_failing_to_decode_stops_the_pass_at_once(own_copy, write_config, tmp_path, caplog):
     """The header was fine (the manifest holds it), the decode fails: the pass stops in that round, naming
     the clip and keeping what it wrote; with data.skip_bad it is listed in skipped.txt instead."""
@@ -243,6 +246,7 @@ def colour_switch_data(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("image_column", ["images.txt", ""])
 @pytest.mark.parametrize("family", list(I2V_MODELS))
 def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, colour_switch_data, tiny_models,
@@ -274,6 +278,7 @@ def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, 
         assert distance.index(min(distance)) == (first, second).index(expected), (item.start, distance)
 
 
+@pytest.mark.slow
 def test_two_ranks_print_each_warning_once(tiny_data, write_config, tmp_path):
     """A 2-rank cache pass prints every warning once, from rank 0: one every rank logs (a bucket too
     small), and one only a rank's share sees (its prompts truncated: held, and printed by rank 0)."""

@@ -28,7 +28,7 @@ import lora
 import parallel
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
 from diffusers import CogVideoXPipeline
-from model import load_adapter
+from model_adapter import load_adapter
 
 STEPS = 14
 # Global batch 4 everywhere, with accumulation and EMA on.
@@ -82,6 +82,7 @@ def assert_bitwise_equal_runs(a, b):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_killed_run_resumes_bitwise(references, make_config, variant):
     cfg, out, nproc = make_config(f"kill_{variant}", variant)
@@ -98,6 +99,7 @@ def test_killed_run_resumes_bitwise(references, make_config, variant):
         assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, target", [("fsdp", "one"), ("one", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp")])
 def test_reshard_between_world_sizes_and_strategies(references, make_config, source, target):
     """FSDP on 2 ranks -> 1 rank with the batch doubled, and back; 2-rank DDP -> 2-rank FSDP, and back:
@@ -112,6 +114,7 @@ def test_reshard_between_world_sizes_and_strategies(references, make_config, sou
                                torch.tensor([reference[s] for s in sorted(resumed)]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_kill_during_save_falls_back_and_rotation_keeps_the_newest(references, make_config):
     cfg, out, nproc = make_config("save_kill", "one", **{"checkpoint.checkpointing_limit": 2})
     assert run_cmd(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "save_kill:4"}).returncode != 0
@@ -123,6 +126,7 @@ def test_kill_during_save_falls_back_and_rotation_keeps_the_newest(references, m
     assert (out / "latest").read_text() == "checkpoint-14\n"
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_config):
     """SIGTERM on one rank while step 4's shards are written: the save commits, and every rank stops at
     the next check (the first sampling step of step 4's validation) with exit 0. The next launch runs
@@ -149,6 +153,7 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
     assert sorted(p.name for p in (out / "validation_res").iterdir()) == sorted(f"step_{s}_prompt_0.mp4" for s in validated)
 
 
+@pytest.mark.slow
 def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
     """A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: the lock a second
     run takes first (command.run_lock, before any compute) is refused naming the first one's pid and
@@ -171,6 +176,7 @@ def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
     assert_bitwise_equal_runs(references["ddp"], out)
 
 
+@pytest.mark.slow
 def test_fp16_loss_scale_resumes_exactly(make_config):
     """The loss scale is a tensor in the checkpoint: halved by an overflow at step 3, killed at step 5,
     the run resumes from step 4 with the halved scale and ends bitwise equal to the uninterrupted one."""
@@ -186,6 +192,7 @@ def test_fp16_loss_scale_resumes_exactly(make_config):
     assert scales == [(s, 2.0**16 if s < 3 else 2.0**15) for s in range(1, STEPS + 1)]
 
 
+@pytest.mark.slow
 def test_async_save_commits_and_resumes_bitwise(references, make_config):
     """Killed at step 7: step 6's background save never committed, step 4's (committed at step 6) is
     where the next launch resumes, and the run ends bitwise equal to the uninterrupted one."""
@@ -200,6 +207,7 @@ def test_async_save_commits_and_resumes_bitwise(references, make_config):
         assert_intact(path)
 
 
+@pytest.mark.slow
 def test_failed_write_is_reported_and_loses_nothing(make_config):
     cfg, out, nproc = make_config("disk_full", "ddp")
     result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_fail:4:1"}, timeout=150)
@@ -209,6 +217,7 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
     assert_intact(out / "checkpoint-2")
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_config):
     """A bad shard, a garbled or empty meta.json, a missing meta.json or .metadata: each newest checkpoint
     in turn is passed over naming its file. When none passes (every meta.json gone), the run stops
@@ -242,6 +251,7 @@ def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_con
     assert f"resumed from step {STEPS + 2}" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_what_a_checkpoint_holds(references):
     """Trainable weights only, every value a tensor (nothing of ours pickled), a meta.json that names it."""
     path = references["fsdp"] / "checkpoint-4"
@@ -256,6 +266,7 @@ def test_what_a_checkpoint_holds(references):
     assert set(meta["files"]) == {p.name for p in path.iterdir() if p.name != "meta.json"}
 
 
+@pytest.mark.slow
 def test_resume_refusals(references, make_config, tiny_model, tmp_path):
     other = tmp_path / "fine-tuned"  # the same model but for its transformer's weights
     shutil.copytree(tiny_model, other)
@@ -278,6 +289,7 @@ def test_resume_refusals(references, make_config, tiny_model, tmp_path):
     assert result.returncode == 1 and "train.batch_size x train.gradient_accumulation_steps x world size" in result.stderr
 
 
+@pytest.mark.slow
 def test_resume_on_other_data_is_refused(references):
     """meta.json holds the training clips' identity (every resume above checks it and passes); a
     checkpoint whose sampler state would index other clips is refused, naming what changed (resuming
@@ -357,6 +369,7 @@ def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog)
     assert not (path / "meta.json").exists()
 
 
+@pytest.mark.slow
 def test_finished_run_exports_and_exits_zero(references, make_config):
     """A finished run relaunched exports and exits 0; with train.steps lowered below its step, it exits 1."""
     cfg, out, _ = make_config("finished", "one")
@@ -371,6 +384,7 @@ def test_finished_run_exports_and_exits_zero(references, make_config):
     assert f"{out / f'checkpoint-{STEPS}'} is at step {STEPS}, past train.steps = {STEPS - 2}" in lowered.stderr
 
 
+@pytest.mark.slow
 def test_export_command(references, make_config, tmp_path):
     """Without --out into the run's exports/checkpoint-N/ (never over the run's own lora/, nor inside the
     checkpoint, which rotation deletes), with --out where it says; a read-only run folder is named."""
@@ -393,6 +407,7 @@ def test_export_command(references, make_config, tmp_path):
             "pass --out DIR, a folder you can write") in read_only.stderr
 
 
+@pytest.mark.slow
 def test_export_loads_in_the_pipeline(references, tiny_model):
     """The 2-rank FSDP run's export (CogVideoX-2b's key set) loads with load_lora_weights and computes,
     at the trained alpha / rank, what our transformer holding it computes."""

@@ -9,7 +9,6 @@ import logging
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKLCogVideoX
@@ -23,8 +22,8 @@ import decode
 import manifest
 import trainer
 from config import ConfigError, DataConfig
-from conftest import run_cmd, run_ok, train_losses
-from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
+from conftest import picked_frames, ramp_clip, run_cmd, run_ok, train_losses
+from tools.make_synthetic_dataset import make_synthetic_dataset
 
 TWO_BUCKETS = [[9, 48, 40], [17, 40, 48]]
 
@@ -110,24 +109,12 @@ def test_a_byte_order_mark_is_not_part_of_the_first_entry(tmp_path, files):
 
 
 # Decoding and planning.
-def ramp_clip(path: Path, frames: int, height: int = 32, width: int = 32, kind: str = "mp4") -> None:
-    """Frame k is flat grey 10 + 12k (the decoded value tells which frame was picked), with a white top-left
-    corner (it tells which way up the frame is)."""
-    video = np.stack([np.full((height, width, 3), 10 + 12 * k, np.uint8) for k in range(frames)])
-    video[:, : height // 4, : width // 4] = 255
-    write_clip(path, video, 8, kind)
 
 
 def item_for(path: Path, resolution, start: int, pad: bool = False, rate: float = 0.0) -> data.Item:
     clip, media = data.Clip(path, "grey", 1, "videos.txt"), decode.probe(path)
     return data.Item(clip, media, "content", None, 0, tuple(resolution), (media.height, media.width),
                      rate or media.fps, start, 0, 0, pad)
-
-
-def picked_frames(video: torch.Tensor) -> list[int]:
-    """The ramp's frame index from the grey away from the corner."""
-    h, w = video.shape[1:3]
-    return [round((v - 10) / 12) for v in video[:, h // 2 :, w // 2 :].float().mean(dim=(1, 2, 3)).tolist()]
 
 
 @pytest.mark.parametrize("kind", ["mp4", "mkv", "webm", "fmp4"])
@@ -251,6 +238,7 @@ def two_shape_data(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_two_buckets_train_on_two_ranks_and_the_cache_is_reused(two_shape_data, write_config, tmp_path, caplog):
     config = write_config("buckets", **{"data.data_root": str(two_shape_data), "data.buckets": TWO_BUCKETS,
                                         "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0,
@@ -265,6 +253,7 @@ def test_two_buckets_train_on_two_ranks_and_the_cache_is_reused(two_shape_data, 
     assert "12 clips encoded, 12 reused" in run_cache_pass(caplog, config, "--data.buckets", "[[9, 48, 40], [17, 32, 32]]")
 
 
+@pytest.mark.slow
 def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tiny_data, tmp_path, caplog):
     config = write_config("cache", **{"data.cache_dir": str(tmp_path / "cache"), "data.cache_batch_size": 2})
     killed = run_cmd(args_of(config), env={"VIDTRAIN_FAULT": "cache_kill:5"}, script="cache.py")
@@ -290,6 +279,7 @@ def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tin
     assert f"{moved} clips encoded, {24 - moved} reused" in log_line
 
 
+@pytest.mark.slow
 def test_complete_cache_trains_without_vae_t5_videos_or_headers(write_config, tiny_data, tmp_path, caplog,
                                                                 monkeypatch):
     """With a complete manifest and cache a restart reads no header and loads no encoder, and a clip
@@ -337,6 +327,7 @@ def bad_data(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_bad_input_stops_before_training_with_the_lowest_line(bad_data, write_config, tmp_path):
     # Line 2 is checked by rank 1, line 3 by rank 0: the report must still be line 2.
     config = write_config("bad", **{"data.data_root": str(bad_data), "data.cache_dir": str(tmp_path / "cache"),
@@ -348,6 +339,7 @@ def test_bad_input_stops_before_training_with_the_lowest_line(bad_data, write_co
     assert not list((tmp_path / "cache").rglob("*.safetensors")) and "step 1/" not in result.stderr
 
 
+@pytest.mark.slow
 def test_skip_bad_trains_on_the_rest_and_lists_the_skipped(bad_data, write_config, tmp_path, caplog):
     config = write_config("skip", **{"data.data_root": str(bad_data), "data.cache_dir": str(tmp_path / "cache"),
                                      "data.held_out": 0, "data.skip_bad": True, "train.steps": 2,

@@ -5,9 +5,12 @@ import os
 import shutil
 import subprocess
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow
 def test_demo_trains_on_two_processes_and_says_where_things_are(tmp_path):
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                            capture_output=True, text=True, check=True).stdout.split()

@@ -18,7 +18,8 @@ import data
 import parallel
 from cache import prepare as prepare_data
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from model import build_model, load_adapter
+from model import build_model
+from model_adapter import load_adapter
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
@@ -68,6 +69,7 @@ def variant_runs(tmp_path_factory, base_settings):
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["accumulation", "ddp", "fsdp", "hsdp"])
 def test_same_update_as_one_process(variant_runs, name):
     """Losses, gradient norms (before clipping) and final weights agree; every step was clipped."""
@@ -75,6 +77,7 @@ def test_same_update_as_one_process(variant_runs, name):
     assert_close_runs(variant_runs["one_process"], variant_runs[name])
 
 
+@pytest.mark.slow
 def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
     """Two ranks log one value per step: the mean over ranks of their losses, here recomputed in this
     process from the cache, the sampler and the keyed generators for step 1 (before any update)."""
@@ -98,6 +101,7 @@ def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
                if "train/loss" in m)
 
 
+@pytest.mark.slow
 def test_bf16_fsdp_stays_near_fp32(variant_runs, write_config, tmp_path):
     cfg = write_config("bf16", **{"train.batch_size": 2, "parallel.strategy": "fsdp", "model.dtype": "bf16",
                                   "train.mixed_precision": "bf16", "train.gradient_checkpointing": True,
@@ -110,6 +114,7 @@ def test_bf16_fsdp_stays_near_fp32(variant_runs, write_config, tmp_path):
                                rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_two_nodes_through_launch_sh(variant_runs, write_config, tmp_path):
     """2 nodes x 1 process through a c10d rendezvous on localhost, HSDP (replicate across nodes)."""
     cfg = write_config("nodes", **{"train.batch_size": 2, "parallel.strategy": "fsdp", "parallel.dp_replicate": 2,
@@ -125,6 +130,7 @@ def test_two_nodes_through_launch_sh(variant_runs, write_config, tmp_path):
     assert_close_runs(variant_runs["fsdp"], tmp_path / "nodes")
 
 
+@pytest.mark.slow
 def test_fsdp_shards_sft_state(write_config, tmp_path):
     """Full fine-tuning on 2 ranks: FSDP holds about half of DDP's parameter + optimizer bytes per rank,
     and rank 0 read only its half of the weight file (its shard, made fp32 from the file's rows)."""
@@ -146,6 +152,7 @@ def test_fsdp_shards_sft_state(write_config, tmp_path):
     assert train_losses(tmp_path / "ddp") == pytest.approx(train_losses(tmp_path / "fsdp"), rel=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, message", [
     ("step_fail:3:1", "OSError: injected fault step_fail at 3"),  # one rank raises: it reports, the other is quiet
     # One rank hangs: whichever rank times out first reports it, the other is quiet. (Rank 0's own timeout
@@ -161,6 +168,7 @@ def test_a_failure_ends_the_job_with_one_message(write_config, tmp_path, fault, 
     assert output.count(message) == 1, output[-4000:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_with_one_message(write_config, tmp_path):
     """Ctrl-C reaches launch.sh and torchrun (a terminal signals its foreground process group), and
     torchrun passes it on: the trainer prints one line and no traceback of its own, and launch.sh exits
@@ -172,6 +180,7 @@ def test_ctrl_c_stops_with_one_message(write_config, tmp_path):
     assert "KeyboardInterrupt" not in output
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path):
     run_ok(["--cfg", str(write_config("skip"))], env={"VIDTRAIN_FAULT": "nan_loss:2"})
     metrics = {m["step"]: m for m in read_metrics(tmp_path / "skip") if "train/loss" in m}
@@ -191,6 +200,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path):
     assert not list((tmp_path / "late").glob("checkpoint-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, settings", [(1, {"train.batch_size": 4}),
                                              (2, {"train.batch_size": 2, "parallel.strategy": "fsdp"})])
 def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(write_config, tmp_path, nproc, settings):

@@ -31,10 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cache_files
 import data
 import lora
-import model_adapter
 import parallel
+import weights
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
-from model import build_frozen, build_model, load_adapter
+from model import build_frozen, build_model
+from model_adapter import load_adapter
 
 CUDA = torch.device("cuda", 0)  # an index: without one, .to() asks the (absent) CUDA runtime for the current device
 aten = torch.ops.aten
@@ -151,6 +152,7 @@ def cache_entries(adapter, type_: str) -> dict[str, dict[str, torch.Tensor]]:
     return entries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_training_loss_on_cuda_neither_mixes_devices_nor_waits(variant, tiny_models, wan_models, monkeypatch,
                                                               cuda_device_guard):
@@ -199,8 +201,8 @@ def on_a_fake_cuda_mesh(monkeypatch, path: str, build) -> tuple[torch.nn.Module,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # fully_shard asks the runtime for it
-    for module, name in ((parallel, "init_device_mesh"), (model_adapter, "compute_local_shape_and_global_offset"),
-                         (model_adapter.Weights, "_rows")):
+    for module, name in ((parallel, "init_device_mesh"), (weights, "compute_local_shape_and_global_offset"),
+                         (weights.Weights, "_rows")):
         monkeypatch.setattr(module, name, outside_the_mode(getattr(module, name)))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

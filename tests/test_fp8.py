@@ -2,11 +2,14 @@
 scale per output row, upcast per layer (storage.py). The model computes what the bf16 one does within
 fp8's rounding, a LoRA trains on it as on bf16, and its export is a LoRA of the original model."""
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import read_metrics, write_toml
 from diffusers import CogVideoXPipeline
+from safetensors.torch import load_file, save_file
 
 import lora
 import parallel
@@ -14,7 +17,7 @@ import storage
 import trainer
 import validate
 from config import ConfigError, ModelConfig, load_config
-from model import load_adapter
+from model_adapter import load_adapter
 
 # Relative L2 error of the tiny models' output against bf16's (measured: CogVideoX 0.006, Wan 0.009; bf16's
 # own against fp32 is 0.005-0.007). bench/bench_fp8.py measures it at full size (BENCHMARKS.md).
@@ -40,7 +43,7 @@ def transformer_output(adapter, transformer) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["cogvideox", "wan"])
 def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_model, wan_models):
-    """Only the blocks' linear weights turn fp8 (scales in bf16, one per row); norms, biases, embeddings and
+    """Only the blocks' linear weights turn fp8 (scales in fp32, one per row); norms, biases, embeddings and
     everything outside the blocks stay bf16 (Wan's fp32 modules fp32); those weights take half the bytes;
     the output is bf16's within TOLERANCE. An Fp8Linear built from the same fp8 weight with a per-tensor
     scale (ComfyUI's scaled fp8) spreads the scale to every row."""
@@ -56,7 +59,8 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
     for name, param in plain.named_parameters():
         if name in block_linears:
             assert params[name].dtype == torch.float8_e4m3fn and params[name].shape == param.shape
-            assert params[f"{name}_scale"].dtype == torch.bfloat16 and params[f"{name}_scale"].shape == (param.shape[0], 1)
+            scale = params[f"{name}_scale"]
+            assert scale.dtype == torch.float32 and scale.shape == (param.shape[0], 1)
             assert params[name].nbytes * 2 == param.nbytes
         else:
             assert torch.equal(params[name], param), name  # bitwise the bf16 model's
@@ -67,9 +71,34 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
     assert 0 < error < TOLERANCE
 
     module = fp8.get_submodule(sorted(block_linears)[0].removesuffix(".weight"))
-    per_tensor = storage.Fp8Linear(module.weight.data, module.weight_scale[:1, 0].clone(), module.bias)
+    per_tensor = storage.Fp8Linear(module.weight.data, module.weight_scale[:1, 0].clone(), module.bias,
+                                   torch.bfloat16)
     assert per_tensor.weight_scale.shape == module.weight_scale.shape
-    assert torch.equal(storage.weight(per_tensor), module.weight.to(torch.bfloat16) * module.weight_scale[0])
+    assert torch.equal(storage.weight(per_tensor),
+                       (module.weight.float() * module.weight_scale[0]).to(torch.bfloat16))
+
+
+def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
+    """model.dtype = "fp16": a row of zeros and a row of weights below 2.7e-5 (whose scale, max / 448, is
+    under fp16's smallest value, 6e-8) come back as zeros and as themselves within fp8's rounding, and the
+    model's output is finite: the scales are kept in fp32, not in fp16, where they would be 0 and the rows
+    NaN."""
+    folder = shutil.copytree(tiny_model, tmp_path / "model")
+    file = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights = load_file(file)
+    name = "transformer_blocks.0.ff.net.2.weight"
+    weights[name][0] = 0
+    weights[name][1] *= 1e-5 / weights[name][1].abs().max()
+    save_file(weights, file)
+    cfg = ModelConfig(path=str(folder), dtype="fp16", storage_dtype="fp8")
+    adapter = load_adapter(cfg, torch.device("cpu"))
+    model = adapter.load_transformer()
+    upcast = storage.weight(model.get_submodule(name.removesuffix(".weight")))
+    assert upcast.dtype == torch.float16 and torch.isfinite(upcast).all()
+    assert torch.equal(upcast[0], torch.zeros_like(upcast[0]))
+    # e4m3's 3 mantissa bits: a relative error of at most 2^-4, down to fp16's own spacing of 6e-8 there
+    torch.testing.assert_close(upcast[1].float(), weights[name][1].float(), rtol=2**-4, atol=6e-8)
+    assert torch.isfinite(transformer_output(adapter, model)).all()
 
 
 def test_fp8_linear_computes_as_its_upcast_weight():
@@ -77,9 +106,9 @@ def test_fp8_linear_computes_as_its_upcast_weight():
     upcast weight, under bf16 autocast as in training, and inside a LoRALinear."""
     torch.manual_seed(0)
     reference = torch.nn.Linear(48, 24).to(torch.bfloat16)
-    weight, scale = storage.quantize(reference.weight.detach(), torch.bfloat16)
-    reference.weight.data = storage.dequantize(weight, scale)
-    fp8 = storage.Fp8Linear(weight, scale, reference.bias.detach())
+    weight, scale = storage.quantize(reference.weight.detach())
+    reference.weight.data = storage.dequantize(weight, scale, torch.bfloat16)
+    fp8 = storage.Fp8Linear(weight, scale, reference.bias.detach(), torch.bfloat16)
     layers = [torch.nn.Sequential(module) for module in (reference, fp8)]
     for model in layers:
         lora.inject_lora(model, ["0"], 4, 4, 0.0, seed=0)
@@ -108,6 +137,7 @@ def one_process_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(base_settings, tiny_model, tmp_path,
                                                                       one_process_group):
     """20 steps (one-process FSDP, activation checkpointing, EMA, a validation render): the held-out loss

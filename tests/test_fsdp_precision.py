@@ -16,7 +16,8 @@ import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import command, data, parallel
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
-from model import build_model, load_adapter
+from model import build_model
+from model_adapter import load_adapter
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -84,6 +84,7 @@ def run_counting(write_config, monkeypatch, variant: str, device: torch.device, 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_no_host_reads_on_steps_that_do_not_log(write_config, monkeypatch, variant):
     mode = HostReads()

@@ -1,7 +1,10 @@
-"""design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
-nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/)."""
+"""docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
+nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/).
+And the tests' own: no test module imports another (shared helpers and fixtures live in conftest.py), and
+the fast subset reaches every module but the demo's."""
 
 import ast
+import tomllib
 
 from conftest import REPO
 
@@ -10,8 +13,8 @@ LAYERS = {
     "trainer": 3,
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
     **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
-                     "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "single_file",
-                     "activations", "storage",
+                     "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "weights",
+                     "activations", "storage", "sound_decoder", "transformer_loading",
                      *(f"families.{family}" for family in FAMILIES)], 1),
     "config": 0,
 }
@@ -35,7 +38,7 @@ def our_imports(path) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     found = modules()
-    assert found.keys() == LAYERS.keys(), "place every module in a layer (design.md, Files)"
+    assert found.keys() == LAYERS.keys(), "place every module in a layer (docs/design.md, Files and import layers)"
     return {name: our_imports(path) for name, path in found.items()}
 
 
@@ -73,3 +76,42 @@ def test_family_classes_stay_in_their_adapters():
                 for family, word in FAMILIES.items():
                     if name != f"families.{family}":
                         assert not [n for n in names if word in n.lower()], (path.name, names)
+
+
+def test_no_test_module_imports_another():
+    """A test module that imports another runs (and collects) the other's module-level code and fixtures in
+    its own namespace, and breaks when the other is split or renamed: shared helpers belong in conftest.py."""
+    tests = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    found = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            found += [(path.name, node.lineno, name) for name in names if name.split(".")[0] in tests
+                      or name.startswith("tests.")]
+    assert found == [], f"move what these import into tests/conftest.py: {found}"
+
+
+def fast_tests(path) -> list[str]:
+    """The tests of a test module that `pytest -m "not slow"` runs: those not marked slow, by decorator or
+    by the module's pytestmark."""
+    tree = ast.parse(path.read_text())
+    module_marks = [ast.unparse(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                    and any(getattr(target, "id", "") == "pytestmark" for target in node.targets)]
+    if any("pytest.mark.slow" in marks for marks in module_marks):
+        return []
+    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+            and node.name.startswith("test_") and "pytest.mark.slow" not in map(ast.unparse, node.decorator_list)]
+
+
+def test_the_fast_subset_keeps_every_module_but_the_demo():
+    """docs/testing.md's fast subset: the slow marker is registered, strictly, and every test module but
+    the demo's (one launch.sh run) keeps quick tests in it, so a change anywhere meets a test there."""
+    options = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert options["strict_markers"] and [m for m in options["markers"] if m.startswith("slow:")]
+    left_out = [p.name for p in sorted((REPO / "tests").glob("test_*.py")) if not fast_tests(p)]
+    assert left_out == ["test_demo.py"], "keep a quick test of each module outside @pytest.mark.slow"

@@ -1,51 +1,43 @@
-"""LTX-2 and LTX-2.3: the tiny models carry the published key sets; every variant trains video-only (LoRA and
-sft), samples exactly as LTX2Pipeline / LTX2ImageToVideoPipeline do (with and without our exported LoRA), and
-exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
+"""LTX-2, LTX-2.3 and LTX-2.5: the tiny models carry the published key sets; every variant trains video-only
+(LoRA and sft), samples exactly as LTX2Pipeline / LTX2ImageToVideoPipeline do (with and without our exported
+LoRA), and exports what diffusers loads, in diffusers' layout and in ComfyUI's (the original checkpoint's names,
+inside the blocks and out)."""
 
 import contextlib
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel
+from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
+from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 from PIL import Image
 from safetensors.torch import load_file
 
 import cache
 import data
+import export
 import lora
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from conftest import assert_loads_lean, run_cmd, run_ok, train_losses, write_toml, written_on_first_use
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (PIPELINE_GUIDANCE, assert_loads_lean, lora_and_sft_runs, ltx2_settings, ltx_core_cross_modulation,
+                      one_rank_group, pipeline_guidance, run_cmd, run_ok, train_losses, write_toml)
 from families.ltx2 import TEXT_LENGTH
-from model import load_adapter
+from model_adapter import load_adapter
 from parallel import StopRun
-from test_variants import lora_and_sft_runs, one_rank_group
-from tools.make_synthetic_dataset import make_synthetic_dataset
-from tools.make_tiny_model import LTX2_KEYS, make_tiny_ltx2
+from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 
 # variant: (model.type, pipeline)
-VARIANTS = {"2.0": ("t2v", LTX2Pipeline), "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline)}
-PROMPTS = ["a red circle moves right"]
-# The pipelines' own guidance terms at their defaults; STG on 2.3 only (2.0 has no perturbed attention), at the
-# tiny model's last block (the published models' 28 is past its 2).
-PIPELINE_GUIDANCE = {"audio_guidance_scale": 7.0, "modality_scale": 3.0, "guidance_rescale": 0.7}
+VARIANTS = {"2.0": ("t2v", LTX2Pipeline), "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline), "2.5": ("t2v", LTX2Pipeline)}
+# 2.5's run also trains LoRAs outside the blocks (the video patch embedding and timestep modulation), which the
+# ComfyUI file names as the original checkpoint does (patchify_proj, adaln_single.linear).
+EXTRA = {"2.5": {"lora.target_modules": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "time_embed.linear"]}}
+# STG on 2.3 only (2.0 has no perturbed attention), at the tiny model's last block (the published models' 28 is
+# past its 2).
 STG = {"stg_scale": 1.0, "stg_blocks": [1]}
-
-
-@pytest.fixture(scope="session")
-def ltx2_models(tmp_path_factory):
-    """Each LTX-2 variant's tiny model, written on first use."""
-    return written_on_first_use(tmp_path_factory.mktemp("ltx2"), make_tiny_ltx2)
-
-
-@pytest.fixture(scope="session")
-def ltx2_data(tmp_path_factory):
-    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24 would dominate."""
-    path = tmp_path_factory.mktemp("ltx2_data") / "shapes"
-    make_synthetic_dataset(str(path), num_videos=6, frames=17, height=40, width=48, seed=0)
-    return path
 
 
 def model_of(variant: str) -> str:
@@ -53,38 +45,93 @@ def model_of(variant: str) -> str:
 
 
 def test_tiny_models_carry_the_published_key_sets(ltx2_models):
-    for variant in ("2.0", "2.3"):
+    """2.5 (diffusers' conversion script, version "2.5"): ff_bias and use_keyframes_abs_pos_embedding added, a
+    Gemma 4 text encoder (the script refuses another), its connectors sized by Gemma's hidden size and layer
+    count, the duration head among the components."""
+    for variant in ("2.0", "2.3", "2.5"):
         path = ltx2_models(variant)
         keys = set(json.loads((path / "transformer" / "config.json").read_text())) - {"_class_name", "_diffusers_version"}
-        assert keys == LTX2_KEYS
-        assert not {"duration_head", "processor", "prompt_enhancer"} & set(json.loads((path / "model_index.json").read_text()))
+        assert keys == (LTX25_KEYS if variant == "2.5" else LTX2_KEYS)
+        index = json.loads((path / "model_index.json").read_text())
+        assert {"duration_head"} & set(index) == ({"duration_head"} if variant == "2.5" else set())
+        assert not {"processor", "prompt_enhancer"} & set(index)
+        text = json.loads((path / "text_encoder" / "config.json").read_text())
+        assert text["model_type"] == ("gemma4_unified" if variant == "2.5" else "gemma3")
+        connectors = json.loads((path / "connectors" / "config.json").read_text())
+        assert (connectors["caption_channels"], connectors["text_proj_in_factor"]) == \
+            (text["text_config"]["hidden_size"], text["text_config"]["num_hidden_layers"] + 1)
 
 
-@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+@pytest.mark.parametrize("variant", ["2.0", "2.3", "2.5"])
 def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models, monkeypatch):
+    """The transformer as from_pretrained builds it; the text encoder of model_index.json, and the image CRF the
+    I2V pipeline picks for it (33 for Gemma 3, 18 for 2.5's Gemma 4)."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="bf16"), torch.device("cpu"))
     assert_loads_lean(adapter, monkeypatch)
+    text_encoder = LTX2Pipeline.from_pretrained(adapter.path, transformer=None, vae=None, audio_vae=None, vocoder=None,
+                                                connectors=None).text_encoder
+    assert isinstance(text_encoder, adapter.TEXT_ENCODER)
+    assert adapter.image_crf == resolve_default_image_crf(text_encoder) == (18 if variant == "2.5" else 33)
 
 
-def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **extra) -> dict:
-    model_type = VARIANTS[variant][0]
-    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(ltx2_models(model_of(variant))),
-                "model.family": "ltx2", "model.type": model_type, "data.data_root": str(tiny_data),
-                "data.held_out": 2, "data.audio": False,  # video only: these clips have no sound
-                "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
-                "validation.do_validation": False, "validation.prompts": PROMPTS, "validation.num_inference_steps": 2,
-                "validation.gen_fps": 24}
-    if model_type == "i2v":
-        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
-    return {**settings, **extra}
+def original_top_level_linears(c: dict) -> set[str]:
+    """The nn.Linear modules outside the blocks of the original LTX-2 transformer, whose names Lightricks'
+    checkpoints and ComfyUI's native model (which loads those checkpoints' keys as they are) share, for a diffusers
+    transformer config. Written from Lightricks/LTX-2 400fd31054597515f47125691032c04b1c3ee24e,
+    packages/ltx-core/src/ltx_core/model/transformer/model.py (LTXModel._init_video, _init_audio,
+    _init_audio_video: prompt_adaln_single only with cross_attention_adaln, 2.3's cross_attn_mod; the caption
+    projections only where the transformer projects the text, 2.0's use_prompt_embeddings), adaln.py
+    (AdaLayerNormSingle: emb, linear), timestep_embedding.py (emb.timestep_embedder.linear_1/_2),
+    text_projection.py (linear_1, linear_2); the same names in comfyanonymous/ComfyUI
+    b321b7a28d7c62626f728db1c67555637d080a76, comfy/ldm/lightricks/av_model.py (LTXAVModel)."""
+    adaln = ("emb.timestep_embedder.linear_1", "emb.timestep_embedder.linear_2", "linear")
+    modulations = ["adaln_single", "audio_adaln_single", "av_ca_video_scale_shift_adaln_single",
+                   "av_ca_audio_scale_shift_adaln_single", "av_ca_a2v_gate_adaln_single", "av_ca_v2a_gate_adaln_single"]
+    if c["cross_attn_mod"]:
+        modulations += ["prompt_adaln_single", "audio_prompt_adaln_single"]
+    names = {f"{m}.{part}" for m in modulations for part in adaln}
+    names |= {"patchify_proj", "audio_patchify_proj", "proj_out", "audio_proj_out"}
+    if c["use_prompt_embeddings"]:
+        names |= {f"{p}.{layer}" for p in ("caption_projection", "audio_caption_projection")
+                  for layer in ("linear_1", "linear_2")}
+    return names
 
 
-def pipeline_guidance(cfg) -> dict:
-    """The pipelines' guidance arguments for validation's settings (each term on both streams, as ours)."""
-    return dict(guidance_scale=cfg.guidance_scale, audio_guidance_scale=cfg.audio_guidance_scale or cfg.guidance_scale,
-                stg_scale=cfg.stg_scale, audio_stg_scale=cfg.stg_scale, spatio_temporal_guidance_blocks=cfg.stg_blocks,
-                modality_scale=cfg.modality_scale, audio_modality_scale=cfg.modality_scale,
-                guidance_rescale=cfg.guidance_rescale, audio_guidance_rescale=cfg.guidance_rescale)
+@pytest.mark.parametrize("variant", ["2.0", "2.5"])
+def test_comfy_names_outside_the_blocks_are_the_original_checkpoints(variant, ltx2_models, tmp_path):
+    """A LoRA on every nn.Linear outside the blocks: the ComfyUI file names each module as the original checkpoint
+    does, so ComfyUI's loader finds it (comfy/lora.py model_lora_keys_unet maps the generic key
+    `diffusion_model.<name>` to each weight `diffusion_model.<name>.weight` of the model) and so does ltx-pipelines' (ltx_core/loader/sd_ops.py LTXV_LORA_COMFY_RENAMING_MAP drops `diffusion_model.`; a
+    key naming no weight of the model is skipped, fuse_loras.py); diffusers' converter of such files
+    (_convert_non_diffusers_ltx2_lora_to_diffusers, what load_lora_weights runs) gives back our modules, and
+    lora.init_from reads the file to our weights."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant))), torch.device("cpu"))
+    with torch.device("meta"):
+        transformer = LTX2VideoTransformer3DModel.from_config(adapter.transformer_config)
+    outside = [n for n, m in transformer.named_modules()
+               if isinstance(m, torch.nn.Linear) and not n.startswith("transformer_blocks.")]
+    names = lora.inject_lora(transformer, outside, 2, 3.0, 0.0, 0, torch.device("cpu"))
+    assert {adapter.comfy_key(n) for n in names} == original_top_level_linears(adapter.transformer_config)
+    weights = {k: torch.randn(v.shape) for k, v in lora.lora_state_dict(transformer).items()}
+    export._export_comfy(weights, 2.0, adapter, tmp_path / "lora", "run")
+    comfy = load_file(tmp_path / "lora" / "comfy" / "run.safetensors")
+    comfyui_model = {f"diffusion_model.{name}.weight" for name in original_top_level_linears(adapter.transformer_config)}
+    comfyui_key_map = {weight[:-len(".weight")]: weight for weight in comfyui_model}
+    assert {k.rsplit(".lora_", 1)[0] for k in comfy} <= comfyui_key_map.keys()
+    converted = _convert_non_diffusers_ltx2_lora_to_diffusers(comfy)
+    assert converted.keys() == {f"transformer.{k}" for k in weights}
+    read, info = lora.load_lora(str(tmp_path / "lora" / "comfy" / "run.safetensors"), adapter.diffusers_key)
+    assert read.keys() == weights.keys() and (info["rank"], info["alpha"]) == (2, 2)
+
+
+def test_a_folder_with_another_text_encoder_is_refused(ltx2_models, tmp_path):
+    """LTX2Pipeline takes Gemma 3 (2.0, 2.3) or Gemma 4 (2.5): another text encoder is named before any cache pass."""
+    folder = shutil.copytree(ltx2_models("2.5"), tmp_path / "model")
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "T5EncoderModel"]}))
+    with pytest.raises(ConfigError, match=r"model_index.json: text_encoder is T5EncoderModel, which LTX2Pipeline does "
+                                          r"not load: .* Gemma3ForConditionalGeneration or Gemma4Unified"):
+        load_adapter(ModelConfig(family="ltx2", path=str(folder)), torch.device("cpu"))
 
 
 def pipeline_frames(pipe, cfg):
@@ -110,6 +157,7 @@ def transformer_output(transformer, adapter):
         return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, t, t, t, embeds, (2, 4, 4), 9)], 1)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, ltx2_data, tmp_path):
@@ -117,10 +165,12 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     with the base model and with our exported LoRA loaded by load_lora_weights, with plain classifier-free
     guidance and with the pipelines' own terms (STG on 2.3, modality isolation, rescale, the sound's scale); the ComfyUI file loads through
     the same loader's conversion to the same transformer; the sft export loads with from_pretrained and
-    computes what the checkpoint's weights compute."""
+    computes what the checkpoint's weights compute. Image-to-video: the pipeline's transformer takes
+    ltx-core's audio-video cross-attention modulation (the image tokens' scale/shift at their own timestep
+    0, as ours; diffusers' use_cross_timestep gives them the audio's sigma: test_ltx2_training)."""
     path = ltx2_models(model_of(variant))
     lora_file, cfg, adapter = lora_and_sft_runs(ltx2_settings(variant, ltx2_models, base_settings, ltx2_data,
-                                                              tmp_path / "lora"), tmp_path)
+                                                              tmp_path / "lora", **EXTRA.get(variant, {})), tmp_path)
     # lora.init_from (and validate.py --lora) read the ComfyUI file back: its alpha / rank is baked into lora_B.
     comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
     comfy_weights, comfy_info = lora.load_lora(str(comfy_file), adapter.diffusers_key)
@@ -128,10 +178,15 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     assert comfy_weights.keys() == weights.keys() and comfy_info["alpha"] == comfy_info["rank"] == info["rank"]
     scale = info["alpha"] / info["rank"]
     assert all(torch.equal(comfy_weights[k], weights[k] * (scale if ".lora_B." in k else 1)) for k in weights)
+    if variant in EXTRA:  # outside the blocks, the original checkpoint's names
+        assert {"diffusion_model.patchify_proj.lora_A.weight", "diffusion_model.adaln_single.linear.lora_B.weight"} \
+            <= set(load_file(comfy_file))
 
     pipe = VARIANTS[variant][1].from_pretrained(str(path))
     pipe.set_progress_bar_config(disable=True)
-    with one_rank_group() as d:
+    i2v = VARIANTS[variant][0] == "i2v"
+    modulation = ltx_core_cross_modulation if i2v else lambda transformer: contextlib.nullcontext()
+    with one_rank_group() as d, modulation(pipe.transformer):
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         for source in (None, lora_file):
             model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
@@ -244,6 +299,7 @@ def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, bas
     adapter.check_guidance(dataclasses.replace(v, stg_blocks=[1]))
 
 
+@pytest.mark.slow
 def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
     """2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
     bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and computes

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import shutil
+from pathlib import Path
 
 import av
 import pytest
@@ -25,11 +26,12 @@ import lora
 import trainer
 import validate
 from config import ModelConfig, load_config
-from conftest import read_metrics, run_ok, write_toml
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (PIPELINE_GUIDANCE, ltx2_settings, one_rank_group, pipeline_guidance, read_metrics, run_ok,
+                      write_toml)
 from families.ltx2 import TEXT_LENGTH
-from model import load_adapter
-from test_ltx2 import PIPELINE_GUIDANCE, PROMPTS, ltx2_models, ltx2_settings, pipeline_guidance  # noqa: F401 (a fixture)
-from test_variants import one_rank_group
+from model_adapter import load_adapter
+from parallel import StopRun
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 STEPS = 40
@@ -48,7 +50,7 @@ def sound_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):  # noqa: F811
+def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):
     """LoRA on LTX-2.0 with sound: validation (held-out loss and one clip) before step 1 and at the end."""
     out = tmp_path_factory.mktemp("ltx2_sound_run")
     settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, out / "run", **SOUND, **{
@@ -59,6 +61,7 @@ def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):  # noqa
     return out / "run", load_config(str(out / "run.toml"))
 
 
+@pytest.mark.slow
 def test_sound_trains_and_both_held_out_losses_fall(sound_run):
     """Every log step has the video and the audio loss (batches mix a clip without sound: the audio loss
     averages the clips with sound); the held-out loss falls for each stream."""
@@ -72,6 +75,7 @@ def test_sound_trains_and_both_held_out_losses_fall(sound_run):
         assert held[STEPS][name] < 0.9 * held[0][name], (name, held[0][name], held[STEPS][name])
 
 
+@pytest.mark.slow
 def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     """Each clip's audio entry is encode_mel of its window's log-mel (decode.log_mel with the VAE's settings),
     every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without sound has none."""
@@ -91,6 +95,7 @@ def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     torch.testing.assert_close(cached["audio_latent_logvar"], logvar[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_validation_clip_carries_its_sound(sound_run):
     """The step's mp4 holds an AAC stream PyAV decodes, at the vocoder's rate and as long as the rendered
     sound; TensorBoard's event reader finds it beside the clip."""
@@ -112,7 +117,7 @@ def test_validation_clip_carries_its_sound(sound_run):
     assert last.step == STEPS and first.step == 0 and last.sample_rate == adapter.sound_rate
 
 
-def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
+def test_audio_loss_reaches_the_audio_stream(ltx2_models):
     """With sound, the loss's gradient reaches the audio stream's LoRA; without, none of it does (the video
     trains alone); a clip without sound in a batch with sound adds no audio loss."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu"))
@@ -144,7 +149,8 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):  # noqa: F811
     assert total[0] > video[0] and total[1] == video[1]  # the clip without sound: its video loss alone
 
 
-def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, sound_run, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, sound_run, tmp_path):
     """Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in fp32,
     without and with the LoRA the run with sound exported (load_lora_weights), which changes the sound, and
     with the pipeline's own guidance terms (the sound's scale, modality isolation, rescale), which change it."""
@@ -174,13 +180,69 @@ def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, 
     assert (sounds[1] - sounds[2]).abs().max() > 1e-3  # and the guidance terms
 
 
-def test_ddp_trains_batches_with_and_without_sound(ltx2_models, base_settings, sound_data, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def ddp_sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):
+    """3 steps of LoRA (the default targets: every attention, the audio stream's and the audio-video
+    cross-attentions too) on 2 DDP ranks of one clip each, over the clips with sound and the one without."""
+    out = tmp_path_factory.mktemp("ltx2_sound_ddp")
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, out / "ddp", **SOUND, **{
+        "parallel.strategy": "ddp", "train.batch_size": 1, "train.steps": 3, "train.log_every": 1,
+        "checkpoint.checkpointing_steps": 3})
+    run_ok(["--cfg", str(write_toml(out / "ddp.toml", settings))], nproc=2)
+    return out, settings
+
+
+@pytest.mark.slow
+def test_ddp_trains_batches_with_and_without_sound(ddp_sound_run):
     """2 DDP ranks over the clips with sound and the one without: a rank whose batch has no sound runs the video
     alone, so the audio stream's weights get no gradient there (DDP must look for them each step: with one
     graph assumed for the run, its second step stops)."""
-    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path / "run", **SOUND, **{
-        "parallel.strategy": "ddp", "train.batch_size": 1, "train.steps": 3, "train.log_every": 1,
-        "checkpoint.checkpointing_steps": 3})
-    run_ok(["--cfg", str(write_toml(tmp_path / "run.toml", settings))], nproc=2)
-    losses = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
+    losses = [m for m in read_metrics(ddp_sound_run[0] / "ddp") if "train/loss" in m]
     assert len(losses) == 3 and all(m["train/loss_video"] > 0 for m in losses)
+
+
+def assert_same_steps(ours: Path, theirs: Path) -> None:
+    """Every logged step's losses (each stream's) and gradient norm agree within summation order."""
+    ours, theirs = ([m for m in read_metrics(run) if "train/loss" in m] for run in (ours, theirs))
+    assert len(ours) == len(theirs) > 0
+    for key in ("train/loss", "train/loss_video", "train/loss_audio", "train/grad_norm"):
+        assert [m[key] for m in ours] == pytest.approx([m[key] for m in theirs], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_fsdp_trains_batches_with_and_without_sound(ddp_sound_run, tmp_path):
+    """FSDP over the clips with sound and the one without: a rank whose batch has no sound leaves the audio
+    stream without a gradient, yet must reduce-scatter what the other ranks do (without, the ranks'
+    collectives differ and the run stops at its first mixed step). LoRA on every attention on 2 ranks, its
+    blocks streamed (parallel.cpu_offload: LoRA then streams with them, not in a unit of its own), trains as
+    DDP does, step for step and in the exported weights; sft with sequence parallelism on 2 x 2 ranks (each
+    pair shares a clip) as one process does with the same global batch (accumulation 2 x 1)."""
+    out, ddp = ddp_sound_run
+    settings = {**ddp, "run.output_dir": str(tmp_path / "lora"), "parallel.strategy": "fsdp",
+                "parallel.cpu_offload": True}  # LoRA streams from the host with its block
+    run_ok(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))], nproc=2)
+    assert_same_steps(tmp_path / "lora", out / "ddp")
+    ours, theirs = (load_file(run / "lora" / "pytorch_lora_weights.safetensors")
+                    for run in (tmp_path / "lora", out / "ddp"))
+    assert {"audio_attn1", "audio_to_video_attn", "video_to_audio_attn"} <= {k.split(".")[3] for k in ours}
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
+
+    sft = {**ddp, "train.training_type": "sft", "train.steps": 2, "checkpoint.checkpointing_steps": 2}
+    split = {**sft, "run.output_dir": str(tmp_path / "sft_sp"), "parallel.strategy": "fsdp",
+             "parallel.sp_size": 2}
+    run_ok(["--cfg", str(write_toml(tmp_path / "sft_sp.toml", split))], nproc=4)
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", {
+        **sft, "run.output_dir": str(tmp_path / "sft"), "train.gradient_accumulation_steps": 2}))])
+    assert_same_steps(tmp_path / "sft_sp", tmp_path / "sft")
+
+
+def test_offload_blocks_with_sound_is_refused(ltx2_models, base_settings, sound_data, tmp_path):
+    """With sound LoRA streams with its block (above): only some blocks on the host would split LoRA's weights
+    and AdamW state between host and GPU, so parallel.offload_blocks is refused before the cache pass."""
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path / "run", **SOUND, **{
+        "parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 1})
+    cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))
+    with one_rank_group() as d, pytest.raises(StopRun, match="offload_blocks = 1 with data.audio = true"):
+        cache.prepare(cfg, d)

@@ -1,6 +1,7 @@
-"""The README's troubleshooting table quotes messages the code prints: each quoted message must be an
-instance of a string in the code, its `...` standing for elided text and the code's {placeholders}
-for the example values the README shows."""
+"""The documents hold what the code does: docs/troubleshooting.md quotes messages the code prints (each
+quoted message an instance of a string in the code, its `...` standing for elided text and the code's
+{placeholders} for the example values the page shows), every link and cited file resolves inside the
+repository, and nothing points outside it."""
 
 import ast
 import re
@@ -43,11 +44,19 @@ def literal_match(piece: str, pattern: list) -> int:
     return result
 
 
+DOCUMENTS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted(REPO.glob("docs/**/*.md"))]
+
+
+def troubleshooting_rows() -> list[str]:
+    """The rows of every table on the troubleshooting page (its header and rule rows left out)."""
+    page = (REPO / "docs/troubleshooting.md").read_text()
+    return [line for line in page.splitlines()
+            if line.startswith("| ") and not line.startswith(("| message", "| ---"))]
+
+
 def quoted_messages() -> list[str]:
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("## Troubleshooting"):readme.index("## Tests and benchmarks")]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| message")]
-    return [quote for row in rows for quote in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+    messages = [row.split(" | ")[0] for row in troubleshooting_rows()]
+    return [quote for message in messages for quote in re.findall(r"`([^`]+)`", message)]
 
 
 def found_in_code(piece: str, patterns: list[list]) -> bool:
@@ -67,11 +76,53 @@ def test_troubleshooting_quotes_what_the_code_prints():
     assert [(message, piece) for message, piece in pieces if not found_in_code(piece, patterns)] == []
 
 
-def test_what_the_code_cites_lives_in_the_repository():
-    """The documents the code and tests point readers to are in the repository (a clone has nothing
-    beside it)."""
-    sources = {path: path.read_text() for pattern in ("*.py", "families/*.py", "tools/*.py", "bench/*.py", "tests/*.py")
-               for path in REPO.glob(pattern)}
-    assert [path.name for path, text in sources.items() if re.search(r"\.\./shared/", text)] == []
-    cited = {doc for text in sources.values() for doc in re.findall(r"docs/models/[\w.-]+\.md", text)}
-    assert cited and [doc for doc in sorted(cited) if not (REPO / doc).is_file()] == []
+def test_out_of_memory_comes_first():
+    """The first thing a user who hit a wall looks for is the first group of the troubleshooting page."""
+    page = (REPO / "docs/troubleshooting.md").read_text()
+    assert re.findall(r"^### (.+)$", page, flags=re.M)[0] == "Out of memory"
+    assert "out of memory" in troubleshooting_rows()[0].lower()
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_in_the_documents_resolves():
+    """README.md, BENCHMARKS.md and every page under docs/: each relative link (inline or a reference
+    definition) names a file of the repository, and each #anchor a heading of its page."""
+    broken = []
+    for doc in DOCUMENTS:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        targets = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]: (\S+)$", text, flags=re.M)
+        for target in targets:
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists() or not file.resolve().is_relative_to(REPO.resolve()):
+                broken.append((doc.name, target))
+            elif anchor and anchor not in map(slug, re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)):
+                broken.append((doc.name, target))
+    assert len(DOCUMENTS) > 10 and broken == []
+
+
+def test_what_the_code_and_documents_cite_lives_in_the_repository():
+    """A clone has nothing beside it: no file points at the project's shared folder, and every document
+    named in the code, the tests, the configs or the documents (a path ending in .md) is a file of the
+    repository, named from the repository's root (or, in a document, from its own folder)."""
+    patterns = ("*.py", "families/*.py", "tools/*.py", "bench/*.py", "bench/*.sh", "tests/*.py", "configs/*.toml",
+                "*.sh", "requirements*.txt")
+    code = [path for pattern in patterns for path in REPO.glob(pattern)]
+    assert [path.name for path in code + DOCUMENTS if re.search(r"\.\./shared", path.read_text())] == []
+    missing = []
+    for path in code + DOCUMENTS:
+        text = path.read_text()
+        # A markdown link's text and target are checked by the link test (config.py writes one page's).
+        text = re.sub(r"\[[^\]]*\](\([^)]*\)|\[[^\]]*\])", "", text)
+        text = re.sub(r"^\[[^\]]+\]: \S+$", "", text, flags=re.M)
+        bases = [REPO] + ([path.parent] if path.suffix == ".md" else [])
+        for cited in re.findall(r"(?<![\w/.<>-])\w[\w./-]*\.md\b", text):
+            if not any((base / cited).is_file() for base in bases):
+                missing.append((path.name, cited))
+    assert missing == []

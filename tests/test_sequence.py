@@ -14,14 +14,12 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, free_port, read_metrics, run_ok, write_toml
+from conftest import REPO, free_port, one_rank_group, read_metrics, run_ok, write_toml
 from safetensors.torch import load_file
-from test_ltx2 import ltx2_models  # noqa: F401 (the fixture)
 
 import sequence
 from config import ConfigError, load_config
-from model import load_adapter
-from test_variants import one_rank_group
+from model_adapter import load_adapter
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
@@ -67,6 +65,7 @@ def logged(output_dir, tag: str) -> dict[int, float]:
     return {m["step"]: m[tag] for m in read_metrics(output_dir) if tag in m}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("name", ["sp2", "dp2_sp2_fsdp"])
 def test_same_weights_as_one_process(sp_runs, family, name):
@@ -93,7 +92,7 @@ import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import sequence
 from config import ModelConfig
-from model import load_adapter
+from model_adapter import load_adapter
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -231,6 +230,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -4,7 +4,9 @@ does and give the folder's first-step loss (bf16 exactly, fp8 within the toleran
 records); the files are what diffusers' single-file loader and ComfyUI's model definition expect; a file
 of the other family, of another size, incomplete or cut short is refused before the cache pass."""
 
+import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -15,11 +17,12 @@ from safetensors.torch import load_file, save_file
 
 import data
 import parallel
+import storage
 from cache import prepare
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from conftest import write_toml
-from model import build_model, load_adapter
-from test_variants import comfyui_linears, one_rank_group
+from conftest import comfyui_linears, one_rank_group, write_toml
+from model import build_model
+from model_adapter import load_adapter
 from tools.to_single_file import to_single_file
 
 # family: (tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding, 1.5's rotary grid.
@@ -41,6 +44,11 @@ def adapter_for(family, folder, transformer_file="", dtype="bf16"):
 
 def tensors(transformer) -> dict[str, torch.Tensor]:
     return {**dict(transformer.named_buffers()), **dict(transformer.named_parameters())}
+
+
+def differing(got: dict, expected: dict) -> list[str]:
+    """The keys whose tensors differ in dtype or in value."""
+    return [k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])]
 
 
 def first_step_loss(adapter, transformer) -> torch.Tensor:
@@ -154,6 +162,42 @@ def test_fsdp_reads_each_ranks_rows_of_a_scaled_fp8_file(folders, tmp_path):
     assert [k for k, v in frozen.items() if not torch.equal(v, plain[k])] == []
 
 
+@pytest.mark.parametrize("form", ["cast", "scaled", "e5m2"])
+def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path):
+    """model.storage_dtype = "fp8" on an fp8 file (a plain cast, ComfyUI's scaled fp8): each of its fp8
+    weights keeps the file's bytes and its scale (1 for a cast), spread to every row in fp32, without
+    FSDP and under it (one rank): rounded once, by the file's maker, not dequantized and quantized again.
+    An e5m2 cast, which storage.py does not keep, is quantized once from its values at full precision."""
+    path = tmp_path / "model.safetensors"
+    to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=form == "scaled")
+    if form == "e5m2":
+        save_file({k: v.to(torch.float8_e5m2) if v.dtype == torch.float8_e4m3fn else v
+                   for k, v in load_file(path).items()}, path)
+    cfg = ModelConfig(path=str(folders["wan"]), family="wan", storage_dtype="fp8", transformer_file=str(path))
+    adapter = load_adapter(cfg, torch.device("cpu"))
+    whole = dict(adapter.load_transformer().named_parameters())
+    train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
+    with one_rank_group() as d:
+        model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
+        sharded = {k: v.full_tensor() for k, v in model.named_parameters()
+                   if isinstance(v, torch.distributed.tensor.DTensor)}
+        del model
+    stored = load_file(path)
+    fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].itemsize == 1}
+    assert fp8
+    for params in (whole, sharded):
+        for key, name in fp8.items():
+            if form == "e5m2":
+                quantized, scale = storage.quantize(stored[name].float())
+                assert torch.equal(params[key].view(torch.uint8), quantized.view(torch.uint8)), key
+                assert torch.equal(params[f"{key}_scale"], scale), key
+                continue
+            scale = stored.get(name.removesuffix("weight") + "scale_weight", torch.tensor(1.0))
+            assert params[key].dtype == torch.float8_e4m3fn and params[f"{key}_scale"].dtype == torch.float32
+            assert torch.equal(params[key].view(torch.uint8), stored[name].view(torch.uint8)), key
+            assert torch.equal(params[f"{key}_scale"], scale.float().expand(stored[name].shape[0], 1)), key
+
+
 def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
     """diffusers' own reader of the original layout (from_single_file, its Wan converter) loads our file
     to the folder's weights, rounded to bf16 where the file stores bf16."""
@@ -169,11 +213,21 @@ def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
                for k in folder)
 
 
+def comfyui_detection(keys) -> dict:
+    """What ComfyUI's model detection makes of a CogVideoX file's positions (comfy/model_detection.py,
+    detect_unet_config's CogVideoX branch, at comfyanonymous/ComfyUI
+    3e4d15a4f70f5de24f426d9681d8505d42bf19d7): with patch_embed.pos_embedding, learned positions and no
+    rotary embeddings; without it, rotary ones. Its model (comfy/ldm/cogvideo/model.py there) adds sincos
+    positions whenever it has no rotary embeddings."""
+    learned = "patch_embed.pos_embedding" in keys
+    return {"use_learned_positional_embeddings": learned, "use_rotary_positional_embeddings": not learned}
+
+
 def comfyui_keys(config: dict) -> set[str]:
     """The state dict of ComfyUI's native CogVideoX (comfy/ldm/cogvideo/model.py, as test_variants reads it):
     weight and bias of every Linear (1.5's patch linear too: patch_bias concerns 1.0's Conv2d), the affine
     LayerNorms (norm1.norm, norm2.norm, norm_q, norm_k in each block; norm_final, norm_out.norm), a Conv2d
-    patch embedding on 1.0 and the learned positions (5b-I2V)."""
+    patch embedding on 1.0 and the positions, a persistent buffer with learned ones."""
     linears = comfyui_linears(config)
     keys = {f"{name}.{leaf}" for name in linears for leaf in ("weight", "bias")}
     norms = [f"blocks.{i}.{n}" for i in range(config["num_layers"]) for n in ("norm1.norm", "norm2.norm", "norm_q", "norm_k")]
@@ -185,11 +239,25 @@ def comfyui_keys(config: dict) -> set[str]:
 
 @pytest.mark.parametrize("variant", ["2b", "1.5-5b-i2v"])
 def test_cogvideox_files_hold_comfyuis_state_dict(variant, tiny_models, tmp_path):
+    """ComfyUI detects the model the file is (2b: sincos positions, from the table we write; 1.5: rotary
+    ones) and its model's state dict is the file's; our reader takes the file back to the folder's weights
+    (model.dtype bf16, as the file's), accepting 2b's table."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(tiny_models(variant)), str(path))
-    adapter = load_adapter(ModelConfig(path=str(tiny_models(variant)), type=MODELS["cogvideox"][1] if "i2v" in variant
-                                       else "t2v"), torch.device("cpu"))
-    assert set(load_file(path)) == comfyui_keys(adapter.transformer_config)
+    cfg = ModelConfig(path=str(tiny_models(variant)), type="i2v" if "i2v" in variant else "t2v")
+    adapter = load_adapter(cfg, torch.device("cpu"))
+    stored = load_file(path)
+    detected, config = comfyui_detection(stored), adapter.transformer_config
+    assert detected["use_rotary_positional_embeddings"] == config["use_rotary_positional_embeddings"]
+    assert set(stored) == comfyui_keys({**config, **detected})
+    folder = tensors(adapter.load_transformer())
+    file_cfg = dataclasses.replace(cfg, transformer_file=str(path))
+    read = tensors(load_adapter(file_cfg, torch.device("cpu")).load_transformer())
+    assert read.keys() == folder.keys()
+    assert differing(read, folder) == []
+    if variant == "2b":  # diffusers' own table, the one its non-persistent buffer holds
+        torch.testing.assert_close(stored["patch_embed.pos_embedding"].float(),
+                                   folder["patch_embed.pos_embedding"].float(), rtol=2**-8, atol=0)
 
 
 def other_size(folder, out):
@@ -228,3 +296,141 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
     with one_rank_group() as d, pytest.raises(parallel.StopRun, match=f"{tmp_path / '2b-cut.safetensors'} is truncated:"):
         prepare(cfg, d)
     assert not (tmp_path / "cache").exists()
+
+
+def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, tmp_path):
+    """ComfyUI's old scaled fp8 layout: a file with one .scale_weight missing (that layer would be read
+    1 / scale, thousands of times, too large) and a file without the scaled_fp8 marker (every scale would
+    be dropped) are refused when the adapter loads, naming the file and the key; so is a file of the new
+    layout whose metadata leaves out a layer that has its .weight_scale."""
+    path = tmp_path / "model.safetensors"
+    to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=True)
+    stored = load_file(path)
+    scale = sorted(k for k in stored if k.endswith(".scale_weight"))[0]
+    save_file({k: v for k, v in stored.items() if k != scale}, tmp_path / "one-scale-missing.safetensors")
+    save_file({k: v for k, v in stored.items() if k != "scaled_fp8"}, tmp_path / "no-marker.safetensors")
+    layer = scale.removesuffix(".scale_weight")
+    to_metadata_form(path, tmp_path / "new.safetensors", comfy_quant_tensors=False)
+    with safe_open(tmp_path / "new.safetensors", "pt") as f:
+        listed = json.loads(f.metadata()["_quantization_metadata"])
+    del listed["layers"][layer]
+    save_file(load_file(tmp_path / "new.safetensors"), tmp_path / "unlisted.safetensors",
+              metadata={"_quantization_metadata": json.dumps(listed)})
+    cases = {"one-scale-missing": f"layer {layer} is quantized as float8_e4m3fn but the file lacks its "
+                                  f"scale, {scale}",
+             "no-marker": "holds fp8 scales (blocks.0.cross_attn.k.scale_weight, ...) that neither ComfyUI's "
+                          "scaled_fp8 key nor its quantization metadata",
+             "unlisted": f"holds fp8 scales ({layer}.weight_scale, ...) that neither"}
+    for name, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            adapter_for("wan", folders["wan"], str(tmp_path / f"{name}.safetensors"))
+
+
+def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_models, tmp_path):
+    """model.transformer_file given a folder, a diffusers folder's transformer file (under its own name and
+    under another), a PyTorch pickle, a GGUF file (refused by its first bytes: a header length read from them
+    would be gigabytes) or a file whose JSON header is not safetensors': each message says which it is."""
+    wan = folders["wan"]
+    diffusers_file = wan / "transformer" / "diffusion_pytorch_model.safetensors"
+    shutil.copy(ltx2_models("2.0") / "transformer" / "diffusion_pytorch_model.safetensors",
+                tmp_path / "ltx2.safetensors")
+    torch.save(load_file(diffusers_file), tmp_path / "model.ckpt")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
+    header = json.dumps({"weight": {"dtype": "BF16", "shape": [2]}}).encode()
+    (tmp_path / "odd.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    layout = "is in diffusers' layout (a diffusers folder's transformer/diffusion_pytorch_model.safetensors)"
+    cases = [("wan", wan, wan / "transformer", "is a folder; it takes a single .safetensors file"),
+             ("wan", wan, diffusers_file, layout),
+             ("ltx2", ltx2_models("2.0"), tmp_path / "ltx2.safetensors", layout),
+             ("wan", wan, tmp_path / "model.ckpt", "is a PyTorch pickle (torch.save's format"),
+             ("wan", wan, tmp_path / "model.gguf", "is a GGUF file (llama.cpp's format"),
+             ("wan", wan, tmp_path / "odd.safetensors", "its header's entry 'weight' is not a tensor's")]
+    for family, folder, path, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(f"model.transformer_file = {path}")) as refused:
+            cfg = ModelConfig(path=str(folder), family=family, transformer_file=str(path))
+            load_adapter(cfg, torch.device("cpu"))
+        assert message in str(refused.value), (path.name, str(refused.value))
+
+
+# How diffusers' scripts/convert_ltx2_to_diffusers.py (huggingface/diffusers
+# 58eb52c0803ea9af3abec60841c2a093bdf1f951) reads Lightricks' files (ltx-2-19b-dev.safetensors, LTX-2.3's):
+# get_model_state_dict_from_combined_ckpt takes the keys under model.diffusion_model.,
+# split_transformer_and_connector_state_dict sets the connectors apart, convert_ltx2_transformer replaces
+# LTX_2_0_ (2.3: LTX_2_3_) TRANSFORMER_KEYS_RENAME_DICT's substrings in order, then
+# convert_ltx2_transformer_adaln_single renames a leading adaln_single. / audio_adaln_single.
+LTX2_RENAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
+                "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
+                "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
+                "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
+                "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
+                "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
+                "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
+                "q_norm": "norm_q", "k_norm": "norm_k"}
+LTX2_3_RENAMES = {**LTX2_RENAMES, "audio_prompt_adaln_single": "audio_prompt_adaln",
+                  "prompt_adaln_single": "prompt_adaln"}
+LTX2_CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector",
+                           "transformer_1d_blocks", "text_embedding_projection", "connectors.",
+                           "video_connector", "audio_connector", "text_proj_in")
+# LTX_2_0_ / LTX_2_3_CONNECTORS_KEYS_RENAME_DICT read backwards: the connectors' names in Lightricks' files.
+LTX2_CONNECTOR_NAMES = {"video_text_proj_in": "text_embedding_projection.video_aggregate_embed",
+                        "audio_text_proj_in": "text_embedding_projection.audio_aggregate_embed",
+                        "text_proj_in": "text_embedding_projection.aggregate_embed",
+                        "video_connector": "video_embeddings_connector",
+                        "audio_connector": "audio_embeddings_connector",
+                        "transformer_blocks": "transformer_1d_blocks", "norm_q": "q_norm", "norm_k": "k_norm"}
+
+
+def diffusers_ltx2_transformer(combined: dict, version: str) -> dict:
+    """The transformer's state dict diffusers' conversion script makes of a Lightricks file."""
+    renames = LTX2_3_RENAMES if version == "2.3" else LTX2_RENAMES
+    state, starts = {}, {"adaln_single.": "time_embed.", "audio_adaln_single.": "audio_time_embed."}
+    for key, tensor in combined.items():
+        prefix, _, key = key.partition("model.diffusion_model.")
+        if prefix or not key or key.startswith(LTX2_CONNECTOR_PREFIXES):
+            continue
+        for original, new in renames.items():
+            key = key.replace(original, new)
+        for original, new in starts.items():
+            if key.startswith(original) and (".weight" in key or ".bias" in key):
+                key = new + key.removeprefix(original)
+        state[key] = tensor
+    return state
+
+
+def lightricks_file(folder, out):
+    """The tiny model as Lightricks lay theirs out: the transformer under model.diffusion_model. in ltx-core's
+    names (tools/to_single_file.py), the text connectors beside it in theirs, the text projection outside the
+    prefix (as some of their files have it), the VAEs and the vocoder under vae., audio_vae. and vocoder.
+    (their own names there do not matter: nothing reads them)."""
+    to_single_file(str(folder), str(out), prefix=True)
+    combined = load_file(out)
+    for key, tensor in load_file(folder / "connectors" / "diffusion_pytorch_model.safetensors").items():
+        name = re.sub("|".join(LTX2_CONNECTOR_NAMES), lambda m: LTX2_CONNECTOR_NAMES[m[0]], key)
+        outside = name.startswith("text_embedding_projection")
+        combined[name if outside else f"model.diffusion_model.{name}"] = tensor
+    for part in ("vae", "audio_vae", "vocoder"):
+        part_file = folder / part / "diffusion_pytorch_model.safetensors"
+        combined |= {f"{part}.{k}": v for k, v in load_file(part_file).items()}
+    save_file(combined, out)
+    return combined
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.3"])
+def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tmp_path):
+    """A file laid out as ltx-2-19b-dev.safetensors (LTX-2.3's as 2.3's): diffusers' conversion script turns
+    its transformer part into the folder's state dict, and model.transformer_file reads the transformer from
+    it, skipping the connectors, VAEs and vocoder, to the folder's weights (bf16, as the file's), bit for
+    bit."""
+    folder, path = ltx2_models(version), tmp_path / "ltx-2-19b-dev.safetensors"
+    combined = lightricks_file(folder, path)
+    assert any(k.startswith("model.diffusion_model.video_embeddings_connector.") for k in combined)
+    expected = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    converted = diffusers_ltx2_transformer(combined, version)
+    assert converted.keys() == expected.keys()
+    assert all(torch.equal(converted[k], expected[k].to(torch.bfloat16)) for k in expected)
+    cfg = ModelConfig(path=str(folder), family="ltx2", dtype="bf16")
+    theirs = tensors(load_adapter(cfg, torch.device("cpu")).load_transformer())
+    file_cfg = dataclasses.replace(cfg, transformer_file=str(path))
+    ours = tensors(load_adapter(file_cfg, torch.device("cpu")).load_transformer())
+    assert ours.keys() == theirs.keys()
+    assert differing(ours, theirs) == []

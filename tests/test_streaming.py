@@ -17,7 +17,8 @@ import activations
 import parallel
 import trainer
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from model import build_model, load_adapter
+from model import build_model
+from model_adapter import load_adapter
 
 STREAMING = {"parallel.strategy": "fsdp", "parallel.cpu_offload": True}
 RUNS = {
@@ -48,17 +49,21 @@ def settings(base_settings, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(settings):
-    """Each run in this process, 4 steps in fp32; the tensors that activation offload packed and unpacked."""
-    outputs, packed, unpacked = {}, [], []
+    """Each run in this process, 4 steps in fp32; the tensors that activation offload packed, copied to
+    the host and unpacked."""
+    outputs, packed, copied, unpacked = {}, [], [], []
     pack, unpack = activations.HostActivations.pack, activations.HostActivations.unpack
+    host_like = activations.HostActivations.host_like
     with pytest.MonkeyPatch.context() as m:
         m.setattr(activations.HostActivations, "pack",
                   lambda self, kept, tensor: packed.append(tuple(tensor.shape)) or pack(self, kept, tensor))
+        m.setattr(activations.HostActivations, "host_like", lambda self, kept, tensor:
+                  copied.append(tuple(tensor.shape)) or host_like(self, kept, tensor))
         m.setattr(activations.HostActivations, "unpack", lambda self, handle: unpacked.append(1) or unpack(self, handle))
         for run in RUNS:
             config, outputs[run] = settings(run, run)
             trainer.main(["--cfg", str(config)])
-    outputs["packed"], outputs["unpacked"] = packed, len(unpacked)
+    outputs["packed"], outputs["copied"], outputs["unpacked"] = packed, copied, len(unpacked)
     return outputs
 
 
@@ -66,6 +71,7 @@ def lora_of(output_dir):
     return load_file(output_dir / "lora" / "pytorch_lora_weights.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["streamed", "one_block"])
 def test_trains_the_plain_runs_lora(runs, run):
     plain, ours = lora_of(runs["plain"]), lora_of(runs[run])
@@ -74,14 +80,19 @@ def test_trains_the_plain_runs_lora(runs, run):
     assert train_losses(runs[run]) == pytest.approx(train_losses(runs["plain"]), rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
 def test_activation_offload_moves_what_checkpointing_keeps(runs):
-    """Each step's forward sends every block's tensor inputs (the video tokens [batch, tokens, width], the
-    text tokens, the timestep embedding) to the host once, and the backward takes each back."""
+    """Each step's forward packs every block's tensor inputs (the video tokens [batch, tokens, width], the
+    text tokens, the timestep embedding), and the backward takes each back. A tensor goes to the host
+    once: CogVideoX's blocks each make new video and text tokens, but share the timestep embedding, which
+    the first block copies and the second keeps on the device."""
     assert runs["unpacked"] == len(runs["packed"])
     # The tiny CogVideoX-2b at 9x32x32: 3 latent frames of 4x4 patches (48 video tokens), 16 text tokens, width 32.
     assert runs["packed"] == [(2, 48, 32), (2, 16, 32), (2, 32)] * (STEPS * BLOCKS)
+    assert runs["copied"] == [(2, 48, 32), (2, 16, 32), (2, 32), (2, 48, 32), (2, 16, 32)] * STEPS
 
 
+@pytest.mark.slow
 def test_validation_clips_equal_the_plain_runs(runs):
     """Rendered with every block streamed, before training and after it: the plain run's frames."""
     clips = sorted(p.name for p in (runs["plain"] / "validation_res").glob("*.safetensors"))
@@ -93,6 +104,7 @@ def test_validation_clips_equal_the_plain_runs(runs):
         assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in plain), name
 
 
+@pytest.mark.slow
 def test_stopped_streaming_run_resumes_bitwise(runs, settings, monkeypatch):
     """Stopped by an error after step 3, in this process: what a kill leaves on disk (checkpoint-2, nothing
     after it; tests/test_ckpt.py kills with SIGKILL), at a fraction of a new process's cost."""
@@ -154,3 +166,16 @@ def test_more_blocks_than_the_model_has_stop_before_the_cache_pass(settings, cap
         trainer.main(["--cfg", str(config), "--parallel.offload_blocks", "3", "--data.cache_dir", str(out / "cache")])
     assert "parallel.offload_blocks = 3, but the model has 2 transformer blocks: set at most 2" in caplog.text
     assert not (out / "cache").exists()
+
+
+def test_allocator_settings_keep_the_users_keys():
+    """What parallel.init hands torch's allocators on a GPU, whatever launched the run: ours (expandable
+    segments; pinned host memory above 16 MiB at its exact size and not cached) after the user's own
+    PYTORCH_ALLOC_CONF, but for the keys the user named (the two pinned ones together: a block left
+    unrounded but cached would be handed out for a larger request of its power of two)."""
+    ours = "expandable_segments:True,pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16"
+    assert parallel.allocator_settings("") == ours
+    user = "roundup_power2_divisions:[256:1,>:2],max_split_size_mb:64"
+    assert parallel.allocator_settings(user) == f"{user},{ours}"
+    user = "expandable_segments:False,pinned_max_cached_size_mb:64"
+    assert parallel.allocator_settings(user) == user

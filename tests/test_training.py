@@ -42,6 +42,7 @@ def test_training_lowers_the_held_out_loss(learned):
     assert (out / "config.toml").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["lora/pytorch_lora_weights.safetensors", "lora/adapter_model.safetensors"])
 def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, layout):
     """Started from a run's export (diffusers' or PEFT's layout), the step-0 held-out loss is that run's
@@ -56,6 +57,7 @@ def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, l
     assert "cache:" not in refused.stderr
 
 
+@pytest.mark.slow
 def test_same_seed_same_run(write_config, tmp_path):
     """Bitwise, with run.deterministic on in one of them (on CPUs it changes nothing, and every op used
     has a deterministic implementation, or torch would raise)."""
@@ -71,12 +73,13 @@ def test_same_seed_same_run(write_config, tmp_path):
     assert train_losses(tmp_path / "dropout") != train_losses(tmp_path / "first")
 
 
+@pytest.mark.slow
 def test_compile_trains_as_eager(write_config, tmp_path):
     """train.compile (inductor, each block, inside activation checkpointing) computes eager's 4 steps: losses
     and weights within rtol 1e-4 (measured: 2e-8 apart), with validation on. Validation runs eagerly, so
     the blocks' compiled variants are training's alone: 2 graphs (the first block's input needs no
     gradient, the others' does), none for a no-grad call (with validation compiled, the first validation
-    alone made 4 of dynamo's default 8). A second bucket adds the same two with dynamic sizes (README).
+    alone made 4 of dynamo's default 8). A second bucket adds the same two with dynamic sizes (docs/distributed.md).
     The compile costs about 50 s on 2 cores when inductor's on-disk cache is cold, about 8 s from it."""
     settings = {"train.steps": 4, "checkpoint.checkpointing_steps": 4, "validation.do_validation": False}
     run_ok(["--cfg", str(write_config("eager", **settings))])
@@ -96,6 +99,7 @@ def test_compile_trains_as_eager(write_config, tmp_path):
     assert compiled.count("Recompiling function") == 1, compiled[-3000:]
 
 
+@pytest.mark.slow
 def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
     """The exported LoRA holds exactly the weights of the last checkpoint, as DCP's own converter reads it,
     with the trained alpha in its metadata; the checkpoint holds no frozen weight."""
@@ -110,6 +114,7 @@ def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
     assert not any(k.endswith(".weight") and "lora_" not in k for k in model)
 
 
+@pytest.mark.slow
 def test_peak_memory_is_measured_per_phase(write_config, tmp_path):
     """Validation (a 128x128 render, which takes far more memory than training at 32x32) reports its own
     peak, and training's next log step does not inherit it: the peak is reset before and after each
@@ -138,6 +143,7 @@ def corrupt_dataset(tiny_data, tmp_path, how: str):
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings, message", [
     ({"train.stepz": 3}, "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
     ({"train.steps": "many"}, "train.steps must be int"),
@@ -166,6 +172,7 @@ def test_synthetic_clips_decode(tiny_data):
     assert len(frames) == 17 and frames[0].shape == (40, 48, 3) and frames[5].max() > 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["1.5-5b", "1.5-5b-i2v"])
 def test_cogvideox_15_lowers_the_held_out_loss(variant, tiny_models, write_config, tmp_path):
     """1.5's latents are padded to patch_size_t as the pipeline pads them, I2V's image condition rides
@@ -184,3 +191,24 @@ def test_synthetic_dataset_is_byte_identical_per_seed(tmp_path):
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
     assert (tmp_path / "a" / "prompts.txt").read_text() != (tmp_path / "c" / "prompts.txt").read_text()
+
+
+def test_a_weight_no_batch_reached_steps_on_a_zero_gradient():
+    """LTX-2's audio stream in a step where no rank's batch has sound: FSDP reduce-scatters a zero gradient
+    for it (set_reduce_scatter_unused_params), so one process and DDP step on zeros too, and AdamW's weight
+    decay and momentum move it alike under every strategy (with None, AdamW would skip it)."""
+    import trainer
+    from config import TrainConfig
+    from model import LossScaler, build_optimizer
+
+    t = TrainConfig(learning_rate=1e-2, weight_decay=0.1)
+    model = torch.nn.ModuleDict({"video": torch.nn.Linear(4, 4), "audio": torch.nn.Linear(4, 4)})
+    params, optimizer = build_optimizer(model, t)
+    scaler, state = LossScaler(torch.device("cpu"), enabled=False), trainer.TrainState(torch.device("cpu"))
+    for step, streams in enumerate([("video", "audio"), ("video",)], start=1):  # step 2 has no sound
+        before = model["audio"].weight.detach().clone()
+        loss = sum(model[s](torch.ones(1, 4)).square().sum() for s in streams)
+        loss.backward()
+        trainer.clip_and_step(params, optimizer, scaler, t, state, step, loss.detach(), zero_missing=True)
+    assert not torch.equal(model["audio"].weight, before)  # moved by momentum and decay alone
+    assert optimizer.state[model["audio"].weight]["step"] == 2  # stepped twice, as FSDP steps it

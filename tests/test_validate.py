@@ -4,7 +4,6 @@ reproducible from checkpoints and LoRA files, and invisible to training."""
 import contextlib
 import io
 
-import av
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import decode_mp4, read_metrics, run_cmd, run_ok, train_losses, write_toml
 
 import cache
 import ckpt_files
@@ -24,7 +23,7 @@ import parallel
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
-from model import load_adapter
+from model_adapter import load_adapter
 
 PROMPTS = ["a red ball moves left", "a blue square drifts up slowly", "a small green circle bounces"]
 FPS = 12
@@ -74,13 +73,6 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-def decode_mp4(path):
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        frames = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(stream)])
-        return frames, stream.average_rate
-
-
 def validation_steps(output_dir) -> list[int]:
     return [m["step"] for m in read_metrics(output_dir) if "val/time_s" in m]
 
@@ -89,6 +81,7 @@ def lora_files(output_dir, folder="lora"):
     return load_file(output_dir / folder / "pytorch_lora_weights.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("validated, plain", [("one", "plain"), ("fsdp", "fsdp_plain")])
 def test_training_is_not_disturbed(runs, validated, plain):
     """Validation every 2 steps, with the EMA weights swapped in, leaves the training losses and the final
@@ -101,6 +94,7 @@ def test_training_is_not_disturbed(runs, validated, plain):
     assert all(m["val/peak_mem_gb"] > 0 and m["val/time_s"] > 0 for m in read_metrics(runs / validated) if "val/time_s" in m)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one", "fsdp"])
 def test_clips_in_mp4_and_tensorboard(runs, name):
     """One mp4 and one playable TensorBoard clip per prompt per validation, with the configured frames and
@@ -141,6 +135,7 @@ def render_of(output_dir, name: str):
     return path
 
 
+@pytest.mark.slow
 def test_fsdp_clips_equal_one_process(runs):
     """2 FSDP ranks (3 prompts: one rank renders a padding clip) render the clips one process renders:
     the weights differ only by the summation order of the sharded reduction, so the frames agree within
@@ -153,6 +148,7 @@ def test_fsdp_clips_equal_one_process(runs):
             assert (one.float() - other.float()).abs().mean() > 10
 
 
+@pytest.mark.slow
 def test_render_command_reproduces_training_clips(runs):
     """`validate.py --checkpoint` renders the training clip exactly (with the EMA weights, as validation
     does); `--online` and the exported LoRA, in one process or on 2 FSDP ranks, render the online weights."""
@@ -176,6 +172,7 @@ def test_render_command_reproduces_training_clips(runs):
 FSDP_OVERRIDES = ["--parallel.strategy", "fsdp", "--train.batch_size", "1"]
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tmp_path):
     """SIGTERM at sampling step 30 of the process (step 2's validation: step 0's took 3 clips x 8 steps)
     stops every rank there with step 2's checkpoint, exit 0; the next launch ends exactly as the run that
@@ -193,6 +190,7 @@ def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tm
         assert torch.equal(clip_of(tmp_path / "stopped", f"step_4_prompt_{i}"), clip_of(runs / "one", f"step_4_prompt_{i}"))
 
 
+@pytest.mark.slow
 def test_encoders_load_once_per_run(write_config, tmp_path, monkeypatch):
     """Four validations, one VAE load: it is parked on the CPU between them; T5 encodes the prompts once."""
     config = write_config("loads", **{"train.steps": 3, "validation.validation_steps": 1, "validation.prompts": PROMPTS[:1],
@@ -233,6 +231,7 @@ def pipeline_frames(tiny_model, adapter, cfg: ValidationConfig, lora_file=None) 
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler,dynamic", [("dpm", True), ("ddim", False)])
 def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process_group, tmp_path, scheduler, dynamic):
     """Our loop (fused attention, keyed noise, batched CFG) gives the pipeline's frames, with the base
@@ -258,6 +257,7 @@ def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process
     assert (results[None][0] - results[lora_file][0]).abs().max() > 1e-2  # the LoRA shows in the frames
 
 
+@pytest.mark.slow
 def test_fused_attention_and_render_leave_the_model_alone(runs, tiny_model, adapter, one_process_group, tmp_path):
     """The fused processor matches diffusers' on a LoRA model; rendering restores the processors and
     train mode, and leaves every weight bitwise unchanged."""
@@ -354,6 +354,7 @@ def test_gen_fps_zero_is_the_familys_published_rate(tiny_models, wan_models, one
                                   str(tmp_path), one_process_group)
 
 
+@pytest.mark.slow
 def test_render_command_errors(runs):
     """No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the message; a
     stop signal during the render: exit 1."""

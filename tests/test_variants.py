@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline, CogVideoXTransformer3DModel
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -19,12 +18,12 @@ import cache
 import data
 import export
 import lora
-import parallel
-import trainer
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
-from model import build_model, load_adapter
+from conftest import (assert_loads_lean, comfyui_linears, lora_and_sft_runs, one_rank_group, read_metrics, run_cmd, run_ok,
+                      train_losses, write_toml)
+from model import build_model
+from model_adapter import load_adapter
 
 COMMON = {"activation_fn", "attention_bias", "attention_head_dim", "dropout", "flip_sin_to_cos", "freq_shift",
           "in_channels", "max_text_seq_length", "norm_elementwise_affine", "norm_eps", "num_attention_heads",
@@ -45,17 +44,6 @@ PROMPTS = ["a red circle moves right", "a blue square moves up"]
 
 def model_type(variant: str) -> str:
     return "i2v" if variant.endswith("i2v") else "t2v"
-
-
-@contextlib.contextmanager
-def one_rank_group():
-    """A one-rank process group, as trainer.py makes without torchrun (not held across trainer.main,
-    which makes and destroys its own)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield parallel.Dist(0, 1, 0, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tiny_models_carry_the_published_key_sets(tiny_models):
@@ -102,16 +90,7 @@ def pipeline_run(variant, path, cfg: ValidationConfig, adapter, images, lora_fil
     return frames, inputs[0]
 
 
-def lora_and_sft_runs(settings: dict, tmp_path):
-    """Two steps of LoRA with `settings` (under tmp_path/lora) and two of sft beside it (tmp_path/sft): the
-    exported LoRA file, the LoRA run's config and its adapter (the family template's runs)."""
-    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
-    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
-    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
-    cfg = load_config(str(tmp_path / "lora.toml"))
-    return tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors", cfg, load_adapter(cfg.model, torch.device("cpu"))
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(PUBLISHED))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models, base_settings, images, tmp_path):
     """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32, with
@@ -170,29 +149,6 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models
                                    expected, rtol=0, atol=1e-5)
 
 
-def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
-    """The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a diffusers
-    transformer config, written from comfy/ldm/cogvideo/model.py (CogVideoXBlock, CogVideoXPatchEmbed,
-    CogVideoXLayerNormZero, CogVideoXAdaLayerNorm, CogVideoXTransformer3DModel.__init__) as read at
-    comfyanonymous/ComfyUI 955ce480e27210cc7c0ea007f017077a2c539b81 (the same in yzkee/ComfyUI, a copy of
-    upstream to Aug 2026, at 783545f689a0af730065994b46b382ae24844c99). ComfyUI converts no diffusers keys for CogVideoX
-    (comfy/model_detection.py detects it by blocks.0.norm1.linear.weight), and its LoRA loader
-    (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` from
-    `diffusion_model.<module>.lora_A/lora_B.weight` with `.alpha` (comfy/weight_adapter/lora.py)."""
-    dim, time, p, pt = c["num_attention_heads"] * c["attention_head_dim"], c["time_embed_dim"], c["patch_size"], c["patch_size_t"]
-    block = {"norm1.linear": (time, 6 * dim), "q": (dim, dim), "k": (dim, dim), "v": (dim, dim), "attn_out": (dim, dim),
-             "norm2.linear": (time, 6 * dim), "ff_proj": (dim, 4 * dim), "ff_out": (4 * dim, dim)}
-    linears = {f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()}
-    linears |= {"patch_embed.text_proj": (c["text_embed_dim"], dim), "time_embedding_linear_1": (dim, time),
-                "time_embedding_linear_2": (time, time), "norm_out.linear": (time, 2 * dim),
-                "proj_out": (dim, p * p * (pt or 1) * c["out_channels"])}
-    if pt:  # 1.5: the patch embedding is a Linear (a Conv2d in 1.0)
-        linears["patch_embed.proj"] = (c["in_channels"] * p * p * pt, dim)
-    if c["ofs_embed_dim"]:
-        linears |= {"ofs_embedding_linear_1": (c["ofs_embed_dim"],) * 2, "ofs_embedding_linear_2": (c["ofs_embed_dim"],) * 2}
-    return linears
-
-
 def assert_comfyui_layout(path) -> None:
     keys = load_file(path).keys()
     pattern = re.compile(r"diffusion_model\.(.+)\.(lora_A\.weight|lora_B\.weight|alpha)")
@@ -222,6 +178,7 @@ def test_comfy_export_names_every_linear_as_comfyui_does(variant, tiny_models, t
     assert (info["rank"], info["alpha"]) == (2, 3.0)
 
 
+@pytest.mark.slow
 def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):
     """CogVideoX1.5-5B-I2V's key set on 2 FSDP ranks with validation (images): SIGKILL after step 6, the
     next launch resumes from step 4 and ends bitwise equal to the run that was never stopped, clips
@@ -264,6 +221,7 @@ def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):
     assert (plain - expected).abs().max() > 1e-4  # the LoRA shows
 
 
+@pytest.mark.slow
 def test_i2v_images_follow_the_bad_input_rules_and_are_encoded_once(tiny_models, tiny_data, write_config, tmp_path,
                                                                      caplog):
     data_root = tmp_path / "data"

@@ -1,26 +1,32 @@
 """Wan 2.1 and 2.2: the tiny models carry the published key sets; every variant trains, samples exactly
 as WanPipeline / WanImageToVideoPipeline do (with and without our exported LoRA, switching experts at
-the boundary), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
+the boundary; FLF2V with last_image), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
 
 import contextlib
+import io
 import json
+import logging
+import shutil
 
+import numpy as np
 import pytest
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 from PIL import Image
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import cache
 import data
+import decode
 import lora
 import trainer
 import validate
-from config import ConfigError, ModelConfig, load_config
-from conftest import assert_loads_lean, read_metrics, run_cmd, run_ok, train_losses, write_toml
-from model import load_adapter
+from config import ConfigError, DataConfig, ModelConfig, load_config
+from conftest import (assert_loads_lean, one_rank_group, picked_frames, ramp_clip, read_metrics, run_cmd, run_ok,
+                      train_losses, write_toml)
+from model_adapter import load_adapter
 from parallel import StopRun
-from test_variants import one_rank_group
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
          "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
@@ -29,6 +35,7 @@ WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "f
 VARIANTS = {
     "t2v": ("t2v", "", WAN21, WanPipeline),
     "i2v": ("i2v", "", WAN21, WanImageToVideoPipeline),
+    "flf2v": ("i2v", "", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
     "ti2v-5b": ("i2v", "", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
     "a14b-t2v": ("t2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanPipeline),
     "a14b-i2v": ("i2v", "low_noise", WAN21 | {"pos_embed_seq_len"}, WanImageToVideoPipeline),
@@ -71,7 +78,7 @@ def test_tiny_models_carry_the_published_key_sets(wan_models):
                 assert set(json.loads((path / folder / "config.json").read_text())) - {"_class_name",
                                                                                         "_diffusers_version"} == keys
         index = json.loads((path / "model_index.json").read_text())
-        assert ("boundary_ratio" in index) == (variant not in ("t2v", "i2v")), variant
+        assert ("boundary_ratio" in index) == (variant not in ("t2v", "i2v", "flf2v")), variant
         assert (path / "transformer_2").is_dir() == variant.startswith("a14b")
 
 
@@ -83,9 +90,22 @@ def wan_settings(variant, wan_models, base_settings, tiny_data, output_dir, **ex
                 "validation.prompts": PROMPTS, "validation.num_inference_steps": 6}
     if expert:  # the low-noise expert's own guidance, as the A14B configs set it
         settings["validation.guidance_scale_2"] = 3.0
+    settings = {**settings, **extra}
+    prompts = range(len(settings["validation.prompts"]))
     if model_type == "i2v":
-        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(len(PROMPTS))]
-    return {**settings, **extra}
+        settings.setdefault("validation.images", [str(tiny_data / "images" / f"0000{i}.png") for i in prompts])
+    if variant == "flf2v":  # each clip's last frame (the dataset writes them), and another clip's for validation
+        settings.setdefault("data.last_image_column", "last_images.txt")
+        settings.setdefault("validation.last_images", [str(tiny_data / "last_images" / f"0000{i + 2}.png")
+                                                       for i in prompts])
+    return settings
+
+
+def image_tokens(config, gen: torch.Generator, batch: int = 2):
+    """CLIP image tokens for `batch` rows of the tiny transformer: FLF2V's two images per row."""
+    if not config["image_dim"]:
+        return None
+    return torch.randn(batch * (2 if config["pos_embed_seq_len"] else 1), 17, 16, generator=gen)
 
 
 def pipeline_frames(variant, path, cfg, lora_file=None):
@@ -103,6 +123,8 @@ def pipeline_frames(variant, path, cfg, lora_file=None):
     frames = []
     for i, prompt in enumerate(cfg.prompts):
         extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
+        if cfg.last_images:
+            extra["last_image"] = Image.open(cfg.last_images[i]).convert("RGB")
         frames.append(pipe(prompt=prompt, num_frames=9, height=32, width=32, num_inference_steps=cfg.num_inference_steps,
                            guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2 or None,
                            generator=data.keyed_generator(cfg.seed, i),
@@ -123,7 +145,7 @@ def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
         config = transformer.config
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(2, config.in_channels, 3, 4, 4, generator=gen)
-        image = torch.randn(2, 17, 16, generator=gen) if config.image_dim else None
+        image = image_tokens(config, gen)
         with torch.no_grad():
             outputs.append(transformer(hidden_states=x, timestep=torch.tensor([10, 900]), return_dict=False,
                                        encoder_hidden_states=torch.randn(2, 512, 32, generator=gen),
@@ -132,6 +154,7 @@ def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
 
 
 # diffusers adds zero image-key LoRAs when it loads a LoRA into a 2.1 I2V transformer: its warning is expected.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models, base_settings, tiny_data, tmp_path):
@@ -187,13 +210,14 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models,
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, config["in_channels"], 3, 4, 4, generator=gen)
     embeds = torch.randn(2, adapter.text_length, 32, generator=gen)
-    image = torch.randn(2, 17, 16, generator=gen) if config["image_dim"] else None
+    image = image_tokens(config, gen)
     with torch.no_grad():
         expected = adapter._predict(ours, x, torch.tensor([10.0, 900.0]), embeds, image)
         torch.testing.assert_close(adapter._predict(exported, x, torch.tensor([10.0, 900.0]), embeds, image),
                                    expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_each_expert_trains_only_on_its_range(wan_models, base_settings, tiny_data, tmp_path, monkeypatch):
     """A14B: transformer/ (high noise) takes t >= boundary_ratio x 1000, transformer_2/ the rest, as the
     pipeline splits them; the held-out loss measures each on its own range."""
@@ -214,6 +238,7 @@ def test_each_expert_trains_only_on_its_range(wan_models, base_settings, tiny_da
                             {"val/loss_t100", "val/loss_t300", "val/loss_t500", "val/loss_t700"})
 
 
+@pytest.mark.slow
 def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_path):
     settings = wan_settings("t2v", wan_models, base_settings, tiny_data, tmp_path / "learn", **{
         "train.steps": 60, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
@@ -224,11 +249,12 @@ def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_
     assert sorted(losses) == [0, 60] and losses[60] < 0.9 * losses[0], losses
 
 
-@pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise")])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise"), ("flf2v", "")])
 def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, tmp_path):
     """2 FSDP ranks with validation: SIGKILL after step 4, the next launch resumes from step 3 and ends
-    bitwise equal to the run never stopped, clips included; the export loads in WanPipeline and its
-    ComfyUI file equals it through diffusers' converter."""
+    bitwise equal to the run never stopped, clips included; the export loads in the variant's pipeline
+    and its ComfyUI file equals it through diffusers' converter."""
     lifecycle = {"model.expert": expert, "parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 6,
                  "checkpoint.checkpointing_steps": 3, "validation.do_validation": True, "validation.validation_steps": 3,
                  "validation.num_inference_steps": 3, "validation.save_frames": True, "validation.prompts": PROMPTS[:1]}
@@ -256,13 +282,139 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
     assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
     assert_comfy_file_equals_ours(variant, wan_models(variant), lora_dir, expert)
     cfg = load_config(str(configs["reference"]))
+    if variant == "flf2v":  # TensorBoard shows the prompt's first and last image beside its clip
+        events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
+        events.Reload()
+        shown = events.Images("val/conditions_0")
+        assert [c.step for c in shown] == [0, 3, 6]
+        with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
+            pixels = torch.from_numpy(np.asarray(gif.convert("RGB"))).float()
+        images = [Image.open(path).convert("RGB").resize((32, 32)) for path in (cfg.validation.images[0],
+                                                                                 cfg.validation.last_images[0])]
+        expected = torch.from_numpy(np.concatenate([np.asarray(image) for image in images], axis=1)).float()
+        assert pixels.shape == (32, 64, 3) and (pixels - expected).abs().mean() < 4
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
         model = validate.load_model(cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")).eval()
-    pipe = WanPipeline.from_pretrained(str(wan_models(variant)))
+    pipe = VARIANTS[variant][3].from_pretrained(str(wan_models(variant)))
     pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
     gen = torch.Generator().manual_seed(0)
-    x, embeds = torch.randn(2, 16, 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    config = adapter.transformer_config
+    x, embeds = torch.randn(2, config["in_channels"], 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    image = image_tokens(config, gen)
     with torch.no_grad():
-        torch.testing.assert_close(adapter._predict(pipe.transformer, x, torch.tensor([10, 900]), embeds, None),
-                                   adapter._predict(model, x, torch.tensor([10, 900]), embeds, None), rtol=0, atol=1e-5)
+        t = torch.tensor([10, 900])
+        torch.testing.assert_close(adapter._predict(pipe.transformer, x, t, embeds, image),
+                                   adapter._predict(model, x, t, embeds, image), rtol=0, atol=1e-5)
+
+
+# Wan FLF2V (first-last-frame): each clip's window ends at its last frame, the cached condition is built from
+# the window's first frame and the clip's last image and follows its content, and each refusal names the key or
+# file to fix.
+def test_the_window_ends_at_the_clips_last_frame(tmp_path):
+    """A clip with a last image trains its last 9 frames whatever the seed; without one the window starts
+    anywhere; with both images the clip must be exactly the window."""
+    ramp_clip(tmp_path / "ramp.mp4", 17)
+    clip, media = data.Clip(tmp_path / "ramp.mp4", "grey", 1, "videos.txt"), decode.probe(tmp_path / "ramp.mp4")
+    for seed in range(4):
+        item = data.plan_clip(clip, media, "content", [(9, 32, 32)], DataConfig(), seed, None, "last")
+        assert item.start == 8 and item.last_image_content == "last"
+        assert picked_frames(data.decode_clip(item)) == list(range(8, 17))
+    starts = {data.plan_clip(clip, media, "content", [(9, 32, 32)], DataConfig(), seed).start for seed in range(8)}
+    assert len(starts) > 1
+    both = data.plan_clip(clip, media, "content", [(9, 32, 32)], DataConfig(), 0, "first", "last")
+    assert isinstance(both, data.Problem) and "has 17 frames and both an image and a last image" in both.reason
+    whole = data.plan_clip(clip, media, "content", [(17, 32, 32)], DataConfig(), 0, "first", "last")
+    assert whole.start == 0 and picked_frames(data.decode_clip(whole)) == list(range(17))
+
+
+def flf2v_data(root, tiny_data):
+    """A metadata.jsonl dataset of 4 of the session's clips with their last frames (copied: a test edits one)."""
+    root.mkdir()
+    (root / "videos").symlink_to(tiny_data / "videos")
+    shutil.copytree(tiny_data / "last_images", root / "last_images")
+    rows = [f'{{"video": "videos/0000{i}.mp4", "prompt": "clip {i}", "last_image": "last_images/0000{i}.png"}}\n'
+            for i in range(4)]
+    (root / "metadata.jsonl").write_text("".join(rows))
+    return root
+
+
+def test_the_cache_holds_both_images_condition_keyed_by_the_last_image(wan_models, base_settings, tiny_data,
+                                                                       tmp_path, caplog):
+    """The image entry is the condition of the window's first frame and the clip's last image, as the
+    adapter encodes them together; replacing one last image's content re-encodes that clip only."""
+    root = flf2v_data(tmp_path / "data", tiny_data)
+    settings = wan_settings("flf2v", wan_models, base_settings, tiny_data, tmp_path / "out", **{
+        "data.data_root": str(root), "data.last_image_column": "", "data.cache_dir": str(tmp_path / "cache"),
+        "data.held_out": 0})
+    from conftest import write_toml
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    with one_rank_group() as d:
+        adapter, entries, items, _ = cache.prepare(cfg, d)
+        assert [item.start for item in items] == [8] * 4  # 17-frame clips, 9-frame windows ending at the last
+        item = items[1]
+        reference = adapter.encode_image(data.decode_clip(item)[:1], [torch.Generator()], 9,
+                                         last_images=data.load_image(item, last=True)[None])
+        cached = load_file(entries.path(item, "image"))
+        assert cached["image_embeds"].shape == (2 * 17, 16)  # both images' CLIP tokens
+        for key in cached:
+            torch.testing.assert_close(cached[key], reference[key][0], rtol=0, atol=1e-5)
+        before = entries.path(item, "image")
+        shutil.copy(root / "last_images" / "00002.png", root / "last_images" / "00001.png")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vidtrain"):
+            _, entries, items, _ = cache.prepare(cfg, d)
+    assert entries.path(items[1], "image") != before
+    assert [entries.path(i, "image") for i in items[::2]] == [entries.path(i, "image") for i in (items[0], items[2])]
+    assert any("cache: 1 clips encoded, 3 reused" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_refusals_name_the_key(wan_models, base_settings, tiny_data, tmp_path):
+    """A first-last-frame model without last images, last images for another model, a missing last image
+    file, and validation.last_images that do not pair with the prompts: each stops with its fix."""
+    from conftest import write_toml
+
+    def prepare(name, variant="flf2v", **extra):
+        settings = wan_settings(variant, wan_models, base_settings, tiny_data, tmp_path / name,
+                                **{"data.cache_dir": str(tmp_path / "cache"), **extra})
+        with one_rank_group() as d:
+            cache.prepare(load_config(str(write_toml(tmp_path / f"{name}.toml", settings))), d)
+
+    with pytest.raises(ConfigError, match=r"is a first-last-frame model \(Wan FLF2V\), but no clip has a last image: "
+                                          r"set data.last_image_column"):
+        prepare("none", **{"data.last_image_column": ""})
+    with pytest.raises(ConfigError, match=r"data.last_image_column = last_images.txt conditions first-last-frame "
+                                          r"models, and model.path = .* is not one"):
+        prepare("i2v", "i2v", **{"data.last_image_column": "last_images.txt"})
+    root = flf2v_data(tmp_path / "data", tiny_data)
+    (root / "last_images" / "00002.png").unlink()
+    with pytest.raises(data.BadClip, match=r"line 3: .*00002.mp4: last image .*00002.png: .*fix or remove it"):
+        prepare("missing", **{"data.data_root": str(root), "data.last_image_column": "", "data.held_out": 0})
+    settings = wan_settings("flf2v", wan_models, base_settings, tiny_data, tmp_path / "count")
+    settings["validation.last_images"] = settings["validation.last_images"][:1]
+    settings["validation.do_validation"] = True
+    with pytest.raises(ConfigError, match=r"validation.last_images has 1 for 2 validation.prompts"):
+        load_config(str(write_toml(tmp_path / "count.toml", settings)))
+
+
+def test_validate_renders_between_the_images(wan_models, base_settings, tiny_data, tmp_path, caplog):
+    """validate.py --last-image renders the base model's clip; without it a first-last-frame model is refused,
+    and an image-to-video model refuses one."""
+    from conftest import write_toml
+    settings = wan_settings("flf2v", wan_models, base_settings, tiny_data, tmp_path / "out",
+                            **{"validation.num_inference_steps": 2, "validation.last_images": []})
+    config = str(write_toml(tmp_path / "c.toml", settings))
+    first, last = str(tiny_data / "images" / "00000.png"), str(tiny_data / "last_images" / "00000.png")
+    validate.main(["--cfg", config, "--prompt", "a square", "--image", first, "--last-image", last])
+    assert len(list((tmp_path / "out" / "validation_res").glob("render_base_prompt_0_*.mp4"))) == 1
+    i2v = wan_settings("i2v", wan_models, base_settings, tiny_data, tmp_path / "i2v",
+                       **{"validation.num_inference_steps": 2})
+    refusals = {"is a first-last-frame model (Wan FLF2V): each validation prompt renders between its image and its "
+                "last image; set validation.last_images (validate.py: --last-image), one per prompt": [config],
+                "validation.last_images conditions first-last-frame models, and": [
+                    str(write_toml(tmp_path / "i2v.toml", i2v)), "--last-image", last]}
+    for message, arguments in refusals.items():
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="vidtrain"), pytest.raises(SystemExit):
+            validate.main(["--cfg", arguments[0], "--prompt", "a square", "--image", first, *arguments[1:]])
+        assert message in caplog.text

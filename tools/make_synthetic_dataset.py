@@ -1,7 +1,8 @@
 """Write short clips of simple moving shapes, with prompts that describe them.
 
 CogVideo's layout: prompts.txt, videos.txt, videos/NNNNN.<ext>, images.txt, images/NNNNN.png (the
-first frames, for image-to-video). Byte-identical output for a given seed (in the default kind, mp4).
+first frames, for image-to-video), last_images.txt, last_images/NNNNN.png (the last frames, for
+first-last-frame). Byte-identical output for a given seed (in the default kind, mp4).
 --kinds cycles the clips through the ways phones and the web store video:
 
   mp4    H.264 in mp4 (the header counts its frames)
@@ -132,14 +133,16 @@ def add_sound_stream(container, channels: int, codec: str, rate: int):
 
 
 def write_sound(container, stream, sound: np.ndarray, start_pts: int = 0) -> None:
-    """float32 [channels, samples] encoded into `stream`, its first sample at `start_pts` (in samples)."""
+    """float32 [channels, samples] encoded into `stream`, its first sample at `start_pts` (in samples).
+    Packed frames: PyAV 18.1 cannot build planar ones of 8 channels; the encoder converts."""
     rate = stream.codec_context.sample_rate
     for start in range(0, sound.shape[1], 1024):
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(sound[:, start : start + 1024]), format="fltp",
-                                           layout=stream.layout.name)
+        packed = np.ascontiguousarray(sound[:, start : start + 1024].T).reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(packed, format="flt", layout=stream.layout.name)
         frame.sample_rate, frame.pts, frame.time_base = rate, start_pts + start, Fraction(1, rate)
         container.mux(stream.encode(frame))
-    container.mux(stream.encode())
+    # FLAC's encoder ends with an empty packet, which Matroska refuses.
+    container.mux([packet for packet in stream.encode() if packet.size])
 
 
 def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, height: int = 40, width: int = 48,
@@ -147,9 +150,10 @@ def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, hei
     root = Path(out)
     (root / "videos").mkdir(parents=True, exist_ok=True)
     (root / "images").mkdir(exist_ok=True)
+    (root / "last_images").mkdir(exist_ok=True)
     rng = random.Random(seed)
     kinds = kinds or (("mp4", "mkv") if audio else ("mp4",))
-    prompts, videos, images = [], [], []
+    prompts, videos, images, last_images = [], [], [], []
     for i in range(num_videos):
         kind = kinds[i % len(kinds)]
         shape, colour, direction = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(DIRECTIONS))
@@ -160,10 +164,13 @@ def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, hei
         sound = tone(along, frame_times(kind, frames, FPS), FPS, AUDIO[kind][1])[None] if audio and kind in AUDIO else None
         write_clip(root / name, video, FPS, kind, sound)
         Image.fromarray(video[0]).save(root / "images" / f"{i:05d}.png")
+        Image.fromarray(video[-1]).save(root / "last_images" / f"{i:05d}.png")
         prompts.append(f"a {colour} {shape} moves {direction} on a black background")
         videos.append(name)
         images.append(f"images/{i:05d}.png")
-    for name, lines in (("prompts.txt", prompts), ("videos.txt", videos), ("images.txt", images)):
+        last_images.append(f"last_images/{i:05d}.png")
+    for name, lines in (("prompts.txt", prompts), ("videos.txt", videos), ("images.txt", images),
+                        ("last_images.txt", last_images)):
         (root / name).write_text("\n".join(lines) + "\n")
 
 

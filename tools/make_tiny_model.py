@@ -10,8 +10,9 @@ diffusers added later is absent, and the class fills its default, as it does for
 
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V 1.3B/14B),
 i2v (2.1 I2V 14B, with a CLIP image encoder), ti2v-5b (2.2, its 4x16x16 VAE), a14b-t2v and a14b-i2v
-(2.2, two experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B), each text- and image-to-video (the
-same folder serves both pipelines). docs/models/<family>.md list the published key sets.
+(2.2, two experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B), 2.5 (LTX-2.5 22B: Gemma 4, a duration
+head), each text- and image-to-video (the same folder serves both pipelines). docs/models/<family>.md list the
+published key sets.
 """
 
 import argparse
@@ -45,6 +46,7 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2.duration_head import LTX2DurationHead
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from transformers import (
     CLIPImageProcessorPil,
@@ -52,6 +54,8 @@ from transformers import (
     CLIPVisionModel,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
+    Gemma4UnifiedConfig,
+    Gemma4UnifiedForConditionalGeneration,
     GemmaTokenizer,
     T5Config,
     T5EncoderModel,
@@ -181,7 +185,7 @@ def make_tiny_model(out: str, variant: str = "5b", seed: int = 0, transformer_se
         {k: v for k, v in transformer.config.items() if not k.startswith("_")}, variant
 
 
-# Wan (docs/models/wan.md). The 2.1 transformer files predate pos_embed_seq_len; the 2.1 VAE
+# Wan (docs/models/wan.md). The 2.1 T2V and I2V transformer files predate pos_embed_seq_len; the 2.1 VAE
 # files predate the 2.2 VAE's keys; 2.1's model_index has no boundary_ratio or expand_timesteps.
 WAN21_KEYS = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
               "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
@@ -204,18 +208,25 @@ WAN22_LATENTS_STD = [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.50
 WAN_VARIANTS = {
     "t2v": (WanPipeline, (16, 16), False, False, None, None, 3.0),
     "i2v": (WanImageToVideoPipeline, (36, 16), True, False, None, None, 3.0),
+    "flf2v": (WanImageToVideoPipeline, (36, 16), True, False, None, None, 3.0),
     "ti2v-5b": (WanPipeline, (48, 48), False, True, None, True, 5.0),
     "a14b-t2v": (WanPipeline, (16, 16), False, False, 0.875, False, 3.0),
     "a14b-i2v": (WanImageToVideoPipeline, (36, 16), False, False, 0.9, False, 3.0),
 }
 
 
-def make_wan_transformer(channels: tuple[int, int], image: bool) -> WanTransformer3DModel:
+# The tiny CLIP's tokens per image: (32 / 8)^2 patches and its class token (the published one's 257).
+CLIP_TOKENS = 17
+
+
+def make_wan_transformer(channels: tuple[int, int], image: bool, first_last: bool = False) -> WanTransformer3DModel:
+    # FLF2V: the image embedder's position table covers two images' tokens, as diffusers' convert_wan_to_diffusers
+    # writes for Wan-FLF2V-14B-720P ("pos_embed_seq_len": 257 * 2).
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
                                  in_channels=channels[0], out_channels=channels[1], text_dim=TEXT_DIM, freq_dim=256,
                                  ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                  eps=1e-6, image_dim=16 if image else None, added_kv_proj_dim=32 if image else None,
-                                 rope_max_seq_len=1024)
+                                 rope_max_seq_len=1024, pos_embed_seq_len=2 * CLIP_TOKENS if first_last else None)
 
 
 def make_wan_vae(is_22: bool) -> AutoencoderKLWan:
@@ -239,7 +250,7 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
             feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True, dropout_rate=0.1,
             layer_norm_epsilon=1e-6, scalable_attention=True, tie_word_embeddings=False))
         components = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": make_wan_vae(is_22),
-                      "transformer": make_wan_transformer(channels, image),
+                      "transformer": make_wan_transformer(channels, image, variant == "flf2v"),
                       "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                            num_train_timesteps=1000, flow_shift=shift)}
         if boundary is not None:  # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
@@ -255,13 +266,14 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
     pipe = pipeline_cls(**components, boundary_ratio=boundary, expand_timesteps=bool(expand))
     pipe.save_pretrained(out)
     root = Path(out)
+    # 2.1 T2V and I2V predate pos_embed_seq_len; FLF2V's config holds it (set), 2.2's too (null).
     transformer_keys = WAN21_KEYS if variant in ("t2v", "i2v") else WAN21_KEYS | {"pos_embed_seq_len"}
     for folder in ("transformer", "transformer_2"):
         if (root / folder).is_dir():
             keep_keys(root / folder / "config.json", transformer_keys)
     keep_keys(root / "vae" / "config.json", WAN22_VAE_KEYS if is_22 else WAN21_VAE_KEYS)
     index = json.loads((root / "model_index.json").read_text())
-    if variant in ("t2v", "i2v"):  # 2.1's folders predate the 2.2 pipeline arguments
+    if variant in ("t2v", "i2v", "flf2v"):  # 2.1's folders predate the 2.2 pipeline arguments
         index = {k: v for k, v in index.items() if k not in ("boundary_ratio", "expand_timesteps", "transformer_2")}
     if index.get("image_processor", [None])[0]:  # the published class name, whichever backend saved it
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
@@ -269,7 +281,8 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
 
 
 # LTX-2 (docs/models/ltx2.md): the transformer/config.json keys of the published folders, as diffusers'
-# conversion script writes them for 2.0 and 2.3 (the four keys LTX-2.5 added later are absent).
+# conversion script writes them for 2.0 and 2.3 (the four keys LTX-2.5 added later are absent); 2.5's adds
+# two (LTX25_KEYS).
 LTX2_KEYS = {
     "activation_fn", "attention_bias", "attention_head_dim", "attention_out_bias", "audio_attention_head_dim",
     "audio_cross_attention_dim", "audio_cross_attn_mod", "audio_gated_attn", "audio_hop_length", "audio_in_channels",
@@ -280,14 +293,17 @@ LTX2_KEYS = {
     "out_channels", "patch_size", "patch_size_t", "perturbed_attn", "pos_embed_max_pos", "qk_norm", "rope_double_precision",
     "rope_theta", "rope_type", "timestep_scale_multiplier", "use_prompt_embeddings", "vae_scale_factors",
 }
-LTX2_TEXT_LAYERS = 2  # the tiny Gemma 3's layers: the connectors read every layer's hidden states and the embeddings'
+LTX25_KEYS = LTX2_KEYS | {"ff_bias", "use_keyframes_abs_pos_embedding"}
+# The tiny Gemma's layers: the connectors read every layer's hidden states and the embeddings'
+LTX2_TEXT_LAYERS = 2
 LTX2_LATENT_CHANNELS = 8
 # The audio VAE: mel_bins 16 and its 4x mel compression give 4 latent mel bins, x 2 latent channels = 8 features
 # per audio token, which must equal base_channels (its latents_mean/std hold one value per token feature).
 LTX2_AUDIO = {"base_channels": 8, "latent_channels": 2, "mel_bins": 16}
-# variant: LTX-2.3's changes (gated attention, cross-attention modulation, per-modality text projections, STG's
-# perturbed attention, the vocoder with bandwidth extension)
-LTX2_VARIANTS = {"2.0": False, "2.3": True}
+# variant: (LTX-2.3's changes: gated attention, cross-attention modulation, per-modality text projections,
+# STG's perturbed attention, the vocoder with bandwidth extension; LTX-2.5's: Gemma 4, a video feed-forward
+# without bias, the keyframe position embedding, the duration head)
+LTX2_VARIANTS = {"2.0": (False, False), "2.3": (True, False), "2.5": (True, True)}
 
 
 def make_gemma_tokenizer() -> GemmaTokenizer:
@@ -299,20 +315,32 @@ def make_gemma_tokenizer() -> GemmaTokenizer:
     return GemmaTokenizer(vocab=vocab, merges=[])
 
 
+def make_tiny_gemma(vocab_size: int, is_25: bool):
+    """A 2-layer Gemma of hidden size 16: Gemma 3 with a 1-layer SigLIP vision tower (2.0, 2.3), or a Gemma 4
+    (`gemma4_unified`, 2.5: the class diffusers' conversion script requires) with a 1-layer vision tower; the
+    last layer full attention, as both families' configs require."""
+    text = {"vocab_size": vocab_size, "hidden_size": TEXT_DIM // 2, "intermediate_size": 32,
+            "num_hidden_layers": LTX2_TEXT_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8, "sliding_window": 64}
+    if not is_25:
+        return Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=text, vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                             "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+            mm_tokens_per_image=4))
+    return Gemma4UnifiedForConditionalGeneration(Gemma4UnifiedConfig(
+        text_config={**text, "global_head_dim": 8, "layer_types": ["sliding_attention", "full_attention"]},
+        vision_config={"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 16, "mm_posemb_size": 16,
+                       "output_proj_dims": TEXT_DIM // 2}))
+
+
 def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
-    is_23 = LTX2_VARIANTS[variant]
+    is_23, is_25 = LTX2_VARIANTS[variant]
     tokenizer = make_gemma_tokenizer()
     video_dim, audio_dim = 16, 8  # the transformer's streams: 2 heads of 8, 2 heads of 4
     audio_features = LTX2_AUDIO["latent_channels"] * LTX2_AUDIO["mel_bins"] // 4
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
-            text_config={"vocab_size": len(tokenizer) + 8, "hidden_size": TEXT_DIM // 2, "intermediate_size": 32,
-                         "num_hidden_layers": LTX2_TEXT_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 1,
-                         "head_dim": 8, "sliding_window": 64},
-            vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                           "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
-            mm_tokens_per_image=4))
+        text_encoder = make_tiny_gemma(len(tokenizer) + 8, is_25)
         caption = TEXT_DIM // 2
         transformer = LTX2VideoTransformer3DModel(
             in_channels=LTX2_LATENT_CHANNELS, out_channels=LTX2_LATENT_CHANNELS, patch_size=1, patch_size_t=1,
@@ -320,7 +348,8 @@ def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
             gated_attn=is_23, cross_attn_mod=is_23, audio_in_channels=audio_features, audio_out_channels=audio_features,
             audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=audio_dim,
             audio_gated_attn=is_23, audio_cross_attn_mod=is_23, num_layers=2, caption_channels=caption,
-            rope_type="split", use_prompt_embeddings=not is_23, perturbed_attn=is_23)
+            rope_type="split", use_prompt_embeddings=not is_23, perturbed_attn=is_23,
+            **({"ff_bias": False, "use_keyframes_abs_pos_embedding": True} if is_25 else {}))
         connectors = LTX2TextConnectors(
             caption_channels=caption, text_proj_in_factor=LTX2_TEXT_LAYERS + 1,
             video_connector_num_attention_heads=2, video_connector_attention_head_dim=8, video_connector_num_layers=1,
@@ -341,7 +370,7 @@ def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
         audio_vae.register_buffer("latents_mean", torch.randn(LTX2_AUDIO["base_channels"]) * 0.1)
         audio_vae.register_buffer("latents_std", 1.0 + torch.rand(LTX2_AUDIO["base_channels"]))
         # The vocoders upsample mel frames (hop 160 at 16 kHz) by the published totals, in two layers: x120 to
-        # 24 kHz (2.0); x160 to 16 kHz, then the bandwidth extension's x240 over hop 80 to 48 kHz (2.3).
+        # 24 kHz (2.0); x160 to 16 kHz, then the bandwidth extension's x240 over hop 80 to 48 kHz (2.3, 2.5).
         mel_features = 2 * LTX2_AUDIO["mel_bins"]  # the decoder's stereo mel spectrogram, flattened
         if is_23:
             vocoder = LTX2VocoderWithBWE(
@@ -352,16 +381,24 @@ def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
         else:
             vocoder = LTX2Vocoder(in_channels=mel_features, hidden_channels=8, upsample_kernel_sizes=[24, 20],
                                   upsample_factors=[12, 10], resnet_kernel_sizes=[3], resnet_dilations=[[1]])
+        # 2.5's duration head (inference only: it predicts num_frames when a pipeline call omits it), its
+        # published structure (one query, 4 pooler heads) on the tiny streams' widths.
+        duration_head = LTX2DurationHead(video_cross_attention_dim=video_dim,
+                                         audio_cross_attention_dim=audio_dim, pooler_hidden_dim=16,
+                                         mlp_hidden_dim=16) if is_25 else None
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                                 base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
     pipe = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
-                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder,
+                        duration_head=duration_head)
     pipe.save_pretrained(out)
     root = Path(out)
-    keep_keys(root / "transformer" / "config.json", LTX2_KEYS)
-    # The optional components LTX-2.5 added: absent from the 2.0 and 2.3 folders.
+    keep_keys(root / "transformer" / "config.json", LTX25_KEYS if is_25 else LTX2_KEYS)
+    # The optional components LTX-2.5 added: absent from the 2.0 and 2.3 folders; 2.5's has its duration head
+    # (the prompt enhancer and its processor are a separate download, not part of training).
     index = json.loads((root / "model_index.json").read_text())
-    index = {k: v for k, v in index.items() if k not in ("duration_head", "processor", "prompt_enhancer")}
+    dropped = ("processor", "prompt_enhancer") if is_25 else ("duration_head", "processor", "prompt_enhancer")
+    index = {k: v for k, v in index.items() if k not in dropped}
     (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 

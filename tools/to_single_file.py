@@ -1,6 +1,7 @@
 """Write a diffusers model folder's transformer as one safetensors file in the layout ComfyUI and the original
 releases use (what model.transformer_file reads): Wan in the original checkpoint's names, CogVideoX in
-ComfyUI's native ones (docs/models/wan.md and docs/models/cogvideox.md, "Single files").
+ComfyUI's native ones (2b's with its sincos table, which ComfyUI detects it by), LTX-2 in Lightricks'
+(ltx-core's) (docs/models/*.md, "Single files").
 
     python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp8 [--scaled]] [--prefix] [--folder transformer]
 
@@ -13,7 +14,6 @@ as ComfyUI's own checkpoints have them. The file is written one tensor at a time
 """
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import ADAPTERS  # noqa: E402
-from model_adapter import FILE_DTYPES, Weights  # noqa: E402
-from single_file import PREFIX  # noqa: E402
+import model_adapter  # noqa: E402
+from transformer_loading import resolved_config  # noqa: E402
+from weights import FILE_DTYPES, PREFIX, Weights  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: a plain cast of a value past it gives NaN, not 448
@@ -31,11 +31,9 @@ FILE_NAMES = {dtype: name for name, dtype in FILE_DTYPES.items()}
 
 
 def adapter_class(model_dir: Path):
-    """The family's adapter class, from the folder's model_index.json (as model.load_adapter tells it)."""
+    """The family's adapter class, from the folder's model_index.json (as model_adapter.load_adapter tells it)."""
     pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
-    family = next(f for f in ADAPTERS if pipeline.lower().startswith(f))
-    module, name = ADAPTERS[family]
-    return getattr(importlib.import_module(module), name)
+    return model_adapter.adapter_class(next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f)))
 
 
 def quantized(key: str, shape: tuple) -> bool:
@@ -51,13 +49,16 @@ def to_single_file(model_dir: str, out: str, fp8: bool = False, scaled: bool = F
                    folder: str = "transformer") -> None:
     cls = adapter_class(Path(model_dir))
     weights = Weights(Path(model_dir) / folder)
-    names = {key: cls.single_file_key(key) for key in weights.entries}
+    tables = cls.single_file_tables(resolved_config(cls.TRANSFORMER, Path(model_dir), folder))
+    stored = {key: entry[1:3] for key, entry in weights.entries.items()} | {
+        key: (table.dtype, tuple(table.shape)) for key, table in tables.items()}
+    names = {key: cls.single_file_key(key) for key in stored}
     unnamed = [key for key, name in names.items() if name is None]
     if unnamed or cls.diffusers_names(list(names.values())) != {v: k for k, v in names.items()}:
         raise SystemExit(f"{model_dir}/{folder}: no single-file name for {unnamed[:3]}, or the names do not read back")
     # key -> (its name in the file, the dtype written); scaled layers' scales follow their weights.
     plan = {}
-    for key, (_, dtype, shape, _) in weights.entries.items():
+    for key, (dtype, shape) in stored.items():
         if dtype.is_floating_point and not cls.keeps_fp32(key):
             dtype = FP8 if fp8 and quantized(names[key], shape) else torch.bfloat16
         plan[key] = (names[key], dtype, shape)
@@ -78,7 +79,10 @@ def to_single_file(model_dir: str, out: str, fp8: bool = False, scaled: bool = F
     with open(out, "wb") as f, weights.opened():
         f.write(len(text).to_bytes(8, "little") + text)
         for key, (name, dtype, shape) in plan.items():
-            tensor = weights.read(key, torch.float32) if dtype.is_floating_point else weights.read(key, dtype)
+            if key in tables:
+                tensor = tables[key].float()
+            else:
+                tensor = weights.read(key, torch.float32 if dtype.is_floating_point else dtype)
             scale = None
             if dtype == FP8:
                 scale = tensor.abs().max() / FP8_MAX if scaled else torch.tensor(1.0)

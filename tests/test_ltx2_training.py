@@ -1,0 +1,143 @@
+"""LTX-2 trains what Lightricks trains: ltx-trainer's timestep sampler (its shift unclamped), ltx-core's
+audio-video cross-attention modulation (each stream's scale/shift from its own timesteps, its gate from the
+other stream's sigma), the audio VAE in fp32, and the encoders' means as the clean latents. The reference
+formulas are Lightricks/LTX-2's (packages/ltx-trainer, packages/ltx-core), written with their files named, here
+and in conftest.py (ltx-core's cross-attention modulation, which test_ltx2.py's pipeline runs use too)."""
+
+import pytest
+import torch
+from diffusers import AutoencoderKLLTX2Audio
+
+import cache
+import data
+import validate
+from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
+from conftest import decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group, write_toml
+from families.ltx2 import FRAME_RATE, TEXT_LENGTH, shifted_logit_normal
+from model_adapter import load_adapter
+from parallel import StopRun
+
+
+def ltx_trainer_sigma(seq_length: int, generator: torch.Generator) -> torch.Tensor:
+    """packages/ltx-trainer/src/ltx_trainer/timestep_samplers.py, ShiftedLogitNormalTimestepSampler.sample
+    (std 1, eps 1e-3, uniform_prob 0.1) for a batch of one, its draws in its order (normal, uniform, choice),
+    with _get_shift_for_sequence_length's line through (1024, 0.95) and (4096, 2.05), unclamped."""
+    m = (2.05 - 0.95) / (4096 - 1024)
+    mu = m * seq_length + (0.95 - m * 1024)
+    logitnormal = torch.sigmoid(torch.randn((1,), generator=generator) + mu)
+    p999, p005 = torch.sigmoid(torch.tensor(mu + 3.0902)), torch.sigmoid(torch.tensor(mu - 2.5758))
+    raw = (logitnormal - p005) / (p999 - p005)
+    stretched = torch.clamp(torch.where(raw >= 1e-3, raw, 2 * 1e-3 - raw), 0, 1)
+    uniform = (1 - 1e-3) * torch.rand((1,), generator=generator) + 1e-3
+    prob = torch.rand((1,), generator=generator)
+    return torch.where(prob > 0.1, stretched, uniform)[0]
+
+
+@pytest.mark.parametrize("tokens", [256, 1024, 4096, 6144, 24576])
+def test_timestep_sampler_is_ltx_trainers(tokens):
+    """Our draw equals ltx-trainer's from the same generator at token counts below, inside and above the
+    line's points: past 4096 the shift keeps growing (mu 2.78 at 121 x 512 x 768's 6,144 tokens, not 2.05)."""
+    for seed in range(40):
+        ours = shifted_logit_normal(tokens, torch.Generator().manual_seed(seed))
+        theirs = ltx_trainer_sigma(tokens, torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):
+    """Our forward's output equals diffusers' transformer given ltx-core's four cross-attention inputs: with a
+    sigma per stream (training with sound), and with I2V's image tokens at timestep 0 (their scale/shift their
+    own 0, not the audio's sigma); with one sigma for both it still equals the call LTX2Pipeline makes
+    (use_cross_timestep), while with a sigma per stream that call differs."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="fp32"),
+                           torch.device("cpu"))
+    transformer = adapter.load_transformer().eval()
+    c = adapter.transformer_config
+    gen = torch.Generator().manual_seed(0)
+    video = torch.randn(2, 2 * 4 * 4, c["in_channels"], generator=gen)
+    audio = torch.randn(2, 9, c["audio_in_channels"], generator=gen)
+    embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
+    video_text, audio_text = adapter._split_text(embeds)
+    sigma, audio_sigma = torch.tensor([300.0, 800.0]), torch.tensor([900.0, 100.0])
+    image_t = torch.cat([torch.zeros(2, 16), sigma[:, None].expand(2, 16)], dim=1)  # I2V: the first frame's
+
+    def diffusers_call(video_t, sigma, audio_sigma, cross_timestep=True):
+        out = transformer(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=video_text,
+                          audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_sigma,
+                          sigma=sigma, audio_sigma=audio_sigma, num_frames=2, height=4, width=4,
+                          fps=adapter.frame_rate, audio_num_frames=9, use_cross_timestep=cross_timestep,
+                          return_dict=False)
+        return torch.cat([x.flatten(1) for x in out], 1)
+
+    with torch.no_grad():
+        for video_t, audio_t in ((sigma, audio_sigma), (image_t, audio_sigma), (image_t, sigma), (sigma, sigma)):
+            ours = torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, video_t, sigma,
+                                                                      audio_t, embeds, (2, 4, 4), 9)], 1)
+            with ltx_core_cross_modulation(transformer):
+                theirs = diffusers_call(video_t, sigma, audio_t)
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+            pipelines = diffusers_call(video_t, sigma, audio_t)  # scale/shift from the other stream's sigma
+            if video_t is sigma and audio_t is sigma:
+                torch.testing.assert_close(ours, pipelines, rtol=0, atol=1e-5)
+            else:
+                assert (ours - pipelines).abs().max() > 1e-3, (variant, video_t, audio_t)
+
+
+def test_audio_vae_encodes_in_fp32(ltx2_models):
+    """With model.dtype bf16, the cached sound is the fp32 audio VAE's posterior of the mel spectrogram, as
+    ltx-trainer's process_videos.py encodes it ("Audio VAE needs float32 for quality")."""
+    path = ltx2_models("2.0")
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(path), dtype="bf16"), torch.device("cpu"))
+    waveforms = 0.1 * torch.randn(1, 2, 6000, generator=torch.Generator().manual_seed(0))
+    mean, logvar = adapter.encode_audio(waveforms)
+    vae = AutoencoderKLLTX2Audio.from_pretrained(path, subfolder="audio_vae", dtype=torch.float32).eval()
+    with torch.no_grad():
+        posterior = vae.encode(adapter.mel(waveforms)).latent_dist
+    assert mean.dtype == logvar.dtype == torch.float32
+    torch.testing.assert_close(mean, posterior.mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logvar, posterior.logvar, rtol=0, atol=1e-6)
+
+
+def test_training_takes_the_encoders_means(ltx2_models):
+    """The clean latents are the cached posteriors' means (ltx-trainer's, from ltx-core's encoders): the
+    loss does not depend on the cached log-variances, of the video or of the sound."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"),
+                           torch.device("cpu"))
+    transformer = adapter.load_transformer().eval()
+    gen = torch.Generator().manual_seed(0)
+    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
+             "audio_latent_mean": torch.randn(2, 2, 9, 4, generator=gen),
+             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    losses = []
+    with torch.no_grad():
+        for logvar in (-8.0, 1.0):
+            variances = {"latent_logvar": torch.full((2, 8, 2, 4, 4), logvar),
+                         "audio_latent_logvar": torch.full((2, 2, 9, 4), logvar)}
+            losses.append(adapter.train_loss(transformer, {**batch, **variances},
+                                             [data.keyed_generator(0, 1, i) for i in range(2)]))
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_settings, ltx2_data, tmp_path):
+    """validation.gen_fps = 0 (the default): the mp4 is written at the rate the sound was generated for
+    (data.target_fps, else 24), so the frames last as long as their sound; another gen_fps is refused before
+    the cache pass, and by validate.py's renderer (renders without training)."""
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))), torch.device("cpu"))
+    clip = torch.zeros(17, 32, 32, 3, dtype=torch.uint8)
+    for target_fps in (0, 30):  # what cache.prepare and validate.py's render command set
+        adapter.frame_rate = target_fps or FRAME_RATE
+        with one_rank_group() as d:
+            renderer = validate.ClipRenderer(adapter, ValidationConfig(resolution=[17, 32, 32]), DataConfig(),
+                                             str(tmp_path / str(target_fps)), d)
+            _, rate = decode_mp4(renderer.save([clip], ["step_1_prompt_0"])[0])
+        assert rate == (target_fps or 24)
+        state = adapter.sampling_start(adapter.sampler(""), 2, (17, 32, 32), torch.Generator().manual_seed(0))
+        assert abs(state.audio_frames / adapter.audio_latents_per_second - 17 / rate) <= 0.5 / 25  # one latent
+        with pytest.raises(ConfigError, match=r"validation.gen_fps = 15, but LTX-2 generates each clip's sound"):
+            validate.ClipRenderer(adapter, ValidationConfig(gen_fps=15, resolution=[17, 32, 32]), DataConfig(),
+                                  str(tmp_path), None)
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path, **{
+        "data.target_fps": 24, "validation.gen_fps": 15, "validation.do_validation": True})
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    with one_rank_group() as d, pytest.raises(StopRun, match=r"validation.gen_fps = 15, but LTX-2 generates"):
+        cache.prepare(cfg, d)
