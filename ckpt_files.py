@@ -25,7 +25,7 @@ import command
 import lora
 import parallel
 from config import ConfigError
-from model_adapter import Weights
+from weights import Weights
 
 log = logging.getLogger("vidtrain")
 

@@ -271,7 +271,7 @@ def following_clips(clips: list, sampler: data.Sampler, batch_ids: list[int], st
 
 
 def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: TrainState, step: int,
-                  step_loss: torch.Tensor, zero_missing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  step_loss: torch.Tensor, zero_missing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscale (fp16), clip once per optimizer step by the global norm (sharded gradients included), and
     step, all without the host reading a device value. A step whose norm is not finite is skipped by
     the fused AdamW kernel itself (`found_inf`, as torch.amp.GradScaler hands it over), but still counts
