@@ -26,6 +26,7 @@ import command
 import data
 import decode
 import faults
+import lora
 import parallel
 import sequence
 from cache_files import Cache
@@ -329,9 +330,21 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     return problems
 
 
+def check_lora_targets(adapter, targets: list[str]) -> None:
+    """lora.target_modules against the transformer's layers, before the cache pass: the injection's own
+    rule, on a copy built on the meta device from the config (no weights read, nothing allocated)."""
+    with torch.device("meta"):
+        skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
+    try:
+        lora.inject_lora(skeleton, targets, 1, 1.0, 0.0, 0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def prepare(cfg: Config, d: parallel.Dist):
-    """Check the model, the resolutions and every clip, and complete the cache, before any training.
-    Returns the adapter, the cache and the training and held-out items (the last data.held_out)."""
+    """Check the model, the resolutions and every clip, and complete the cache, before any training (a
+    complete cache on a read-only data.cache_dir is only read). Returns the adapter, the cache and the
+    training and held-out items (the last data.held_out)."""
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
@@ -339,6 +352,10 @@ def prepare(cfg: Config, d: parallel.Dist):
         sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
         parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])
         adapter.check_guidance(cfg.validation)  # validate.py's renderer checks it too, for renders without training
+        if cfg.validation.do_validation and cfg.validation.resolution:  # the renderer's own check, done now
+            adapter.check_resolution(cfg.validation.resolution, "validation.resolution")
+        if cfg.train.training_type == "lora":
+            check_lora_targets(adapter, cfg.lora.target_modules)
         if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
             adapter.shift = cfg.train.flow_shift
         if "audio" in adapter.ENCODERS:  # a family with sound
@@ -358,7 +375,13 @@ def prepare(cfg: Config, d: parallel.Dist):
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
-    parallel.check_shared(str(cache_dir), "data.cache_dir", d)
+    unwritable = None  # or why data.cache_dir cannot be written
+    with parallel.all_or_none():
+        if d.is_main:
+            unwritable = command.write_problem(cache_dir)
+    unwritable = parallel.broadcast(unwritable, d)
+    if unwritable is None:  # a read-only cache is only read: each rank checks the entries it sees
+        parallel.check_shared(str(cache_dir), "data.cache_dir", d)
     manifest = Manifest(cache_dir)
     encoders = encoder_identity(adapter, manifest, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
@@ -366,7 +389,7 @@ def prepare(cfg: Config, d: parallel.Dist):
                   adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None)
     check_last_images(adapter, clips, cfg.data)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last)
-    if d.is_main:
+    if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()
     # A clip whose file is gone trains from complete entries; without them it is bad input.
     gone = [data.Problem(p.clip, "does not exist") for p, missing, present in planned
@@ -375,6 +398,11 @@ def prepare(cfg: Config, d: parallel.Dist):
     problems = [p for p, _, _ in planned if isinstance(p, data.Problem)] + gone
     skipped = stop_on_problems(problems, cfg.data)
     items = [(p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips]
+    lacking = sum(bool(missing) for _, missing in items)
+    if unwritable is not None and lacking:
+        raise ConfigError(f"data.cache_dir = {cache_dir} cannot be written ({unwritable}) and lacks entries of "
+                          f"{lacking} of {len(items)} clips: make it writable, or set data.cache_dir to a writable "
+                          "folder or to a complete copy of the cache")
     encode_texts([item for item, missing in items if "text" in missing], adapter, cache, cfg.data, d)
     adapter.release_text_encoder()  # before the VAE: on one card T5-XXL's 9 GB would sit beside its encoding
     video_todo = {item: missing for item, missing in items if missing & {"video", "image", "audio"}}

@@ -1,7 +1,7 @@
 """Checkpoints of the training state with torch.distributed.checkpoint (DCP), and the command that
 exports any checkpoint (export.py writes the files).
 
-    python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]   # default: DIR/export/
+    python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]   # default: RUN/exports/checkpoint-N/
     python ckpt.py rehash --cfg FILE.toml --checkpoint DIR               # accept its files as they are
 
 A checkpoint is written by every rank into checkpoint-N.tmp/, then renamed to checkpoint-N/ once all
@@ -41,14 +41,19 @@ import faults
 import parallel
 from ckpt_files import (
     CHECKPOINT_NAME,
+    EXPORT_LOCK,
     FailingWriter,
     HashingWriter,
+    base_identity,
     check_data,
     check_identity,
     checkpoint_folders,
     complete_checkpoints,
+    deletable,
+    exporting,
     fsync_files,
     meta_problem,
+    other_shapes,
     read_meta,
     reads_problem,
     sha256_of,
@@ -63,12 +68,15 @@ log = logging.getLogger("vidtrain")
 
 
 def run_identity(cfg, adapter) -> dict:
-    """What a checkpoint must match to be resumed: the model's architecture and what is trained."""
+    """What a checkpoint must match to be resumed: the model's architecture, its base weights (a resume on
+    others is refused), their precision (a change is named) and what is trained."""
     config = {k: v for k, v in adapter.transformer_config.items() if not k.startswith("_")}
     identity = {
         "family": cfg.model.family,
         "transformer_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "training_type": cfg.train.training_type,
+        "base": base_identity(adapter),
+        "precision": {"model.dtype": cfg.model.dtype, "model.storage_dtype": cfg.model.storage_dtype},
     }
     if cfg.train.training_type == "lora":
         identity["lora"] = {"rank": cfg.lora.rank, "lora_alpha": cfg.lora.lora_alpha,
@@ -224,7 +232,12 @@ class Checkpointer:
         if self.cfg.checkpointing_limit == 0:
             return
         for path in synced[: -self.cfg.checkpointing_limit]:
-            shutil.rmtree(path)
+            lock = deletable(path)
+            if lock is None:
+                log.info("keeping %s while `ckpt.py export` reads it: a later rotation deletes it", path)
+                continue
+            with lock:
+                shutil.rmtree(path)
 
     def _candidates(self) -> list[Path]:
         """The checkpoints to try, newest first, as rank 0 sees them (leftover .tmp folders removed)."""
@@ -265,7 +278,7 @@ class Checkpointer:
             if problem is None:
                 with parallel.all_or_none():  # another model, LoRA or dataset: stop, do not fall back
                     meta = read_meta(path)
-                    check_identity(path, meta, self.identity)
+                    check_identity(path, meta, self.identity, resuming=True)
                     check_data(path, meta, self.data)
                 problem = reads_problem(path, state, self.d)
             if problem is None:
@@ -311,25 +324,35 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: parall
 
 def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:
     """Build the model as training does, load the checkpoint's trained weights (and EMA), export them."""
-    with parallel.all_or_none():
+    # By default into the run's exports/checkpoint-N/ (its ComfyUI file named <run>_checkpoint-N): never inside
+    # the checkpoint, which rotation deletes, nor over the run's own lora/, which holds its final weights.
+    where = Path(checkpoint).resolve()
+    target = Path(out) if out else where.parent / "exports" / where.name
+    with parallel.all_or_none():  # before any compute
+        read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
+        problem = command.write_problem(target) if d.is_main else None
+        if problem:
+            raise ConfigError(f"the export cannot be written to {target} ({problem}): "
+                              f"{'choose another --out' if out else 'pass --out DIR, a folder you can write'}")
         adapter = load_adapter(cfg.model, d.device)
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # the checkpoint holds the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-    with parallel.all_or_none():
-        load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
-    # Beside the checkpoint by default (its ComfyUI file named <run>_checkpoint-N): the run's own lora/ holds
-    # its final weights and is never replaced.
-    where = Path(checkpoint).resolve()
-    export.export(model, cfg.train.training_type, cfg.lora, adapter, out or str(where / "export"), d, ema,
-                  "" if out else f"{where.parent.name}_{where.name}")
+    with exporting(where):  # a training still running keeps this checkpoint until the export is written
+        with parallel.all_or_none():
+            load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
+        export.export(model, cfg.train.training_type, cfg.lora, adapter, str(target), d, ema,
+                      "" if out else f"{where.parent.name}_{where.name}")
 
 
 def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
     """Accept a checkpoint's files as they are, for a checkpoint that fails its check and is wanted anyway:
-    rewrite its meta.json from the files now there (sizes, sha256), the model identity of this config
-    and the step its name holds; the record of its training clips is kept where the old meta.json still
-    has one, else left out (None: not checked on resume). Loading it then reads whatever its shards hold."""
+    rewrite its meta.json from the files now there (sizes, sha256) and the step its name holds. Refused
+    when a shard its .metadata names is missing, when this config builds other shapes than .metadata
+    records, or when a readable meta.json names another model or training (each would fail the resume).
+    A readable identity is kept, else this config's is written; the record of its training clips is kept
+    where the old meta.json still has one, else left out (None: not checked on resume). Loading it then
+    reads whatever its shards hold."""
     path = Path(checkpoint)
     match = CHECKPOINT_NAME.fullmatch(path.name)
     if not match or not (path / ".metadata").is_file():
@@ -337,13 +360,27 @@ def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
                           "resume from another checkpoint, or start over in another run.output_dir")
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
-    if d.is_main:
-        names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != "meta.json")
-        ranks = {name.split("_")[2] for name in names if name.endswith(".distcp")}
-        files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)} for name in names}
-        data = None if meta_problem(path) else read_meta(path).get("data")
-        write_meta(path, int(match.group(1)), len(ranks), run_identity(cfg, adapter), data, files)
-        log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
+    if not d.is_main:
+        return
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in ("meta.json", EXPORT_LOCK))
+    missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(names))
+    if missing:
+        raise ConfigError(f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
+                          "resume can read it: resume from another checkpoint, or start over in another run.output_dir")
+    shapes_differ = other_shapes(cfg, adapter, metadata)
+    if shapes_differ:
+        raise ConfigError(f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
+                          "rehash it with the config it was trained with (its run's config.toml)")
+    identity, data = run_identity(cfg, adapter), None
+    if meta_problem(path) is None:
+        meta = read_meta(path)
+        check_identity(path, meta, identity)
+        identity, data = meta["identity"], meta.get("data")
+    ranks = {name.split("_")[2] for name in names if name.endswith(".distcp")}
+    files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)} for name in names}
+    write_meta(path, int(match.group(1)), len(ranks), identity, data, files)
+    log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
 
 
 def main(argv: list[str]) -> None:
@@ -352,7 +389,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("command", choices=["export", "rehash"])
     parser.add_argument("--cfg", required=True, help="the run's TOML config")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint-N folder")
-    parser.add_argument("--out", help="where lora/ or transformer/ go (default: the checkpoint's export/ folder)")
+    parser.add_argument("--out", help="where lora/ or transformer/ go (default: the run's exports/checkpoint-N/)")
     args, overrides = parser.parse_known_args(argv)
     commands = {"export": lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d),
                 "rehash": lambda cfg, d: rehash(cfg, args.checkpoint, d)}

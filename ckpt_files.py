@@ -1,26 +1,37 @@
 """A checkpoint folder's files: DCP's writer that hashes every file as it writes it, meta.json (the
 step, what was trained on what, and each file's size and sha256), and the checks a checkpoint passes
-before it is loaded: its meta.json, its model and data, and the bytes of the files this rank reads.
+before it is loaded: its meta.json, its model, base weights and data, and the bytes of the files this
+rank reads; the shapes a config builds against a checkpoint's; the lock an export holds against rotation.
 """
 
 import contextlib
+import errno
+import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from importlib.metadata import version
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import command
+import lora
 import parallel
 from config import ConfigError
+from weights import Weights
+
+log = logging.getLogger("vidtrain")
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+EXPORT_LOCK = "export.lock"  # in a checkpoint, flocked while `ckpt.py export` reads it; in no meta.json
+BASE_SAMPLES = 64  # pieces of 64 KiB read from each base weight file for its identity
 WRITE_THREADS = min(4, os.cpu_count() or 1)  # files per rank, each written and hashed by its own thread
 
 
@@ -136,15 +147,48 @@ def meta_problem(path: Path) -> str | None:
     return f"checkpoint {path}: meta.json is damaged (it lacks {missing})" if missing else None
 
 
-def check_identity(path: Path, meta: dict, identity: dict) -> None:
-    """A checkpoint of another model, LoRA shape or training type is refused naming the difference."""
+def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = False) -> None:
+    """A checkpoint of another model, LoRA shape or training type is refused naming the difference. A resume
+    (`resuming`) also refuses other base weights and warns of another precision; an export or a render of
+    it may use any base. Checkpoints written before their base was recorded are not checked for it."""
     saved = meta["identity"]
-    for key in sorted(set(saved) | set(identity)):
+    if resuming and "base" in saved and saved["base"]["weights"] != identity["base"]["weights"]:
+        raise ConfigError(f"checkpoint {path} was trained on other base weights: {saved['base']['files']} "
+                          f"there, {identity['base']['files']} here (model.path, model.transformer_file): resume on "
+                          "the weights it was trained on, or start over in another run.output_dir (lora.init_from "
+                          "carries a LoRA over)")
+    if resuming and saved.get("precision", identity["precision"]) != identity["precision"]:
+        log.warning(f"checkpoint {path} was trained with the base in {saved['precision']}, this run has "
+                    f"{identity['precision']}: training continues in this run's precision")
+    for key in sorted((set(saved) | set(identity)) - {"base", "precision"}):
         if saved.get(key) != identity.get(key):
             raise ConfigError(
                 f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
                 "use the same model and training settings (the run's config.toml), or another run.output_dir"
             )
+
+
+def base_identity(adapter) -> dict:
+    """The transformer's weight files (model.transformer_file's, or model.path's transformer folder's) by
+    content, cheaply, as the manifest knows clips: per file its size, its safetensors header (names,
+    dtypes, shapes, offsets) and BASE_SAMPLES pieces spread over its data. A whole-file hash of a 14B
+    model would cost minutes per launch; fine-tuned weights differ in every sampled piece. The key holds
+    no paths: a model moved elsewhere still resumes."""
+    if adapter.single_file is not None:
+        files = adapter.single_file.files
+    else:
+        files = sorted({entry[0] for entry in Weights(adapter.path / adapter.transformer_folder).entries.values()})
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            digest.update(f"{size} {length}".encode() + f.read(length))
+            start = 8 + length
+            for i in range(BASE_SAMPLES):
+                f.seek(start + (size - start) * i // BASE_SAMPLES)
+                digest.update(f.read(1 << 16))
+    return {"weights": digest.hexdigest(), "files": [str(p) for p in files]}
 
 
 def check_data(path: Path, meta: dict, data: dict) -> None:
@@ -197,6 +241,25 @@ def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) 
     return next((p for p in problems if p), None)
 
 
+def other_shapes(cfg, adapter, metadata) -> str | None:
+    """How the trained weights .metadata records differ from what cfg builds (names and shapes, from the
+    config on the meta device: no weight is read), or None."""
+    with torch.device("meta"):
+        skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
+    if cfg.train.training_type == "lora":
+        lora.inject_lora(skeleton, cfg.lora.target_modules, cfg.lora.rank, cfg.lora.lora_alpha, 0.0, 0)
+        built = {name: tuple(p.shape) for name, p in skeleton.named_parameters() if p.requires_grad}
+    else:
+        built = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    saved = {key.removeprefix("model."): tuple(m.size) for key, m in metadata.state_dict_metadata.items()
+             if key.startswith("model.")}
+    for name in sorted(set(saved) | set(built)):
+        if saved.get(name) != built.get(name):
+            return f"{name}: {list(saved[name]) if name in saved else 'absent'} there, " \
+                   f"{list(built[name]) if name in built else 'absent'} here"
+    return None
+
+
 def write_meta(folder: Path, step: int, world_size: int, identity: dict, data: dict, files: dict) -> None:
     meta = {"step": step, "world_size": world_size, "identity": identity, "data": data,
             "versions": library_versions(), "files": files}
@@ -209,6 +272,40 @@ def read_meta(path: Path) -> dict:
     if problem:
         raise ConfigError(problem)
     return json.loads((path / "meta.json").read_text())
+
+
+@contextlib.contextmanager
+def exporting(path: Path):
+    """Held while `ckpt.py export` reads a checkpoint: a shared flock on its EXPORT_LOCK, which rotation
+    in a running training tries to take exclusively before it deletes the checkpoint (it keeps the
+    checkpoint while an export holds it). A read-only checkpoint is not locked: nothing deletes it."""
+    try:
+        lock = (path / EXPORT_LOCK).open("a")
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        lock = None
+    if lock is None:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # waits while rotation is deleting it
+        if not (path / ".metadata").is_file():
+            raise ConfigError(f"{path} was deleted by rotation (checkpoint.checkpointing_limit) as the export "
+                              "started: export a newer checkpoint")
+        yield
+
+
+def deletable(path: Path):
+    """The open EXPORT_LOCK of a checkpoint, flocked exclusively for its deletion; None while an export holds
+    it."""
+    lock = (path / EXPORT_LOCK).open("a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
 
 
 def has_ema(path: str) -> bool:

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -28,7 +29,7 @@ import parallel
 from config import ConfigError, load_config
 
 log = logging.getLogger("vidtrain")
-EXIT_CODES = "VIDTRAIN_EXIT_CODES"  # set by launch.sh: a folder where every rank writes its exit code
+EXIT_CODES = "VIDTRAIN_EXIT_CODES"  # set by launch.sh: a folder where every rank writes its exit code, rank 0 its error
 
 
 def run_command(work, config_path: str, overrides: list[str], lock_output_dir: bool = False) -> None:
@@ -41,6 +42,8 @@ def run_command(work, config_path: str, overrides: list[str], lock_output_dir: b
     previous_handlers = parallel.PREEMPTION.install()
     try:
         cfg = load_config(config_path, overrides)
+        if EXIT_CODES in os.environ and rank == 0:  # launch.sh keeps torchrun's log there
+            (Path(os.environ[EXIT_CODES]) / "output_dir").write_text(cfg.run.output_dir)
         if cfg.run.deterministic:
             parallel.make_deterministic()
         d = parallel.init(cfg.parallel)
@@ -77,21 +80,50 @@ def run_lock(folder: str, d: parallel.Dist):
     when its process ends, SIGKILL included: a dead run never holds the folder, its run.lock is harmless.
     Across nodes it holds where the shared filesystem passes flock to its server (NFS, GPFS, Lustre with
     -o flock); where flock is refused, the run warns and goes on unlocked."""
-    lock = None
+    lock, path = None, Path(folder) / "run.lock"
+    made = [p for p in (path.parent, path) if not p.exists()]  # what this launch creates, if it fails its checks
     with parallel.all_or_none():
         if d.is_main:
-            lock = take_lock(Path(folder) / "run.lock")
+            lock = take_lock(path)
     try:
         yield
+    except (ConfigError, parallel.StopRun):
+        # A check that failed (the config's, the model's, the clips') leaves no trace of a run that never
+        # started: the run.lock this launch made goes, still held, and the folder too while it is empty.
+        if lock is not None and made:
+            path.unlink(missing_ok=True)
+            if path.parent in made:
+                with contextlib.suppress(OSError):  # not empty: something else was written there
+                    path.parent.rmdir()
+        raise
     finally:
         if lock is not None:
             lock.close()
 
 
+def write_problem(folder: Path) -> str | None:
+    """Why nothing can be written in `folder` (made if missing): a read-only filesystem or permissions; None
+    if a file can be made there (and is removed again)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".vidtrain-writable-"):
+            return None
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        return e.strerror
+
+
 def take_lock(path: Path):
     """The open run.lock, flocked; a ConfigError naming the holder when another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.open("a+")  # not truncated before it is ours: the holder's pid and host stay readable
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.open("a+")  # not truncated before it is ours: the holder's pid and host stay readable
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError(f"run.output_dir = {path.parent} cannot be written ({e.strerror}): choose a folder this "
+                          "user can write for run.output_dir") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -120,7 +152,10 @@ def report(error: BaseException, rank: int) -> int:
     # Raised alike on every rank, or (a failed write of rank 0's files) on rank 0 alone.
     if isinstance(error, (ConfigError, parallel.StopRun, CheckpointException, faults.WriteFailed)):
         if rank == 0:
-            log.error("error: %s", first_failure(error) if isinstance(error, CheckpointException) else error)
+            message = f"error: {first_failure(error) if isinstance(error, CheckpointException) else error}"
+            log.error("%s", message)
+            if EXIT_CODES in os.environ:  # launch.sh prints it again, last, below torchrun's own report
+                (Path(os.environ[EXIT_CODES]) / "error").write_text(f"{message}\n")
         return 1
     if isinstance(error, KeyboardInterrupt):
         if rank == 0:

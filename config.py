@@ -82,7 +82,7 @@ class TrainConfig:
     adam_beta2: float = 0.95
     # AdamW's epsilon.
     adam_epsilon: float = 1e-8
-    # Gradient clipping by global norm, once per optimizer step.
+    # Gradient clipping by global norm, once per optimizer step; 0: no clipping.
     max_grad_norm: float = 1.0
     # Autocast dtype of the forward pass; the loss is always fp32. fp16 adds a dynamic loss scale (2**16,
     # halved on an overflow, whose step is skipped; doubled after 2000 finite steps), kept in checkpoints.
@@ -143,7 +143,7 @@ class ParallelConfig:
 class LoraConfig:
     # Rank r of every adapter.
     rank: int = 128
-    # Scale is lora_alpha / rank (written to the exported file's metadata).
+    # Scale is lora_alpha / rank (written to the exported file's metadata); must be positive.
     lora_alpha: float = 64
     # Module names (or dotted suffixes) of the nn.Linear layers that get adapters.
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
@@ -421,6 +421,7 @@ def check_values(cfg: Config) -> None:
                 raise ConfigError(f"{key} = {shape} has 1 frame, but image-to-video trains the frames after its "
                                   "conditioning image (the first frame): give it more frames (the model's 4k+1 or "
                                   "8k+1); image-to-video cannot train on images listed as videos")
+    check_training_values(cfg)
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError(f"train.ema_decay must be in [0, 1), got {cfg.train.ema_decay}")
     for key in ("adam_beta1", "adam_beta2"):
@@ -471,6 +472,34 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}")
 
 
+def check_training_values(cfg: Config) -> None:
+    """Values that would train nothing (an all-zero LoRA, exported with exit 0) or crash after the cache pass."""
+    t = cfg.train
+    if t.learning_rate <= 0:
+        raise ConfigError(f"train.learning_rate must be positive, got {t.learning_rate}")
+    if t.lr_warmup_steps < 0:
+        raise ConfigError(f"train.lr_warmup_steps must be 0 or more, got {t.lr_warmup_steps}")
+    if t.max_grad_norm < 0:
+        raise ConfigError(f"train.max_grad_norm must be 0 (no clipping) or positive, got {t.max_grad_norm}")
+    if t.training_type == "lora" and cfg.lora.lora_alpha <= 0:
+        # The adapters' scale is lora_alpha / rank: 0 multiplies every update away.
+        raise ConfigError(f"lora.lora_alpha must be positive (the scale is lora_alpha / lora.rank), got "
+                          f"{cfg.lora.lora_alpha}")
+    if t.training_type == "lora" and not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty, so no layer would get an adapter: name the linear layers "
+                          "to adapt (the default is [\"to_q\", \"to_k\", \"to_v\", \"to_out.0\"])")
+    if cfg.model.family == "wan" and cfg.model.dtype != "fp32" and t.mixed_precision == "no":
+        # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and stops with a
+        # dtype mismatch, after the cache pass: refused before it.
+        raise ConfigError(f"model.dtype = \"{cfg.model.dtype}\" with train.mixed_precision = \"no\": Wan's "
+                          "forward needs autocast to run weights in that dtype; set train.mixed_precision = "
+                          f"\"{cfg.model.dtype}\", or model.dtype = \"fp32\"")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).exists():
+        raise ConfigError(f"checkpoint.resume = {resume} does not exist: give a checkpoint-N folder, or \"auto\" "
+                          "(the newest in run.output_dir) or \"none\"")
+
+
 def check_ltx2_guidance(cfg: Config) -> None:
     """LTX-2's pipelines add terms to classifier-free guidance; the other families' pipelines have none."""
     v = cfg.validation
@@ -511,8 +540,8 @@ def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: 
                      key: str = "data.train_resolution") -> None:
     """The model's own rules: frames = k * frame_multiple + 1, height and width divisible by size_multiple."""
     frames, height, width = resolution
-    if (frames - 1) % frame_multiple:
-        lower = (frames - 1) // frame_multiple * frame_multiple + 1
+    if frames < 1 or (frames - 1) % frame_multiple:
+        lower = max(1, (frames - 1) // frame_multiple * frame_multiple + 1)  # never a count below one frame
         raise ConfigError(
             f"{key} frames = {frames}, but this model needs {frame_multiple}k+1 frames "
             f"(the VAE decodes latents in pairs): use {lower} or {lower + frame_multiple}"

@@ -271,7 +271,7 @@ def following_clips(clips: list, sampler: data.Sampler, batch_ids: list[int], st
 
 
 def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: TrainState, step: int,
-                  step_loss: torch.Tensor, zero_missing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  step_loss: torch.Tensor, zero_missing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscale (fp16), clip once per optimizer step by the global norm (sharded gradients included), and
     step, all without the host reading a device value. A step whose norm is not finite is skipped by
     the fused AdamW kernel itself (`found_inf`, as torch.amp.GradScaler hands it over), but still counts
@@ -286,7 +286,8 @@ def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: 
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
     scaler.unscale_(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+    # max_grad_norm = 0: no clipping (clip_grad_norm_ would scale every gradient to 0); the norm is still logged.
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     skipped = ~torch.isfinite(grad_norm)
     optimizer.found_inf = skipped.float()  # read by the fused kernel: 1 skips the update and the Adam step

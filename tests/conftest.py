@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -181,6 +182,24 @@ def finish(process, output: list[str], timeout: int = 300) -> tuple[int, str]:
     """The exit code and whole output of a process start_paused started."""
     output.append(process.communicate(timeout=timeout)[0])
     return process.returncode, "".join(output)
+
+
+def run_read_only(folders: list[Path], args: list[str], nproc: int = 1, script: str = "trainer.py", timeout: int = 300):
+    """Run one of our commands with `folders` read-only: for root, whom permissions do not stop, as a read-only
+    bind mount in a mount namespace of the command's own (unshare); for other users by their permissions."""
+    cmd, env = command(args, nproc, None, script)
+    if os.geteuid() != 0:
+        modes = {folder: folder.stat().st_mode for folder in folders}
+        try:
+            for folder in folders:
+                folder.chmod(0o555)
+            return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        finally:
+            for folder, mode in modes.items():
+                folder.chmod(mode)
+    mounts = " && ".join(f"mount --bind {f} {f} && mount -o remount,bind,ro {f}" for f in map(shlex.quote, map(str, folders)))
+    return subprocess.run(["unshare", "--mount", "bash", "-c", f'{mounts} && exec "$@"', "bash", *cmd], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def run_ok(*args, **kwargs):

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import finish, read_metrics, run_cmd, run_ok, start_paused, train_losses, write_toml
-from safetensors.torch import load_file
+from conftest import finish, read_metrics, run_cmd, run_ok, run_read_only, start_paused, train_losses, write_toml
+from safetensors.torch import load_file, save_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -26,7 +26,7 @@ import command
 import data
 import lora
 import parallel
-from config import CheckpointConfig, ConfigError, ModelConfig
+from config import CheckpointConfig, ConfigError, ModelConfig, load_config
 from diffusers import CogVideoXPipeline
 from model_adapter import load_adapter
 
@@ -267,9 +267,18 @@ def test_what_a_checkpoint_holds(references):
 
 
 @pytest.mark.slow
-def test_resume_refusals(references, make_config):
-    cfg, out, _ = make_config("refusals", "one", **{"checkpoint.resume": "none"})
+def test_resume_refusals(references, make_config, tiny_model, tmp_path):
+    other = tmp_path / "fine-tuned"  # the same model but for its transformer's weights
+    shutil.copytree(tiny_model, other)
+    weights_file = other / "transformer" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v + 0.01 for k, v in load_file(weights_file).items()}, weights_file, metadata={"format": "pt"})
+    cfg, out, _ = make_config("refusals", "one", **{"model.path": str(other)})
     shutil.copytree(references["one"], out)
+    result = run_cmd(["--cfg", str(cfg)])
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (f"was trained on other base weights: ['{tiny_model / 'transformer' / weights_file.name}'] there, "
+            f"['{weights_file}'] here (model.path, model.transformer_file)") in result.stderr
+    cfg, out, _ = make_config("refusals", "one", **{"checkpoint.resume": "none"})
     result = run_cmd(["--cfg", str(cfg)])
     assert result.returncode == 1 and f"already holds checkpoint-{STEPS}" in result.stderr
     cfg, _, _ = make_config("refusals", "one", **{"lora.rank": 8})
@@ -301,6 +310,65 @@ def test_resume_on_other_data_is_refused(references):
         ckpt.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
 
 
+def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, caplog):
+    """A checkpoint records its base weights by content (model.path moved elsewhere still resumes); another
+    model.dtype or model.storage_dtype is named with a warning, not refused."""
+    def identity(path, dtype="fp32"):
+        cfg = load_config(None, ["--run.output_dir", str(tmp_path / "run"), "--data.data_root", str(tmp_path),
+                                 "--model.path", str(path), "--model.dtype", dtype])
+        return ckpt.run_identity(cfg, load_adapter(cfg.model, torch.device("cpu")))
+
+    saved = {"identity": identity(tiny_model)}
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_model, moved)
+    ckpt.check_identity(tmp_path, saved, identity(moved), resuming=True)
+    assert "precision" not in caplog.text
+    ckpt.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
+    assert ("was trained with the base in {'model.dtype': 'fp32', 'model.storage_dtype': ''}, this run has "
+            "{'model.dtype': 'bf16', 'model.storage_dtype': ''}: training continues in this run's precision") in caplog.text
+
+
+def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
+    """`ckpt.py export` holds its checkpoint's export.lock: rotation in a running training passes it over
+    until the export is written, then deletes it."""
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        for name in (".metadata", "meta.json"):
+            (tmp_path / f"checkpoint-{step}" / name).write_text("")
+    checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path),
+                                    parallel.Dist(0, 1, 0, torch.device("cpu")), {"training_type": "lora"}, {})
+    with ckpt_files.exporting(tmp_path / "checkpoint-2"):
+        checkpoints._rotate(ckpt_files.complete_checkpoints(tmp_path))
+        assert [p.name for p in ckpt_files.checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-6"]
+    checkpoints._rotate(ckpt_files.complete_checkpoints(tmp_path))
+    assert [p.name for p in ckpt_files.checkpoint_folders(tmp_path)] == ["checkpoint-6"]
+
+
+def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog):
+    """`ckpt.py rehash` refuses another config's shapes (the resume would fail in DCP), another model or
+    LoRA over a readable meta.json (kept as it is), and a missing shard (the advice would loop)."""
+    cfg, out, _ = make_config("rehash", "one")
+    path = out / f"checkpoint-{STEPS}"
+    shutil.copytree(references["one"] / path.name, path)
+    meta = (path / "meta.json").read_bytes()
+
+    def refused(message: str, **settings):
+        config = make_config("rehash", "one", **settings)[0]
+        caplog.clear()
+        with pytest.raises(SystemExit):
+            ckpt.main(["rehash", "--cfg", str(config), "--checkpoint", str(path)])
+        assert message in caplog.text
+
+    refused("was trained with lora = {'rank': 4, 'lora_alpha': 2.0", **{"lora.lora_alpha": 4})
+    assert (path / "meta.json").read_bytes() == meta
+    (path / "meta.json").unlink()
+    refused(f"{path} holds other shapes than", **{"lora.rank": 8})
+    assert not (path / "meta.json").exists()
+    (path / "__0_0.distcp").unlink()
+    refused(f"{path} lacks 1 shard(s) its .metadata names (first: __0_0.distcp)")
+    assert not (path / "meta.json").exists()
+
+
 @pytest.mark.slow
 def test_finished_run_exports_and_exits_zero(references, make_config):
     """A finished run relaunched exports and exits 0; with train.steps lowered below its step, it exits 1."""
@@ -318,11 +386,13 @@ def test_finished_run_exports_and_exits_zero(references, make_config):
 
 @pytest.mark.slow
 def test_export_command(references, make_config, tmp_path):
-    """Without --out beside the checkpoint (never over the run's own lora/), with --out where it says."""
+    """Without --out into the run's exports/checkpoint-N/ (never over the run's own lora/, nor inside the
+    checkpoint, which rotation deletes), with --out where it says; a read-only run folder is named."""
     cfg, out, _ = make_config("ref_one", "one")
     final = (out / "lora" / "pytorch_lora_weights.safetensors").read_bytes()
     run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-8")], script="ckpt.py")
-    exported = weights(out / "checkpoint-8" / "export")
+    exported = weights(out / "exports" / "checkpoint-8")
+    assert not (out / "checkpoint-8" / "export").exists()
     assert exported.keys() == weights(out).keys()
     assert not all(torch.equal(exported[k], weights(out)[k]) for k in exported)  # step 8, not the end
     assert (out / "lora" / "pytorch_lora_weights.safetensors").read_bytes() == final
@@ -330,6 +400,11 @@ def test_export_command(references, make_config, tmp_path):
            script="ckpt.py")
     for folder in ("lora", "lora_ema"):
         assert all(torch.equal(weights(tmp_path, folder)[k], weights(out, folder)[k]) for k in exported)
+    read_only = run_read_only([out], ["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-6")],
+                              script="ckpt.py")
+    assert read_only.returncode == 1 and "Traceback" not in read_only.stderr
+    assert (f"error: the export cannot be written to {out / 'exports' / 'checkpoint-6'} (Read-only file system): "
+            "pass --out DIR, a folder you can write") in read_only.stderr
 
 
 @pytest.mark.slow

@@ -3,9 +3,11 @@
 import math
 
 import pytest
+import torch
 
 from config import ConfigError, check_resolution, load_config, parse_overrides, to_toml
-from trainer import lr_factor
+from model import LossScaler
+from trainer import TrainState, clip_and_step, lr_factor
 
 REQUIRED = ["--run.output_dir", "/tmp/out", "--model.path", "/m", "--data.data_root", "/d"]
 
@@ -50,6 +52,42 @@ def test_mistakes_name_the_key(args, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--train.max_grad_norm", "-1"], "train.max_grad_norm must be 0 (no clipping) or positive, got -1.0"),
+    (["--lora.lora_alpha", "0"], "lora.lora_alpha must be positive (the scale is lora_alpha / lora.rank), got 0.0"),
+    (["--train.lr_warmup_steps", "-5"], "train.lr_warmup_steps must be 0 or more, got -5"),
+    (["--train.learning_rate", "-1e-4"], "train.learning_rate must be positive, got -0.0001"),
+    (["--lora.target_modules", "[]"], "lora.target_modules is empty, so no layer would get an adapter"),
+    (["--model.family", "wan", "--train.mixed_precision", "no"],
+     'model.dtype = "bf16" with train.mixed_precision = "no": Wan\'s forward needs autocast'),
+    (["--checkpoint.resume", "/nowhere/checkpoint-4"], "checkpoint.resume = /nowhere/checkpoint-4 does not exist"),
+])
+def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
+    """Issue 25 items 14-16: each of these used to pass the config check, then export an all-zero LoRA,
+    crash after the cache pass, or (resume) be named only as a checkpoint without meta.json."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, REQUIRED + args)
+    assert message in str(error.value)
+    load_config(None, REQUIRED + ["--model.family", "wan", "--train.mixed_precision", "no", "--model.dtype", "fp32"])
+
+
+def test_max_grad_norm_zero_does_not_clip():
+    """train.max_grad_norm = 0 means no clipping: the step is the unclipped one (clip_grad_norm_ with 0
+    scales every gradient to 0, and the LoRA stayed all zero)."""
+    cfg = load_config(None, REQUIRED + ["--train.max_grad_norm", "0"])
+    updated = []
+    for max_grad_norm in (0.0, math.inf):
+        cfg.train.max_grad_norm = max_grad_norm
+        weight = torch.nn.Parameter(torch.zeros(3))
+        optimizer = torch.optim.AdamW([weight], lr=1.0, weight_decay=0.0, fused=True)  # reads found_inf
+        weight.grad = torch.tensor([3.0, 4.0, 0.0])
+        norm, skipped = clip_and_step([weight], optimizer, LossScaler(torch.device("cpu"), False), cfg.train,
+                                      TrainState(torch.device("cpu")), 1, torch.zeros(()))
+        assert norm.item() == 5.0 and not skipped
+        updated.append(weight.detach().clone())
+    assert torch.equal(updated[0], updated[1]) and updated[0][:2].abs().min() > 0.5  # Adam's first step: about lr
+
+
 def test_missing_required_key_says_how_to_set_it():
     with pytest.raises(ConfigError, match="model.path is required"):
         load_config(None, ["--run.output_dir", "/o", "--data.data_root", "/d"])
@@ -79,6 +117,8 @@ def test_model_shape_rules():
         check_resolution([48, 480, 720], 8, 16)
     with pytest.raises(ConfigError, match="height = 470 must be a positive multiple of 16"):
         check_resolution([49, 470, 720], 8, 16)
+    with pytest.raises(ConfigError, match="frames = 0, but this model needs 4k\\+1 frames .*: use 1 or 5$"):
+        check_resolution([0, 32, 32], 4, 16, "validation.resolution")  # never a negative count
 
 
 def test_lr_schedules():

@@ -262,3 +262,20 @@ def test_ddp_broadcasts_no_buffer_at_each_forward(tiny_model, monkeypatch):
         dist.destroy_process_group()
     assert isinstance(ours, DistributedDataParallel)
     assert per_forward == {"ours": [], "default": [[((1, 64, 32), torch.float64)]] * 2}
+
+
+def test_launch_sh_prints_our_error_last(write_config, tmp_path):
+    """A multi-rank failure through launch.sh: our one error line comes last, torchrun's own traceback and
+    ChildFailedError block go to run.output_dir/torchrun.log instead of the terminal."""
+    cfg = write_config("launch_fails", **{"train.steps": 2, "checkpoint.checkpointing_steps": 2,
+                                          "validation.do_validation": False})
+    result = run_cmd([str(cfg), "--train.batch_size", "1"], nproc=2, env={"VIDTRAIN_FAULT": "save_fail:2:1"},
+                     script="launch.sh")
+    out = tmp_path / "launch_fails"
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert lines[-1].startswith(f"error: writing {out / 'checkpoint-2.tmp'} failed on rank 1: OSError: [Errno 28]")
+    assert lines[-2] == f"torchrun's own report: {out / 'torchrun.log'}"
+    assert "ChildFailedError" not in result.stderr + result.stdout and "Traceback" not in result.stderr
+    kept = (out / "torchrun.log").read_text()
+    assert "ChildFailedError" in kept and "failed on rank 1: OSError" in kept

@@ -5,13 +5,14 @@ reused copy."""
 import contextlib
 import logging
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import write_toml
+from conftest import run_ok, run_read_only, write_toml
 from safetensors.torch import load_file
 
 import cache_files
@@ -196,3 +197,50 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
     assert sorted(p.name for p in synced if p.parent.name == "checkpoint-3") == sorted(
         p.name for p in (tmp_path / "checkpoint-3").iterdir())
     assert {p.parent.name for p in synced} == {"checkpoint-1", "checkpoint-2", "checkpoint-3"}
+
+
+def test_read_only_places_are_named(write_config, base_settings, tmp_path):
+    """A complete cache is used read-only (its probe file refused it); an incomplete read-only cache and a
+    read-only run.output_dir are named with their key, before any compute."""
+    cfg = write_config("cache_only")
+    run_ok(["--cfg", str(cfg)], script="cache.py")  # the session's cache, complete
+    cache_dir = Path(base_settings["data.cache_dir"])
+    complete = run_read_only([cache_dir], ["--cfg", str(cfg)], script="cache.py")
+    assert complete.returncode == 0, complete.stderr[-3000:]
+    assert "cache: 0 clips encoded, 24 reused" in complete.stderr
+    empty = tmp_path / "empty_cache"
+    empty.mkdir()
+    refused = run_read_only([empty], ["--cfg", str(write_config("cache_only", **{"data.cache_dir": str(empty)}))],
+                            script="cache.py")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert (f"error: data.cache_dir = {empty} cannot be written (Read-only file system) and lacks entries of 24 of "
+            "24 clips") in refused.stderr
+    assert list(empty.iterdir()) == []
+    out = tmp_path / "read_only_run"
+    out.mkdir()
+    refused = run_read_only([out], ["--cfg", str(write_config("read_only_run"))])
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert (f"error: run.output_dir = {out} cannot be written (Read-only file system): choose a folder this user "
+            "can write for run.output_dir") in refused.stderr
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"lora.target_modules": ["to_qq"]}, "lora.target_modules: ['to_qq'] match no nn.Linear in CogVideoXTransformer3DModel"),
+    ({"validation.resolution": [0, 32, 32]}, "validation.resolution frames = 0, but this model needs 8k+1 frames "
+                                             "(the VAE decodes latents in pairs): use 1 or 9"),
+])
+def test_model_checks_come_before_the_cache_pass_and_leave_no_run_lock(write_config, tmp_path, caplog, settings,
+                                                                       message):
+    """Targets that match no layer and a validation resolution the model cannot render stop the launch with
+    one error line before the cache pass (nothing encoded into an empty cache), and leave no run.lock (nor
+    the run folder the launch made)."""
+    import trainer
+
+    cache_dir = tmp_path / "cache"
+    cfg = write_config("early", **{"data.cache_dir": str(cache_dir), **settings})
+    with pytest.raises(SystemExit) as stopped:
+        trainer.main(["--cfg", str(cfg)])
+    assert stopped.value.code == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {message}")
+    assert not any(cache_dir.rglob("*.safetensors")) and not (tmp_path / "early").exists()
