@@ -44,54 +44,6 @@ PROGRESS_EVERY_S = 30.0
 IMAGE_DIFFERENCE = 16
 
 
-def encoder_identity(adapter, manifest: Manifest, d: parallel.Dist) -> dict[str, dict]:
-    """Each encoder's files by content (name -> hash), hashed once on rank 0 and remembered in the
-    manifest against size and mtime."""
-    identity = None
-    with parallel.all_or_none():
-        if d.is_main:
-            identity = {}
-            for kind, folders in adapter.ENCODERS.items():
-                files = sorted(p for folder in folders for p in (adapter.path / folder).rglob("*") if p.is_file())
-                identity[kind] = {}
-                for path in files:
-                    entry, new = manifest.entry(path, probe=False)
-                    if new:
-                        manifest.add(path, entry)
-                    identity[kind][str(path.relative_to(adapter.path))] = entry["content"]
-    return parallel.broadcast(identity, d)
-
-
-def read_headers(clip: data.Clip, manifest: Manifest, with_image: bool,
-                 with_last: bool = False) -> tuple[dict, str | None, str | None, list]:
-    """The clip's manifest entry, (image-to-video) its image's and (first-last-frame) its last image's
-    content hashes, reading what the manifest does not know; and the new entries. decode.MediaError names
-    the file that failed, or the missing last image."""
-    new = []
-
-    def entry(path: Path) -> dict:
-        found, is_new = manifest.entry(path)
-        new.extend([(path, found)] if is_new else [])
-        return found
-
-    video, image = entry(clip.video), None
-    if with_image and clip.image:
-        try:
-            image = entry(clip.image)["content"]
-        except decode.MediaError as e:
-            raise decode.MediaError(f"image {clip.image}: {e}") from None
-    last = None
-    if with_last:
-        if clip.last_image is None:
-            raise decode.MediaError("has no last image: a first-last-frame model needs each clip's last frame "
-                                    "(data.last_image_column's line, or the metadata file's last_image column)")
-        try:
-            last = entry(clip.last_image)["content"]
-        except decode.MediaError as e:
-            raise decode.MediaError(f"last image {clip.last_image}: {e}") from None
-    return video, image, last, new
-
-
 def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: parallel.Dist,
              first_last: bool = False):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
@@ -105,7 +57,7 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
             out = []
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
                 try:
-                    video, image, last, new = read_headers(clips[i], manifest, cfg.model.type == "i2v", first_last)
+                    video, image, last, new = manifest.clip_entries(clips[i], cfg.model.type == "i2v", first_last)
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
@@ -383,7 +335,7 @@ def prepare(cfg: Config, d: parallel.Dist):
     if unwritable is None:  # a read-only cache is only read: each rank checks the entries it sees
         parallel.check_shared(str(cache_dir), "data.cache_dir", d)
     manifest = Manifest(cache_dir)
-    encoders = encoder_identity(adapter, manifest, d)
+    encoders = manifest.encoder_identity(adapter, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
                   cfg.run.seed if cfg.model.type == "i2v" else None,
                   adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None)

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import decode
+import parallel
 
 CHUNK = 1 << 24
 
@@ -61,6 +62,54 @@ class Manifest:
     def add(self, path: Path, entry: dict) -> None:
         self.entries[os.path.abspath(path)] = entry
         self.changed = True
+
+    def encoder_identity(self, adapter, d: parallel.Dist) -> dict[str, dict]:
+        """Each encoder's files by content (name -> hash), hashed once on rank 0 and remembered here
+        against size and mtime."""
+        identity = None
+        with parallel.all_or_none():
+            if d.is_main:
+                identity = {}
+                for kind, folders in adapter.ENCODERS.items():
+                    files = sorted(p for folder in folders for p in (adapter.path / folder).rglob("*")
+                                   if p.is_file())
+                    identity[kind] = {}
+                    for path in files:
+                        entry, new = self.entry(path, probe=False)
+                        if new:
+                            self.add(path, entry)
+                        identity[kind][str(path.relative_to(adapter.path))] = entry["content"]
+        return parallel.broadcast(identity, d)
+
+    def clip_entries(self, clip, with_image: bool,
+                     with_last: bool = False) -> tuple[dict, str | None, str | None, list]:
+        """The clip's entry, (image-to-video) its image's and (first-last-frame) its last image's
+        content hashes, reading what is not known yet; and the new entries. decode.MediaError names
+        the file that failed, or the missing last image."""
+        new = []
+
+        def entry(path: Path) -> dict:
+            found, is_new = self.entry(path)
+            new.extend([(path, found)] if is_new else [])
+            return found
+
+        video, image = entry(clip.video), None
+        if with_image and clip.image:
+            try:
+                image = entry(clip.image)["content"]
+            except decode.MediaError as e:
+                raise decode.MediaError(f"image {clip.image}: {e}") from None
+        last = None
+        if with_last:
+            if clip.last_image is None:
+                raise decode.MediaError("has no last image: a first-last-frame model needs each clip's last "
+                                        "frame (data.last_image_column's line, or the metadata file's "
+                                        "last_image column)")
+            try:
+                last = entry(clip.last_image)["content"]
+            except decode.MediaError as e:
+                raise decode.MediaError(f"last image {clip.last_image}: {e}") from None
+        return video, image, last, new
 
     def save(self) -> None:
         if not self.changed:
