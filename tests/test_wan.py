@@ -24,7 +24,7 @@ import validate
 from config import ConfigError, DataConfig, ModelConfig, load_config
 from conftest import (assert_loads_lean, one_rank_group, picked_frames, prepare_run, ramp_clip, read_metrics,
                       run_cmd, run_ok, train_losses, write_toml)
-from model_adapter import load_adapter
+from model_adapter import RunSettings, load_adapter
 from parallel import StopRun
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
@@ -51,6 +51,19 @@ def test_a_folder_of_another_family_is_named(wan_models, tiny_models):
     assert load_adapter(ModelConfig(path=str(wan_models("t2v"))), torch.device("cpu")).FAMILY == "wan"
     with pytest.raises(ConfigError, match=r'holds a CogVideoXPipeline .*: set model.family = "cogvideox"'):
         load_adapter(ModelConfig(path=str(tiny_models("2b")), family="wan"), torch.device("cpu"))
+
+
+def test_train_flow_shift_reaches_the_training_timesteps(wan_models):
+    """train.flow_shift arrives through the adapter's constructor (RunSettings) and shifts training's draws
+    as diffusers' FlowMatchEulerDiscreteScheduler shifts its sigmas, shift s / (1 + (shift - 1) s); 0
+    keeps the folder's scheduler's shift."""
+    folder = ModelConfig(path=str(wan_models("t2v")), family="wan")
+    scheduler = json.loads((wan_models("t2v") / "scheduler" / "scheduler_config.json").read_text())
+    assert load_adapter(folder, torch.device("cpu")).shift == (scheduler.get("flow_shift") or scheduler["shift"])
+    shifted = load_adapter(folder, torch.device("cpu"), RunSettings(flow_shift=5.0))
+    u = torch.rand((), generator=torch.Generator().manual_seed(3))
+    expected = 5.0 * u / (1 + 4.0 * u)
+    torch.testing.assert_close(shifted._sigmas([torch.Generator().manual_seed(3)]), expected[None])
 
 
 def test_guidance_scale_2_needs_a_second_expert_before_the_cache_pass(wan_models, base_settings, tiny_data, tmp_path):
