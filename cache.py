@@ -183,16 +183,16 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
 
 def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
                   d: parallel.Dist):
-    """The missing video (and image, and audio) entries, `todo` naming each clip's; returns the problems
-    met while decoding.
+    """The missing video (and image, and audio) entries, `todo` naming each clip's; returns the
+    problems met while decoding.
 
-    The k-th clip goes to rank k % world (sorted by bucket, so a batch shares a shape), cache_batch_size
-    clips per VAE call (the sound one clip a call), one batch per rank per round, decoded by
-    data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the VAE. I2V entries
-    hold the conditioning image's posterior (data.image_column's image, whose window starts at frame 0,
-    or the window's own first frame), its noise augmentation keyed by (run.seed, clip); an image far from
-    its video's first frame is named once, on rank 0. A clip missing only its audio entry (data.audio
-    turned on, another audio VAE) decodes and encodes only its sound.
+    The k-th clip goes to rank k % world (sorted by bucket, so a batch shares a shape),
+    cache_batch_size clips per VAE call (the sound one clip a call), one batch per rank per round,
+    decoded by data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the
+    VAE. I2V entries hold the conditioning image's posterior (data.image_column's image, whose window
+    starts at frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed,
+    clip); an image far from its video's first frame is named once, on rank 0. A clip missing only
+    its audio entry (data.audio turned on, another audio VAE) decodes and encodes only its sound.
     """
     per_rank = batches(sorted(todo, key=lambda item: item.bucket), cfg.cache_batch_size, d.world,
                        lambda a, b: a.bucket == b.bucket)
@@ -223,8 +223,8 @@ class VideoEncoding:
     decodes in the pool, and what the ranks compare at the end (images far from their video's first
     frame, clips with sound)."""
 
-    def __init__(self, todo: dict[data.Item, set[str]], adapter, cache: Cache, seed: int, threads: int,
-                 pool: ThreadPoolExecutor):
+    def __init__(self, todo: dict[data.Item, set[str]], adapter, cache: Cache, seed: int,
+                 threads: int, pool: ThreadPoolExecutor):
         self.todo, self.adapter, self.cache, self.seed = todo, adapter, cache, seed
         self.threads, self.pool = threads, pool  # decoder threads per clip; the decoding workers
         self.pending = {}  # item -> the future of its decoding, submitted a batch ahead
@@ -233,7 +233,7 @@ class VideoEncoding:
         self.heard = [0, 0]  # clips whose sound this rank read, and those that had any
 
     def decoded(self, item: data.Item):
-        """(video, (first image, last image), the image's difference from the first frame, sound)."""
+        """(video, (first image, last image), the image's distance from the first frame, sound)."""
         audio = None
         if "audio" in self.todo[item]:
             audio = data.decode_audio(item, self.adapter.audio_sample_rate, self.adapter.audio_channels)
@@ -254,7 +254,7 @@ class VideoEncoding:
         self.cache.write(item, "audio", entry)
 
     def work(self, mine: list[list[data.Item]], r: int) -> tuple[int, list[data.Problem]]:
-        """Round r: batch r encoded and written (none past this rank's last), batch r + 1 decoding."""
+        """Round r: batch r encoded and written (none past this rank's last), r + 1 decoding."""
         for batch in mine[r : r + 2]:  # this batch, and the next one decoding meanwhile
             for item in batch:
                 self.pending.setdefault(item, self.pool.submit(self.decoded, item))
@@ -298,8 +298,8 @@ class VideoEncoding:
 def prepare(cfg: Config, adapter, d: parallel.Dist):
     """Check every clip and complete the cache with the run's adapter, before any training.
 
-    `adapter` comes checked (model.setup_adapter). A complete cache on a read-only data.cache_dir is only
-    read. Returns the cache and the training and held-out items (the last data.held_out).
+    `adapter` comes checked (model.setup_adapter). A complete cache on a read-only data.cache_dir is
+    only read. Returns the cache and the training and held-out items (the last data.held_out).
     """
     with parallel.all_or_none():
         shapes = data.resolutions(cfg.data, adapter.check_resolution)

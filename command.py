@@ -34,8 +34,8 @@ EXIT_CODES = "VIDTRAIN_EXIT_CODES"  # set by launch.sh: a folder where every ran
 
 
 def run_command(work, config_path: str, overrides: list[str], lock_output_dir: bool = False) -> None:
-    """Every command's frame: read the config and check it against its family's options (reading nothing
-    of the model but its model_index.json), set up the process group, take the run lock (with
+    """Every command's frame: read the config and check it against its family's options (reading
+    nothing of the model but its model_index.json), set up the process group, take the run lock (with
     `lock_output_dir`), run work(cfg, d) on every rank; on any failure (an exception, Ctrl-C, DCP's own
     errors) exactly one rank reports the cause; the process group is destroyed on every path; the exit
     code is 0, 1 after a failure, 130 after Ctrl-C."""

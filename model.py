@@ -35,19 +35,21 @@ RECOMPILE_LIMIT = 16
 
 
 def setup_adapter(cfg: Config, d: parallel.Dist):
-    """The run's adapter, built with its settings and checked against the config before any clip is read.
+    """The run's adapter, built with its settings and checked against the config before any clip.
 
     Every rank checks; a failure on any stops them all: the transformer's files, the heads against
-    parallel.sp_size, the blocks against parallel.offload_blocks, validation's guidance, resolution and
-    frame rate (the renderer checks them again, for renders without training), lora.target_modules and
-    lora.init_from.
+    parallel.sp_size, the blocks against parallel.offload_blocks, validation's guidance, resolution
+    and frame rate (the renderer checks them again, for renders without training),
+    lora.target_modules and lora.init_from.
     """
     with parallel.all_or_none():
         adapter = load_adapter(cfg.model, d.device, RunSettings.of(cfg))
+        config = adapter.transformer_config
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
-            Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
-        sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
-        parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])
+            # read after the pass: missing files are named now
+            Weights(adapter.path / adapter.transformer_folder)
+        sequence.check_heads(cfg.parallel.sp_size, config["num_attention_heads"], d.world)
+        parallel.check_offload_blocks(cfg.parallel, config["num_layers"])
         check_streaming_with_sound(cfg.parallel, adapter)
         adapter.check_guidance(cfg.validation)
         if cfg.validation.do_validation:
@@ -56,25 +58,31 @@ def setup_adapter(cfg: Config, d: parallel.Dist):
             adapter.clip_rate(cfg.validation.gen_fps)
         if cfg.train.training_type == "lora":
             check_lora_targets(adapter, cfg.lora.target_modules)
-            if cfg.lora.init_from:  # rank and alpha only: ComfyUI's module names are mapped once it is loaded
-                check_lora_matches(cfg.lora, lora.load_lora(cfg.lora.init_from, lambda module: module)[1])
+            if cfg.lora.init_from:  # rank and alpha: ComfyUI's module names are mapped at the load
+                info = lora.load_lora(cfg.lora.init_from, lambda module: module)[1]
+                check_lora_matches(cfg.lora, info)
     return adapter
 
 
 def check_streaming_with_sound(cfg: ParallelConfig, adapter) -> None:
-    """parallel.offload_blocks with batches that may differ in sound: build_model streams LoRA with its
-    block then, which would put some blocks' LoRA on the host and others' on the GPU."""
+    """parallel.offload_blocks with batches that may differ in sound: refused.
+
+    build_model streams LoRA with its block then, which would put some blocks' LoRA on the host and
+    others' on the GPU.
+    """
     if adapter.GRAPH_VARIES and adapter.trains_sound and cfg.offload_blocks:
         raise ConfigError(
             f"parallel.offload_blocks = {cfg.offload_blocks} with data.audio = true: batches "
-            "with and without sound keep LoRA's weights in their blocks' FSDP units, which would split "
-            "them between host and GPU; set parallel.offload_blocks = 0 (every block on the host) or "
-            "remove parallel.cpu_offload")
+            "with and without sound keep LoRA's weights in their blocks' FSDP units, which would "
+            "split them between host and GPU; set parallel.offload_blocks = 0 (every block on the "
+            "host) or remove parallel.cpu_offload")
 
 
 def check_lora_targets(adapter, targets: list[str]) -> None:
-    """lora.target_modules against the transformer's layers: the injection's own rule, on a copy built
-    on the meta device from the config (no weights read, nothing allocated)."""
+    """lora.target_modules against the transformer's layers, by the injection's own rule.
+
+    It runs on a copy built on the meta device from the config: no weights read, nothing allocated.
+    """
     with torch.device("meta"):
         skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
     try:

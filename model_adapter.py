@@ -55,19 +55,20 @@ class RunSettings:
     The defaults serve whatever builds an adapter without a run (sampling tools, benchmarks, tests).
     """
 
-    # train.flow_shift: the training timestep shift of flow-matching families; 0 keeps the scheduler's.
+    # train.flow_shift: flow matching's training timestep shift; 0 keeps the scheduler's.
     flow_shift: float = 0.0
-    # train.audio_loss_weight: with sound, the loss is the video loss plus this times the audio loss.
+    # train.audio_loss_weight: with sound, the loss is the video loss plus this times the audio's.
     audio_loss_weight: float = 1.0
-    # data.audio: a family with sound trains each clip's soundtrack (its batches may differ in sound).
+    # data.audio: a family with sound trains each clip's soundtrack (batches may differ in sound).
     sound: bool = False
-    # data.target_fps: every clip's frame rate, where a family's positions count seconds; 0: its own.
+    # data.target_fps: every clip's frame rate, where positions count seconds; 0: the family's.
     frame_rate: float = 0.0
 
     @classmethod
     def of(cls, cfg: Config) -> "RunSettings":
         """The settings a run's config gives."""
-        return cls(cfg.train.flow_shift, cfg.train.audio_loss_weight, cfg.data.audio, cfg.data.target_fps)
+        t, data = cfg.train, cfg.data
+        return cls(t.flow_shift, t.audio_loss_weight, data.audio, data.target_fps)
 
 
 class Adapter(TransformerLoading, abc.ABC):
@@ -80,9 +81,9 @@ class Adapter(TransformerLoading, abc.ABC):
     template for a fourth (docs/adding-a-family.md)."""
 
     FAMILY = ""  # model.family's value, and the registry's key (ADAPTERS)
-    # The config keys only this family accepts, each with the message that a run of another family setting it
-    # (to anything but the default) stops with; {key} is the key, {family} that run's family.
-    # check_config refuses them there, before any model file is read.
+    # The config keys only this family accepts, each with the message that a run of another family
+    # setting it (to anything but the default) stops with; {key} is the key, {family} that run's
+    # family. check_config refuses them there, before any model file is read.
     OWN_KEYS: dict[str, str] = {}
     # The model folders whose files shape each kind of cache entry.
     ENCODERS: dict[str, tuple[str, ...]] = {}
@@ -406,13 +407,15 @@ def adapter_class(family: str) -> type[Adapter]:
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """model.family, checked against the registry and against the folder's pipeline (its model_index.json:
-    another family's folder would fail obscurely in its configs); for "", the folder's family."""
+    """model.family, checked against the registry and the folder's pipeline; "": the folder's family.
+
+    The pipeline is model_index.json's: another family's folder would fail obscurely in its configs.
+    """
     known = ", ".join(f'"{family}"' for family in ADAPTERS)
     if cfg.family and cfg.family not in ADAPTERS:
-        raise ConfigError(f'model.family = "{cfg.family}" is no family vidtrain trains: set one of {known}, or '
-                          '"" for the family of model.path\'s pipeline')
-    index = Path(cfg.path) / "model_index.json"  # no such file with a family set: the adapter says so
+        raise ConfigError(f'model.family = "{cfg.family}" is no family vidtrain trains: set one of '
+                          f'{known}, or "" for the family of model.path\'s pipeline')
+    index = Path(cfg.path) / "model_index.json"  # none, with a family set: the adapter says so
     pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
     family = next((f for f in ADAPTERS if pipeline.lower().startswith(f)), None)
     if pipeline and cfg.family and family != cfg.family:
@@ -422,24 +425,28 @@ def family_of(cfg: ModelConfig) -> str:
     if not cfg.family and not pipeline:
         raise ConfigError(not_a_model_folder(cfg.path))
     if not cfg.family and family is None:
-        raise ConfigError(f"model.path = {cfg.path} holds a {pipeline} (its model_index.json), which is no family "
-                          f"vidtrain trains: point model.path at a model of one of {known}")
+        raise ConfigError(f"model.path = {cfg.path} holds a {pipeline} (its model_index.json), which "
+                          f"is no family vidtrain trains: point model.path at a model of one of {known}")
     return cfg.family or family
 
 
 def check_config(cfg: Config) -> type[Adapter]:
-    """model.family against the registry and the config against its family's options (Adapter.check_config),
-    reading nothing of the model but its model_index.json; returns the family's adapter class."""
+    """The config against its family's options; returns the family's adapter class.
+
+    model.family is checked against the registry, then Adapter.check_config runs, reading nothing of
+    the model but its model_index.json.
+    """
     cls = adapter_class(family_of(cfg.model))
     cls.check_config(cfg)
     return cls
 
 
-def load_adapter(cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()) -> Adapter:
-    """model.family's adapter over the folder at model.path (family_of), built with the run's settings.
+def load_adapter(cfg: ModelConfig, device: torch.device,
+                 run: RunSettings = RunSettings()) -> Adapter:
+    """model.family's adapter over the folder at model.path, built with the run's settings.
 
-    With model.transformer_file, the file's reader too (weights.SingleFile), checked against the folder's
-    transformer config.
+    With model.transformer_file, the file's reader too (weights.SingleFile), checked against the
+    folder's transformer config.
     """
     family = family_of(cfg)
     cls = adapter_class(family)

@@ -36,9 +36,9 @@ log = logging.getLogger("vidtrain")
 
 
 def train(cfg: Config, d: parallel.Dist) -> None:
-    """One run: the adapter, the data, the model, the optimizer, the checkpoints, the loop, the export."""
+    """One run: the adapter, the data, the model, the optimizer, the checkpoints, the loop, export."""
     t = cfg.train
-    # The adapter, then the data: the model checked before any clip is read, every clip before any compute.
+    # The adapter, then the data: the model checked before any clip, every clip before any compute.
     parallel.check_shared(cfg.run.output_dir, "run.output_dir", d)
     adapter = setup_adapter(cfg, d)
     entries, train_clips, held_out_clips = cache.prepare(cfg, adapter, d)

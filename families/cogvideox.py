@@ -52,10 +52,10 @@ COMFY_WEIGHTS_OTHER = COMFY_OTHER | {"norm_final": "norm_final", "norm_out.norm"
 class CogVideoXAdapter(Adapter):
     FAMILY = "cogvideox"
     OWN_KEYS = {
-        "validation.use_dynamic_cfg": "validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's and "
-                                      "LTX-2's pipelines have none: remove it",
-        "validation.scheduler": "validation.scheduler chooses between CogVideoX's samplers: Wan and LTX-2 sample "
-                                "with their folder's scheduler; remove it"}
+        "validation.use_dynamic_cfg": "validation.use_dynamic_cfg is CogVideoX's pipeline option; "
+                                      "Wan's and LTX-2's pipelines have none: remove it",
+        "validation.scheduler": "validation.scheduler chooses between CogVideoX's samplers: Wan and "
+                                "LTX-2 sample with their folder's scheduler; remove it"}
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, T5EncoderModel
     COMFY = True

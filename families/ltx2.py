@@ -166,26 +166,29 @@ class LTX2Adapter(Adapter):
         """The pipelines' guidance terms in their ranges, and sound at one frame rate."""
         super().check_config(cfg)
         v = cfg.validation
-        if v.audio_guidance_scale < 0 or v.stg_scale < 0 or v.modality_scale < 0 or any(b < 0 for b in v.stg_blocks):
-            raise ConfigError("validation.audio_guidance_scale, stg_scale, modality_scale and stg_blocks cannot be "
-                              "negative")
+        if min(v.audio_guidance_scale, v.stg_scale, v.modality_scale, *v.stg_blocks) < 0:
+            raise ConfigError("validation.audio_guidance_scale, stg_scale, modality_scale and "
+                              "stg_blocks cannot be negative")
         if not 0 <= v.guidance_rescale <= 1:
-            raise ConfigError(f"validation.guidance_rescale must be between 0 and 1, got {v.guidance_rescale}")
+            raise ConfigError("validation.guidance_rescale must be between 0 and 1, got "
+                              f"{v.guidance_rescale}")
         if v.stg_blocks and not v.stg_scale:
-            raise ConfigError("validation.stg_blocks names the blocks STG skips, but validation.stg_scale = 0 turns "
-                              "STG off: set stg_scale, or remove stg_blocks")
+            raise ConfigError("validation.stg_blocks names the blocks STG skips, but "
+                              "validation.stg_scale = 0 turns STG off: set stg_scale, or remove "
+                              "stg_blocks")
         guided = v.guidance_scale > 1 or v.audio_guidance_scale > 1
         added = [key for key in ("stg_scale", "modality_scale", "guidance_rescale")
                  if config_sets(cfg, f"validation.{key}")]
         if added and not guided:
             raise ConfigError(f"validation.{added[0]} adds to classifier-free guidance, which is off "
-                              f"(validation.guidance_scale = {v.guidance_scale}): set validation.guidance_scale "
-                              f"above 1, or remove {added[0]}")
+                              f"(validation.guidance_scale = {v.guidance_scale}): set "
+                              f"validation.guidance_scale above 1, or remove {added[0]}")
         if cfg.data.audio and not cfg.data.target_fps:
-            raise ConfigError("data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one "
-                              "rate (the clips of a batch then have sound of one length, and the video's positions "
-                              "count seconds at that rate): set data.target_fps (24, as LTX-2 was published), or "
-                              "data.audio = false to train video only")
+            raise ConfigError("data.audio = true with data.target_fps = 0: LTX-2's sound needs every "
+                              "clip at one rate (the clips of a batch then have sound of one length, "
+                              "and the video's positions count seconds at that rate): set "
+                              "data.target_fps (24, as LTX-2 was published), or data.audio = false to "
+                              "train video only")
 
     # Shape rules read from the model's own config.
     @property

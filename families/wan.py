@@ -56,8 +56,9 @@ EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 class WanAdapter(Adapter):
     FAMILY = "wan"
-    OWN_KEYS = dict.fromkeys(("model.expert", "train.flow_shift"),
-                             "model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
+    OWN_KEYS = dict.fromkeys(
+        ("model.expert", "train.flow_shift"),
+        "model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
     ENCODERS = {"video": ("vae",), "image": ("vae", "image_encoder", "image_processor"),
                 "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel
@@ -99,13 +100,15 @@ class WanAdapter(Adapter):
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
+        """Weights in bf16 or fp16 need autocast."""
         super().check_config(cfg)
-        if cfg.model.dtype != "fp32" and cfg.train.mixed_precision == "no":
-            # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and stops with a
-            # dtype mismatch, after the cache pass: refused before it.
-            raise ConfigError(f"model.dtype = \"{cfg.model.dtype}\" with train.mixed_precision = \"no\": Wan's "
-                              "forward needs autocast to run weights in that dtype; set train.mixed_precision = "
-                              f"\"{cfg.model.dtype}\", or model.dtype = \"fp32\"")
+        dtype = cfg.model.dtype
+        if dtype != "fp32" and cfg.train.mixed_precision == "no":
+            # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and
+            # stops with a dtype mismatch, after the cache pass: refused before it.
+            raise ConfigError(f"model.dtype = \"{dtype}\" with train.mixed_precision = \"no\": Wan's "
+                              "forward needs autocast to run weights in that dtype; set "
+                              f"train.mixed_precision = \"{dtype}\", or model.dtype = \"fp32\"")
 
     # Shape rules read from the model's own config.
     @property
