@@ -26,14 +26,11 @@ import command
 import data
 import decode
 import faults
-import lora
 import parallel
-import sequence
 from cache_files import Cache
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
-from model_adapter import load_adapter
-from weights import Weights
+from model import setup_adapter
 
 log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
@@ -186,88 +183,27 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
 
 def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
                   d: parallel.Dist):
-    """The missing video (and image, and audio) entries, `todo` naming each clip's: the k-th clip to rank
-    k % world (sorted by bucket, so a batch shares a shape), cache_batch_size clips per VAE call (the sound
-    one clip a call), one batch per rank per round, decoded by
-    data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the VAE. I2V
-    entries hold the conditioning image's posterior (data.image_column's image, whose window starts at
-    frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed, clip); an
-    image far from its video's first frame is named once, on rank 0. A clip missing only its audio entry
-    (data.audio turned on, another audio VAE) decodes and encodes only its sound. Returns the problems
-    met while decoding."""
+    """The missing video (and image, and audio) entries, `todo` naming each clip's; returns the
+    problems met while decoding.
+
+    The k-th clip goes to rank k % world (sorted by bucket, so a batch shares a shape),
+    cache_batch_size clips per VAE call (the sound one clip a call), one batch per rank per round,
+    decoded by data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the
+    VAE. I2V entries hold the conditioning image's posterior (data.image_column's image, whose window
+    starts at frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed,
+    clip); an image far from its video's first frame is named once, on rank 0. A clip missing only
+    its audio entry (data.audio turned on, another audio VAE) decodes and encodes only its sound.
+    """
     per_rank = batches(sorted(todo, key=lambda item: item.bucket), cfg.cache_batch_size, d.world,
                        lambda a, b: a.bucket == b.bucket)
     workers = cfg.decode_workers or min(8, max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
     threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
-    written, pending, far = 0, {}, []
-    heard = [0, 0]  # clips whose sound this rank read, and those that had any
-
-    def decoded(item):
-        audio = None
-        if "audio" in todo[item]:
-            audio = data.decode_audio(item, adapter.audio_sample_rate, adapter.audio_channels)
-        if not todo[item] & {"video", "image"}:
-            return None, None, 0.0, audio
-        video = data.decode_clip(item, threads)
-        last = data.load_image(item, last=True) if item.last_image_content is not None else None
-        if not (item.clip.image and cache.image_seed is not None):
-            return video, (video[0], last), 0.0, audio  # the window's own first frame
-        image = data.load_image(item)
-        return video, (image, last), float((image.float() - video[0].float()).abs().mean()), audio
-
-    def write_audio(item, audio):
-        entry = {}  # no sound: an empty entry says so
-        if audio is not None:  # one clip a call: windows at other rates hold other numbers of samples
-            mean, logvar = adapter.encode_audio(audio[None])
-            entry = {"audio_latent_mean": mean[0], "audio_latent_logvar": logvar[0]}
-        cache.write(item, "audio", entry)
-
-    def work(mine, r):
-        nonlocal written
-        for batch in mine[r : r + 2]:  # this batch, and the next one decoding meanwhile
-            for item in batch:
-                pending.setdefault(item, pool.submit(decoded, item))
-        good, bad = [], []
-        for item in mine[r] if r < len(mine) else []:
-            try:
-                video, image, difference, audio = pending.pop(item).result()
-            except data.BadClip as e:
-                bad.append(data.Problem(item.clip, str(e)))
-                continue
-            good.append((item, video, image, audio))
-            if difference > IMAGE_DIFFERENCE:
-                far.append((item.clip.line, f"{item.clip.source} line {item.clip.line}: {item.clip.image} "
-                                            f"(difference {difference:.0f})"))
-        pictures = [(item, video, image) for item, video, image, _ in good if video is not None]
-        index, mean, logvar, image = {}, None, None, None
-        if pictures:
-            items, videos, images = zip(*pictures)
-            index = {item: j for j, item in enumerate(items)}
-            mean, logvar = adapter.encode_video(torch.stack(videos))
-            if cache.image_seed is not None:
-                noise = [data.keyed_generator(seed, "image_noise", item.content) for item in items]
-                firsts, lasts = zip(*images)
-                # First-last-frame (every clip has a last image then, read_headers checks): both images at once.
-                last = {"last_images": torch.stack(lasts)} if lasts[0] is not None else {}
-                image = adapter.encode_image(torch.stack(firsts), noise, items[0].resolution[0], **last)
-        for item, _, _, audio in good:
-            if item in index:
-                j = index[item]
-                cache.write(item, "video", {"latent_mean": mean[j], "latent_logvar": logvar[j]})
-                if image is not None:
-                    cache.write(item, "image", {name: tensor[j] for name, tensor in image.items()})
-            if "audio" in todo[item]:
-                write_audio(item, audio)
-                heard[0], heard[1] = heard[0] + 1, heard[1] + (audio is not None)
-            written += 1
-            faults.fault("cache", written)
-        return len(good) + len(bad), bad
-
     with ThreadPoolExecutor(workers) as pool:
-        problems = run_rounds(per_rank, work, "clips", cfg, d)
-    far = sorted(f for part in parallel.agree(lambda: far, d) for f in part)
-    read, sounding = (sum(counts) for counts in zip(*parallel.agree(lambda: heard, d)))
+        encoding = VideoEncoding(todo, adapter, cache, seed, threads, pool)
+        problems = run_rounds(per_rank, encoding.work, "clips", cfg, d)
+    far = sorted(f for part in parallel.agree(lambda: encoding.far, d) for f in part)
+    read, sounding = (sum(counts) for counts in zip(*parallel.agree(lambda: encoding.heard, d)))
     if read and not sounding and d.is_main:
         log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
                     "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
@@ -282,48 +218,90 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     return problems
 
 
-def check_lora_targets(adapter, targets: list[str]) -> None:
-    """lora.target_modules against the transformer's layers, before the cache pass: the injection's own
-    rule, on a copy built on the meta device from the config (no weights read, nothing allocated)."""
-    with torch.device("meta"):
-        skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
-    try:
-        lora.inject_lora(skeleton, targets, 1, 1.0, 0.0, 0)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+class VideoEncoding:
+    """One rank's share of encode_videos: each round's batch encoded and written while the next one
+    decodes in the pool, and what the ranks compare at the end (images far from their video's first
+    frame, clips with sound)."""
+
+    def __init__(self, todo: dict[data.Item, set[str]], adapter, cache: Cache, seed: int,
+                 threads: int, pool: ThreadPoolExecutor):
+        self.todo, self.adapter, self.cache, self.seed = todo, adapter, cache, seed
+        self.threads, self.pool = threads, pool  # decoder threads per clip; the decoding workers
+        self.pending = {}  # item -> the future of its decoding, submitted a batch ahead
+        self.written = 0  # clips written, counted for fault injection
+        self.far = []  # (line, name) of the I2V images far from their video's first frame
+        self.heard = [0, 0]  # clips whose sound this rank read, and those that had any
+
+    def decoded(self, item: data.Item):
+        """(video, (first image, last image), the image's distance from the first frame, sound)."""
+        audio = None
+        if "audio" in self.todo[item]:
+            audio = data.decode_audio(item, self.adapter.audio_sample_rate, self.adapter.audio_channels)
+        if not self.todo[item] & {"video", "image"}:
+            return None, None, 0.0, audio
+        video = data.decode_clip(item, self.threads)
+        last = data.load_image(item, last=True) if item.last_image_content is not None else None
+        if not (item.clip.image and self.cache.image_seed is not None):
+            return video, (video[0], last), 0.0, audio  # the window's own first frame
+        image = data.load_image(item)
+        return video, (image, last), float((image.float() - video[0].float()).abs().mean()), audio
+
+    def write_audio(self, item: data.Item, audio) -> None:
+        entry = {}  # no sound: an empty entry says so
+        if audio is not None:  # one clip a call: windows at other rates hold other numbers of samples
+            mean, logvar = self.adapter.encode_audio(audio[None])
+            entry = {"audio_latent_mean": mean[0], "audio_latent_logvar": logvar[0]}
+        self.cache.write(item, "audio", entry)
+
+    def work(self, mine: list[list[data.Item]], r: int) -> tuple[int, list[data.Problem]]:
+        """Round r: batch r encoded and written (none past this rank's last), r + 1 decoding."""
+        for batch in mine[r : r + 2]:  # this batch, and the next one decoding meanwhile
+            for item in batch:
+                self.pending.setdefault(item, self.pool.submit(self.decoded, item))
+        good, bad = [], []
+        for item in mine[r] if r < len(mine) else []:
+            try:
+                video, image, difference, audio = self.pending.pop(item).result()
+            except data.BadClip as e:
+                bad.append(data.Problem(item.clip, str(e)))
+                continue
+            good.append((item, video, image, audio))
+            if difference > IMAGE_DIFFERENCE:
+                name = f"{item.clip.source} line {item.clip.line}: {item.clip.image}"
+                self.far.append((item.clip.line, f"{name} (difference {difference:.0f})"))
+        pictures = [(item, video, image) for item, video, image, _ in good if video is not None]
+        index, mean, logvar, image = {}, None, None, None
+        if pictures:
+            items, videos, images = zip(*pictures)
+            index = {item: j for j, item in enumerate(items)}
+            mean, logvar = self.adapter.encode_video(torch.stack(videos))
+            if self.cache.image_seed is not None:
+                noise = [data.keyed_generator(self.seed, "image_noise", item.content) for item in items]
+                firsts, lasts = zip(*images)
+                # First-last-frame (every clip has a last image then, read_headers checks): both images at once.
+                last = {"last_images": torch.stack(lasts)} if lasts[0] is not None else {}
+                image = self.adapter.encode_image(torch.stack(firsts), noise, items[0].resolution[0], **last)
+        for item, _, _, audio in good:
+            if item in index:
+                j = index[item]
+                self.cache.write(item, "video", {"latent_mean": mean[j], "latent_logvar": logvar[j]})
+                if image is not None:
+                    self.cache.write(item, "image", {name: tensor[j] for name, tensor in image.items()})
+            if "audio" in self.todo[item]:
+                self.write_audio(item, audio)
+                self.heard[0], self.heard[1] = self.heard[0] + 1, self.heard[1] + (audio is not None)
+            self.written += 1
+            faults.fault("cache", self.written)
+        return len(good) + len(bad), bad
 
 
-def prepare(cfg: Config, d: parallel.Dist):
-    """Check the model, the resolutions and every clip, and complete the cache, before any training (a
-    complete cache on a read-only data.cache_dir is only read). Returns the adapter, the cache and the
-    training and held-out items (the last data.held_out)."""
+def prepare(cfg: Config, adapter, d: parallel.Dist):
+    """Check every clip and complete the cache with the run's adapter, before any training.
+
+    `adapter` comes checked (model.setup_adapter). A complete cache on a read-only data.cache_dir is
+    only read. Returns the cache and the training and held-out items (the last data.held_out).
+    """
     with parallel.all_or_none():
-        adapter = load_adapter(cfg.model, d.device)
-        if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
-            Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
-        sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
-        parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])
-        adapter.check_guidance(cfg.validation)  # validate.py's renderer checks it too, for renders without training
-        if cfg.validation.do_validation and cfg.validation.resolution:  # the renderer's own check, done now
-            adapter.check_resolution(cfg.validation.resolution, "validation.resolution")
-        if cfg.train.training_type == "lora":
-            check_lora_targets(adapter, cfg.lora.target_modules)
-        if cfg.train.flow_shift:  # only flow-matching families accept the key (config.py checks)
-            adapter.shift = cfg.train.flow_shift
-        if "audio" in adapter.ENCODERS:  # a family with sound
-            adapter.audio_loss_weight = cfg.train.audio_loss_weight
-            adapter.trains_sound = cfg.data.audio
-        if adapter.GRAPH_VARIES and adapter.trains_sound and cfg.parallel.offload_blocks:
-            # model.build_model streams LoRA with its block then: some blocks' on the host, others' on the GPU
-            raise ConfigError(
-                f"parallel.offload_blocks = {cfg.parallel.offload_blocks} with data.audio = true: batches "
-                "with and without sound keep LoRA's weights in their blocks' FSDP units, which would split "
-                "them between host and GPU; set parallel.offload_blocks = 0 (every block on the host) or "
-                "remove parallel.cpu_offload")
-        if cfg.data.target_fps:  # every clip's rate: LTX-2's video positions count seconds at it
-            adapter.frame_rate = cfg.data.target_fps
-        if cfg.validation.do_validation:  # validate.py's renderer asks it too, for renders without training
-            adapter.clip_rate(cfg.validation.gen_fps)
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
@@ -379,14 +357,14 @@ def prepare(cfg: Config, d: parallel.Dist):
     if len(items) <= cfg.data.held_out:
         raise ConfigError(f"{len(items)} usable clips but data.held_out = {cfg.data.held_out}: lower it or add clips")
     held_out = len(items) - cfg.data.held_out
-    return adapter, cache, items[:held_out], items[held_out:]
+    return cache, items[:held_out], items[held_out:]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="TOML config file")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    command.run_command(prepare, args.cfg, overrides)
+    command.run_command(lambda cfg, d: prepare(cfg, setup_adapter(cfg, d), d), args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def run_identity(cfg, adapter) -> dict:
     others is refused), their precision (a change is named) and what is trained."""
     config = {k: v for k, v in adapter.transformer_config.items() if not k.startswith("_")}
     identity = {
-        "family": cfg.model.family,
+        "family": adapter.FAMILY,  # model.family as resolved: "" names the folder's
         "transformer_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "training_type": cfg.train.training_type,
         "base": base_identity(adapter),

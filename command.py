@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from transformers.utils import logging as transformers_logging
 
 import faults
+import model_adapter
 import parallel
 from config import ConfigError, load_config
 
@@ -33,7 +34,8 @@ EXIT_CODES = "VIDTRAIN_EXIT_CODES"  # set by launch.sh: a folder where every ran
 
 
 def run_command(work, config_path: str, overrides: list[str], lock_output_dir: bool = False) -> None:
-    """Every command's frame: read the config, set up the process group, take the run lock (with
+    """Every command's frame: read the config and check it against its family's options (reading
+    nothing of the model but its model_index.json), set up the process group, take the run lock (with
     `lock_output_dir`), run work(cfg, d) on every rank; on any failure (an exception, Ctrl-C, DCP's own
     errors) exactly one rank reports the cause; the process group is destroyed on every path; the exit
     code is 0, 1 after a failure, 130 after Ctrl-C."""
@@ -42,6 +44,7 @@ def run_command(work, config_path: str, overrides: list[str], lock_output_dir: b
     previous_handlers = parallel.PREEMPTION.install()
     try:
         cfg = load_config(config_path, overrides)
+        model_adapter.check_config(cfg)
         if EXIT_CODES in os.environ and rank == 0:  # launch.sh keeps torchrun's log there
             (Path(os.environ[EXIT_CODES]) / "output_dir").write_text(cfg.run.output_dir)
         if cfg.run.deterministic:

@@ -36,15 +36,16 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family: its adapter (families/cogvideox.py, families/wan.py, families/ltx2.py) knows its classes,
-    # loss and sampling.
-    family: Literal["cogvideox", "wan", "ltx2"] = "cogvideox"
+    # Model family: a name in model_adapter.ADAPTERS, whose adapter (families/<name>.py) knows its classes,
+    # loss, sampling and the keys only it accepts; "": the family of model.path's pipeline (model_index.json).
+    family: str = ""
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
-    # data.image_column's, or each clip's first frame; a first-last-frame model, Wan FLF2V, also the clip's
-    # last frame from data.last_image_column).
+    # data.image_column's, or each clip's first frame; a first-last-frame model also the clip's last frame
+    # from data.last_image_column).
     type: Literal["t2v", "i2v"] = "t2v"
-    # Wan 2.2 A14B: the expert this run trains, "high_noise" (transformer/, t >= boundary_ratio x 1000) or
-    # "low_noise" (transformer_2/, below); validation renders with both.
+    # One family's key (docs/models/), for its two-expert models: the expert this run trains, "high_noise"
+    # (transformer/, t >= boundary_ratio x 1000) or "low_noise" (transformer_2/, below); validation renders
+    # with both.
     expert: Literal["", "high_noise", "low_noise"] = ""
     # Storage dtype of the frozen weights.
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -76,9 +77,9 @@ class TrainConfig:
     lr_warmup_steps: int = 100
     # AdamW weight decay.
     weight_decay: float = 1e-4
-    # AdamW's first-moment decay (CogVideo's default).
+    # AdamW's first-moment decay.
     adam_beta1: float = 0.9
-    # AdamW's second-moment decay (CogVideo's default; torch's own is 0.999).
+    # AdamW's second-moment decay (torch's own default is 0.999).
     adam_beta2: float = 0.95
     # AdamW's epsilon.
     adam_epsilon: float = 1e-8
@@ -105,10 +106,10 @@ class TrainConfig:
     # with fp16, only those whose loss is too). Counted on the device, read on log steps, saves and
     # validations: the stop comes up to log_every - 1 steps later.
     max_nonfinite_steps: int = 3
-    # Flow-matching families (Wan): the timestep shift, s = shift u / (1 + (shift - 1) u); 0 takes the
-    # scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at 720p).
+    # One family's key (docs/models/): the flow-matching timestep shift, s = shift u / (1 + (shift - 1) u);
+    # 0 takes the scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at 720p).
     flow_shift: float = 0.0
-    # Families with sound (LTX-2): the loss is the video loss plus this times the audio loss.
+    # Families with sound: the loss is the video loss plus this times the audio loss.
     audio_loss_weight: float = 1.0
     # Exponential moving average of the trainable weights (0 = off, e.g. 0.999), used for validation
     # and exported beside the online weights.
@@ -156,7 +157,7 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    # Dataset folder in CogVideo's layout (required).
+    # Dataset folder (required): prompts.txt and videos.txt, or metadata.jsonl / metadata.csv (docs/data.md).
     data_root: str = ""
     # File under data_root with one prompt per line.
     caption_column: str = "prompts.txt"
@@ -165,7 +166,7 @@ class DataConfig:
     # File under data_root with one first-frame image per line (image-to-video; unused by t2v).
     image_column: str = ""
     # File under data_root with one last-frame image per line (metadata files: a last_image column), for
-    # first-last-frame models (Wan FLF2V): each clip's window ends at the clip's last frame, which it shows.
+    # first-last-frame models: each clip's window ends at the clip's last frame, which it shows.
     last_image_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
@@ -190,7 +191,7 @@ class DataConfig:
     cache_batch_size: int = 4
     # Threads per rank decoding clips in the cache pass, a batch ahead of the VAE (0: min(8, CPUs per rank)).
     decode_workers: int = 0
-    # Families with sound (LTX-2): train each clip's soundtrack, cut to its frames' seconds; false: video only.
+    # Families with sound: train each clip's soundtrack, cut to its frames' seconds; false: video only.
     audio: bool = True
 
 
@@ -217,43 +218,48 @@ class ValidationConfig:
     loss_timesteps: list[int] = field(default_factory=lambda: [100, 300, 500, 700, 900])
     # Prompts rendered into validation_res/step_{step}_prompt_{i}.mp4 and TensorBoard's val/clip_{i}.
     prompts: list[str] = field(default_factory=list)
-    # Text the guidance steers away from (CogVideo's default: the empty prompt).
+    # Text the guidance steers away from (by default the empty prompt).
     negative_prompt: str = ""
     # Seed of clip i's noise, keyed by (seed, i): a prompt's clip is comparable across steps and ranks.
     seed: int = 42
-    # Sampler: "" the model folder's own (its pipeline's), or for CogVideoX "dpm" (CogVideoXDPMScheduler,
-    # CogVideo's choice) or "ddim" (CogVideoXDDIMScheduler).
+    # One family's key (docs/models/): the sampler, "" the model folder's own (its pipeline's), or "dpm" or
+    # "ddim".
     scheduler: Literal["", "dpm", "ddim"] = ""
     # Denoising steps per clip.
     num_inference_steps: int = 50
     # Classifier-free guidance scale; 1 or less renders without guidance.
     guidance_scale: float = 6.0
-    # Wan 2.2 A14B: the low-noise expert's guidance scale (the pipeline's guidance_scale_2); 0: guidance_scale.
+    # Two-expert models: the low-noise expert's guidance scale (the pipeline's guidance_scale_2); 0:
+    # guidance_scale.
     guidance_scale_2: float = 0.0
-    # Raise the guidance scale along a cosine schedule over the steps, as the pipeline's use_dynamic_cfg.
+    # One family's key (docs/models/): raise the guidance scale along a cosine schedule over the steps, as
+    # the pipeline's use_dynamic_cfg.
     use_dynamic_cfg: bool = False
-    # LTX-2: the sound's guidance scale (the pipeline's audio_guidance_scale; LTX-2's configs: 7); 0: guidance_scale.
+    # One family's key (docs/models/): the sound's guidance scale (the pipeline's audio_guidance_scale; its
+    # configs: 7); 0: guidance_scale.
     audio_guidance_scale: float = 0.0
-    # LTX-2.3: spatio-temporal guidance (STG) of both streams, away from one more forward per step with the
-    # self-attention of validation.stg_blocks skipped (the pipeline's stg_scale and audio_stg_scale; 1); 0: off.
+    # One family's key (docs/models/): spatio-temporal guidance (STG) of both streams, away from one more
+    # forward per step with the self-attention of validation.stg_blocks skipped (the pipeline's stg_scale and
+    # audio_stg_scale; 1); 0: off.
     stg_scale: float = 0.0
-    # LTX-2.3: the blocks STG skips; []: the pipelines' [28].
+    # One family's key (docs/models/): the blocks STG skips; []: the pipelines' default.
     stg_blocks: list[int] = field(default_factory=list)
-    # LTX-2: modality-isolation guidance of both streams, away from one more forward per step without the
-    # audio-video cross-attention (the pipeline's modality_scale and audio_modality_scale; 3); 1: off.
+    # One family's key (docs/models/): modality-isolation guidance of both streams, away from one more
+    # forward per step without the audio-video cross-attention (the pipeline's modality_scale and
+    # audio_modality_scale; 3); 1: off.
     modality_scale: float = 1.0
-    # LTX-2: the guided prediction rescaled toward the conditional one's spread, both streams (the pipeline's
-    # guidance_rescale and audio_guidance_rescale; 0.7); 0: off.
+    # One family's key (docs/models/): the guided prediction rescaled toward the conditional one's spread,
+    # both streams (the pipeline's guidance_rescale and audio_guidance_rescale; 0.7); 0: off.
     guidance_rescale: float = 0.0
     # [frames, height, width] of the clips; [] renders at data.train_resolution (data.buckets[0] when set).
     resolution: list[int] = field(default_factory=list)
-    # Frame rate written into the mp4s and the TensorBoard clips; 0: the family's published rate (CogVideoX 8,
-    # CogVideoX 1.5 16, Wan 16, Wan 2.2 TI2V-5B 24; docs/models/), as the configs of published models set.
-    # LTX-2 (sound) writes at the rate its sound was generated for (data.target_fps, else 24), no other.
+    # Frame rate written into the mp4s and the TensorBoard clips; 0: the model's published rate
+    # (docs/models/), as the configs of published models set. A family with sound writes at the rate its
+    # sound was generated for (data.target_fps, else its published rate), no other.
     gen_fps: int = 0
     # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say).
     images: list[str] = field(default_factory=list)
-    # First-last-frame models (Wan FLF2V): one last-frame image per prompt, beside validation.images.
+    # First-last-frame models: one last-frame image per prompt, beside validation.images.
     last_images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
@@ -373,7 +379,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
 
 def check_values(cfg: Config) -> None:
-    """Checks that need no model; the model-dependent ones are in check_resolution."""
+    """Checks that need no model and hold for every family; a family's own options are its adapter's
+    (model_adapter.check_config), the model-dependent rules the adapter's check_resolution."""
     for key in ("run.output_dir", "model.path", "data.data_root"):
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
@@ -413,7 +420,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
     if cfg.model.type == "i2v":
         # The image is the first frame: a 1-frame sample is its own condition. TI2V masks that frame out of
-        # the loss (0/0, NaN); CogVideoX and Wan 2.1 would learn to copy the image.
+        # the loss (0/0, NaN); the other image-to-video models would learn to copy the image.
         shapes = {f"data.buckets[{i}]": s for i, s in enumerate(cfg.data.buckets)} or \
             {"data.train_resolution": cfg.data.train_resolution}
         for key, shape in shapes.items():
@@ -448,22 +455,8 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("validation.gen_fps must be 0 (the family's published rate) or positive")
     if cfg.train.flow_shift < 0:
         raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
-    if cfg.model.family != "wan" and (cfg.model.expert or cfg.train.flow_shift):
-        raise ConfigError("model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
     if cfg.train.audio_loss_weight < 0:
         raise ConfigError(f"train.audio_loss_weight must be 0 or positive, got {cfg.train.audio_loss_weight}")
-    if cfg.model.family != "cogvideox" and cfg.validation.use_dynamic_cfg:
-        raise ConfigError("validation.use_dynamic_cfg is CogVideoX's pipeline option; Wan's and LTX-2's pipelines "
-                          "have none: remove it")
-    check_ltx2_guidance(cfg)
-    if cfg.model.family != "cogvideox" and cfg.validation.scheduler:
-        raise ConfigError("validation.scheduler chooses between CogVideoX's samplers: Wan and LTX-2 sample with "
-                          "their folder's scheduler; remove it")
-    if cfg.model.family == "ltx2" and cfg.data.audio and not cfg.data.target_fps:
-        raise ConfigError("data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate "
-                          "(the clips of a batch then have sound of one length, and the video's positions count "
-                          "seconds at that rate): set data.target_fps (24, as LTX-2 was published), or data.audio = "
-                          "false to train video only")
     if cfg.model.type == "t2v" and cfg.validation.images:
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
     if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says
@@ -488,40 +481,10 @@ def check_training_values(cfg: Config) -> None:
     if t.training_type == "lora" and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty, so no layer would get an adapter: name the linear layers "
                           "to adapt (the default is [\"to_q\", \"to_k\", \"to_v\", \"to_out.0\"])")
-    if cfg.model.family == "wan" and cfg.model.dtype != "fp32" and t.mixed_precision == "no":
-        # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and stops with a
-        # dtype mismatch, after the cache pass: refused before it.
-        raise ConfigError(f"model.dtype = \"{cfg.model.dtype}\" with train.mixed_precision = \"no\": Wan's "
-                          "forward needs autocast to run weights in that dtype; set train.mixed_precision = "
-                          f"\"{cfg.model.dtype}\", or model.dtype = \"fp32\"")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).exists():
         raise ConfigError(f"checkpoint.resume = {resume} does not exist: give a checkpoint-N folder, or \"auto\" "
                           "(the newest in run.output_dir) or \"none\"")
-
-
-def check_ltx2_guidance(cfg: Config) -> None:
-    """LTX-2's pipelines add terms to classifier-free guidance; the other families' pipelines have none."""
-    v = cfg.validation
-    extras = {"audio_guidance_scale": v.audio_guidance_scale != 0, "stg_scale": v.stg_scale != 0,
-              "stg_blocks": bool(v.stg_blocks), "modality_scale": v.modality_scale != 1,
-              "guidance_rescale": v.guidance_rescale != 0}
-    named = [key for key, given in extras.items() if given]
-    if cfg.model.family != "ltx2" and named:
-        raise ConfigError(f"validation.{named[0]} is an option of LTX-2's pipelines; {cfg.model.family}'s pipeline has "
-                          "no such guidance term: remove it")
-    if v.audio_guidance_scale < 0 or v.stg_scale < 0 or v.modality_scale < 0 or any(b < 0 for b in v.stg_blocks):
-        raise ConfigError("validation.audio_guidance_scale, stg_scale, modality_scale and stg_blocks cannot be negative")
-    if not 0 <= v.guidance_rescale <= 1:
-        raise ConfigError(f"validation.guidance_rescale must be between 0 and 1, got {v.guidance_rescale}")
-    if v.stg_blocks and not v.stg_scale:
-        raise ConfigError("validation.stg_blocks names the blocks STG skips, but validation.stg_scale = 0 turns STG off: "
-                          "set stg_scale, or remove stg_blocks")
-    guided = v.guidance_scale > 1 or v.audio_guidance_scale > 1
-    added = [key for key in ("stg_scale", "modality_scale", "guidance_rescale") if key in named]
-    if added and not guided:
-        raise ConfigError(f"validation.{added[0]} adds to classifier-free guidance, which is off (validation.guidance_scale "
-                          f"= {v.guidance_scale}): set validation.guidance_scale above 1, or remove {added[0]}")
 
 
 def check_validation_images(cfg: Config) -> None:
@@ -559,7 +522,9 @@ def reference() -> str:
     lines = ["# Configuration reference", "",
              "Every key, its type, default and meaning: the comments of `config.py`, which is the schema.",
              "`python config.py` prints this page (a test keeps the two equal); how a run reads a config and",
-             "its `--section.key value` overrides is in [training.md](training.md).", ""]
+             "its `--section.key value` overrides is in [training.md](training.md).",
+             "\"One family's key\" marks a key that only one family accepts (its page in [models/](models/)",
+             "names it); a run of another family refuses it before anything is computed.", ""]
     for section in dataclasses.fields(Config):
         schema = typing.get_type_hints(section.type)
         comments = _field_comments(section.type)

@@ -19,7 +19,9 @@ import activations
 import lora
 import parallel
 import sequence
-from config import ConfigError, LoraConfig, ParallelConfig, TrainConfig
+from config import Config, ConfigError, LoraConfig, ParallelConfig, TrainConfig
+from model_adapter import RunSettings, load_adapter
+from weights import Weights
 
 log = logging.getLogger("vidtrain")
 
@@ -30,6 +32,63 @@ log = logging.getLogger("vidtrain")
 # sizes once a second bucket's differs (validation runs eagerly, validate.eager). 16 leaves room for
 # FSDP's and sequence parallelism's own guards; a run that recompiles every step still stops at it.
 RECOMPILE_LIMIT = 16
+
+
+def setup_adapter(cfg: Config, d: parallel.Dist):
+    """The run's adapter, built with its settings and checked against the config before any clip.
+
+    Every rank checks; a failure on any stops them all: the transformer's files, the heads against
+    parallel.sp_size, the blocks against parallel.offload_blocks, validation's guidance, resolution
+    and frame rate (the renderer checks them again, for renders without training),
+    lora.target_modules and lora.init_from.
+    """
+    with parallel.all_or_none():
+        adapter = load_adapter(cfg.model, d.device, RunSettings.of(cfg))
+        config = adapter.transformer_config
+        if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
+            # read after the pass: missing files are named now
+            Weights(adapter.path / adapter.transformer_folder)
+        sequence.check_heads(cfg.parallel.sp_size, config["num_attention_heads"], d.world)
+        parallel.check_offload_blocks(cfg.parallel, config["num_layers"])
+        check_streaming_with_sound(cfg.parallel, adapter)
+        adapter.check_guidance(cfg.validation)
+        if cfg.validation.do_validation:
+            if cfg.validation.resolution:
+                adapter.check_resolution(cfg.validation.resolution, "validation.resolution")
+            adapter.clip_rate(cfg.validation.gen_fps)
+        if cfg.train.training_type == "lora":
+            check_lora_targets(adapter, cfg.lora.target_modules)
+            if cfg.lora.init_from:  # rank and alpha: ComfyUI's module names are mapped at the load
+                info = lora.load_lora(cfg.lora.init_from, lambda module: module)[1]
+                check_lora_matches(cfg.lora, info)
+    return adapter
+
+
+def check_streaming_with_sound(cfg: ParallelConfig, adapter) -> None:
+    """parallel.offload_blocks with batches that may differ in sound: refused.
+
+    build_model streams LoRA with its block then, which would put some blocks' LoRA on the host and
+    others' on the GPU.
+    """
+    if adapter.GRAPH_VARIES and adapter.trains_sound and cfg.offload_blocks:
+        raise ConfigError(
+            f"parallel.offload_blocks = {cfg.offload_blocks} with data.audio = true: batches "
+            "with and without sound keep LoRA's weights in their blocks' FSDP units, which would "
+            "split them between host and GPU; set parallel.offload_blocks = 0 (every block on the "
+            "host) or remove parallel.cpu_offload")
+
+
+def check_lora_targets(adapter, targets: list[str]) -> None:
+    """lora.target_modules against the transformer's layers, by the injection's own rule.
+
+    It runs on a copy built on the meta device from the config: no weights read, nothing allocated.
+    """
+    with torch.device("meta"):
+        skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
+    try:
+        lora.inject_lora(skeleton, targets, 1, 1.0, 0.0, 0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
@@ -102,7 +161,7 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         # host, in a unit of several modules per block (fully_shard of a list). FSDP2 ends such a unit's
         # backward otherwise when some of its modules never ran (the audio-video cross-attentions without
         # sound), and the ranks' collectives differ: with batches that vary, LoRA streams with its block
-        # instead, as sft's does (cache.prepare refuses parallel.offload_blocks then).
+        # instead, as sft's does (check_streaming_with_sound refuses parallel.offload_blocks then).
         resident = frozenset(name for name, p in transformer.named_parameters()
                              if train.training_type == "lora" and p.requires_grad and not varies)
         wrapped = parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,

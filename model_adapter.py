@@ -14,6 +14,7 @@ import abc
 import importlib
 import json
 import logging
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 import weights
-from config import ConfigError, ModelConfig, check_resolution
+from config import Config, ConfigError, ModelConfig, check_resolution
 from transformer_loading import TransformerLoading
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,6 +48,29 @@ def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> 
     return mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run sets on its family's adapter, handed to the family's constructor (load_adapter).
+
+    The defaults serve whatever builds an adapter without a run (sampling tools, benchmarks, tests).
+    """
+
+    # train.flow_shift: flow matching's training timestep shift; 0 keeps the scheduler's.
+    flow_shift: float = 0.0
+    # train.audio_loss_weight: with sound, the loss is the video loss plus this times the audio's.
+    audio_loss_weight: float = 1.0
+    # data.audio: a family with sound trains each clip's soundtrack (batches may differ in sound).
+    sound: bool = False
+    # data.target_fps: every clip's frame rate, where positions count seconds; 0: the family's.
+    frame_rate: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: Config) -> "RunSettings":
+        """The settings a run's config gives."""
+        t, data = cfg.train, cfg.data
+        return cls(t.flow_shift, t.audio_loss_weight, data.audio, data.target_fps)
+
+
 class Adapter(TransformerLoading, abc.ABC):
     """One model family: its diffusers classes, read through the shared machinery below. The contract a family
     fills comes first: its class attributes, the attributes its __init__ sets, the methods it must provide
@@ -57,6 +81,10 @@ class Adapter(TransformerLoading, abc.ABC):
     template for a fourth (docs/adding-a-family.md)."""
 
     FAMILY = ""  # model.family's value, and the registry's key (ADAPTERS)
+    # The config keys only this family accepts, each with the message that a run of another family
+    # setting it (to anything but the default) stops with; {key} is the key, {family} that run's
+    # family. check_config refuses them there, before any model file is read.
+    OWN_KEYS: dict[str, str] = {}
     # The model folders whose files shape each kind of cache entry.
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
@@ -73,19 +101,17 @@ class Adapter(TransformerLoading, abc.ABC):
     # Whether a step may leave trainable weights without a gradient (LTX-2's audio stream in a batch without
     # sound): DDP then looks for them every step instead of assuming one graph for the run.
     GRAPH_VARIES = False
-    # data.audio on a family with sound (cache.prepare sets it): the batches may differ in sound.
-    trains_sound = False
     AUDIO_DTYPE = ""  # with sound: the audio VAE's precision, as model.dtype names it (the audio entries')
 
     # Set by the family's __init__ (load_adapter names any missing): the transformer's resolved config (the
     # folder's config.json over the class's defaults); with LOSS_PARTS, `losses`; with sound, `sound_rate`
-    # (the vocoder's samples per second) and `audio_loss_weight` (cache.prepare sets train.audio_loss_weight).
+    # (the vocoder's samples per second) and `audio_loss_weight` (RunSettings.audio_loss_weight).
     transformer_config: dict
     losses: torch.Tensor
     sound_rate: int
     audio_loss_weight: float
-    # Written by cache.prepare for the families that read them: `shift` (train.flow_shift, Wan's flow
-    # matching) and `frame_rate` (data.target_fps: LTX-2's positions count seconds at it).
+    # Read from RunSettings by the families that use them: `shift` (flow_shift, flow matching) and
+    # `frame_rate` (positions counted in seconds).
     shift: float
     frame_rate: float
     SOUND = ("AUDIO_DTYPE", "audio_sample_rate", "audio_channels", "encode_audio", "sampled_audio",
@@ -201,13 +227,10 @@ class Adapter(TransformerLoading, abc.ABC):
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         """Audio latents -> waveforms at sound_rate."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
+    def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         self.path = Path(cfg.path)
         if not (self.path / "model_index.json").is_file():
-            raise ConfigError(
-                f"model.path = {cfg.path} is not a diffusers model folder (no model_index.json): "
-                "point it at a local copy, e.g. one written by tools/make_tiny_model.py"
-            )
+            raise ConfigError(not_a_model_folder(cfg.path))
         for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
@@ -220,7 +243,21 @@ class Adapter(TransformerLoading, abc.ABC):
         # cache and validation then need a last image per clip and per prompt.
         self.first_last = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
+        # data.audio on a family with sound: the batches may differ in sound.
+        self.trains_sound = run.sound and "audio" in self.ENCODERS
         self._vae = self._text_encoder = self._tokenizer = None
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """The config against this family's options, before any model file is read.
+
+        A key only another family accepts (its OWN_KEYS) stops the run with that family's message; a
+        family adds its own rules across keys (calling this first).
+        """
+        for family in ADAPTERS:
+            for key, message in adapter_class(family).OWN_KEYS.items():
+                if key not in cls.OWN_KEYS and config_sets(cfg, key):
+                    raise ConfigError(message.format(key=key, family=cls.FAMILY))
 
     def check_resolution(self, resolution, key: str) -> None:
         """[frames, height, width] against the model's rules, or a ConfigError naming the key."""
@@ -319,9 +356,22 @@ class Adapter(TransformerLoading, abc.ABC):
 
 
 # model.family -> its module and adapter class. A family's module (and with it its diffusers and
-# transformers classes) is imported only once a config names it.
+# transformers classes) is imported when a config names it or check_config reads its OWN_KEYS.
 ADAPTERS = {"cogvideox": ("families.cogvideox", "CogVideoXAdapter"), "wan": ("families.wan", "WanAdapter"),
             "ltx2": ("families.ltx2", "LTX2Adapter")}
+
+
+def config_sets(cfg: Config, key: str) -> bool:
+    """Whether the config gives `key` ("section.name") another value than its default."""
+    section, name = key.split(".")
+    values = getattr(cfg, section)
+    return getattr(values, name) != getattr(type(values)(), name)
+
+
+def not_a_model_folder(path: str) -> str:
+    """The message for a model.path without a model_index.json."""
+    return (f"model.path = {path} is not a diffusers model folder (no model_index.json): "
+            "point it at a local copy, e.g. one written by tools/make_tiny_model.py")
 
 
 def missing_members(family: type[Adapter], adapter: Adapter | None = None) -> list[str]:
@@ -356,24 +406,55 @@ def adapter_class(family: str) -> type[Adapter]:
     return cls
 
 
-def load_adapter(cfg: ModelConfig, device: torch.device) -> Adapter:
-    """model.family's adapter over the folder at model.path, once the folder's pipeline (its
-    model_index.json) is that family's: another family's folder would fail obscurely in its configs.
-    With model.transformer_file, the file's reader too (weights.SingleFile), checked against the folder's
-    transformer config."""
-    index = Path(cfg.path) / "model_index.json"  # no such file: the adapter says so
+def family_of(cfg: ModelConfig) -> str:
+    """model.family, checked against the registry and the folder's pipeline; "": the folder's family.
+
+    The pipeline is model_index.json's: another family's folder would fail obscurely in its configs.
+    """
+    known = ", ".join(f'"{family}"' for family in ADAPTERS)
+    if cfg.family and cfg.family not in ADAPTERS:
+        raise ConfigError(f'model.family = "{cfg.family}" is no family vidtrain trains: set one of '
+                          f'{known}, or "" for the family of model.path\'s pipeline')
+    index = Path(cfg.path) / "model_index.json"  # none, with a family set: the adapter says so
     pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
     family = next((f for f in ADAPTERS if pipeline.lower().startswith(f)), None)
-    if pipeline and family != cfg.family:
+    if pipeline and cfg.family and family != cfg.family:
         fix = f'set model.family = "{family}"' if family else f"vidtrain trains {', '.join(ADAPTERS)}"
         raise ConfigError(f'model.path = {cfg.path} holds a {pipeline} (its model_index.json), not a model of '
                           f'model.family = "{cfg.family}": {fix}')
-    cls = adapter_class(cfg.family)
-    adapter = cls(cfg, device)
+    if not cfg.family and not pipeline:
+        raise ConfigError(not_a_model_folder(cfg.path))
+    if not cfg.family and family is None:
+        raise ConfigError(f"model.path = {cfg.path} holds a {pipeline} (its model_index.json), which "
+                          f"is no family vidtrain trains: point model.path at a model of one of {known}")
+    return cfg.family or family
+
+
+def check_config(cfg: Config) -> type[Adapter]:
+    """The config against its family's options; returns the family's adapter class.
+
+    model.family is checked against the registry, then Adapter.check_config runs, reading nothing of
+    the model but its model_index.json.
+    """
+    cls = adapter_class(family_of(cfg.model))
+    cls.check_config(cfg)
+    return cls
+
+
+def load_adapter(cfg: ModelConfig, device: torch.device,
+                 run: RunSettings = RunSettings()) -> Adapter:
+    """model.family's adapter over the folder at model.path, built with the run's settings.
+
+    With model.transformer_file, the file's reader too (weights.SingleFile), checked against the
+    folder's transformer config.
+    """
+    family = family_of(cfg)
+    cls = adapter_class(family)
+    adapter = cls(cfg, device, run)
     check_family(cls, adapter)
     if cfg.transformer_file:  # checked now, before the cache pass
         if not adapter.SINGLE_FILE_KEY:
-            raise ConfigError(f"model.transformer_file: vidtrain reads no single files of {cfg.family} models yet; "
+            raise ConfigError(f"model.transformer_file: vidtrain reads no single files of {family} models yet; "
                               "remove it and give the diffusers folder's transformer in model.path")
         marks = {family: adapter_class(family).SINGLE_FILE_KEY for family in ADAPTERS}
         files = [cfg.transformer_file] if isinstance(cfg.transformer_file, str) else cfg.transformer_file

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+import cache
 import ckpt
 import command
 import data
@@ -27,12 +28,122 @@ import memory
 import parallel
 import validate
 from cache_files import Prefetch
-from cache import prepare as prepare_data  # check the model and every clip, complete the cache
 from config import Config, ConfigError, TrainConfig, to_toml
 from metrics import Metrics
-from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, check_lora_matches
+from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, setup_adapter
 
 log = logging.getLogger("vidtrain")
+
+
+def train(cfg: Config, d: parallel.Dist) -> None:
+    """One run: the adapter, the data, the model, the optimizer, the checkpoints, the loop, export."""
+    t = cfg.train
+    # The adapter, then the data: the model checked before any clip, every clip before any compute.
+    parallel.check_shared(cfg.run.output_dir, "run.output_dir", d)
+    adapter = setup_adapter(cfg, d)
+    entries, train_clips, held_out_clips = cache.prepare(cfg, adapter, d)
+    renderer = (validate.ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
+                                      lambda folder: build_frozen(adapter, folder, t, cfg.parallel, d))
+                if cfg.validation.do_validation else None)
+    global_batch = t.batch_size * t.gradient_accumulation_steps * d.dp_world
+    sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
+
+    # The model and its optimizer.
+    model = build_model(adapter, t, cfg.lora, cfg.parallel, cfg.run.seed, d)
+    params, optimizer = build_optimizer(model, t)
+    state, scaler = TrainState(d.device), LossScaler(d.device, enabled=t.mixed_precision == "fp16")
+    ema = EMA(model, t.ema_decay) if t.ema_decay else None
+    objects = {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state}
+    objects |= {"ema": ema} if ema is not None else {}
+    objects |= {"scaler": scaler} if scaler.enabled else {}
+
+    # The checkpoints: the newest one resumed, the resolved config written.
+    checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter),
+                                    ckpt.data_identity(train_clips))
+    resumed = checkpoints.resume(objects)
+    if state.step > t.steps:
+        raise ConfigError(f"{resumed} is at step {state.step}, past train.steps = {t.steps}: set train.steps to "
+                          f"{state.step} or more to continue (equal: the run is finished, it exports), or choose "
+                          "another run.output_dir")
+    if d.is_main:
+        name = f"config-resume-{state.step}.toml" if state.step else "config.toml"
+        (Path(cfg.run.output_dir) / name).write_text(to_toml(cfg))
+    log.info("global batch %d = %d per rank x %d accumulation x %d data-parallel ranks; %d training clips, "
+             "%d held out", global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
+
+    # The loop.
+    metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
+    compute = parallel.Compute(d.device, t.mixed_precision, t.attention_backend)
+    # The validation of the start: before step 1, or the resumed step's when a stop cut it short.
+    pending = state.validation_pending and not parallel.broadcast(metrics.logged_validation(state.step), d)
+    if cfg.validation.do_validation and (state.step == 0 or pending):
+        if not run_validation(state.step, cfg, adapter, model, entries, held_out_clips, ema, d, compute, metrics,
+                              renderer):
+            raise parallel.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
+                                     "again to run it")
+    window, stop = TrainWindow(d, global_batch, state.step, adapter.LOSS_PARTS), False
+    prefetch = Prefetch(entries, d.device)
+
+    for step in range(state.step + 1, t.steps + 1):
+        batch_ids = sampler.next_batch()
+        for group in optimizer.param_groups:
+            group["lr"] = t.learning_rate * lr_factor(step, t)
+        step_loss = torch.zeros((), device=d.device)
+        for micro in range(t.gradient_accumulation_steps):
+            positions = data.micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)
+            batch = prefetch.batch([train_clips[batch_ids[p]] for p in positions],
+                                   following_clips(train_clips, sampler, batch_ids, step, micro, t, d))
+            generators = [data.keyed_generator(cfg.run.seed, step, p) for p in positions]
+            if cfg.lora.dropout:
+                lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro,
+                                                                       device=d.device))
+            with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), compute:
+                loss = adapter.train_loss(model, batch, generators).mean()
+            if adapter.LOSS_PARTS:
+                window.add_parts(adapter.losses)
+            if faults.active("nan_loss", step):
+                loss = loss * math.nan
+            with compute.attention():  # activation checkpointing recomputes the forward in the backward
+                scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
+            step_loss += loss.detach() / t.gradient_accumulation_steps
+        grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss,
+                                           zero_missing=adapter.GRAPH_VARIES and adapter.trains_sound)
+        window.add_step(step_loss, skipped)
+        if ema is not None:
+            ema.update()
+        faults.fault("step", step)
+
+        log_now = step % t.log_every == 0 or step == t.steps
+        stop = parallel.PREEMPTION.agreed_a_step_late(start_next=step < t.steps)
+        save_now = stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps
+        state.validation_pending = cfg.validation.do_validation and (
+            step % cfg.validation.validation_steps == 0 or step == t.steps)
+        validate_now = state.validation_pending and not stop
+        if log_now:
+            values = window.flush(step, grad_norm, model, optimizer, scaler)
+            metrics.scalars(step, values)
+            metrics.progress(step, values)
+        if log_now or save_now or validate_now:  # where the host waits anyway
+            state.check_nonfinite(step, t.max_nonfinite_steps)
+        if save_now:
+            checkpoints.save(step, objects, final=stop or step == t.steps)
+        if validate_now:
+            with window.paused():
+                stop = not run_validation(step, cfg, adapter, model, entries, held_out_clips, ema, d, compute, metrics,
+                                          renderer)
+        if stop:
+            checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
+            break
+
+    # The export, once the last step and its validation are done.
+    prefetch.close()
+    metrics.close()
+    if stop and state.step == t.steps and state.validation_pending:  # the export waits for the last validation
+        raise parallel.Preempted(f"after the last step ({state.step}), before its validation completed; checkpoint "
+                                 "written; launch again to run the validation and export")
+    if stop and state.step < t.steps:
+        raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
+    export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
 
 
 class TrainState:
@@ -152,111 +263,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 1.0
 
 
-def train(cfg: Config, d: parallel.Dist) -> None:
-    t = cfg.train
-    parallel.check_shared(cfg.run.output_dir, "run.output_dir", d)
-    if cfg.lora.init_from and t.training_type == "lora":
-        with parallel.all_or_none():  # before the cache pass: a wrong file costs no compute
-            # rank and alpha only: ComfyUI's module names are mapped once the adapter is loaded
-            check_lora_matches(cfg.lora, lora.load_lora(cfg.lora.init_from, lambda module: module)[1])
-    adapter, cache, train_clips, held_out_clips = prepare_data(cfg, d)
-    renderer = (validate.ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
-                                      lambda folder: build_frozen(adapter, folder, t, cfg.parallel, d))
-                if cfg.validation.do_validation else None)
-    global_batch = t.batch_size * t.gradient_accumulation_steps * d.dp_world
-    sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
-    model = build_model(adapter, t, cfg.lora, cfg.parallel, cfg.run.seed, d)
-    params, optimizer = build_optimizer(model, t)
-    state, scaler = TrainState(d.device), LossScaler(d.device, enabled=t.mixed_precision == "fp16")
-    ema = EMA(model, t.ema_decay) if t.ema_decay else None
-    objects = {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state}
-    objects |= {"ema": ema} if ema is not None else {}
-    objects |= {"scaler": scaler} if scaler.enabled else {}
-    checkpoints = ckpt.Checkpointer(cfg.checkpoint, cfg.run.output_dir, d, ckpt.run_identity(cfg, adapter),
-                                    ckpt.data_identity(train_clips))
-    resumed = checkpoints.resume(objects)
-    if state.step > t.steps:
-        raise ConfigError(f"{resumed} is at step {state.step}, past train.steps = {t.steps}: set train.steps to "
-                          f"{state.step} or more to continue (equal: the run is finished, it exports), or choose "
-                          "another run.output_dir")
-    if d.is_main:
-        name = f"config-resume-{state.step}.toml" if state.step else "config.toml"
-        (Path(cfg.run.output_dir) / name).write_text(to_toml(cfg))
-    log.info("global batch %d = %d per rank x %d accumulation x %d data-parallel ranks; %d training clips, "
-             "%d held out", global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
-    metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
-    compute = parallel.Compute(d.device, t.mixed_precision, t.attention_backend)
-    # The validation of the start: before step 1, or the resumed step's when a stop cut it short.
-    pending = state.validation_pending and not parallel.broadcast(metrics.logged_validation(state.step), d)
-    if cfg.validation.do_validation and (state.step == 0 or pending):
-        if not run_validation(state.step, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics,
-                              renderer):
-            raise parallel.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
-                                     "again to run it")
-    window, stop = TrainWindow(d, global_batch, state.step, adapter.LOSS_PARTS), False
-    prefetch = Prefetch(cache, d.device)
-
-    for step in range(state.step + 1, t.steps + 1):
-        batch_ids = sampler.next_batch()
-        for group in optimizer.param_groups:
-            group["lr"] = t.learning_rate * lr_factor(step, t)
-        step_loss = torch.zeros((), device=d.device)
-        for micro in range(t.gradient_accumulation_steps):
-            positions = data.micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)
-            batch = prefetch.batch([train_clips[batch_ids[p]] for p in positions],
-                                   following_clips(train_clips, sampler, batch_ids, step, micro, t, d))
-            generators = [data.keyed_generator(cfg.run.seed, step, p) for p in positions]
-            if cfg.lora.dropout:
-                lora.set_dropout_generator(model, data.keyed_generator(cfg.run.seed, step, "dropout", d.rank, micro,
-                                                                       device=d.device))
-            with parallel.grad_sync(model, micro == t.gradient_accumulation_steps - 1), compute:
-                loss = adapter.train_loss(model, batch, generators).mean()
-            if adapter.LOSS_PARTS:
-                window.add_parts(adapter.losses)
-            if faults.active("nan_loss", step):
-                loss = loss * math.nan
-            with compute.attention():  # activation checkpointing recomputes the forward in the backward
-                scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
-            step_loss += loss.detach() / t.gradient_accumulation_steps
-        grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss,
-                                           zero_missing=adapter.GRAPH_VARIES and adapter.trains_sound)
-        window.add_step(step_loss, skipped)
-        if ema is not None:
-            ema.update()
-        faults.fault("step", step)
-
-        log_now = step % t.log_every == 0 or step == t.steps
-        stop = parallel.PREEMPTION.agreed_a_step_late(start_next=step < t.steps)
-        save_now = stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps
-        state.validation_pending = cfg.validation.do_validation and (
-            step % cfg.validation.validation_steps == 0 or step == t.steps)
-        validate_now = state.validation_pending and not stop
-        if log_now:
-            values = window.flush(step, grad_norm, model, optimizer, scaler)
-            metrics.scalars(step, values)
-            metrics.progress(step, values)
-        if log_now or save_now or validate_now:  # where the host waits anyway
-            state.check_nonfinite(step, t.max_nonfinite_steps)
-        if save_now:
-            checkpoints.save(step, objects, final=stop or step == t.steps)
-        if validate_now:
-            with window.paused():
-                stop = not run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics,
-                                          renderer)
-        if stop:
-            checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
-            break
-
-    prefetch.close()
-    metrics.close()
-    if stop and state.step == t.steps and state.validation_pending:  # the export waits for the last validation
-        raise parallel.Preempted(f"after the last step ({state.step}), before its validation completed; checkpoint "
-                                 "written; launch again to run the validation and export")
-    if stop and state.step < t.steps:
-        raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
-    export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
-
-
 def following_clips(clips: list, sampler: data.Sampler, batch_ids: list[int], step: int, micro: int,
                     t: TrainConfig, d: parallel.Dist) -> list | None:
     """This rank's clips of the micro-step after (step, micro), read while this one computes; None after
@@ -302,14 +308,14 @@ def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: 
     return grad_norm, skipped
 
 
-def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema, d, compute: parallel.Compute,
+def run_validation(step, cfg: Config, adapter, model, entries, held_out_clips, ema, d, compute: parallel.Compute,
                    metrics, renderer: validate.ClipRenderer) -> bool:
     """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
     cut it short (every rank agrees, between sampling steps). Eager under train.compile (validate.eager)."""
     memory.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
     try:
         with ema.swapped_in() if ema is not None else contextlib.nullcontext(), validate.eager():
-            values = validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation, cfg.run.seed, d,
+            values = validate.held_out_loss(adapter, model, entries, held_out_clips, cfg.validation, cfg.run.seed, d,
                                             compute)
             values |= renderer.run(model, step, metrics, compute)
     except parallel.Preempted:

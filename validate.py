@@ -43,7 +43,7 @@ import memory
 import parallel
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_validation_images, check_values
 from model import EMA, build_frozen, build_model
-from model_adapter import load_adapter
+from model_adapter import RunSettings, load_adapter
 
 log = logging.getLogger("vidtrain")
 
@@ -369,9 +369,8 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
     if lora_file:
         check_lora_file(lora_file)
     with parallel.all_or_none():
-        adapter = load_adapter(cfg.model, d.device)
-        if cfg.data.target_fps:  # LTX-2's positions in seconds at the rate the clips trained at (cache.prepare)
-            adapter.frame_rate = cfg.data.target_fps
+        # LTX-2's positions in seconds at the rate the clips trained at; the other settings are training's
+        adapter = load_adapter(cfg.model, d.device, RunSettings(frame_rate=cfg.data.target_fps))
         renderer = ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
                                 lambda folder: build_frozen(adapter, folder, cfg.train, cfg.parallel, d))
         model = load_model(cfg, adapter, d, checkpoint, lora_file, online)

@@ -193,6 +193,7 @@ def prefetch(root: Path, args) -> None:
     import lora
     import parallel
     from config import load_config
+    from model import setup_adapter
 
     torch.set_num_threads(1)
     make_synthetic_dataset(str(root / "pf"), 24, 17, 40, 48, seed=0)
@@ -200,7 +201,9 @@ def prefetch(root: Path, args) -> None:
                                                               "train.batch_size": 2, "data.held_out": 4})))
     cpu = torch.device("cpu")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    adapter, entries, clips, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, cpu))
+    d = parallel.Dist(0, 1, 0, cpu)
+    adapter = setup_adapter(cfg, d)
+    entries, clips, _ = cache.prepare(cfg, adapter, d)
     if args.read_latency_ms:  # a stand-in for a network filesystem's latency per file (it sleeps, as I/O waits)
         read = entries.read
         entries.read = lambda item, kind: time.sleep(args.read_latency_ms / 1000) or read(item, kind)

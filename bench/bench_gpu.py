@@ -258,7 +258,7 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     # Pinned host memory as torch's host allocator counts it (every block it holds, cached ones too) against
     # --fit's host figure for the same setting (the pinned weights and the offloaded block inputs).
     pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"] if d.device.type == "cuda" else None
-    parts = estimate(cfg, cfg.model.family, adapter)
+    parts = estimate(cfg, adapter.FAMILY, adapter)
     estimated = one_gpu.training(parts, setting) / 2**30
     del model, params, optimizer
     command.shutdown()  # the model collected before the process group goes: FSDP2 may abort at exit otherwise

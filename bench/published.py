@@ -102,7 +102,8 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
     if arch is None:
         if not Path(cfg.model.path, "model_index.json").is_file():
             raise ConfigError(f"model.path = {cfg.model.path} is not here: pass --arch ({', '.join(PUBLISHED)})")
-        return cfg.model.family, load_adapter(cfg.model, device)
+        adapter = load_adapter(cfg.model, device)
+        return adapter.FAMILY, adapter
     family, published = PUBLISHED[arch]
     transformer, vae, pipeline = {
         "cogvideox": ("CogVideoXTransformer3DModel", "AutoencoderKLCogVideoX", "CogVideoXPipeline"),

@@ -27,7 +27,7 @@ from transformers import T5EncoderModel
 import lora
 import storage
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, sample_posterior, to_device
+from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
 from transformer_loading import parameters_on_meta, resolved_config
 from weights import rename_key, rename_module
@@ -51,13 +51,18 @@ COMFY_WEIGHTS_OTHER = COMFY_OTHER | {"norm_final": "norm_final", "norm_out.norm"
 
 class CogVideoXAdapter(Adapter):
     FAMILY = "cogvideox"
+    OWN_KEYS = {
+        "validation.use_dynamic_cfg": "validation.use_dynamic_cfg is CogVideoX's pipeline option; "
+                                      "Wan's and LTX-2's pipelines have none: remove it",
+        "validation.scheduler": "validation.scheduler chooses between CogVideoX's samplers: Wan and "
+                                "LTX-2 sample with their folder's scheduler; remove it"}
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, T5EncoderModel
     COMFY = True
     SINGLE_FILE_KEY = "blocks.0.norm1.linear.weight"  # what ComfyUI's model detection knows CogVideoX by
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
-        super().__init__(cfg, device)
+    def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
+        super().__init__(cfg, device, run)
         self.transformer_config = resolved_config(CogVideoXTransformer3DModel, self.path, "transformer")
         self.vae_config = resolved_config(AutoencoderKLCogVideoX, self.path, "vae")
         takes_image = self.transformer_config["in_channels"] == 2 * self.vae_config["latent_channels"]

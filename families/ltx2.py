@@ -46,8 +46,8 @@ from diffusers.video_processor import VideoProcessor
 from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
 import decode
-from config import ConfigError, ModelConfig
-from model_adapter import DTYPES, Adapter, log, to_device
+from config import Config, ConfigError, ModelConfig
+from model_adapter import DTYPES, Adapter, RunSettings, config_sets, log, to_device
 from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
 from transformer_loading import resolved_config
 from weights import Weights
@@ -104,6 +104,11 @@ def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tenso
 
 class LTX2Adapter(Adapter):
     FAMILY = "ltx2"
+    # The pipelines' terms added to classifier-free guidance; the other families' pipelines have none.
+    OWN_KEYS = dict.fromkeys(
+        ("validation.audio_guidance_scale", "validation.stg_scale", "validation.stg_blocks",
+         "validation.modality_scale", "validation.guidance_rescale"),
+        "{key} is an option of LTX-2's pipelines; {family}'s pipeline has no such guidance term: remove it")
     # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio VAE's files.
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer", "connectors"),
                 "audio": ("audio_vae",)}
@@ -117,8 +122,8 @@ class LTX2Adapter(Adapter):
     AUDIO_DTYPE = "fp32"
     GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
-        super().__init__(cfg, device)
+    def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
+        super().__init__(cfg, device, run)
         self.transformer_config = resolved_config(LTX2VideoTransformer3DModel, self.path, "transformer")
         self.vae_config = resolved_config(AutoencoderKLLTX2Video, self.path, "vae")
         connectors = resolved_config(LTX2TextConnectors, self.path, "connectors")
@@ -147,14 +152,43 @@ class LTX2Adapter(Adapter):
         # Gemma 3, 18 for Gemma 4).
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
-        self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
+        self.audio_loss_weight = run.audio_loss_weight
         # The rate the video's rotary positions count seconds in: data.target_fps (every clip's rate) when set.
-        self.frame_rate = FRAME_RATE
+        self.frame_rate = run.frame_rate or FRAME_RATE
         self.losses = torch.zeros(len(self.LOSS_PARTS), 2)  # the last loss's per stream: (sum, samples), detached
         self._audio_vae = self._connectors = self._vocoder = None
         vocoder = index["vocoder"][1]  # 2.3's and 2.5's extend the band
         self.vocoder_class = {c.__name__: c for c in (LTX2Vocoder, LTX2VocoderWithBWE)}[vocoder]
         self.sound_rate = resolved_config(self.vocoder_class, self.path, "vocoder")["output_sampling_rate"]
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """The pipelines' guidance terms in their ranges, and sound at one frame rate."""
+        super().check_config(cfg)
+        v = cfg.validation
+        if min(v.audio_guidance_scale, v.stg_scale, v.modality_scale, *v.stg_blocks) < 0:
+            raise ConfigError("validation.audio_guidance_scale, stg_scale, modality_scale and "
+                              "stg_blocks cannot be negative")
+        if not 0 <= v.guidance_rescale <= 1:
+            raise ConfigError("validation.guidance_rescale must be between 0 and 1, got "
+                              f"{v.guidance_rescale}")
+        if v.stg_blocks and not v.stg_scale:
+            raise ConfigError("validation.stg_blocks names the blocks STG skips, but "
+                              "validation.stg_scale = 0 turns STG off: set stg_scale, or remove "
+                              "stg_blocks")
+        guided = v.guidance_scale > 1 or v.audio_guidance_scale > 1
+        added = [key for key in ("stg_scale", "modality_scale", "guidance_rescale")
+                 if config_sets(cfg, f"validation.{key}")]
+        if added and not guided:
+            raise ConfigError(f"validation.{added[0]} adds to classifier-free guidance, which is off "
+                              f"(validation.guidance_scale = {v.guidance_scale}): set "
+                              f"validation.guidance_scale above 1, or remove {added[0]}")
+        if cfg.data.audio and not cfg.data.target_fps:
+            raise ConfigError("data.audio = true with data.target_fps = 0: LTX-2's sound needs every "
+                              "clip at one rate (the clips of a batch then have sound of one length, "
+                              "and the video's positions count seconds at that rate): set "
+                              "data.target_fps (24, as LTX-2 was published), or data.audio = false to "
+                              "train video only")
 
     # Shape rules read from the model's own config.
     @property

@@ -23,8 +23,8 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-from config import ConfigError, ModelConfig
-from model_adapter import Adapter, log, sample_posterior, to_device
+from config import Config, ConfigError, ModelConfig
+from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
 from transformer_loading import resolved_config
 from weights import rename_key, rename_module
@@ -56,6 +56,9 @@ EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 class WanAdapter(Adapter):
     FAMILY = "wan"
+    OWN_KEYS = dict.fromkeys(
+        ("model.expert", "train.flow_shift"),
+        "model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
     ENCODERS = {"video": ("vae",), "image": ("vae", "image_encoder", "image_processor"),
                 "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel
@@ -65,8 +68,8 @@ class WanAdapter(Adapter):
     COMFY = True
     SINGLE_FILE_KEY = "head.modulation"  # what diffusers' single-file loader detects Wan by
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
-        super().__init__(cfg, device)
+    def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
+        super().__init__(cfg, device, run)
         pipeline = resolved_config(WanPipeline, self.path, None)
         self.boundary, self.expand = pipeline["boundary_ratio"], pipeline["expand_timesteps"]
         if (self.boundary is None) != (not cfg.expert):
@@ -86,14 +89,26 @@ class WanAdapter(Adapter):
         self.scheduler_class = getattr(diffusers, json.loads((self.path / "scheduler" / "scheduler_config.json")
                                                             .read_text())["_class_name"])
         scheduler = resolved_config(self.scheduler_class, self.path, "scheduler")
-        # train.flow_shift replaces it for training (cache.prepare sets it); sampling keeps the folder's.
-        self.shift = scheduler.get("flow_shift") or scheduler.get("shift") or 1.0
+        # train.flow_shift replaces it for training; sampling keeps the folder's.
+        self.shift = run.flow_shift or scheduler.get("flow_shift") or scheduler.get("shift") or 1.0
         # On the device once: every micro-step normalises with them, and a copy from the host would wait.
         self.latents_mean = torch.tensor(self.vae_config["latents_mean"], device=device).view(1, z, 1, 1, 1)
         self.latents_std = torch.tensor(self.vae_config["latents_std"], device=device).view(1, z, 1, 1, 1)
         # FLF2V: the image embedder's position table spans two images' CLIP tokens (first, then last frame).
         self.first_last = self.transformer_config.get("pos_embed_seq_len") is not None and takes_image
         self._image_encoder = None
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """Weights in bf16 or fp16 need autocast."""
+        super().check_config(cfg)
+        dtype = cfg.model.dtype
+        if dtype != "fp32" and cfg.train.mixed_precision == "no":
+            # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and
+            # stops with a dtype mismatch, after the cache pass: refused before it.
+            raise ConfigError(f"model.dtype = \"{dtype}\" with train.mixed_precision = \"no\": Wan's "
+                              "forward needs autocast to run weights in that dtype; set "
+                              f"train.mixed_precision = \"{dtype}\", or model.dtype = \"fp32\"")
 
     # Shape rules read from the model's own config.
     @property

@@ -25,10 +25,12 @@ from diffusers.models import modeling_utils
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import cache  # noqa: E402
 import parallel  # noqa: E402
 import trainer  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from config import load_config, toml_value  # noqa: E402
+from model import setup_adapter  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_ltx2, make_tiny_model, make_tiny_wan  # noqa: E402
 
@@ -251,6 +253,13 @@ def one_rank_group():
         yield parallel.Dist(0, 1, 0, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def prepare_run(cfg, d: parallel.Dist):
+    """The trainer's first two steps: the checked adapter, then the cache pass over every clip.
+    Returns (adapter, cache, training items, held-out items)."""
+    adapter = setup_adapter(cfg, d)
+    return (adapter, *cache.prepare(cfg, adapter, d))
 
 
 def lora_and_sft_runs(settings: dict, tmp_path):

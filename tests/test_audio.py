@@ -19,11 +19,10 @@ from diffusers import AutoencoderKLLTX2Audio
 from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
-import cache
 import data
 import decode
 from config import DataConfig, load_config
-from conftest import one_rank_group, write_toml
+from conftest import one_rank_group, prepare_run, write_toml
 from families.cogvideox import CogVideoXAdapter
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
 
@@ -351,13 +350,13 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
     write_garbage_sound(root / "videos/garbage.mp4")
     (root / "prompts.txt").write_text("flashes\nsilent\ngarbage\n")
     (root / "videos.txt").write_text("videos/flashes.mp4\nvideos/silent.mp4\nvideos/garbage.mp4\n")
-    monkeypatch.setattr(cache, "load_adapter", Sounding)
+    monkeypatch.setattr("model.load_adapter", Sounding)  # the adapter model.setup_adapter builds
     settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(model), "model.dtype": "fp32",
                 "data.data_root": str(root), "data.train_resolution": [9, 32, 32], "data.skip_bad": True}
     for audio in (False, True):
         cfg = load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.audio": audio})))
         with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
-            adapter, entries, items, _ = cache.prepare(cfg, d)
+            adapter, entries, items, _ = prepare_run(cfg, d)
         assert [item.clip.video.name for item in items] == ["flashes.mp4", "silent.mp4", "garbage.mp4"][: 3 - audio]
         assert ("audio" in entries.kinds) == audio
     # The second pass added the sound alone: the video entries were complete, the video VAE stayed unloaded.
@@ -393,13 +392,13 @@ def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tin
     write_clip(root / "videos/silent.mp4", np.zeros((9, 32, 32, 3), np.uint8), FPS)
     (root / "prompts.txt").write_text("surround\ncrash\nsilent\n")
     (root / "videos.txt").write_text("videos/surround.mp4\nvideos/crash.mp4\nvideos/silent.mp4\n")
-    monkeypatch.setattr(cache, "load_adapter", Sounding)
+    monkeypatch.setattr("model.load_adapter", Sounding)  # the adapter model.setup_adapter builds
     monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{decode._sounds + 2}")
     settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(model), "model.dtype": "fp32",
                 "data.data_root": str(root), "data.train_resolution": [9, 32, 32], "data.skip_bad": True,
                 "data.audio": True, "data.decode_workers": 1}
     with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
-        _, entries, items, _ = cache.prepare(load_config(str(write_toml(tmp_path / "run.toml", settings))), d)
+        _, entries, items, _ = prepare_run(load_config(str(write_toml(tmp_path / "run.toml", settings))), d)
         assert [item.clip.video.name for item in items] == ["surround.mp4", "silent.mp4"]
         assert (tmp_path / "run/skipped.txt").read_text().startswith(
             f"{root / 'videos/crash.mp4'}\tcrashed the audio decoder (SIGSEGV)")
@@ -407,7 +406,7 @@ def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tin
         assert "has an audio stream" not in caplog.text
         (root / "videos.txt").write_text("videos/silent.mp4\n")
         (root / "prompts.txt").write_text("silent\n")
-        cache.prepare(load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.cache_dir": str(
+        prepare_run(load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.cache_dir": str(
             tmp_path / "other")}))), d)
     assert caplog.text.count("data.audio is on, but none of the 1 clip(s) whose sound this pass read has an "
                              "audio stream") == 1

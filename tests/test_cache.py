@@ -24,7 +24,7 @@ import cache_files
 import data
 import decode
 import parallel
-from conftest import one_rank_group, read_metrics, run_cmd, run_ok, train_losses
+from conftest import one_rank_group, prepare_run, read_metrics, run_cmd, run_ok, train_losses
 from config import load_config
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
 
@@ -260,7 +260,7 @@ def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, 
                                     "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0})
     cfg = load_config(str(config))
     with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
-        adapter, entries, items, _ = cache.prepare(cfg, d)
+        adapter, entries, items, _ = prepare_run(cfg, d)
     named = [r.getMessage() for r in caplog.records if "differs from their video's first frame" in r.getMessage()]
     if image_column:
         assert [item.start for item in items] == [0, 0, 0, 0]
@@ -305,7 +305,7 @@ def test_a_transformer_without_weights_is_named_before_the_pass(tiny_model, writ
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(parallel.StopRun, match="transformer holds no diffusion_pytorch_model.safetensors"):
-            cache.prepare(load_config(str(config)), parallel.Dist(0, 1, 0, torch.device("cpu")))
+            prepare_run(load_config(str(config)), parallel.Dist(0, 1, 0, torch.device("cpu")))
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))

@@ -7,6 +7,7 @@ import torch
 
 from config import ConfigError, check_resolution, load_config, parse_overrides, to_toml
 from model import LossScaler
+from model_adapter import check_config
 from trainer import TrainState, clip_and_step, lr_factor
 
 REQUIRED = ["--run.output_dir", "/tmp/out", "--model.path", "/m", "--data.data_root", "/d"]
@@ -58,8 +59,6 @@ def test_mistakes_name_the_key(args, message):
     (["--train.lr_warmup_steps", "-5"], "train.lr_warmup_steps must be 0 or more, got -5"),
     (["--train.learning_rate", "-1e-4"], "train.learning_rate must be positive, got -0.0001"),
     (["--lora.target_modules", "[]"], "lora.target_modules is empty, so no layer would get an adapter"),
-    (["--model.family", "wan", "--train.mixed_precision", "no"],
-     'model.dtype = "bf16" with train.mixed_precision = "no": Wan\'s forward needs autocast'),
     (["--checkpoint.resume", "/nowhere/checkpoint-4"], "checkpoint.resume = /nowhere/checkpoint-4 does not exist"),
 ])
 def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
@@ -68,7 +67,16 @@ def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, REQUIRED + args)
     assert message in str(error.value)
-    load_config(None, REQUIRED + ["--model.family", "wan", "--train.mixed_precision", "no", "--model.dtype", "fp32"])
+
+
+def test_a_family_rule_is_its_adapters():
+    """Wan's forward without autocast (crashed after the cache pass): refused by WanAdapter.check_config,
+    from the config alone (model.path = /m does not exist), and not for fp32 weights."""
+    wan = ["--model.family", "wan", "--train.mixed_precision", "no"]
+    with pytest.raises(ConfigError) as error:
+        check_config(load_config(None, REQUIRED + wan))
+    assert 'model.dtype = "bf16" with train.mixed_precision = "no": Wan\'s forward needs autocast' in str(error.value)
+    check_config(load_config(None, REQUIRED + wan + ["--model.dtype", "fp32"]))
 
 
 def test_max_grad_norm_zero_does_not_clip():

@@ -9,14 +9,14 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, finish, free_port, read_metrics, run_cmd, run_ok, start_paused, train_losses, write_toml
+from conftest import (REPO, finish, free_port, prepare_run, read_metrics, run_cmd, run_ok, start_paused, train_losses,
+                      write_toml)
 from diffusers import CogVideoXTransformer3DModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import data
 import parallel
-from cache import prepare as prepare_data
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from model import build_model
 from model_adapter import load_adapter
@@ -86,7 +86,7 @@ def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         d = parallel.Dist(0, 1, 0, torch.device("cpu"))
-        adapter, cache, clips, _ = prepare_data(cfg, d)
+        adapter, cache, clips, _ = prepare_run(cfg, d)
         model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
         batch_ids = data.Sampler([c.bucket for c in clips], 4, cfg.run.seed).next_batch()
         with torch.no_grad():

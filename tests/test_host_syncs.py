@@ -13,6 +13,7 @@ import torch.distributed as dist
 from conftest import REPO
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cache
 import cache_files
 import data
 import faults
@@ -124,8 +125,8 @@ def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
     sampler and the cache give without reading ahead: same clips, same order, across the accumulation's
     micro-steps, the steps, the epoch's end (20 clips, 5 global batches of 4 per epoch) and the NaN step."""
     prepared, trained, reads = [], [], []
-    prepare, train_loss, read = trainer.prepare_data, CogVideoXAdapter.train_loss, cache_files.Prefetch.host
-    monkeypatch.setattr(trainer, "prepare_data", lambda *args: prepared.append(prepare(*args)) or prepared[0])
+    prepare, train_loss, read = cache.prepare, CogVideoXAdapter.train_loss, cache_files.Prefetch.host
+    monkeypatch.setattr(cache, "prepare", lambda *args: prepared.append(prepare(*args)) or prepared[0])
     monkeypatch.setattr(cache_files.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items))
 
     def recorded(adapter, model, batch, generators):
@@ -134,7 +135,7 @@ def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
 
     monkeypatch.setattr(CogVideoXAdapter, "train_loss", recorded)
     run_counting(write_config, monkeypatch, "one_process", torch.device("cpu"), lambda on: None)
-    _, entries, clips, _ = prepared[0]
+    entries, clips, _ = prepared[0]
     sampler = data.Sampler([item.bucket for item in clips], 4, RunConfig().seed)
     expected = []
     for _ in range(STEPS):

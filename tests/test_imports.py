@@ -115,3 +115,31 @@ def test_the_fast_subset_keeps_every_module_but_the_demo():
     assert options["strict_markers"] and [m for m in options["markers"] if m.startswith("slow:")]
     left_out = [p.name for p in sorted((REPO / "tests").glob("test_*.py")) if not fast_tests(p)]
     assert left_out == ["test_demo.py"], "keep a quick test of each module outside @pytest.mark.slow"
+
+
+def test_the_run_is_set_up_before_the_cache_pass():
+    """trainer.py takes its adapter from the setup step (model.setup_adapter), not from the cache pass:
+    it imports no prepare from cache.py, and cache.py loads no adapter itself (its command takes the setup
+    step's) and checks nothing of the model but the clips' shapes against it."""
+    trainer_imports = [alias.name for node in ast.walk(ast.parse((REPO / "trainer.py").read_text()))
+                       if isinstance(node, ast.ImportFrom) and node.module == "cache" for alias in node.names]
+    assert trainer_imports == []
+    cache_names = {node.id if isinstance(node, ast.Name) else node.attr
+                   for node in ast.walk(ast.parse((REPO / "cache.py").read_text()))
+                   if isinstance(node, (ast.Name, ast.Attribute))}
+    model_checks = {"load_adapter", "check_heads", "check_offload_blocks", "check_guidance",
+                    "check_lora_targets", "clip_rate", "Weights"}
+    assert cache_names & model_checks == set()
+
+
+def test_run_settings_reach_the_adapter_through_its_constructor():
+    """No module, benchmark, tool or test sets a run setting on a built adapter (model_adapter.RunSettings
+    hands them to the family's constructor): no assignment to these attributes but on self."""
+    settings = {"shift", "audio_loss_weight", "trains_sound", "frame_rate"}
+    paths = [path for folder in ("", "families/", "bench/", "tools/", "tests/") for path in REPO.glob(f"{folder}*.py")]
+    pokes = [(path.name, node.lineno) for path in paths for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, (ast.Assign, ast.AugAssign))
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             if isinstance(target, ast.Attribute) and target.attr in settings
+             and not (isinstance(target.value, ast.Name) and target.value.id == "self")]
+    assert pokes == []

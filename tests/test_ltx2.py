@@ -16,7 +16,6 @@ from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 from PIL import Image
 from safetensors.torch import load_file
 
-import cache
 import data
 import export
 import lora
@@ -24,9 +23,9 @@ import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import LTX2_PROMPTS as PROMPTS
 from conftest import (PIPELINE_GUIDANCE, assert_loads_lean, lora_and_sft_runs, ltx2_settings, ltx_core_cross_modulation,
-                      one_rank_group, pipeline_guidance, run_cmd, run_ok, train_losses, write_toml)
+                      one_rank_group, pipeline_guidance, prepare_run, run_cmd, run_ok, train_losses, write_toml)
 from families.ltx2 import TEXT_LENGTH
-from model_adapter import load_adapter
+from model_adapter import RunSettings, check_config, load_adapter
 from parallel import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 
@@ -222,7 +221,11 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
     """The hook the soundtrack's cache entries plug into: the audio VAE's posterior of a mel spectrogram
     (encode_audio) in the batch adds audio_loss_weight x the audio loss, from its own timestep draw; without
     it the video trains alone, its stream cut off from the audio (the audio latents change nothing)."""
-    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu"))
+    model_cfg = ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32")
+    # train.audio_loss_weight as a run hands it over: one adapter per weight
+    weighted = {weight: load_adapter(model_cfg, torch.device("cpu"), RunSettings(audio_loss_weight=weight))
+                for weight in (0.5, 1.0)}
+    adapter = weighted[1.0]
     transformer = adapter.load_transformer().eval()
     gen = torch.Generator().manual_seed(0)
     mel = torch.randn(2, 2, 36, adapter.audio_config["mel_bins"], generator=gen)
@@ -233,10 +236,9 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
     sound = {**batch, "audio_latent_mean": audio_mean, "audio_latent_logvar": audio_logvar}
 
     def losses(batch, weight):
-        adapter.audio_loss_weight = weight
         with torch.no_grad():
-            total = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
-        sums, counts = adapter.losses.T
+            total = weighted[weight].train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
+        sums, counts = weighted[weight].losses.T
         return total, {"loss_video": sums[0] / counts[0], "loss_audio": sums[1] / counts[1].clamp(min=1)}
 
     silent, parts = losses(batch, 1.0)
@@ -261,12 +263,14 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
     ({}, r"data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate"),
 ])
 def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
-    """Named by the config check, before anything loads (the adapter ignores a flow shift: its timestep
-    sampler sets its own)."""
+    """Named by the family's config check, before anything loads (model.path is an empty folder; the
+    adapter ignores a flow shift: its timestep sampler sets its own)."""
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path),
+                                                           "run.output_dir": str(tmp_path),
+                                                           "data.data_root": str(tmp_path),
+                                                           "parallel.strategy": "fsdp", **setting})))
     with pytest.raises(ConfigError, match=message):
-        load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path), "run.output_dir": str(tmp_path),
-                                                          "data.data_root": str(tmp_path),
-                                                          "parallel.strategy": "fsdp", **setting})))
+        check_config(cfg)
 
 
 @pytest.mark.parametrize("family, setting, message", [
@@ -278,10 +282,11 @@ def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
      r"validation.modality_scale adds to classifier-free guidance, which is off \(validation.guidance_scale = 1.0\)"),
 ])
 def test_guidance_terms_are_checked_before_anything_loads(family, setting, message, tmp_path):
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", {"model.family": family, "model.path": str(tmp_path),
+                                                           "run.output_dir": str(tmp_path),
+                                                           "data.data_root": str(tmp_path), **setting})))
     with pytest.raises(ConfigError, match=message):
-        load_config(str(write_toml(tmp_path / "c.toml", {"model.family": family, "model.path": str(tmp_path),
-                                                          "run.output_dir": str(tmp_path), "data.data_root": str(tmp_path),
-                                                          **setting})))
+        check_config(cfg)
 
 
 def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, base_settings, ltx2_data, tmp_path):
@@ -291,7 +296,7 @@ def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, bas
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     with one_rank_group() as d, pytest.raises(StopRun, match=r"transformer has no perturbed attention \(LTX-2.0; "
                                                              r"perturbed_attn = false\)"):
-        cache.prepare(cfg, d)
+        prepare_run(cfg, d)
     v = ValidationConfig(stg_scale=1.0)
     adapter = load_adapter(ModelConfig(path=str(ltx2_models("2.3")), family="ltx2"), torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"validation.stg_blocks = \[28\] names a block the transformer of .* lacks \(it has 2\)"):

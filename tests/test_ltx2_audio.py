@@ -19,7 +19,6 @@ from diffusers import LTX2Pipeline
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import cache
 import data
 import decode
 import lora
@@ -27,10 +26,10 @@ import trainer
 import validate
 from config import ModelConfig, load_config
 from conftest import LTX2_PROMPTS as PROMPTS
-from conftest import (PIPELINE_GUIDANCE, ltx2_settings, one_rank_group, pipeline_guidance, read_metrics, run_ok,
-                      write_toml)
+from conftest import (PIPELINE_GUIDANCE, ltx2_settings, one_rank_group, pipeline_guidance, prepare_run, read_metrics,
+                      run_ok, write_toml)
 from families.ltx2 import TEXT_LENGTH
-from model_adapter import load_adapter
+from model_adapter import RunSettings, load_adapter
 from parallel import StopRun
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
@@ -81,7 +80,7 @@ def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without sound has none."""
     _, cfg = sound_run
     with one_rank_group() as d:
-        adapter, entries, train, held = cache.prepare(cfg, d)
+        adapter, entries, train, held = prepare_run(cfg, d)
     items = {item.clip.video.name: item for item in train + held}
     silent, sounding = items.pop("00000.mp4"), items["00001.mkv"]
     assert load_file(entries.path(silent, "audio")) == {}
@@ -120,7 +119,8 @@ def test_validation_clip_carries_its_sound(sound_run):
 def test_audio_loss_reaches_the_audio_stream(ltx2_models):
     """With sound, the loss's gradient reaches the audio stream's LoRA; without, none of it does (the video
     trains alone); a clip without sound in a batch with sound adds no audio loss."""
-    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu"))
+    adapter_cfg = ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32")
+    adapter = load_adapter(adapter_cfg, torch.device("cpu"))
     transformer = adapter.load_transformer()
     lora.inject_lora(transformer, ["to_q", "to_k", "to_v", "to_out.0"], 4, 4, 0.0, 0)
     gen = torch.Generator().manual_seed(0)
@@ -144,8 +144,8 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):
     with torch.no_grad():
         total = adapter.train_loss(transformer, mixed, [data.keyed_generator(0, 1, i) for i in range(2)])
         assert adapter.losses[1, 1] == 1  # the clip with sound's audio loss alone
-        adapter.audio_loss_weight = 0.0
-        video = adapter.train_loss(transformer, mixed, [data.keyed_generator(0, 1, i) for i in range(2)])
+        video_alone = load_adapter(adapter_cfg, torch.device("cpu"), RunSettings(audio_loss_weight=0.0))
+        video = video_alone.train_loss(transformer, mixed, [data.keyed_generator(0, 1, i) for i in range(2)])
     assert total[0] > video[0] and total[1] == video[1]  # the clip without sound: its video loss alone
 
 
@@ -245,4 +245,4 @@ def test_offload_blocks_with_sound_is_refused(ltx2_models, base_settings, sound_
         "parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 1})
     cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))
     with one_rank_group() as d, pytest.raises(StopRun, match="offload_blocks = 1 with data.audio = true"):
-        cache.prepare(cfg, d)
+        prepare_run(cfg, d)

@@ -8,13 +8,12 @@ import pytest
 import torch
 from diffusers import AutoencoderKLLTX2Audio
 
-import cache
 import data
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
-from conftest import decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group, write_toml
-from families.ltx2 import FRAME_RATE, TEXT_LENGTH, shifted_logit_normal
-from model_adapter import load_adapter
+from conftest import decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group, prepare_run, write_toml
+from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
+from model_adapter import RunSettings, load_adapter
 from parallel import StopRun
 
 
@@ -122,10 +121,10 @@ def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_setti
     """validation.gen_fps = 0 (the default): the mp4 is written at the rate the sound was generated for
     (data.target_fps, else 24), so the frames last as long as their sound; another gen_fps is refused before
     the cache pass, and by validate.py's renderer (renders without training)."""
-    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))), torch.device("cpu"))
     clip = torch.zeros(17, 32, 32, 3, dtype=torch.uint8)
-    for target_fps in (0, 30):  # what cache.prepare and validate.py's render command set
-        adapter.frame_rate = target_fps or FRAME_RATE
+    for target_fps in (0, 30):  # data.target_fps, as training and validate.py's render command hand it over
+        adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))), torch.device("cpu"),
+                               RunSettings(frame_rate=target_fps))
         with one_rank_group() as d:
             renderer = validate.ClipRenderer(adapter, ValidationConfig(resolution=[17, 32, 32]), DataConfig(),
                                              str(tmp_path / str(target_fps)), d)
@@ -140,4 +139,4 @@ def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_setti
         "data.target_fps": 24, "validation.gen_fps": 15, "validation.do_validation": True})
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     with one_rank_group() as d, pytest.raises(StopRun, match=r"validation.gen_fps = 15, but LTX-2 generates"):
-        cache.prepare(cfg, d)
+        prepare_run(cfg, d)

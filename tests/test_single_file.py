@@ -18,10 +18,9 @@ from safetensors.torch import load_file, save_file
 import data
 import parallel
 import storage
-from cache import prepare
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from conftest import comfyui_linears, one_rank_group, write_toml
-from model import build_model
+from model import build_model, setup_adapter
 from model_adapter import load_adapter
 from tools.to_single_file import to_single_file
 
@@ -287,14 +286,14 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
         with pytest.raises(ConfigError) as refused:
             adapter_for(family, folders[family], str(path))
         assert message in str(refused.value), (name, str(refused.value))
-    # cache.prepare, the trainer's first step (the session's CogVideoX-2b): stopped before the cache pass.
+    # The trainer's setup step (the session's CogVideoX-2b): stopped before the cache pass.
     to_single_file(base_settings["model.path"], str(tmp_path / "2b.safetensors"))
     (tmp_path / "2b-cut.safetensors").write_bytes((tmp_path / "2b.safetensors").read_bytes()[:-100])
     cfg = load_config(str(write_toml(tmp_path / "cut.toml", {
         **base_settings, "run.output_dir": str(tmp_path / "run"), "data.cache_dir": str(tmp_path / "cache"),
         "model.transformer_file": str(tmp_path / "2b-cut.safetensors")})))
     with one_rank_group() as d, pytest.raises(parallel.StopRun, match=f"{tmp_path / '2b-cut.safetensors'} is truncated:"):
-        prepare(cfg, d)
+        setup_adapter(cfg, d)
     assert not (tmp_path / "cache").exists()
 
 

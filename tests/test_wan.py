@@ -16,16 +16,15 @@ from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import cache
 import data
 import decode
 import lora
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, load_config
-from conftest import (assert_loads_lean, one_rank_group, picked_frames, ramp_clip, read_metrics, run_cmd, run_ok,
-                      train_losses, write_toml)
-from model_adapter import load_adapter
+from conftest import (assert_loads_lean, one_rank_group, picked_frames, prepare_run, ramp_clip, read_metrics,
+                      run_cmd, run_ok, train_losses, write_toml)
+from model_adapter import RunSettings, load_adapter
 from parallel import StopRun
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
@@ -45,19 +44,33 @@ PROMPTS = ["a red circle moves right", "a blue square moves up"]
 
 def test_a_folder_of_another_family_is_named(wan_models, tiny_models):
     """A Wan folder under model.family = "cogvideox", and the reverse, is named from its model_index.json
-    with the family to set."""
+    with the family to set; model.family = "" (the default) takes the folder's."""
     with pytest.raises(ConfigError, match=r'holds a WanPipeline \(its model_index.json\), not a model of '
                                           r'model.family = "cogvideox": set model.family = "wan"'):
-        load_adapter(ModelConfig(path=str(wan_models("t2v"))), torch.device("cpu"))
+        load_adapter(ModelConfig(path=str(wan_models("t2v")), family="cogvideox"), torch.device("cpu"))
+    assert load_adapter(ModelConfig(path=str(wan_models("t2v"))), torch.device("cpu")).FAMILY == "wan"
     with pytest.raises(ConfigError, match=r'holds a CogVideoXPipeline .*: set model.family = "cogvideox"'):
         load_adapter(ModelConfig(path=str(tiny_models("2b")), family="wan"), torch.device("cpu"))
+
+
+def test_train_flow_shift_reaches_the_training_timesteps(wan_models):
+    """train.flow_shift arrives through the adapter's constructor (RunSettings) and shifts training's draws
+    as diffusers' FlowMatchEulerDiscreteScheduler shifts its sigmas, shift s / (1 + (shift - 1) s); 0
+    keeps the folder's scheduler's shift."""
+    folder = ModelConfig(path=str(wan_models("t2v")), family="wan")
+    scheduler = json.loads((wan_models("t2v") / "scheduler" / "scheduler_config.json").read_text())
+    assert load_adapter(folder, torch.device("cpu")).shift == (scheduler.get("flow_shift") or scheduler["shift"])
+    shifted = load_adapter(folder, torch.device("cpu"), RunSettings(flow_shift=5.0))
+    u = torch.rand((), generator=torch.Generator().manual_seed(3))
+    expected = 5.0 * u / (1 + 4.0 * u)
+    torch.testing.assert_close(shifted._sigmas([torch.Generator().manual_seed(3)]), expected[None])
 
 
 def test_guidance_scale_2_needs_a_second_expert_before_the_cache_pass(wan_models, base_settings, tiny_data, tmp_path):
     settings = wan_settings("t2v", wan_models, base_settings, tiny_data, tmp_path, **{"validation.guidance_scale_2": 3.0})
     with one_rank_group() as d, pytest.raises(StopRun, match=r"validation.guidance_scale_2 guides Wan 2.2 A14B's "
                                                              r"low-noise expert, but .* has one transformer: remove it"):
-        cache.prepare(load_config(str(write_toml(tmp_path / "c.toml", settings))), d)
+        prepare_run(load_config(str(write_toml(tmp_path / "c.toml", settings))), d)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -350,7 +363,7 @@ def test_the_cache_holds_both_images_condition_keyed_by_the_last_image(wan_model
     from conftest import write_toml
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     with one_rank_group() as d:
-        adapter, entries, items, _ = cache.prepare(cfg, d)
+        adapter, entries, items, _ = prepare_run(cfg, d)
         assert [item.start for item in items] == [8] * 4  # 17-frame clips, 9-frame windows ending at the last
         item = items[1]
         reference = adapter.encode_image(data.decode_clip(item)[:1], [torch.Generator()], 9,
@@ -363,7 +376,7 @@ def test_the_cache_holds_both_images_condition_keyed_by_the_last_image(wan_model
         shutil.copy(root / "last_images" / "00002.png", root / "last_images" / "00001.png")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="vidtrain"):
-            _, entries, items, _ = cache.prepare(cfg, d)
+            _, entries, items, _ = prepare_run(cfg, d)
     assert entries.path(items[1], "image") != before
     assert [entries.path(i, "image") for i in items[::2]] == [entries.path(i, "image") for i in (items[0], items[2])]
     assert any("cache: 1 clips encoded, 3 reused" in r.getMessage() for r in caplog.records), caplog.text
@@ -378,7 +391,7 @@ def test_refusals_name_the_key(wan_models, base_settings, tiny_data, tmp_path):
         settings = wan_settings(variant, wan_models, base_settings, tiny_data, tmp_path / name,
                                 **{"data.cache_dir": str(tmp_path / "cache"), **extra})
         with one_rank_group() as d:
-            cache.prepare(load_config(str(write_toml(tmp_path / f"{name}.toml", settings))), d)
+            prepare_run(load_config(str(write_toml(tmp_path / f"{name}.toml", settings))), d)
 
     with pytest.raises(ConfigError, match=r"is a first-last-frame model \(Wan FLF2V\), but no clip has a last image: "
                                           r"set data.last_image_column"):
