@@ -122,6 +122,11 @@ class Adapter(TransformerLoading, abc.ABC):
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
         """Image-to-video: uint8 [B, H, W, 3] -> the tensors of the clip's image entry."""
 
+    def encode_control(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Control frames uint8 [B, F, H, W, 3] -> the tensors of each clip's control entry (the VAE posterior)."""
+        mean, logvar = self.encode_video(video)
+        return {"control_latent_mean": mean, "control_latent_logvar": logvar}
+
     @abc.abstractmethod
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
         """Embeddings [B, L, D] as the pipeline computes them (padding rows zero)."""
@@ -219,6 +224,9 @@ class Adapter(TransformerLoading, abc.ABC):
         # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V): the
         # cache and validation then need a last image per clip and per prompt.
         self.first_last = False
+        # Whether the model follows a control video per clip (data.control_column; validation.control_videos):
+        # the cache then holds each clip's control entry (encode_control), its batches control_* tensors.
+        self.takes_control = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
 
