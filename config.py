@@ -41,8 +41,9 @@ class ModelConfig:
     family: Literal["cogvideox", "wan", "ltx2"] = "cogvideox"
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame; a first-last-frame model, Wan FLF2V, also the clip's
-    # last frame from data.last_image_column).
-    type: Literal["t2v", "i2v"] = "t2v"
+    # last frame from data.last_image_column), or "ic" in-context (LTX-2 IC-LoRA: each clip's control video,
+    # data.control_column's, rides along as clean tokens the model attends to).
+    type: Literal["t2v", "i2v", "ic"] = "t2v"
     # Wan 2.2 A14B: the expert this run trains, "high_noise" (transformer/, t >= boundary_ratio x 1000) or
     # "low_noise" (transformer_2/, below); validation renders with both.
     expert: Literal["", "high_noise", "low_noise"] = ""

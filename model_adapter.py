@@ -62,6 +62,8 @@ class Adapter(TransformerLoading, abc.ABC):
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
     VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
+    # Whether model.type = "ic" trains the family in context: the control clip's tokens beside the clip's (LTX-2).
+    IN_CONTEXT = False
     # A key every single file of the family holds (model.transformer_file; single_file_key and diffusers_names
     # map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
@@ -216,6 +218,9 @@ class Adapter(TransformerLoading, abc.ABC):
         for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
+        if cfg.type == "ic" and not self.IN_CONTEXT:
+            raise ConfigError(f'model.type = "ic" trains a model in context with a control clip, which vidtrain does for '
+                              f'LTX-2 (IC-LoRA), not for model.family = "{self.FAMILY}": set model.type = "t2v" or "i2v"')
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype

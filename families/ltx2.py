@@ -116,6 +116,7 @@ class LTX2Adapter(Adapter):
     # ("Audio VAE needs float32 for quality"). It names the cache's audio entries.
     AUDIO_DTYPE = "fp32"
     GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
+    IN_CONTEXT = True  # model.type = "ic": IC-LoRA, the control clip's tokens appended clean (docs/control.md)
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__(cfg, device)
@@ -148,6 +149,7 @@ class LTX2Adapter(Adapter):
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = 1.0  # train.audio_loss_weight, set by whoever builds the run
+        self.takes_control = cfg.type == "ic"
         # The rate the video's rotary positions count seconds in: data.target_fps (every clip's rate) when set.
         self.frame_rate = FRAME_RATE
         self.losses = torch.zeros(len(self.LOSS_PARTS), 2)  # the last loss's per stream: (sum, samples), detached
@@ -373,25 +375,32 @@ class LTX2Adapter(Adapter):
         return (tokens - self.audio_mean.to(tokens)) / self.audio_std.to(tokens)
 
     def _predict(self, transformer, video, audio, video_t, sigma, audio_t, embeds, shape, audio_frames,
-                 isolate: bool = False, stg_blocks: list[int] | None = None):
+                 isolate: bool = False, stg_blocks: list[int] | None = None, reference: bool = False):
         """(video, audio) velocities [B, tokens, C] in fp32: video_t the video's timesteps [B] (or per token
         [B, tokens], I2V), sigma [B] its noise level (LTX-2.3's prompt modulation), audio_t [B]. isolate turns
         off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks skips those blocks'
         self-attention (their STG). No audio tokens: the video stream alone, isolated (the audio stream, which
-        the video then never sees, runs on one zero token: the rotary tables refuse none)."""
+        the video then never sees, runs on one zero token: the rotary tables refuse none). reference: the second
+        half of the video tokens are an IC-LoRA reference clip of the same latent shape, at the same positions."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
         frames, height, width = shape
         n = len(video)
         if audio.shape[1] == 0:
             audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
+        coords = None
+        if reference:  # the positions ltx-trainer's video_to_video strategy gives a same-size reference: the target's
+            model = getattr(transformer, "module", transformer)  # DDP's wrapper
+            coords = model.rope.prepare_video_coords(n, *shape, video.device, fps=self.frame_rate)
+            coords = torch.cat([coords, coords], dim=2)
         with self._cross_gates(transformer, sigma, audio_t):
             out = transformer(
                 hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
                 encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_t,
                 audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
                 width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
-                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, return_dict=False)
+                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, video_coords=coords,
+                return_dict=False)
         return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
 
     @contextlib.contextmanager
@@ -423,7 +432,9 @@ class LTX2Adapter(Adapter):
         and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas [B]; sound [B] says which
         samples have sound (the others have no audio loss). I2V: the first latent frame's tokens are the
         image's, clean, at timestep 0 and outside the loss, as ltx-trainer's first-frame condition and the I2V
-        pipeline have them. Sets self.losses."""
+        pipeline have them. IC-LoRA: the control clip's latents (control_latent_mean) follow the clip's tokens, clean,
+        at timestep 0, at the clip's positions and outside the loss, as ltx-trainer's video_to_video strategy has
+        its reference. Sets self.losses."""
         n, shape = len(x0), batch["shape"]
         s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
         x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
@@ -433,8 +444,14 @@ class LTX2Adapter(Adapter):
             first = image.shape[1]
             x_t = torch.cat([image, x_t[:, first:]], dim=1)
             video_t = torch.cat([video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1)
+        tokens = x0.shape[1]
+        if self.type == "ic":
+            reference = self._pack(self._normalise(batch["control_latent_mean"].to(self.device).float())).expand(n, -1, -1)
+            x_t = torch.cat([x_t, reference], dim=1)
+            video_t = torch.cat([video_t[:, None].expand(n, tokens), video_t.new_zeros(n, reference.shape[1])], dim=1)
         video, audio = self._predict(transformer, x_t, a_t, video_t, 1000 * sigmas, 1000 * audio_sigmas, embeds, shape,
-                                     a0.shape[1])
+                                     a0.shape[1], reference=self.type == "ic")
+        video = video[:, :tokens]
         video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
         audio_loss = torch.zeros_like(video_loss)
         if a0.shape[1]:

@@ -1,0 +1,87 @@
+"""LTX-2 IC-LoRA (model.type = "ic"): the control clip's latents ride beside the clip's as clean tokens at
+timestep 0, at the positions ltx-trainer gives them, outside the loss."""
+
+import pytest
+import torch
+
+import data
+from config import ConfigError, ModelConfig
+from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
+from model_adapter import load_adapter
+
+
+def ltx_trainer_positions(frames: int, height: int, width: int, scale: tuple[int, int, int], fps: float):
+    """Video positions [1, 3, tokens, 2] as Lightricks/LTX-2's ltx-trainer computes them for a reference or a
+    target (packages/ltx-trainer/src/ltx_trainer/training_strategies/base_strategy.py, _get_video_positions):
+    ltx-core's VideoLatentPatchifier(patch_size=1).get_patch_grid_bounds (each latent cell's [start, end) per
+    axis, in (frame, height, width) order), get_pixel_coords with causal_fix (times the VAE's scale factors, then
+    the time axis shifted by 1 - time scale and clamped at 0), the time axis divided by fps. video_to_video.py
+    concatenates the reference's and the target's; a reference of the target's size keeps its positions."""
+    grid = torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij")
+    starts = torch.stack(grid)
+    bounds = torch.stack((starts, starts + 1), dim=-1).reshape(3, -1, 2)[None]
+    pixels = (bounds * torch.tensor(scale).view(1, 3, 1, 1)).float()
+    pixels[:, 0] = (pixels[:, 0] + 1 - scale[0]).clamp(min=0)
+    pixels[:, 0] = pixels[:, 0] / fps
+    return pixels
+
+
+@pytest.fixture(scope="module")
+def ic_adapter(ltx2_models):
+    adapter = load_adapter(ModelConfig(family="ltx2", type="ic", path=str(ltx2_models("2.0")), dtype="fp32"),
+                           torch.device("cpu"))
+    return adapter, adapter.load_transformer().eval()
+
+
+def test_reference_tokens_are_clean_at_timestep_0_at_ltx_trainers_positions_outside_the_loss(ic_adapter):
+    """One training forward of two clips: the transformer sees the clip's noised tokens, then the control's
+    normalised means unchanged, with timestep 1000 s and 0, at ltx-trainer's positions; the loss is the clip's
+    tokens' alone, each computed from the keyed draws (s, the audio's s, the noise) as ltx-trainer's formula."""
+    adapter, transformer = ic_adapter
+    assert adapter.takes_control
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 8, 2, 4, 4)
+    batch = {"latent_mean": torch.randn(shape, generator=gen), "latent_logvar": torch.full(shape, -4.0),
+             "control_latent_mean": torch.randn(shape, generator=gen), "control_latent_logvar": torch.full(shape, -4.0),
+             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    seen = {}
+
+    def record(module, args, kwargs, output):
+        seen.update(kwargs, output=output[0])
+
+    hook = transformer.register_forward_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            losses = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
+    finally:
+        hook.remove()
+    pack = lambda x: adapter._pack(adapter._normalise(x))  # noqa: E731
+    x0, reference = pack(batch["latent_mean"]), pack(batch["control_latent_mean"])
+    tokens = x0.shape[1]
+    assert seen["hidden_states"].shape == (2, 2 * tokens, 8)
+    assert torch.equal(seen["hidden_states"][:, tokens:], reference)  # not noised
+    draws = [data.keyed_generator(0, 1, i) for i in range(2)]
+    sigmas = torch.stack([shifted_logit_normal(tokens, g) for g in draws])
+    [shifted_logit_normal(1, g) for g in draws]  # the audio's s, drawn though the batch has no sound
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws])
+    s = sigmas.view(-1, 1, 1)
+    torch.testing.assert_close(seen["hidden_states"][:, :tokens], (1 - s) * x0 + s * noise, rtol=0, atol=1e-6)
+    assert torch.equal(seen["timestep"][:, tokens:], torch.zeros(2, tokens))
+    assert torch.equal(seen["timestep"][:, :tokens], (1000 * sigmas)[:, None].expand(2, tokens))
+    position = ltx_trainer_positions(2, 4, 4, (adapter.temporal_ratio, adapter.spatial_ratio, adapter.spatial_ratio),
+                                     adapter.frame_rate)
+    torch.testing.assert_close(seen["video_coords"], torch.cat([position, position], dim=2).expand(2, -1, -1, -1),
+                               rtol=0, atol=1e-6)
+    # ltx-trainer's VideoToVideoStrategy.compute_loss: the prediction's target tokens against noise - x0 (no first
+    # frame conditioned: every target token in the mask), the reference's left out.
+    expected = (seen["output"].float().view(2, -1, 8)[:, :tokens] - (noise - x0)).pow(2).mean(dim=(1, 2))
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=0)
+    with_reference = (seen["output"].float().view(2, -1, 8) - torch.cat([noise - x0, reference * 0], 1)).pow(2)
+    assert not torch.allclose(losses, with_reference.mean(dim=(1, 2)))
+
+
+def test_in_context_is_ltx2s(tiny_models):
+    """model.type = "ic" on another family names the key."""
+    with pytest.raises(ConfigError, match='model.type = "ic" trains a model in context with a control clip, which '
+                                          'vidtrain does for LTX-2'):
+        load_adapter(ModelConfig(type="ic", path=str(tiny_models("2b"))), torch.device("cpu"))
