@@ -260,6 +260,9 @@ class ValidationConfig:
     images: list[str] = field(default_factory=list)
     # First-last-frame models (Wan FLF2V): one last-frame image per prompt, beside validation.images.
     last_images: list[str] = field(default_factory=list)
+    # Models that follow a control video (LTX-2 IC-LoRA): one per prompt, read at the rendered clip's rate from
+    # its first frame, resized to cover and centre-cropped to its size; TensorBoard shows it beside the output.
+    control_videos: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
     save_frames: bool = False
@@ -539,6 +542,10 @@ def check_validation_images(cfg: Config) -> None:
         raise ConfigError(f"validation.last_images has {len(last)} for {len(prompts)} validation.prompts: a "
                           "first-last-frame model renders each prompt between its image and its last image; give "
                           "one per prompt")
+    controls = cfg.validation.control_videos
+    if controls and len(controls) != len(prompts):
+        raise ConfigError(f"validation.control_videos has {len(controls)} for {len(prompts)} validation.prompts: a "
+                          "control model renders each prompt from its control video; give one per prompt")
 
 
 def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,

@@ -541,11 +541,14 @@ class LTX2Adapter(Adapter):
     def sampler(self, name: str):
         return FlowMatchEulerDiscreteScheduler.from_pretrained(self.path, subfolder="scheduler")
 
-    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
+    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None, control=None):
         """Initial video and audio latents (fp32, packed) from `generator`, the two schedulers, and I2V's image
-        latent frame, as the pipelines' prepare_latents, prepare_audio_latents and timesteps."""
+        latent frame, as the pipelines' prepare_latents, prepare_audio_latents and timesteps. IC-LoRA: `control`
+        (uint8 [F, H, W, 3] at the clip's size) appended as LTX2InContextPipeline appends a reference condition."""
         frames, height, width = resolution
         shape = ((frames - 1) // self.temporal_ratio + 1, height // self.spatial_ratio, width // self.spatial_ratio)
+        if control is not None:
+            return self._in_context_start(scheduler, steps, frames, shape, generator, control)
         noise = torch.randn((1, self.latent_channels, *shape), generator=generator, dtype=torch.float32).to(self.device)
         condition = None
         if image is not None:
@@ -556,10 +559,28 @@ class LTX2Adapter(Adapter):
         latents = self._pack(noise)
         if condition is not None:
             latents = torch.cat([condition, latents[:, condition.shape[1]:]], dim=1)
-        audio_frames = round(frames / self.frame_rate * self.audio_latents_per_second)
-        mel_bins = self.audio_config["mel_bins"] // 4
-        audio = torch.randn((1, self.audio_config["latent_channels"], audio_frames, mel_bins), generator=generator,
+        return self._start(scheduler, steps, frames, shape, generator, latents, 0 if condition is None else
+                           condition.shape[1])
+
+    def _in_context_start(self, scheduler, steps: int, frames: int, shape, generator, control):
+        """LTX2InContextPipeline's prepare_latents with one reference of full strength: the control's VAE mean,
+        normalised and packed, after the clip's tokens; the noise drawn over both (packed), the reference's kept
+        clean."""
+        reference = self._pack(self._normalise(self.encode_video(control[None])[0].float()))
+        noise = torch.randn((1, 2 * reference.shape[1], self.latent_channels), generator=generator,
                             dtype=torch.float32).to(self.device)
+        latents = torch.cat([noise[:, : reference.shape[1]], reference], dim=1)
+        return self._start(scheduler, steps, frames, shape, generator, latents, 0, reference.shape[1])
+
+    def _start(self, scheduler, steps: int, frames: int, shape, generator, latents, first: int, reference: int = 0):
+        """The audio latents and the schedulers (the shift from every video token's count) after the video's."""
+        audio_frames = round(frames / self.frame_rate * self.audio_latents_per_second)
+        mel_bins, channels = self.audio_config["mel_bins"] // 4, self.audio_config["latent_channels"]
+        if reference:  # LTX2InContextPipeline draws the sound's noise packed, as the original LTX-2 code
+            audio = torch.randn((1, audio_frames, channels * mel_bins), generator=generator, dtype=torch.float32)
+        else:
+            audio = LTX2Pipeline._pack_audio_latents(torch.randn((1, channels, audio_frames, mel_bins),
+                                                                 generator=generator, dtype=torch.float32))
         sigmas = np.linspace(1.0, 1 / steps, steps)
         c = scheduler.config
         mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
@@ -569,8 +590,8 @@ class LTX2Adapter(Adapter):
         scheduler.set_begin_index(0)
         audio_scheduler.set_begin_index(0)
         return SimpleNamespace(scheduler=scheduler, audio_scheduler=audio_scheduler, latents=latents,
-                               audio=LTX2Pipeline._pack_audio_latents(audio), shape=shape, audio_frames=audio_frames,
-                               first=0 if condition is None else condition.shape[1])
+                               audio=audio.to(self.device), shape=shape, audio_frames=audio_frames,
+                               first=first, reference=reference)
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool,
                 **perturbed) -> torch.Tensor:
@@ -578,12 +599,13 @@ class LTX2Adapter(Adapter):
         twice (uncond, cond) in one forward; `perturbed` (isolate, stg_blocks) as _predict's."""
         n = 2 if guided else 1
         video_t = t.expand(n)
-        if state.first:  # I2V: the image's tokens at timestep 0
+        if state.first or state.reference:  # I2V's image tokens and IC-LoRA's reference at timestep 0
             video_t = video_t[:, None].repeat(1, state.latents.shape[1])
             video_t[:, :state.first] = 0
+            video_t[:, state.latents.shape[1] - state.reference:] = 0
         video, audio = self._predict(models["transformer"], state.latents.expand(n, -1, -1),
                                      state.audio.expand(n, -1, -1), video_t, t.expand(n), t.expand(n), embeds,
-                                     state.shape, state.audio_frames, **perturbed)
+                                     state.shape, state.audio_frames, reference=state.reference > 0, **perturbed)
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def check_guidance(self, cfg) -> None:
@@ -627,14 +649,16 @@ class LTX2Adapter(Adapter):
     def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
         split = state.latents.numel()
         video, audio = prediction[:, :split].view_as(state.latents), prediction[:, split:].view_as(state.audio)
-        first = state.first
-        stepped = state.scheduler.step(video[:, first:], t, state.latents[:, first:], return_dict=False)[0]
-        state.latents = torch.cat([state.latents[:, :first], stepped], dim=1)
+        # The conditions stay clean: the pipelines' velocity there is 0 (their denoised value is the condition).
+        first, end = state.first, state.latents.shape[1] - state.reference
+        stepped = state.scheduler.step(video[:, first:end], t, state.latents[:, first:end], return_dict=False)[0]
+        state.latents = torch.cat([state.latents[:, :first], stepped, state.latents[:, end:]], dim=1)
         state.audio = state.audio_scheduler.step(audio, t, state.audio, return_dict=False)[0]
 
     def sampled(self, state) -> torch.Tensor:
         c = self.transformer_config
-        return LTX2Pipeline._unpack_latents(state.latents, *state.shape, c["patch_size"], c["patch_size_t"])
+        latents = state.latents[:, : state.latents.shape[1] - state.reference]
+        return LTX2Pipeline._unpack_latents(latents, *state.shape, c["patch_size"], c["patch_size_t"])
 
     def sampled_audio(self, state) -> torch.Tensor:
         """The audio latents [1, C', L, M'] as the pipeline hands them to the audio VAE (denormalised)."""

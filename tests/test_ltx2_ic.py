@@ -1,13 +1,24 @@
 """LTX-2 IC-LoRA (model.type = "ic"): the control clip's latents ride beside the clip's as clean tokens at
 timestep 0, at the positions ltx-trainer gives them, outside the loss."""
 
+import contextlib
+
 import pytest
 import torch
+from diffusers import LTX2InContextPipeline
+from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
+from PIL import Image
 
 import data
-from config import ConfigError, ModelConfig
+import trainer
+import validate
+from config import ConfigError, ModelConfig, load_config
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (PIPELINE_GUIDANCE, ltx2_settings, ltx_core_cross_modulation, one_rank_group, pipeline_guidance,
+                      write_toml)
 from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
 from model_adapter import load_adapter
+from tools.make_synthetic_dataset import make_synthetic_dataset
 
 
 def ltx_trainer_positions(frames: int, height: int, width: int, scale: tuple[int, int, int], fps: float):
@@ -85,3 +96,50 @@ def test_in_context_is_ltx2s(tiny_models):
     with pytest.raises(ConfigError, match='model.type = "ic" trains a model in context with a control clip, which '
                                           'vidtrain does for LTX-2'):
         load_adapter(ModelConfig(type="ic", path=str(tiny_models("2b"))), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def ic_data(tmp_path_factory):
+    """Four clips with their edge maps as control videos (two train, two held out)."""
+    path = tmp_path_factory.mktemp("ic_data") / "shapes"
+    make_synthetic_dataset(str(path), num_videos=4, frames=17, height=40, width=48, seed=0, control=True)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base_settings, ic_data, tmp_path):
+    """Two IC-LoRA steps on clips with control videos; our loop with the control as its reference renders what
+    LTX2InContextPipeline renders with it as an LTX2ReferenceCondition, within 1e-4 in fp32, with the base
+    model and with our exported LoRA loaded by load_lora_weights (the pipelines' guidance terms on). The
+    pipeline's transformer takes ltx-core's audio-video cross-attention modulation, as ours (the reference's
+    tokens at their own timestep 0, as I2V's image tokens: test_ltx2_training)."""
+    control = ic_data / "controls" / "00000.mp4"
+    settings = ltx2_settings("2.0", ltx2_models, base_settings, ic_data, tmp_path / "lora", **{
+        "model.type": "ic", "data.control_column": "controls.txt", "validation.control_videos": [str(control)],
+        **{f"validation.{k}": v for k, v in PIPELINE_GUIDANCE.items()}})
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+    pipe = LTX2InContextPipeline.from_pretrained(str(ltx2_models("2.0")))
+    pipe.set_progress_bar_config(disable=True)
+    with one_rank_group() as d, ltx_core_cross_modulation(pipe.transformer):
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        frames = renderer.controls[0]
+        assert frames.shape == (9, 32, 32, 3)
+        reference = LTX2ReferenceCondition(frames=[Image.fromarray(frame) for frame in frames.numpy()])
+        rendered = []
+        for source in (None, lora_file):
+            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
+            if source:
+                pipe.load_lora_weights(str(source))
+            theirs = pipe(prompt=PROMPTS[0], negative_prompt=cfg.validation.negative_prompt,
+                          reference_conditions=[reference], num_frames=9, height=32, width=32,
+                          num_inference_steps=cfg.validation.num_inference_steps, **pipeline_guidance(cfg.validation),
+                          generator=data.keyed_generator(cfg.validation.seed, 0),
+                          output_type="pt").frames[0].permute(0, 2, 3, 1)
+            assert ours.shape == theirs.shape == (9, 32, 32, 3)
+            assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
+            rendered.append(ours)
+        assert (rendered[0] - rendered[1]).abs().max() > 1e-3  # the LoRA shows
