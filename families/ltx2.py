@@ -445,12 +445,12 @@ class LTX2Adapter(Adapter):
             x_t = torch.cat([image, x_t[:, first:]], dim=1)
             video_t = torch.cat([video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1)
         tokens = x0.shape[1]
-        if self.type == "ic":
+        if self.takes_control:  # model.type = "ic"
             reference = self._pack(self._normalise(batch["control_latent_mean"].to(self.device).float())).expand(n, -1, -1)
             x_t = torch.cat([x_t, reference], dim=1)
             video_t = torch.cat([video_t[:, None].expand(n, tokens), video_t.new_zeros(n, reference.shape[1])], dim=1)
         video, audio = self._predict(transformer, x_t, a_t, video_t, 1000 * sigmas, 1000 * audio_sigmas, embeds, shape,
-                                     a0.shape[1], reference=self.type == "ic")
+                                     a0.shape[1], reference=self.takes_control)
         video = video[:, :tokens]
         video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
         audio_loss = torch.zeros_like(video_loss)

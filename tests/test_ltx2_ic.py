@@ -2,22 +2,29 @@
 timestep 0, at the positions ltx-trainer gives them, outside the loss."""
 
 import contextlib
+import dataclasses
+import io
 
+import numpy as np
 import pytest
 import torch
 from diffusers import LTX2InContextPipeline
+from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
 from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
 from PIL import Image
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import data
 import trainer
 import validate
-from config import ConfigError, ModelConfig, load_config
+from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from conftest import LTX2_PROMPTS as PROMPTS
-from conftest import (PIPELINE_GUIDANCE, ltx2_settings, ltx_core_cross_modulation, one_rank_group, pipeline_guidance,
-                      write_toml)
+from conftest import (PIPELINE_GUIDANCE, decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group,
+                      picked_frames, pipeline_guidance, run_cmd, run_ok, train_losses, write_toml)
 from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
 from model_adapter import load_adapter
+from test_control import ramp
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 
@@ -143,3 +150,114 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
             assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
             rendered.append(ours)
         assert (rendered[0] - rendered[1]).abs().max() > 1e-3  # the LoRA shows
+
+
+def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_fit(ltx2_models, ic_data, tmp_path):
+    """A control video is read at the clip's rate from its first frame, resized to cover and centre-cropped;
+    TensorBoard's val/clip_i is the control and the clip side by side, the mp4 the clip alone. An in-context
+    model without control videos, or control videos for another model, are named before anything renders."""
+    control = tmp_path / "ramp.mp4"
+    ramp(control, 33, 80, 60, 24, 4)  # another size and aspect, 24 fps: the frame at k / 8 s shows 10 + 12k
+    frames = validate.load_control(str(control), [9, 32, 32], 8.0)
+    assert frames.shape == (9, 32, 32, 3) and picked_frames(frames) == list(range(9))
+    # Covered (43 x 32) and centre-cropped: the white corner's 11 rows lose their top 5.
+    assert frames[:, :5, :7].float().mean() > 240 and frames[:, 7:, :7].float().mean() < 220
+    with pytest.raises(ConfigError, match=r"validation control video .*ramp.mp4 has 11 frames at 8 fps, and the "
+                                          r"clips have 17: fix validation.control_videos or --control"):
+        validate.load_control(str(control), [17, 32, 32], 8.0)
+    adapter = load_adapter(ModelConfig(family="ltx2", type="ic", path=str(ltx2_models("2.0")), dtype="fp32"),
+                           torch.device("cpu"))
+    cfg = ValidationConfig(prompts=PROMPTS, num_inference_steps=2, gen_fps=24, guidance_scale=1.0)
+    with one_rank_group() as d:
+        with pytest.raises(ConfigError, match=r"follows a control video \(model.type = \"ic\"\): each validation "
+                                              r"prompt renders from one; set validation.control_videos"):
+            validate.ClipRenderer(adapter, cfg, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d)
+        videos = dataclasses.replace(cfg, control_videos=[str(ic_data / "controls" / "00000.mp4")])
+        plain = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"),
+                             torch.device("cpu"))
+        with pytest.raises(ConfigError, match=r"validation.control_videos conditions control models, and .* is not "
+                                              r"one here: remove them \(and --control\)"):
+            validate.ClipRenderer(plain, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d)
+        renderer = validate.ClipRenderer(adapter, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d)
+        clip = torch.full((9, 32, 32, 3), 7, dtype=torch.uint8)
+        renderer.render = lambda model, autocast: [clip]
+        shown = {}
+
+        class Metrics:
+            def clip(self, step, tag, frames, fps):
+                shown[tag] = frames
+
+            def text(self, step, tag, text):
+                shown[tag] = text
+
+        renderer.run(None, 3, Metrics(), contextlib.nullcontext())
+    assert torch.equal(shown["val/clip_0"], torch.cat([renderer.controls[0], clip], dim=2))
+    assert shown["val/prompt_0"] == PROMPTS[0]
+    written = decode_mp4(tmp_path / "validation_res" / "step_3_prompt_0.mp4")[0]
+    assert written.shape == clip.shape and (written.float() - 7).abs().max() <= 2  # H.264's rounding
+
+
+@pytest.mark.slow
+def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
+    """2 FSDP ranks training IC-LoRA with validation: SIGKILL after step 3, the next launch resumes from step 2
+    and ends bitwise equal to the run never stopped, clips included; TensorBoard shows each clip beside its
+    control; the export loads in LTX2InContextPipeline and computes, reference appended, what our model computes,
+    and so does its ComfyUI file through the pipeline's loader, every key converted back."""
+    lifecycle = {"model.type": "ic", "data.control_column": "controls.txt", "parallel.strategy": "fsdp",
+                 "train.batch_size": 1, "train.steps": 4, "checkpoint.checkpointing_steps": 2,
+                 "validation.do_validation": True, "validation.validation_steps": 2, "validation.save_frames": True,
+                 "validation.control_videos": [str(ic_data / "controls" / "00000.mp4")]}
+    configs = {name: write_toml(tmp_path / f"{name}.toml", ltx2_settings("2.0", ltx2_models, base_settings, ic_data,
+                                                                           tmp_path / name, **lifecycle))
+               for name in ("reference", "killed")}
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}).returncode != 0
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 2 ({tmp_path / 'killed' / 'checkpoint-2'})" in resumed.stderr
+    losses = train_losses(tmp_path / "reference")
+    assert sorted(losses) == [1, 2, 3, 4] and train_losses(tmp_path / "killed") == losses
+    lora_file = tmp_path / "reference" / "lora" / "pytorch_lora_weights.safetensors"
+    ours, theirs = (load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors") for name in ("killed", "reference"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_4_prompt_0.safetensors"
+    frames = load_file(tmp_path / "reference" / clip)["frames"]
+    assert frames.shape == (9, 32, 32, 3) and torch.equal(load_file(tmp_path / "killed" / clip)["frames"], frames)
+    cfg = load_config(str(configs["reference"]))
+    control = validate.load_control(cfg.validation.control_videos[0], [9, 32, 32], 24.0)
+    events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
+    events.Reload()
+    shown = events.Images("val/clip_0")
+    assert [c.step for c in shown] == [0, 2, 4]
+    with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
+        first = torch.from_numpy(np.array(gif.convert("RGB"))).float()
+    assert first.shape == (32, 64, 3)
+    # The GIF's 256-colour palette rounds the noisy tiny-model clip by a few levels.
+    assert (first[:, :32] - control[0].float()).abs().mean() < 4 and (first[:, 32:] - frames[0].float()).abs().mean() < 10
+    assert (first[:, 32:] - control[0].float()).abs().mean() > 40
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = validate.load_model(cfg, adapter, d, None, str(lora_file)).eval()
+    pipe = LTX2InContextPipeline.from_pretrained(str(ltx2_models("2.0")))
+    pipe.load_lora_weights(str(lora_file))
+    expected = in_context_output(model, adapter)
+    torch.testing.assert_close(in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5)
+    comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
+    converted = _convert_non_diffusers_ltx2_lora_to_diffusers(load_file(comfy_file))
+    assert converted.keys() == load_file(lora_file).keys()  # no key lost
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(str(comfy_file))
+    torch.testing.assert_close(in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5)
+
+
+def in_context_output(transformer, adapter):
+    """Both streams' velocities of a clip with a reference appended (per-token timesteps, 0 on the reference)."""
+    gen = torch.Generator().manual_seed(0)
+    c = adapter.transformer_config
+    video = torch.randn(2, 2 * 2 * 4 * 4, c["in_channels"], generator=gen)
+    audio = torch.randn(2, 9, c["audio_in_channels"], generator=gen)
+    embeds = torch.randn(2, TEXT_LENGTH, 32, generator=gen)
+    t = torch.tensor([10.0, 900.0])
+    video_t = torch.cat([t[:, None].expand(2, 32), torch.zeros(2, 32)], dim=1)
+    with torch.no_grad():
+        return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, video_t, t, t, embeds,
+                                                                  (2, 4, 4), 9, reference=True)], 1)
