@@ -472,7 +472,7 @@ def check_values(cfg: Config) -> None:
                           "(the clips of a batch then have sound of one length, and the video's positions count "
                           "seconds at that rate): set data.target_fps (24, as LTX-2 was published), or data.audio = "
                           "false to train video only")
-    if cfg.model.type == "t2v" and cfg.validation.images:
+    if cfg.model.type != "i2v" and cfg.validation.images:  # t2v, and ic (its condition is a control video)
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
     if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says
         check_validation_images(cfg)

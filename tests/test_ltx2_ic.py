@@ -142,14 +142,18 @@ def test_reference_tokens_are_clean_at_timestep_0_at_ltx_trainers_positions_outs
     assert not torch.allclose(losses, with_reference.mean(dim=(1, 2)))
 
 
-def test_in_context_is_ltx2s(tiny_models):
-    """model.type = "ic" on another family names the key."""
+def test_in_context_is_ltx2s(tiny_models, write_config):
+    """model.type = "ic" on another family names the key; its condition is a control video, not an
+    image (validation.images is refused as for text-to-video)."""
     with pytest.raises(
         ConfigError,
         match='model.type = "ic" trains a model in context with a control clip, which '
         "vidtrain does for LTX-2",
     ):
         load_adapter(ModelConfig(type="ic", path=str(tiny_models("2b"))), torch.device("cpu"))
+    images = {"model.type": "ic", "validation.prompts": ["x"], "validation.images": ["x.png"]}
+    with pytest.raises(ConfigError, match="validation.images conditions image-to-video models"):
+        load_config(str(write_config("ic", **images)))
 
 
 @pytest.fixture(scope="module")
