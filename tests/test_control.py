@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import one_rank_group, picked_frames, write_toml
+from conftest import one_rank_group, picked_frames, ramp_video, write_toml
 from safetensors.torch import load_file
 
 import cache
@@ -16,19 +16,7 @@ import data
 import decode
 from config import ConfigError, DataConfig, load_config
 from model_adapter import load_adapter
-from tools.make_synthetic_dataset import edge_map, make_synthetic_dataset, write_clip
-
-
-def ramp(path, frames: int, height: int, width: int, fps: int, step: float, mark: int = 0) -> None:
-    """Frame k is flat grey 10 + step x k (the decoded grey tells which frame was picked), with a
-    white top-left corner (it tells how the frame was resized and cropped) and a top-right one of
-    grey `mark` (clips of other content: other windows and crops)."""
-    video = np.stack(
-        [np.full((height, width, 3), round(10 + step * k), np.uint8) for k in range(frames)]
-    )
-    video[:, : height // 4, : width // 4] = 255
-    video[:, : height // 4, -width // 4 :] = mark
-    write_clip(path, video, fps)
+from tools.make_synthetic_dataset import edge_map, make_synthetic_dataset
 
 
 def ramp_data(root, count: int = 3):
@@ -40,8 +28,8 @@ def ramp_data(root, count: int = 3):
     (root / "controls").mkdir()
     rows = []
     for i in range(count):
-        ramp(root / "videos" / f"{i}.mp4", 17, 40, 48, 8, 12, 40 * i)
-        ramp(root / "controls" / f"{i}.mp4", 49, 80, 96, 24, 4, 40 * i)
+        ramp_video(root / "videos" / f"{i}.mp4", 17, 40, 48, 8, 12, 40 * i)
+        ramp_video(root / "controls" / f"{i}.mp4", 49, 80, 96, 24, 4, 40 * i)
         rows.append(
             f'{{"video": "videos/{i}.mp4", "prompt": "ramp {i}", "control": "controls/{i}.mp4"}}\n'
         )
@@ -121,7 +109,7 @@ def test_cached_controls_are_the_target_windows_frames(
         assert batch["control_latent_mean"].shape == batch["latent_mean"].shape
         before = [entries.path(item, kind) for item in items for kind in ("video", "control")]
         # other greys: other content
-        ramp(tmp_path / "data" / "controls" / "1.mp4", 49, 80, 96, 24, 4, 41)
+        ramp_video(tmp_path / "data" / "controls" / "1.mp4", 49, 80, 96, 24, 4, 41)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="vidtrain"):
             _, entries, items, _ = cache.prepare(cfg, d)
@@ -138,7 +126,7 @@ def test_a_control_shorter_than_the_window_is_named(tmp_path):
     one that covers the window (though shorter than the clip) is fine."""
     root = ramp_data(tmp_path / "data", 1)
     # 27 / 24 s: the target's frames 0 to 8
-    ramp(root / "controls" / "short.mp4", 27, 80, 96, 24, 4)
+    ramp_video(root / "controls" / "short.mp4", 27, 80, 96, 24, 4)
     clip = data.Clip(
         root / "videos" / "0.mp4",
         "ramp",

@@ -16,6 +16,7 @@ from conftest import (
     ltx_core_cross_modulation,
     one_rank_group,
     picked_frames,
+    ramp_video,
     pipeline_guidance,
     run_cmd,
     run_ok,
@@ -28,7 +29,6 @@ from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceConditio
 from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_control import ramp
 
 import data
 import trainer
@@ -242,7 +242,7 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
     named before anything renders."""
     control = tmp_path / "ramp.mp4"
     # another size and aspect, 24 fps: the frame at k / 8 s shows 10 + 12k
-    ramp(control, 33, 80, 60, 24, 4)
+    ramp_video(control, 33, 80, 60, 24, 4)
     frames = validate.load_control(str(control), [9, 32, 32], 8.0)
     assert frames.shape == (9, 32, 32, 3) and picked_frames(frames) == list(range(9))
     # Covered (43 x 32) and centre-cropped: the white corner's 11 rows lose their top 5.
