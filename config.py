@@ -41,8 +41,9 @@ class ModelConfig:
     family: str = ""
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame; a first-last-frame model also the clip's last frame
-    # from data.last_image_column).
-    type: Literal["t2v", "i2v"] = "t2v"
+    # from data.last_image_column), or "ic" in-context (each clip's control video, data.control_column's,
+    # rides along as clean tokens the model attends to: an in-context LoRA, docs/control.md).
+    type: Literal["t2v", "i2v", "ic"] = "t2v"
     # One family's key (docs/models/), for its two-expert models: the expert this run trains, "high_noise"
     # (transformer/, t >= boundary_ratio x 1000) or "low_noise" (transformer_2/, below); validation renders
     # with both.
@@ -168,6 +169,10 @@ class DataConfig:
     # File under data_root with one last-frame image per line (metadata files: a last_image column), for
     # first-last-frame models: each clip's window ends at the clip's last frame, which it shows.
     last_image_column: str = ""
+    # File under data_root with one control video per line (metadata files: a control column), for models
+    # that follow a control clip (a depth or pose video, edges, a clip to restyle): each is read at its clip's
+    # window's timestamps, resized to the clip's size and cropped as it is (docs/control.md).
+    control_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
     # Latent and text-embedding cache; "" means <data_root>/.cache.
@@ -261,6 +266,9 @@ class ValidationConfig:
     images: list[str] = field(default_factory=list)
     # First-last-frame models: one last-frame image per prompt, beside validation.images.
     last_images: list[str] = field(default_factory=list)
+    # Models that follow a control video (model.type = "ic"): one per prompt, read at the rendered clip's rate from
+    # its first frame, resized to cover and centre-cropped to its size; TensorBoard shows it beside the output.
+    control_videos: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
     save_frames: bool = False
@@ -457,7 +465,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
     if cfg.train.audio_loss_weight < 0:
         raise ConfigError(f"train.audio_loss_weight must be 0 or positive, got {cfg.train.audio_loss_weight}")
-    if cfg.model.type == "t2v" and cfg.validation.images:
+    if cfg.model.type != "i2v" and cfg.validation.images:  # t2v, and ic (its condition is a control video)
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
     if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says
         check_validation_images(cfg)
@@ -497,6 +505,10 @@ def check_validation_images(cfg: Config) -> None:
         raise ConfigError(f"validation.last_images has {len(last)} for {len(prompts)} validation.prompts: a "
                           "first-last-frame model renders each prompt between its image and its last image; give "
                           "one per prompt")
+    controls = cfg.validation.control_videos
+    if controls and len(controls) != len(prompts):
+        raise ConfigError(f"validation.control_videos has {len(controls)} for {len(prompts)} validation.prompts: a "
+                          "control model renders each prompt from its control video; give one per prompt")
 
 
 def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,

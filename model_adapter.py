@@ -90,6 +90,8 @@ class Adapter(TransformerLoading, abc.ABC):
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
     VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
+    # Whether model.type = "ic" trains the family in context: the control clip's tokens beside the clip's (LTX-2).
+    IN_CONTEXT = False
     # A key every single file of the family holds (model.transformer_file; single_file_key and diffusers_names
     # map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
@@ -147,6 +149,11 @@ class Adapter(TransformerLoading, abc.ABC):
     @abc.abstractmethod
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
         """Image-to-video: uint8 [B, H, W, 3] -> the tensors of the clip's image entry."""
+
+    def encode_control(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Control frames uint8 [B, F, H, W, 3] -> the tensors of each clip's control entry (the VAE posterior)."""
+        mean, logvar = self.encode_video(video)
+        return {"control_latent_mean": mean, "control_latent_logvar": logvar}
 
     @abc.abstractmethod
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
@@ -234,6 +241,9 @@ class Adapter(TransformerLoading, abc.ABC):
         for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
+        if cfg.type == "ic" and not self.IN_CONTEXT:
+            raise ConfigError(f'model.type = "ic" trains a model in context with a control clip, which vidtrain does for '
+                              f'LTX-2 (IC-LoRA), not for model.family = "{self.FAMILY}": set model.type = "t2v" or "i2v"')
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype
@@ -242,6 +252,9 @@ class Adapter(TransformerLoading, abc.ABC):
         # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V): the
         # cache and validation then need a last image per clip and per prompt.
         self.first_last = False
+        # Whether the model follows a control video per clip (data.control_column; validation.control_videos):
+        # the cache then holds each clip's control entry (encode_control), its batches control_* tensors.
+        self.takes_control = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         # data.audio on a family with sound: the batches may differ in sound.
         self.trains_sound = run.sound and "audio" in self.ENCODERS

@@ -38,6 +38,7 @@ import ckpt
 import ckpt_files
 import command
 import data
+import decode
 import faults
 import memory
 import parallel
@@ -91,14 +92,16 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
 @torch.no_grad()
 def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
                    cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
-                   image=None, last_image=None):
+                   image=None, last_image=None, control=None):
     """The final sampling state of one prompt (and, image-to-video, its conditioning image; first-last-frame,
     its last image too): adapter.sampled
     gives its latents (sampled_audio its sound, LTX-2). The family's pipeline loop, step for step, with
     every draw from `generator` (a CPU generator, as the pipelines use it); the adapter builds the
     denoiser's input (condition, expert, per-token timesteps) and steps the scheduler. Latents and
-    scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check."""
+    scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check.
+    A control model's `control` is its control video's frames (uint8 [F, H, W, 3], the clip's size)."""
     last = {} if last_image is None else {"last_image": last_image}  # only first-last-frame models take one
+    last |= {} if control is None else {"control": control}  # only control models take one
     state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image, **last)
     guided = cfg.guidance_scale > 1.0 or cfg.audio_guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
@@ -167,6 +170,25 @@ def load_image(path: str):
                           "(validation.last_images or --last-image)") from None
 
 
+def load_control(path: str, resolution, rate: float) -> torch.Tensor:
+    """A validation control video: the frames shown at the clip's frame times from its first frame, resized to
+    cover the clip's size (keeping its aspect) and centre-cropped to it, as LTX2InContextPipeline's crop mode
+    does: uint8 [F, H, W, 3]."""
+    frames, height, width = resolution
+    try:
+        media = decode.probe(Path(path))
+        if decode.available_frames(media, rate) < frames:
+            raise decode.MediaError(f"has {decode.available_frames(media, rate)} frames at {rate:g} fps, and the "
+                                    f"clips have {frames}")
+        scale = max(height / media.height, width / media.width)
+        resized = (max(height, round(media.height * scale)), max(width, round(media.width * scale)))
+        crop = ((resized[0] - height) // 2, (resized[1] - width) // 2, height, width)
+        times = [k / rate for k in range(frames)]
+        return torch.from_numpy(decode.read_frames(Path(path), media, times, resized, crop, False))
+    except decode.MediaError as e:
+        raise ConfigError(f"validation control video {path} {e}: fix validation.control_videos or --control") from None
+
+
 class ClipRenderer:
     """The validation prompts' clips. Embeddings are computed once, here; clip i is rendered by
     data-parallel rank i % dp_world (with sequence parallelism, its whole sp group), every rank making
@@ -194,6 +216,14 @@ class ClipRenderer:
         if cfg.last_images and not adapter.first_last:
             raise ConfigError(f"validation.last_images conditions first-last-frame models, and {adapter.path} is not "
                               "one: remove them (and --last-image)")
+        if adapter.takes_control and self.prompts and not cfg.control_videos:
+            raise ConfigError(f"{adapter.path} follows a control video (model.type = \"ic\"): each validation prompt "
+                              "renders from one; set validation.control_videos (validate.py: --control), one per prompt")
+        if cfg.control_videos and not adapter.takes_control:
+            raise ConfigError(f"validation.control_videos conditions control models, and {adapter.path} is not one "
+                              "here: remove them (and --control), or set model.type = \"ic\" (LTX-2)")
+        self.controls = [load_control(path, self.resolution, float(self.fps)) for path in cfg.control_videos] \
+            or [None] * len(self.prompts)
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         self.last_images = [load_image(path) for path in cfg.last_images] or [None] * len(self.prompts)
         if self.prompts:
@@ -218,7 +248,8 @@ class ClipRenderer:
         prompt = index if prompt is None else prompt
         state = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[prompt : prompt + 1],
                                self.negative_embeds, data.keyed_generator(self.cfg.seed, index), self.cfg,
-                               self.resolution, autocast, on_step, self.images[prompt], self.last_images[prompt])
+                               self.resolution, autocast, on_step, self.images[prompt], self.last_images[prompt],
+                               self.controls[prompt])
         frames = to_frames(self.adapter.decode_latents(self.adapter.sampled(state))[0])
         sound = self.adapter.decode_audio(self.adapter.sampled_audio(state)).cpu() if self.sound else None
         return frames, sound
@@ -296,7 +327,9 @@ class ClipRenderer:
         clips = self.render(model, autocast)
         self.save(clips, [f"step_{step}_prompt_{i}" for i in range(len(self.prompts))], self.sounds)
         for i, (prompt, clip) in enumerate(zip(self.prompts, clips)):
-            metrics.clip(step, f"val/clip_{i}", clip, self.fps)
+            # A control model's clip beside its control video, side by side in one clip.
+            shown = clip if self.controls[i] is None else torch.cat([self.controls[i], clip], dim=2)
+            metrics.clip(step, f"val/clip_{i}", shown, self.fps)
             if self.sounds:
                 metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)
             metrics.text(step, f"val/prompt_{i}", prompt)
@@ -335,12 +368,14 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
               "lora_mtime": os.stat(lora_file).st_mtime_ns if lora_file else 0,
               "model": dataclasses.asdict(cfg.model), "mixed_precision": cfg.train.mixed_precision,
               "validation": {k: v for k, v in dataclasses.asdict(cfg.validation).items()
-                             if k not in ("prompts", "images", "last_images")}}
+                             if k not in ("prompts", "images", "last_images", "control_videos")}}
     names = []
     for i, prompt in enumerate(cfg.validation.prompts):
         image = hashlib.sha256(Path(cfg.validation.images[i]).read_bytes()).hexdigest() if cfg.validation.images else ""
         last = cfg.validation.last_images  # hashed only when given: the names of other renders stay as they were
         last = {"last_image": hashlib.sha256(Path(last[i]).read_bytes()).hexdigest()} if last else {}
+        controls = cfg.validation.control_videos  # the same: hashed only when given
+        last |= {"control": hashlib.sha256(Path(controls[i]).read_bytes()).hexdigest()} if controls else {}
         digest = hashlib.sha256(json.dumps({**common, "prompt": prompt, "image": image, **last},
                                            sort_keys=True).encode())
         names.append(f"render_{source}{'_online' if online else ''}_prompt_{i}_{digest.hexdigest()[:8]}")
@@ -358,10 +393,11 @@ def check_lora_file(lora_file: str) -> None:
 
 
 def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoint: str | None,
-                   lora_file: str | None, online: bool, d: parallel.Dist, last_images: list[str] = ()) -> None:
-    if prompts:  # the command line's prompts (and images, last images) replace the config's
+                   lora_file: str | None, online: bool, d: parallel.Dist, last_images: list[str] = (),
+                   controls: list[str] = ()) -> None:
+    if prompts:  # the command line's prompts (and images, last images, control videos) replace the config's
         cfg.validation.prompts, cfg.validation.images = prompts, images
-        cfg.validation.last_images = list(last_images)
+        cfg.validation.last_images, cfg.validation.control_videos = list(last_images), list(controls)
         check_values(cfg)
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
@@ -396,13 +432,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image", action="append", default=[], help="i2v: the image of each --prompt, in order")
     parser.add_argument("--last-image", action="append", default=[],
                         help="first-last-frame (Wan FLF2V): the last image of each --prompt, in order")
+    parser.add_argument("--control", action="append", default=[],
+                        help="control models (LTX-2 IC-LoRA): the control video of each --prompt, in order")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.online and not args.checkpoint:
         parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
-    if (args.image or args.last_image) and not args.prompt:
-        parser.error("--image and --last-image go with --prompt: one of each per prompt")
+    if (args.image or args.last_image or args.control) and not args.prompt:
+        parser.error("--image, --last-image and --control go with --prompt: one of each per prompt")
     command.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.image, args.checkpoint, args.lora,
-                                                       args.online, d, args.last_image), args.cfg, overrides)
+                                                       args.online, d, args.last_image, args.control), args.cfg,
+                                                       overrides)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ same build and two steps on real tensors in a fresh process and compares with th
   output, so the patch embedding, the output layers and the loss on the whole sample are undercounted.
 - sound (LTX-2, data.audio): the batch holds the audio VAE's latents of the clip's seconds (the adapter's
   audio rate at its published frame rate: 126 frames for 121 at 24 fps), every rank all of them.
+- control (LTX-2 IC-LoRA, model.type = "ic"): the batch holds the control clip's latents, which the adapter
+  appends as tokens: twice the video tokens in training and in the validation render.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
   parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
@@ -110,6 +112,8 @@ def shapes(cfg, adapter, sp: int) -> dict:
     s = {"latent": (cfg.train.batch_size, adapter.latent_channels, f, h, w_rank),
          "text": (cfg.train.batch_size, adapter.text_length, text_width(c)),
          "video_tokens": grid * (w // patch), "rank_tokens": grid * (w_rank // patch), "audio_tokens": 0}
+    if adapter.takes_control:  # IC-LoRA: the control's tokens beside the clip's, as many (cached_batch)
+        s["video_tokens"], s["rank_tokens"] = 2 * s["video_tokens"], 2 * s["rank_tokens"]
     if hasattr(adapter, "audio_latents_per_second") and cfg.data.audio:
         # The clip's soundtrack, as the audio cache holds it: [B, C', L, M'] for the frames' seconds (every
         # rank's whole: sp replicates the audio tokens).
@@ -130,10 +134,12 @@ def text_width(c: dict) -> int:
 
 
 def cached_batch(adapter, s: dict, new) -> dict:
-    """A cached batch of shapes s: latents, text, I2V's image latents, the soundtrack's latents."""
+    """A cached batch of shapes s: latents, text, I2V's image latents, a control clip's, the soundtrack's latents."""
     batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
     if adapter.type == "i2v":
         batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
+    if adapter.takes_control:  # its control entry: the adapter appends its tokens, in training and sampling alike
+        batch["control_latent_mean"], batch["control_latent_logvar"] = new(s["latent"]), new(s["latent"])
     if "audio" in s:
         batch["audio_latent_mean"], batch["audio_latent_logvar"] = new(s["audio"]), new(s["audio"])
     return batch

@@ -121,6 +121,7 @@ class LTX2Adapter(Adapter):
     # ("Audio VAE needs float32 for quality"). It names the cache's audio entries.
     AUDIO_DTYPE = "fp32"
     GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
+    IN_CONTEXT = True  # model.type = "ic": IC-LoRA, the control clip's tokens appended clean (docs/control.md)
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)
@@ -153,6 +154,7 @@ class LTX2Adapter(Adapter):
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = run.audio_loss_weight
+        self.takes_control = cfg.type == "ic"
         # The rate the video's rotary positions count seconds in: data.target_fps (every clip's rate) when set.
         self.frame_rate = run.frame_rate or FRAME_RATE
         self.losses = torch.zeros(len(self.LOSS_PARTS), 2)  # the last loss's per stream: (sum, samples), detached
@@ -407,25 +409,32 @@ class LTX2Adapter(Adapter):
         return (tokens - self.audio_mean.to(tokens)) / self.audio_std.to(tokens)
 
     def _predict(self, transformer, video, audio, video_t, sigma, audio_t, embeds, shape, audio_frames,
-                 isolate: bool = False, stg_blocks: list[int] | None = None):
+                 isolate: bool = False, stg_blocks: list[int] | None = None, reference: bool = False):
         """(video, audio) velocities [B, tokens, C] in fp32: video_t the video's timesteps [B] (or per token
         [B, tokens], I2V), sigma [B] its noise level (LTX-2.3's prompt modulation), audio_t [B]. isolate turns
         off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks skips those blocks'
         self-attention (their STG). No audio tokens: the video stream alone, isolated (the audio stream, which
-        the video then never sees, runs on one zero token: the rotary tables refuse none)."""
+        the video then never sees, runs on one zero token: the rotary tables refuse none). reference: the second
+        half of the video tokens are an IC-LoRA reference clip of the same latent shape, at the same positions."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
         frames, height, width = shape
         n = len(video)
         if audio.shape[1] == 0:
             audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
+        coords = None
+        if reference:  # the positions ltx-trainer's video_to_video strategy gives a same-size reference: the target's
+            model = getattr(transformer, "module", transformer)  # DDP's wrapper
+            coords = model.rope.prepare_video_coords(n, *shape, video.device, fps=self.frame_rate)
+            coords = torch.cat([coords, coords], dim=2)
         with self._cross_gates(transformer, sigma, audio_t):
             out = transformer(
                 hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
                 encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_t,
                 audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
                 width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
-                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, return_dict=False)
+                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, video_coords=coords,
+                return_dict=False)
         return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
 
     @contextlib.contextmanager
@@ -457,7 +466,9 @@ class LTX2Adapter(Adapter):
         and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas [B]; sound [B] says which
         samples have sound (the others have no audio loss). I2V: the first latent frame's tokens are the
         image's, clean, at timestep 0 and outside the loss, as ltx-trainer's first-frame condition and the I2V
-        pipeline have them. Sets self.losses."""
+        pipeline have them. IC-LoRA: the control clip's latents (control_latent_mean) follow the clip's tokens, clean,
+        at timestep 0, at the clip's positions and outside the loss, as ltx-trainer's video_to_video strategy has
+        its reference. Sets self.losses."""
         n, shape = len(x0), batch["shape"]
         s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
         x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
@@ -467,8 +478,14 @@ class LTX2Adapter(Adapter):
             first = image.shape[1]
             x_t = torch.cat([image, x_t[:, first:]], dim=1)
             video_t = torch.cat([video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1)
+        tokens = x0.shape[1]
+        if self.takes_control:  # model.type = "ic"
+            reference = self._pack(self._normalise(batch["control_latent_mean"].to(self.device).float())).expand(n, -1, -1)
+            x_t = torch.cat([x_t, reference], dim=1)
+            video_t = torch.cat([video_t[:, None].expand(n, tokens), video_t.new_zeros(n, reference.shape[1])], dim=1)
         video, audio = self._predict(transformer, x_t, a_t, video_t, 1000 * sigmas, 1000 * audio_sigmas, embeds, shape,
-                                     a0.shape[1])
+                                     a0.shape[1], reference=self.takes_control)
+        video = video[:, :tokens]
         video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
         audio_loss = torch.zeros_like(video_loss)
         if a0.shape[1]:
@@ -558,11 +575,14 @@ class LTX2Adapter(Adapter):
     def sampler(self, name: str):
         return FlowMatchEulerDiscreteScheduler.from_pretrained(self.path, subfolder="scheduler")
 
-    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
+    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None, control=None):
         """Initial video and audio latents (fp32, packed) from `generator`, the two schedulers, and I2V's image
-        latent frame, as the pipelines' prepare_latents, prepare_audio_latents and timesteps."""
+        latent frame, as the pipelines' prepare_latents, prepare_audio_latents and timesteps. IC-LoRA: `control`
+        (uint8 [F, H, W, 3] at the clip's size) appended as LTX2InContextPipeline appends a reference condition."""
         frames, height, width = resolution
         shape = ((frames - 1) // self.temporal_ratio + 1, height // self.spatial_ratio, width // self.spatial_ratio)
+        if control is not None:
+            return self._in_context_start(scheduler, steps, frames, shape, generator, control)
         noise = torch.randn((1, self.latent_channels, *shape), generator=generator, dtype=torch.float32).to(self.device)
         condition = None
         if image is not None:
@@ -573,10 +593,28 @@ class LTX2Adapter(Adapter):
         latents = self._pack(noise)
         if condition is not None:
             latents = torch.cat([condition, latents[:, condition.shape[1]:]], dim=1)
-        audio_frames = round(frames / self.frame_rate * self.audio_latents_per_second)
-        mel_bins = self.audio_config["mel_bins"] // 4
-        audio = torch.randn((1, self.audio_config["latent_channels"], audio_frames, mel_bins), generator=generator,
+        return self._start(scheduler, steps, frames, shape, generator, latents, 0 if condition is None else
+                           condition.shape[1])
+
+    def _in_context_start(self, scheduler, steps: int, frames: int, shape, generator, control):
+        """LTX2InContextPipeline's prepare_latents with one reference of full strength: the control's VAE mean,
+        normalised and packed, after the clip's tokens; the noise drawn over both (packed), the reference's kept
+        clean."""
+        reference = self._pack(self._normalise(self.encode_video(control[None])[0].float()))
+        noise = torch.randn((1, 2 * reference.shape[1], self.latent_channels), generator=generator,
                             dtype=torch.float32).to(self.device)
+        latents = torch.cat([noise[:, : reference.shape[1]], reference], dim=1)
+        return self._start(scheduler, steps, frames, shape, generator, latents, 0, reference.shape[1])
+
+    def _start(self, scheduler, steps: int, frames: int, shape, generator, latents, first: int, reference: int = 0):
+        """The audio latents and the schedulers (the shift from every video token's count) after the video's."""
+        audio_frames = round(frames / self.frame_rate * self.audio_latents_per_second)
+        mel_bins, channels = self.audio_config["mel_bins"] // 4, self.audio_config["latent_channels"]
+        if reference:  # LTX2InContextPipeline draws the sound's noise packed, as the original LTX-2 code
+            audio = torch.randn((1, audio_frames, channels * mel_bins), generator=generator, dtype=torch.float32)
+        else:
+            audio = LTX2Pipeline._pack_audio_latents(torch.randn((1, channels, audio_frames, mel_bins),
+                                                                 generator=generator, dtype=torch.float32))
         sigmas = np.linspace(1.0, 1 / steps, steps)
         c = scheduler.config
         mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
@@ -586,8 +624,8 @@ class LTX2Adapter(Adapter):
         scheduler.set_begin_index(0)
         audio_scheduler.set_begin_index(0)
         return SimpleNamespace(scheduler=scheduler, audio_scheduler=audio_scheduler, latents=latents,
-                               audio=LTX2Pipeline._pack_audio_latents(audio), shape=shape, audio_frames=audio_frames,
-                               first=0 if condition is None else condition.shape[1])
+                               audio=audio.to(self.device), shape=shape, audio_frames=audio_frames,
+                               first=first, reference=reference)
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool,
                 **perturbed) -> torch.Tensor:
@@ -595,12 +633,13 @@ class LTX2Adapter(Adapter):
         twice (uncond, cond) in one forward; `perturbed` (isolate, stg_blocks) as _predict's."""
         n = 2 if guided else 1
         video_t = t.expand(n)
-        if state.first:  # I2V: the image's tokens at timestep 0
+        if state.first or state.reference:  # I2V's image tokens and IC-LoRA's reference at timestep 0
             video_t = video_t[:, None].repeat(1, state.latents.shape[1])
             video_t[:, :state.first] = 0
+            video_t[:, state.latents.shape[1] - state.reference:] = 0
         video, audio = self._predict(models["transformer"], state.latents.expand(n, -1, -1),
                                      state.audio.expand(n, -1, -1), video_t, t.expand(n), t.expand(n), embeds,
-                                     state.shape, state.audio_frames, **perturbed)
+                                     state.shape, state.audio_frames, reference=state.reference > 0, **perturbed)
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def check_guidance(self, cfg) -> None:
@@ -644,14 +683,16 @@ class LTX2Adapter(Adapter):
     def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
         split = state.latents.numel()
         video, audio = prediction[:, :split].view_as(state.latents), prediction[:, split:].view_as(state.audio)
-        first = state.first
-        stepped = state.scheduler.step(video[:, first:], t, state.latents[:, first:], return_dict=False)[0]
-        state.latents = torch.cat([state.latents[:, :first], stepped], dim=1)
+        # The conditions stay clean: the pipelines' velocity there is 0 (their denoised value is the condition).
+        first, end = state.first, state.latents.shape[1] - state.reference
+        stepped = state.scheduler.step(video[:, first:end], t, state.latents[:, first:end], return_dict=False)[0]
+        state.latents = torch.cat([state.latents[:, :first], stepped, state.latents[:, end:]], dim=1)
         state.audio = state.audio_scheduler.step(audio, t, state.audio, return_dict=False)[0]
 
     def sampled(self, state) -> torch.Tensor:
         c = self.transformer_config
-        return LTX2Pipeline._unpack_latents(state.latents, *state.shape, c["patch_size"], c["patch_size_t"])
+        latents = state.latents[:, : state.latents.shape[1] - state.reference]
+        return LTX2Pipeline._unpack_latents(latents, *state.shape, c["patch_size"], c["patch_size_t"])
 
     def sampled_audio(self, state) -> torch.Tensor:
         """The audio latents [1, C', L, M'] as the pipeline hands them to the audio VAE (denormalised)."""

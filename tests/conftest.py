@@ -398,3 +398,15 @@ def picked_frames(video: torch.Tensor) -> list[int]:
     """The ramp's frame index from the grey away from the corner."""
     h, w = video.shape[1:3]
     return [round((v - 10) / 12) for v in video[:, h // 2 :, w // 2 :].float().mean(dim=(1, 2, 3)).tolist()]
+
+
+def ramp_video(path, frames: int, height: int, width: int, fps: int, step: float, mark: int = 0) -> None:
+    """Frame k is flat grey 10 + step x k (the decoded grey tells which frame was picked), with a
+    white top-left corner (it tells how the frame was resized and cropped) and a top-right one of
+    grey `mark` (clips of other content: other windows and crops)."""
+    video = np.stack(
+        [np.full((height, width, 3), round(10 + step * k), np.uint8) for k in range(frames)]
+    )
+    video[:, : height // 4, : width // 4] = 255
+    video[:, : height // 4, -width // 4 :] = mark
+    write_clip(path, video, fps)

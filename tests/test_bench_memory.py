@@ -253,3 +253,19 @@ def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
     assert pinned[0] == pinned[1] and len(pinned[0]) == layers + 2  # nothing new in the second step
     assert sorted(pinned[0]) == sorted(parts["copies"]) and sum(pinned[0]) == parts["offloaded"]
     assert all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))
+
+
+def test_ic_lora_counts_the_reference_tokens(tmp_path):
+    """configs/ltx2-ic-lora.toml at 121x64x96 on one published block: the control clip's tokens double the video
+    sequence every checkpointed block input holds, and the step's activations grow with them."""
+    overrides = ["--data.train_resolution", "[121, 64, 96]"]
+    cfg = load_config(str(REPO / "configs" / "ltx2-ic-lora.toml"), overrides)
+    family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
+    adapter.transformer_config["num_layers"] = 1
+    ic = bench_memory.estimate(cfg, family, adapter)
+    adapter.takes_control = False
+    plain = bench_memory.estimate(cfg, family, adapter)
+    d, a = 4096, 2048
+    assert (ic["video_tokens"], plain["video_tokens"]) == (192, 96)
+    assert ic["inputs"] == (192 * d + a) * 2 and plain["inputs"] == (96 * d + a) * 2
+    assert ic["activations"] > plain["activations"]

@@ -169,7 +169,8 @@ report["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
 # processor): train_loss and the gradient of every weight, split 14 + 13 video tokens, equal one process's,
 # and so does 2.3's STG forward (validation's guidance), which the perturbation changes.
 # T2V with the audio latents (both streams, the audio-video cross-attentions both ways), T2V video-only
-# (no audio tokens: isolate_modalities) and I2V with audio (per-token timestep embeddings).
+# (no audio tokens: isolate_modalities), I2V with audio (per-token timestep embeddings) and IC-LoRA with audio
+# (27 reference tokens after the clip's: 54 split 27 + 27, the reference's with the rest).
 def ltx2_batch(adapter, audio):
     c, g = adapter.transformer_config, torch.Generator().manual_seed(4)
     text = 2 * c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"] + c["audio_cross_attention_dim"]
@@ -181,10 +182,13 @@ def ltx2_batch(adapter, audio):
         features = adapter.audio_config["latent_channels"], 5, adapter.audio_config["mel_bins"] // 4
         batch |= {"audio_latent_mean": torch.randn(2, *features, generator=g),
                   "audio_latent_logvar": torch.randn(2, *features, generator=g) - 3}
+    if adapter.takes_control:  # the control clip's latents: IC-LoRA's reference
+        batch["control_latent_mean"] = torch.randn(2, adapter.latent_channels, 3, 3, 3, generator=g)
     return batch
 
 report["ltx2"] = {}
-for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", False), (sys.argv[5], "i2v", True)):
+for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", False), (sys.argv[5], "i2v", True),
+                            (sys.argv[4], "ic", True)):
     adapter = load_adapter(ModelConfig(path=folder, family="ltx2", type=kind, dtype="fp32"), torch.device("cpu"))
     batch, results, seen, stg = ltx2_batch(adapter, audio), [], {}, []
     for split_it in (False, True):
@@ -249,7 +253,7 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
         dynamo = report["dynamo"]
         assert dynamo["graph_breaks"] == dynamo["unsupported"] == 0 and dynamo["frames"]["ok"] == dynamo["frames"]["total"], dynamo
         assert report["compiled_equal"]
-        assert report["ltx2"].keys() == {"t2v_audio", "t2v", "i2v_audio"}
+        assert report["ltx2"].keys() == {"t2v_audio", "t2v", "i2v_audio", "ic_audio"}
         assert report["ltx2_stg"]["equal"] and report["ltx2_stg"]["perturbs"] > 1e-3, report["ltx2_stg"]
         for case, ltx2 in report["ltx2"].items():
             assert ltx2["loss_equal"] and ltx2["same_grads"] and not ltx2["grads_differ"], (case, ltx2)
@@ -257,8 +261,9 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
             assert one["loss_video"] == pytest.approx(split["loss_video"], rel=1e-5)
             assert one["loss_audio"] == pytest.approx(split["loss_audio"], rel=1e-5, abs=1e-6)
             assert (one["loss_audio"] > 0) == audio
-            # each rank's video attention sees its 14 or 13 tokens, and the audio attention all 5 (1: video-only)
-            tokens, sound = [14, 13][rank], 5 if audio else 1
+            # each rank's video attention sees its 14 or 13 tokens (IC-LoRA: 27 of 54, the clip's and the
+            # reference's split together), and the audio attention all 5 (1: video-only)
+            tokens, sound = [27, 27][rank] if case.startswith("ic") else [14, 13][rank], 5 if audio else 1
             expected = {"attn1": [tokens, None], "audio_attn1": [sound, None], "audio_to_video_attn": [tokens, sound],
                         "video_to_audio_attn": [sound, tokens]}
             assert ltx2["seen"] == (expected if audio else {k: v for k, v in expected.items() if "_to_" not in k}), case

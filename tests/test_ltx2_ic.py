@@ -1,0 +1,405 @@
+"""LTX-2 IC-LoRA (model.type = "ic"): the control clip's latents ride beside the clip's as clean
+tokens at timestep 0, at the positions ltx-trainer gives them, outside the loss."""
+
+import contextlib
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+import torch
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (
+    PIPELINE_GUIDANCE,
+    decode_mp4,
+    ltx2_settings,
+    ltx_core_cross_modulation,
+    one_rank_group,
+    picked_frames,
+    ramp_video,
+    pipeline_guidance,
+    run_cmd,
+    run_ok,
+    train_losses,
+    write_toml,
+)
+from diffusers import LTX2InContextPipeline
+from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
+from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
+from PIL import Image
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import data
+import trainer
+import validate
+from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
+from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
+from model_adapter import load_adapter
+from tools.make_synthetic_dataset import make_synthetic_dataset
+
+
+def ltx_trainer_positions(
+    frames: int, height: int, width: int, scale: tuple[int, int, int], fps: float
+):
+    """Video positions [1, 3, tokens, 2] as Lightricks/LTX-2's ltx-trainer computes them for a
+    reference or a target
+    (packages/ltx-trainer/src/ltx_trainer/training_strategies/base_strategy.py,
+    _get_video_positions): ltx-core's VideoLatentPatchifier(patch_size=1).get_patch_grid_bounds
+    (each latent cell's [start, end) per axis, in (frame, height, width) order), get_pixel_coords
+    with causal_fix (times the VAE's scale factors, then the time axis shifted by 1 - time scale and
+    clamped at 0), the time axis divided by fps. video_to_video.py concatenates the reference's and
+    the target's; a reference of the target's size keeps its positions."""
+    grid = torch.meshgrid(
+        torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij"
+    )
+    starts = torch.stack(grid)
+    bounds = torch.stack((starts, starts + 1), dim=-1).reshape(3, -1, 2)[None]
+    pixels = (bounds * torch.tensor(scale).view(1, 3, 1, 1)).float()
+    pixels[:, 0] = (pixels[:, 0] + 1 - scale[0]).clamp(min=0)
+    pixels[:, 0] = pixels[:, 0] / fps
+    return pixels
+
+
+@pytest.fixture(scope="module")
+def ic_adapter(ltx2_models):
+    adapter = load_adapter(
+        ModelConfig(family="ltx2", type="ic", path=str(ltx2_models("2.0")), dtype="fp32"),
+        torch.device("cpu"),
+    )
+    return adapter, adapter.load_transformer().eval()
+
+
+def test_reference_tokens_are_clean_at_timestep_0_at_ltx_trainers_positions_outside_the_loss(
+    ic_adapter,
+):
+    """One training forward of two clips: the transformer sees the clip's noised tokens, then the
+    control's normalised means unchanged, with timestep 1000 s and 0, at ltx-trainer's positions;
+    the loss is the clip's tokens' alone, each computed from the keyed draws (s, the audio's s, the
+    noise) as ltx-trainer's formula."""
+    adapter, transformer = ic_adapter
+    assert adapter.takes_control
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 8, 2, 4, 4)
+    batch = {
+        "latent_mean": torch.randn(shape, generator=gen),
+        "latent_logvar": torch.full(shape, -4.0),
+        "control_latent_mean": torch.randn(shape, generator=gen),
+        "control_latent_logvar": torch.full(shape, -4.0),
+        "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen),
+    }
+    seen = {}
+
+    def record(module, args, kwargs, output):
+        seen.update(kwargs, output=output[0])
+
+    hook = transformer.register_forward_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            losses = adapter.train_loss(
+                transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)]
+            )
+    finally:
+        hook.remove()
+    pack = lambda x: adapter._pack(adapter._normalise(x))  # noqa: E731
+    x0, reference = pack(batch["latent_mean"]), pack(batch["control_latent_mean"])
+    tokens = x0.shape[1]
+    assert seen["hidden_states"].shape == (2, 2 * tokens, 8)
+    assert torch.equal(seen["hidden_states"][:, tokens:], reference)  # not noised
+    draws = [data.keyed_generator(0, 1, i) for i in range(2)]
+    sigmas = torch.stack([shifted_logit_normal(tokens, g) for g in draws])
+    # the audio's s, drawn though the batch has no sound
+    [shifted_logit_normal(1, g) for g in draws]
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws])
+    s = sigmas.view(-1, 1, 1)
+    torch.testing.assert_close(
+        seen["hidden_states"][:, :tokens], (1 - s) * x0 + s * noise, rtol=0, atol=1e-6
+    )
+    assert torch.equal(seen["timestep"][:, tokens:], torch.zeros(2, tokens))
+    assert torch.equal(seen["timestep"][:, :tokens], (1000 * sigmas)[:, None].expand(2, tokens))
+    position = ltx_trainer_positions(
+        2,
+        4,
+        4,
+        (adapter.temporal_ratio, adapter.spatial_ratio, adapter.spatial_ratio),
+        adapter.frame_rate,
+    )
+    torch.testing.assert_close(
+        seen["video_coords"],
+        torch.cat([position, position], dim=2).expand(2, -1, -1, -1),
+        rtol=0,
+        atol=1e-6,
+    )
+    # ltx-trainer's VideoToVideoStrategy.compute_loss: the prediction's target tokens against noise
+    # - x0 (no first frame conditioned: every target token in the mask), the reference's left out.
+    expected = (
+        (seen["output"].float().view(2, -1, 8)[:, :tokens] - (noise - x0)).pow(2).mean(dim=(1, 2))
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=0)
+    with_reference = (
+        seen["output"].float().view(2, -1, 8) - torch.cat([noise - x0, reference * 0], 1)
+    ).pow(2)
+    assert not torch.allclose(losses, with_reference.mean(dim=(1, 2)))
+
+
+def test_in_context_is_ltx2s(tiny_models, write_config):
+    """model.type = "ic" on another family names the key; its condition is a control video, not an
+    image (validation.images is refused as for text-to-video)."""
+    with pytest.raises(
+        ConfigError,
+        match='model.type = "ic" trains a model in context with a control clip, which '
+        "vidtrain does for LTX-2",
+    ):
+        load_adapter(ModelConfig(type="ic", path=str(tiny_models("2b"))), torch.device("cpu"))
+    images = {"model.type": "ic", "validation.prompts": ["x"], "validation.images": ["x.png"]}
+    with pytest.raises(ConfigError, match="validation.images conditions image-to-video models"):
+        load_config(str(write_config("ic", **images)))
+
+
+@pytest.fixture(scope="module")
+def ic_data(tmp_path_factory):
+    """Four clips with their edge maps as control videos (two train, two held out)."""
+    path = tmp_path_factory.mktemp("ic_data") / "shapes"
+    make_synthetic_dataset(
+        str(path), num_videos=4, frames=17, height=40, width=48, seed=0, control=True
+    )
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(
+    ltx2_models, base_settings, ic_data, tmp_path
+):
+    """Two IC-LoRA steps on clips with control videos; our loop with the control as its reference
+    renders what LTX2InContextPipeline renders with it as an LTX2ReferenceCondition, within 1e-4 in
+    fp32, with the base model and with our exported LoRA loaded by load_lora_weights (the pipelines'
+    guidance terms on). The pipeline's transformer takes ltx-core's audio-video cross-attention
+    modulation, as ours (the reference's tokens at their own timestep 0, as I2V's image tokens:
+    test_ltx2_training)."""
+    control = ic_data / "controls" / "00000.mp4"
+    settings = ltx2_settings(
+        "2.0",
+        ltx2_models,
+        base_settings,
+        ic_data,
+        tmp_path / "lora",
+        **{
+            "model.type": "ic",
+            "data.control_column": "controls.txt",
+            "validation.control_videos": [str(control)],
+            **{f"validation.{k}": v for k, v in PIPELINE_GUIDANCE.items()},
+        },
+    )
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+    pipe = LTX2InContextPipeline.from_pretrained(str(ltx2_models("2.0")))
+    pipe.set_progress_bar_config(disable=True)
+    with one_rank_group() as d, ltx_core_cross_modulation(pipe.transformer):
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        frames = renderer.controls[0]
+        assert frames.shape == (9, 32, 32, 3)
+        reference = LTX2ReferenceCondition(
+            frames=[Image.fromarray(frame) for frame in frames.numpy()]
+        )
+        rendered = []
+        for source in (None, lora_file):
+            model = validate.load_model(
+                cfg, adapter, d, None, str(source) if source else None
+            ).eval()
+            ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
+            if source:
+                pipe.load_lora_weights(str(source))
+            theirs = (
+                pipe(
+                    prompt=PROMPTS[0],
+                    negative_prompt=cfg.validation.negative_prompt,
+                    reference_conditions=[reference],
+                    num_frames=9,
+                    height=32,
+                    width=32,
+                    num_inference_steps=cfg.validation.num_inference_steps,
+                    **pipeline_guidance(cfg.validation),
+                    generator=data.keyed_generator(cfg.validation.seed, 0),
+                    output_type="pt",
+                )
+                .frames[0]
+                .permute(0, 2, 3, 1)
+            )
+            assert ours.shape == theirs.shape == (9, 32, 32, 3)
+            assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
+            rendered.append(ours)
+        assert (rendered[0] - rendered[1]).abs().max() > 1e-3  # the LoRA shows
+
+
+def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_fit(
+    ltx2_models, ic_data, tmp_path
+):
+    """A control video is read at the clip's rate from its first frame, resized to cover and
+    centre-cropped; TensorBoard's val/clip_i is the control and the clip side by side, the mp4 the
+    clip alone. An in-context model without control videos, or control videos for another model, are
+    named before anything renders."""
+    control = tmp_path / "ramp.mp4"
+    # another size and aspect, 24 fps: the frame at k / 8 s shows 10 + 12k
+    ramp_video(control, 33, 80, 60, 24, 4)
+    frames = validate.load_control(str(control), [9, 32, 32], 8.0)
+    assert frames.shape == (9, 32, 32, 3) and picked_frames(frames) == list(range(9))
+    # Covered (43 x 32) and centre-cropped: the white corner's 11 rows lose their top 5.
+    assert frames[:, :5, :7].float().mean() > 240 and frames[:, 7:, :7].float().mean() < 220
+    with pytest.raises(
+        ConfigError,
+        match=r"validation control video .*ramp.mp4 has 11 frames at 8 fps, and the "
+        r"clips have 17: fix validation.control_videos or --control",
+    ):
+        validate.load_control(str(control), [17, 32, 32], 8.0)
+    adapter = load_adapter(
+        ModelConfig(family="ltx2", type="ic", path=str(ltx2_models("2.0")), dtype="fp32"),
+        torch.device("cpu"),
+    )
+    cfg = ValidationConfig(prompts=PROMPTS, num_inference_steps=2, gen_fps=24, guidance_scale=1.0)
+    with one_rank_group() as d:
+        with pytest.raises(
+            ConfigError,
+            match=r"follows a control video \(model.type = \"ic\"\): each validation "
+            r"prompt renders from one; set validation.control_videos",
+        ):
+            validate.ClipRenderer(
+                adapter, cfg, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
+            )
+        videos = dataclasses.replace(cfg, control_videos=[str(ic_data / "controls" / "00000.mp4")])
+        plain = load_adapter(
+            ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"),
+            torch.device("cpu"),
+        )
+        with pytest.raises(
+            ConfigError,
+            match=r"validation.control_videos conditions control models, and .* is not "
+            r"one here: remove them \(and --control\)",
+        ):
+            validate.ClipRenderer(
+                plain, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
+            )
+        renderer = validate.ClipRenderer(
+            adapter, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
+        )
+        clip = torch.full((9, 32, 32, 3), 7, dtype=torch.uint8)
+        renderer.render = lambda model, autocast: [clip]
+        shown = {}
+
+        class Metrics:
+            def clip(self, step, tag, frames, fps):
+                shown[tag] = frames
+
+            def text(self, step, tag, text):
+                shown[tag] = text
+
+        renderer.run(None, 3, Metrics(), contextlib.nullcontext())
+    assert torch.equal(shown["val/clip_0"], torch.cat([renderer.controls[0], clip], dim=2))
+    assert shown["val/prompt_0"] == PROMPTS[0]
+    written = decode_mp4(tmp_path / "validation_res" / "step_3_prompt_0.mp4")[0]
+    # H.264's rounding
+    assert written.shape == clip.shape and (written.float() - 7).abs().max() <= 2
+
+
+@pytest.mark.slow
+def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
+    """2 FSDP ranks training IC-LoRA with validation: SIGKILL after step 3, the next launch resumes
+    from step 2 and ends bitwise equal to the run never stopped, clips included; TensorBoard shows
+    each clip beside its control; the export loads in LTX2InContextPipeline and computes, reference
+    appended, what our model computes, and so does its ComfyUI file through the pipeline's loader,
+    every key converted back."""
+    lifecycle = {
+        "model.type": "ic",
+        "data.control_column": "controls.txt",
+        "parallel.strategy": "fsdp",
+        "train.batch_size": 1,
+        "train.steps": 4,
+        "checkpoint.checkpointing_steps": 2,
+        "validation.do_validation": True,
+        "validation.validation_steps": 2,
+        "validation.save_frames": True,
+        "validation.control_videos": [str(ic_data / "controls" / "00000.mp4")],
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            ltx2_settings("2.0", ltx2_models, base_settings, ic_data, tmp_path / name, **lifecycle),
+        )
+        for name in ("reference", "killed")
+    }
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert (
+        run_cmd(
+            ["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}
+        ).returncode
+        != 0
+    )
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 2 ({tmp_path / 'killed' / 'checkpoint-2'})" in resumed.stderr
+    losses = train_losses(tmp_path / "reference")
+    assert sorted(losses) == [1, 2, 3, 4] and train_losses(tmp_path / "killed") == losses
+    lora_file = tmp_path / "reference" / "lora" / "pytorch_lora_weights.safetensors"
+    ours, theirs = (
+        load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors")
+        for name in ("killed", "reference")
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_4_prompt_0.safetensors"
+    frames = load_file(tmp_path / "reference" / clip)["frames"]
+    assert frames.shape == (9, 32, 32, 3) and torch.equal(
+        load_file(tmp_path / "killed" / clip)["frames"], frames
+    )
+    cfg = load_config(str(configs["reference"]))
+    control = validate.load_control(cfg.validation.control_videos[0], [9, 32, 32], 24.0)
+    events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
+    events.Reload()
+    shown = events.Images("val/clip_0")
+    assert [c.step for c in shown] == [0, 2, 4]
+    with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
+        first = torch.from_numpy(np.array(gif.convert("RGB"))).float()
+    assert first.shape == (32, 64, 3)
+    # The GIF's 256-colour palette rounds the noisy tiny-model clip by a few levels.
+    assert (first[:, :32] - control[0].float()).abs().mean() < 4 and (
+        first[:, 32:] - frames[0].float()
+    ).abs().mean() < 10
+    assert (first[:, 32:] - control[0].float()).abs().mean() > 40
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = validate.load_model(cfg, adapter, d, None, str(lora_file)).eval()
+    pipe = LTX2InContextPipeline.from_pretrained(str(ltx2_models("2.0")))
+    pipe.load_lora_weights(str(lora_file))
+    expected = in_context_output(model, adapter)
+    torch.testing.assert_close(
+        in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5
+    )
+    comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
+    converted = _convert_non_diffusers_ltx2_lora_to_diffusers(load_file(comfy_file))
+    assert converted.keys() == load_file(lora_file).keys()  # no key lost
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(str(comfy_file))
+    torch.testing.assert_close(
+        in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5
+    )
+
+
+def in_context_output(transformer, adapter):
+    """Both streams' velocities of a clip with a reference appended (per-token timesteps, 0 on the
+    reference)."""
+    gen = torch.Generator().manual_seed(0)
+    c = adapter.transformer_config
+    video = torch.randn(2, 2 * 2 * 4 * 4, c["in_channels"], generator=gen)
+    audio = torch.randn(2, 9, c["audio_in_channels"], generator=gen)
+    embeds = torch.randn(2, TEXT_LENGTH, 32, generator=gen)
+    t = torch.tensor([10.0, 900.0])
+    video_t = torch.cat([t[:, None].expand(2, 32), torch.zeros(2, 32)], dim=1)
+    with torch.no_grad():
+        return torch.cat(
+            [
+                x.flatten(1)
+                for x in adapter._predict(
+                    transformer, video, audio, video_t, t, t, embeds, (2, 4, 4), 9, reference=True
+                )
+            ],
+            1,
+        )
