@@ -21,9 +21,11 @@ warm-up steps (which include the compile). Each configuration runs in a fresh pr
     5b-compile  5B LoRA, checkpointing, train.compile
     5b-no-ckpt  5B LoRA without checkpointing (running out of memory is reported as a result)
     5b-cudnn    5B LoRA, checkpointing, train.attention_backend = "cudnn" (5b-lora runs SDPA's
-    5b-efficient  own choice, FlashAttention-2 on H100/H200; these print their time as a ratio to it)
+    5b-efficient  own choice, FlashAttention-2 on H100/H200; these print their time as a ratio
+                  to it)
     sampling    5B, one guided sampling step (CFG batch 2, DPM): validate.sample_latents with fused
-                QKV against CogVideoXPipeline(output_type="latent"), same weights, embeddings and seed
+                QKV against CogVideoXPipeline(output_type="latent"), same weights, embeddings and
+                seed
     14b-resident  Wan 2.1 T2V 14B LoRA r32 (configs/wan-t2v-14b.toml) at 81x480x832, one process,
                   every block resident (an 80 GB card)
     14b-one-gpu   the same with parallel.cpu_offload (offload_blocks = 0: every block streamed from
