@@ -124,9 +124,9 @@ def staging_copy() -> DefaultStager:
 
     What an async save copies this rank's state into before training continues: DCP's stager keeps
     one CPU copy per source tensor (storage) and refills it at every save, where a fresh stager
-    would allocate the whole state again each time (28 GB per rank for Wan 14B sft with EMA); pinned
-    on GPUs, so the device-to-host copy runs at full speed. Refilling is safe: each save waits for
-    the previous write before it stages."""
+    would allocate the whole state again each time (docs/checkpoints.md gives its size for Wan 14B
+    sft with EMA); pinned on GPUs, so the device-to-host copy runs at full speed. Refilling is safe:
+    each save waits for the previous write before it stages."""
     on_gpu = torch.cuda.is_available()
     return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=on_gpu))
@@ -151,10 +151,10 @@ class Checkpointer:
         The tensors to save or fill: model and optimizer through DCP's FQN-keyed helpers, the rest
         through state_dict(). Saves (`reuse`) keep the helpers' output, which aliases the live
         tensors (parameters, FSDP shards, AdamW's state: all updated in place), rather than map
-        every module's names again (~25 ms on the tiny model); a replaced tensor (the optimizer's
-        first step, a resume), swapped storage (.data, FSDP's reset_sharded_param) or changed
-        requires_grad rebuilds it. The kept tensors stay alive, so no other tensor can take one of
-        their ids."""
+        every module's names again at every save (BENCHMARKS.md, "Checkpoints", has the cost); a
+        replaced tensor (the optimizer's first step, a resume), swapped storage (.data, FSDP's
+        reset_sharded_param) or changed requires_grad rebuilds it. The kept tensors stay alive, so
+        no other tensor can take one of their ids."""
         model, optimizer = objects["model"], objects["optimizer"]
         tensors = [*model.parameters(), *model.buffers(),
                    *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]

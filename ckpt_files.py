@@ -115,7 +115,7 @@ class FailingWriter(HashingWriter):
         raise OSError(28, "No space left on device (injected save_fail)")
 
 
-@functools.cache  # once per process: each version() parses a package's METADATA file (~2 ms)
+@functools.cache  # once per process: each version() parses a package's METADATA file
 def library_versions() -> dict[str, str]:
     return {p: version(p) for p in ("torch", "diffusers", "transformers")}
 

@@ -3,9 +3,9 @@
 FFmpeg and PyAV are C: a file that trips a bug in them (PyAV 18.1 segfaulted reading planar 7.1
 frames) kills the process that decodes it. Decoded in a child, such a crash becomes the clip's
 bad-input message, naming the signal, and the run goes on with a new child. Each decode-pool thread
-borrows an idle child (Python with PyAV and numpy, no torch: started once per thread, ~0.75 s) and
-gets the samples back over a pipe. Measured on 2 busy cores: 3 s of 7.1 AAC at 48 kHz (a 2 s window
-and its margins, 3 MB of float) take ~30 ms to decode in process and 5-12 ms more through a child.
+borrows an idle child (Python with PyAV and numpy, no torch: started once per thread) and gets the
+samples back over a pipe; the child's cost is small beside the decoding itself (BENCHMARKS.md,
+"Sound decoding in a child process").
 
 Frames are placed by their own timestamps, in the stream's time base (a converter's output stamps
 count samples instead); a frame within a timestamp tick of where the previous one ended follows it

@@ -53,8 +53,8 @@ peak = 989 TFLOPS, H100/H200 SXM dense bf16 (--peak-tflops for another chip). Pe
 torch.cuda.max_memory_allocated over the timed steps, weights and optimizer state included.
 
 --smoke runs the same code on the CPU with 2-layer, 2-head versions of the models at 9x64x64 for one
-step: it checks that the code runs; its figures mean nothing. 14b-one-gpu needs the keys of issue 19
-(parallel.offload_blocks, model.storage_dtype, train.activation_offload) in config.py.
+step: it checks that the code runs; its figures mean nothing. 14b-one-gpu sets
+parallel.offload_blocks, model.storage_dtype and train.activation_offload.
 """
 
 import argparse
@@ -96,7 +96,7 @@ CONFIGS = {  # name: (arch, train settings)
 }
 # Wan 2.1 14B LoRA (configs/wan-t2v-14b.toml) on one process, as the trainer builds it from a
 # folder: every block resident, and every block streamed from pinned host memory with its linear
-# weights stored in fp8 and the checkpointed block inputs in host memory (issue 19's keys).
+# weights stored in fp8 and the checkpointed block inputs in host memory.
 ONE_GPU = {
     "14b-resident": {"parallel.strategy": "ddp"},
     "14b-one-gpu": {"parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 0,

@@ -313,8 +313,8 @@ def test_resume_on_other_data_is_refused(references):
     """A resume on other clips is refused, naming what changed.
 
     meta.json holds the training clips' identity (every resume above checks it and passes); a
-    checkpoint whose sampler state would index other clips is refused, naming what changed (resuming
-    with data.held_out = 6 here used to end in an IndexError)."""
+    checkpoint whose sampler state would index other clips is refused, naming what changed (without
+    the check, resuming with data.held_out = 6 here would end in an IndexError)."""
     path = references["one"] / f"checkpoint-{STEPS}"
     meta = json.loads((path / "meta.json").read_text())
     assert meta["data"]["clips_per_bucket"] == {"[9, 32, 32]": 20}

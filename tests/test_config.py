@@ -67,7 +67,7 @@ def test_mistakes_name_the_key(args, message):
 def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
     """Values that would train nothing or crash late are refused by the config check.
 
-    Issue 25 items 14-16: each of these used to pass the config check, then export an all-zero LoRA,
+    Without their checks, each of these would pass the config check, then export an all-zero LoRA,
     crash after the cache pass, or (resume) be named only as a checkpoint without meta.json."""
     with pytest.raises(ConfigError) as error:
         load_config(None, REQUIRED + args)

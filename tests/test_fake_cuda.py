@@ -13,7 +13,7 @@ a CUDA mesh over a fake process group.
 Two things a CPU-only build lacks. A CUDA device guard: indexing, autocast's cast cache and autograd
 ask it for the device or stream of a CUDA tensor, and FakeTensorMode's no-op guard only replaces an
 existing one; the fixture below compiles c10's own NoOpDeviceGuardImpl for CUDA into a 2-line
-library (g++, ~3 s) and loads it. And CUDA's accelerator hooks, which the autograd engine needs to
+library (g++) and loads it. And CUDA's accelerator hooks, which the autograd engine needs to
 run a backward over CUDA tensors: there is no backward here (the forward builds the autograd graph).
 torch.autocast("cuda") turns itself off without a GPU: CUDA's policy is switched on below it, with
 torch.set_autocast_enabled."""

@@ -155,8 +155,8 @@ def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(bas
     loss falls on the fp8 base as on the model.dtype one. The export holds the same keys as that
     run's, and diffusers' pipeline loads it (load_lora_weights) into the original model, where it
     computes what our model computes with it. In fp32 (the session's cache), where the tiny model
-    steps 40x faster than in bf16 on these CPUs: fp8 storage upcasts to model.dtype, whichever it
-    is, and the test above holds its output to bf16's."""
+    steps far faster than in bf16 on CPUs (docs/testing.md): fp8 storage upcasts to model.dtype,
+    whichever it is, and the test above holds its output to bf16's."""
     settings = {**base_settings, "train.steps": 20, "train.learning_rate": 3e-3, "train.gradient_checkpointing": True, "train.ema_decay": 0.9,
                 "parallel.strategy": "fsdp", "lora.rank": 8, "lora.lora_alpha": 4, "checkpoint.checkpointing_steps": 20,
                 "validation.validation_steps": 20, "validation.prompts": ["a red ball"],

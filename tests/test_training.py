@@ -84,12 +84,11 @@ def test_compile_trains_as_eager(write_config, tmp_path):
     """train.compile computes eager's steps, with two graphs per block.
 
     train.compile (inductor, each block, inside activation checkpointing) computes eager's 4 steps:
-    losses and weights within rtol 1e-4 (measured: 2e-8 apart), with validation on. Validation runs
-    eagerly, so the blocks' compiled variants are training's alone: 2 graphs (the first block's
-    input needs no gradient, the others' does), none for a no-grad call (with validation compiled,
-    the first validation alone made 4 of dynamo's default 8). A second bucket adds the same two with
-    dynamic sizes (docs/distributed.md). The compile costs about 50 s on 2 cores when inductor's
-    on-disk cache is cold, about 8 s from it."""
+    losses and weights within rtol 1e-4, with validation on. Validation runs eagerly, so the blocks'
+    compiled variants are training's alone: 2 graphs (the first block's input needs no gradient, the
+    others' does), none for a no-grad call (with validation compiled, the first validation alone
+    made 4 of dynamo's default 8). A second bucket adds the same two with dynamic sizes
+    (docs/distributed.md). docs/testing.md has the compile's cost."""
     settings = {"train.steps": 4, "checkpoint.checkpointing_steps": 4, "validation.do_validation": False}
     run_ok(["--cfg", str(write_config("eager", **settings))])
     compiled = run_ok(["--cfg", str(write_config("compiled", **{
