@@ -1,7 +1,7 @@
 """Activation offload (train.activation_offload): checkpointed block inputs wait in host memory.
 
-Activation offload (train.activation_offload): the block inputs that activation checkpointing keeps
-for the backward wait in host memory instead of on the device.
+The block inputs that activation checkpointing keeps for the backward wait there instead of on the
+device.
 
 Non-reentrant checkpointing (torch.utils.checkpoint with use_reentrant=False, what diffusers' blocks
 use) keeps a block's tensor inputs through one autograd node whose saved tensors go through the

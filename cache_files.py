@@ -1,8 +1,8 @@
 """The cache's entries on disk: names, atomic writes, reads and the read-ahead.
 
-The cache's entries on disk: where each one lives (named by a hash of what produced it), writing one
-atomically, reading a micro-batch's entries, and the read-ahead that brings the next micro-batch in
-while the current one computes. cache.py runs the pass that writes them; the trainer only reads.
+Where each entry lives (named by a hash of what produced it), writing one atomically, reading a
+micro-batch's entries, and the read-ahead that brings the next micro-batch in while the current one
+computes. cache.py runs the pass that writes them; the trainer only reads.
 
 Four kinds of entry, one safetensors file each, named by a hash of what produced it:
 - video: the VAE posterior (mean, log-variance) of a clip, keyed by the clip's content, its

@@ -72,8 +72,8 @@ log = logging.getLogger("vidtrain")
 def run_identity(cfg, adapter) -> dict:
     """What a checkpoint must match to be resumed.
 
-    What a checkpoint must match to be resumed: the model's architecture, its base weights (a resume
-    on others is refused), their precision (a change is named) and what is trained."""
+    The model's architecture, its base weights (a resume on others is refused), their precision (a
+    change is named) and what is trained."""
     config = {k: v for k, v in adapter.transformer_config.items() if not k.startswith("_")}
     identity = {
         "family": cfg.model.family,

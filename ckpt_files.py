@@ -1,11 +1,9 @@
 """A checkpoint folder's files: the hashing writer, meta.json, the checks before a load.
 
-A checkpoint folder's files: DCP's writer that hashes every file as it writes it, meta.json (the
-step, what was trained on what, and each file's size and sha256), and the checks a checkpoint passes
-before it is loaded: its meta.json, its model, base weights and data, and the bytes of the files
-this rank reads; the shapes a config builds against a checkpoint's; the lock an export holds against
-rotation.
-"""
+DCP's writer that hashes every file as it writes it, meta.json (the step, what was trained on what,
+and each file's size and sha256), and the checks a checkpoint passes before it is loaded: its
+meta.json, its model, base weights and data, and the bytes of the files this rank reads; the shapes
+a config builds against a checkpoint's; the lock an export holds against rotation."""
 
 import contextlib
 import errno
@@ -137,8 +135,7 @@ def sha256_of(path: Path) -> str:
 def checkpoint_folders(output_dir: Path) -> list[Path]:
     """Every checkpoint-<int>/ folder, oldest first, complete or not.
 
-    Every checkpoint-<int>/ folder, oldest first, complete or not; anything else in the folder
-    (foreign files, .tmp, best.pt) is ignored."""
+    Anything else in the folder (foreign files, .tmp, best.pt) is ignored."""
     found = []
     for path in output_dir.glob("checkpoint-*"):
         match = CHECKPOINT_NAME.fullmatch(path.name)

@@ -1,9 +1,7 @@
 """Every command's frame: config, process group, run lock, one failure report, exit code, teardown.
 
-Every command's frame: the config, the process group and the run lock around the work, one report of
-any failure across the ranks, the exit code (0, 1 after a failure, 130 after Ctrl-C), and teardown
-on every path.
-"""
+The config, the process group and the run lock around the work, one report of any failure across the
+ranks, the exit code (0, 1 after a failure, 130 after Ctrl-C), and teardown on every path."""
 
 import contextlib
 import datetime

@@ -1,8 +1,8 @@
 """The final export: the trained weights in the layouts diffusers, PEFT and ComfyUI load.
 
-The final export: the trained weights (and EMA's beside them) as diffusers and PEFT load them, a
-LoRA also in ComfyUI's layout where the family has one, or the whole transformer for sft. Written
-at the end of training (trainer.py) and by `python ckpt.py export` for any checkpoint."""
+The trained weights (and EMA's beside them) as diffusers and PEFT load them, a LoRA also in
+ComfyUI's layout where the family has one, or the whole transformer for sft. Written at the end of
+training (trainer.py) and by `python ckpt.py export` for any checkpoint."""
 
 import logging
 from pathlib import Path
@@ -32,8 +32,7 @@ def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: st
 def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d, name: str):
     """Gather only the exported weights to rank 0 and write them.
 
-    Gather only the exported weights to rank 0 and write them: the LoRA in diffusers' and PEFT's
-    layouts, or the full transformer with save_pretrained."""
+    The LoRA in diffusers' and PEFT's layouts, or the full transformer with save_pretrained."""
     state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
     if not d.is_main:
         return

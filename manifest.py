@@ -1,9 +1,9 @@
 """The manifest: the cache's index of every clip's header and every file's content hash.
 
-The manifest: one index in the cache folder of what every clip's header said and what every file's
-bytes hash to, each against the file's size and mtime. A restart re-reads only the files that
-changed; a clip whose file is gone keeps its entry, so with a complete cache it still trains; models
-and clips are known by content, so a per-node copy of either matches the cache its twin filled."""
+One index in the cache folder of what every clip's header said and what every file's bytes hash to,
+each against the file's size and mtime. A restart re-reads only the files that changed; a clip whose
+file is gone keeps its entry, so with a complete cache it still trains; models and clips are known
+by content, so a per-node copy of either matches the cache its twin filled."""
 
 import hashlib
 import json

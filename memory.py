@@ -1,7 +1,7 @@
 """Memory measurements: each phase's peak and the state a rank holds, read on the host only.
 
-Memory measurements: the peak of each phase (training between log steps, a validation) and the
-state a rank holds; host-side reads only, no device synchronisation."""
+The peak of each phase (training between log steps, a validation) and the state a rank holds;
+host-side reads only, no device synchronisation."""
 
 import contextlib
 import ctypes

@@ -1,7 +1,6 @@
 """The transformer's safetensors weights, read one tensor (or one rank's rows of one) at a time.
 
-The transformer's safetensors weights, read one tensor (or one rank's rows of one) at a time: a
-diffusers folder's files (Weights), or model.transformer_file's single files (SingleFile) in the
+A diffusers folder's files (Weights), or model.transformer_file's single files (SingleFile) in the
 layout ComfyUI and the original releases use, in bf16, fp16, fp32, plain float8 casts or ComfyUI's
 scaled fp8.
 

@@ -82,10 +82,9 @@ class TrainState:
 def cogvideox_5b_lora(rank: int) -> nn.Module:
     """The trainable part of CogVideoX-5B with LoRA on the default targets.
 
-    The trainable part of CogVideoX-5B with LoRA on the default targets: 42 blocks, each with to_q,
-    to_k, to_v and to_out.0 mapping its 3072 channels (48 heads x 64) to 3072, each with lora_A
-    [rank, 3072] and lora_B [3072, rank], under the transformer's own names. At rank 128:
-    42 x 4 x 2 x 128 x 3072 = 132,120,576 parameters."""
+    42 blocks, each with to_q, to_k, to_v and to_out.0 mapping its 3072 channels (48 heads x 64) to
+    3072, each with lora_A [rank, 3072] and lora_B [3072, rank], under the transformer's own names.
+    At rank 128: 42 x 4 x 2 x 128 x 3072 = 132,120,576 parameters."""
     def lora_pair():
         return nn.ModuleDict({"lora_A": nn.Linear(3072, rank, bias=False), "lora_B": nn.Linear(rank, 3072, bias=False)})
 

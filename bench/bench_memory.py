@@ -133,9 +133,8 @@ def shapes(cfg, adapter, sp: int) -> dict:
 def text_width(c: dict) -> int:
     """The cached text embeddings' width.
 
-    The cached text embeddings' width: T5's, or LTX-2's video and audio streams' side by side (2.0's
-    connectors give caption_channels each, 2.3's each stream's own width; families/ltx2.py
-    encode_text)."""
+    T5's, or LTX-2's video and audio streams' side by side (2.0's connectors give caption_channels
+    each, 2.3's each stream's own width; families/ltx2.py encode_text)."""
     if "caption_channels" not in c:
         return c.get("text_embed_dim") or c["text_dim"]
     if c["use_prompt_embeddings"]:
@@ -454,8 +453,8 @@ def other_phases(cfg, family, adapter) -> dict:
 def text_pass(adapter, text_modules: list, prompts: int) -> int:
     """The peak of encoding `prompts` prompts of text_length tokens.
 
-    The peak of encoding `prompts` prompts of text_length tokens: the text encoder's forward, or for
-    a text path with connectors (LTX-2) the adapter's own encode_text."""
+    The text encoder's forward, or for a text path with connectors (LTX-2) the adapter's own
+    encode_text."""
     ids = torch.zeros(prompts, adapter.text_length, dtype=torch.long)
     mask = torch.ones_like(ids)
     if len(text_modules) == 1:

@@ -1,7 +1,6 @@
 """Sequence parallelism: the trainer's step on 2 ranks with parallel.sp_size = 2 against 1 rank.
 
-Sequence parallelism: the trainer's step on 2 ranks with parallel.sp_size = 2 against 1 rank, on a
-sequence long enough for attention to dominate.
+On a sequence long enough for attention to dominate.
 
     python bench/bench_sp.py [--resolution 49 128 128] [--steps 20] [--repeats 3]
 

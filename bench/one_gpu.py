@@ -1,7 +1,7 @@
 """One GPU: which settings of block streaming, fp8 storage and activation offload fit a card.
 
-One GPU: which settings of block streaming, fp8 storage and activation offload fit a card, added up
-from bench_memory's parts (bytes) of one process. bench_memory.py --fit GB prints what this finds.
+Added up from bench_memory's parts (bytes) of one process. bench_memory.py --fit GB prints what this
+finds.
 
 A setting: the frozen weights in bf16 (model.dtype) or fp8 (model.storage_dtype: 1 byte per frozen
 block-linear weight plus a scale per output row in model.dtype; norms, biases, embeddings and the

@@ -153,8 +153,8 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
 def meta_transformer(cls, config: dict, dtype: torch.dtype):
     """The transformer as from_pretrained(dtype=...) loads it, on the meta device.
 
-    The transformer as from_pretrained(dtype=...) loads it, on the meta device: parameters in dtype
-    but the class's keep-in-fp32 modules; buffers in the dtype they are made in."""
+    Parameters in dtype but the class's keep-in-fp32 modules; buffers in the dtype they are made in.
+    """
     with torch.device("meta"):
         transformer = cls.from_config(config)
     for name, p in transformer.named_parameters():

@@ -1,8 +1,7 @@
 """Real-world video and a cache for many clips.
 
-Real-world video and a cache for many clips: containers and orientations as phones and the web
-make them, aspect-aware buckets, images as one-frame clips, entries that survive recaptioning and
-per-node copies, the manifest."""
+Containers and orientations as phones and the web make them, aspect-aware buckets, images as
+one-frame clips, entries that survive recaptioning and per-node copies, the manifest."""
 
 import gc
 import json
@@ -298,8 +297,8 @@ def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, 
 def test_two_ranks_print_each_warning_once(tiny_data, write_config, tmp_path):
     """A 2-rank cache pass prints every warning once, from rank 0.
 
-    A 2-rank cache pass prints every warning once, from rank 0: one every rank logs (a bucket too
-    small), and one only a rank's share sees (its prompts truncated: held, and printed by rank 0).
+    One every rank logs (a bucket too small), and one only a rank's share sees (its prompts
+    truncated: held, and printed by rank 0).
     """
     long = "a red square drifts left across an empty grey field for a long while, far past the tiny text length, clip {}"
     rows = [{"video": f"videos/{i:05d}.mp4", "prompt": long.format(i) if i % 2 else f"clip {i}"} for i in range(8)]

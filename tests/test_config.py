@@ -78,8 +78,8 @@ def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
 def test_max_grad_norm_zero_does_not_clip():
     """train.max_grad_norm = 0 means no clipping.
 
-    train.max_grad_norm = 0 means no clipping: the step is the unclipped one (clip_grad_norm_ with 0
-    scales every gradient to 0, and the LoRA stayed all zero)."""
+    The step is the unclipped one (clip_grad_norm_ with 0 scales every gradient to 0, and the LoRA
+    stayed all zero)."""
     cfg = load_config(None, REQUIRED + ["--train.max_grad_norm", "0"])
     updated = []
     for max_grad_norm in (0.0, math.inf):
