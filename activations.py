@@ -41,9 +41,8 @@ from torch.utils.checkpoint import checkpoint
 class _Kept:
     """One checkpointed block call's inputs, on the host or back on the device.
 
-    One checkpointed block call's inputs: host copies (or, for a tensor an earlier call copied, the
-    device tensor itself), the pooled buffers under them, and once sent back, their device copies.
-    """
+    Host copies (or, for a tensor an earlier call copied, the device tensor itself), the pooled
+    buffers under them, and once sent back, their device copies."""
 
     def __init__(self, previous: "_Kept | None"):
         self.host: list[torch.Tensor] = []

@@ -111,11 +111,10 @@ def _identity(tensor: torch.Tensor) -> tuple:
 def cached_planner() -> dcp.DefaultSavePlanner:
     """DCP's planner with a plan cache, reused by every save of one layout.
 
-    DCP's planner with its plan cache: every save of a run has the same layout, so after the first
-    one each rank sends an empty plan when its local plan matches the cached one and the coordinator
-    reuses the global plan and metadata (the data still comes from this save's tensors; another
-    layout is planned afresh). The cache is per process: sync and async saves of one layout share it
-    safely."""
+    Every save of a run has the same layout, so after the first one each rank sends an empty plan
+    when its local plan matches the cached one and the coordinator reuses the global plan and
+    metadata (the data still comes from this save's tensors; another layout is planned afresh). The
+    cache is per process: sync and async saves of one layout share it safely."""
     return dcp.DefaultSavePlanner(enable_plan_caching=True)
 
 
@@ -148,13 +147,13 @@ class Checkpointer:
     def _state(self, objects: dict, reuse: bool = False) -> dict:
         """The tensors to save or fill, kept between saves while they still alias the live ones.
 
-        The tensors to save or fill: model and optimizer through DCP's FQN-keyed helpers, the rest
-        through state_dict(). Saves (`reuse`) keep the helpers' output, which aliases the live
-        tensors (parameters, FSDP shards, AdamW's state: all updated in place), rather than map
-        every module's names again at every save (BENCHMARKS.md, "Checkpoints", has the cost); a
-        replaced tensor (the optimizer's first step, a resume), swapped storage (.data, FSDP's
-        reset_sharded_param) or changed requires_grad rebuilds it. The kept tensors stay alive, so
-        no other tensor can take one of their ids."""
+        Model and optimizer come through DCP's FQN-keyed helpers, the rest through state_dict().
+        Saves (`reuse`) keep the helpers' output, which aliases the live tensors (parameters, FSDP
+        shards, AdamW's state: all updated in place), rather than map every module's names again at
+        every save (BENCHMARKS.md, "Checkpoints", has the cost); a replaced tensor (the optimizer's
+        first step, a resume), swapped storage (.data, FSDP's reset_sharded_param) or changed
+        requires_grad rebuilds it. The kept tensors stay alive, so no other tensor can take one of
+        their ids."""
         model, optimizer = objects["model"], objects["optimizer"]
         tensors = [*model.parameters(), *model.buffers(),
                    *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
@@ -296,9 +295,8 @@ class Checkpointer:
     def resume(self, objects: dict) -> Path | None:
         """Load the newest checkpoint that checks out, falling back to older ones; return its path.
 
-        Load the newest checkpoint whose files check out into the live objects on every rank,
-        falling back to older ones; resharding is DCP's; return its path. A stop signal before the
-        check ends the run here."""
+        The checkpoint is loaded into the live objects on every rank; resharding is DCP's. A stop
+        signal before the check ends the run here."""
         parallel.stop_if_preempted(self.d, "before resuming, with nothing new to save")
         candidates = self._candidates()
         state, skipped = self._state(objects), []
@@ -385,13 +383,13 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
 def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
     """Accept a checkpoint's files as they are by rewriting its meta.json.
 
-    Accept a checkpoint's files as they are, for a checkpoint that fails its check and is wanted
-    anyway: rewrite its meta.json from the files now there (sizes, sha256) and the step its name
-    holds. Refused when a shard its .metadata names is missing, when this config builds other shapes
-    than .metadata records, or when a readable meta.json names another model or training (each would
-    fail the resume). A readable identity is kept, else this config's is written; the record of its
-    training clips is kept where the old meta.json still has one, else left out (None: not checked
-    on resume). Loading it then reads whatever its shards hold."""
+    For a checkpoint that fails its check and is wanted anyway: its meta.json is rewritten from the
+    files now there (sizes, sha256) and the step its name holds. Refused when a shard its .metadata
+    names is missing, when this config builds other shapes than .metadata records, or when a
+    readable meta.json names another model or training (each would fail the resume). A readable
+    identity is kept, else this config's is written; the record of its training clips is kept where
+    the old meta.json still has one, else left out (None: not checked on resume). Loading it then
+    reads whatever its shards hold."""
     path = Path(checkpoint)
     match = CHECKPOINT_NAME.fullmatch(path.name)
     if not match or not (path / ".metadata").is_file():

@@ -55,8 +55,7 @@ def write_failures_named(tmp: Path):
 class HashingStream:
     """A file being written, hashed as it is written.
 
-    A file being written, hashed as it is written (read back afterwards, a checkpoint of GBs would
-    cost a second pass over every byte)."""
+    Read back afterwards instead, a checkpoint of GBs would cost a second pass over every byte."""
 
     def __init__(self, file):
         self.file, self.sha256, self.size = file, hashlib.sha256(), 0
@@ -106,8 +105,7 @@ class HashingWriter(dcp.FileSystemWriter):
 class FailingWriter(HashingWriter):
     """A storage writer that fails like a full disk, for the save_fail fault point.
 
-    A storage writer whose writes fail like a full disk, for the save_fail fault point: DCP itself
-    then reports the failure on every rank."""
+    DCP itself then reports the failure on every rank."""
 
     def write_data(self, plan, planner):
         raise OSError(28, "No space left on device (injected save_fail)")
@@ -189,11 +187,11 @@ def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = Fals
 def base_identity(adapter) -> dict:
     """The transformer's weight files by content, cheaply: sizes, headers and sampled pieces.
 
-    The transformer's weight files (model.transformer_file's, or model.path's transformer folder's)
-    by content, cheaply, as the manifest knows clips: per file its size, its safetensors header
-    (names, dtypes, shapes, offsets) and BASE_SAMPLES pieces spread over its data. A whole-file hash
-    of a 14B model would cost minutes per launch; fine-tuned weights differ in every sampled piece.
-    The key holds no paths: a model moved elsewhere still resumes."""
+    The files are model.transformer_file's, or model.path's transformer folder's, known as the
+    manifest knows clips: per file its size, its safetensors header (names, dtypes, shapes, offsets)
+    and BASE_SAMPLES pieces spread over its data. A whole-file hash of a 14B model would cost
+    minutes per launch; fine-tuned weights differ in every sampled piece. The key holds no paths: a
+    model moved elsewhere still resumes."""
     if adapter.single_file is not None:
         files = adapter.single_file.files
     else:
@@ -249,11 +247,10 @@ def check_files(path: Path, names: list[str]) -> str | None:
 def check_reads(path: Path, state: dict, planner) -> str | None:
     """Check the files this rank's DCP load will read, and only those.
 
-    Check the files this rank's DCP load of `state` will read, and only those: DCP's .metadata (it
-    is unpickled to plan the reads), then the shards named by this rank's own load plan, made
-    locally. Every rank checks its share at the same time, outside any collective, so a checkpoint
-    of tens of GB is hashed in the time of one rank's share and no rank waits inside a collective's
-    timeout meanwhile."""
+    DCP's .metadata (it is unpickled to plan the reads), then the shards named by this rank's own
+    load plan of `state`, made locally. Every rank checks its share at the same time, outside any
+    collective, so a checkpoint of tens of GB is hashed in the time of one rank's share and no rank
+    waits inside a collective's timeout meanwhile."""
     problem = check_files(path, [".metadata"])
     if problem:
         return problem
@@ -274,8 +271,7 @@ def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) 
 def other_shapes(cfg, adapter, metadata) -> str | None:
     """How the trained weights .metadata records differ from what cfg builds, or None.
 
-    How the trained weights .metadata records differ from what cfg builds (names and shapes, from
-    the config on the meta device: no weight is read), or None."""
+    Names and shapes, from the config on the meta device: no weight is read."""
     with torch.device("meta"):
         skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
     if cfg.train.training_type == "lora":

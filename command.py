@@ -117,8 +117,8 @@ def run_lock(folder: str, d: parallel.Dist):
 def write_problem(folder: Path) -> str | None:
     """Why nothing can be written in `folder`, or None if a file can be made there.
 
-    Why nothing can be written in `folder` (made if missing): a read-only filesystem or permissions;
-    None if a file can be made there (and is removed again)."""
+    The folder is made if missing; the reason is a read-only filesystem or permissions. The test
+    file is removed again."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".vidtrain-writable-"):

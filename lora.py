@@ -115,9 +115,8 @@ def inject_lora(
 ) -> list[str]:
     """Replace every targeted nn.Linear by a LoRALinear, freeze the rest; return the names.
 
-    Replace every targeted nn.Linear by a LoRALinear, freeze everything else; return the sorted
-    names. The LoRA weights go to `device`, by default their base layer's (FSDP loading names the
-    real one while the base is still on the meta device)."""
+    The names come sorted. The LoRA weights go to `device`, by default their base layer's (FSDP
+    loading names the real one while the base is still on the meta device)."""
     if _lora_modules(model):
         raise ValueError("inject_lora: the model already has LoRA layers")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -206,9 +205,9 @@ def save_lora(
 ) -> None:
     """Write diffusers' pytorch_lora_weights.safetensors as the pipeline's save_lora_weights does.
 
-    Write diffusers' pytorch_lora_weights.safetensors: the tensors and header that
-    `CogVideoXPipeline.save_lora_weights(..., transformer_lora_adapter_metadata=config)` writes; a
-    Wan 2.2 A14B expert's file names its expert in the header too."""
+    The tensors and header that `CogVideoXPipeline.save_lora_weights(...,
+    transformer_lora_adapter_metadata=config)` writes; a Wan 2.2 A14B expert's file names its expert
+    in the header too."""
     config = _adapter_config(rank, alpha, target_modules, dropout)
     packed = {DIFFUSERS_PREFIX + k: v for k, v in config.items()}
     metadata = {"format": "pt", METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
@@ -235,11 +234,11 @@ def save_peft_adapter(
 def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict]:
     """Read a LoRA in diffusers', PEFT's or ComfyUI's layout, keyed by model FQN, with its settings.
 
-    Read a LoRA in diffusers' layout (ours: `transformer.` keys with `lora_adapter_metadata`),
-    PEFT's (`adapter_model.safetensors` beside `adapter_config.json`, or their folder) or ComfyUI's
-    (with `from_comfy`, the family's map of original module names to ours); return the state dict
-    keyed by model FQN and {rank, alpha, target_modules} (target_modules None from ComfyUI's layout,
-    which names modules, not targets: the model's own keys then decide)."""
+    Diffusers' layout is ours: `transformer.` keys with `lora_adapter_metadata`; PEFT's is
+    `adapter_model.safetensors` beside `adapter_config.json`, or their folder; ComfyUI's needs
+    `from_comfy`, the family's map of original module names to ours. Returns the state dict keyed by
+    model FQN and {rank, alpha, target_modules} (target_modules None from ComfyUI's layout, which
+    names modules, not targets: the model's own keys then decide)."""
     if os.path.isdir(path):
         names = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
         found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]

@@ -74,8 +74,7 @@ class Manifest:
     def encoder_identity(self, adapter, d: parallel.Dist) -> dict[str, dict]:
         """Each encoder's files by content (name -> hash), hashed once on rank 0.
 
-        Each encoder's files by content (name -> hash), hashed once on rank 0 and remembered here
-        against size and mtime."""
+        Remembered here against size and mtime."""
         identity = None
         with parallel.all_or_none():
             if d.is_main:

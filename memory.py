@@ -26,13 +26,13 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 def reset_peak_memory(device: torch.device, trim_heap: bool = False) -> None:
     """Start a new memory peak, so each phase reports its own.
 
-    Start a new peak, so each phase (training between log steps, a validation) reports its own: the
-    allocator's on GPUs; on Linux CPUs the kernel's VmHWM, which writing 5 to /proc/self/clear_refs
-    resets to the current resident size (ru_maxrss cannot be reset: without /proc the CPU peak spans
-    the process). `trim_heap`, after a validation: glibc keeps large freed blocks resident, which
-    would carry the validation's buffers into training's peak; malloc_trim returns them first (CPU
-    only; once per validation, as memory given back costs page faults when it is taken again).
-    Host-side only: no device synchronisation."""
+    A phase is training between log steps, or a validation. The peak is the allocator's on GPUs; on
+    Linux CPUs the kernel's VmHWM, which writing 5 to /proc/self/clear_refs resets to the current
+    resident size (ru_maxrss cannot be reset: without /proc the CPU peak spans the process).
+    `trim_heap`, after a validation: glibc keeps large freed blocks resident, which would carry the
+    validation's buffers into training's peak; malloc_trim returns them first (CPU only; once per
+    validation, as memory given back costs page faults when it is taken again). Host-side only: no
+    device synchronisation."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return

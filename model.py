@@ -1,7 +1,7 @@
 """The model: the transformer as training builds it over its family's adapter, and its EMA.
 
-The model: the transformer as training builds it over its family's adapter (model_adapter.py), and
-the moving average of its trainable weights.
+The adapter (model_adapter.py) supplies the family's parts; the moving average (EMA) is of the
+trainable weights.
 
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from
 lora.init_from), the sequence split (parallel.sp_size), activation checkpointing per block (its kept
@@ -167,14 +167,14 @@ def build_optimizer(model, train: TrainConfig):
 class LossScaler:
     """fp16's dynamic loss scale, decided from the global gradient norm and kept on the device.
 
-    fp16's dynamic loss scale, as torch.amp.GradScaler keeps it (2**16 at first, halved on a step
-    with a non-finite gradient, doubled after 2000 finite steps in a row), with two differences. The
-    overflow decision is the caller's, from the global gradient norm, which every rank computes
-    alike (DDP's all-reduced gradients, the norm of FSDP2's DTensor gradients): every rank skips the
-    same steps, where GradScaler's per-rank check of sharded gradients would let them disagree. And
-    the scale is a device tensor that nothing reads on the host: GradScaler's state_dict holds
-    Python floats (a host sync, and a pickle in checkpoints). Disabled (bf16, fp32) it changes
-    nothing; its state is saved only when it is enabled."""
+    The scale follows torch.amp.GradScaler (2**16 at first, halved on a step with a non-finite
+    gradient, doubled after 2000 finite steps in a row), with two differences. The overflow decision
+    is the caller's, from the global gradient norm, which every rank computes alike (DDP's
+    all-reduced gradients, the norm of FSDP2's DTensor gradients): every rank skips the same steps,
+    where GradScaler's per-rank check of sharded gradients would let them disagree. And the scale is
+    a device tensor that nothing reads on the host: GradScaler's state_dict holds Python floats (a
+    host sync, and a pickle in checkpoints). Disabled (bf16, fp32) it changes nothing; its state is
+    saved only when it is enabled."""
 
     GROWTH_INTERVAL = 2000
 
@@ -212,8 +212,7 @@ class LossScaler:
 class EMA:
     """Exponential moving average of the trainable weights, in fp32 and sharded like them.
 
-    Exponential moving average of the trainable weights, in fp32 and sharded like them (DTensors
-    under FSDP), keyed by the same FQNs as the model's state dict so checkpoints reshard."""
+    DTensors under FSDP, keyed by the same FQNs as the model's state dict so checkpoints reshard."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.model, self.decay = model, decay
@@ -262,9 +261,9 @@ class EMA:
 def model_state(model, training_type: str, **options) -> dict:
     """The model's state dict keyed by FQN, for LoRA only its trainable weights.
 
-    The model's state dict as DCP keys it (FQNs), for LoRA only its trainable weights: DCP's
-    ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a persistent
-    buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise)."""
+    DCP's ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a
+    persistent buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise).
+    """
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", **options)
     state = get_model_state_dict(model, options=options)
     if training_type != "lora":

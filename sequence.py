@@ -37,8 +37,7 @@ class SequenceSplit:
     def local(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of a whole sequence, remembering every rank's length.
 
-        This rank's slice of a whole sequence; remembers every rank's length for the exchanges that
-        follow (the lengths of the sample now in the blocks)."""
+        The lengths, of the sample now in the blocks, serve the exchanges that follow."""
         slices = x.tensor_split(self.size, dim)
         self.lengths = [s.shape[dim] for s in slices]
         return slices[self.rank]

@@ -58,8 +58,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 class _Fp8Linear(torch.autograd.Function):
     """F.linear with an fp8 weight that keeps the fp8 weight, not its upcast copy, for the backward.
 
-    F.linear with an fp8 weight that saves the fp8 weight for the backward, not its upcast copy:
-    otherwise every layer between a forward and its backward would hold its weight in bf16 again."""
+    Otherwise every layer between a forward and its backward would hold its weight in bf16 again."""
 
     @staticmethod
     def forward(ctx, x, weight, scale, bias, dtype):
@@ -92,10 +91,10 @@ def weight(module: nn.Linear) -> torch.Tensor:
 class Fp8Linear(nn.Linear):
     """A frozen nn.Linear stored in fp8 with one fp32 scale per output row.
 
-    A frozen nn.Linear stored in fp8: `weight` (float8_e4m3fn, [out, in]), `weight_scale` ([out, 1],
-    fp32) and `bias` (in `dtype`, the compute dtype, or None). Built from an already-quantized
-    weight and its scale, per row ([out, 1] or [out]) or per tensor (one value, as ComfyUI's scaled
-    fp8 files keep it, spread to every row)."""
+    `weight` (float8_e4m3fn, [out, in]), `weight_scale` ([out, 1], fp32) and `bias` (in `dtype`, the
+    compute dtype, or None). Built from an already-quantized weight and its scale, per row ([out, 1]
+    or [out]) or per tensor (one value, as ComfyUI's scaled fp8 files keep it, spread to every row).
+    """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype):
@@ -145,9 +144,9 @@ def load_rows(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
               stored_scale: float | None = None) -> None:
     """Fill an fp8 weight's rows and their scales from rows of a weight.
 
-    Fill an fp8 weight's rows and their scales (tensors of the same rows, e.g. one rank's shard)
-    from `rows` of a weight: quantized, or, with `stored_scale`, rows a file already stores in fp8
-    with that one scale, kept as they are (quantizing them again would round them twice)."""
+    The scales are tensors of the same rows (e.g. one rank's shard). The rows are quantized, or,
+    with `stored_scale`, rows a file already stores in fp8 with that one scale are kept as they are
+    (quantizing them again would round them twice)."""
     if stored_scale is None:
         quantized, row_scale = quantize(rows.to(weight.device))
         weight.copy_(quantized)

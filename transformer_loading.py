@@ -1,10 +1,9 @@
 """The transformer as from_pretrained builds it, read lean: made on the meta device, then filled.
 
-The transformer as from_pretrained builds it, weight for weight, read lean: its parameters made on
-the meta device, then each filled from the safetensors files as it is read (weights.py), under FSDP
-each rank its rows, with model.storage_dtype = "fp8" quantized as read. Adapter (model_adapter.py)
-inherits it, so every family loads its transformer the same way; it uses the family's TRANSFORMER,
-blocks and single file.
+Weight for weight: its parameters are made on the meta device, then each filled from the safetensors
+files as it is read (weights.py), under FSDP each rank its rows, with model.storage_dtype = "fp8"
+quantized as read. Adapter (model_adapter.py) inherits it, so every family loads its transformer the
+same way; it uses the family's TRANSFORMER, blocks and single file.
 """
 
 import contextlib
@@ -68,8 +67,7 @@ def _replace(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
 class TransformerLoading:
     """Adapter's loading of its transformer.
 
-    Adapter's loading of its transformer (self.TRANSFORMER from self.path, or self.single_file, in
-    self.dtype on self.device)."""
+    self.TRANSFORMER from self.path, or self.single_file, in self.dtype on self.device."""
 
     def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None):
         """Load the transformer this run trains without allocating any weight before it is read.
@@ -166,8 +164,8 @@ class TransformerLoading:
     def keeps_fp32(cls, name: str) -> bool:
         """Whether a weight belongs to the class's _keep_in_fp32_modules.
 
-        Whether a weight belongs to the class's _keep_in_fp32_modules (Wan's norms, time embedder,
-        scale_shift_table): from_pretrained keeps them fp32 whatever the dtype, and so do we."""
+        Wan's norms, time embedder, scale_shift_table: from_pretrained keeps them fp32 whatever the
+        dtype, and so do we."""
         keep = cls.TRANSFORMER._keep_in_fp32_modules or []
         return any(m in name.split(".") for m in keep)
 

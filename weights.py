@@ -52,10 +52,9 @@ FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 class Weights:
     """The safetensors files of a diffusers model folder, read one tensor or rank's rows at a time.
 
-    The safetensors files of a diffusers model folder (one file, or shards listed by an index), read
-    one tensor, or one rank's rows of one, at a time. Read with plain reads into the tensor, not
-    through safetensors' memory map: the mapped pages a read touches count in the process's resident
-    size until the map closes, so a mapped file would add its own size to the peak of loading."""
+    One file, or shards listed by an index. Read with plain reads into the tensor, not through
+    safetensors' memory map: the mapped pages a read touches count in the process's resident size
+    until the map closes, so a mapped file would add its own size to the peak of loading."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -139,8 +138,8 @@ class Weights:
     def shard_range(self, key: str, param: torch.Tensor) -> tuple[int, int]:
         """(first row, rows) of `key` that this rank holds of the sharded parameter.
 
-        (first row, rows) of `key` that this rank holds of the sharded parameter (a DTensor sharded
-        on dim 0 by FSDP2, replicated on HSDP's other mesh dimension)."""
+        The parameter is a DTensor sharded on dim 0 by FSDP2, replicated on HSDP's other mesh
+        dimension."""
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         local = param.to_local()
         if tuple(local.shape) != tuple(shape) or any(offset[1:]):
@@ -150,17 +149,15 @@ class Weights:
     def fp8_source(self, key: str, start: int, count: int) -> tuple[torch.Tensor, float | None]:
         """Rows of a weight for fp8 storage, and the scale they are already stored with (or None).
 
-        Rows of a weight for model.storage_dtype = "fp8" (storage.load_rows) and the scale they are
-        already stored with, None where they are to be quantized: a folder stores no fp8 (single
-        files can)."""
+        For model.storage_dtype = "fp8" (storage.load_rows); the scale is None where the rows are to
+        be quantized: a folder stores no fp8 (single files can)."""
         return self._rows(key, start, count), None
 
 
 def rename_module(name: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
     """A module name in another layout (ComfyUI's), or None where that layout has no such module.
 
-    A module name in another layout (ComfyUI's): blocks.N.<x> -> new_blocks.N.<in_block[x]>, others
-    by `outside`; None where that layout has no such module."""
+    blocks.N.<x> -> new_blocks.N.<in_block[x]>, others by `outside`."""
     parts = name.split(".", 2)
     if parts[0] == blocks and len(parts) == 3 and parts[1].isdigit():
         return f"{new_blocks}.{parts[1]}.{in_block[parts[2]]}" if parts[2] in in_block else None
@@ -170,9 +167,8 @@ def rename_module(name: str, blocks: str, new_blocks: str, in_block: dict, outsi
 def rename_key(key: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
     """A state-dict key renamed into another layout.
 
-    A state-dict key in another layout: its module renamed by rename_module and the leaf kept, or,
-    for a parameter a table names itself (Wan's scale_shift_table, modulation), the whole key
-    renamed."""
+    Its module renamed by rename_module and the leaf kept, or, for a parameter a table names itself
+    (Wan's scale_shift_table, modulation), the whole key renamed."""
     module, _, leaf = key.rpartition(".")
     renamed = rename_module(module, blocks, new_blocks, in_block, outside)
     return f"{renamed}.{leaf}" if renamed else rename_module(key, blocks, new_blocks, in_block, outside)
@@ -235,11 +231,10 @@ def _read_small(path: Path, entry) -> torch.Tensor:
 def read_scales(stored: dict, metadata: dict) -> dict[str, float]:
     """Each scaled fp8 weight's scale, by ComfyUI's rules.
 
-    Each scaled fp8 weight's scale, by ComfyUI's rules (convert_old_quants): a `scaled_fp8` key
-    marks the old files, whose layers X carry X.scale_weight (float8_e4m3fn); the new files list
-    their layers in the `_quantization_metadata` header entry (or a X.comfy_quant tensor each), each
-    with its format, and carry X.weight_scale. A weight stored as fp8 without a scale is a plain
-    cast (scale 1)."""
+    ComfyUI's rules are convert_old_quants': a `scaled_fp8` key marks the old files, whose layers X
+    carry X.scale_weight (float8_e4m3fn); the new files list their layers in the
+    `_quantization_metadata` header entry (or a X.comfy_quant tensor each), each with its format,
+    and carry X.weight_scale. A weight stored as fp8 without a scale is a plain cast (scale 1)."""
     layers, scale_key = {}, "weight_scale"
     if "_quantization_metadata" in metadata:
         listed = json.loads(metadata["_quantization_metadata"])["layers"]

@@ -315,8 +315,8 @@ class CogVideoXAdapter(Adapter):
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch, every draw from the sample's own generator.
 
-        Per-sample loss of a cached batch; latent sample, timestep and noise come from each sample's
-        own generator, keyed by (seed, step, position in the global batch)."""
+        Latent sample, timestep and noise come from each sample's own generator, keyed by (seed,
+        step, position in the global batch)."""
         x0 = self.clean_latents(batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators)
         timesteps = torch.stack([torch.randint(0, len(self.alphas_cumprod), (), generator=g) for g in generators])
         noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), x0.device)
