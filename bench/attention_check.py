@@ -1,7 +1,7 @@
 """Attention at the shipped configs' sequence lengths: SDPA's kernel and run.deterministic.
 
-Attention at the shipped configs' real sequence lengths, for bench/gpu_check.sh: which SDPA kernel
-runs, and run.deterministic's forward and backward. Prints one PASS or FAIL line per check.
+For bench/gpu_check.sh, at the real sequence lengths: which SDPA kernel runs, and
+run.deterministic's forward and backward. Prints one PASS or FAIL line per check.
 
     python bench/attention_check.py kernels
     python bench/attention_check.py deterministic
@@ -12,8 +12,7 @@ kernels: SDPA's own choice, bf16 forward + backward, per model. deterministic: C
 --cpu: the same code at 256 tokens and 2 heads (what SDPA picks on a CPU; the figures mean nothing).
 
 Sequence lengths (text + video tokens after the VAE and the patches), heads and head size, from the
-published configs: one sample per rank, no sequence parallelism.
-"""
+published configs: one sample per rank, no sequence parallelism."""
 
 import argparse
 import sys

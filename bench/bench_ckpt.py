@@ -102,8 +102,7 @@ def dir_bytes(path: Path) -> int:
 def save_cost(root: Path, saves: int, rank: int) -> None:
     """Part 3: Checkpointer.save against torch.save of the same state, and where a save's time goes.
 
-    Part 3: Checkpointer.save against torch.save of the same state, interleaved, in this process;
-    then where a save's time goes, from its pieces timed alone."""
+    Interleaved, in this process; then where a save's time goes, from its pieces timed alone."""
     torch.set_num_threads(1)  # as the trainer runs here (OMP_NUM_THREADS=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     d = parallel.Dist(0, 1, 0, torch.device("cpu"))

@@ -1,6 +1,6 @@
 """fp8 storage of the frozen base (model.storage_dtype = "fp8"): its error and its memory.
 
-fp8 storage of the frozen base (model.storage_dtype = "fp8", storage.py): its error and its memory.
+The storage is storage.py's; two parts measure it:
 
 1. Error. The output of one full-size Wan 2.1 14B block (dim 5120, ffn 13824, 40 heads; random
    weights with the published init: Wan's init_weights, Xavier-uniform linears and zero biases, and
@@ -15,8 +15,7 @@ fp8 storage of the frozen base (model.storage_dtype = "fp8", storage.py): its er
    (random weights written to a temporary folder) with adapter.load_transformer(), in bf16 and with
    fp8 storage, each in a fresh process: the frozen weights' bytes, and the peak of the load.
 
-    python bench/bench_fp8.py [--tokens 256] [--layers 4] [--only errors|memory]
-"""
+    python bench/bench_fp8.py [--tokens 256] [--layers 4] [--only errors|memory]"""
 
 import argparse
 import copy
@@ -45,8 +44,7 @@ WAN_14B = {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "text_dim": 4096, "fr
 def fp8_linear(linear: torch.nn.Linear, scales: str) -> storage.Fp8Linear:
     """The layer in fp8 storage: per-row scales, one per tensor, or none.
 
-    The layer in fp8 storage (model.dtype: the weight's): per-row scales, one per tensor, or none.
-    """
+    model.dtype is the weight's."""
     weight, dtype = linear.weight.detach(), linear.weight.dtype
     if scales == "cast":
         return storage.Fp8Linear(weight.to(storage.FP8), torch.ones(()), linear.bias, dtype)
@@ -77,8 +75,7 @@ SCALES = ("row", "tensor", "cast")
 def wan_block(init: str) -> WanTransformerBlock:
     """One Wan 2.1 14B block from its published config, in fp32.
 
-    One Wan 2.1 14B block (its published config: cross-attention norm, RMS norm across heads), fp32.
-    """
+    The published config has a cross-attention norm and an RMS norm across heads."""
     torch.manual_seed(0)
     block = WanTransformerBlock(WAN_14B["dim"], WAN_14B["ffn_dim"], WAN_14B["num_heads"], "rms_norm_across_heads",
                                 True, 1e-6)
@@ -130,8 +127,7 @@ def wan_block_errors(tokens: int, init: str) -> dict[str, float]:
 def tiny_errors(root: Path) -> dict[str, dict[str, float]]:
     """The tiny models' whole output with fp8 storage against bf16.
 
-    The tiny models' whole output (as in tests/test_fp8.py) in bf16 with fp8 storage against bf16:
-    per-row through the loader, and the three ways from the bf16 model."""
+    As in tests/test_fp8.py: per-row through the loader, and the three ways from the bf16 model."""
     make_tiny_model(str(root / "cogvideox"), "2b")
     make_tiny_wan(str(root / "wan"), "t2v")
     results = {}
@@ -151,8 +147,7 @@ def tiny_errors(root: Path) -> dict[str, dict[str, float]]:
 def transformer_output(adapter, transformer) -> torch.Tensor:
     """The transformer's prediction for a fixed noisy latent, prompt and timestep.
 
-    The transformer's prediction for a fixed noisy latent, prompt and timestep
-    (tests/test_fp8.py's)."""
+    tests/test_fp8.py's."""
     c, g = adapter.transformer_config, torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, adapter.latent_channels, 8, 8, generator=g).to(adapter.dtype)
     text = torch.randn(1, adapter.text_length, c.get("text_embed_dim") or c["text_dim"], generator=g).to(adapter.dtype)
@@ -186,8 +181,7 @@ def write_wan_14b(folder: Path, layers: int) -> None:
 def resident() -> dict[str, int]:
     """VmRSS and VmHWM (its peak) of this process image, in bytes.
 
-    VmRSS and VmHWM (its peak) in bytes: per process image, where getrusage's maxrss keeps the
-    forking parent's peak across exec."""
+    Per process image, where getrusage's maxrss keeps the forking parent's peak across exec."""
     fields = dict(line.split(":") for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Vm"))
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
 

@@ -1,8 +1,7 @@
 """Full-size CogVideoX and Wan 14B on one GPU: step time, MFU, peak memory, sampling, one-card cost.
 
-Full-size CogVideoX and Wan 14B on one GPU: seconds per training step, model FLOP utilisation (MFU)
-and peak memory, our sampling step against diffusers' pipeline's, and what the one-card settings
-cost.
+Seconds per training step, model FLOP utilisation (MFU) and peak memory, our sampling step against
+diffusers' pipeline's, and what the one-card settings cost.
 
     python bench/bench_gpu.py [--steps 4] [--sampling-steps 4] [--peak-tflops 989] [--only NAME ...]
                               [--smoke]
@@ -54,8 +53,7 @@ torch.cuda.max_memory_allocated over the timed steps, weights and optimizer stat
 
 --smoke runs the same code on the CPU with 2-layer, 2-head versions of the models at 9x64x64 for one
 step: it checks that the code runs; its figures mean nothing. 14b-one-gpu sets
-parallel.offload_blocks, model.storage_dtype and train.activation_offload.
-"""
+parallel.offload_blocks, model.storage_dtype and train.activation_offload."""
 
 import argparse
 import json
@@ -194,8 +192,7 @@ def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
 def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
     """Seconds per guided sampling step, ours and the pipeline's.
 
-    Seconds per guided step of ours and the pipeline's, over `steps` steps after a 1-step warm-up
-    each."""
+    Over `steps` steps after a 1-step warm-up each."""
     from diffusers import CogVideoXPipeline
 
     cfg, family, adapter, device = setup("sampling", smoke, root)
@@ -257,9 +254,9 @@ def write_wan_14b(folder: Path, smoke: bool) -> None:
 def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     """A Wan 14B LoRA r32 step with the one-card settings, through the trainer's own build.
 
-    A Wan 14B LoRA r32 step at 81x480x832 (--smoke: 9x64x64) through the trainer's own build (the
-    adapter's loader, model.build_model, AdamW), with ONE_GPU's settings; the estimate of the same
-    setting (bench_memory, bench/one_gpu.py) beside the measured peak."""
+    At 81x480x832 (--smoke: 9x64x64), through the adapter's loader, model.build_model and AdamW,
+    with ONE_GPU's settings; the estimate of the same setting (bench_memory, bench/one_gpu.py)
+    beside the measured peak."""
     settings = {"model.path": str(folder), "data.train_resolution": [9, 64, 64] if smoke else [81, 480, 832],
                 **ONE_GPU[name]}
     # noqa: E731 (TOML literals)

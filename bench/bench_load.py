@@ -1,8 +1,5 @@
 """Loading a full-size transformer: its peak resident memory, in one process and per FSDP rank.
 
-Loading a full-size transformer: the peak resident memory it costs, in one process and per FSDP
-rank.
-
     python bench/bench_load.py [--folder /tmp/vidtrain-bench-load] [--nproc 2]
 
 Writes once (reused when present) a model folder whose transformer is CogVideoX-2B's architecture at
@@ -20,8 +17,7 @@ Then, each in a fresh process (one thread per process):
    returns and after one read of every weight: on a CPU, its bf16 tensors from bf16 files are views
    of the files' memory maps, resident only as they are first read.
 Peak resident size: /proc/self/status VmHWM after the load, less VmRSS just before it (after the
-imports, the process group and the adapter): the memory loading itself adds.
-"""
+imports, the process group and the adapter): the memory loading itself adds."""
 
 import argparse
 import json

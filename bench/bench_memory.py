@@ -73,8 +73,7 @@ CUDA_FP32_OPS = ["layer_norm", "native_layer_norm", "group_norm", "exp", "log", 
 def materialize(module, fake_mode, device) -> None:
     """Replace every meta tensor by a fake one, or by a real, filled one.
 
-    Replace every meta tensor by a fake one, or by a real one filled (so that its pages are
-    resident)."""
+    Filled, so that its pages are resident."""
     made = {}
     with fake_mode or contextlib.nullcontext():
         for m in module.modules():
@@ -200,9 +199,8 @@ class Tracker(TorchDispatchMode):
     def watch_blocks(self, blocks) -> None:
         """Retag each block's activation inputs "input" in the forward.
 
-        Retag each block's activation inputs "input" in the forward (not in checkpointing's
-        recompute): the first block's inputs in the positions of what it returns, then every block's
-        outputs but the last's."""
+        Not in checkpointing's recompute: the first block's inputs in the positions of what it
+        returns, then every block's outputs but the last's."""
         def tag(tensors) -> None:
             fresh = [t for t in tensors if (self.sizes.get(id(t.untyped_storage())) or [None])[0] == "act"]
             for t in fresh:
@@ -228,8 +226,7 @@ class Tracker(TorchDispatchMode):
     def copy(self, t: torch.Tensor) -> bool:
         """Whether activation offload copies t out, as HostActivations.pack decides.
 
-        Whether activation offload copies t out (its first checkpointed call), as
-        HostActivations.pack decides: the same storage, view and version."""
+        Its first checkpointed call copies it: the same storage, view and version."""
         key = (id(t.untyped_storage()), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         fresh = key not in self.copied
         self.copied.add(key)
@@ -294,8 +291,7 @@ def nbytes(tensors, dtype=None) -> int:
 def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True) -> dict:
     """This rank's parts of memory, in bytes.
 
-    This rank's parts in bytes (frozen, weights, adamw, ema, grads, activations, in_flight, total).
-    """
+    Frozen, weights, adamw, ema, grads, activations, in_flight, total."""
     fake, cpu, s = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), shapes(cfg, adapter, sp)
     model, params, optimizer, ema = build(cfg, family, adapter, fake, cpu, foreach=gpu)
     moments, averages = [v for st in optimizer.state.values() for v in st.values()], list(ema.weights.values()) if ema else []
@@ -333,11 +329,10 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
 def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
     """One process's parts of memory for bench/one_gpu.py.
 
-    One process's parts for bench/one_gpu.py: the frozen bytes outside the blocks and of the largest
-    block (in model.dtype, and with its frozen linear weights in fp8 plus an fp32 scale per row, as
-    storage.py keeps them), and what streaming pins of them; those linears in the compute dtype, a
-    block's gradient buffer, the step without the block inputs, and what activation offload copies.
-    """
+    The frozen bytes outside the blocks and of the largest block (in model.dtype, and with its
+    frozen linear weights in fp8 plus an fp32 scale per row, as storage.py keeps them), and what
+    streaming pins of them; those linears in the compute dtype, a block's gradient buffer, the step
+    without the block inputs, and what activation offload copies."""
     blocks, compute = adapter.blocks(model), AUTOCAST_DTYPES[cfg.train.mixed_precision] or adapter.dtype
     # noqa: E731
     frozen = lambda m: [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())
@@ -384,8 +379,7 @@ def pinned_weights(adapter, model, blocks) -> dict:
 def peak_of(run, modules=(), existing=()) -> int:
     """The peak bytes of the storages run() creates.
 
-    The peak bytes of the storages run() creates (fake tensors, CUDA's autocast policy), modules'
-    weights and `existing` tensors not counted."""
+    Fake tensors, CUDA's autocast policy; modules' weights and `existing` tensors not counted."""
     tracker = Tracker([*existing, *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
     with cuda_autocast_policy(), tracker:
         run()
@@ -482,8 +476,8 @@ def one_gpu_parts(cfg, family, adapter) -> dict:
 def measure(cfg, family, adapter, device) -> dict:
     """The same build and step measured on real tensors.
 
-    The same build and step on real tensors: state = the build's resident growth, step = the step's
-    peak over it (VmRSS, VmHWM after resetting it through clear_refs; allocated bytes on a GPU)."""
+    State = the build's resident growth, step = the step's peak over it (VmRSS, VmHWM after
+    resetting it through clear_refs; allocated bytes on a GPU)."""
     if device.type == "cuda":
         used, peak, reset = torch.cuda.memory_allocated, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
     else:

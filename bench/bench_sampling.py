@@ -1,7 +1,6 @@
-"""Our sampling loop (validate.py) against CogVideoXPipeline, same model, prompts and seed.
+"""Our sampling loop (validate.py) against CogVideoXPipeline: same model, prompts, seed, steps.
 
-Our sampling loop (validate.py) against CogVideoXPipeline: same model, prompts, seed, steps,
-scheduler.
+The scheduler is the same too.
 
     python bench/bench_sampling.py [--model DIR] [--prompts N] [--steps S] [--resolution F H W]
                                    [--repeats R]

@@ -1,7 +1,6 @@
 """Training step: the trainer's time per step against a bare step of the same model.
 
-Training step: the trainer's time per step against the bare forward+backward+optimizer of the same
-model.
+The bare step is the forward, backward and optimizer of the same model.
 
     python bench/bench_step.py [--size tiny|mid] [--short 20] [--long 1020] [--iters 200]
                                [--repeats 3]
@@ -19,8 +18,7 @@ trainer run, then, interleaved --repeats times:
   trainer's own time of each step after the first --short (its metrics.jsonl, logged every step: the
   log itself is counted), whose median a load spike from another job moves less.
 Overhead = trainer step / bare step: from the fastest repetitions (the wall difference, the bare
-mean), and from the median over repetitions of the per-step medians.
-"""
+mean), and from the median over repetitions of the per-step medians."""
 
 import argparse
 import statistics
@@ -52,8 +50,8 @@ def latent_shape(resolution: list[int]) -> tuple[int, ...]:
 def bare_step_s(model_path: Path, latents: tuple[int, ...], iters: int, warmup: int = 20) -> tuple[float, float]:
     """Seconds per iteration of a bare training step: the mean and the median.
 
-    Seconds per iteration of the bare loss, backward, clip, AdamW step, zero_grad: the mean, and the
-    median of the iterations (which a load spike from another job moves less)."""
+    A bare step is the loss, backward, clip, AdamW step, zero_grad; the median of the iterations is
+    what a load spike from another job moves less."""
     adapter = load_adapter(ModelConfig(path=str(model_path), dtype="fp32"), torch.device("cpu"))
     transformer = adapter.load_transformer()
     lora.inject_lora(transformer, LoraConfig().target_modules, 4, 2, 0.0, 0)

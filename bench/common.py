@@ -23,8 +23,7 @@ from tools.make_tiny_model import make_tiny_model  # noqa: E402
 def tiny_settings(root: Path, transformer_settings: dict | None = None) -> dict:
     """Write the tiny model and 24 clips under root; return the fp32 settings that train on them.
 
-    Write the tiny model (its transformer_settings overridden) and 24 clips under root; the fp32
-    settings that train on them."""
+    The model's transformer_settings are overridden."""
     make_tiny_model(str(root / "model"), transformer_settings=transformer_settings)
     make_synthetic_dataset(str(root / "data"), num_videos=24, frames=17, height=40, width=48, seed=0)
     return {"model.path": str(root / "model"), "model.dtype": "fp32", "data.data_root": str(root / "data"),
@@ -36,9 +35,8 @@ def tiny_settings(root: Path, transformer_settings: dict | None = None) -> dict:
 def median_step_s(output_dir: Path, global_batch: int, after: int) -> float:
     """The median of the trainer's own step times after step `after`.
 
-    The median of the trainer's own step times after step `after` (its metrics.jsonl, logged every
-    step: global batch / samples_per_s), which start-up and a load spike move less than a wall time.
-    """
+    Its metrics.jsonl, logged every step: global batch / samples_per_s, which start-up and a load
+    spike move less than a wall time."""
     logged = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").open()]
     return statistics.median(global_batch / m["train/samples_per_s"] for m in logged
                              if m.get("step", 0) > after and "train/samples_per_s" in m)

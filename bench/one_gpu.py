@@ -81,8 +81,7 @@ class Setting:
 def settings(p: dict) -> list[Setting]:
     """Every setting, fastest first.
 
-    Every setting, fastest first. Activation offload needs checkpointing (it moves what that keeps).
-    """
+    Activation offload needs checkpointing (it moves what that keeps)."""
     offload = (False, True) if p["checkpointing"] else (False,)
     return [Setting(fp8, a, n) for fp8 in (False, True) for a in offload for n in range(p["layers"] + 1)]
 
@@ -134,8 +133,7 @@ def cache_pass(p: dict) -> int:
 def pinned(p: dict, s: Setting, experts: int = 1) -> dict[str, int]:
     """Pinned host memory: the streamed blocks' weights and the offloaded block inputs.
 
-    Pinned host memory as torch's allocator hands it out: the streamed blocks' weights (of every
-    expert validation holds) and the offloaded block inputs."""
+    As torch's allocator hands it out; the weights of every expert validation holds."""
     block = p["block_fp8_pinned"] if s.fp8 else p["block_pinned"]
     # offload_blocks = 0 streams the root too
     root = p["root_pinned"] if s.streamed == p["layers"] else 0
@@ -146,8 +144,8 @@ def pinned(p: dict, s: Setting, experts: int = 1) -> dict[str, int]:
 def host(p: dict, s: Setting) -> dict[str, int]:
     """Host RAM during training and during the cache pass.
 
-    Host RAM: during training (pinned weights of every expert validation holds, pinned activations,
-    the process, the parked VAE) and during the cache pass."""
+    Training holds the pinned weights of every expert validation holds, pinned activations, the
+    process and the parked VAE."""
     parts = {**pinned(p, s, p["experts"] if p["validation"] else 1),
              "process": p["process"], "parked VAE": p["vae"] if p["validation"] else 0}
     parts["training"] = sum(parts.values())
@@ -175,8 +173,7 @@ def fits(p: dict, s: Setting, gb: float, ram: float | None = None) -> bool:
 def with_cache_batch(p: dict, gb: float) -> dict:
     """p with the cache pass's batches at data.cache_batch_size, or at 1 where only that fits.
 
-    p with the cache pass's batches (clips per VAE call, prompts per text encoder call) at
-    data.cache_batch_size, or at 1 where only that fits."""
+    Clips per VAE call and prompts per text encoder call."""
     fitting = cache_pass(p) + MARGIN <= gb * GIB
     return p if fitting or p["cache_batch_size"] == 1 else \
         p | {"encode": p["encode_1"], "text": p["text_1"], "cache_batch_size": 1}
@@ -191,8 +188,8 @@ def fit(p: dict, gb: float, ram: float | None = None) -> Setting | None:
 def why_none(p: dict, gb: float, ram: float | None = None) -> str:
     """What stops every setting from fitting.
 
-    What stops every setting: the cache pass (the same for all), the phase that stops the setting
-    needing the least GPU memory, or, where that one fits, the host RAM."""
+    The cache pass (the same for all), the phase that stops the setting needing the least GPU
+    memory, or, where that one fits, the host RAM."""
     if p["cache_pass"] and cache_pass(p) + MARGIN > gb * GIB:
         text, vae = p["text_encoder"] + p["text"], p["vae"] + p["encode"]
         reason = (f"the text encoder's pass needs {text / GIB:.1f} GiB, its weights alone {p['text_encoder'] / GIB:.1f}"
@@ -218,8 +215,7 @@ def why_none(p: dict, gb: float, ram: float | None = None) -> str:
 def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting | None:
     """Print the fastest fitting settings, the pick and its config lines.
 
-    Print the fastest fitting setting per weight dtype and activation placement, the pick, and its
-    config lines."""
+    One per weight dtype and activation placement."""
     configured, p = p["cache_batch_size"], with_cache_batch(p, gb)
     print(f"{title}\none GPU of {gb:g} GiB, less a {MARGIN / GIB:g} GiB margin for the CUDA context, the "
           "attention and cuBLAS workspaces and the allocator's fragmentation (not yet measured on a GPU)"
