@@ -1,7 +1,7 @@
 """Checkpoints: their payload, the training stall of saving, and a real-sized save's cost.
 
-Checkpoints: what one holds against the exported adapter, how long saving stalls training, and
-what one save of a real-sized LoRA state costs against a plain torch.save of the same tensors.
+What one holds against the exported adapter, how long saving stalls training, and what one save of a
+real-sized LoRA state costs against a plain torch.save of the same tensors.
 
     python bench/bench_ckpt.py [--parts payload stall save] [--steps 40] [--repeats 3] [--every 1]
                                [--sft] [--nproc 1] [--saves 3] [--rank 128]

@@ -133,8 +133,8 @@ def sizes(adapter, resolution) -> dict:
 def linear_weights(model) -> tuple[int, int]:
     """(N, N_lora): the block linears' base weights every token passes, and LoRA's weights.
 
-    (N, N_lora): base weights of the block linears every token passes (not the norms' timestep
-    projections), and LoRA's weights."""
+    Base weights of the block linears every token passes (not the norms' timestep projections), and
+    LoRA's weights."""
     n = 0
     for name, module in model.named_modules():
         if (".transformer_blocks." in f".{name}" and isinstance(module, torch.nn.Linear) and ".norm" not in name

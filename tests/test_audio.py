@@ -1,12 +1,11 @@
 """A clip's sound: read, cut to its frames' seconds, mixed, resampled and turned into log-mel.
 
-A clip's sound: read with PyAV from any container, cut to the seconds its planned frames cover,
-mixed, resampled and turned into the log-mel spectrogram LTX-2's audio VAE encodes.
+Read with PyAV from any container, cut to the seconds its planned frames cover, mixed, resampled and
+turned into the log-mel spectrogram LTX-2's audio VAE encodes.
 
 The window tests write clips whose picture and sound switch on and off together, frame by frame, in
 an irregular pattern: any shift of the sound against the frames, or a window of another length,
-shows.
-"""
+shows."""
 
 import dataclasses
 import logging

@@ -1,7 +1,7 @@
 """Checkpoints: bitwise resumes, resharding, commit, rotation, fallback, signals, async save.
 
-Checkpoints: killed and resumed runs equal uninterrupted ones bitwise; resharding; atomic commit,
-rotation and fallback; SIGTERM; async save; failed writes; what is (not) in a checkpoint."""
+Killed and resumed runs equal uninterrupted ones bitwise; resharding; atomic commit, rotation and
+fallback; SIGTERM; async save; failed writes; what is (not) in a checkpoint."""
 
 import hashlib
 import json

@@ -1,7 +1,7 @@
 """torchrun on gloo: DDP and FSDP2 against one process, rendezvous, sharding, failures.
 
-torchrun on gloo: DDP and FSDP2 compute the same updates as one process, two nodes rendezvous, FSDP
-shards the state, a failing rank ends the job with one message, the non-finite guard."""
+DDP and FSDP2 compute the same updates as one process, two nodes rendezvous, FSDP shards the state,
+a failing rank ends the job with one message, the non-finite guard."""
 
 import os
 import re

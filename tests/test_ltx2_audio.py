@@ -1,9 +1,8 @@
 """LTX-2 with its sound: cached, trained, and rendered into the validation clips.
 
-LTX-2 with its sound: the cache pass encodes each window's soundtrack with the adapter, the loss
-adds the audio stream's (logged apart, as the held-out loss is), and the validation clips carry the
-sound our loop denoises exactly as LTX2Pipeline does, muxed into the mp4 and beside the clip in
-TensorBoard.
+The cache pass encodes each window's soundtrack with the adapter, the loss adds the audio stream's
+(logged apart, as the held-out loss is), and the validation clips carry the sound our loop denoises
+exactly as LTX2Pipeline does, muxed into the mp4 and beside the clip in TensorBoard.
 
 One training run (the synthetic clips with sound, one without among them, so batches mix) serves the
 tests that read its outputs."""

@@ -1,11 +1,11 @@
 """model.transformer_file: single files in ComfyUI's and the original layouts load as the folder.
 
-model.transformer_file: the tiny Wan and CogVideoX written by tools/to_single_file.py in the layout
-ComfyUI and the original releases use (bf16, plain fp8, ComfyUI's scaled fp8 in both its forms) load
-as the folder does and give the folder's first-step loss (bf16 exactly, fp8 within the tolerance
-docs/models/wan.md records); the files are what diffusers' single-file loader and ComfyUI's model
-definition expect; a file of the other family, of another size, incomplete or cut short is refused
-before the cache pass."""
+The tiny Wan and CogVideoX written by tools/to_single_file.py in the layout ComfyUI and the original
+releases use (bf16, plain fp8, ComfyUI's scaled fp8 in both its forms) load as the folder does and
+give the folder's first-step loss (bf16 exactly, fp8 within the tolerance docs/models/wan.md
+records); the files are what diffusers' single-file loader and ComfyUI's model definition expect; a
+file of the other family, of another size, incomplete or cut short is refused before the cache pass.
+"""
 
 import dataclasses
 import json

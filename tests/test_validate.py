@@ -1,7 +1,7 @@
 """validate.py's clips: the pipeline's frames, spread over ranks, reproducible, harmless.
 
-validate.py's clips: equal to CogVideoXPipeline's, spread over ranks, in mp4 and TensorBoard,
-reproducible from checkpoints and LoRA files, and invisible to training."""
+They equal CogVideoXPipeline's, are spread over ranks, written to mp4 and TensorBoard, reproducible
+from checkpoints and LoRA files, and invisible to training."""
 
 import contextlib
 import io

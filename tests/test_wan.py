@@ -1,9 +1,8 @@
 """Wan 2.1 and 2.2: key sets, training, sampling as the pipelines, exports diffusers loads.
 
-Wan 2.1 and 2.2: the tiny models carry the published key sets; every variant trains, samples exactly
-as WanPipeline / WanImageToVideoPipeline do (with and without our exported LoRA, switching experts
-at the boundary; FLF2V with last_image), and exports what diffusers loads, in diffusers' layout and
-in ComfyUI's."""
+The tiny models carry the published key sets; every variant trains, samples exactly as WanPipeline /
+WanImageToVideoPipeline do (with and without our exported LoRA, switching experts at the boundary;
+FLF2V with last_image), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
 
 import contextlib
 import io

@@ -1,8 +1,7 @@
 """Files written outside DCP: full disks, render names, shards as LoRAs, async staging.
 
-Files written outside DCP: a full disk names the file and the fix and leaves no temporary behind;
-render names never collide; a checkpoint's shard given as --lora is named; async saves stage into
-one reused copy."""
+A full disk names the file and the fix and leaves no temporary behind; render names never collide; a
+checkpoint's shard given as --lora is named; async saves stage into one reused copy."""
 
 import contextlib
 import logging
