@@ -1,29 +1,34 @@
-"""Activation offload (train.activation_offload): the block inputs that activation checkpointing keeps for
-the backward wait in host memory instead of on the device.
+"""Activation offload (train.activation_offload): checkpointed block inputs wait in host memory.
 
-Non-reentrant checkpointing (torch.utils.checkpoint with use_reentrant=False, what diffusers' blocks use)
-keeps a block's tensor inputs through one autograd node whose saved tensors go through the saved-tensors
-hooks set around the checkpoint call; what the block computes inside is dropped and recomputed under
-checkpointing's own hooks, which take precedence there. Hooks set around each checkpoint call therefore
-see exactly what checkpointing keeps: the video tokens entering each block (the dominant activation term
-at 81 frames), with the text and timestep embeddings beside them. Those are the same tensors for every
-block of a Wan or LTX-2 model (LTX-2's I2V timestep embedding has a row per token): the first block
-call copies them out, and the later ones keep the device tensor itself, which the forward holds anyway,
-instead of one more host copy each (a tensor counts as seen while its storage lives and its version is
-unchanged); it stays on the device until the backward reaches the first block.
+The block inputs that activation checkpointing keeps for the backward wait there instead of on the
+device.
 
-On CUDA every copy runs on a side stream into pinned memory, so neither direction makes the host wait.
-Forward: each block's inputs are copied out after the compute that made them, and the caching allocator
-keeps their device memory until the copy has run (record_stream). Backward: the first of a block's inputs
-that the recompute asks for sends that block's inputs back, and the block's before it, the next the
-backward needs, so that copy runs beside this block's backward; the compute waits only for its own. On a
-CPU the copies are plain ones: the same code path, which the tests run.
+Non-reentrant checkpointing (torch.utils.checkpoint with use_reentrant=False, what diffusers' blocks
+use) keeps a block's tensor inputs through one autograd node whose saved tensors go through the
+saved-tensors hooks set around the checkpoint call; what the block computes inside is dropped and
+recomputed under checkpointing's own hooks, which take precedence there. Hooks set around each
+checkpoint call therefore see exactly what checkpointing keeps: the video tokens entering each block
+(the dominant activation term at 81 frames), with the text and timestep embeddings beside them.
+Those are the same tensors for every block of a Wan or LTX-2 model (LTX-2's I2V timestep embedding
+has a row per token): the first block call copies them out, and the later ones keep the device
+tensor itself, which the forward holds anyway, instead of one more host copy each (a tensor counts
+as seen while its storage lives and its version is unchanged); it stays on the device until the
+backward reaches the first block.
 
-The host buffers are this object's own, reused from step to step (a block's come back once its backward
-has run; the smallest free one that is large enough serves): torch's pinned allocator hands out exact
-sizes above parallel.PINNED_EXACT_MB and caches none of them (parallel.ALLOCATOR_SETTINGS), so pinning
-them anew each step would page-lock 12.5 GiB a step at Wan 14B 81x480x832. Both directions of a buffer's
-copies run on the side stream, in order, so a buffer handed out again is written after its last read.
+On CUDA every copy runs on a side stream into pinned memory, so neither direction makes the host
+wait. Forward: each block's inputs are copied out after the compute that made them, and the caching
+allocator keeps their device memory until the copy has run (record_stream). Backward: the first of a
+block's inputs that the recompute asks for sends that block's inputs back, and the block's before
+it, the next the backward needs, so that copy runs beside this block's backward; the compute waits
+only for its own. On a CPU the copies are plain ones: the same code path, which the tests run.
+
+The host buffers are this object's own, reused from step to step (a block's come back once its
+backward has run; the smallest free one that is large enough serves): torch's pinned allocator hands
+out exact sizes above parallel.PINNED_EXACT_MB and caches none of them
+(parallel.ALLOCATOR_SETTINGS), so pinning them anew each step would page-lock every block's inputs
+again at every step (docs/memory.md gives their size for Wan 14B). Both directions of a buffer's
+copies run on the side stream, in order, so a buffer handed out again is written after its last
+read.
 """
 
 import weakref
@@ -34,34 +39,43 @@ from torch.utils.checkpoint import checkpoint
 
 
 class _Kept:
-    """One checkpointed block call's inputs: host copies (or, for a tensor an earlier call copied, the
-    device tensor itself), the pooled buffers under them, and once sent back, their device copies."""
+    """One checkpointed block call's inputs, on the host or back on the device.
+
+    Host copies (or, for a tensor an earlier call copied, the device tensor itself), the pooled
+    buffers under them, and once sent back, their device copies."""
 
     def __init__(self, previous: "_Kept | None"):
         self.host: list[torch.Tensor] = []
-        self.copied: list[bool] = []  # per input: a host copy (True) or the device tensor kept (False)
+        # per input: a host copy (True) or the device tensor kept (False)
+        self.copied: list[bool] = []
         self.buffers: list[torch.Tensor] = []
         self.on_device: list[torch.Tensor] | None = None
         self.ready = None  # CUDA: the event after the copies back
-        # Weak: the block before stays alive through its own autograd node, as long as the backward needs it.
+        # Weak: the block before stays alive through its own autograd node, as long as the backward
+        # needs it.
         self.previous = None if previous is None else weakref.ref(previous)
 
 
 class HostActivations:
-    """`checkpoint` is diffusers' gradient_checkpointing_func (enable_gradient_checkpointing's argument)."""
+    """Offloads the inputs that checkpointing keeps to host memory.
+
+    `checkpoint` is diffusers' gradient_checkpointing_func (enable_gradient_checkpointing's
+    argument)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last = None  # a weak reference to the latest block call's _Kept
-        self.seen: dict[tuple, StorageWeakRef] = {}  # the tensors copied out, while their storage lives
+        # the tensors copied out, while their storage lives
+        self.seen: dict[tuple, StorageWeakRef] = {}
         self.free: list[torch.Tensor] = []  # pooled host buffers (bytes) no block call holds
         self.pinned: list[int] = []  # the size of every host buffer made, in bytes
 
     def checkpoint(self, block, *args):
         kept = _Kept(self.last and self.last())
         self.last = weakref.ref(kept)
-        weakref.finalize(kept, self.free.extend, kept.buffers)  # the list object, filled as inputs are packed
+        # the list object, filled as inputs are packed
+        weakref.finalize(kept, self.free.extend, kept.buffers)
         with torch.autograd.graph.saved_tensors_hooks(lambda tensor: self.pack(kept, tensor), self.unpack):
             return checkpoint(block, *args, use_reentrant=False)
 
@@ -87,7 +101,9 @@ class HostActivations:
         return kept, len(kept.host) - 1
 
     def host_like(self, kept: _Kept, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor with tensor's shape, dtype and strides (as empty_like picks them) in a pooled
+        """A pooled host buffer viewed as a tensor shaped like `tensor`.
+
+        A host tensor with tensor's shape, dtype and strides (as empty_like picks them) in a pooled
         buffer."""
         strides = torch.empty_like(tensor, device="meta").stride()
         nbytes = tensor.numel() * tensor.element_size()

@@ -1,6 +1,8 @@
-"""The cache's entries on disk: where each one lives (named by a hash of what produced it), writing one
-atomically, reading a micro-batch's entries, and the read-ahead that brings the next micro-batch in
-while the current one computes. cache.py runs the pass that writes them; the trainer only reads.
+"""The cache's entries on disk: names, atomic writes, reads and the read-ahead.
+
+Where each entry lives (named by a hash of what produced it), writing one atomically, reading a
+micro-batch's entries, and the read-ahead that brings the next micro-batch in while the current one
+computes. cache.py runs the pass that writes them; the trainer only reads.
 
 Five kinds of entry, one safetensors file each, named by a hash of what produced it:
 - video: the VAE posterior (mean, log-variance) of a clip, keyed by the clip's content, its
@@ -69,10 +71,12 @@ class Cache:
         else:
             key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
                        dtype=self.dtype)
-            if kind == "image":  # the window's first frame, or data.image_column's image, noised by a keyed draw
+            # the window's first frame, or data.image_column's image, noised by a keyed draw
+            if kind == "image":
                 last = {} if item.last_image_content is None else {"last_image": item.last_image_content}
                 key = _key(video=key, image=item.image_content, seed=self.image_seed, **last)
-        return os.path.join(self.dir, kind, key[:2], f"{key}.safetensors")  # strings: 10,000 clips start in seconds
+        # strings: 10,000 clips start in seconds
+        return os.path.join(self.dir, kind, key[:2], f"{key}.safetensors")
 
     def missing(self, item: data.Item) -> set[str]:
         return {kind for kind in self.kinds if not os.path.isfile(self.path(item, kind))}
@@ -84,9 +88,11 @@ class Cache:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
 
     def load_batch(self, items: list[data.Item]) -> dict[str, torch.Tensor]:
-        """The items' entries stacked, in host memory. A damaged or missing entry is named. A batch mixing
-        clips with and without sound holds zeros in the place of the missing sound and audio_mask [B], true
-        where a clip has sound (the adapter gives the others no audio loss)."""
+        """The items' entries stacked, in host memory.
+
+        A damaged or missing entry is named. A batch mixing clips with and without sound holds zeros
+        in the place of the missing sound and audio_mask [B], true where a clip has sound (the
+        adapter gives the others no audio loss)."""
         entries = [{k: v for kind in self.kinds for k, v in self.read(item, kind).items()} for item in items]
         for entry in entries:
             text = entry["prompt_embeds"]
@@ -109,23 +115,30 @@ class Cache:
 
 
 class Prefetch:
-    """The training step's micro-batches, each read by one background thread while the micro-step before
-    it computes: the cache files, the stack, and on a GPU a copy into pinned memory, from which the
-    step's copy to the device queues behind the running step (from pageable memory CUDA would stage it
-    synchronously). It reads exactly the items it is given, so batches and their order are the
-    sampler's, and holds nothing a checkpoint needs. A read that fails raises its error in the step
-    that takes the batch. The thread ends at close(), or when the object is collected (an error)."""
+    """Reads the training step's micro-batches ahead, one background thread each.
+
+    The training step's micro-batches, each read by one background thread while the micro-step
+    before it computes: the cache files, the stack, and on a GPU a copy into pinned memory, from
+    which the step's copy to the device queues behind the running step (from pageable memory CUDA
+    would stage it synchronously). It reads exactly the items it is given, so batches and their
+    order are the sampler's, and holds nothing a checkpoint needs. A read that fails raises its
+    error in the step that takes the batch. The thread ends at close(), or when the object is
+    collected (an error)."""
 
     def __init__(self, cache: Cache, device: torch.device):
         self.cache, self.device, self.ahead = cache, device, None  # ahead: (items, their read)
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="vidtrain-prefetch")  # started once: no per-read start
+        # started once: no per-read start
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="vidtrain-prefetch")
 
     def batch(self, items: list[data.Item], following: list[data.Item] | None) -> dict[str, torch.Tensor]:
-        """`items`' batch on the device (read ahead when the last call named them), then `following`'s read
-        started (None: nothing follows)."""
+        """Return `items`' batch on the device and start reading `following`'s.
+
+        `items`' batch on the device (read ahead when the last call named them), then `following`'s
+        read started (None: nothing follows)."""
         ahead = self.ahead is not None and self.ahead[0] == items
         host = (self.ahead[1] if ahead else self.reader.submit(self.host, items)).result()
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}  # queued before the next read
+        # queued before the next read
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
         self.ahead = (following, self.reader.submit(self.host, following)) if following is not None else None
         return batch
 
@@ -134,6 +147,8 @@ class Prefetch:
         return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
 
     def close(self) -> None:
-        """Wait for the read under way (a stop after a step leaves the next step's), and end the thread."""
+        """Wait for the read under way, and end the thread.
+
+        A stop after a step leaves the next step's read under way."""
         self.reader.shutdown(wait=True)
         self.ahead = None

@@ -1,8 +1,10 @@
-"""Checkpoints of the training state with torch.distributed.checkpoint (DCP), and the command that
-exports any checkpoint (export.py writes the files).
+"""Checkpoints of the training state with torch.distributed.checkpoint (DCP), and their commands.
 
-    python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]   # default: RUN/exports/checkpoint-N/
-    python ckpt.py rehash --cfg FILE.toml --checkpoint DIR               # accept its files as they are
+The commands export any checkpoint (export.py writes the files), by default into
+RUN/exports/checkpoint-N/, and accept a checkpoint's files as they are:
+
+    python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]
+    python ckpt.py rehash --cfg FILE.toml --checkpoint DIR
 
 A checkpoint is written by every rank into checkpoint-N.tmp/, then renamed to checkpoint-N/ once all
 ranks are done, then `latest` is replaced. It holds the trainable weights (never the frozen base),
@@ -68,8 +70,10 @@ log = logging.getLogger("vidtrain")
 
 
 def run_identity(cfg, adapter) -> dict:
-    """What a checkpoint must match to be resumed: the model's architecture, its base weights (a resume on
-    others is refused), their precision (a change is named) and what is trained."""
+    """What a checkpoint must match to be resumed.
+
+    The model's architecture, its base weights (a resume on others is refused), their precision (a
+    change is named) and what is trained."""
     config = {k: v for k, v in adapter.transformer_config.items() if not k.startswith("_")}
     identity = {
         "family": adapter.FAMILY,  # model.family as resolved: "" names the folder's
@@ -85,7 +89,9 @@ def run_identity(cfg, adapter) -> dict:
 
 
 def data_identity(clips: list) -> dict:
-    """What a checkpoint's sampler state indexes: the training clips, per bucket and in order, by their
+    """The training clips a checkpoint's sampler state indexes, known by content.
+
+    What a checkpoint's sampler state indexes: the training clips, per bucket and in order, by their
     contents and prompts (not their paths: a dataset moved elsewhere still resumes)."""
     per_bucket = collections.Counter(str(list(item.resolution)) for item in clips)
     keys = [[item.content, item.image_content, item.clip.prompt, item.bucket] for item in clips]
@@ -95,25 +101,31 @@ def data_identity(clips: list) -> dict:
 
 @torch.no_grad()
 def _identity(tensor: torch.Tensor) -> tuple:
-    """What a view of `tensor` depends on: the object, its local data (a DTensor's shard), requires_grad."""
+    """What a view of `tensor` depends on.
+
+    The object, its local data (a DTensor's shard), requires_grad."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return id(tensor), local.data_ptr(), local.shape, tensor.requires_grad
 
 
 def cached_planner() -> dcp.DefaultSavePlanner:
-    """DCP's planner with its plan cache: every save of a run has the same layout, so after the first one
-    each rank sends an empty plan when its local plan matches the cached one and the coordinator reuses
-    the global plan and metadata (the data still comes from this save's tensors; another layout is
-    planned afresh). The cache is per process: sync and async saves of one layout share it safely."""
+    """DCP's planner with a plan cache, reused by every save of one layout.
+
+    Every save of a run has the same layout, so after the first one each rank sends an empty plan
+    when its local plan matches the cached one and the coordinator reuses the global plan and
+    metadata (the data still comes from this save's tensors; another layout is planned afresh). The
+    cache is per process: sync and async saves of one layout share it safely."""
     return dcp.DefaultSavePlanner(enable_plan_caching=True)
 
 
 def staging_copy() -> DefaultStager:
-    """What an async save copies this rank's state into before training continues: DCP's stager keeps one
-    CPU copy per source tensor (storage) and refills it at every save, where a fresh stager would
-    allocate the whole state again each time (28 GB per rank for Wan 14B sft with EMA); pinned on GPUs,
-    so the device-to-host copy runs at full speed. Refilling is safe: each save waits for the previous
-    write before it stages."""
+    """The CPU copy of this rank's state that an async save stages into, kept from save to save.
+
+    What an async save copies this rank's state into before training continues: DCP's stager keeps
+    one CPU copy per source tensor (storage) and refills it at every save, where a fresh stager
+    would allocate the whole state again each time (docs/checkpoints.md gives its size for Wan 14B
+    sft with EMA); pinned on GPUs, so the device-to-host copy runs at full speed. Refilling is safe:
+    each save waits for the previous write before it stages."""
     on_gpu = torch.cuda.is_available()
     return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=on_gpu))
@@ -125,18 +137,23 @@ class Checkpointer:
         self.cfg, self.dir, self.d, self.identity, self.data = cfg, Path(output_dir), d, identity, data
         self.frozen_excluded = identity["training_type"] == "lora"
         self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
-        self.stager = None  # async saves' CPU copy of this rank's state, made once and refilled by every save
+        # async saves' CPU copy of this rank's state, made once and refilled by every save
+        self.stager = None
         self.syncer = concurrent.futures.ThreadPoolExecutor(1)
-        self.syncing = None  # this rank's fsync of the newest checkpoint's files, running in the background
+        # this rank's fsync of the newest checkpoint's files, running in the background
+        self.syncing = None
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _state(self, objects: dict, reuse: bool = False) -> dict:
-        """The tensors to save or fill: model and optimizer through DCP's FQN-keyed helpers, the rest
-        through state_dict(). Saves (`reuse`) keep the helpers' output, which aliases the live tensors
-        (parameters, FSDP shards, AdamW's state: all updated in place), rather than map every module's
-        names again (~25 ms on the tiny model); a replaced tensor (the optimizer's first step, a resume),
-        swapped storage (.data, FSDP's reset_sharded_param) or changed requires_grad rebuilds it. The
-        kept tensors stay alive, so no other tensor can take one of their ids."""
+        """The tensors to save or fill, kept between saves while they still alias the live ones.
+
+        Model and optimizer come through DCP's FQN-keyed helpers, the rest through state_dict().
+        Saves (`reuse`) keep the helpers' output, which aliases the live tensors (parameters, FSDP
+        shards, AdamW's state: all updated in place), rather than map every module's names again at
+        every save (BENCHMARKS.md, "Checkpoints", has the cost); a replaced tensor (the optimizer's
+        first step, a resume), swapped storage (.data, FSDP's reset_sharded_param) or changed
+        requires_grad rebuilds it. The kept tensors stay alive, so no other tensor can take one of
+        their ids."""
         model, optimizer = objects["model"], objects["optimizer"]
         tensors = [*model.parameters(), *model.buffers(),
                    *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
@@ -148,16 +165,20 @@ class Checkpointer:
             optim_state = get_optimizer_state_dict(model, optimizer, options=options)
             views = {
                 "model": model_state(model, self.identity["training_type"], flatten_optimizer_state_dict=True),
-                # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors are saved.
+                # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors
+                # are saved.
                 "optimizer": {k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)},
             }
-            if reuse:  # a resume's build is not kept: it must not pin optimizer state the load replaces
+            # a resume's build is not kept: it must not pin optimizer state the load replaces
+            if reuse:
                 self.views = (tensors, key, views)
         return {**views, **{k: v.state_dict() for k, v in objects.items() if k not in ("model", "optimizer")}}
 
     def save(self, step: int, objects: dict, final: bool) -> None:
-        """Every rank writes its shards. With async_save the write runs in the background and commits
-        at the next save; the final save is synchronous so the run ends committed."""
+        """Every rank writes its shards.
+
+        With async_save the write runs in the background and commits at the next save; the final
+        save is synchronous so the run ends committed."""
         self.wait_and_commit()
         if step == self.saved_step:  # a stop right after this step's save: it is committed already
             return
@@ -195,12 +216,14 @@ class Checkpointer:
         self._commit(step, tmp, final_dir, writer.fs.written, last=False)
 
     def _commit(self, step: int, tmp: Path, final: Path, mine: dict, last: bool) -> None:
-        """Gather the sizes and sha256 of the files every rank wrote (`mine`: this rank's), then rank 0
+        """Commit a written checkpoint: meta.json, rename, `latest`, rotation.
+
+        Gather the sizes and sha256 of the files every rank wrote (`mine`: this rank's), then rank 0
         writes meta.json, renames, updates latest, rotates. A checkpoint reaches the disk in the
-        background (each rank fsyncs its files; until then a crash of the machine, not of the process,
-        could damage it, which its check on resume finds): rotation counts only checkpoints every rank
-        has synced, so between saves one more than checkpointing_limit is kept; the last save of a
-        launch waits for its own."""
+        background (each rank fsyncs its files; until then a crash of the machine, not of the
+        process, could damage it, which its check on resume finds): rotation counts only checkpoints
+        every rank has synced, so between saves one more than checkpointing_limit is kept; the last
+        save of a launch waits for its own."""
         if self.syncing is not None:  # the previous checkpoint's, started a save interval ago
             self.syncing.result()
         shares = [None] * self.d.world
@@ -208,7 +231,8 @@ class Checkpointer:
         if self.d.is_main:
             files = {k: v for share in shares for k, v in sorted(share.items())}
             write_meta(tmp, step, self.d.world, self.identity, self.data, files)
-            if final.exists():  # one that failed its check on resume, recomputed since: move it aside first
+            # one that failed its check on resume, recomputed since: move it aside first
+            if final.exists():
                 stale = final.with_name(f"{final.name}.stale.tmp")
                 os.replace(final, stale)
                 os.replace(tmp, final)
@@ -240,7 +264,9 @@ class Checkpointer:
                 shutil.rmtree(path)
 
     def _candidates(self) -> list[Path]:
-        """The checkpoints to try, newest first, as rank 0 sees them (leftover .tmp folders removed)."""
+        """The checkpoints to try, newest first, as rank 0 sees them.
+
+        Leftover .tmp folders are removed."""
         found = None
         with parallel.all_or_none():
             if self.d.is_main:
@@ -267,16 +293,18 @@ class Checkpointer:
         return message
 
     def resume(self, objects: dict) -> Path | None:
-        """Load the newest checkpoint whose files check out into the live objects on every rank, falling
-        back to older ones; resharding is DCP's; return its path. A stop signal before the check ends the
-        run here."""
+        """Load the newest checkpoint that checks out, falling back to older ones; return its path.
+
+        The checkpoint is loaded into the live objects on every rank; resharding is DCP's. A stop
+        signal before the check ends the run here."""
         parallel.stop_if_preempted(self.d, "before resuming, with nothing new to save")
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
             problem = next((p for p in parallel.agree(lambda: meta_problem(path), self.d) if p), None)
             if problem is None:
-                with parallel.all_or_none():  # another model, LoRA or dataset: stop, do not fall back
+                # another model, LoRA or dataset: stop, do not fall back
+                with parallel.all_or_none():
                     meta = read_meta(path)
                     check_identity(path, meta, self.identity, resuming=True)
                     check_data(path, meta, self.data)
@@ -288,7 +316,8 @@ class Checkpointer:
             skipped.append(problem)
             log.warning("%s; falling back to the previous checkpoint", problem)
         else:
-            if candidates:  # starting over would overwrite the damaged ones: leave that decision to the user
+            # starting over would overwrite the damaged ones: leave that decision to the user
+            if candidates:
                 raise ConfigError(self._none_passes(candidates, skipped))
             return None
         with parallel.all_or_none():
@@ -308,7 +337,9 @@ class Checkpointer:
 
 
 def load_weights(model, path: str, training_type: str, identity: dict, d: parallel.Dist, ema=None) -> None:
-    """Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
+    """Load only a checkpoint's trained weights (and EMA) into a built model.
+
+    Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
     check_identity(Path(path), read_meta(Path(path)), identity)
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
@@ -323,9 +354,12 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: parall
 
 
 def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:
-    """Build the model as training does, load the checkpoint's trained weights (and EMA), export them."""
-    # By default into the run's exports/checkpoint-N/ (its ComfyUI file named <run>_checkpoint-N): never inside
-    # the checkpoint, which rotation deletes, nor over the run's own lora/, which holds its final weights.
+    """Export a checkpoint's trained weights (and EMA).
+
+    Builds the model as training does and loads the checkpoint's trained weights into it first."""
+    # By default into the run's exports/checkpoint-N/ (its ComfyUI file named <run>_checkpoint-N):
+    # never inside the checkpoint, which rotation deletes, nor over the run's own lora/, which holds
+    # its final weights.
     where = Path(checkpoint).resolve()
     target = Path(out) if out else where.parent / "exports" / where.name
     with parallel.all_or_none():  # before any compute
@@ -338,7 +372,8 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # the checkpoint holds the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-    with exporting(where):  # a training still running keeps this checkpoint until the export is written
+    # a training still running keeps this checkpoint until the export is written
+    with exporting(where):
         with parallel.all_or_none():
             load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
         export.export(model, cfg.train.training_type, cfg.lora, adapter, str(target), d, ema,
@@ -346,12 +381,14 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
 
 
 def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
-    """Accept a checkpoint's files as they are, for a checkpoint that fails its check and is wanted anyway:
-    rewrite its meta.json from the files now there (sizes, sha256) and the step its name holds. Refused
-    when a shard its .metadata names is missing, when this config builds other shapes than .metadata
-    records, or when a readable meta.json names another model or training (each would fail the resume).
-    A readable identity is kept, else this config's is written; the record of its training clips is kept
-    where the old meta.json still has one, else left out (None: not checked on resume). Loading it then
+    """Accept a checkpoint's files as they are by rewriting its meta.json.
+
+    For a checkpoint that fails its check and is wanted anyway: its meta.json is rewritten from the
+    files now there (sizes, sha256) and the step its name holds. Refused when a shard its .metadata
+    names is missing, when this config builds other shapes than .metadata records, or when a
+    readable meta.json names another model or training (each would fail the resume). A readable
+    identity is kept, else this config's is written; the record of its training clips is kept where
+    the old meta.json still has one, else left out (None: not checked on resume). Loading it then
     reads whatever its shards hold."""
     path = Path(checkpoint)
     match = CHECKPOINT_NAME.fullmatch(path.name)

@@ -1,8 +1,9 @@
-"""A checkpoint folder's files: DCP's writer that hashes every file as it writes it, meta.json (the
-step, what was trained on what, and each file's size and sha256), and the checks a checkpoint passes
-before it is loaded: its meta.json, its model, base weights and data, and the bytes of the files this
-rank reads; the shapes a config builds against a checkpoint's; the lock an export holds against rotation.
-"""
+"""A checkpoint folder's files: the hashing writer, meta.json, the checks before a load.
+
+DCP's writer that hashes every file as it writes it, meta.json (the step, what was trained on what,
+and each file's size and sha256), and the checks a checkpoint passes before it is loaded: its
+meta.json, its model, base weights and data, and the bytes of the files this rank reads; the shapes
+a config builds against a checkpoint's; the lock an export holds against rotation."""
 
 import contextlib
 import errno
@@ -30,15 +31,20 @@ from weights import Weights
 log = logging.getLogger("vidtrain")
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-EXPORT_LOCK = "export.lock"  # in a checkpoint, flocked while `ckpt.py export` reads it; in no meta.json
+# in a checkpoint, flocked while `ckpt.py export` reads it; in no meta.json
+EXPORT_LOCK = "export.lock"
 BASE_SAMPLES = 64  # pieces of 64 KiB read from each base weight file for its identity
-WRITE_THREADS = min(4, os.cpu_count() or 1)  # files per rank, each written and hashed by its own thread
+# files per rank, each written and hashed by its own thread
+WRITE_THREADS = min(4, os.cpu_count() or 1)
 
 
 @contextlib.contextmanager
 def write_failures_named(tmp: Path):
-    """DCP reports a failed write on every rank as a CheckpointException (a BaseException) holding every
-    rank's traceback: turn it into one message naming the first failing rank's cause and the fix."""
+    """Turn DCP's every-rank write failure into one message with the first cause and the fix.
+
+    DCP reports a failed write on every rank as a CheckpointException (a BaseException) holding
+    every rank's traceback: turn it into one message naming the first failing rank's cause and the
+    fix."""
     try:
         yield
     except CheckpointException as e:
@@ -47,8 +53,9 @@ def write_failures_named(tmp: Path):
 
 
 class HashingStream:
-    """A file being written, hashed as it is written (read back afterwards, a checkpoint of GBs would
-    cost a second pass over every byte)."""
+    """A file being written, hashed as it is written.
+
+    Read back afterwards instead, a checkpoint of GBs would cost a second pass over every byte."""
 
     def __init__(self, file):
         self.file, self.sha256, self.size = file, hashlib.sha256(), 0
@@ -83,9 +90,12 @@ class HashingFileSystem(FileSystem):
 
 
 class HashingWriter(dcp.FileSystemWriter):
-    """DCP's writer, hashing as it writes, in WRITE_THREADS threads (files) per rank: hashing and writing
-    both release the GIL, so the threads hash and write in parallel where one torch.save cannot. No
-    fsync here: the Checkpointer syncs a committed checkpoint in the background (see _commit)."""
+    """DCP's file writer, hashing every file as it writes it, in several threads per rank.
+
+    DCP's writer, hashing as it writes, in WRITE_THREADS threads (files) per rank: hashing and
+    writing both release the GIL, so the threads hash and write in parallel where one torch.save
+    cannot. No fsync here: the Checkpointer syncs a committed checkpoint in the background (see
+    _commit)."""
 
     def __init__(self, path: Path):
         super().__init__(path, thread_count=WRITE_THREADS, sync_files=False)
@@ -93,14 +103,15 @@ class HashingWriter(dcp.FileSystemWriter):
 
 
 class FailingWriter(HashingWriter):
-    """A storage writer whose writes fail like a full disk, for the save_fail fault point: DCP itself
-    then reports the failure on every rank."""
+    """A storage writer that fails like a full disk, for the save_fail fault point.
+
+    DCP itself then reports the failure on every rank."""
 
     def write_data(self, plan, planner):
         raise OSError(28, "No space left on device (injected save_fail)")
 
 
-@functools.cache  # once per process: each version() parses a package's METADATA file (~2 ms)
+@functools.cache  # once per process: each version() parses a package's METADATA file
 def library_versions() -> dict[str, str]:
     return {p: version(p) for p in ("torch", "diffusers", "transformers")}
 
@@ -120,8 +131,9 @@ def sha256_of(path: Path) -> str:
 
 
 def checkpoint_folders(output_dir: Path) -> list[Path]:
-    """Every checkpoint-<int>/ folder, oldest first, complete or not; anything else in the folder
-    (foreign files, .tmp, best.pt) is ignored."""
+    """Every checkpoint-<int>/ folder, oldest first, complete or not.
+
+    Anything else in the folder (foreign files, .tmp, best.pt) is ignored."""
     found = []
     for path in output_dir.glob("checkpoint-*"):
         match = CHECKPOINT_NAME.fullmatch(path.name)
@@ -131,7 +143,9 @@ def checkpoint_folders(output_dir: Path) -> list[Path]:
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Committed checkpoints, oldest first: checkpoint-<int>/ with DCP's .metadata and our meta.json."""
+    """Committed checkpoints, oldest first.
+
+    A committed one is a checkpoint-<int>/ with DCP's .metadata and our meta.json."""
     return [p for p in checkpoint_folders(output_dir) if (p / ".metadata").is_file() and (p / "meta.json").is_file()]
 
 
@@ -148,9 +162,11 @@ def meta_problem(path: Path) -> str | None:
 
 
 def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = False) -> None:
-    """A checkpoint of another model, LoRA shape or training type is refused naming the difference. A resume
-    (`resuming`) also refuses other base weights and warns of another precision; an export or a render of
-    it may use any base. Checkpoints written before their base was recorded are not checked for it."""
+    """A checkpoint of another model, LoRA shape or training type is refused naming the difference.
+
+    A resume (`resuming`) also refuses other base weights and warns of another precision; an export
+    or a render of it may use any base. Checkpoints written before their base was recorded are not
+    checked for it."""
     saved = meta["identity"]
     if resuming and "base" in saved and saved["base"]["weights"] != identity["base"]["weights"]:
         raise ConfigError(f"checkpoint {path} was trained on other base weights: {saved['base']['files']} "
@@ -169,11 +185,13 @@ def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = Fals
 
 
 def base_identity(adapter) -> dict:
-    """The transformer's weight files (model.transformer_file's, or model.path's transformer folder's) by
-    content, cheaply, as the manifest knows clips: per file its size, its safetensors header (names,
-    dtypes, shapes, offsets) and BASE_SAMPLES pieces spread over its data. A whole-file hash of a 14B
-    model would cost minutes per launch; fine-tuned weights differ in every sampled piece. The key holds
-    no paths: a model moved elsewhere still resumes."""
+    """The transformer's weight files by content, cheaply: sizes, headers and sampled pieces.
+
+    The files are model.transformer_file's, or model.path's transformer folder's, known as the
+    manifest knows clips: per file its size, its safetensors header (names, dtypes, shapes, offsets)
+    and BASE_SAMPLES pieces spread over its data. A whole-file hash of a 14B model would cost
+    minutes per launch; fine-tuned weights differ in every sampled piece. The key holds no paths: a
+    model moved elsewhere still resumes."""
     if adapter.single_file is not None:
         files = adapter.single_file.files
     else:
@@ -192,8 +210,11 @@ def base_identity(adapter) -> dict:
 
 
 def check_data(path: Path, meta: dict, data: dict) -> None:
-    """A checkpoint trained on other clips is refused: its sampler state would index clips that differ.
-    A checkpoint accepted as it is (`ckpt.py rehash` of a damaged meta.json) has no record of them (None)."""
+    """Refuse a checkpoint trained on other clips.
+
+    A checkpoint trained on other clips is refused: its sampler state would index clips that differ.
+    A checkpoint accepted as it is (`ckpt.py rehash` of a damaged meta.json) has no record of them
+    (None)."""
     saved = meta["data"]
     if saved is None or saved == data:
         return
@@ -207,7 +228,9 @@ def check_data(path: Path, meta: dict, data: dict) -> None:
 
 
 def check_files(path: Path, names: list[str]) -> str | None:
-    """Check files of a checkpoint against its meta.json, every size before any sha256; return what is
+    """Check a checkpoint's files against its meta.json; return what is wrong, or None.
+
+    Check files of a checkpoint against its meta.json, every size before any sha256; return what is
     wrong, or None."""
     expected = json.loads((path / "meta.json").read_text())["files"]
     for name in names:
@@ -222,10 +245,12 @@ def check_files(path: Path, names: list[str]) -> str | None:
 
 
 def check_reads(path: Path, state: dict, planner) -> str | None:
-    """Check the files this rank's DCP load of `state` will read, and only those: DCP's .metadata (it is
-    unpickled to plan the reads), then the shards named by this rank's own load plan, made locally. Every
-    rank checks its share at the same time, outside any collective, so a checkpoint of tens of GB is
-    hashed in the time of one rank's share and no rank waits inside a collective's timeout meanwhile."""
+    """Check the files this rank's DCP load will read, and only those.
+
+    DCP's .metadata (it is unpickled to plan the reads), then the shards named by this rank's own
+    load plan of `state`, made locally. Every rank checks its share at the same time, outside any
+    collective, so a checkpoint of tens of GB is hashed in the time of one rank's share and no rank
+    waits inside a collective's timeout meanwhile."""
     problem = check_files(path, [".metadata"])
     if problem:
         return problem
@@ -236,14 +261,17 @@ def check_reads(path: Path, state: dict, planner) -> str | None:
 
 
 def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) -> str | None:
-    """A collective: every rank checks what it will read of `path`; the first problem found, or None."""
+    """Check on every rank what it will read of `path`; return the first problem found, or None.
+
+    A collective."""
     problems = parallel.agree(lambda: check_reads(path, state, dcp.DefaultLoadPlanner(**planner_options)), d)
     return next((p for p in problems if p), None)
 
 
 def other_shapes(cfg, adapter, metadata) -> str | None:
-    """How the trained weights .metadata records differ from what cfg builds (names and shapes, from the
-    config on the meta device: no weight is read), or None."""
+    """How the trained weights .metadata records differ from what cfg builds, or None.
+
+    Names and shapes, from the config on the meta device: no weight is read."""
     with torch.device("meta"):
         skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
     if cfg.train.training_type == "lora":
@@ -276,9 +304,12 @@ def read_meta(path: Path) -> dict:
 
 @contextlib.contextmanager
 def exporting(path: Path):
-    """Held while `ckpt.py export` reads a checkpoint: a shared flock on its EXPORT_LOCK, which rotation
-    in a running training tries to take exclusively before it deletes the checkpoint (it keeps the
-    checkpoint while an export holds it). A read-only checkpoint is not locked: nothing deletes it."""
+    """Hold a checkpoint against rotation while `ckpt.py export` reads it.
+
+    Held while `ckpt.py export` reads a checkpoint: a shared flock on its EXPORT_LOCK, which
+    rotation in a running training tries to take exclusively before it deletes the checkpoint (it
+    keeps the checkpoint while an export holds it). A read-only checkpoint is not locked: nothing
+    deletes it."""
     try:
         lock = (path / EXPORT_LOCK).open("a")
     except OSError as e:
@@ -297,8 +328,10 @@ def exporting(path: Path):
 
 
 def deletable(path: Path):
-    """The open EXPORT_LOCK of a checkpoint, flocked exclusively for its deletion; None while an export holds
-    it."""
+    """A checkpoint's EXPORT_LOCK, locked for deletion; None while an export holds it.
+
+    The open EXPORT_LOCK of a checkpoint, flocked exclusively for its deletion; None while an export
+    holds it."""
     lock = (path / EXPORT_LOCK).open("a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -309,7 +342,9 @@ def deletable(path: Path):
 
 
 def has_ema(path: str) -> bool:
-    """Whether a checkpoint holds EMA weights (its run had train.ema_decay > 0), from DCP's metadata."""
+    """Whether a checkpoint holds EMA weights, from DCP's metadata.
+
+    Its run had train.ema_decay > 0."""
     read_meta(Path(path))
     return any(key.startswith("ema.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 

@@ -1,7 +1,7 @@
-"""Every command's frame: the config, the process group and the run lock around the work, one report
-of any failure across the ranks, the exit code (0, 1 after a failure, 130 after Ctrl-C), and teardown on
-every path.
-"""
+"""Every command's frame: config, process group, run lock, one failure report, exit code, teardown.
+
+The config, the process group and the run lock around the work, one report of any failure across the
+ranks, the exit code (0, 1 after a failure, 130 after Ctrl-C), and teardown on every path."""
 
 import contextlib
 import datetime
@@ -30,7 +30,8 @@ import parallel
 from config import ConfigError, load_config
 
 log = logging.getLogger("vidtrain")
-EXIT_CODES = "VIDTRAIN_EXIT_CODES"  # set by launch.sh: a folder where every rank writes its exit code, rank 0 its error
+# set by launch.sh: a folder where every rank writes its exit code, rank 0 its error
+EXIT_CODES = "VIDTRAIN_EXIT_CODES"
 
 
 def run_command(work, config_path: str, overrides: list[str], lock_output_dir: bool = False) -> None:
@@ -54,21 +55,27 @@ def run_command(work, config_path: str, overrides: list[str], lock_output_dir: b
             quiet()
         with run_lock(cfg.run.output_dir, d) if lock_output_dir else contextlib.nullcontext():
             work(cfg, d)
-    except BaseException as e:  # noqa: BLE001 - the frame of every command: report once, then clean up
+    # noqa: BLE001 - the frame of every command: report once, then clean up
+    except BaseException as e:
         code = report(e, rank)
     # Outside the except block, so the traceback and the model it references are gone first.
     shutdown()
-    if EXIT_CODES in os.environ:  # launch.sh's folder: torchrun does not pass the workers' codes on after a signal
+    # launch.sh's folder: torchrun does not pass the workers' codes on after a signal
+    if EXIT_CODES in os.environ:
         (Path(os.environ[EXIT_CODES]) / f"rank-{rank}").write_text(f"{code}\n")
-    if code:  # handlers still set: torchrun's SIGTERM after a rank's exit must not kill this one mid-report
+    # handlers still set: torchrun's SIGTERM after a rank's exit must not kill this one mid-report
+    if code:
         sys.exit(code)
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
 
 
 def quiet() -> None:
-    """On every rank but 0, which speaks for all: warnings (ours, Python's, the libraries'), notices and
-    progress bars would show once per rank. Errors still show; cache.py relays what only one rank sees."""
+    """Quiet the output of every rank but 0, which speaks for all.
+
+    On every rank but 0, which speaks for all: warnings (ours, Python's, the libraries'), notices
+    and progress bars would show once per rank. Errors still show; cache.py relays what only one
+    rank sees."""
     logging.getLogger().setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
     for library in (diffusers_logging, transformers_logging):
@@ -78,21 +85,25 @@ def quiet() -> None:
 
 @contextlib.contextmanager
 def run_lock(folder: str, d: parallel.Dist):
-    """One writer per run.output_dir: rank 0 holds an exclusive flock on its run.lock, from before any
-    compute, with its pid and host written there for a second run's message. The kernel releases a flock
-    when its process ends, SIGKILL included: a dead run never holds the folder, its run.lock is harmless.
-    Across nodes it holds where the shared filesystem passes flock to its server (NFS, GPFS, Lustre with
-    -o flock); where flock is refused, the run warns and goes on unlocked."""
+    """Hold run.output_dir for this run alone: an exclusive flock on its run.lock on rank 0.
+
+    One writer per run.output_dir: rank 0 holds an exclusive flock on its run.lock, from before any
+    compute, with its pid and host written there for a second run's message. The kernel releases a
+    flock when its process ends, SIGKILL included: a dead run never holds the folder, its run.lock
+    is harmless. Across nodes it holds where the shared filesystem passes flock to its server (NFS,
+    GPFS, Lustre with -o flock); where flock is refused, the run warns and goes on unlocked."""
     lock, path = None, Path(folder) / "run.lock"
-    made = [p for p in (path.parent, path) if not p.exists()]  # what this launch creates, if it fails its checks
+    # what this launch creates, if it fails its checks
+    made = [p for p in (path.parent, path) if not p.exists()]
     with parallel.all_or_none():
         if d.is_main:
             lock = take_lock(path)
     try:
         yield
     except (ConfigError, parallel.StopRun):
-        # A check that failed (the config's, the model's, the clips') leaves no trace of a run that never
-        # started: the run.lock this launch made goes, still held, and the folder too while it is empty.
+        # A check that failed (the config's, the model's, the clips') leaves no trace of a run that
+        # never started: the run.lock this launch made goes, still held, and the folder too while it
+        # is empty.
         if lock is not None and made:
             path.unlink(missing_ok=True)
             if path.parent in made:
@@ -105,8 +116,10 @@ def run_lock(folder: str, d: parallel.Dist):
 
 
 def write_problem(folder: Path) -> str | None:
-    """Why nothing can be written in `folder` (made if missing): a read-only filesystem or permissions; None
-    if a file can be made there (and is removed again)."""
+    """Why nothing can be written in `folder`, or None if a file can be made there.
+
+    The folder is made if missing; the reason is a read-only filesystem or permissions. The test
+    file is removed again."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".vidtrain-writable-"):
@@ -121,7 +134,8 @@ def take_lock(path: Path):
     """The open run.lock, flocked; a ConfigError naming the holder when another process holds it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = path.open("a+")  # not truncated before it is ours: the holder's pid and host stay readable
+        # not truncated before it is ours: the holder's pid and host stay readable
+        lock = path.open("a+")
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
@@ -157,7 +171,8 @@ def report(error: BaseException, rank: int) -> int:
         if rank == 0:
             message = f"error: {first_failure(error) if isinstance(error, CheckpointException) else error}"
             log.error("%s", message)
-            if EXIT_CODES in os.environ:  # launch.sh prints it again, last, below torchrun's own report
+            # launch.sh prints it again, last, below torchrun's own report
+            if EXIT_CODES in os.environ:
                 (Path(os.environ[EXIT_CODES]) / "error").write_text(f"{message}\n")
         return 1
     if isinstance(error, KeyboardInterrupt):
@@ -196,20 +211,25 @@ def first_failure(error: CheckpointException) -> str:
 
 
 def shutdown() -> None:
-    """FSDP2 processes sometimes abort at exit unless the model is collected before the group goes."""
+    """FSDP2 processes sometimes abort at exit unless the model is collected before the group goes.
+    """
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def peer_failed(error: BaseException) -> bool:
-    """A collective broke because another rank died: that rank reports the cause, this one stays quiet."""
+    """Whether a collective broke because another rank died.
+
+    That rank reports the cause; this one stays quiet."""
     lost = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
     return any(text in str(error) for text in lost)
 
 
 def timed_out(error: BaseException) -> bool:
-    """gloo raises a RuntimeError ("Timed out waiting ...") and NCCL a DistBackendError on a timeout; a
+    """Whether an error is this rank's own collective timeout.
+
+    gloo raises a RuntimeError ("Timed out waiting ...") and NCCL a DistBackendError on a timeout; a
     collective waited on after one that timed out in the background (the preemption flag's) raises
     "Application timeout caused pair closure": this rank's own timeout too, not a lost peer (else it
     exits quietly, the hung rank sees its connection close and does too, and nobody reports it)."""
@@ -217,7 +237,9 @@ def timed_out(error: BaseException) -> bool:
 
 
 def first_to_report(what: str) -> bool:
-    """Several ranks may time out in the same collective: the job's store (torchrun's, which outlives
+    """Whether this rank is the first to report a collective timeout, as the job's store elects.
+
+    Several ranks may time out in the same collective: the job's store (torchrun's, which outlives
     the collective) elects the first of them to report it."""
     if "MASTER_ADDR" not in os.environ:
         return True
@@ -226,6 +248,7 @@ def first_to_report(what: str) -> bool:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=30))
         return store.add(f"vidtrain/{run}/{what}", 1) == 1
-    except RuntimeError:  # the store itself is gone (DistError is a RuntimeError): better twice than never
+    # the store itself is gone (DistError is a RuntimeError): better twice than never
+    except RuntimeError:
         return True
 

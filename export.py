@@ -1,6 +1,8 @@
-"""The final export: the trained weights (and EMA's beside them) as diffusers and PEFT load them, a
-LoRA also in ComfyUI's layout where the family has one, or the whole transformer for sft. Written
-at the end of training (trainer.py) and by `python ckpt.py export` for any checkpoint."""
+"""The final export: the trained weights in the layouts diffusers, PEFT and ComfyUI load.
+
+The trained weights (and EMA's beside them) as diffusers and PEFT load them, a LoRA also in
+ComfyUI's layout where the family has one, or the whole transformer for sft. Written at the end of
+training (trainer.py) and by `python ckpt.py export` for any checkpoint."""
 
 import logging
 from pathlib import Path
@@ -16,7 +18,9 @@ log = logging.getLogger("vidtrain")
 
 def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None,
            name: str = ""):
-    """The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on.
+    """Export the final weights, and the EMA weights beside them when EMA is on.
+
+    The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on.
     `name` names the ComfyUI file (default: out_dir's name, the run's)."""
     name = name or Path(out_dir).resolve().name
     _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "", d, name)
@@ -26,8 +30,9 @@ def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: st
 
 
 def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d, name: str):
-    """Gather only the exported weights to rank 0 and write them: the LoRA in diffusers' and PEFT's
-    layouts, or the full transformer with save_pretrained."""
+    """Gather only the exported weights to rank 0 and write them.
+
+    The LoRA in diffusers' and PEFT's layouts, or the full transformer with save_pretrained."""
     state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
     if not d.is_main:
         return
@@ -48,8 +53,10 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
 
 
 def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str) -> None:
-    """lora/comfy/<name>[_<expert>].safetensors in the key layout ComfyUI's native loader reads: Wan's original
-    checkpoint's, CogVideoX's ComfyUI model's (comfy/ldm/cogvideo/model.py)."""
+    """Write the LoRA in the key layout ComfyUI's native loader reads.
+
+    lora/comfy/<name>[_<expert>].safetensors in the key layout ComfyUI's native loader reads: Wan's
+    original checkpoint's, CogVideoX's ComfyUI model's (comfy/ldm/cogvideo/model.py)."""
     if not adapter.COMFY:
         return
     modules = {key.rsplit(".lora_", 1)[0] for key in weights}

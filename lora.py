@@ -29,14 +29,18 @@ COMFY_PREFIX = "diffusion_model."
 
 
 class LoRALinear(nn.Linear):
-    """y = x W^T + b + (alpha / rank) * B(A(dropout(x))), with W and b the base layer's own Parameters."""
+    """An nn.Linear with a low-rank update: y = x W^T + b + (alpha / rank) * B(A(dropout(x))).
+
+    W and b are the base layer's own Parameters."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, *, generator: torch.Generator,
                  device: torch.device | None = None):
-        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
+        # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
+        nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        if isinstance(base, storage.Fp8Linear):  # model.storage_dtype = "fp8": the scale goes with its weight
+        # model.storage_dtype = "fp8": the scale goes with its weight
+        if isinstance(base, storage.Fp8Linear):
             self.weight_scale, self.compute_dtype = base.weight_scale, base.compute_dtype
         self.rank, self.alpha, self.scale, self.dropout = rank, alpha, alpha / rank, dropout
         # LoRA weights are trainable, hence fp32 whatever the frozen base dtype. skip_init avoids
@@ -62,8 +66,8 @@ class LoRALinear(nn.Linear):
                 f"LoRA dropout {self.dropout} needs a generator: call "
                 "lora.set_dropout_generator(model, torch.Generator(device).manual_seed(...)) before training"
             )
-        # Drawn where x is, so the generator must be on x's device (bernoulli_ refuses another): a CPU
-        # mask would cost a blocking host-to-device copy per layer.
+        # Drawn where x is, so the generator must be on x's device (bernoulli_ refuses another): a
+        # CPU mask would cost a blocking host-to-device copy per layer.
         keep = torch.empty_like(x).bernoulli_(1.0 - self.dropout, generator=self.dropout_generator)
         return x * keep / (1.0 - self.dropout)
 
@@ -71,16 +75,19 @@ class LoRALinear(nn.Linear):
         return self.add_delta(storage.linear(self, x), x)
 
     def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The base layer's output `base` of input x, plus the adapter's path. Under autocast both paths
-        run in the autocast dtype; otherwise the LoRA path runs in fp32 (its weights' dtype) and the sum
-        is rounded once to the output dtype, as PEFT does."""
+        """The base layer's output `base` of input x, plus the adapter's path.
+
+        Under autocast both paths run in the autocast dtype; otherwise the LoRA path runs in fp32
+        (its weights' dtype) and the sum is rounded once to the output dtype, as PEFT does."""
         lora_in = x if torch.is_autocast_enabled(x.device.type) else x.to(self.lora_A.weight.dtype)
         return (base + self.lora_B(self.lora_A(self._dropout(lora_in))) * self.scale).to(base.dtype)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B @ A, computed in fp32 and returned as a new tensor in W's dtype (the compute dtype
-        of an fp8 W)."""
+        """Merge a LoRA into a copy of its weight: W + scale * B @ A, computed in fp32.
+
+        W + scale * B @ A, computed in fp32 and returned as a new tensor in W's dtype (the compute
+        dtype of an fp8 W)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
         weight = storage.weight(self)
         return (weight.float() + self.scale * delta).to(weight.dtype)
@@ -106,9 +113,10 @@ def inject_lora(
     model: nn.Module, target_modules: list[str], rank: int, alpha: float, dropout: float, seed: int,
     device: torch.device | None = None,
 ) -> list[str]:
-    """Replace every targeted nn.Linear by a LoRALinear, freeze everything else; return the sorted names.
-    The LoRA weights go to `device`, by default their base layer's (FSDP loading names the real one
-    while the base is still on the meta device)."""
+    """Replace every targeted nn.Linear by a LoRALinear, freeze the rest; return the names.
+
+    The names come sorted. The LoRA weights go to `device`, by default their base layer's (FSDP
+    loading names the real one while the base is still on the meta device)."""
     if _lora_modules(model):
         raise ValueError("inject_lora: the model already has LoRA layers")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -144,7 +152,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the base state dict with every LoRA layer merged in; live parameters are untouched."""
+    """A copy of the base state dict with every LoRA layer merged in; live parameters are untouched.
+    """
     lora_keys = set(_lora_keys(model))
     merged = {f"{name}.weight": m.merged_weight() for name, m in _lora_modules(model).items()}
     return {
@@ -160,7 +169,8 @@ EXPORT_FIX = ("free space (or write elsewhere: python ckpt.py export --out DIR),
 
 
 def _adapter_config(rank: int, alpha: float, target_modules: list[str], dropout: float) -> dict:
-    """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load."""
+    """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load.
+    """
     return {
         "r": rank,
         "lora_alpha": alpha,
@@ -173,7 +183,9 @@ def _adapter_config(rank: int, alpha: float, target_modules: list[str], dropout:
 
 
 def _save_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """safetensors with the header's keys sorted (the library writes them in hash order, so the same
+    """Write safetensors deterministically and atomically.
+
+    safetensors with the header's keys sorted (the library writes them in hash order, so the same
     weights would give different bytes from run to run), written to a temporary file and renamed, so
     a crash never leaves a truncated file at `path`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -191,9 +203,11 @@ def save_lora(
     path: str, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: list[str],
     dropout: float = 0.0, expert: str = "",
 ) -> None:
-    """Write diffusers' pytorch_lora_weights.safetensors: the tensors and header that
-    `CogVideoXPipeline.save_lora_weights(..., transformer_lora_adapter_metadata=config)` writes; a Wan 2.2
-    A14B expert's file names its expert in the header too."""
+    """Write diffusers' pytorch_lora_weights.safetensors as the pipeline's save_lora_weights does.
+
+    The tensors and header that `CogVideoXPipeline.save_lora_weights(...,
+    transformer_lora_adapter_metadata=config)` writes; a Wan 2.2 A14B expert's file names its expert
+    in the header too."""
     config = _adapter_config(rank, alpha, target_modules, dropout)
     packed = {DIFFUSERS_PREFIX + k: v for k, v in config.items()}
     metadata = {"format": "pt", METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
@@ -206,7 +220,9 @@ def save_peft_adapter(
     directory: str, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: list[str],
     dropout: float = 0.0,
 ) -> None:
-    """Write adapter_model.safetensors + adapter_config.json for `PeftModel.from_pretrained(base, directory)`."""
+    """Write PEFT's adapter_model.safetensors and adapter_config.json.
+
+    `PeftModel.from_pretrained(base, directory)` loads them."""
     config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None}
     config |= _adapter_config(rank, alpha, target_modules, dropout)
     tensors = {PEFT_PREFIX + k: v for k, v in lora_sd.items()}
@@ -216,11 +232,13 @@ def save_peft_adapter(
 
 
 def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a LoRA in diffusers' layout (ours: `transformer.` keys with `lora_adapter_metadata`), PEFT's
-    (`adapter_model.safetensors` beside `adapter_config.json`, or their folder) or ComfyUI's (with
-    `from_comfy`, the family's map of original module names to ours); return the state dict keyed by
-    model FQN and {rank, alpha, target_modules} (target_modules None from ComfyUI's layout, which names
-    modules, not targets: the model's own keys then decide)."""
+    """Read a LoRA in diffusers', PEFT's or ComfyUI's layout, keyed by model FQN, with its settings.
+
+    Diffusers' layout is ours: `transformer.` keys with `lora_adapter_metadata`; PEFT's is
+    `adapter_model.safetensors` beside `adapter_config.json`, or their folder; ComfyUI's needs
+    `from_comfy`, the family's map of original module names to ours. Returns the state dict keyed by
+    model FQN and {rank, alpha, target_modules} (target_modules None from ComfyUI's layout, which
+    names modules, not targets: the model's own keys then decide)."""
     if os.path.isdir(path):
         names = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
         found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
@@ -254,7 +272,8 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
     if others or not {"r", "lora_alpha", "target_modules"} <= config.keys():
         raise ValueError(f"{path}: not a transformer LoRA (keys outside '{prefix}': {others[:3]}; "
                          f"config keys: {sorted(config)})")
-    # Files trained elsewhere may use variants LoRALinear cannot represent; refuse rather than misload.
+    # Files trained elsewhere may use variants LoRALinear cannot represent; refuse rather than
+    # misload.
     unsupported = sorted(k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k))
     if unsupported or isinstance(config["target_modules"], str):
         what = unsupported or ["target_modules as a regular expression"]
@@ -276,7 +295,8 @@ def _from_comfy(path: str, tensors: dict[str, torch.Tensor], from_comfy) -> tupl
                          "maps (only the transformer blocks' projections are read)")
     alphas = {float(tensors[f"{COMFY_PREFIX}{m}.alpha"]) for m in modules if f"{COMFY_PREFIX}{m}.alpha" in tensors}
     ranks = {tensors[f"{COMFY_PREFIX}{m}.lora_A.weight"].shape[0] for m in modules}
-    if not any(k.endswith(".alpha") for k in tensors):  # the scale is baked into lora_B: alpha = rank
+    # the scale is baked into lora_B: alpha = rank
+    if not any(k.endswith(".alpha") for k in tensors):
         alphas = {float(r) for r in ranks}
     if len(alphas) > 1 or len(ranks) > 1 or len(alphas) == 0:
         raise ValueError(f"{path}: ranks {sorted(ranks)} and alphas {sorted(alphas)}: only one rank and one alpha "
@@ -287,11 +307,14 @@ def _from_comfy(path: str, tensors: dict[str, torch.Tensor], from_comfy) -> tupl
 
 
 def save_comfy(path: str, lora_sd: dict[str, torch.Tensor], alpha: float, to_comfy, alpha_keys: bool = True) -> None:
-    """ComfyUI's native layout: diffusion_model.<original module>.lora_A/lora_B.weight and a 0-dim .alpha per
-    module (ComfyUI scales by alpha / rank), with no lora_adapter_metadata (diffusers' converter of such
-    files bakes alpha in, and would apply it twice with the metadata). `to_comfy` maps our module names.
-    Without alpha_keys (a family whose diffusers loader refuses them, LTX-2's) alpha / rank is baked into
-    lora_B instead, which ComfyUI, reading no .alpha, applies at scale 1."""
+    """Write a LoRA in ComfyUI's native layout.
+
+    ComfyUI's native layout: diffusion_model.<original module>.lora_A/lora_B.weight and a 0-dim
+    .alpha per module (ComfyUI scales by alpha / rank), with no lora_adapter_metadata (diffusers'
+    converter of such files bakes alpha in, and would apply it twice with the metadata). `to_comfy`
+    maps our module names. Without alpha_keys (a family whose diffusers loader refuses them,
+    LTX-2's) alpha / rank is baked into lora_B instead, which ComfyUI, reading no .alpha, applies at
+    scale 1."""
     tensors = {}
     for key, value in lora_sd.items():
         module, part = key.rsplit(".lora_", 1)

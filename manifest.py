@@ -1,7 +1,9 @@
-"""The manifest: one index in the cache folder of what every clip's header said and what every file's
-bytes hash to, each against the file's size and mtime. A restart re-reads only the files that changed;
-a clip whose file is gone keeps its entry, so with a complete cache it still trains; models and clips
-are known by content, so a per-node copy of either matches the cache its twin filled."""
+"""The manifest: the cache's index of every clip's header and every file's content hash.
+
+One index in the cache folder of what every clip's header said and what every file's bytes hash to,
+each against the file's size and mtime. A restart re-reads only the files that changed; a clip whose
+file is gone keeps its entry, so with a complete cache it still trains; models and clips are known
+by content, so a per-node copy of either matches the cache its twin filled."""
 
 import hashlib
 import json
@@ -31,7 +33,9 @@ class Manifest:
         self.changed = False
 
     def lookup(self, path: Path) -> dict | None:
-        """The entry of an unchanged file, or the last one of a file that is gone; None if it must be read."""
+        """The entry of an unchanged file, or the last one of a file that is gone.
+
+        None if the file must be read."""
         entry = self.entries.get(os.path.abspath(path))
         try:
             stat = os.stat(path)
@@ -43,7 +47,9 @@ class Manifest:
 
     @staticmethod
     def read(path: Path, probe: bool) -> dict:
-        """A new entry: the content hash, and (`probe`) the media header; decode.MediaError if unusable."""
+        """A new entry: the content hash, and (`probe`) the media header.
+
+        decode.MediaError if the file is unusable."""
         stat = path.stat()
         entry = {"size": stat.st_size, "mtime": stat.st_mtime_ns, "content": content_hash(path)}
         if probe:
@@ -51,7 +57,9 @@ class Manifest:
         return entry
 
     def entry(self, path: Path, probe: bool = True) -> tuple[dict, bool]:
-        """(entry, whether it is new) for a file; decode.MediaError when it is gone and unknown, or unusable."""
+        """A file's entry and whether it is new.
+
+        decode.MediaError when the file is gone and unknown, or unusable."""
         known = self.lookup(path)
         if known is not None and (not probe or "media" in known):
             return known, False
@@ -64,8 +72,9 @@ class Manifest:
         self.changed = True
 
     def encoder_identity(self, adapter, d: parallel.Dist) -> dict[str, dict]:
-        """Each encoder's files by content (name -> hash), hashed once on rank 0 and remembered here
-        against size and mtime."""
+        """Each encoder's files by content (name -> hash), hashed once on rank 0.
+
+        Remembered here against size and mtime."""
         identity = None
         with parallel.all_or_none():
             if d.is_main:

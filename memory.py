@@ -1,5 +1,7 @@
-"""Memory measurements: the peak of each phase (training between log steps, a validation) and the
-state a rank holds; host-side reads only, no device synchronisation."""
+"""Memory measurements: each phase's peak and the state a rank holds, read on the host only.
+
+The peak of each phase (training between log steps, a validation) and the state a rank holds;
+host-side reads only, no device synchronisation."""
 
 import contextlib
 import ctypes
@@ -22,11 +24,13 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def reset_peak_memory(device: torch.device, trim_heap: bool = False) -> None:
-    """Start a new peak, so each phase (training between log steps, a validation) reports its own: the
-    allocator's on GPUs; on Linux CPUs the kernel's VmHWM, which writing 5 to /proc/self/clear_refs
-    resets to the current resident size (ru_maxrss cannot be reset: without /proc the CPU peak spans the
-    process). `trim_heap`, after a validation: glibc keeps large freed blocks resident, which would carry
-    the validation's buffers into training's peak; malloc_trim returns them first (CPU only; once per
+    """Start a new memory peak, so each phase reports its own.
+
+    A phase is training between log steps, or a validation. The peak is the allocator's on GPUs; on
+    Linux CPUs the kernel's VmHWM, which writing 5 to /proc/self/clear_refs resets to the current
+    resident size (ru_maxrss cannot be reset: without /proc the CPU peak spans the process).
+    `trim_heap`, after a validation: glibc keeps large freed blocks resident, which would carry the
+    validation's buffers into training's peak; malloc_trim returns them first (CPU only; once per
     validation, as memory given back costs page faults when it is taken again). Host-side only: no
     device synchronisation."""
     if device.type == "cuda":
@@ -40,7 +44,9 @@ def reset_peak_memory(device: torch.device, trim_heap: bool = False) -> None:
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated accelerator memory, or the process's peak resident size on CPU, since the last
+    """Peak accelerator memory, or the process's peak resident size on CPU, since the last reset.
+
+    Peak allocated accelerator memory, or the process's peak resident size on CPU, since the last
     reset_peak_memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30

@@ -1,7 +1,7 @@
-"""Training metrics: TensorBoard events, logs/metrics.jsonl and the progress line, written on rank 0 only.
+"""Training metrics: TensorBoard events, logs/metrics.jsonl and the progress line.
 
-Every other rank gets a logger whose methods do nothing, so call sites need no rank checks
-(the pattern of DiT's train.py).
+They are written on rank 0 only. Every other rank gets a logger whose methods do nothing, so call
+sites need no rank checks (the pattern of DiT's train.py).
 """
 
 import io
@@ -27,8 +27,9 @@ class Metrics:
             return
         logs = Path(output_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        # Events from the purge step on are dropped: those after the resumed step, or on a fresh start
-        # every one of an earlier attempt that never saved a checkpoint. So a relaunch logs each step once.
+        # Events from the purge step on are dropped: those after the resumed step, or on a fresh
+        # start every one of an earlier attempt that never saved a checkpoint. So a relaunch logs
+        # each step once.
         purge_step = start_step + 1 if start_step else 0
         self.writer = SummaryWriter(str(logs), purge_step=purge_step)
         self.jsonl_path = logs / "metrics.jsonl"
@@ -42,14 +43,17 @@ class Metrics:
         self.jsonl_path.write_text("".join(line + "\n" for line in kept))
 
     def logged_validation(self, step: int) -> bool | None:
-        """Whether metrics.jsonl holds the validation of `step` (written once it has completed), on rank 0."""
+        """Whether metrics.jsonl holds the validation of `step`, on rank 0.
+
+        It is written once the validation has completed."""
         if not self.enabled:
             return None
         records = (json.loads(line) for line in self.jsonl_path.read_text().splitlines())
         return any(r["step"] == step and any(k.startswith("val/") for k in r) for r in records)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled or not values:  # validation with no held-out clips and no prompts has nothing
+        # validation with no held-out clips and no prompts has nothing
+        if not self.enabled or not values:
             return
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
@@ -68,14 +72,18 @@ class Metrics:
                  values["train/loss"], rate, values["train/samples_per_s"], _hms(eta))
 
     def progress_validation(self, step: int, values: dict[str, float]) -> None:
-        """The held-out loss, where the terminal shows it (it measures learning; the training loss does not)."""
+        """Show the held-out loss on the terminal's progress line.
+
+        It measures learning; the training loss does not."""
         if not self.enabled or "val/loss" not in values:
             return
         per_t = "  ".join(f"t{k.removeprefix('val/loss_t')} {v:.4f}" for k, v in values.items() if k.startswith("val/loss_t"))
         log.info("step %d/%d  held-out loss %.4f  (%s)", step, self.total_steps, values["val/loss"], per_t)
 
     def clip(self, step: int, tag: str, frames, fps: int) -> None:
-        """uint8 frames [F, H, W, 3] as an animated GIF in an image summary, which TensorBoard plays.
+        """Log uint8 frames [F, H, W, 3] as an animated GIF that TensorBoard plays.
+
+        uint8 frames [F, H, W, 3] as an animated GIF in an image summary, which TensorBoard plays.
         (SummaryWriter.add_video needs moviepy and, without it, silently logs nothing.)"""
         if not self.enabled:
             return
@@ -87,8 +95,10 @@ class Metrics:
         self.writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
     def audio(self, step: int, tag: str, sound, rate: int) -> None:
-        """A clip's soundtrack, float [channels, samples] in [-1, 1], as TensorBoard's audio summary (which holds
-        one channel: the channels' mean)."""
+        """Log a clip's soundtrack as TensorBoard's audio summary.
+
+        A clip's soundtrack, float [channels, samples] in [-1, 1], as TensorBoard's audio summary
+        (which holds one channel: the channels' mean)."""
         if self.enabled:
             self.writer.add_audio(tag, sound.float().mean(0, keepdim=True).clamp(-1, 1), step, sample_rate=rate)
 

@@ -1,12 +1,14 @@
-"""The model: the transformer as training builds it over its family's adapter (model_adapter.py), and the
-moving average of its trainable weights.
+"""The model: the transformer as training builds it over its family's adapter, and its EMA.
 
-Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from lora.init_from),
-the sequence split (parallel.sp_size), activation checkpointing per block (its kept inputs in host memory with
-train.activation_offload), DDP or fully_shard per block then the root (under FSDP the base
-weights are read only then, each rank its shard), then AdamW over the trainable parameters only (with,
-for fp16, the loss scale). trainer.py, the export command and the render command all build it here,
-so a checkpoint's keys are the same wherever it is loaded.
+The adapter (model_adapter.py) supplies the family's parts; the moving average (EMA) is of the
+trainable weights.
+
+Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from
+lora.init_from), the sequence split (parallel.sp_size), activation checkpointing per block (its kept
+inputs in host memory with train.activation_offload), DDP or fully_shard per block then the root
+(under FSDP the base weights are read only then, each rank its shard), then AdamW over the trainable
+parameters only (with, for fp16, the loss scale). trainer.py, the export command and the render
+command all build it here, so a checkpoint's keys are the same wherever it is loaded.
 """
 
 import contextlib
@@ -26,11 +28,12 @@ from weights import Weights
 log = logging.getLogger("vidtrain")
 
 
-# train.compile: dynamo keeps at most this many compiled variants of one code object (8 by default) and
-# then runs it eagerly for good, and every block shares one forward. Training makes 4: the first block's
-# input needs no gradient and the others' does, each for the first bucket's shape and again with dynamic
-# sizes once a second bucket's differs (validation runs eagerly, validate.eager). 16 leaves room for
-# FSDP's and sequence parallelism's own guards; a run that recompiles every step still stops at it.
+# train.compile: dynamo keeps at most this many compiled variants of one code object (8 by default)
+# and then runs it eagerly for good, and every block shares one forward. Training makes 4: the first
+# block's input needs no gradient and the others' does, each for the first bucket's shape and again
+# with dynamic sizes once a second bucket's differs (validation runs eagerly, validate.eager). 16
+# leaves room for FSDP's and sequence parallelism's own guards; a run that recompiles every step
+# still stops at it.
 RECOMPILE_LIMIT = 16
 
 
@@ -92,8 +95,11 @@ def check_lora_targets(adapter, targets: list[str]) -> None:
 
 
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
-    """Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the trained
-    one under FSDP, replicated otherwise (DDP has nothing to synchronise without trainable weights)."""
+    """Another frozen expert that sampling needs (Wan 2.2 A14B), spread like the trained one.
+
+    Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the
+    trained one under FSDP, replicated otherwise (DDP has nothing to synchronise without trainable
+    weights)."""
     def split(transformer):
         if adapter.sequence is not None:
             adapter.split_sequence(transformer, adapter.sequence)
@@ -112,10 +118,12 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
 
 def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
                 d: parallel.Dist, lora_file: str = ""):
-    """The wrapped transformer in train mode. `lora_file` (the render command's --lora) injects the
-    file's own rank, alpha and targets instead of the config's. Under FSDP the frozen weights stay on
-    the meta device until after fully_shard, when each rank reads its shard (adapter.load_transformer);
-    LoRA's are made whole on every rank first, so they are the same whatever the strategy."""
+    """The wrapped transformer in train mode.
+
+    `lora_file` (the render command's --lora) injects the file's own rank, alpha and targets instead
+    of the config's. Under FSDP the frozen weights stay on the meta device until after fully_shard,
+    when each rank reads its shard (adapter.load_transformer); LoRA's are made whole on every rank
+    first, so they are the same whatever the strategy."""
     fsdp = parallel_cfg.strategy == "fsdp"
 
     def prepare(transformer):
@@ -144,18 +152,21 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         if train.compile:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
             # Each block, not the whole model: its repeated blocks share one compiled graph, and the
-            # checkpointing and FSDP units stay what they are (fully_shard comes after, as torchtitan does).
+            # checkpointing and FSDP units stay what they are (fully_shard comes after, as
+            # torchtitan does).
             for block in adapter.blocks(transformer):
                 block.compile()
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         total = sum(p.numel() for p in transformer.parameters())
         log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
-        # sft's fp32 weights are gathered in the autocast dtype (it casts them anyway), but for the fp32 modules.
+        # sft's fp32 weights are gathered in the autocast dtype (it casts them anyway), but for the
+        # fp32 modules.
         compute_dtype_params = frozenset(name for name, _ in transformer.named_parameters()
                                          if train.training_type == "sft" and not adapter.keeps_fp32(name))
-        # Batches with and without sound (data.audio on LTX-2): a rank whose batch has none leaves the audio
-        # stream out of the graph, and FSDP2 reduce-scatters only the weights that got a gradient: the
-        # ranks' collectives would differ (gloo stops, NCCL hangs). See set_reduce_scatter_unused_params.
+        # Batches with and without sound (data.audio on LTX-2): a rank whose batch has none leaves
+        # the audio stream out of the graph, and FSDP2 reduce-scatters only the weights that got a
+        # gradient: the ranks' collectives would differ (gloo stops, NCCL hangs). See
+        # set_reduce_scatter_unused_params.
         varies = fsdp and adapter.GRAPH_VARIES and adapter.trains_sound
         # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the
         # host, in a unit of several modules per block (fully_shard of a list). FSDP2 ends such a unit's
@@ -168,12 +179,12 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
                                 train.gradient_accumulation_steps, d, compute_dtype_params, resident,
                                 adapter.GRAPH_VARIES)
         if varies:
-            # Each weight the backward skipped reduce-scatters a zero gradient in its unit's usual place, so
-            # every rank issues the same collectives and the step's gradient is the other ranks' (FSDP2's
-            # counterpart of DDP's find_unused_parameters). The units end their backward in the same order
-            # on every rank too: LTX-2's blocks are reached through the video stream, and the root unit's
-            # inputs need no gradient (it ends last). A run without sound leaves the same weights out on
-            # every rank and needs none of it.
+            # Each weight the backward skipped reduce-scatters a zero gradient in its unit's usual
+            # place, so every rank issues the same collectives and the step's gradient is the other
+            # ranks' (FSDP2's counterpart of DDP's find_unused_parameters). The units end their
+            # backward in the same order on every rank too: LTX-2's blocks are reached through the
+            # video stream, and the root unit's inputs need no gradient (it ends last). A run
+            # without sound leaves the same weights out on every rank and needs none of it.
             wrapped.set_reduce_scatter_unused_params(True)
         return wrapped
 
@@ -184,11 +195,13 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
 
 
 def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
-    """lora.init_from must describe the adapter the config trains: the same rank, alpha and targets."""
+    """lora.init_from must describe the adapter the config trains: the same rank, alpha and targets.
+    """
     ours = {"rank": cfg.rank, "alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules)}
     keys = {"rank": "lora.rank", "alpha": "lora.lora_alpha", "target_modules": "lora.target_modules"}
     for name, key in keys.items():
-        if info[name] is not None and info[name] != ours[name]:  # ComfyUI files name modules, not targets
+        # ComfyUI files name modules, not targets
+        if info[name] is not None and info[name] != ours[name]:
             raise ConfigError(f"lora.init_from = {cfg.init_from} has {name} {info[name]!r}, but {key} = "
                               f"{ours[name]!r}: set {key} to the file's value")
 
@@ -196,12 +209,13 @@ def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
 def build_optimizer(model, train: TrainConfig):
     """AdamW over the trainable parameters only; returns (parameters, optimizer).
 
-    The fused implementation, on every device and strategy: one kernel per step on CPUs and GPUs, for
-    plain and DTensor (FSDP2) parameters alike, and the only one that takes `found_inf`, so a step with
-    a non-finite gradient is skipped on the device instead of by a host decision (see LossScaler).
-    Fused and foreach AdamW round differently: using one everywhere keeps 1 process, DDP and FSDP
-    within rounding of each other and a resumed run bitwise equal. It needs floating-point parameters
-    on a CPU or an accelerator; trainable weights are fp32 (LoRA's, and sft's) by the house rules."""
+    The fused implementation, on every device and strategy: one kernel per step on CPUs and GPUs,
+    for plain and DTensor (FSDP2) parameters alike, and the only one that takes `found_inf`, so a
+    step with a non-finite gradient is skipped on the device instead of by a host decision (see
+    LossScaler). Fused and foreach AdamW round differently: using one everywhere keeps 1 process,
+    DDP and FSDP within rounding of each other and a resumed run bitwise equal. It needs
+    floating-point parameters on a CPU or an accelerator; trainable weights are fp32 (LoRA's, and
+    sft's) by the house rules."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay,
                                   betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon, fused=True)
@@ -209,21 +223,24 @@ def build_optimizer(model, train: TrainConfig):
 
 
 class LossScaler:
-    """fp16's dynamic loss scale, as torch.amp.GradScaler keeps it (2**16 at first, halved on a step with
-    a non-finite gradient, doubled after 2000 finite steps in a row), with two differences. The overflow
-    decision is the caller's, from the global gradient norm, which every rank computes alike (DDP's
-    all-reduced gradients, the norm of FSDP2's DTensor gradients): every rank skips the same steps, where
-    GradScaler's per-rank check of sharded gradients would let them disagree. And the scale is a device
-    tensor that nothing reads on the host: GradScaler's state_dict holds Python floats (a host sync,
-    and a pickle in checkpoints). Disabled (bf16, fp32) it changes nothing; its state is saved only
-    when it is enabled."""
+    """fp16's dynamic loss scale, decided from the global gradient norm and kept on the device.
+
+    The scale follows torch.amp.GradScaler (2**16 at first, halved on a step with a non-finite
+    gradient, doubled after 2000 finite steps in a row), with two differences. The overflow decision
+    is the caller's, from the global gradient norm, which every rank computes alike (DDP's
+    all-reduced gradients, the norm of FSDP2's DTensor gradients): every rank skips the same steps,
+    where GradScaler's per-rank check of sharded gradients would let them disagree. And the scale is
+    a device tensor that nothing reads on the host: GradScaler's state_dict holds Python floats (a
+    host sync, and a pickle in checkpoints). Disabled (bf16, fp32) it changes nothing; its state is
+    saved only when it is enabled."""
 
     GROWTH_INTERVAL = 2000
 
     def __init__(self, device: torch.device, enabled: bool):
         self.enabled = enabled
         self.scale = torch.full((), 2.0**16, device=device)
-        self.growth_tracker = torch.zeros((), dtype=torch.int64, device=device)  # finite steps since a change
+        # finite steps since a change
+        self.growth_tracker = torch.zeros((), dtype=torch.int64, device=device)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
@@ -251,8 +268,9 @@ class LossScaler:
 
 
 class EMA:
-    """Exponential moving average of the trainable weights, in fp32 and sharded like them (DTensors
-    under FSDP), keyed by the same FQNs as the model's state dict so checkpoints reshard."""
+    """Exponential moving average of the trainable weights, in fp32 and sharded like them.
+
+    DTensors under FSDP, keyed by the same FQNs as the model's state dict so checkpoints reshard."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.model, self.decay = model, decay
@@ -262,7 +280,8 @@ class EMA:
 
     @torch.no_grad()
     def update(self) -> None:
-        # One kernel launch per group of tensors, not one per parameter (fp32 weights: .float() is no copy).
+        # One kernel launch per group of tensors, not one per parameter (fp32 weights: .float() is
+        # no copy).
         torch._foreach_lerp_(list(self.weights.values()), [p.detach().float() for p in self.params], 1.0 - self.decay)
 
     def state_dict(self) -> dict:
@@ -282,10 +301,11 @@ class EMA:
     @contextlib.contextmanager
     @torch.no_grad()
     def swapped_in(self):
-        """The model holds the averaged weights inside the block, its own weights again after it. FSDP
-        keeps gathered copies of the weights when reshard_after_forward is off, and a forward without a
-        backward leaves them in place: resharding on both sides makes the next forward gather the
-        weights that were just written, not the ones before."""
+        """The model holds the averaged weights inside the block, its own weights again after it.
+
+        FSDP keeps gathered copies of the weights when reshard_after_forward is off, and a forward
+        without a backward leaves them in place: resharding on both sides makes the next forward
+        gather the weights that were just written, not the ones before."""
         online = [p.detach().clone() for p in self.params]
         self.swap_in()
         try:
@@ -297,9 +317,11 @@ class EMA:
 
 
 def model_state(model, training_type: str, **options) -> dict:
-    """The model's state dict as DCP keys it (FQNs), for LoRA only its trainable weights: DCP's
-    ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a persistent
-    buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise)."""
+    """The model's state dict keyed by FQN, for LoRA only its trainable weights.
+
+    DCP's ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a
+    persistent buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise).
+    """
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", **options)
     state = get_model_state_dict(model, options=options)
     if training_type != "lora":

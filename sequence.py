@@ -1,18 +1,20 @@
 """Sequence parallelism (Ulysses): the ranks of an sp group share one sample.
 
 The video tokens are split across the group's ranks at the first transformer block (in order, uneven
-lengths allowed: `torch.tensor_split`'s sizes); around self-attention an all-to-all swaps the sequence
-split for a head split, so each rank attends over the whole sequence with 1/sp of the heads, and back;
-the last block's output is gathered, so the rest of the model and the loss run on the whole sample on
-every rank. The families' attention processors call seq_to_heads / heads_to_seq / gather
-(families/cogvideox.py, families/wan.py, families/ltx2.py); the hooks here slice and gather around the blocks.
+lengths allowed: `torch.tensor_split`'s sizes); around self-attention an all-to-all swaps the
+sequence split for a head split, so each rank attends over the whole sequence with 1/sp of the
+heads, and back; the last block's output is gathered, so the rest of the model and the loss run on
+the whole sample on every rank. The families' attention processors call seq_to_heads / heads_to_seq
+/ gather (families/cogvideox.py, families/wan.py, families/ltx2.py); the hooks here slice and gather
+around the blocks.
 
-Gradients: every collective is the functional all_to_all_single (torch.distributed._functional_collectives,
-which dynamo traces into the compiled block; torch.distributed.nn's raises under dynamo, so each block
-with an exchange would run eagerly), whose backward is the exact adjoint (the reverse all-to-all), so the ranks of a group together compute the gradient of the sum of
-their sp identical losses: sp times the one-process gradient of the sample. DDP and FSDP average over
-all dp x sp ranks, which divides the sp back out: the update is the one of dp processes, no loss
-rescaling needed (tests/test_sequence.py holds it to one process).
+Gradients: every collective is the functional all_to_all_single
+(torch.distributed._functional_collectives, which dynamo traces into the compiled block;
+torch.distributed.nn's raises under dynamo, so each block with an exchange would run eagerly), whose
+backward is the exact adjoint (the reverse all-to-all), so the ranks of a group together compute the
+gradient of the sum of their sp identical losses: sp times the one-process gradient of the sample.
+DDP and FSDP average over all dp x sp ranks, which divides the sp back out: the update is the one of
+dp processes, no loss rescaling needed (tests/test_sequence.py holds it to one process).
 """
 
 import inspect
@@ -25,15 +27,17 @@ from config import ConfigError
 
 
 class SequenceSplit:
-    """One rank's place in its sp group: ranks rank // size * size ... + size - 1, adjacent so that a
-    group stays inside a node."""
+    """One rank's place in its sp group: ranks rank // size * size ...
+
+    + size - 1, adjacent so that a group stays inside a node."""
 
     def __init__(self, group: dist.ProcessGroup, size: int, rank: int):
         self.group, self.size, self.rank = group, size, rank
 
     def local(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's slice of a whole sequence; remembers every rank's length for the exchanges that
-        follow (the lengths of the sample now in the blocks)."""
+        """This rank's slice of a whole sequence, remembering every rank's length.
+
+        The lengths, of the sample now in the blocks, serve the exchanges that follow."""
         slices = x.tensor_split(self.size, dim)
         self.lengths = [s.shape[dim] for s in slices]
         return slices[self.rank]
@@ -46,7 +50,8 @@ class SequenceSplit:
         return [r.view(s) for r, s in zip(received.split(sizes), shapes)]
 
     def seq_to_heads(self, x: torch.Tensor, seq_dim: int, head_dim: int) -> torch.Tensor:
-        """This rank's slice of the sequence with every head -> the whole sequence with its 1/sp of the heads."""
+        """Exchange a sequence slice with every head for the whole sequence with 1/sp of the heads.
+        """
         chunks = list(x.chunk(self.size, head_dim))
         shapes = [_with(chunks[0].shape, seq_dim, n) for n in self.lengths]
         return torch.cat(self._exchange(chunks, shapes), dim=seq_dim)
@@ -57,12 +62,16 @@ class SequenceSplit:
         return torch.cat(self._exchange(chunks, [chunks[self.rank].shape] * self.size), dim=head_dim)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's slice of the sequence, concatenated along dim, on every rank: an all-gather whose
-        backward sums each slice's gradients over the group."""
+        """Gather every rank's slice of the sequence along dim, on every rank.
+
+        Every rank's slice of the sequence, concatenated along dim, on every rank: an all-gather
+        whose backward sums each slice's gradients over the group."""
         return torch.cat(self._exchange([x] * self.size, [_with(x.shape, dim, n) for n in self.lengths]), dim=dim)
 
     def heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """This rank's 1/sp of the heads of a tensor every rank holds whole (CogVideoX's text tokens)."""
+        """This rank's 1/sp of the heads of a tensor every rank holds whole.
+
+        CogVideoX's text tokens are such a tensor."""
         return x.chunk(self.size, head_dim)[self.rank]
 
     def gather_heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -71,10 +80,12 @@ class SequenceSplit:
 
 
 def stack_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """[3, ...]: Q, K and V for one exchange, in V's dtype. Under CUDA's autocast the Q and K norms return
-    fp32 (layer_norm is on its fp32 list) beside a bf16 V, and stacking would promote all three to fp32,
-    doubling the exchange's bytes; SDPA casts Q and K to bf16 anyway (it is on the lower-precision list),
-    so casting first changes no result."""
+    """[3, ...]: Q, K and V for one exchange, in V's dtype.
+
+    Under CUDA's autocast the Q and K norms return fp32 (layer_norm is on its fp32 list) beside a
+    bf16 V, and stacking would promote all three to fp32, doubling the exchange's bytes; SDPA casts
+    Q and K to bf16 anyway (it is on the lower-precision list), so casting first changes no result.
+    """
     return torch.stack([query.to(value.dtype), key.to(value.dtype), value])
 
 
@@ -85,10 +96,12 @@ def new_split(size: int, rank: int) -> SequenceSplit:
 
 
 def split_blocks(blocks: list[torch.nn.Module], split: SequenceSplit, per_token_inputs) -> None:
-    """Hooks: the first block's hidden_states are sliced along dim 1, and every block's other per-token
+    """Hook the blocks so that they run on this rank's slice of the sequence.
+
+    Hooks: the first block's hidden_states are sliced along dim 1, and every block's other per-token
     inputs (the model computes them once, whole, and hands them to each block) by per_token_inputs(
-    arguments) -> {argument: dim} (a tuple argument: each element); the last block's output (its first
-    element if a tuple) is gathered along dim 1. They stay through activation checkpointing's
+    arguments) -> {argument: dim} (a tuple argument: each element); the last block's output (its
+    first element if a tuple) is gathered along dim 1. They stay through activation checkpointing's
     recomputation, which calls the block as a module too; every rank of a group recomputes alike."""
     signature = inspect.signature(blocks[0].forward)
 

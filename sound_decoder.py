@@ -1,15 +1,15 @@
 """A clip's sound as float samples at its own rate, decoded by PyAV in a child process.
 
-FFmpeg and PyAV are C: a file that trips a bug in them (PyAV 18.1 segfaulted reading planar 7.1 frames)
-kills the process that decodes it. Decoded in a child, such a crash becomes the clip's bad-input message,
-naming the signal, and the run goes on with a new child. Each decode-pool thread borrows an idle child
-(Python with PyAV and numpy, no torch: started once per thread, ~0.75 s) and gets the samples back over a
-pipe. Measured on 2 busy cores: 3 s of 7.1 AAC at 48 kHz (a 2 s window and its margins, 3 MB of float)
-take ~30 ms to decode in process and 5-12 ms more through a child.
+FFmpeg and PyAV are C: a file that trips a bug in them (PyAV 18.1 segfaulted reading planar 7.1
+frames) kills the process that decodes it. Decoded in a child, such a crash becomes the clip's
+bad-input message, naming the signal, and the run goes on with a new child. Each decode-pool thread
+borrows an idle child (Python with PyAV and numpy, no torch: started once per thread) and gets the
+samples back over a pipe; the child's cost is small beside the decoding itself (BENCHMARKS.md,
+"Sound decoding in a child process").
 
-Frames are placed by their own timestamps, in the stream's time base (a converter's output stamps count
-samples instead); a frame within a timestamp tick of where the previous one ended follows it directly
-(Matroska stores milliseconds, not samples); a frame without one follows the previous one.
+Frames are placed by their own timestamps, in the stream's time base (a converter's output stamps
+count samples instead); a frame within a timestamp tick of where the previous one ended follows it
+directly (Matroska stores milliseconds, not samples); a frame without one follows the previous one.
 """
 
 import atexit
@@ -31,23 +31,28 @@ class Failed(Exception):
 
 
 def native(path: str, first_pts: int | None, start: float, seconds: float) -> tuple[int, np.ndarray] | None:
-    """The first audio stream's samples from `start` seconds after the first frame is shown (`first_pts`,
-    in the video stream's time base; None: the video stream's start time) for `seconds`: its rate and
-    float32 [channels, ceil(seconds * rate)], zeros where the stream has no sound. None when the file has
-    no audio stream, or one without a single frame."""
+    """Decode the first audio stream's samples over a window of the clip.
+
+    The first audio stream's samples from `start` seconds after the first frame is shown
+    (`first_pts`, in the video stream's time base; None: the video stream's start time) for
+    `seconds`: its rate and float32 [channels, ceil(seconds * rate)], zeros where the stream has no
+    sound. None when the file has no audio stream, or one without a single frame."""
     with av.open(path) as container:
         if not container.streams.audio:
             return None
         stream, video = container.streams.audio[0], container.streams.video[0]
         shown = first_pts if first_pts is not None else video.start_time or 0
         rate = stream.codec_context.sample_rate
-        begin = float(shown * video.time_base) + start  # the span's first sample, in the container's seconds
+        # the span's first sample, in the container's seconds
+        begin = float(shown * video.time_base) + start
         span = _span(container, stream, begin, math.ceil(seconds * rate), rate)
     return None if span is None else (rate, span)
 
 
 def _span(container, stream, begin: float, length: int, rate: int) -> np.ndarray | None:
-    """`length` samples at `rate` from `begin` seconds on (the container's clock), each frame placed as
+    """Decode `length` samples at `rate` from `begin` seconds on.
+
+    `length` samples at `rate` from `begin` seconds on (the container's clock), each frame placed as
     the module says; None when the stream holds no frame from the seek on."""
     tick = float(stream.time_base)
     seek = max(math.floor(begin / tick), stream.start_time or 0)
@@ -58,7 +63,8 @@ def _span(container, stream, begin: float, length: int, rate: int) -> np.ndarray
         return None
     # Packed float, reshaped here: PyAV 18.1 reports 9 planes for a planar 8-channel frame, and its
     # to_ndarray then reads past the frame (a segfault).
-    to_float = av.AudioResampler(format="flt")  # any sample format to packed float, rate and layout kept
+    # any sample format to packed float, rate and layout kept
+    to_float = av.AudioResampler(format="flt")
     buffer, position = np.zeros((first.layout.nb_channels, length), np.float32), None
     for frame in itertools.chain([first], frames):
         converted = [c.to_ndarray().reshape(-1, c.layout.nb_channels) for c in to_float.resample(frame)]
@@ -106,7 +112,9 @@ _lock = threading.Lock()
 
 def decode(path: str, first_pts: int | None, start: float, seconds: float,
            crash: bool = False) -> tuple[int, np.ndarray] | None:
-    """native(...) in an idle child; Failed with the reason when the stream cannot be decoded, or when
+    """Run native(...) in an idle child process, so that a crashing decoder names the clip.
+
+    native(...) in an idle child; Failed with the reason when the stream cannot be decoded, or when
     decoding it ends the child (`crash`: the child segfaults first, as a decoder's bug would)."""
     with _lock:
         child = _idle.pop() if _idle else None
@@ -134,8 +142,8 @@ def _close_idle() -> None:
 
 def serve() -> None:
     """The child: requests from stdin, replies (ok, value) to stdout, until stdin ends."""
-    # Signals to the process group (Ctrl-C, a scheduler's SIGTERM) are the parent's to handle: it stops
-    # this child by closing its input.
+    # Signals to the process group (Ctrl-C, a scheduler's SIGTERM) are the parent's to handle: it
+    # stops this child by closing its input.
     for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     replies = os.fdopen(os.dup(1), "wb")

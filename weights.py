@@ -1,17 +1,20 @@
-"""The transformer's safetensors weights, read one tensor (or one rank's rows of one) at a time: a diffusers
-folder's files (Weights), or model.transformer_file's single files (SingleFile) in the layout ComfyUI and
-the original releases use, in bf16, fp16, fp32, plain float8 casts or ComfyUI's scaled fp8.
+"""The transformer's safetensors weights, read one tensor (or one rank's rows of one) at a time.
 
-A single file's names map to diffusers' through the family's adapter (SINGLE_FILE_KEY, single_file_key and
-diffusers_names: Wan through diffusers' own convert_wan_transformer_to_diffusers, CogVideoX through ComfyUI's
-module names, LTX-2 through diffusers' convert_ltx2_to_diffusers tables), which also names the keys that are
-not the transformer's (single_file_extra: LTX-2's connectors, CogVideoX 2b's sincos table). Reading stays
-lean: the headers first, then each tensor (under FSDP each rank's rows) when the model asks for it; an fp8
-tensor is dequantized as ComfyUI does, the stored value times its layer's scale in fp32, one tensor (one
-rank's rows) at a time. The quantization rules are ComfyUI's comfy/utils.py convert_old_quants and
-comfy/ops.py (docs/models/wan.md, "Single files"). A file of another family or size, with missing or extra
-keys, cut short, in diffusers' layout, of another format (GGUF, a PyTorch pickle) or a folder is refused when
-the adapter is loaded, before the cache pass.
+A diffusers folder's files (Weights), or model.transformer_file's single files (SingleFile) in the
+layout ComfyUI and the original releases use, in bf16, fp16, fp32, plain float8 casts or ComfyUI's
+scaled fp8.
+
+A single file's names map to diffusers' through the family's adapter (SINGLE_FILE_KEY,
+single_file_key and diffusers_names: Wan through diffusers' own
+convert_wan_transformer_to_diffusers, CogVideoX through ComfyUI's module names, LTX-2 through
+diffusers' convert_ltx2_to_diffusers tables), which also names the keys that are not the
+transformer's (single_file_extra: LTX-2's connectors, CogVideoX 2b's sincos table). Reading stays
+lean: the headers first, then each tensor (under FSDP each rank's rows) when the model asks for it;
+an fp8 tensor is dequantized as ComfyUI does, the stored value times its layer's scale in fp32, one
+tensor (one rank's rows) at a time. The quantization rules are ComfyUI's comfy/utils.py
+convert_old_quants and comfy/ops.py (docs/models/wan.md, "Single files"). A file of another family
+or size, with missing or extra keys, cut short, in diffusers' layout, of another format (GGUF, a
+PyTorch pickle) or a folder is refused when the adapter is loaded, before the cache pass.
 """
 
 import contextlib
@@ -32,12 +35,13 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # ComfyUI's per-tensor fp8 formats (a layer's "format" in its quantization config); ComfyUI's other
 # formats (nvfp4, mxfp8, int8) store blocks of scales vidtrain does not read.
 SCALED_FORMATS = ("float8_e4m3fn", "float8_e5m2")
-# Other formats' first bytes: GGUF's magic, and a zip archive's (torch.save's format since PyTorch 1.6); the
-# older pickles have no fixed start, hence their usual suffixes.
+# Other formats' first bytes: GGUF's magic, and a zip archive's (torch.save's format since PyTorch
+# 1.6); the older pickles have no fixed start, hence their usual suffixes.
 GGUF_MAGIC, ZIP_MAGIC, PICKLE_SUFFIXES = b"GGUF", b"PK\x03\x04", (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 MAX_HEADER = 100_000_000  # the safetensors library refuses longer headers (MAX_HEADER_SIZE)
-# Keys that describe the quantization, not weights: the old files' marker and scales (scale_input is the
-# activations' scale of fp8 matrix products, which dequantized weights do not use), the new files' ones.
+# Keys that describe the quantization, not weights: the old files' marker and scales (scale_input is
+# the activations' scale of fp8 matrix products, which dequantized weights do not use), the new
+# files' ones.
 QUANT_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
 # safetensors' dtype names.
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -46,10 +50,11 @@ FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 
 
 class Weights:
-    """The safetensors files of a diffusers model folder (one file, or shards listed by an index), read
-    one tensor, or one rank's rows of one, at a time. Read with plain reads into the tensor, not through
-    safetensors' memory map: the mapped pages a read touches count in the process's resident size until
-    the map closes, so a mapped file would add its own size to the peak of loading."""
+    """The safetensors files of a diffusers model folder, read one tensor or rank's rows at a time.
+
+    One file, or shards listed by an index. Read with plain reads into the tensor, not through
+    safetensors' memory map: the mapped pages a read touches count in the process's resident size
+    until the map closes, so a mapped file would add its own size to the peak of loading."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -79,7 +84,9 @@ class Weights:
         self._open: dict[Path, object] = {}
 
     def check(self, model: torch.nn.Module, ignored: list[str]) -> None:
-        """The files must hold exactly the model's state dict (keys and shapes), but for the class's
+        """Check that the files hold exactly the model's state dict.
+
+        The files must hold exactly the model's state dict (keys and shapes), but for the class's
         ignored unexpected keys."""
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         unexpected = [k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)]
@@ -129,8 +136,10 @@ class Weights:
         return self._rows(key, *self.shard_range(key, param))
 
     def shard_range(self, key: str, param: torch.Tensor) -> tuple[int, int]:
-        """(first row, rows) of `key` that this rank holds of the sharded parameter (a DTensor sharded on
-        dim 0 by FSDP2, replicated on HSDP's other mesh dimension)."""
+        """(first row, rows) of `key` that this rank holds of the sharded parameter.
+
+        The parameter is a DTensor sharded on dim 0 by FSDP2, replicated on HSDP's other mesh
+        dimension."""
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         local = param.to_local()
         if tuple(local.shape) != tuple(shape) or any(offset[1:]):
@@ -138,14 +147,17 @@ class Weights:
         return offset[0], shape[0]
 
     def fp8_source(self, key: str, start: int, count: int) -> tuple[torch.Tensor, float | None]:
-        """Rows of a weight for model.storage_dtype = "fp8" (storage.load_rows) and the scale they are already
-        stored with, None where they are to be quantized: a folder stores no fp8 (single files can)."""
+        """Rows of a weight for fp8 storage, and the scale they are already stored with (or None).
+
+        For model.storage_dtype = "fp8" (storage.load_rows); the scale is None where the rows are to
+        be quantized: a folder stores no fp8 (single files can)."""
         return self._rows(key, start, count), None
 
 
 def rename_module(name: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
-    """A module name in another layout (ComfyUI's): blocks.N.<x> -> new_blocks.N.<in_block[x]>, others by
-    `outside`; None where that layout has no such module."""
+    """A module name in another layout (ComfyUI's), or None where that layout has no such module.
+
+    blocks.N.<x> -> new_blocks.N.<in_block[x]>, others by `outside`."""
     parts = name.split(".", 2)
     if parts[0] == blocks and len(parts) == 3 and parts[1].isdigit():
         return f"{new_blocks}.{parts[1]}.{in_block[parts[2]]}" if parts[2] in in_block else None
@@ -153,17 +165,21 @@ def rename_module(name: str, blocks: str, new_blocks: str, in_block: dict, outsi
 
 
 def rename_key(key: str, blocks: str, new_blocks: str, in_block: dict, outside: dict) -> str | None:
-    """A state-dict key in another layout: its module renamed by rename_module and the leaf kept, or, for
-    a parameter a table names itself (Wan's scale_shift_table, modulation), the whole key renamed."""
+    """A state-dict key renamed into another layout.
+
+    Its module renamed by rename_module and the leaf kept, or, for a parameter a table names itself
+    (Wan's scale_shift_table, modulation), the whole key renamed."""
     module, _, leaf = key.rpartition(".")
     renamed = rename_module(module, blocks, new_blocks, in_block, outside)
     return f"{renamed}.{leaf}" if renamed else rename_module(key, blocks, new_blocks, in_block, outside)
 
 
 def read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
-    """A whole safetensors file's tensors: key -> (dtype, shape, first byte, bytes), with its metadata
-    under "__metadata__"; a file of another format (by its first bytes, before reading more), cut short
-    or not a safetensors file is named."""
+    """Read a safetensors file's header: key -> (dtype, shape, first byte, bytes), and its metadata.
+
+    A whole safetensors file's tensors: key -> (dtype, shape, first byte, bytes), with its metadata
+    under "__metadata__"; a file of another format (by its first bytes, before reading more), cut
+    short or not a safetensors file is named."""
     source, size = f"model.transformer_file = {path}", path.stat().st_size
     with path.open("rb") as f:
         start = f.read(8)
@@ -213,22 +229,26 @@ def _read_small(path: Path, entry) -> torch.Tensor:
 
 
 def read_scales(stored: dict, metadata: dict) -> dict[str, float]:
-    """Each scaled fp8 weight's scale, by ComfyUI's rules (convert_old_quants): a `scaled_fp8` key marks
-    the old files, whose layers X carry X.scale_weight (float8_e4m3fn); the new files list their layers
-    in the `_quantization_metadata` header entry (or a X.comfy_quant tensor each), each with its format,
+    """Each scaled fp8 weight's scale, by ComfyUI's rules.
+
+    ComfyUI's rules are convert_old_quants': a `scaled_fp8` key marks the old files, whose layers X
+    carry X.scale_weight (float8_e4m3fn); the new files list their layers in the
+    `_quantization_metadata` header entry (or a X.comfy_quant tensor each), each with its format,
     and carry X.weight_scale. A weight stored as fp8 without a scale is a plain cast (scale 1)."""
     layers, scale_key = {}, "weight_scale"
     if "_quantization_metadata" in metadata:
         listed = json.loads(metadata["_quantization_metadata"])["layers"]
         layers = {k.removeprefix(PREFIX): v for k, v in listed.items()}
-    elif "scaled_fp8" in stored:  # every fp8 weight of an old scaled file has a scale: one missing is refused
+    # every fp8 weight of an old scaled file has a scale: one missing is refused
+    elif "scaled_fp8" in stored:
         layers = {k.removesuffix(".weight"): {"format": "float8_e4m3fn"} for k, entry in stored.items()
                   if k.endswith(".weight") and entry[1] in FP8}
         scale_key = "scale_weight"
     for key in [k for k in stored if k.endswith(".comfy_quant")]:
         config = _read_small(stored[key][0], stored[key][1:])  # the layer's JSON, as uint8
         layers[key.removesuffix(".comfy_quant")] = json.loads(bytes(config.tolist()))
-    # An fp8 weight with a scale beside it that no marker or metadata assigns would be read as a plain cast.
+    # An fp8 weight with a scale beside it that no marker or metadata assigns would be read as a
+    # plain cast.
     unassigned = [k for k in stored if k.endswith((".scale_weight", ".weight_scale"))
                   and k.rpartition(".")[0] not in layers and stored.get(f"{k.rpartition('.')[0]}.weight",
                                                                          (None, None))[1] in FP8]
@@ -273,7 +293,8 @@ class SingleFile(Weights):
             header = read_header(path)
             metadata |= header.pop("__metadata__")
             stored |= {key: (path, *entry) for key, entry in header.items()}
-        if any(key.startswith(PREFIX) for key in stored):  # an all-in-one checkpoint's VAE and text encoder stay out
+        # an all-in-one checkpoint's VAE and text encoder stay out
+        if any(key.startswith(PREFIX) for key in stored):
             stored = {key.removeprefix(PREFIX): entry for key, entry in stored.items() if key.startswith(PREFIX)}
         stored = {key: entry for key, entry in stored.items() if not adapter.single_file_extra(key)}
         diffusers_mark = adapter.diffusers_names([adapter.SINGLE_FILE_KEY])[adapter.SINGLE_FILE_KEY]
@@ -293,7 +314,8 @@ class SingleFile(Weights):
         scales = read_scales(stored, metadata)
         weights = [k for k in stored if k != "scaled_fp8" and not k.endswith(QUANT_SUFFIXES)]
         names = adapter.diffusers_names(weights)
-        # key -> (file, dtype, shape, first byte), as Weights keeps them; the file's own names for messages.
+        # key -> (file, dtype, shape, first byte), as Weights keeps them; the file's own names for
+        # messages.
         self.entries = {names[k]: stored[k][:4] for k in weights}
         self.file_keys = {names[k]: k for k in weights}
         self.scales = {names[k]: scale for k, scale in scales.items()}
@@ -305,8 +327,11 @@ class SingleFile(Weights):
                  ", ".join(files))
 
     def check(self, model: torch.nn.Module, ignored: list[str]) -> None:
-        """The file must hold the model's state dict, key for key and shape for shape, but for the class's
-        ignored keys: a first differing shape means another size of the model, so it comes first."""
+        """Check that the file holds the model's state dict, shape for shape.
+
+        The file must hold the model's state dict, key for key and shape for shape, but for the
+        class's ignored keys: a first differing shape means another size of the model, so it comes
+        first."""
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         source = f"model.transformer_file = {', '.join(map(str, self.files))}"
         wrong = [k for k in expected if k in self.entries and self.entries[k][2] != expected[k]]
@@ -328,22 +353,28 @@ class SingleFile(Weights):
         self.keys = [k for k in expected if k in self.entries]
 
     def fp8_source(self, key: str, start: int, count: int) -> tuple[torch.Tensor, float | None]:
-        """For model.storage_dtype = "fp8": a weight the file stores as storage.py keeps one (float8_e4m3fn,
-        one scale for its rows; 1 for a plain cast) as it is stored, rounded once, by the file's maker; any
-        other (float8_e5m2 too) at full precision, an fp8 one dequantized, to be quantized once."""
+        """A weight's rows for fp8 storage, and the file's scale for them (None: to quantize).
+
+        For model.storage_dtype = "fp8": a weight the file stores as storage.py keeps one
+        (float8_e4m3fn, one scale for its rows; 1 for a plain cast) as it is stored, rounded once,
+        by the file's maker; any other (float8_e5m2 too) at full precision, an fp8 one dequantized,
+        to be quantized once."""
         if self.entries[key][1] == torch.float8_e4m3fn:
             return Weights._rows(self, key, start, count), self.scales.get(key, 1.0)
         return super().fp8_source(key, start, count)
 
     def _rows(self, key: str, start: int, count: int) -> torch.Tensor:
         rows = super()._rows(key, start, count)
-        if rows.dtype in FP8:  # ComfyUI's dequantization: the stored value times the layer's scale, in fp32
+        # ComfyUI's dequantization: the stored value times the layer's scale, in fp32
+        if rows.dtype in FP8:
             return rows.float() * self.scales.get(key, 1.0)
         return rows
 
 
 def open_single_file(files: list[str], adapter, marks: dict[str, str]) -> SingleFile:
-    """model.transformer_file's reader, checked against the transformer model.path's config builds (on
+    """Open model.transformer_file's reader, checked against model.path's config.
+
+    model.transformer_file's reader, checked against the transformer model.path's config builds (on
     the meta device: nothing is allocated, nothing read but the headers and the scales)."""
     weights = SingleFile(files, adapter, marks)
     transformer = adapter._empty_transformer(adapter.transformer_config, adapter.dtype)

@@ -1,14 +1,18 @@
-"""Attention at the shipped configs' real sequence lengths, for bench/gpu_check.sh: which SDPA kernel runs,
-and run.deterministic's forward and backward. Prints one PASS or FAIL line per check.
+"""Attention at the shipped configs' sequence lengths: SDPA's kernel and run.deterministic.
 
-    python bench/attention_check.py kernels         SDPA's own choice, bf16 forward + backward, per model
-    python bench/attention_check.py deterministic   CogVideoX-5B at 49x480x720 under run.deterministic:
-                                                    two backward passes bitwise equal, a fused kernel, the peak
-    --cpu: the same code at 256 tokens and 2 heads (what SDPA picks on a CPU; the figures mean nothing)
+For bench/gpu_check.sh, at the real sequence lengths: which SDPA kernel runs, and
+run.deterministic's forward and backward. Prints one PASS or FAIL line per check.
+
+    python bench/attention_check.py kernels
+    python bench/attention_check.py deterministic
+    --cpu
+
+kernels: SDPA's own choice, bf16 forward + backward, per model. deterministic: CogVideoX-5B at
+49x480x720 under run.deterministic: two backward passes bitwise equal, a fused kernel, the peak.
+--cpu: the same code at 256 tokens and 2 heads (what SDPA picks on a CPU; the figures mean nothing).
 
 Sequence lengths (text + video tokens after the VAE and the patches), heads and head size, from the
-published configs: one sample per rank, no sequence parallelism.
-"""
+published configs: one sample per rank, no sequence parallelism."""
 
 import argparse
 import sys
@@ -24,7 +28,8 @@ import parallel  # noqa: E402
 SHAPES = {  # name: (tokens, heads, head size)
     "CogVideoX-2B 49x480x720": (226 + 13 * 30 * 45, 30, 64),
     "CogVideoX-5B 49x480x720": (226 + 13 * 30 * 45, 48, 64),
-    "CogVideoX1.5-5B 81x768x1360": (226 + 11 * 48 * 85, 48, 64),  # 21 latent frames padded to 22, patch_t 2
+    # 21 latent frames padded to 22, patch_t 2
+    "CogVideoX1.5-5B 81x768x1360": (226 + 11 * 48 * 85, 48, 64),
     "Wan 1.3B 81x480x832": (21 * 30 * 52, 12, 128),
     "Wan 14B 81x480x832": (21 * 30 * 52, 40, 128),
     "Wan2.2-TI2V-5B 121x704x1280": (31 * 22 * 40, 24, 128),
@@ -57,7 +62,8 @@ def main() -> int:
     if args.check == "kernels":
         for name, shape in shapes.items():
             ran, _ = attend(*shape, device)
-            ok = ran and "math" not in ran  # the unfused kernel at these lengths runs out of memory or crawls
+            # the unfused kernel at these lengths runs out of memory or crawls
+            ok = ran and "math" not in ran
             failed |= not ok
             print(f"{'PASS' if ok else 'FAIL'} attention kernel at {name} ({shape[0]} tokens, {shape[1]} heads x "
                   f"{shape[2]}): {', '.join(ran) or 'none recognised'}", flush=True)

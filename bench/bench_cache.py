@@ -1,13 +1,14 @@
-"""The data path: cache-pass throughput, decode memory, decode workers, and startup with a full cache.
+"""The data path: cache-pass throughput, decode memory, decode workers, startup with a full cache.
 
     python bench/bench_cache.py [--part all|throughput|memory|workers|startup|prefetch] [--clips 96]
-        [--startup-clips 10000] [--repeats 2] [--cold-repeats 2] [--startup-dir DIR] [--prefetch-steps 200]
-        [--read-latency-ms 0]
+        [--startup-clips 10000] [--repeats 2] [--cold-repeats 2] [--startup-dir DIR]
+        [--prefetch-steps 200] [--read-latency-ms 0]
 
 Every part builds its model and clips in a temporary folder and compares against a baseline measured
 in the same run:
-- throughput: `cache.py` on an empty cache, one clip per VAE/T5 call on one rank (CogVideo's way, the
-  baseline) against --batch clips per call on one rank and on --nproc ranks; the pass's own rate.
+- throughput: `cache.py` on an empty cache, one clip per VAE/T5 call on one rank (CogVideo's way,
+  the baseline) against --batch clips per call on one rank and on --nproc ranks; the pass's own
+  rate.
 - memory: the peak extra resident memory of decoding a 49-frame 1920x1080 H.264 clip to 49x480x720
   (data.decode_clip: seek, swscale resize per frame, uint8), in a fresh process; target < 200 MB.
 - workers: the cache pass over 1280x720 clips (decoding dominates: the tiny VAE encodes 17x32x32)
@@ -19,10 +20,10 @@ in the same run:
   minutes).
 - prefetch: training's batch fetch in this process, one thread, the tiny CogVideoX with LoRA rank 4:
   --prefetch-steps micro-steps (fetch, loss, backward) with each batch read in the step's thread
-  (Cache.load_batch, the baseline) against cache_files.Prefetch (read while the step before computes),
-  interleaved --repeats times (each first in every other one); the step thread's wait for its batch
-  and the whole micro-step, medians. --read-latency-ms sleeps before each file read, a stand-in for a
-  network filesystem (an emulation, not a measurement of one).
+  (Cache.load_batch, the baseline) against cache_files.Prefetch (read while the step before
+  computes), interleaved --repeats times (each first in every other one); the step thread's wait for
+  its batch and the whole micro-step, medians. --read-latency-ms sleeps before each file read, a
+  stand-in for a network filesystem (an emulation, not a measurement of one).
 """
 
 import argparse
@@ -44,7 +45,8 @@ from tools.make_synthetic_dataset import make_synthetic_dataset  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 RATE = re.compile(r"cache: (\d+)/(\d+) clips, ([\d.]+)/s")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank in every run: each rank stands for a device
+# one thread per rank in every run: each rank stands for a device
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def settings(root: Path, data: str, resolution: list[int], cache: str) -> dict:
@@ -141,7 +143,8 @@ def workers(root: Path, args) -> None:
 
 
 def time_to_step_one(config: Path, output_dir: Path) -> float:
-    shutil.rmtree(output_dir, ignore_errors=True)  # a run that got to save its step 1 would only export next time
+    # a run that got to save its step 1 would only export next time
+    shutil.rmtree(output_dir, ignore_errors=True)
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, str(REPO / "trainer.py"), "--cfg", str(config)], cwd=REPO, env=ENV,
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -156,7 +159,8 @@ def time_to_step_one(config: Path, output_dir: Path) -> float:
 
 def startup(root: Path, args) -> None:
     n = args.startup_clips
-    if args.startup_dir:  # clips, model and cache kept there: filled by the first run, reused by the next
+    # clips, model and cache kept there: filled by the first run, reused by the next
+    if args.startup_dir:
         root = Path(args.startup_dir)
         root.mkdir(parents=True, exist_ok=True)
         if not (root / "model").is_dir():

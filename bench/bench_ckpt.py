@@ -1,5 +1,7 @@
-"""Checkpoints: what one holds against the exported adapter, how long saving stalls training, and
-what one save of a real-sized LoRA state costs against a plain torch.save of the same tensors.
+"""Checkpoints: their payload, the training stall of saving, and a real-sized save's cost.
+
+What one holds against the exported adapter, how long saving stalls training, and what one save of a
+real-sized LoRA state costs against a plain torch.save of the same tensors.
 
     python bench/bench_ckpt.py [--parts payload stall save] [--steps 40] [--repeats 3] [--every 1]
                                [--sft] [--nproc 1] [--saves 3] [--rank 128]
@@ -10,9 +12,9 @@ Parts 1 and 2 build the tiny model and a synthetic dataset in a temporary folder
    the folder's size on disk against the adapter file and the frozen base (what finetrainers adds).
 2. Stall: runs `trainer.py` for --steps steps saving every --every steps, synchronously and with
    checkpoint.async_save, and once saving only at the end (the baseline), interleaved, fastest of
-   --repeats; a 1-step run gives the loop's own time per step. Overhead per save =
-   (wall - baseline wall) / saves before the last step (the final save is synchronous in every mode).
-   LoRA rank 64 on every linear layer, or full fine-tuning with --sft, so checkpoints are not trivial.
+   --repeats; a 1-step run gives the loop's own time per step. Overhead per save = (wall - baseline
+   wall) / saves before the last step (the final save is synchronous in every mode). LoRA rank 64 on
+   every linear layer, or full fine-tuning with --sft, so checkpoints are not trivial.
 3. Save cost at a real size, in this process (one rank, one thread, in the system's temporary
    folder): CogVideoX-5B's LoRA at --rank on the default targets (132 M parameters at rank 128: the
    FQNs and shapes the trainer has, without the frozen base, which a LoRA checkpoint never holds),
@@ -78,10 +80,11 @@ class TrainState:
 
 
 def cogvideox_5b_lora(rank: int) -> nn.Module:
-    """The trainable part of CogVideoX-5B with LoRA on the default targets: 42 blocks, each with to_q,
-    to_k, to_v and to_out.0 mapping its 3072 channels (48 heads x 64) to 3072, each with lora_A
-    [rank, 3072] and lora_B [3072, rank], under the transformer's own names. At rank 128:
-    42 x 4 x 2 x 128 x 3072 = 132,120,576 parameters."""
+    """The trainable part of CogVideoX-5B with LoRA on the default targets.
+
+    42 blocks, each with to_q, to_k, to_v and to_out.0 mapping its 3072 channels (48 heads x 64) to
+    3072, each with lora_A [rank, 3072] and lora_B [3072, rank], under the transformer's own names.
+    At rank 128: 42 x 4 x 2 x 128 x 3072 = 132,120,576 parameters."""
     def lora_pair():
         return nn.ModuleDict({"lora_A": nn.Linear(3072, rank, bias=False), "lora_B": nn.Linear(rank, 3072, bias=False)})
 
@@ -97,8 +100,9 @@ def dir_bytes(path: Path) -> int:
 
 
 def save_cost(root: Path, saves: int, rank: int) -> None:
-    """Part 3: Checkpointer.save against torch.save of the same state, interleaved, in this process; then
-    where a save's time goes, from its pieces timed alone."""
+    """Part 3: Checkpointer.save against torch.save of the same state, and where a save's time goes.
+
+    Interleaved, in this process; then where a save's time goes, from its pieces timed alone."""
     torch.set_num_threads(1)  # as the trainer runs here (OMP_NUM_THREADS=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     d = parallel.Dist(0, 1, 0, torch.device("cpu"))
@@ -224,7 +228,8 @@ def main() -> None:
         if "stall" in args.parts:
             if "payload" not in args.parts:  # fill the cache outside the timed runs
                 timed_run(root, "warm-cache", {**base, "train.steps": 1})
-            # LoRA rank 64 on every linear layer, or full fine-tuning: checkpoints that are not trivial.
+            # LoRA rank 64 on every linear layer, or full fine-tuning: checkpoints that are not
+            # trivial.
             heavy = {"train.training_type": "sft"} if args.sft else {"lora.target_modules": ALL_LINEAR}
             stall_settings = {**base, **heavy, "train.steps": args.steps, "train.log_every": args.steps}
             if args.nproc > 1:

@@ -1,20 +1,21 @@
-"""fp8 storage of the frozen base (model.storage_dtype = "fp8", storage.py): its error and its memory.
+"""fp8 storage of the frozen base (model.storage_dtype = "fp8"): its error and its memory.
 
-1. Error. The output of one full-size Wan 2.1 14B block (dim 5120, ffn 13824, 40 heads; random weights with
-   the published init: Wan's init_weights, Xavier-uniform linears and zero biases, and diffusers' own, nn.Linear's
-   default) with its linear weights stored as fp8 against the same block in bf16 and in fp32: per-row
-   scales (what storage.py keeps), one scale per tensor, and a plain cast without a scale (what diffusers'
-   layerwise casting does). Also with rows of unequal size (each row of the Xavier weights scaled by a
-   log-normal factor, sigma 1), as trained weights have them and random ones do not. The error is the
-   relative L2 norm of the difference in the block's update (output - input: the residual adds the input
-   back, which would hide it; the stream is kept fp32), and in the tiny models' whole output (the
-   transformer as the loader builds it).
-2. Memory. The resident-size growth of loading a Wan 14B-shaped transformer of --layers blocks (random
-   weights written to a temporary folder) with adapter.load_transformer(), in bf16 and with fp8 storage,
-   each in a fresh process: the frozen weights' bytes, and the peak of the load.
+The storage is storage.py's; two parts measure it:
 
-    python bench/bench_fp8.py [--tokens 256] [--layers 4] [--only errors|memory]
-"""
+1. Error. The output of one full-size Wan 2.1 14B block (dim 5120, ffn 13824, 40 heads; random
+   weights with the published init: Wan's init_weights, Xavier-uniform linears and zero biases, and
+   diffusers' own, nn.Linear's default) with its linear weights stored as fp8 against the same block
+   in bf16 and in fp32: per-row scales (what storage.py keeps), one scale per tensor, and a plain
+   cast without a scale (what diffusers' layerwise casting does). Also with rows of unequal size
+   (each row of the Xavier weights scaled by a log-normal factor, sigma 1), as trained weights have
+   them and random ones do not. The error is the relative L2 norm of the difference in the block's
+   update (output - input: the residual adds the input back, which would hide it; the stream is kept
+   fp32), and in the tiny models' whole output (the transformer as the loader builds it).
+2. Memory. The resident-size growth of loading a Wan 14B-shaped transformer of --layers blocks
+   (random weights written to a temporary folder) with adapter.load_transformer(), in bf16 and with
+   fp8 storage, each in a fresh process: the frozen weights' bytes, and the peak of the load.
+
+    python bench/bench_fp8.py [--tokens 256] [--layers 4] [--only errors|memory]"""
 
 import argparse
 import copy
@@ -41,11 +42,14 @@ WAN_14B = {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "text_dim": 4096, "fr
 
 
 def fp8_linear(linear: torch.nn.Linear, scales: str) -> storage.Fp8Linear:
-    """The layer in fp8 storage (model.dtype: the weight's): per-row scales, one per tensor, or none."""
+    """The layer in fp8 storage: per-row scales, one per tensor, or none.
+
+    model.dtype is the weight's."""
     weight, dtype = linear.weight.detach(), linear.weight.dtype
     if scales == "cast":
         return storage.Fp8Linear(weight.to(storage.FP8), torch.ones(()), linear.bias, dtype)
-    rows = weight if scales == "row" else weight.reshape(1, -1)  # per tensor: the whole tensor as one row
+    # per tensor: the whole tensor as one row
+    rows = weight if scales == "row" else weight.reshape(1, -1)
     quantized, scale = storage.quantize(rows)
     return storage.Fp8Linear(quantized.reshape(weight.shape), scale, linear.bias, dtype)
 
@@ -69,7 +73,9 @@ SCALES = ("row", "tensor", "cast")
 
 
 def wan_block(init: str) -> WanTransformerBlock:
-    """One Wan 2.1 14B block (its published config: cross-attention norm, RMS norm across heads), fp32."""
+    """One Wan 2.1 14B block from its published config, in fp32.
+
+    The published config has a cross-attention norm and an RMS norm across heads."""
     torch.manual_seed(0)
     block = WanTransformerBlock(WAN_14B["dim"], WAN_14B["ffn_dim"], WAN_14B["num_heads"], "rms_norm_across_heads",
                                 True, 1e-6)
@@ -86,7 +92,8 @@ def wan_block_errors(tokens: int, init: str) -> dict[str, float]:
     """The block's update (output - input) in bf16 with fp8 storage against bf16 and fp32."""
     block32 = wan_block(init)
     side = int(math.sqrt(tokens // 4))
-    latent = torch.zeros(1, WAN_14B["in_channels"], 4, 2 * side, 2 * side)  # patch 1x2x2: 4 x side^2 tokens
+    # patch 1x2x2: 4 x side^2 tokens
+    latent = torch.zeros(1, WAN_14B["in_channels"], 4, 2 * side, 2 * side)
     rotary = WanRotaryPosEmbed(WAN_14B["dim"] // WAN_14B["num_heads"], (1, 2, 2), 1024)(latent)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 4 * side * side, WAN_14B["dim"], generator=g)
@@ -94,13 +101,17 @@ def wan_block_errors(tokens: int, init: str) -> dict[str, float]:
     temb = torch.randn(1, 6, WAN_14B["dim"], generator=g) * 0.1
 
     def update(block, dtype) -> torch.Tensor:
-        """The residual stream stays fp32 (the block adds to its input's dtype), so the figure is the weights'
-        and the bf16 matmuls' error, not the rounding of the stream to bf16 (which would dominate it)."""
+        """One block's update (output - input) in `dtype`, the residual stream kept in fp32.
+
+        The residual stream stays fp32 (the block adds to its input's dtype), so the figure is the
+        weights' and the bf16 matmuls' error, not the rounding of the stream to bf16 (which would
+        dominate it)."""
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.bfloat16):
             return block(x, text, temb, rotary).float() - x
 
     reference32 = update(block32, torch.float32)
-    # bf16 as from_pretrained loads it: the family's fp32 modules (norm2, scale_shift_table) stay fp32.
+    # bf16 as from_pretrained loads it: the family's fp32 modules (norm2, scale_shift_table) stay
+    # fp32.
     block = block32.to(torch.bfloat16)
     del block32
     block.norm2.float()
@@ -114,8 +125,9 @@ def wan_block_errors(tokens: int, init: str) -> dict[str, float]:
 
 
 def tiny_errors(root: Path) -> dict[str, dict[str, float]]:
-    """The tiny models' whole output (as in tests/test_fp8.py) in bf16 with fp8 storage against bf16: per-row
-    through the loader, and the three ways from the bf16 model."""
+    """The tiny models' whole output with fp8 storage against bf16.
+
+    As in tests/test_fp8.py: per-row through the loader, and the three ways from the bf16 model."""
     make_tiny_model(str(root / "cogvideox"), "2b")
     make_tiny_wan(str(root / "wan"), "t2v")
     results = {}
@@ -133,7 +145,9 @@ def tiny_errors(root: Path) -> dict[str, dict[str, float]]:
 
 
 def transformer_output(adapter, transformer) -> torch.Tensor:
-    """The transformer's prediction for a fixed noisy latent, prompt and timestep (tests/test_fp8.py's)."""
+    """The transformer's prediction for a fixed noisy latent, prompt and timestep.
+
+    tests/test_fp8.py's."""
     c, g = adapter.transformer_config, torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, adapter.latent_channels, 8, 8, generator=g).to(adapter.dtype)
     text = torch.randn(1, adapter.text_length, c.get("text_embed_dim") or c["text_dim"], generator=g).to(adapter.dtype)
@@ -145,8 +159,10 @@ def transformer_output(adapter, transformer) -> torch.Tensor:
 
 
 def write_wan_14b(folder: Path, layers: int) -> None:
-    """A Wan 2.1 14B-shaped transformer of `layers` blocks, random bf16 weights, beside the tiny model's
-    other folders (the loader reads only the transformer's)."""
+    """Write a Wan 2.1 14B-shaped transformer of `layers` blocks with random bf16 weights.
+
+    A Wan 2.1 14B-shaped transformer of `layers` blocks, random bf16 weights, beside the tiny
+    model's other folders (the loader reads only the transformer's)."""
     make_tiny_wan(str(folder), "t2v")
     config_path = folder / "transformer" / "config.json"
     config = json.loads(config_path.read_text()) | {
@@ -163,14 +179,18 @@ def write_wan_14b(folder: Path, layers: int) -> None:
 
 
 def resident() -> dict[str, int]:
-    """VmRSS and VmHWM (its peak) in bytes: per process image, where getrusage's maxrss keeps the forking
-    parent's peak across exec."""
+    """VmRSS and VmHWM (its peak) of this process image, in bytes.
+
+    Per process image, where getrusage's maxrss keeps the forking parent's peak across exec."""
     fields = dict(line.split(":") for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Vm"))
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
 
 
 def load_child(folder: str, storage_dtype: str) -> None:
-    """In a fresh process: the resident size before and after adapter.load_transformer(), and its peak."""
+    """Measure adapter.load_transformer()'s resident size and peak in a fresh process.
+
+    In a fresh process: the resident size before and after adapter.load_transformer(), and its peak.
+    """
     adapter = load_adapter(ModelConfig(path=folder, family="wan", dtype="bf16", storage_dtype=storage_dtype),
                            torch.device("cpu"))
     before = resident()["VmRSS"]

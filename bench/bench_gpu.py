@@ -1,37 +1,44 @@
-"""Full-size CogVideoX and Wan 14B on one GPU: seconds per training step, model FLOP utilisation (MFU) and peak
-memory, our sampling step against diffusers' pipeline's, and what the one-card settings cost.
+"""Full-size CogVideoX and Wan 14B on one GPU: step time, MFU, peak memory, sampling, one-card cost.
 
-    python bench/bench_gpu.py [--steps 4] [--sampling-steps 4] [--peak-tflops 989] [--only NAME ...] [--smoke]
+Seconds per training step, model FLOP utilisation (MFU) and peak memory, our sampling step against
+diffusers' pipeline's, and what the one-card settings cost.
+
+    python bench/bench_gpu.py [--steps 4] [--sampling-steps 4] [--peak-tflops 989] [--only NAME ...]
+                              [--smoke]
                               [--folder DIR]
 
 Nothing is downloaded: each transformer is built from its published config (bench_memory.PUBLISHED)
 with random weights, through model.build_model (LoRA rank 128 and alpha 64 on q, k, v, out as
 configs/lora.toml, activation checkpointing, train.compile), then fused AdamW (bench_memory.build).
 A training step does the model work of trainer.py's on a batch of 1 of random 49x480x720 latents
-(13x60x90) and 226 text embeddings: the adapter's train_loss under bf16 autocast, backward, clip, AdamW
-step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed after 2 warm-up steps
-(which include the compile). Each configuration runs in a fresh process:
+(13x60x90) and 226 text embeddings: the adapter's train_loss under bf16 autocast, backward, clip,
+AdamW step, zero_grad (no metrics, no non-finite guard); the median of --steps, timed after 2
+warm-up steps (which include the compile). Each configuration runs in a fresh process:
 
     2b-lora     CogVideoX-2B LoRA, checkpointing
     5b-lora     CogVideoX-5B LoRA, checkpointing
     5b-compile  5B LoRA, checkpointing, train.compile
     5b-no-ckpt  5B LoRA without checkpointing (running out of memory is reported as a result)
-    5b-cudnn    5B LoRA, checkpointing, train.attention_backend = "cudnn" (5b-lora runs SDPA's own choice,
-    5b-efficient  FlashAttention-2 on H100/H200; these print their time as a ratio to it)
-    sampling    5B, one guided sampling step (CFG batch 2, DPM): validate.sample_latents with fused QKV
-                against CogVideoXPipeline(output_type="latent"), same weights, embeddings and seed
-    14b-resident  Wan 2.1 T2V 14B LoRA r32 (configs/wan-t2v-14b.toml) at 81x480x832, one process, every
-                  block resident (about 52 GB: an 80 GB card)
-    14b-one-gpu   the same with parallel.cpu_offload (offload_blocks = 0: every block streamed from pinned
-                  host memory), model.storage_dtype = "fp8" and train.activation_offload; its time is printed
-                  as a ratio to 14b-resident's: what the one-card settings cost in speed
+    5b-cudnn    5B LoRA, checkpointing, train.attention_backend = "cudnn" (5b-lora runs SDPA's
+    5b-efficient  own choice, FlashAttention-2 on H100/H200; these print their time as a ratio
+                  to it)
+    sampling    5B, one guided sampling step (CFG batch 2, DPM): validate.sample_latents with fused
+                QKV against CogVideoXPipeline(output_type="latent"), same weights, embeddings and
+                seed
+    14b-resident  Wan 2.1 T2V 14B LoRA r32 (configs/wan-t2v-14b.toml) at 81x480x832, one process,
+                  every block resident (an 80 GB card)
+    14b-one-gpu   the same with parallel.cpu_offload (offload_blocks = 0: every block streamed from
+                  pinned host memory), model.storage_dtype = "fp8" and train.activation_offload; its
+                  time is printed as a ratio to 14b-resident's: what the one-card settings cost in
+                  speed
 
 The 14b configurations build the model as trainer.py does (the adapter's loader reading a folder,
-model.build_model, AdamW): the first writes Wan 2.1 14B's transformer with random bf16 weights (28 GB,
-drawn on the GPU) beside the tiny Wan's VAE and text encoder in --folder, reused after. Their peak is
-printed beside bench_memory's estimate of the same setting's training step (bench/one_gpu.py), and the
-pinned host memory torch's host allocator holds (torch.cuda.host_memory_stats, under the allocator settings
-parallel.init sets) beside --fit's host figure for the pinned weights and offloaded block inputs.
+model.build_model, AdamW): the first writes Wan 2.1 14B's transformer with random bf16 weights (28
+GB, drawn on the GPU) beside the tiny Wan's VAE and text encoder in --folder, reused after. Their
+peak is printed beside bench_memory's estimate of the same setting's training step
+(bench/one_gpu.py), and the pinned host memory torch's host allocator holds
+(torch.cuda.host_memory_stats, under the allocator settings parallel.init sets) beside --fit's host
+figure for the pinned weights and offloaded block inputs.
 
 Model FLOPs of a step (what the step must compute; checkpointing's recompute is not counted), per
 sample, for S tokens (226 text + the video's patches), L layers, width D = heads x head_dim, N the
@@ -45,9 +52,8 @@ peak = 989 TFLOPS, H100/H200 SXM dense bf16 (--peak-tflops for another chip). Pe
 torch.cuda.max_memory_allocated over the timed steps, weights and optimizer state included.
 
 --smoke runs the same code on the CPU with 2-layer, 2-head versions of the models at 9x64x64 for one
-step: it checks that the code runs; its figures mean nothing. 14b-one-gpu needs the keys of issue 19
-(parallel.offload_blocks, model.storage_dtype, train.activation_offload) in config.py.
-"""
+step: it checks that the code runs; its figures mean nothing. 14b-one-gpu sets
+parallel.offload_blocks, model.storage_dtype and train.activation_offload."""
 
 import argparse
 import json
@@ -86,9 +92,9 @@ CONFIGS = {  # name: (arch, train settings)
     "14b-resident": ("wan2.1-t2v-14b", {}),
     "14b-one-gpu": ("wan2.1-t2v-14b", {}),
 }
-# Wan 2.1 14B LoRA (configs/wan-t2v-14b.toml) on one process, as the trainer builds it from a folder: every
-# block resident, and every block streamed from pinned host memory with its linear weights stored in fp8
-# and the checkpointed block inputs in host memory (issue 19's keys).
+# Wan 2.1 14B LoRA (configs/wan-t2v-14b.toml) on one process, as the trainer builds it from a
+# folder: every block resident, and every block streamed from pinned host memory with its linear
+# weights stored in fp8 and the checkpointed block inputs in host memory.
 ONE_GPU = {
     "14b-resident": {"parallel.strategy": "ddp"},
     "14b-one-gpu": {"parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 0,
@@ -114,7 +120,8 @@ def setup(name: str, smoke: bool, root: Path):
 
 
 def sizes(adapter, resolution) -> dict:
-    """Latent shape [C, F', h, w], tokens S, and the per-token linear weights N of one transformer."""
+    """Latent shape [C, F', h, w], tokens S, and the per-token linear weights N of one transformer.
+    """
     c = adapter.transformer_config
     frames, height, width = resolution
     latent = (adapter.latent_channels, (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio,
@@ -124,8 +131,10 @@ def sizes(adapter, resolution) -> dict:
 
 
 def linear_weights(model) -> tuple[int, int]:
-    """(N, N_lora): base weights of the block linears every token passes (not the norms' timestep
-    projections), and LoRA's weights."""
+    """(N, N_lora): the block linears' base weights every token passes, and LoRA's weights.
+
+    Base weights of the block linears every token passes (not the norms' timestep projections), and
+    LoRA's weights."""
     n = 0
     for name, module in model.named_modules():
         if (".transformer_blocks." in f".{name}" and isinstance(module, torch.nn.Linear) and ".norm" not in name
@@ -141,8 +150,10 @@ def synchronize(device) -> None:
 
 
 def timed_steps(adapter, model, batch, params, optimizer, compute, max_grad_norm, steps, device) -> list[float]:
-    """Seconds of each of WARMUP + steps training steps (the trainer's: loss, backward, clip, AdamW), the
-    peak memory counted from the first measured one."""
+    """Time each of WARMUP + steps training steps, and the peak memory of the measured ones.
+
+    Seconds of each of WARMUP + steps training steps (the trainer's: loss, backward, clip, AdamW),
+    the peak memory counted from the first measured one."""
     times = []
     for i in range(WARMUP + steps):
         if i == WARMUP:
@@ -163,21 +174,25 @@ def timed_steps(adapter, model, batch, params, optimizer, compute, max_grad_norm
 
 def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
     cfg, family, adapter, device = setup(name, smoke, root)
-    model, params, optimizer, _ = build(cfg, family, adapter, None, device, foreach=None)  # trainer's defaults
+    # trainer's defaults
+    model, params, optimizer, _ = build(cfg, family, adapter, None, device, foreach=None)
     s = sizes(adapter, cfg.data.train_resolution)
     n, n_lora = linear_weights(model)
     flops = 4 * n * s["S"] + 6 * n_lora * s["S"] + 12 * s["L"] * s["S"] ** 2 * s["D"]
     new = lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
     batch = {"latent_mean": new((1, *s["latent"])), "latent_logvar": new((1, *s["latent"])),
              "prompt_embeds": new((1, adapter.text_length, adapter.transformer_config["text_embed_dim"]))}
-    compute = parallel.Compute(device, "bf16", cfg.train.attention_backend)  # as trainer.py applies it
+    # as trainer.py applies it
+    compute = parallel.Compute(device, "bf16", cfg.train.attention_backend)
     times = timed_steps(adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, device)
     return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "flops": flops, "tokens": s["S"],
             "warmup_s": sum(times[:WARMUP]), "peak_gb": memory.peak_memory_gb(device)}
 
 
 def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
-    """Seconds per guided step of ours and the pipeline's, over `steps` steps after a 1-step warm-up each."""
+    """Seconds per guided sampling step, ours and the pipeline's.
+
+    Over `steps` steps after a 1-step warm-up each."""
     from diffusers import CogVideoXPipeline
 
     cfg, family, adapter, device = setup("sampling", smoke, root)
@@ -221,8 +236,11 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
 
 
 def write_wan_14b(folder: Path, smoke: bool) -> None:
-    """Once: the tiny Wan's folder (VAE, text encoder, scheduler) with Wan 2.1 14B's transformer, random bf16
-    (28 GB on disk, drawn on the GPU where there is one; --smoke: 2 blocks of 2 heads)."""
+    """Write, once, the tiny Wan's folder with Wan 2.1 14B's transformer in random bf16 weights.
+
+    Once: the tiny Wan's folder (VAE, text encoder, scheduler) with Wan 2.1 14B's transformer,
+    random bf16 (28 GB on disk, drawn on the GPU where there is one; --smoke: 2 blocks of 2 heads).
+    """
     if (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file():
         return
     shutil.rmtree(folder, ignore_errors=True)  # what an interrupted write left
@@ -234,12 +252,15 @@ def write_wan_14b(folder: Path, smoke: bool) -> None:
 
 
 def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
-    """A Wan 14B LoRA r32 step at 81x480x832 (--smoke: 9x64x64) through the trainer's own build (the
-    adapter's loader, model.build_model, AdamW), with ONE_GPU's settings; the estimate of the same
-    setting (bench_memory, bench/one_gpu.py) beside the measured peak."""
+    """A Wan 14B LoRA r32 step with the one-card settings, through the trainer's own build.
+
+    At 81x480x832 (--smoke: 9x64x64), through the adapter's loader, model.build_model and AdamW,
+    with ONE_GPU's settings; the estimate of the same setting (bench_memory, bench/one_gpu.py)
+    beside the measured peak."""
     settings = {"model.path": str(folder), "data.train_resolution": [9, 64, 64] if smoke else [81, 480, 832],
                 **ONE_GPU[name]}
-    literal = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731  (TOML literals)
+    # noqa: E731 (TOML literals)
+    literal = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
     overrides = [f"--{key}={literal(value)}" for key, value in settings.items()]
     cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
     d = parallel.init(cfg.parallel)
@@ -255,13 +276,15 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     streamed = (keys.get("parallel.offload_blocks") or layers) if keys.get("parallel.cpu_offload") else 0
     setting = one_gpu.Setting(keys.get("model.storage_dtype") == "fp8", keys.get("train.activation_offload", False),
                               streamed)
-    # Pinned host memory as torch's host allocator counts it (every block it holds, cached ones too) against
-    # --fit's host figure for the same setting (the pinned weights and the offloaded block inputs).
+    # Pinned host memory as torch's host allocator counts it (every block it holds, cached ones too)
+    # against --fit's host figure for the same setting (the pinned weights and the offloaded block
+    # inputs).
     pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"] if d.device.type == "cuda" else None
     parts = estimate(cfg, adapter.FAMILY, adapter)
     estimated = one_gpu.training(parts, setting) / 2**30
     del model, params, optimizer
-    command.shutdown()  # the model collected before the process group goes: FSDP2 may abort at exit otherwise
+    # the model collected before the process group goes: FSDP2 may abort at exit otherwise
+    command.shutdown()
     return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "warmup_s": sum(times[:WARMUP]),
             "peak_gb": peak, "estimate_gib": estimated, "tokens": s["video_tokens"],
             "pinned_gib": pinned and pinned / 2**30,
@@ -316,7 +339,8 @@ def main() -> None:
     args.folder = args.folder or f"/tmp/vidtrain-bench-gpu-wan14b{'-smoke' if args.smoke else ''}"
     if args.smoke:
         args.steps = args.sampling_steps = 1
-        args.only = [n for n in args.only if not CONFIGS[n][1].get("attention_backend")]  # CUDA kernels only
+        # CUDA kernels only
+        args.only = [n for n in args.only if not CONFIGS[n][1].get("attention_backend")]
     if args.one:
         print(json.dumps(one(args.one, args)))
         return

@@ -1,12 +1,12 @@
-"""Loading a full-size transformer: the peak resident memory it costs, in one process and per FSDP rank.
+"""Loading a full-size transformer: its peak resident memory, in one process and per FSDP rank.
 
     python bench/bench_load.py [--folder /tmp/vidtrain-bench-load] [--nproc 2]
 
-Writes once (reused when present) a model folder whose transformer is CogVideoX-2B's architecture at its
-published sizes (30 blocks of 30 x 64 heads, text 4096 x 226, 1.69B parameters) with random bf16 weights
-in two safetensors shards and their index, as the published folder holds them; the VAE, text encoder,
-tokenizer and scheduler are the tiny 2b model's (loading the transformer never reads them). Then, each in
-a fresh process (one thread per process):
+Writes once (reused when present) a model folder whose transformer is CogVideoX-2B's architecture at
+its published sizes (30 blocks of 30 x 64 heads, text 4096 x 226, 1.69B parameters) with random bf16
+weights in two safetensors shards and their index, as the published folder holds them; the VAE, text
+encoder, tokenizer and scheduler are the tiny 2b model's (loading the transformer never reads them).
+Then, each in a fresh process (one thread per process):
 1. One process: adapter.load_transformer() in bf16 (model.dtype); its peak resident size against the
    weight files' tensor bytes (target <= 1.3x).
 2. --nproc FSDP ranks (torchrun, gloo, CPU): model.build_model for sft (the trainable copy in fp32),
@@ -14,11 +14,10 @@ a fresh process (one thread per process):
    <= 0.75x on 2 ranks).
 3. For comparison, one process: diffusers' from_pretrained in bf16 (with accelerate, which peft
    installs; without it from_pretrained allocates every weight before reading it), right after it
-   returns and after one read of every weight: on a CPU, its bf16 tensors from bf16 files are views of
-   the files' memory maps, resident only as they are first read.
+   returns and after one read of every weight: on a CPU, its bf16 tensors from bf16 files are views
+   of the files' memory maps, resident only as they are first read.
 Peak resident size: /proc/self/status VmHWM after the load, less VmRSS just before it (after the
-imports, the process group and the adapter): the memory loading itself adds.
-"""
+imports, the process group and the adapter): the memory loading itself adds."""
 
 import argparse
 import json
@@ -31,7 +30,8 @@ from pathlib import Path
 import torch
 from diffusers import CogVideoXTransformer3DModel
 
-from common import REPO, free_port, make_tiny_model, write_random_transformer  # puts the repository on sys.path
+# puts the repository on sys.path
+from common import REPO, free_port, make_tiny_model, write_random_transformer
 
 import command  # noqa: E402
 import memory  # noqa: E402
@@ -41,7 +41,8 @@ from model import build_model  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
 from weights import Weights  # noqa: E402
 
-# CogVideoX-2b's transformer/config.json (the published values; the tiny model writes the same key set).
+# CogVideoX-2b's transformer/config.json (the published values; the tiny model writes the same key
+# set).
 CONFIG_2B = {
     "_class_name": "CogVideoXTransformer3DModel", "activation_fn": "gelu-approximate", "attention_bias": True,
     "attention_head_dim": 64, "dropout": 0.0, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 16,
@@ -55,7 +56,8 @@ SHARD_BYTES = 2 * 10**9  # the published folder's two shards
 
 
 def write_model(folder: Path) -> None:
-    """The tiny 2b model's folder with CogVideoX-2B's transformer in place of its own, random bf16."""
+    """The tiny 2b model's folder with CogVideoX-2B's transformer in place of its own, random bf16.
+    """
     make_tiny_model(str(folder), "2b")
     shutil.rmtree(folder / "transformer")
     config = {k: v for k, v in CONFIG_2B.items() if k != "_class_name"}
@@ -85,7 +87,8 @@ def measure(folder: Path, mode: str) -> None:
     else:
         model = adapter.load_transformer()
     peak = rss_kb("VmHWM")
-    if mode == "pretrained":  # its bf16 tensors are views of the files' memory maps: resident once read
+    # its bf16 tensors are views of the files' memory maps: resident once read
+    if mode == "pretrained":
         with torch.no_grad():
             for p in model.parameters():
                 p.sum()

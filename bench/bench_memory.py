@@ -1,17 +1,19 @@
 """Peak memory per rank of one training step, estimated on the CPU: no weights, no GPU.
 
-    python bench/bench_memory.py --cfg FILE.toml [--arch NAME] [--world 8] [--sp 1 2 4 8] [--layers N] [overrides]
+    python bench/bench_memory.py --cfg FILE.toml [--arch NAME] [--world 8] [--sp 1 2 4 8]
+                                 [--layers N] [overrides]
     python bench/bench_memory.py --cfg FILE.toml --check [--arch NAME] [--layers 2] [overrides]
     python bench/bench_memory.py --cfg FILE.toml --fit GB [--ram GB] [--arch NAME] [overrides]
 
-The transformer (model.path's config, or --arch's published one) is built on fake tensors (shapes and
-dtypes, no storage) by model.build_model (frozen weights in model.dtype and keep-in-fp32 modules in fp32,
-LoRA, activation checkpointing), with model.build_optimizer's AdamW state in place and model.EMA. One
-step (the adapter's train_loss under autocast, backward, clipping, AdamW, EMA) runs under a dispatch mode
-that adds up the bytes of every storage an op creates, while it lives. Autocast follows CUDA's policy
-(norms, softmax, pow, exp, sums in fp32, emulated) and AdamW runs foreach, as on a GPU. --check runs the
-same build and two steps on real tensors in a fresh process and compares with the second one's peak
-(VmHWM after resetting it, CPU autocast policy; torch.cuda.max_memory_allocated where CUDA is).
+The transformer (model.path's config, or --arch's published one) is built on fake tensors (shapes
+and dtypes, no storage) by model.build_model (frozen weights in model.dtype and keep-in-fp32 modules
+in fp32, LoRA, activation checkpointing), with model.build_optimizer's AdamW state in place and
+model.EMA. One step (the adapter's train_loss under autocast, backward, clipping, AdamW, EMA) runs
+under a dispatch mode that adds up the bytes of every storage an op creates, while it lives.
+Autocast follows CUDA's policy (norms, softmax, pow, exp, sums in fp32, emulated) and AdamW runs
+foreach, as on a GPU. --check runs the same build and two steps on real tensors in a fresh process
+and compares with the second one's peak (VmHWM after resetting it, CPU autocast policy;
+torch.cuda.max_memory_allocated where CUDA is).
 - ddp: the whole model on every rank; gradients are DDP's buckets, resident throughout.
 - fsdp, modelled (no fake collectives here): weights, gradients, AdamW and EMA / shards (world /
   dp_replicate); in flight the root's weights, 3 blocks gathered in the compute dtype (computing,
@@ -28,8 +30,8 @@ same build and two steps on real tensors in a fresh process and compares with th
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
   parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
-buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
-the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
+buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation
+and the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
 """
 
 import argparse
@@ -62,13 +64,16 @@ import one_gpu  # noqa: E402
 from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
 
 GIB = 2**30
-# Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h, AT_FORALL_FP32*).
+# Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h,
+# AT_FORALL_FP32*).
 CUDA_FP32_OPS = ["layer_norm", "native_layer_norm", "group_norm", "exp", "log", "rsqrt", "reciprocal", "softplus",
                  "pow.Tensor_Scalar", "pow.Tensor_Tensor", "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList"]
 
 
 def materialize(module, fake_mode, device) -> None:
-    """Replace every meta tensor by a fake one, or by a real one filled (so that its pages are resident)."""
+    """Replace every meta tensor by a fake one, or by a real, filled one.
+
+    Filled, so that its pages are resident."""
     made = {}
     with fake_mode or contextlib.nullcontext():
         for m in module.modules():
@@ -86,8 +91,8 @@ def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     loader = SimpleNamespace(blocks=adapter.blocks, keeps_fp32=adapter.keeps_fp32, GRAPH_VARIES=adapter.GRAPH_VARIES,
                              load_transformer=lambda dtype=None: meta_transformer(
                                  TRANSFORMERS[family], adapter.transformer_config, dtype or adapter.dtype))
-    # Activation offload is modelled (the tracker's "input" tag and its copies), not run: its host copies
-    # would count as device memory here.
+    # Activation offload is modelled (the tracker's "input" tag and its copies), not run: its host
+    # copies would count as device memory here.
     train = dataclasses.replace(cfg.train, activation_offload=False)
     model = vidtrain_model.build_model(loader, train, cfg.lora, ParallelConfig(), cfg.run.seed,
                                        Dist(0, 1, 0, device))
@@ -104,7 +109,10 @@ def build(cfg, family, adapter, fake_mode, device, foreach: bool):
 
 
 def shapes(cfg, adapter, sp: int) -> dict:
-    """Latent and text shapes of one rank's micro-batch (the latent width split sp ways) and token counts."""
+    """One rank's micro-batch shapes (latent and text) and its token counts.
+
+    Latent and text shapes of one rank's micro-batch (the latent width split sp ways) and token
+    counts."""
     (frames, height, width), c = cfg.data.train_resolution, adapter.transformer_config
     patch = c["patch_size"][-1] if isinstance(c["patch_size"], (list, tuple)) else c["patch_size"]
     f, h, w = (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio, width // adapter.spatial_ratio
@@ -115,8 +123,8 @@ def shapes(cfg, adapter, sp: int) -> dict:
     if adapter.takes_control:  # IC-LoRA: the control's tokens beside the clip's, as many (cached_batch)
         s["video_tokens"], s["rank_tokens"] = 2 * s["video_tokens"], 2 * s["rank_tokens"]
     if hasattr(adapter, "audio_latents_per_second") and cfg.data.audio:
-        # The clip's soundtrack, as the audio cache holds it: [B, C', L, M'] for the frames' seconds (every
-        # rank's whole: sp replicates the audio tokens).
+        # The clip's soundtrack, as the audio cache holds it: [B, C', L, M'] for the frames' seconds
+        # (every rank's whole: sp replicates the audio tokens).
         a = adapter.audio_config
         s["audio_tokens"] = round(frames / adapter.published_fps * adapter.audio_latents_per_second)
         s["audio"] = (cfg.train.batch_size, a["latent_channels"], s["audio_tokens"], a["mel_bins"] // 4)
@@ -124,8 +132,10 @@ def shapes(cfg, adapter, sp: int) -> dict:
 
 
 def text_width(c: dict) -> int:
-    """The cached text embeddings' width: T5's, or LTX-2's video and audio streams' side by side (2.0's
-    connectors give caption_channels each, 2.3's each stream's own width; families/ltx2.py encode_text)."""
+    """The cached text embeddings' width.
+
+    T5's, or LTX-2's video and audio streams' side by side (2.0's connectors give caption_channels
+    each, 2.3's each stream's own width; families/ltx2.py encode_text)."""
     if "caption_channels" not in c:
         return c.get("text_embed_dim") or c["text_dim"]
     if c["use_prompt_embeddings"]:
@@ -146,8 +156,12 @@ def cached_batch(adapter, s: dict, new) -> dict:
 
 
 def train_step(cfg, adapter, model, params, optimizer, ema, s: dict, device, tracker=None) -> None:
-    """One step as trainer.py runs it on a cached batch: loss under autocast, backward, clip, AdamW, EMA."""
-    t, new = cfg.train, lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
+    """One training step as trainer.py runs it on a cached batch.
+
+    One step as trainer.py runs it on a cached batch: loss under autocast, backward, clip, AdamW,
+    EMA."""
+    # noqa: E731
+    t, new = cfg.train, lambda shape: torch.randn(shape, device=device).to(adapter.dtype)
     batch = cached_batch(adapter, s, new)
     generators = [torch.Generator().manual_seed(i) for i in range(t.batch_size)]
     with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[t.mixed_precision], enabled=t.mixed_precision != "no"):
@@ -165,11 +179,13 @@ def train_step(cfg, adapter, model, params, optimizer, ema, s: dict, device, tra
 
 
 class Tracker(TorchDispatchMode):
-    """Bytes of every storage an op creates, by kind, while it lives: act, input (an activation that is a
-    transformer block's input, which checkpointing keeps and train.activation_offload moves to the host),
-    cast (autocast's copy of a weight), grad (retagged once accumulated), opt (made in the optimizer
-    step); the peak of each sum a strategy needs, and the gradients at each peak. Storages that exist
-    before are not counted."""
+    """Counts the bytes of every storage an op creates, by kind, while it lives.
+
+    Bytes of every storage an op creates, by kind, while it lives: act, input (an activation that is
+    a transformer block's input, which checkpointing keeps and train.activation_offload moves to the
+    host), cast (autocast's copy of a weight), grad (retagged once accumulated), opt (made in the
+    optimizer step); the peak of each sum a strategy needs, and the gradients at each peak. Storages
+    that exist before are not counted."""
     SUMS = {"single": ("act", "input", "cast", "grad", "opt"), "offload": ("act", "cast", "grad", "opt"),
             "ddp": ("act", "input", "cast", "opt"), "fsdp": ("act", "input"), "opt": ("opt",)}
 
@@ -180,13 +196,15 @@ class Tracker(TorchDispatchMode):
         self.now, self.peak = dict.fromkeys(("act", "input", "cast", "grad", "opt"), 0), dict.fromkeys(self.SUMS, 0)
         self.grads_at_peak = dict.fromkeys(self.SUMS, 0)
         self.inputs = []  # bytes of each block's inputs, in call order
-        # What activations.HostActivations copies to the host: each block call's tensor arguments, a tensor
-        # once (a later call keeps the device tensor); per call, the bytes of those copies.
+        # What activations.HostActivations copies to the host: each block call's tensor arguments, a
+        # tensor once (a later call keeps the device tensor); per call, the bytes of those copies.
         self.copied, self.copies = set(), []
 
     def watch_blocks(self, blocks) -> None:
-        """Retag each block's activation inputs "input" in the forward (not in checkpointing's recompute): the
-        first block's inputs in the positions of what it returns, then every block's outputs but the last's."""
+        """Retag each block's activation inputs "input" in the forward.
+
+        Not in checkpointing's recompute: the first block's inputs in the positions of what it
+        returns, then every block's outputs but the last's."""
         def tag(tensors) -> None:
             fresh = [t for t in tensors if (self.sizes.get(id(t.untyped_storage())) or [None])[0] == "act"]
             for t in fresh:
@@ -210,8 +228,9 @@ class Tracker(TorchDispatchMode):
             block.register_forward_hook(after, with_kwargs=True)
 
     def copy(self, t: torch.Tensor) -> bool:
-        """Whether activation offload copies t out (its first checkpointed call), as HostActivations.pack
-        decides: the same storage, view and version."""
+        """Whether activation offload copies t out, as HostActivations.pack decides.
+
+        Its first checkpointed call copies it: the same storage, view and version."""
         key = (id(t.untyped_storage()), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         fresh = key not in self.copied
         self.copied.add(key)
@@ -274,7 +293,9 @@ def nbytes(tensors, dtype=None) -> int:
 
 
 def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True) -> dict:
-    """This rank's parts in bytes (frozen, weights, adamw, ema, grads, activations, in_flight, total)."""
+    """This rank's parts of memory, in bytes.
+
+    Frozen, weights, adamw, ema, grads, activations, in_flight, total."""
     fake, cpu, s = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), shapes(cfg, adapter, sp)
     model, params, optimizer, ema = build(cfg, family, adapter, fake, cpu, foreach=gpu)
     moments, averages = [v for st in optimizer.state.values() for v in st.values()], list(ema.weights.values()) if ema else []
@@ -293,7 +314,8 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
                   **block_parts(cfg, adapter, model, tracker)}
     elif cfg.parallel.strategy == "fsdp":
         shards, blocks = world // cfg.parallel.dp_replicate, adapter.blocks(model)
-        compute = AUTOCAST_DTYPES[cfg.train.mixed_precision]  # FSDP's param_dtype (None: each weight's own)
+        # FSDP's param_dtype (None: each weight's own)
+        compute = AUTOCAST_DTYPES[cfg.train.mixed_precision]
         gathered = [nbytes(b.parameters(), compute) for b in blocks]
         block_grads = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
         in_flight = nbytes(model.parameters(), compute) - sum(gathered) + 3 * max(gathered) + \
@@ -309,12 +331,15 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
 
 
 def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
-    """One process's parts for bench/one_gpu.py: the frozen bytes outside the blocks and of the largest
-    block (in model.dtype, and with its frozen linear weights in fp8 plus an fp32 scale per row, as
-    storage.py keeps them), and what streaming pins of them; those linears in the compute dtype, a
-    block's gradient buffer, the step without the block inputs, and what activation offload copies."""
+    """One process's parts of memory for bench/one_gpu.py.
+
+    The frozen bytes outside the blocks and of the largest block (in model.dtype, and with its
+    frozen linear weights in fp8 plus an fp32 scale per row, as storage.py keeps them), and what
+    streaming pins of them; those linears in the compute dtype, a block's gradient buffer, the step
+    without the block inputs, and what activation offload copies."""
     blocks, compute = adapter.blocks(model), AUTOCAST_DTYPES[cfg.train.mixed_precision] or adapter.dtype
-    frozen = lambda m: [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())  # noqa: E731
+    # noqa: E731
+    frozen = lambda m: [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())
     linears = lambda b: [m.weight for m in b.modules()  # noqa: E731
                          if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     in_blocks = [nbytes(frozen(b)) for b in blocks]
@@ -332,10 +357,13 @@ def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
 
 
 def pinned_weights(adapter, model, blocks) -> dict:
-    """What streaming pins, by torch's pinned allocator's rule (parallel.pinned_bytes): FSDP2 pins each
-    frozen parameter of a streamed unit on its own (FSDPParam, CPUOffloadPolicy(pin_memory=True)); its
-    buffers stay on the GPU. The largest block in model.dtype and in fp8 (each linear weight and its row
-    scales two parameters, storage.py), and the parameters outside the blocks (streamed with every block)."""
+    """The bytes that block streaming pins, by torch's pinned allocator's rule.
+
+    What streaming pins, by torch's pinned allocator's rule (parallel.pinned_bytes): FSDP2 pins each
+    frozen parameter of a streamed unit on its own (FSDPParam, CPUOffloadPolicy(pin_memory=True));
+    its buffers stay on the GPU. The largest block in model.dtype and in fp8 (each linear weight and
+    its row scales two parameters, storage.py), and the parameters outside the blocks (streamed with
+    every block)."""
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
 
     def requests(p, fp8: bool) -> tuple:
@@ -353,8 +381,9 @@ def pinned_weights(adapter, model, blocks) -> dict:
 
 
 def peak_of(run, modules=(), existing=()) -> int:
-    """The peak bytes of the storages run() creates (fake tensors, CUDA's autocast policy), modules'
-    weights and `existing` tensors not counted."""
+    """The peak bytes of the storages run() creates.
+
+    Fake tensors, CUDA's autocast policy; modules' weights and `existing` tensors not counted."""
     tracker = Tracker([*existing, *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
     with cuda_autocast_policy(), tracker:
         run()
@@ -371,10 +400,12 @@ def fake_module(make, dtype: torch.dtype, fake) -> torch.nn.Module:
 
 
 def other_phases(cfg, family, adapter) -> dict:
-    """Bytes of what runs besides training steps: a guided sampling forward (cond and uncond, batch 2, no
-    gradients, at the validation resolution) over the training model; the VAE's weights, its encoding of
-    data.cache_batch_size clips (and of one) and its decoding of one; the text encoder's weights and its
-    pass over a batch of prompts. Each on fake tensors, as the adapter runs it."""
+    """The bytes of what runs besides training steps: sampling, the VAE, the text encoder.
+
+    Bytes of what runs besides training steps: a guided sampling forward (cond and uncond, batch 2,
+    no gradients, at the validation resolution) over the training model; the VAE's weights, its
+    encoding of data.cache_batch_size clips (and of one) and its decoding of one; the text encoder's
+    weights and its pass over a batch of prompts. Each on fake tensors, as the adapter runs it."""
     fake, cpu = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu")
     resolution = cfg.validation.resolution or (cfg.data.buckets or [cfg.data.train_resolution])[0]
     sampled = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=2),
@@ -399,11 +430,13 @@ def other_phases(cfg, family, adapter) -> dict:
         _, c, f, h, w = s["latent"]
         latents = torch.randn((1, f, c, h, w) if family == "cogvideox" else (1, c, f, h, w))
         decode = peak_of(lambda: adapter.decode_latents(latents), [vae], [latents])
-        # The text pass over data.cache_batch_size prompts (and over 1), or validation's prompts and negative prompt.
+        # The text pass over data.cache_batch_size prompts (and over 1), or validation's prompts and
+        # negative prompt.
         prompts = {n: max(n, len(cfg.validation.prompts) + 1) for n in (cfg.data.cache_batch_size, 1)}
         text_modules = [text_encoder]
         if "connectors" in adapter.ENCODERS["text"]:
-            # LTX-2: the adapter's own encode_text (Gemma's every hidden state kept, stacked, through the connectors)
+            # LTX-2: the adapter's own encode_text (Gemma's every hidden state kept, stacked,
+            # through the connectors)
             connectors = fake_module(lambda: LTX2TextConnectors.from_config(
                 resolved_config(LTX2TextConnectors, adapter.path, "connectors")), adapter.dtype, fake)
             adapter._text_encoder, adapter._connectors = text_encoder, connectors
@@ -416,8 +449,10 @@ def other_phases(cfg, family, adapter) -> dict:
 
 
 def text_pass(adapter, text_modules: list, prompts: int) -> int:
-    """The peak of encoding `prompts` prompts of text_length tokens: the text encoder's forward, or for a text
-    path with connectors (LTX-2) the adapter's own encode_text."""
+    """The peak of encoding `prompts` prompts of text_length tokens.
+
+    The text encoder's forward, or for a text path with connectors (LTX-2) the adapter's own
+    encode_text."""
     ids = torch.zeros(prompts, adapter.text_length, dtype=torch.long)
     mask = torch.ones_like(ids)
     if len(text_modules) == 1:
@@ -436,13 +471,17 @@ def one_gpu_parts(cfg, family, adapter) -> dict:
             "validation": cfg.validation.do_validation and bool(cfg.validation.prompts),
             "checkpointing": cfg.train.gradient_checkpointing, "cache_batch_size": cfg.data.cache_batch_size,
             "cache_pass": True,
-            "ema_swap": step["weights"] if cfg.train.ema_decay else 0,  # EMA.swapped_in keeps the online weights
-            "process": int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024}  # this process: imports, no CUDA
+            # EMA.swapped_in keeps the online weights
+            "ema_swap": step["weights"] if cfg.train.ema_decay else 0,
+            # this process: imports, no CUDA
+            "process": int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024}
 
 
 def measure(cfg, family, adapter, device) -> dict:
-    """The same build and step on real tensors: state = the build's resident growth, step = the step's
-    peak over it (VmRSS, VmHWM after resetting it through clear_refs; allocated bytes on a GPU)."""
+    """The same build and step measured on real tensors.
+
+    State = the build's resident growth, step = the step's peak over it (VmRSS, VmHWM after
+    resetting it through clear_refs; allocated bytes on a GPU)."""
     if device.type == "cuda":
         used, peak, reset = torch.cuda.memory_allocated, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
     else:
@@ -452,7 +491,8 @@ def measure(cfg, family, adapter, device) -> dict:
     base = used()
     model, params, optimizer, ema = build(cfg, family, adapter, None, device, foreach=device.type == "cuda")
     state = used() - base
-    # A first step loads the kernels' code and JIT buffers (resident, but not tensors); the second is measured.
+    # A first step loads the kernels' code and JIT buffers (resident, but not tensors); the second
+    # is measured.
     train_step(cfg, adapter, model, params, optimizer, ema, shapes(cfg, adapter, 1), device)
     ready = used()
     reset()
@@ -462,8 +502,9 @@ def measure(cfg, family, adapter, device) -> dict:
 
 def check(cfg, family, adapter, argv: list[str]) -> dict:
     """Measure one process's step in a fresh process, estimate it, print both and their ratios."""
-    # glibc maps every block of 64 KiB or more on its own and unmaps it when freed: the resident size
-    # follows the live tensors, not the heap's high-water mark (an allocator's cache is not estimated).
+    # glibc maps every block of 64 KiB or more on its own and unmaps it when freed: the resident
+    # size follows the live tensors, not the heap's high-water mark (an allocator's cache is not
+    # estimated).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)}
     run = subprocess.run([sys.executable, __file__, *argv, "--measure"], capture_output=True, text=True, env=env)
     if run.returncode:

@@ -1,10 +1,13 @@
-"""Our sampling loop (validate.py) against CogVideoXPipeline: same model, prompts, seed, steps, scheduler.
+"""Our sampling loop (validate.py) against CogVideoXPipeline: same model, prompts, seed, steps.
 
-    python bench/bench_sampling.py [--model DIR] [--prompts N] [--steps S] [--resolution F H W] [--repeats R]
+The scheduler is the same too.
+
+    python bench/bench_sampling.py [--model DIR] [--prompts N] [--steps S] [--resolution F H W]
+                                   [--repeats R]
 
 Prints the fastest wall time of each over R interleaved repetitions (the minimum: other jobs on a
-shared machine only ever add time), their ratio, and the largest pixel difference between their frames. Without
---model it renders with a fresh tiny CogVideoX (tools/make_tiny_model.py) in fp32.
+shared machine only ever add time), their ratio, and the largest pixel difference between their
+frames. Without --model it renders with a fresh tiny CogVideoX (tools/make_tiny_model.py) in fp32.
 """
 
 import argparse

@@ -1,5 +1,6 @@
-"""Sequence parallelism: the trainer's step on 2 ranks with parallel.sp_size = 2 against 1 rank, on a
-sequence long enough for attention to dominate.
+"""Sequence parallelism: the trainer's step on 2 ranks with parallel.sp_size = 2 against 1 rank.
+
+On a sequence long enough for attention to dominate.
 
     python bench/bench_sp.py [--resolution 49 128 128] [--steps 20] [--repeats 3]
 
@@ -16,7 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import make_synthetic_dataset, make_tiny_model, median_step_s, timed_run  # puts the repository on sys.path
+# puts the repository on sys.path
+from common import make_synthetic_dataset, make_tiny_model, median_step_s, timed_run
 
 WARMUP = 5
 

@@ -1,6 +1,9 @@
-"""Training step: the trainer's time per step against the bare forward+backward+optimizer of the same model.
+"""Training step: the trainer's time per step against a bare step of the same model.
 
-    python bench/bench_step.py [--size tiny|mid] [--short 20] [--long 1020] [--iters 200] [--repeats 3]
+The bare step is the forward, backward and optimizer of the same model.
+
+    python bench/bench_step.py [--size tiny|mid] [--short 20] [--long 1020] [--iters 200]
+                               [--repeats 3]
 
 Builds the tiny model (--size mid: 4 layers, 4 heads x 64, at 17x40x48, a bare step of ~100 ms or
 more on one thread) and a synthetic dataset in a temporary folder, fills the cache with a first
@@ -9,14 +12,13 @@ trainer run, then, interleaved --repeats times:
   seed 0) and AdamW; per iteration random x0/noise/timesteps/prompt embeds of the trainer's shapes,
   adapter.loss, backward, clip_grad_norm_, step, zero_grad; --iters timed after 20 warm-up ones;
 - trainer: `python trainer.py --cfg ...` (OMP_NUM_THREADS=1) with the same settings for --short and
-  --long steps, saving only at the end; per step = (wall(long) - wall(short)) / (long - short), which
-  cancels start-up, the cache check and the final save and export (a 200-step difference was
+  --long steps, saving only at the end; per step = (wall(long) - wall(short)) / (long - short),
+  which cancels start-up, the cache check and the final save and export (a 200-step difference was
   too short: start-up jitter of a few tenths of a second moved the result by 1 ms per step); and the
   trainer's own time of each step after the first --short (its metrics.jsonl, logged every step: the
   log itself is counted), whose median a load spike from another job moves less.
 Overhead = trainer step / bare step: from the fastest repetitions (the wall difference, the bare
-mean), and from the median over repetitions of the per-step medians.
-"""
+mean), and from the median over repetitions of the per-step medians."""
 
 import argparse
 import statistics
@@ -46,8 +48,10 @@ def latent_shape(resolution: list[int]) -> tuple[int, ...]:
 
 
 def bare_step_s(model_path: Path, latents: tuple[int, ...], iters: int, warmup: int = 20) -> tuple[float, float]:
-    """Seconds per iteration of the bare loss, backward, clip, AdamW step, zero_grad: the mean, and the
-    median of the iterations (which a load spike from another job moves less)."""
+    """Seconds per iteration of a bare training step: the mean and the median.
+
+    A bare step is the loss, backward, clip, AdamW step, zero_grad; the median of the iterations is
+    what a load spike from another job moves less."""
     adapter = load_adapter(ModelConfig(path=str(model_path), dtype="fp32"), torch.device("cpu"))
     transformer = adapter.load_transformer()
     lora.inject_lora(transformer, LoraConfig().target_modules, 4, 2, 0.0, 0)
@@ -104,7 +108,8 @@ def main() -> None:
     print("  trainer step, median of its own step times, ms      " + " ".join(f"{x * 1000:.2f}" for x in own))
     for steps, w in walls.items():
         print(f"    wall {steps:4d} steps  " + " ".join(f"{x:6.2f}" for x in w) + " s")
-    # "fastest": the fastest long run less the fastest short one, as the earlier figures were computed.
+    # "fastest": the fastest long run less the fastest short one, as the earlier figures were
+    # computed.
     step_fastest = (min(walls[args.long]) - min(walls[args.short])) / (args.long - args.short)
     for label, bare_s, step_s in (("fastest", min(b[0] for b in bare), step_fastest),
                                   ("median", statistics.median(b[1] for b in bare), statistics.median(own))):

@@ -1,12 +1,14 @@
-"""Wan's VAE in bf16 (model.dtype) against fp32 (diffusers' examples and the original code keep
-AutoencoderKLWan in fp32): the cached latents' difference, in the normalised units training sees.
+"""Wan's VAE in bf16 against fp32: the cached latents' difference.
+
+bf16 is model.dtype; diffusers' examples and the original code keep AutoencoderKLWan in fp32. The
+difference is in the normalised units training sees.
 
     python bench/bench_vae_dtype.py [--frames 17] [--size 64]
 
-Encodes synthetic clips (tools/make_synthetic_dataset.py's moving shapes) with the tiny Wan 2.1 VAE (tools/make_tiny_model.py) in
-both dtypes; prints the relative L2 difference of the posterior means and the largest difference
-after normalisation (latents_mean / latents_std), next to the noise's unit scale.
-"""
+Encodes synthetic clips (tools/make_synthetic_dataset.py's moving shapes) with the tiny Wan 2.1 VAE
+(tools/make_tiny_model.py) in both dtypes; prints the relative L2 difference of the posterior means
+and the largest difference after normalisation (latents_mean / latents_std), next to the noise's
+unit scale."""
 
 import argparse
 import random

@@ -1,4 +1,5 @@
-"""What the trainer benchmarks share: the tiny model and clips in a folder, and a timed trainer run."""
+"""What the trainer benchmarks share: the tiny model and clips in a folder, and a timed trainer run.
+"""
 
 import json
 import os
@@ -20,8 +21,9 @@ from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 
 def tiny_settings(root: Path, transformer_settings: dict | None = None) -> dict:
-    """Write the tiny model (its transformer_settings overridden) and 24 clips under root; the fp32
-    settings that train on them."""
+    """Write the tiny model and 24 clips under root; return the fp32 settings that train on them.
+
+    The model's transformer_settings are overridden."""
     make_tiny_model(str(root / "model"), transformer_settings=transformer_settings)
     make_synthetic_dataset(str(root / "data"), num_videos=24, frames=17, height=40, width=48, seed=0)
     return {"model.path": str(root / "model"), "model.dtype": "fp32", "data.data_root": str(root / "data"),
@@ -31,15 +33,20 @@ def tiny_settings(root: Path, transformer_settings: dict | None = None) -> dict:
 
 
 def median_step_s(output_dir: Path, global_batch: int, after: int) -> float:
-    """The median of the trainer's own step times after step `after` (its metrics.jsonl, logged every
-    step: global batch / samples_per_s), which start-up and a load spike move less than a wall time."""
+    """The median of the trainer's own step times after step `after`.
+
+    Its metrics.jsonl, logged every step: global batch / samples_per_s, which start-up and a load
+    spike move less than a wall time."""
     logged = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").open()]
     return statistics.median(global_batch / m["train/samples_per_s"] for m in logged
                              if m.get("step", 0) > after and "train/samples_per_s" in m)
 
 
 def timed_run(root: Path, name: str, settings: dict, nproc: int = 1) -> float:
-    """Write the config, run the trainer (one thread per rank) on a fresh output folder; its wall seconds."""
+    """Run the trainer with this config on a fresh output folder; return its wall seconds.
+
+    Write the config, run the trainer (one thread per rank) on a fresh output folder; its wall
+    seconds."""
     config = write_toml(root / f"{name}.toml", {"run.output_dir": str(root / name), **settings})
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                     f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
@@ -53,9 +60,11 @@ def timed_run(root: Path, name: str, settings: dict, nproc: int = 1) -> float:
 
 
 def write_random_transformer(folder: Path, cls, config: dict, shard_bytes: int, device: str = "cpu") -> None:
-    """A transformer folder as the published ones hold it: config.json (with cls's name) and random bf16
-    weights (normal, std 0.02, drawn on `device` from seed 0) in safetensors shards of about shard_bytes,
-    with their index."""
+    """Write a transformer folder as the published ones hold it, with random bf16 weights.
+
+    A transformer folder as the published ones hold it: config.json (with cls's name) and random
+    bf16 weights (normal, std 0.02, drawn on `device` from seed 0) in safetensors shards of about
+    shard_bytes, with their index."""
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **config}, indent=2) + "\n")
     with torch.device("meta"):

@@ -1,33 +1,35 @@
-"""One GPU: which settings of block streaming, fp8 storage and activation offload fit a card, added up
-from bench_memory's parts (bytes) of one process. bench_memory.py --fit GB prints what this finds.
+"""One GPU: which settings of block streaming, fp8 storage and activation offload fit a card.
+
+Added up from bench_memory's parts (bytes) of one process. bench_memory.py --fit GB prints what this
+finds.
 
 A setting: the frozen weights in bf16 (model.dtype) or fp8 (model.storage_dtype: 1 byte per frozen
-block-linear weight plus a scale per output row in model.dtype; norms, biases, embeddings and the layers outside
-the blocks keep their dtype); N of the L blocks in pinned host memory (parallel.cpu_offload with
-parallel.offload_blocks), streamed in one block ahead: on the GPU the other blocks, the layers outside
-the blocks, and two blocks in flight (the one computing, the one prefetched: FSDP2 on one rank gathers
-every block, resident ones too, into a buffer of its own; DDP's resident run has none), with one block's
-gradient buffer; the checkpointed block inputs on the GPU or in pinned host memory
-(train.activation_offload: each block call's tensor inputs, a tensor shared by the blocks once), two
-blocks' back on the GPU in flight. fp8 adds up to one block's linear
-weights upcast to the compute dtype (the copies a block's backward keeps). LoRA only: sft's streaming
-also moves gradients and AdamW's state to the host, which is not modelled.
+block-linear weight plus a scale per output row in model.dtype; norms, biases, embeddings and the
+layers outside the blocks keep their dtype); N of the L blocks in pinned host memory
+(parallel.cpu_offload with parallel.offload_blocks), streamed in one block ahead: on the GPU the
+other blocks, the layers outside the blocks, and two blocks in flight (the one computing, the one
+prefetched: FSDP2 on one rank gathers every block, resident ones too, into a buffer of its own;
+DDP's resident run has none), with one block's gradient buffer; the checkpointed block inputs on the
+GPU or in pinned host memory (train.activation_offload: each block call's tensor inputs, a tensor
+shared by the blocks once), two blocks' back on the GPU in flight. fp8 adds up to one block's linear
+weights upcast to the compute dtype (the copies a block's backward keeps). LoRA only: sft's
+streaming also moves gradients and AdamW's state to the host, which is not modelled.
 
-Fastest first, the order --fit picks in: bf16 before fp8 (fp8 changes the forward's numerics), without
-activation offload before with, then the fewest blocks streamed. Each step moves every streamed block
-to the GPU twice (the forward, and the backward's recompute) and every offloaded block input out and
-back once; fp8 halves the first.
+Fastest first, the order --fit picks in: bf16 before fp8 (fp8 changes the forward's numerics),
+without activation offload before with, then the fewest blocks streamed. Each step moves every
+streamed block to the GPU twice (the forward, and the backward's recompute) and every offloaded
+block input out and back once; fp8 halves the first.
 
-Phases, each of which must fit: training (one step's peak); validation (the training state, the other
-expert of Wan 2.2 A14B placed as the trained one, and the larger of a guided sampling forward, batch 2,
-and the VAE decoding one clip); the cache pass (the text encoder's pass over data.cache_batch_size
-prompts, then the VAE encoding data.cache_batch_size clips, or one of each where that many do not fit:
-cache.prepare frees the text encoder between them; the validation prompts' encoding, before the model is
-built, is a text pass too, over the prompts and the negative prompt).
-Host RAM: the pinned weights and activations as torch's pinned allocator hands them out under
-parallel.ALLOCATOR_SETTINGS (parallel.pinned_bytes: exact sizes above 16 MiB, the next power of two
-below), this process's resident size, the VAE parked between validations; in the cache pass the text
-encoder, which from_pretrained reads on the host first.
+Phases, each of which must fit: training (one step's peak); validation (the training state, the
+other expert of Wan 2.2 A14B placed as the trained one, and the larger of a guided sampling forward,
+batch 2, and the VAE decoding one clip); the cache pass (the text encoder's pass over
+data.cache_batch_size prompts, then the VAE encoding data.cache_batch_size clips, or one of each
+where that many do not fit: cache.prepare frees the text encoder between them; the validation
+prompts' encoding, before the model is built, is a text pass too, over the prompts and the negative
+prompt). Host RAM: the pinned weights and activations as torch's pinned allocator hands them out
+under parallel.ALLOCATOR_SETTINGS (parallel.pinned_bytes: exact sizes above 16 MiB, the next power
+of two below), this process's resident size, the VAE parked between validations; in the cache pass
+the text encoder, which from_pretrained reads on the host first.
 """
 
 import sys
@@ -38,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from parallel import ALLOCATOR_SETTINGS  # noqa: E402
 
 GIB = 2**30
-# What the estimate leaves out, until a GPU run has measured a pick (bench/bench_gpu.py's 14b-one-gpu): the
-# CUDA context and its libraries (0.5-1 GiB outside torch's allocator), the attention backward's fp32
-# accumulator for dq (tokens x width x 4 bytes: 0.6 GiB for Wan 14B at 81x480x832) and cuBLAS's
-# workspaces, and the caching allocator's fragmentation.
+# What the estimate leaves out, until a GPU run has measured a pick (bench/bench_gpu.py's
+# 14b-one-gpu): the CUDA context and its libraries (0.5-1 GiB outside torch's allocator), the
+# attention backward's fp32 accumulator for dq (tokens x width x 4 bytes: 0.6 GiB for Wan 14B at
+# 81x480x832) and cuBLAS's workspaces, and the caching allocator's fragmentation.
 MARGIN = 2.5 * GIB
 
 
@@ -77,7 +79,9 @@ class Setting:
 
 
 def settings(p: dict) -> list[Setting]:
-    """Every setting, fastest first. Activation offload needs checkpointing (it moves what that keeps)."""
+    """Every setting, fastest first.
+
+    Activation offload needs checkpointing (it moves what that keeps)."""
     offload = (False, True) if p["checkpointing"] else (False,)
     return [Setting(fp8, a, n) for fp8 in (False, True) for a in offload for n in range(p["layers"] + 1)]
 
@@ -87,12 +91,16 @@ def block_bytes(p: dict, s: Setting) -> int:
 
 
 def resident(p: dict, s: Setting) -> int:
-    """Frozen weights that stay on the GPU: the layers outside the blocks and the unstreamed blocks."""
+    """Frozen weights that stay on the GPU: the layers outside the blocks and the unstreamed blocks.
+    """
     return p["root"] + (p["layers"] - s.streamed) * block_bytes(p, s)
 
 
 def weights_on_gpu(p: dict, s: Setting) -> int:
-    """The resident frozen weights, the blocks FSDP2 has gathered (streaming only) and fp8's upcast copies."""
+    """GPU bytes of the frozen weights: resident, gathered for streaming, and fp8's upcast copies.
+
+    The resident frozen weights, the blocks FSDP2 has gathered (streaming only) and fp8's upcast
+    copies."""
     return resident(p, s) + (2 if s.streamed else 0) * block_bytes(p, s) + (p["upcast"] if s.fp8 else 0)
 
 
@@ -123,17 +131,21 @@ def cache_pass(p: dict) -> int:
 
 
 def pinned(p: dict, s: Setting, experts: int = 1) -> dict[str, int]:
-    """Pinned host memory as torch's allocator hands it out: the streamed blocks' weights (of every expert
-    validation holds) and the offloaded block inputs."""
+    """Pinned host memory: the streamed blocks' weights and the offloaded block inputs.
+
+    As torch's allocator hands it out; the weights of every expert validation holds."""
     block = p["block_fp8_pinned"] if s.fp8 else p["block_pinned"]
-    root = p["root_pinned"] if s.streamed == p["layers"] else 0  # offload_blocks = 0 streams the root too
+    # offload_blocks = 0 streams the root too
+    root = p["root_pinned"] if s.streamed == p["layers"] else 0
     return {"pinned weights": experts * (s.streamed * block + root),
             "offloaded activations": p["offloaded_pinned"] if s.activation_offload else 0}
 
 
 def host(p: dict, s: Setting) -> dict[str, int]:
-    """Host RAM: during training (pinned weights of every expert validation holds, pinned activations,
-    the process, the parked VAE) and during the cache pass."""
+    """Host RAM during training and during the cache pass.
+
+    Training holds the pinned weights of every expert validation holds, pinned activations, the
+    process and the parked VAE."""
     parts = {**pinned(p, s, p["experts"] if p["validation"] else 1),
              "process": p["process"], "parked VAE": p["vae"] if p["validation"] else 0}
     parts["training"] = sum(parts.values())
@@ -151,13 +163,17 @@ def host_needed(p: dict, s: Setting) -> int:
 
 
 def fits(p: dict, s: Setting, gb: float, ram: float | None = None) -> bool:
-    """Every phase within gb GiB of GPU memory less the margin, and, given ram, the host RAM within ram GiB."""
+    """Whether every phase fits in gb GiB of GPU memory (and ram GiB of host RAM).
+
+    Every phase within gb GiB of GPU memory less the margin, and, given ram, the host RAM within ram
+    GiB."""
     return max(gpu(p, s).values()) + MARGIN <= gb * GIB and (ram is None or host_needed(p, s) <= ram * GIB)
 
 
 def with_cache_batch(p: dict, gb: float) -> dict:
-    """p with the cache pass's batches (clips per VAE call, prompts per text encoder call) at
-    data.cache_batch_size, or at 1 where only that fits."""
+    """p with the cache pass's batches at data.cache_batch_size, or at 1 where only that fits.
+
+    Clips per VAE call and prompts per text encoder call."""
     fitting = cache_pass(p) + MARGIN <= gb * GIB
     return p if fitting or p["cache_batch_size"] == 1 else \
         p | {"encode": p["encode_1"], "text": p["text_1"], "cache_batch_size": 1}
@@ -170,8 +186,10 @@ def fit(p: dict, gb: float, ram: float | None = None) -> Setting | None:
 
 
 def why_none(p: dict, gb: float, ram: float | None = None) -> str:
-    """What stops every setting: the cache pass (the same for all), the phase that stops the setting
-    needing the least GPU memory, or, where that one fits, the host RAM."""
+    """What stops every setting from fitting.
+
+    The cache pass (the same for all), the phase that stops the setting needing the least GPU
+    memory, or, where that one fits, the host RAM."""
     if p["cache_pass"] and cache_pass(p) + MARGIN > gb * GIB:
         text, vae = p["text_encoder"] + p["text"], p["vae"] + p["encode"]
         reason = (f"the text encoder's pass needs {text / GIB:.1f} GiB, its weights alone {p['text_encoder'] / GIB:.1f}"
@@ -195,7 +213,9 @@ def why_none(p: dict, gb: float, ram: float | None = None) -> str:
 
 
 def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting | None:
-    """Print the fastest fitting setting per weight dtype and activation placement, the pick, and its config lines."""
+    """Print the fastest fitting settings, the pick and its config lines.
+
+    One per weight dtype and activation placement."""
     configured, p = p["cache_batch_size"], with_cache_batch(p, gb)
     print(f"{title}\none GPU of {gb:g} GiB, less a {MARGIN / GIB:g} GiB margin for the CUDA context, the "
           "attention and cuBLAS workspaces and the allocator's fragmentation (not yet measured on a GPU)"

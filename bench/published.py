@@ -1,5 +1,8 @@
-"""The published transformer and text encoder configs, and a model folder holding only configs, for the
-benchmarks that build full-size models without their weights (bench_memory.py --arch, bench_gpu.py)."""
+"""Published transformer and text encoder configs, and a model folder holding only configs.
+
+The published transformer and text encoder configs, and a model folder holding only configs, for the
+benchmarks that build full-size models without their weights (bench_memory.py --arch, bench_gpu.py).
+"""
 
 import dataclasses
 import json
@@ -23,8 +26,8 @@ from tools.make_tiny_model import make_scheduler  # noqa: E402
 
 TRANSFORMERS = {"cogvideox": CogVideoXTransformer3DModel, "wan": WanTransformer3DModel,
                 "ltx2": LTX2VideoTransformer3DModel}
-# LTX-2's published configs (docs/models/ltx2.md: diffusers' convert_ltx2_to_diffusers.py, versions "2.0" and "2.3";
-# the keys LTX-2.5 added to the class are absent, as in the published folders).
+# LTX-2's published configs (docs/models/ltx2.md: diffusers' convert_ltx2_to_diffusers.py, versions
+# "2.0" and "2.3"; the keys LTX-2.5 added to the class are absent, as in the published folders).
 LTX2_19B = {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "num_attention_heads": 32,
             "attention_head_dim": 128, "cross_attention_dim": 4096, "vae_scale_factors": [8, 32, 32],
             "pos_embed_max_pos": 20, "base_height": 2048, "base_width": 2048, "gated_attn": False,
@@ -50,7 +53,8 @@ LTX2_CONNECTORS_20 = {
     "causal_temporal_positioning": False, "rope_type": "split", "per_modality_projections": False, "proj_bias": False}
 # 2.0's video VAE: these and the class defaults.
 LTX2_VAE_20 = {"decoder_causal": False, "spatial_compression_ratio": 32, "temporal_compression_ratio": 8}
-# The video VAE and text connectors per published model (the audio VAE's config is the class defaults for both).
+# The video VAE and text connectors per published model (the audio VAE's config is the class
+# defaults for both).
 LTX2_PARTS = {
     "ltx2-19b": {"vae": LTX2_VAE_20, "connectors": LTX2_CONNECTORS_20, "vocoder": "LTX2Vocoder"},
     "ltx2.3-22b": {
@@ -71,22 +75,26 @@ LTX2_PARTS = {
 # Published transformer configs (docs/models/cogvideox.md: 5B's values besides these are the class
 # defaults; docs/models/wan.md and docs/models/ltx2.md).
 PUBLISHED = {
-    "cogvideox-2b": ("cogvideox", {"num_attention_heads": 30, "num_layers": 30}),  # the class defaults, spelled out
+    # the class defaults, spelled out
+    "cogvideox-2b": ("cogvideox", {"num_attention_heads": 30, "num_layers": 30}),
     "cogvideox-5b": ("cogvideox", {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}),
     "wan2.1-t2v-14b": ("wan", WAN_14B := {"num_attention_heads": 40, "attention_head_dim": 128, "num_layers": 40,
                                           "ffn_dim": 13824, "in_channels": 16, "out_channels": 16, "text_dim": 4096,
                                           "freq_dim": 256, "eps": 1e-6, "patch_size": [1, 2, 2], "cross_attn_norm": True,
                                           "rope_max_seq_len": 1024}),
     "wan2.1-t2v-1.3b": ("wan", {**WAN_14B, "num_attention_heads": 12, "num_layers": 30, "ffn_dim": 8960}),
-    "wan2.2-t2v-a14b": ("wan", WAN_14B),  # two experts of 2.1-14B's config, transformer/ and transformer_2/
+    # two experts of 2.1-14B's config, transformer/ and transformer_2/
+    "wan2.2-t2v-a14b": ("wan", WAN_14B),
     "ltx2-19b": ("ltx2", LTX2_19B),
     "ltx2.3-22b": ("ltx2", LTX2_23),
 }
 PIPELINE_EXTRAS = {"wan2.2-t2v-a14b": {"boundary_ratio": 0.875}}
-# The text encoders' published configs (T5 v1.1 XXL's and UMT5-XXL's encoders, docs/models/), for --arch.
+# The text encoders' published configs (T5 v1.1 XXL's and UMT5-XXL's encoders, docs/models/), for
+# --arch.
 T5_XXL = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "feed_forward_proj": "gated-gelu"}
-# LTX-2's Gemma 3 12B (google/gemma-3-12b-it's config.json: its language model and SigLIP vision tower): 11.77B +
-# 0.43B parameters (keras-hub's gemma3_12b_text preset lists 11,765,788,416 for a vocabulary 64 tokens shorter).
+# LTX-2's Gemma 3 12B (google/gemma-3-12b-it's config.json: its language model and SigLIP vision
+# tower): 11.77B + 0.43B parameters (keras-hub's gemma3_12b_text preset lists 11,765,788,416 for a
+# vocabulary 64 tokens shorter).
 GEMMA3_12B = {"model_type": "gemma3", "mm_tokens_per_image": 256,
               "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
                               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
@@ -98,7 +106,10 @@ TEXT_ENCODERS = {"cogvideox": {**T5_XXL, "vocab_size": 32128}, "wan": {**T5_XXL,
 
 
 def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
-    """(family, adapter): model.path's, or the adapter of a folder holding only the published configs."""
+    """(family, adapter) of model.path, or of a folder holding only the published configs.
+
+    (family, adapter): model.path's, or the adapter of a folder holding only the published configs.
+    """
     if arch is None:
         if not Path(cfg.model.path, "model_index.json").is_file():
             raise ConfigError(f"model.path = {cfg.model.path} is not here: pass --arch ({', '.join(PUBLISHED)})")
@@ -121,12 +132,15 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
         # which vocoder and text encoder the adapter builds
         extras = {**extras, "vocoder": ["ltx2", LTX2_PARTS[arch]["vocoder"]],
                   "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"]}
-    for name, config in configs.items():  # the other VAEs, schedulers: class defaults (memory does not depend on them)
+    # the other VAEs, schedulers: class defaults (memory does not depend on them)
+    for name, config in configs.items():
         (root / name).mkdir(parents=True)
         (root / name / "config.json").write_text(json.dumps(config))
     (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline, **extras}))
-    if family == "ltx2":  # latent statistics, buffers the adapter reads from the weights: zeros and ones
-        for name, channels in (("vae", 128), ("audio_vae", 128)):  # per latent channel; per packed audio feature
+    # latent statistics, buffers the adapter reads from the weights: zeros and ones
+    if family == "ltx2":
+        # per latent channel; per packed audio feature
+        for name, channels in (("vae", 128), ("audio_vae", 128)):
             save_file({"latents_mean": torch.zeros(channels), "latents_std": torch.ones(channels)},
                       root / name / "diffusion_pytorch_model.safetensors")
     scheduler = {"cogvideox": lambda: make_scheduler(1.0), "ltx2": FlowMatchEulerDiscreteScheduler,
@@ -138,8 +152,10 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
 
 
 def meta_transformer(cls, config: dict, dtype: torch.dtype):
-    """The transformer as from_pretrained(dtype=...) loads it, on the meta device: parameters in dtype but
-    the class's keep-in-fp32 modules; buffers in the dtype they are made in."""
+    """The transformer as from_pretrained(dtype=...) loads it, on the meta device.
+
+    Parameters in dtype but the class's keep-in-fp32 modules; buffers in the dtype they are made in.
+    """
     with torch.device("meta"):
         transformer = cls.from_config(config)
     for name, p in transformer.named_parameters():

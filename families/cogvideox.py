@@ -1,9 +1,10 @@
 """CogVideoX 1.0 and 1.5, text-to-video and image-to-video (docs/models/cogvideox.md).
 
-v-prediction with the model's own DPM scheduler, t uniform in [0, 1000), the loss mean((v_hat - v)^2)
-computed in fp32; rotary embeddings from the pipeline's own function, so training and inference agree;
-1.5's latent frames padded to patch_size_t as the pipeline pads them; image-to-video conditioned as
-CogVideoXImageToVideoPipeline conditions it. The sampling pieces are CogVideoXPipeline's loop.
+v-prediction with the model's own DPM scheduler, t uniform in [0, 1000), the loss mean((v_hat -
+v)^2) computed in fp32; rotary embeddings from the pipeline's own function, so training and
+inference agree; 1.5's latent frames padded to patch_size_t as the pipeline pads them;
+image-to-video conditioned as CogVideoXImageToVideoPipeline conditions it. The sampling pieces are
+CogVideoXPipeline's loop.
 """
 
 import contextlib
@@ -33,8 +34,9 @@ from transformer_loading import parameters_on_meta, resolved_config
 from weights import rename_key, rename_module
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
-# diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py; docs/models/cogvideox.md):
-# inside a block (transformer_blocks.N -> blocks.N), and outside. Every nn.Linear of diffusers' model has one.
+# diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py;
+# docs/models/cogvideox.md): inside a block (transformer_blocks.N -> blocks.N), and outside. Every
+# nn.Linear of diffusers' model has one.
 COMFY_BLOCK = {"norm1.linear": "norm1.linear", "attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v",
                "attn1.to_out.0": "attn_out", "norm2.linear": "norm2.linear", "ff.net.0.proj": "ff_proj",
                "ff.net.2": "ff_out"}
@@ -42,7 +44,8 @@ COMFY_OTHER = {"patch_embed.proj": "patch_embed.proj", "patch_embed.text_proj": 
                "time_embedding.linear_1": "time_embedding_linear_1", "time_embedding.linear_2": "time_embedding_linear_2",
                "ofs_embedding.linear_1": "ofs_embedding_linear_1", "ofs_embedding.linear_2": "ofs_embedding_linear_2",
                "norm_out.linear": "norm_out.linear", "proj_out": "proj_out"}
-# With the norms and the learned positions, the whole state dict: ComfyUI's single files (model.transformer_file).
+# With the norms and the learned positions, the whole state dict: ComfyUI's single files
+# (model.transformer_file).
 COMFY_WEIGHTS_BLOCK = COMFY_BLOCK | {"norm1.norm": "norm1.norm", "attn1.norm_q": "norm_q", "attn1.norm_k": "norm_k",
                                      "norm2.norm": "norm2.norm"}
 COMFY_WEIGHTS_OTHER = COMFY_OTHER | {"norm_final": "norm_final", "norm_out.norm": "norm_out.norm",
@@ -59,7 +62,8 @@ class CogVideoXAdapter(Adapter):
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, T5EncoderModel
     COMFY = True
-    SINGLE_FILE_KEY = "blocks.0.norm1.linear.weight"  # what ComfyUI's model detection knows CogVideoX by
+    # what ComfyUI's model detection knows CogVideoX by
+    SINGLE_FILE_KEY = "blocks.0.norm1.linear.weight"
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)
@@ -72,7 +76,8 @@ class CogVideoXAdapter(Adapter):
                               f"{self.transformer_config['in_channels']} input channels): set model.type = "
                               f"\"{'i2v' if takes_image else 't2v'}\"")
         self.scheduler = CogVideoXDPMScheduler.from_pretrained(self.path, subfolder="scheduler")
-        self.alphas_cumprod = self.scheduler.alphas_cumprod.to(device, torch.float32)  # indexed on the device every step
+        # indexed on the device every step
+        self.alphas_cumprod = self.scheduler.alphas_cumprod.to(device, torch.float32)
 
     # Shape rules read from the model's own config.
     @property
@@ -102,7 +107,8 @@ class CogVideoXAdapter(Adapter):
 
     @property
     def published_fps(self) -> int:
-        return 16 if self.transformer_config["patch_size_t"] else 8  # 1.5: 16 fps; 1.0: 8 (docs/models/cogvideox.md)
+        # 1.5: 16 fps; 1.0: 8 (docs/models/cogvideox.md)
+        return 16 if self.transformer_config["patch_size_t"] else 8
 
     def check_resolution(self, resolution, key: str) -> None:
         super().check_resolution(resolution, key)
@@ -111,8 +117,8 @@ class CogVideoXAdapter(Adapter):
         if c["use_learned_positional_embeddings"]:
             native = [c["sample_frames"], c["sample_height"] * ratio, c["sample_width"] * ratio]
             if list(resolution) != native:
-                # diffusers refuses another height or width, but silently swaps in other embeddings for
-                # another frame count.
+                # diffusers refuses another height or width, but silently swaps in other embeddings
+                # for another frame count.
                 raise ConfigError(f"{key} = {list(resolution)}, but this model's learned positional embeddings "
                                   f"(CogVideoX-5b-I2V) are sized for {native} only: use {native}")
         if c["patch_size_t"] and (height > c["sample_height"] * ratio or width > c["sample_width"] * ratio):
@@ -121,7 +127,10 @@ class CogVideoXAdapter(Adapter):
                               "sample_height and sample_width): use a smaller height or width")
 
     def comfy_key(self, module: str) -> str | None:
-        """transformer_blocks.N.attn1.to_q -> blocks.N.q, time_embedding.linear_1 -> time_embedding_linear_1."""
+        """Our module name in ComfyUI's model.
+
+        transformer_blocks.N.attn1.to_q -> blocks.N.q, time_embedding.linear_1 ->
+        time_embedding_linear_1."""
         return rename_module(module, "transformer_blocks", "blocks", COMFY_BLOCK, COMFY_OTHER)
 
     def diffusers_key(self, original: str) -> str | None:
@@ -130,21 +139,27 @@ class CogVideoXAdapter(Adapter):
 
     @staticmethod
     def single_file_key(key: str) -> str | None:
-        """A state-dict key's name in ComfyUI's model (transformer_blocks.N.attn1.to_q.weight -> blocks.N.q.weight)."""
+        """A state-dict key's name in ComfyUI's model.
+
+        transformer_blocks.N.attn1.to_q.weight -> blocks.N.q.weight."""
         return rename_key(key, "transformer_blocks", "blocks", COMFY_WEIGHTS_BLOCK, COMFY_WEIGHTS_OTHER)
 
     @staticmethod
     def diffusers_names(keys: list[str]) -> dict[str, str]:
-        """A single file's keys (ComfyUI's names) -> diffusers'; a key ComfyUI's model lacks keeps its name."""
+        """A single file's keys (ComfyUI's names) -> diffusers'.
+
+        A key ComfyUI's model lacks keeps its name."""
         block, other = ({v: k for k, v in names.items()} for names in (COMFY_WEIGHTS_BLOCK, COMFY_WEIGHTS_OTHER))
         return {k: rename_key(k, "blocks", "transformer_blocks", block, other) or k for k in keys}
 
     @classmethod
     def single_file_tables(cls, config: dict) -> dict[str, torch.Tensor]:
-        """2b's sincos positions as patch_embed.pos_embedding (diffusers' non-persistent buffer, as its
-        from_config computes it): ComfyUI's model detection takes a CogVideoX file without that key for a
-        rotary model and builds 2b as the wrong one; with it, as a model with sincos positions (which
-        ComfyUI's forward computes anew: the table marks the file)."""
+        """Add 2b's sincos positions, so that ComfyUI detects the right model.
+
+        2b's sincos positions as patch_embed.pos_embedding (diffusers' non-persistent buffer, as its
+        from_config computes it): ComfyUI's model detection takes a CogVideoX file without that key
+        for a rotary model and builds 2b as the wrong one; with it, as a model with sincos positions
+        (which ComfyUI's forward computes anew: the table marks the file)."""
         if config["use_rotary_positional_embeddings"] or config["use_learned_positional_embeddings"]:
             return {}
         with parameters_on_meta():
@@ -166,10 +181,13 @@ class CogVideoXAdapter(Adapter):
 
     @torch.no_grad()
     def encode_image(self, images: torch.Tensor, generators: list[torch.Generator], frames: int) -> dict:
-        """I2V conditioning images, uint8 [B, H, W, 3] -> posterior mean and log-variance [B, C, 1, h, w] of
-        the image with CogVideo's pixel-space noise augmentation, sigma = exp(N(-3, 0.5)), drawn from each
-        clip's generator keyed by (run.seed, clip): the entry is cached once, and a run's every epoch sees
-        the same augmented image (CogVideo draws a new sigma and re-encodes at every step)."""
+        """Encode I2V conditioning images with CogVideo's noise augmentation into posteriors.
+
+        I2V conditioning images, uint8 [B, H, W, 3] -> posterior mean and log-variance [B, C, 1, h,
+        w] of the image with CogVideo's pixel-space noise augmentation, sigma = exp(N(-3, 0.5)),
+        drawn from each clip's generator keyed by (run.seed, clip): the entry is cached once, and a
+        run's every epoch sees the same augmented image (CogVideo draws a new sigma and re-encodes
+        at every step)."""
         pixels = self._pixels(images[:, None]).float()
         for image, generator in zip(pixels, generators):
             sigma = math.exp(-3.0 + 0.5 * torch.randn((), generator=generator).item())
@@ -179,7 +197,9 @@ class CogVideoXAdapter(Adapter):
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """T5 embeddings [B, L, D] exactly as the pipeline computes them, L from the transformer config."""
+        """T5 embeddings [B, L, D] exactly as the pipeline computes them.
+
+        L comes from the transformer config."""
         text_encoder, tokenizer = self._text()
         ids = tokenizer(
             prompts, padding="max_length", max_length=self.text_length, truncation=True, return_tensors="pt"
@@ -191,12 +211,16 @@ class CogVideoXAdapter(Adapter):
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Scaled latents [B, F', C, h, w] -> pixels [B, C, F, H, W] in [-1, 1], as the pipeline's
-        decode_latents. One clip at a time, in the VAE's own spatial tiles (which the VAE would use for
-        encoding too, so they are switched on only here): memory stays bounded at any resolution."""
+        """Decode scaled latents [B, F', C, h, w] to pixels [B, C, F, H, W] in [-1, 1].
+
+        Scaled latents [B, F', C, h, w] -> pixels [B, C, F, H, W] in [-1, 1], as the pipeline's
+        decode_latents. One clip at a time, in the VAE's own spatial tiles (which the VAE would use
+        for encoding too, so they are switched on only here): memory stays bounded at any
+        resolution."""
         vae = self._load_vae()
-        # diffusers stitches tiles into a frame of the wrong size when its tile stride does not come out
-        # whole, as with most tiny VAEs; the real models' default tiles do, and those decode tiled.
+        # diffusers stitches tiles into a frame of the wrong size when its tile stride does not come
+        # out whole, as with most tiny VAEs; the real models' default tiles do, and those decode
+        # tiled.
         tiles_exactly = all(
             int(latent * (1 - overlap)) * self.spatial_ratio == sample - int(sample * overlap)
             for sample, latent, overlap in (
@@ -215,10 +239,12 @@ class CogVideoXAdapter(Adapter):
 
     # Image-to-video conditioning.
     def image_condition(self, image_latents: torch.Tensor, frames: int) -> torch.Tensor:
-        """Unscaled image latents [B, C, 1, h, w] -> the transformer's conditioning input [B, frames, C, h,
-        w], as CogVideoXImageToVideoPipeline.prepare_latents builds it: scaled (divided by the scaling
-        factor where the VAE config says invert_scale_latents, as for 1.5-I2V), at latent frame 0,
-        zeros after it up to the (padded) latent frame count."""
+        """Build the transformer's image condition [B, frames, C, h, w] from image latents.
+
+        Unscaled image latents [B, C, 1, h, w] -> the transformer's conditioning input [B, frames,
+        C, h, w], as CogVideoXImageToVideoPipeline.prepare_latents builds it: scaled (divided by the
+        scaling factor where the VAE config says invert_scale_latents, as for 1.5-I2V), at latent
+        frame 0, zeros after it up to the (padded) latent frame count."""
         image_latents = image_latents.permute(0, 2, 1, 3, 4)
         s = self.vae_config["scaling_factor"]
         image_latents = (1 / s if self.vae_config["invert_scale_latents"] else s) * image_latents
@@ -226,7 +252,9 @@ class CogVideoXAdapter(Adapter):
         return torch.cat([image_latents, padding], dim=1)
 
     def batch_condition(self, batch: dict[str, torch.Tensor], frames: int, generators) -> torch.Tensor | None:
-        """I2V: the cached image posterior, sampled (or its mean without generators), as the condition."""
+        """I2V: the cached image posterior as the condition.
+
+        Sampled, or its mean without generators."""
         if self.type != "i2v":
             return None
         image = sample_posterior(batch["image_mean"].to(self.device), batch["image_logvar"].to(self.device),
@@ -252,14 +280,16 @@ class CogVideoXAdapter(Adapter):
         return -latent_frames % (self.transformer_config["patch_size_t"] or 1)
 
     def pad_frames(self, latents: torch.Tensor) -> torch.Tensor:
-        """CogVideoX 1.5: repeat the first latent frame in front up to a multiple of patch_size_t."""
+        """CogVideoX 1.5: repeat the first latent frame in front up to a multiple of patch_size_t.
+        """
         extra = self.extra_frames(latents.shape[1])
         return torch.cat([latents[:, :1].expand(-1, extra, -1, -1, -1), latents], dim=1) if extra else latents
 
     def predict_v(self, transformer, x_t: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor, rotary,
                   condition: torch.Tensor | None = None):
-        """The denoiser call [B, F, C, H, W] -> v prediction in fp32; used by training and sampling. I2V:
-        the image condition follows the noisy latents on channels, as in the pipeline."""
+        """The denoiser call [B, F, C, H, W] -> v prediction in fp32; used by training and sampling.
+
+        I2V: the image condition follows the noisy latents on channels, as in the pipeline."""
         if condition is not None:
             x_t = torch.cat([x_t, condition.to(x_t.dtype)], dim=2)
         ofs = x_t.new_full((x_t.shape[0],), 2.0) if self.transformer_config["ofs_embed_dim"] else None
@@ -269,14 +299,17 @@ class CogVideoXAdapter(Adapter):
         return out.float()
 
     def clean_latents(self, mean: torch.Tensor, logvar: torch.Tensor, generators: list[torch.Generator] | None):
-        """[B, C, F', h, w] posterior -> scaled, padded latents [B, F', C, h, w] in fp32; sampled when
+        """Turn a [B, C, F', h, w] posterior into scaled, padded latents [B, F', C, h, w] in fp32.
+
+        [B, C, F', h, w] posterior -> scaled, padded latents [B, F', C, h, w] in fp32; sampled when
         generators are given, the posterior mean otherwise (the held-out loss)."""
         latents = sample_posterior(mean, logvar, generators) * self.vae_config["scaling_factor"]
         return self.pad_frames(latents.permute(0, 2, 1, 3, 4))
 
     def loss(self, transformer, x0: torch.Tensor, prompt_embeds, timesteps: torch.Tensor, noise: torch.Tensor,
              condition: torch.Tensor | None = None):
-        """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints."""
+        """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints.
+        """
         a = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1, 1)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
         v = a.sqrt() * noise - (1 - a).sqrt() * x0
@@ -285,8 +318,10 @@ class CogVideoXAdapter(Adapter):
         return (v_hat - v).pow(2).mean(dim=(1, 2, 3, 4))
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
-        """Per-sample loss of a cached batch; latent sample, timestep and noise come from each sample's
-        own generator, keyed by (seed, step, position in the global batch)."""
+        """Per-sample loss of a cached batch, every draw from the sample's own generator.
+
+        Latent sample, timestep and noise come from each sample's own generator, keyed by (seed,
+        step, position in the global batch)."""
         x0 = self.clean_latents(batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators)
         timesteps = torch.stack([torch.randint(0, len(self.alphas_cumprod), (), generator=g) for g in generators])
         noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), x0.device)
@@ -295,7 +330,9 @@ class CogVideoXAdapter(Adapter):
                          condition)
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
-        """The loss of one cached clip (its posterior mean) at each of `timesteps`, with the same noise."""
+        """The loss of one cached clip (its posterior mean) at each of `timesteps`.
+
+        Every timestep gets the same noise."""
         x0 = self.clean_latents(batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), None)
         condition = self.batch_condition(batch, x0.shape[1], None)
         noise = torch.randn(x0.shape[1:], generator=generator).to(x0.device)
@@ -309,8 +346,10 @@ class CogVideoXAdapter(Adapter):
         return list(transformer.transformer_blocks)
 
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
-        """Sequence parallelism: the video tokens and their rotary embeddings split at the first block, the
-        text tokens replicated; joint attention through FusedQKVAttention's all-to-all."""
+        """Split the video tokens across the sequence-parallel group; the text tokens stay whole.
+
+        Sequence parallelism: the video tokens and their rotary embeddings split at the first block,
+        the text tokens replicated; joint attention through FusedQKVAttention's all-to-all."""
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             return {} if arguments.get("image_rotary_emb") is None else {"image_rotary_emb": 0}
 
@@ -320,17 +359,22 @@ class CogVideoXAdapter(Adapter):
             if isinstance(layer, Attention):
                 layer.set_processor(FusedQKVAttention(split))
 
-    # Sampling: CogVideoXPipeline's (CogVideoXImageToVideoPipeline's) loop, run by validate.sample_latents.
+    # Sampling: CogVideoXPipeline's (CogVideoXImageToVideoPipeline's) loop, run by
+    # validate.sample_latents.
     def sampler(self, name: str):
-        """validation.scheduler: "" the folder's own (5b: DPM, 2b: DDIM), or CogVideoX's "dpm" or "ddim"."""
+        """The validation sampler, by validation.scheduler.
+
+        "" is the folder's own (5b: DPM, 2b: DDIM), or CogVideoX's "dpm" or "ddim"."""
         folder = self.scheduler.load_config(self.path, subfolder="scheduler")["_class_name"]
         return SAMPLERS[name or ("ddim" if folder == "CogVideoXDDIMScheduler" else "dpm")].from_config(self.scheduler.config)
 
     def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
-        """The sampling state of one clip: initial latents [1, F', C, h, w] (fp32) and, image-to-video,
+        """Draw one clip's sampling state: initial latents and the image's condition.
+
+        The sampling state of one clip: initial latents [1, F', C, h, w] (fp32) and, image-to-video,
         the image's condition, drawn from `generator` in the pipeline's order (the image's posterior
-        sample first). 1.5: noise for extra leading frames up to a multiple of patch_size_t, dropped at
-        the end."""
+        sample first). 1.5: noise for extra leading frames up to a multiple of patch_size_t, dropped
+        at the end."""
         frames, height, width = resolution
         latent_frames = (frames - 1) // self.temporal_ratio + 1
         extra = self.extra_frames(latent_frames)
@@ -345,15 +389,19 @@ class CogVideoXAdapter(Adapter):
 
     @torch.no_grad()
     def _sampling_condition(self, image, resolution, frames: int, generator: torch.Generator):
-        """A validation image (PIL) -> its condition [1, frames, C, h, w], as the pipeline: its own resize
-        and normalisation, a sample of the VAE posterior from the clip's generator."""
+        """Turn a validation image into its condition [1, frames, C, h, w], as the pipeline does.
+
+        A validation image (PIL) -> its condition [1, frames, C, h, w], as the pipeline: its own
+        resize and normalisation, a sample of the VAE posterior from the clip's generator."""
         processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
         pixels = processor.preprocess(image, height=resolution[1], width=resolution[2])
         posterior = self._load_vae().encode(pixels.to(self.device, self.dtype).unsqueeze(2)).latent_dist
         return self.image_condition(posterior.sample(generator).to(self.dtype), frames)
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
-        """The v prediction at step t; with guidance, of the latents twice (uncond, cond) in one forward."""
+        """The v prediction at step t.
+
+        With guidance, of the latents twice (uncond, cond) in one forward."""
         x = state.scheduler.scale_model_input(torch.cat([state.latents] * 2) if guided else state.latents, t)
         condition = state.condition
         if condition is not None and guided:
@@ -362,7 +410,8 @@ class CogVideoXAdapter(Adapter):
 
     def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
         scale = cfg.guidance_scale
-        if cfg.use_dynamic_cfg:  # the pipeline's use_dynamic_cfg, which uses the timestep t, not the step index
+        # the pipeline's use_dynamic_cfg, which uses the timestep t, not the step index
+        if cfg.use_dynamic_cfg:
             return 1 + scale * (1 - math.cos(math.pi * ((state.steps - t.item()) / state.steps) ** 5.0)) / 2
         return scale
 
@@ -381,7 +430,8 @@ class CogVideoXAdapter(Adapter):
 
     @contextlib.contextmanager
     def sampling_attention(self, model: torch.nn.Module):
-        """FusedQKVAttention on every attention layer while sampling; the original processors after."""
+        """FusedQKVAttention on every attention layer while sampling; the original processors after.
+        """
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         originals = [m.processor for m in layers]
         for layer in layers:
@@ -394,17 +444,20 @@ class CogVideoXAdapter(Adapter):
 
 
 class FusedQKVAttention:
-    """diffusers' CogVideoXAttnProcessor2_0 with Q, K and V from one matmul over the concatenated base
-    weights, then F.scaled_dot_product_attention (FlashAttention/cuDNN on GPU). LoRA runs unmerged beside
-    it, exactly as in training: merging it into a bf16 copy of the weights would round away the small
-    deltas of early training (diffusers' own fuse_qkv_projections drops LoRA altogether). The fused
-    weight is built on every call, inside the block's forward: under FSDP that is when the block's
-    parameters are gathered, and it is freed with them, so no rank holds a second copy of the model.
+    """CogVideoX attention with Q, K and V from one matmul, LoRA unmerged beside it.
+
+    diffusers' CogVideoXAttnProcessor2_0 with Q, K and V from one matmul over the concatenated base
+    weights, then F.scaled_dot_product_attention (FlashAttention/cuDNN on GPU). LoRA runs unmerged
+    beside it, exactly as in training: merging it into a bf16 copy of the weights would round away
+    the small deltas of early training (diffusers' own fuse_qkv_projections drops LoRA altogether).
+    The fused weight is built on every call, inside the block's forward: under FSDP that is when the
+    block's parameters are gathered, and it is freed with them, so no rank holds a second copy of
+    the model.
 
     With sequence parallelism (`split`), this rank holds a slice of the video tokens and every text
-    token: Q, K and V go through one all-to-all to the whole sequence with 1/sp of the heads (the text
-    tokens' own slice of heads taken locally), and the output back; the text tokens' output heads are
-    gathered, so every rank carries on with the whole text."""
+    token: Q, K and V go through one all-to-all to the whole sequence with 1/sp of the heads (the
+    text tokens' own slice of heads taken locally), and the output back; the text tokens' output
+    heads are gathered, so every rank carries on with the whole text."""
 
     def __init__(self, split: SequenceSplit | None = None):
         self.split = split

@@ -1,6 +1,9 @@
-"""train.attention_backend holds SDPA to one kernel in every transformer call, the recompute of activation
-checkpointing included; run.deterministic keeps the fused kernels (their backward passes turn
-deterministic in that mode) and refuses cuDNN attention, which has no deterministic backward."""
+"""train.attention_backend and run.deterministic: the attention kernel every call runs.
+
+train.attention_backend holds SDPA to one kernel in every transformer call, the recompute of
+activation checkpointing included; run.deterministic keeps the fused kernels (their backward passes
+turn deterministic in that mode) and refuses cuDNN attention, which has no deterministic backward.
+"""
 
 import pytest
 import torch
@@ -36,14 +39,18 @@ def kernels_of_a_step(model_path, backend: str) -> dict[str, int]:
 
 
 def test_the_backend_is_in_force_in_the_forward_and_the_recompute(tiny_model):
-    """On CPUs SDPA picks its flash kernel; "math" replaces it in the forward and in checkpointing's
+    """The chosen backend replaces SDPA's own in the forward and in checkpointing's recompute.
+
+    On CPUs SDPA picks its flash kernel; "math" replaces it in the forward and in checkpointing's
     recompute inside the backward (2 blocks: 4 calls), and no flash call remains."""
     assert kernels_of_a_step(tiny_model, "") == {"flash": 4, "math": 0}
     assert kernels_of_a_step(tiny_model, "math") == {"flash": 0, "math": 4}
 
 
 def test_a_backend_the_device_lacks_stops_the_first_step(write_config):
-    """The trainer applies it: memory-efficient attention has no CPU kernel, so SDPA refuses the first
+    """A backend the device lacks stops the first training step.
+
+    The trainer applies it: memory-efficient attention has no CPU kernel, so SDPA refuses the first
     training step (CUDA words it "No available kernel")."""
     cfg = load_config(str(write_config("efficient", **{"train.attention_backend": "efficient",
                                                        "validation.do_validation": False})))
@@ -57,7 +64,9 @@ def test_a_backend_the_device_lacks_stops_the_first_step(write_config):
 
 
 def test_deterministic_keeps_the_fused_attention_kernels(monkeypatch, write_config):
-    """The flags would otherwise force the math backend (56.5 GiB of scores for CogVideoX-5B); cuDNN
+    """run.deterministic keeps the fused attention kernels and refuses cuDNN attention.
+
+    The flags would otherwise force the math backend (56.5 GiB of scores for CogVideoX-5B); cuDNN
     attention, which has no deterministic backward, is a config error with run.deterministic."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU path of make_deterministic
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -1,9 +1,11 @@
-"""A clip's sound: read with PyAV from any container, cut to the seconds its planned frames cover, mixed,
-resampled and turned into the log-mel spectrogram LTX-2's audio VAE encodes.
+"""A clip's sound: read, cut to its frames' seconds, mixed, resampled and turned into log-mel.
+
+Read with PyAV from any container, cut to the seconds its planned frames cover, mixed, resampled and
+turned into the log-mel spectrogram LTX-2's audio VAE encodes.
 
 The window tests write clips whose picture and sound switch on and off together, frame by frame, in
-an irregular pattern: any shift of the sound against the frames, or a window of another length, shows.
-"""
+an irregular pattern: any shift of the sound against the frames, or a window of another length,
+shows."""
 
 import dataclasses
 import logging
@@ -88,8 +90,11 @@ def assert_in_step(item: data.Item) -> None:
 
 @pytest.mark.parametrize("kind", ["mp4", "mkv"])
 def test_sound_covers_exactly_the_planned_frames(tmp_path, kind):
-    """AAC in mp4 and Opus in Matroska: the sound of the window the plan picks (a clip longer than its
-    bucket, so the start is drawn), of other starts, and at another frame rate, matches its frames."""
+    """The sound of the planned window matches its frames, in AAC/mp4 and Opus/Matroska.
+
+    AAC in mp4 and Opus in Matroska: the sound of the window the plan picks (a clip longer than its
+    bucket, so the start is drawn), of other starts, and at another frame rate, matches its frames.
+    """
     path = tmp_path / f"flashes.{kind}"
     write_flashes(path, kind)
     item = planned(path, 17)
@@ -101,7 +106,9 @@ def test_sound_covers_exactly_the_planned_frames(tmp_path, kind):
 
 
 def test_sound_follows_the_first_frame_not_the_stream_start(tmp_path):
-    """A video stream that starts 0.5 s after its audio (noise until then, mono): the window is timed
+    """The sound window is timed from the first frame, not from the audio stream's start.
+
+    A video stream that starts 0.5 s after its audio (noise until then, mono): the window is timed
     from the first frame, on both streams' clock."""
     path = tmp_path / "late.mkv"
     write_flashes(path, "mkv", video_start=0.5, channels=1, early_noise=True)
@@ -111,9 +118,10 @@ def test_sound_follows_the_first_frame_not_the_stream_start(tmp_path):
 
 
 def test_frames_stamped_in_milliseconds_join_without_gaps(tmp_path):
-    """AAC in Matroska: 1024-sample frames (23.2 ms) stamped in whole milliseconds. Placed by their
-    stamps alone they would overlap or leave gaps, a click every frame; a steady tone decodes clean,
-    nothing above 2 kHz."""
+    """AAC in Matroska: 1024-sample frames (23.2 ms) stamped in whole milliseconds.
+
+    Placed by their stamps alone they would overlap or leave gaps, a click every frame; a steady
+    tone decodes clean, nothing above 2 kHz."""
     path = tmp_path / "steady.mkv"
     write_flashes(path, "mka", steady=True)
     sound = data.decode_audio(planned(path, 17), RATE, 2)
@@ -122,7 +130,9 @@ def test_frames_stamped_in_milliseconds_join_without_gaps(tmp_path):
 
 
 def test_no_sound(tmp_path):
-    """A video without an audio stream and an image have no sound (not silence); data.audio is the
+    """A video without an audio stream, and an image, have no sound.
+
+    A video without an audio stream and an image have no sound (not silence); data.audio is the
     caller's switch."""
     make_synthetic_dataset(str(tmp_path), num_videos=1, frames=9)
     video = decode.probe(tmp_path / "videos/00000.mp4")
@@ -186,7 +196,9 @@ SOUNDS = [("mp4", "aac", 8), ("mp4", "flac", 8), ("mp4", "pcm_s16le", 8), ("matr
 
 @pytest.mark.parametrize("form, codec, channels", SOUNDS, ids=[f"{c}-{n}ch-{f}" for f, c, n in SOUNDS])
 def test_a_steady_tone_sounds_in_every_slot(tmp_path, form, codec, channels):
-    """A steady tone on every channel: the first second's sound holds it in every frame's slot, at its
+    """A steady tone sounds in every frame's slot at its level, from each codec and container.
+
+    A steady tone on every channel: the first second's sound holds it in every frame's slot, at its
     level (7.1 folds to stereo with weights summing to 1), from each codec in each container."""
     path = tmp_path / f"tone.{SUFFIXES[form]}"
     write_tone(path, form, codec, channels)
@@ -198,9 +210,12 @@ def test_a_steady_tone_sounds_in_every_slot(tmp_path, form, codec, channels):
 
 
 def test_surround_folds_each_side_from_its_own_channels(tmp_path):
-    """PCM 7.1 in Matroska, each channel the tone at its own level, in FFmpeg's order (front L, R,
-    centre, LFE, back L, R, side L, R): each side of the fold is its front plus 0.707 x (the centre and
-    its two surrounds), over 3.121, the LFE dropped. The packed samples come apart into their channels."""
+    """7.1 folds to stereo with each side from its own channels.
+
+    PCM 7.1 in Matroska, each channel the tone at its own level, in FFmpeg's order (front L, R,
+    centre, LFE, back L, R, side L, R): each side of the fold is its front plus 0.707 x (the centre
+    and its two surrounds), over 3.121, the LFE dropped. The packed samples come apart into their
+    channels."""
     path = tmp_path / "surround.mkv"
     levels = 0.02 * np.arange(1, 9)
     write_tone(path, "matroska", "pcm_s16le", 8, levels=levels)
@@ -213,7 +228,9 @@ def test_surround_folds_each_side_from_its_own_channels(tmp_path):
 
 @pytest.mark.parametrize("kind", ["ts", "m2ts"])
 def test_transport_streams_decode_in_step(tmp_path, kind):
-    """MPEG-TS (.ts with MP2, .m2ts with AAC) has no index: a seek can land past the window's start, or
+    """MPEG-TS windows decode in step with their frames, though the format has no index.
+
+    MPEG-TS (.ts with MP2, .m2ts with AAC) has no index: a seek can land past the window's start, or
     find nothing. The frames and the sound of windows at the start, the middle and the end match."""
     path = tmp_path / f"flashes.{kind}"
     write_flashes(path, kind)
@@ -223,8 +240,10 @@ def test_transport_streams_decode_in_step(tmp_path, kind):
 
 
 def test_a_crashing_decoder_names_the_clip(tmp_path, monkeypatch):
-    """The child decoding a clip's sound dies of SIGSEGV (the sound_segv fault, as PyAV 18.1 did on 7.1):
-    the clip is bad input naming the signal, and the next clip decodes in a new child."""
+    """A crashing sound decoder makes its clip bad input, named with the signal.
+
+    The child decoding a clip's sound dies of SIGSEGV (the sound_segv fault, as PyAV 18.1 did on
+    7.1): the clip is bad input naming the signal, and the next clip decodes in a new child."""
     path = tmp_path / "tone.mkv"
     write_tone(path, "matroska", "flac", 2)
     item = planned(path, 9)
@@ -235,7 +254,9 @@ def test_a_crashing_decoder_names_the_clip(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_stream_far_past_full_scale_is_a_bad_clip(tmp_path):
-    """Opus packets of random bytes decode to samples in the hundreds: the clip is bad input, not
+    """A corrupt stream decoding far past full scale is a bad clip.
+
+    Opus packets of random bytes decode to samples in the hundreds: the clip is bad input, not
     trained on."""
     path = tmp_path / "corrupt.mkv"
     with av.open(str(path), "w", format="matroska") as container:
@@ -258,9 +279,11 @@ def test_a_corrupt_stream_far_past_full_scale_is_a_bad_clip(tmp_path):
 
 
 def test_rates_without_a_common_factor_resample_pointwise():
-    """44,101 Hz has no factor in common with 16 kHz: its 16,000 phase kernels would take 5.6 GB, so each
-    output's weights are computed where needed. The same filter as the kernels' (44.1 kHz both ways), and
-    a 1 kHz sine at 44,101 Hz comes out as that sine at 16 kHz."""
+    """Rates without a common factor resample pointwise, with the kernels' filter.
+
+    44,101 Hz has no factor in common with 16 kHz: its 16,000 phase kernels would take 5.6 GB, so
+    each output's weights are computed where needed. The same filter as the kernels' (44.1 kHz both
+    ways), and a 1 kHz sine at 44,101 Hz comes out as that sine at 16 kHz."""
     noise = torch.randn(2, 44100)
     pointwise = decode._resample_pointwise(noise, 441, 160, RATE)
     torch.testing.assert_close(pointwise, decode.resample(noise, 44100, RATE), rtol=0, atol=1e-5)
@@ -272,10 +295,13 @@ def test_rates_without_a_common_factor_resample_pointwise():
 
 
 def test_mel_equals_the_reference():
-    """Our log-mel against transformers' numpy implementation of the same transform (torchaudio's
-    MelSpectrogram with the settings of LTX-2's audio processor: magnitude STFT, periodic Hann, centred
-    with reflection, Slaney mel scale and norm, log floored at 1e-5), on a sweep with silence in it and
-    on noise: equal in float64; float32 (what training uses) within its rounding near the floor."""
+    """Our log-mel equals transformers' implementation of LTX-2's transform.
+
+    Our log-mel against transformers' numpy implementation of the same transform (torchaudio's
+    MelSpectrogram with the settings of LTX-2's audio processor: magnitude STFT, periodic Hann,
+    centred with reflection, Slaney mel scale and norm, log floored at 1e-5), on a sweep with
+    silence in it and on noise: equal in float64; float32 (what training uses) within its rounding
+    near the floor."""
     t = torch.arange(RATE, dtype=torch.float64) / RATE
     waveform = torch.stack([0.4 * torch.sin(2 * torch.pi * (100 + 3000 * t) * t), 0.2 * torch.randn(RATE).double()])
     waveform[:, 4000:6000] = 0
@@ -292,7 +318,9 @@ def test_mel_equals_the_reference():
 
 
 def test_resampling_keeps_time_and_pitch():
-    """A 1 kHz sine at 44.1 and 48 kHz, resampled to 16 kHz, is the same sine sampled at 16 kHz: no
+    """Resampling to 16 kHz keeps a sine's time, pitch and level.
+
+    A 1 kHz sine at 44.1 and 48 kHz, resampled to 16 kHz, is the same sine sampled at 16 kHz: no
     delay, no change of pitch or level (away from the ends, where the signal stops)."""
     for rate in (44100, 48000, 8000):
         sine = torch.sin(2 * torch.pi * 1000 * torch.arange(rate) / rate)[None].double()
@@ -303,7 +331,9 @@ def test_resampling_keeps_time_and_pitch():
 
 
 def test_channels_mix_as_the_official_trainer_does():
-    """Mono is copied to both sides; 5.1 keeps each side's front and adds the centre and that side's
+    """Channels mix to stereo as the official trainer mixes them.
+
+    Mono is copied to both sides; 5.1 keeps each side's front and adds the centre and that side's
     surround at 0.707, the LFE dropped, weights summing to 1; two channels to one average."""
     mono = torch.tensor([[1.0, -2.0]])
     assert decode.mix(mono, 2).tolist() == [[1.0, -2.0], [1.0, -2.0]]
@@ -338,10 +368,12 @@ def sounding_model(tiny_model: Path, tmp_path: Path) -> Path:
 
 
 def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, caplog):
-    """The cache pass of a family with sound: each clip's audio entry is its window's sound through the
-    audio VAE, keyed by the window; a clip without sound gets an empty entry (a batch holding it trains
-    video alone); an undecodable audio stream is a bad clip, skipped and listed under data.skip_bad;
-    data.audio = false writes no audio entries."""
+    """The cache pass holds each clip's window of sound through the audio VAE.
+
+    The cache pass of a family with sound: each clip's audio entry is its window's sound through the
+    audio VAE, keyed by the window; a clip without sound gets an empty entry (a batch holding it
+    trains video alone); an undecodable audio stream is a bad clip, skipped and listed under
+    data.skip_bad; data.audio = false writes no audio entries."""
     model = sounding_model(tiny_model, tmp_path)
     root = tmp_path / "data"
     (root / "videos").mkdir(parents=True)
@@ -381,9 +413,11 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
 
 def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tiny_model, tmp_path,
                                                                               monkeypatch, caplog):
-    """A 7.1 soundtrack (AAC in mp4) is encoded; a clip whose sound decoder crashes (the sound_segv fault on
-    the second clip read, one decode worker) is skipped and listed with the signal, and the pass goes on.
-    A run none of whose clips has sound says so, once."""
+    """The cache pass skips a clip whose sound decoder crashes, and says when nothing sounds.
+
+    A 7.1 soundtrack (AAC in mp4) is encoded; a clip whose sound decoder crashes (the sound_segv
+    fault on the second clip read, one decode worker) is skipped and listed with the signal, and the
+    pass goes on. A run none of whose clips has sound says so, once."""
     model = sounding_model(tiny_model, tmp_path)
     root = tmp_path / "data"
     (root / "videos").mkdir(parents=True)

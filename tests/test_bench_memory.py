@@ -1,4 +1,6 @@
-"""bench/bench_memory.py: the fake-tensor estimate against a measured step, and the per-rank arithmetic."""
+"""bench/bench_memory.py: the fake-tensor estimate and the per-rank arithmetic.
+
+The estimate is held against a measured step."""
 
 import dataclasses
 import json
@@ -22,7 +24,9 @@ from model import build_model, build_optimizer  # noqa: E402
 
 @pytest.mark.slow
 def test_estimate_matches_a_measured_step(tiny_models, tmp_path):
-    """sft with EMA and checkpointing on a 512-wide CogVideoX: the estimate's state, step and peak are
+    """The estimate's state, step and peak are within 15% of a measured step.
+
+    sft with EMA and checkpointing on a 512-wide CogVideoX: the estimate's state, step and peak are
     within 15% of what a fresh process measures (resident growth, VmHWM)."""
     model = shutil.copytree(tiny_models("5b"), tmp_path / "model")
     config = json.loads((model / "transformer" / "config.json").read_text())
@@ -39,8 +43,10 @@ def test_estimate_matches_a_measured_step(tiny_models, tmp_path):
 
 
 def test_sharding_and_sequence_parallel(tmp_path):
-    """One full-width Wan 2.1 14B block: FSDP divides the state by the shards and adds what is in flight;
-    sp 2 halves the video tokens and about halves the activations."""
+    """FSDP divides the state by the shards; sequence parallelism halves the video tokens.
+
+    One full-width Wan 2.1 14B block: FSDP divides the state by the shards and adds what is in
+    flight; sp 2 halves the video tokens and about halves the activations."""
     cfg_file = write_toml(tmp_path / "wan.toml", {
         "run.output_dir": str(tmp_path / "run"), "model.path": str(tmp_path), "data.data_root": str(tmp_path),
         "data.train_resolution": [81, 720, 1280], "lora.rank": 16})
@@ -75,12 +81,14 @@ def one_gpu_parts(tmp_path_factory):
 
 
 def test_one_gpu_parts(one_gpu_parts):
-    """The parts against arithmetic on the published sizes: a 14B block's frozen bytes in bf16 and with its
-    ten linear weights in fp8 (one byte each, an fp32 scale per row); the checkpointed block inputs, 4 x
-    7800 video tokens (5x60x104 latents in 2x2 patches) x 5120 in bf16; what activation offload copies:
-    those, and once, the 512 text tokens and the 6 x 5120 timestep projection every block shares (the
-    first block call copies them with its tokens); with them on the host the step needs less, but no less
-    than the step without them."""
+    """The one-GPU parts equal arithmetic on the published sizes.
+
+    The parts against arithmetic on the published sizes: a 14B block's frozen bytes in bf16 and with
+    its ten linear weights in fp8 (one byte each, an fp32 scale per row); the checkpointed block
+    inputs, 4 x 7800 video tokens (5x60x104 latents in 2x2 patches) x 5120 in bf16; what activation
+    offload copies: those, and once, the 512 text tokens and the 6 x 5120 timestep projection every
+    block shares (the first block call copies them with its tokens); with them on the host the step
+    needs less, but no less than the step without them."""
     p, width, ffn = one_gpu_parts, 5120, 13824
     linears, rows = 8 * width * width + 2 * width * ffn, 9 * width + ffn  # attention's q, k, v, out (x2); the FFN
     assert p["layers"] == 4 and 0 < p["block"] - 2 * linears < 0.01 * p["block"]
@@ -92,11 +100,14 @@ def test_one_gpu_parts(one_gpu_parts):
 
 
 def test_fit_is_monotone_and_fastest(one_gpu_parts):
-    """Cards from 2.5 to 13.5 GiB, with any host RAM and with 1.5 GiB beside the process: each pick fits its
-    own estimate (every phase, with the margin; the host RAM), no faster setting does, and a larger card
-    never picks a slower one. The picks stream 0, 3 and 4 blocks (the first two streamed blocks save
-    nothing: they come back as the two in flight), with activation offload or fp8 where they fit first
-    (both, with 1.5 GiB of host RAM, where bf16's pinned blocks do not fit it)."""
+    """--fit picks the fastest setting that fits, and never a slower one on a larger card.
+
+    Cards from 2.5 to 13.5 GiB, with any host RAM and with 1.5 GiB beside the process: each pick
+    fits its own estimate (every phase, with the margin; the host RAM), no faster setting does, and
+    a larger card never picks a slower one. The picks stream 0, 3 and 4 blocks (the first two
+    streamed blocks save nothing: they come back as the two in flight), with activation offload or
+    fp8 where they fit first (both, with 1.5 GiB of host RAM, where bf16's pinned blocks do not fit
+    it)."""
     order, chosen = one_gpu.settings(one_gpu_parts), set()
     for ram in (None, one_gpu_parts["process"] / one_gpu.GIB + 1.5):
         picks = [(gb, one_gpu.fit(one_gpu_parts, gb, ram)) for gb in [x / 100 for x in range(250, 1351)]]
@@ -115,8 +126,10 @@ def test_fit_is_monotone_and_fastest(one_gpu_parts):
 
 
 def test_none_fits_names_why(one_gpu_parts, capsys):
-    """Below what the leanest setting needs, with too little host RAM, and with a text encoder larger than
-    the card allows, the report says that none fits and why."""
+    """When no setting fits, the report says so and why.
+
+    Below what the leanest setting needs, with too little host RAM, and with a text encoder larger
+    than the card allows, the report says that none fits and why."""
     leanest = min(max(one_gpu.gpu(one_gpu_parts, s).values()) for s in one_gpu.settings(one_gpu_parts))
     gb = (leanest + one_gpu.MARGIN) / one_gpu.GIB - 0.01
     assert one_gpu.fit(one_gpu_parts, gb) is None and one_gpu.report(one_gpu_parts, gb, "") is None
@@ -134,8 +147,11 @@ def test_none_fits_names_why(one_gpu_parts, capsys):
 
 
 def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
-    """The estimate's block in fp8 against the tiny Wan as the trainer loads it with model.storage_dtype =
-    "fp8" (storage.py's weights and scales, counted on the real tensors), and the same in model.dtype."""
+    """The estimate's fp8 block bytes are what the loader stores.
+
+    The estimate's block in fp8 against the tiny Wan as the trainer loads it with
+    model.storage_dtype = "fp8" (storage.py's weights and scales, counted on the real tensors), and
+    the same in model.dtype."""
     cfg_file = write_toml(tmp_path / "fp8.toml", {
         "run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("t2v")), "model.family": "wan",
         "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32], "model.storage_dtype": "fp8"})
@@ -149,13 +165,16 @@ def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
 
 
 def test_ltx2_block_and_its_audio(tmp_path):
-    """One published LTX-2 19B block (bench/published.py), configs/ltx2-19b.toml's LoRA r32 at 121x64x96: its frozen
-    bytes are those of its linear weights in bf16 and little else (video 4096 wide: self-, text- and
-    feed-forward 4 + 4 + 8 d^2; audio 2048: 16 a^2; the audio-video cross-attentions at the audio's width, 4da
-    + 4a^2); with the clip's sound (121 frames at 24 fps: 126 audio latent frames) each checkpointed block
-    input holds the audio tokens beside the video's, 16 x 2 x 3 latents in 1x1 patches, and the step needs
-    more than without (the audio stream then runs on one zero token); activation offload copies those and
-    what every block shares."""
+    """An LTX-2 19B block's bytes, and what its sound adds to the step.
+
+    One published LTX-2 19B block (bench/published.py), configs/ltx2-19b.toml's LoRA r32 at
+    121x64x96: its frozen bytes are those of its linear weights in bf16 and little else (video 4096
+    wide: self-, text- and feed-forward 4 + 4 + 8 d^2; audio 2048: 16 a^2; the audio-video
+    cross-attentions at the audio's width, 4da + 4a^2); with the clip's sound (121 frames at 24 fps:
+    126 audio latent frames) each checkpointed block input holds the audio tokens beside the
+    video's, 16 x 2 x 3 latents in 1x1 patches, and the step needs more than without (the audio
+    stream then runs on one zero token); activation offload copies those and what every block
+    shares."""
     cfg = load_config(str(REPO / "configs" / "ltx2-19b.toml"), ["--data.train_resolution", "[121, 64, 96]",
                                                                  "--data.audio", "true", "--data.target_fps", "24"])
     family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
@@ -186,13 +205,15 @@ def handed_out(nbytes: int) -> int:
 
 
 def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
-    """--fit's host RAM for a pick with blocks streamed and activations offloaded: each frozen parameter of
-    a published Wan 14B block (diffusers' own, on the meta device) is pinned on its own,
-    as FSDP2 pins a streamed unit's parameters (every block streamed: the root's too), in bf16 and with
-    storage.py's fp8 (each linear weight at
-    one byte, its bf16 row scales a second parameter); activation offload pins each block's 7800 video
-    tokens and, once, the 512 text tokens and the 6 x 5120 timestep projection. Each request as torch
-    hands it out; the printed host RAM is their sum with the process and the parked VAE."""
+    """--fit's host RAM is what torch pins for streamed blocks and offloaded activations.
+
+    --fit's host RAM for a pick with blocks streamed and activations offloaded: each frozen
+    parameter of a published Wan 14B block (diffusers' own, on the meta device) is pinned on its
+    own, as FSDP2 pins a streamed unit's parameters (every block streamed: the root's too), in bf16
+    and with storage.py's fp8 (each linear weight at one byte, its bf16 row scales a second
+    parameter); activation offload pins each block's 7800 video tokens and, once, the 512 text
+    tokens and the 6 x 5120 timestep projection. Each request as torch hands it out; the printed
+    host RAM is their sum with the process and the parked VAE."""
     config = published.PUBLISHED["wan2.1-t2v-14b"][1]
     width = config["num_attention_heads"] * config["attention_head_dim"]
     with torch.device("meta"):
@@ -225,10 +246,13 @@ def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
 
 
 def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
-    """The tiny Wan trained two steps with train.activation_offload on real tensors: HostActivations copies
-    each block's tokens and, once, what every block shares (the text tokens, the timestep projection),
-    into buffers it makes in the first step and reuses in the second; those are the copies the fake-tensor
-    estimate counts, and the trained weights are those of the run without offload."""
+    """Activation offload on real tensors pins what the fake-tensor estimate counts.
+
+    The tiny Wan trained two steps with train.activation_offload on real tensors: HostActivations
+    copies each block's tokens and, once, what every block shares (the text tokens, the timestep
+    projection), into buffers it makes in the first step and reuses in the second; those are the
+    copies the fake-tensor estimate counts, and the trained weights are those of the run without
+    offload."""
     cfg_file = write_toml(tmp_path / "offload.toml", {
         "run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("t2v")), "model.family": "wan",
         "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32], "model.dtype": "fp32",

@@ -1,6 +1,7 @@
-"""Real-world video and a cache for many clips: containers and orientations as phones and the web
-make them, aspect-aware buckets, images as one-frame clips, entries that survive recaptioning and
-per-node copies, the manifest."""
+"""Real-world video and a cache for many clips.
+
+Containers and orientations as phones and the web make them, aspect-aware buckets, images as
+one-frame clips, entries that survive recaptioning and per-node copies, the manifest."""
 
 import gc
 import json
@@ -57,7 +58,9 @@ def real_world(tmp_path_factory):
 
 @pytest.mark.slow
 def test_phones_and_the_web_train_in_buckets_of_their_aspect(real_world, write_config, tmp_path):
-    """All of them train with skip_bad off; the rotated clips land in the portrait bucket beside the
+    """Phone and web clips train in buckets of their aspect.
+
+    All of them train with skip_bad off; the rotated clips land in the portrait bucket beside the
     landscape one of equal area, the photos in the one-frame bucket."""
     config = write_config("real", **{"data.data_root": str(real_world), "data.buckets": BUCKETS,
                                      "data.held_out": 0, "train.steps": 2, "validation.do_validation": False})
@@ -101,8 +104,10 @@ def count_calls(monkeypatch, owner, name) -> list:
 
 
 def test_recaptioning_encodes_prompts_and_no_video(own_copy, write_config, caplog, monkeypatch):
-    """A new prompt is encoded again, its clip's video is not. And the first pass frees the text encoder
-    before the VAE encodes (T5-XXL's 9 GB would sit beside the VAE's encoding on one card)."""
+    """A new prompt is encoded again, its clip's video is not.
+
+    And the first pass frees the text encoder before the VAE encodes (T5-XXL's 9 GB would sit beside
+    the VAE's encoding on one card)."""
     model, data = own_copy
     config = write_config("recaption", **{"model.path": str(model), "data.data_root": str(data),
                                           "data.cache_dir": str(data.parent / "cache")})
@@ -134,9 +139,11 @@ def test_recaptioning_encodes_prompts_and_no_video(own_copy, write_config, caplo
 @pytest.mark.slow
 def test_per_node_copies_share_the_cache_and_a_finetuned_vae_does_not(own_copy, write_config, tmp_path, caplog,
                                                                     monkeypatch):
-    """Models and clips are known by content: copies elsewhere (new paths, new mtimes) reuse every
-    entry; the manifest keeps each hash and header, so a restart reads only the clips that changed; a
-    VAE whose weights changed re-encodes every video and no prompt."""
+    """Per-node copies share the cache; a fine-tuned VAE does not.
+
+    Models and clips are known by content: copies elsewhere (new paths, new mtimes) reuse every
+    entry; the manifest keeps each hash and header, so a restart reads only the clips that changed;
+    a VAE whose weights changed re-encodes every video and no prompt."""
     model, data = own_copy
     private = {"data.cache_dir": str(tmp_path / "cache")}
     assert "24 clips encoded, 0 reused" in cache_pass(caplog, write_config("node0", **{
@@ -180,8 +187,10 @@ def metadata_dataset(root, tiny_data, rows: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mix", ["images", "images and videos"])
 def test_images_train_as_one_frame_clips(mix, tiny_data, write_config, tmp_path):
-    """Listed images are one-frame samples in one-frame buckets, alone or mixed with videos (each global
-    batch one bucket); the held-out loss falls as it does for videos."""
+    """Images train as one-frame clips in one-frame buckets.
+
+    Listed images are one-frame samples in one-frame buckets, alone or mixed with videos (each
+    global batch one bucket); the held-out loss falls as it does for videos."""
     rows = [{"video": f"images/{i:05d}.png", "prompt": p}
             for i, p in enumerate((tiny_data / "prompts.txt").read_text().splitlines())]
     if mix == "images and videos":
@@ -200,8 +209,11 @@ def test_images_train_as_one_frame_clips(mix, tiny_data, write_config, tmp_path)
 
 @pytest.mark.slow
 def test_a_clip_failing_to_decode_stops_the_pass_at_once(own_copy, write_config, tmp_path, caplog):
-    """The header was fine (the manifest holds it), the decode fails: the pass stops in that round, naming
-    the clip and keeping what it wrote; with data.skip_bad it is listed in skipped.txt instead."""
+    """A clip failing to decode stops the pass at once, naming it; data.skip_bad skips it.
+
+    The header was fine (the manifest holds it), the decode fails: the pass stops in that round,
+    naming the clip and keeping what it wrote; with data.skip_bad it is listed in skipped.txt
+    instead."""
     model, data = own_copy
     settings = {"model.path": str(model), "data.data_root": str(data), "data.cache_dir": str(tmp_path / "cache"),
                 "data.cache_batch_size": 2}
@@ -251,9 +263,12 @@ def colour_switch_data(tmp_path_factory):
 @pytest.mark.parametrize("family", list(I2V_MODELS))
 def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, colour_switch_data, tiny_models,
                                                           wan_models, write_config, tmp_path, caplog):
-    """Every I2V family caches as its condition the first frame of the window it trains on: with
-    data.image_column the window starts at frame 0 (the image is that frame), and an image far from it is
-    named once; without it the window starts anywhere and the condition is its own first frame."""
+    """An I2V clip's cached condition is the first frame of the window it trains on.
+
+    Every I2V family caches as its condition the first frame of the window it trains on: with
+    data.image_column the window starts at frame 0 (the image is that frame), and an image far from
+    it is named once; without it the window starts anywhere and the condition is its own first
+    frame."""
     model_family, path = I2V_MODELS[family](tiny_models, wan_models)
     config = write_config("i2v", **{"model.path": str(path), "model.family": model_family, "model.type": "i2v",
                                     "data.data_root": str(colour_switch_data), "data.image_column": image_column,
@@ -280,8 +295,11 @@ def test_i2v_condition_is_the_trained_windows_first_frame(family, image_column, 
 
 @pytest.mark.slow
 def test_two_ranks_print_each_warning_once(tiny_data, write_config, tmp_path):
-    """A 2-rank cache pass prints every warning once, from rank 0: one every rank logs (a bucket too
-    small), and one only a rank's share sees (its prompts truncated: held, and printed by rank 0)."""
+    """A 2-rank cache pass prints every warning once, from rank 0.
+
+    One every rank logs (a bucket too small), and one only a rank's share sees (its prompts
+    truncated: held, and printed by rank 0).
+    """
     long = "a red square drifts left across an empty grey field for a long while, far past the tiny text length, clip {}"
     rows = [{"video": f"videos/{i:05d}.mp4", "prompt": long.format(i) if i % 2 else f"clip {i}"} for i in range(8)]
     rows.append({"video": "images/00000.png", "prompt": "a still"})  # alone in the 1-frame bucket
@@ -296,7 +314,9 @@ def test_two_ranks_print_each_warning_once(tiny_data, write_config, tmp_path):
 
 
 def test_a_transformer_without_weights_is_named_before_the_pass(tiny_model, write_config, tmp_path):
-    """A model copy whose transformer/ lost its weights stops the cache pass before it encodes anything
+    """A transformer without its weights stops the cache pass before it encodes anything.
+
+    A model copy whose transformer/ lost its weights stops the cache pass before it encodes anything
     (training would read them only after the whole pass)."""
     bare = shutil.copytree(tiny_model, tmp_path / "bare")
     for weights in (bare / "transformer").glob("*.safetensors"):
@@ -322,8 +342,11 @@ class InFolder(cache_files.Cache):
 
 
 def test_a_damaged_entry_is_named_by_the_step_that_takes_it(tmp_path):
-    """An entry cut short (a full disk, an interrupted copy) read ahead by the prefetch thread stops the
-    step that takes its batch, naming the file and the fix; the thread ends with the failed run's prefetch."""
+    """A damaged cache entry is named by the step that takes its batch.
+
+    An entry cut short (a full disk, an interrupted copy) read ahead by the prefetch thread stops
+    the step that takes its batch, naming the file and the fix; the thread ends with the failed
+    run's prefetch."""
     for item in ("a", "b"):
         save_file({"latent_mean": torch.zeros(2, 4), "latent_logvar": torch.zeros(2, 4)},
                   tmp_path / f"{item}-video.safetensors")

@@ -1,5 +1,7 @@
-"""Checkpoints: killed and resumed runs equal uninterrupted ones bitwise; resharding; atomic commit,
-rotation and fallback; SIGTERM; async save; failed writes; what is (not) in a checkpoint."""
+"""Checkpoints: bitwise resumes, resharding, commit, rotation, fallback, signals, async save.
+
+Killed and resumed runs equal uninterrupted ones bitwise; resharding; atomic commit, rotation and
+fallback; SIGTERM; async save; failed writes; what is (not) in a checkpoint."""
 
 import hashlib
 import json
@@ -102,7 +104,9 @@ def test_killed_run_resumes_bitwise(references, make_config, variant):
 @pytest.mark.slow
 @pytest.mark.parametrize("source, target", [("fsdp", "one"), ("one", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp")])
 def test_reshard_between_world_sizes_and_strategies(references, make_config, source, target):
-    """FSDP on 2 ranks -> 1 rank with the batch doubled, and back; 2-rank DDP -> 2-rank FSDP, and back:
+    """A checkpoint reshards between world sizes and strategies.
+
+    FSDP on 2 ranks -> 1 rank with the batch doubled, and back; 2-rank DDP -> 2-rank FSDP, and back:
     the next 10 steps match the run that was not stopped."""
     cfg, out, nproc = make_config(f"reshard_{source}_{target}", target)
     out.mkdir()
@@ -128,11 +132,14 @@ def test_kill_during_save_falls_back_and_rotation_keeps_the_newest(references, m
 
 @pytest.mark.slow
 def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_config):
-    """SIGTERM on one rank while step 4's shards are written: the save commits, and every rank stops at
-    the next check (the first sampling step of step 4's validation) with exit 0. The next launch runs
-    step 4's validation first, and is stopped during the last one (step 14's), after checkpoint-14: it
-    says so and exports nothing. The third runs that validation, then exports: the run ends bitwise
-    equal to the one never stopped, with each validation's held-out loss and clip logged exactly once."""
+    """SIGTERM during a save completes it and exits 0; the next launches end bitwise equal.
+
+    SIGTERM on one rank while step 4's shards are written: the save commits, and every rank stops at
+    the next check (the first sampling step of step 4's validation) with exit 0. The next launch
+    runs step 4's validation first, and is stopped during the last one (step 14's), after
+    checkpoint-14: it says so and exports nothing. The third runs that validation, then exports: the
+    run ends bitwise equal to the one never stopped, with each validation's held-out loss and clip
+    logged exactly once."""
     cfg, out, nproc = make_config("sigterm", "fsdp")
     stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_sigterm:4:1"})
     assert "stopped by a signal: after step 4, checkpoint written" in stopped.stderr
@@ -155,13 +162,15 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
 
 @pytest.mark.slow
 def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
-    """A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: the lock a second
+    """SIGTERM to launch.sh stops the run one step later, with a checkpoint and exit 0.
+
+    A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: the lock a second
     run takes first (command.run_lock, before any compute) is refused naming the first one's pid and
-    host (test_killed_run_resumes_bitwise: a SIGKILLed run leaves it free). Then SIGTERM to launch.sh and torchrun,
-    as a scheduler signals every process of a job (the workers get it from both): the ranks learn of it
-    from the all-reduce that step 4's end starts and step 5's end reads (so no step waits for it), save
-    checkpoint-5 and exit 0, and so does launch.sh (torchrun itself exits 1 after a signal); the next
-    launch continues bitwise."""
+    host (test_killed_run_resumes_bitwise: a SIGKILLed run leaves it free). Then SIGTERM to
+    launch.sh and torchrun, as a scheduler signals every process of a job (the workers get it from
+    both): the ranks learn of it from the all-reduce that step 4's end starts and step 5's end reads
+    (so no step waits for it), save checkpoint-5 and exit 0, and so does launch.sh (torchrun itself
+    exits 1 after a signal); the next launch continues bitwise."""
     cfg, out, nproc = make_config("sigterm_step", "ddp")
     process, pid, output = start_paused([str(cfg)], "step_pause:4:0", nproc=nproc, script="launch.sh")
     with pytest.raises(ConfigError, match=re.escape(f"run.output_dir = {out} is in use by another run: pid {pid} on "
@@ -178,8 +187,11 @@ def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
 
 @pytest.mark.slow
 def test_fp16_loss_scale_resumes_exactly(make_config):
-    """The loss scale is a tensor in the checkpoint: halved by an overflow at step 3, killed at step 5,
-    the run resumes from step 4 with the halved scale and ends bitwise equal to the uninterrupted one."""
+    """The fp16 loss scale resumes exactly.
+
+    The loss scale is a tensor in the checkpoint: halved by an overflow at step 3, killed at step 5,
+    the run resumes from step 4 with the halved scale and ends bitwise equal to the uninterrupted
+    one."""
     fp16 = {"train.mixed_precision": "fp16"}
     cfg, reference, _ = make_config("fp16_ref", "one", **fp16)
     run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "overflow:3"})
@@ -194,7 +206,9 @@ def test_fp16_loss_scale_resumes_exactly(make_config):
 
 @pytest.mark.slow
 def test_async_save_commits_and_resumes_bitwise(references, make_config):
-    """Killed at step 7: step 6's background save never committed, step 4's (committed at step 6) is
+    """An async save commits in the background, and a killed run resumes bitwise.
+
+    Killed at step 7: step 6's background save never committed, step 4's (committed at step 6) is
     where the next launch resumes, and the run ends bitwise equal to the uninterrupted one."""
     cfg, out, nproc = make_config("async", "fsdp", **{"checkpoint.async_save": True})
     assert run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:7"}).returncode != 0
@@ -219,9 +233,12 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
 
 @pytest.mark.slow
 def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_config):
-    """A bad shard, a garbled or empty meta.json, a missing meta.json or .metadata: each newest checkpoint
-    in turn is passed over naming its file. When none passes (every meta.json gone), the run stops
-    without touching them, and the advice it prints works as written: the rehash command, then a launch."""
+    """Damaged checkpoints are passed over, and the advice printed when none passes works.
+
+    A bad shard, a garbled or empty meta.json, a missing meta.json or .metadata: each newest
+    checkpoint in turn is passed over naming its file. When none passes (every meta.json gone), the
+    run stops without touching them, and the advice it prints works as written: the rehash command,
+    then a launch."""
     cfg, out, nproc = make_config("corrupt", "one", **{"train.steps": STEPS + 2})
     shutil.copytree(references["one"], out)
     shard = out / f"checkpoint-{STEPS}" / "__0_0.distcp"
@@ -253,7 +270,9 @@ def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_con
 
 @pytest.mark.slow
 def test_what_a_checkpoint_holds(references):
-    """Trainable weights only, every value a tensor (nothing of ours pickled), a meta.json that names it."""
+    """What a checkpoint holds: trainable weights only, every value a tensor.
+
+    Nothing of ours is pickled, and a meta.json names it."""
     path = references["fsdp"] / "checkpoint-4"
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     assert all(isinstance(m, TensorStorageMetadata) for m in metadata.values())
@@ -291,9 +310,11 @@ def test_resume_refusals(references, make_config, tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_resume_on_other_data_is_refused(references):
-    """meta.json holds the training clips' identity (every resume above checks it and passes); a
-    checkpoint whose sampler state would index other clips is refused, naming what changed (resuming
-    with data.held_out = 6 here used to end in an IndexError)."""
+    """A resume on other clips is refused, naming what changed.
+
+    meta.json holds the training clips' identity (every resume above checks it and passes); a
+    checkpoint whose sampler state would index other clips is refused, naming what changed (without
+    the check, resuming with data.held_out = 6 here would end in an IndexError)."""
     path = references["one"] / f"checkpoint-{STEPS}"
     meta = json.loads((path / "meta.json").read_text())
     assert meta["data"]["clips_per_bucket"] == {"[9, 32, 32]": 20}
@@ -311,8 +332,10 @@ def test_resume_on_other_data_is_refused(references):
 
 
 def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, caplog):
-    """A checkpoint records its base weights by content (model.path moved elsewhere still resumes); another
-    model.dtype or model.storage_dtype is named with a warning, not refused."""
+    """A checkpoint's base identity follows the weights, not the folder.
+
+    A checkpoint records its base weights by content (model.path moved elsewhere still resumes);
+    another model.dtype or model.storage_dtype is named with a warning, not refused."""
     def identity(path, dtype="fp32"):
         cfg = load_config(None, ["--run.output_dir", str(tmp_path / "run"), "--data.data_root", str(tmp_path),
                                  "--model.path", str(path), "--model.dtype", dtype])
@@ -329,8 +352,10 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
 
 
 def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
-    """`ckpt.py export` holds its checkpoint's export.lock: rotation in a running training passes it over
-    until the export is written, then deletes it."""
+    """Rotation keeps a checkpoint that `ckpt.py export` is reading.
+
+    `ckpt.py export` holds its checkpoint's export.lock: rotation in a running training passes it
+    over until the export is written, then deletes it."""
     for step in (2, 4, 6):
         (tmp_path / f"checkpoint-{step}").mkdir()
         for name in (".metadata", "meta.json"):
@@ -345,8 +370,11 @@ def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
 
 
 def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog):
-    """`ckpt.py rehash` refuses another config's shapes (the resume would fail in DCP), another model or
-    LoRA over a readable meta.json (kept as it is), and a missing shard (the advice would loop)."""
+    """`ckpt.py rehash` refuses what no resume can read.
+
+    `ckpt.py rehash` refuses another config's shapes (the resume would fail in DCP), another model
+    or LoRA over a readable meta.json (kept as it is), and a missing shard (the advice would loop).
+    """
     cfg, out, _ = make_config("rehash", "one")
     path = out / f"checkpoint-{STEPS}"
     shutil.copytree(references["one"] / path.name, path)
@@ -371,7 +399,9 @@ def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog)
 
 @pytest.mark.slow
 def test_finished_run_exports_and_exits_zero(references, make_config):
-    """A finished run relaunched exports and exits 0; with train.steps lowered below its step, it exits 1."""
+    """A finished run relaunched exports and exits 0.
+
+    With train.steps lowered below its step, it exits 1."""
     cfg, out, _ = make_config("finished", "one")
     shutil.copytree(references["one"], out)
     shutil.rmtree(out / "lora")
@@ -386,8 +416,11 @@ def test_finished_run_exports_and_exits_zero(references, make_config):
 
 @pytest.mark.slow
 def test_export_command(references, make_config, tmp_path):
-    """Without --out into the run's exports/checkpoint-N/ (never over the run's own lora/, nor inside the
-    checkpoint, which rotation deletes), with --out where it says; a read-only run folder is named."""
+    """The export command writes where it says and names a read-only run folder.
+
+    Without --out into the run's exports/checkpoint-N/ (never over the run's own lora/, nor inside
+    the checkpoint, which rotation deletes), with --out where it says; a read-only run folder is
+    named."""
     cfg, out, _ = make_config("ref_one", "one")
     final = (out / "lora" / "pytorch_lora_weights.safetensors").read_bytes()
     run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-8")], script="ckpt.py")
@@ -409,7 +442,9 @@ def test_export_command(references, make_config, tmp_path):
 
 @pytest.mark.slow
 def test_export_loads_in_the_pipeline(references, tiny_model):
-    """The 2-rank FSDP run's export (CogVideoX-2b's key set) loads with load_lora_weights and computes,
+    """The 2-rank FSDP export loads in the pipeline and computes what our transformer does.
+
+    The 2-rank FSDP run's export (CogVideoX-2b's key set) loads with load_lora_weights and computes,
     at the trained alpha / rank, what our transformer holding it computes."""
     lora_file = str(references["fsdp"] / "lora" / "pytorch_lora_weights.safetensors")
     adapter = load_adapter(ModelConfig(path=str(tiny_model), dtype="fp32"), torch.device("cpu"))
@@ -429,7 +464,9 @@ def test_export_loads_in_the_pipeline(references, tiny_model):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: as intended
 def test_a_rank_checks_only_the_files_it_reads(tmp_path):
-    """check_reads hashes DCP's .metadata and the shards named by this rank's own load plan: a damaged
+    """A rank checks only the checkpoint files it reads.
+
+    check_reads hashes DCP's .metadata and the shards named by this rank's own load plan: a damaged
     file that the plan does not read is another rank's to find (each rank checks its share)."""
     state = {"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
@@ -450,7 +487,9 @@ def test_a_rank_checks_only_the_files_it_reads(tmp_path):
 
 
 def test_save_views_follow_the_live_tensors(tmp_path):
-    """A save reuses the state-dict views DCP's helpers built before while they alias the live tensors,
+    """A save's state-dict views follow the live tensors.
+
+    A save reuses the state-dict views DCP's helpers built before while they alias the live tensors,
     and rebuilds them when a tensor is replaced, gets other storage or changes requires_grad: every
     save hands DCP what a fresh build would."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

@@ -1,4 +1,6 @@
-"""The config schema: strict keys and types, the override syntax, the model's shape rules, schedules."""
+"""The config schema.
+
+Strict keys and types, the override syntax, the model's shape rules, schedules."""
 
 import math
 
@@ -62,7 +64,9 @@ def test_mistakes_name_the_key(args, message):
     (["--checkpoint.resume", "/nowhere/checkpoint-4"], "checkpoint.resume = /nowhere/checkpoint-4 does not exist"),
 ])
 def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
-    """Issue 25 items 14-16: each of these used to pass the config check, then export an all-zero LoRA,
+    """Values that would train nothing or crash late are refused by the config check.
+
+    Without their checks, each of these would pass the config check, then export an all-zero LoRA,
     crash after the cache pass, or (resume) be named only as a checkpoint without meta.json."""
     with pytest.raises(ConfigError) as error:
         load_config(None, REQUIRED + args)
@@ -80,8 +84,10 @@ def test_a_family_rule_is_its_adapters():
 
 
 def test_max_grad_norm_zero_does_not_clip():
-    """train.max_grad_norm = 0 means no clipping: the step is the unclipped one (clip_grad_norm_ with 0
-    scales every gradient to 0, and the LoRA stayed all zero)."""
+    """train.max_grad_norm = 0 means no clipping.
+
+    The step is the unclipped one (clip_grad_norm_ with 0 scales every gradient to 0, and the LoRA
+    stayed all zero)."""
     cfg = load_config(None, REQUIRED + ["--train.max_grad_norm", "0"])
     updated = []
     for max_grad_norm in (0.0, math.inf):
@@ -141,7 +147,8 @@ def test_lr_schedules():
 
 
 def test_configuration_page_is_config_output():
-    """docs/configuration.md is what `python config.py` prints: config.py's comments, key for key."""
+    """docs/configuration.md is what `python config.py` prints: config.py's comments, key for key.
+    """
     import subprocess
     import sys
 
@@ -153,7 +160,9 @@ def test_configuration_page_is_config_output():
 
 
 def test_shipped_configs_load():
-    """Every file in configs/ passes the schema and the value checks (the model's own rules need the
+    """Every file in configs/ passes the schema and the value checks.
+
+    Every file in configs/ passes the schema and the value checks (the model's own rules need the
     model, which the tests have only in tiny form)."""
     from conftest import REPO
 

@@ -1,7 +1,7 @@
 """Data at scale: formats, decoding, buckets, the sampler, the cache pass, bad input.
 
-Cheap checks call the functions directly; the cache pass runs in this process through cache.main (one
-process, a HashStore group), and the multi-rank and kill tests run the real commands.
+Cheap checks call the functions directly; the cache pass runs in this process through cache.main
+(one process, a HashStore group), and the multi-rank and kill tests run the real commands.
 """
 
 import json
@@ -119,7 +119,9 @@ def item_for(path: Path, resolution, start: int, pad: bool = False, rate: float 
 
 @pytest.mark.parametrize("kind", ["mp4", "mkv", "webm", "fmp4"])
 def test_frames_are_chosen_by_timestamp_and_padded(tmp_path, kind):
-    """Any container: the frame count comes from the packets (Matroska, WebM and fragmented mp4 headers
+    """Frames are chosen by timestamp in any container.
+
+    Any container: the frame count comes from the packets (Matroska, WebM and fragmented mp4 headers
     have none), frames are picked by their timestamps after a seek to the first one."""
     ramp_clip(tmp_path / "ramp", 17, kind=kind)
     media = decode.probe(tmp_path / "ramp")
@@ -134,7 +136,9 @@ def test_frames_are_chosen_by_timestamp_and_padded(tmp_path, kind):
 
 
 def test_variable_frame_rate_is_sampled_by_time(tmp_path):
-    """Frame k of the vfr kind is shown at 125 (k + k // 3 / 2) ms: at 8 fps the picks are the frames
+    """A variable-frame-rate clip is sampled by time.
+
+    Frame k of the vfr kind is shown at 125 (k + k // 3 / 2) ms: at 8 fps the picks are the frames
     nearest to each 125 ms tick, not every frame in turn."""
     ramp_clip(tmp_path / "vfr.mp4", 17, kind="vfr")
     media = decode.probe(tmp_path / "vfr.mp4")
@@ -146,7 +150,9 @@ def test_variable_frame_rate_is_sampled_by_time(tmp_path):
 
 
 def test_phone_clips_and_photos_come_out_as_displayed(tmp_path):
-    """A portrait phone clip is stored landscape with a 90-degree display matrix, a portrait photo
+    """Phone clips and photos come out upright, as displayed.
+
+    A portrait phone clip is stored landscape with a 90-degree display matrix, a portrait photo
     landscape with EXIF orientation 6: both read portrait, upright (the white corner top left)."""
     ramp_clip(tmp_path / "phone.mov", 9, height=48, width=32, kind="phone")
     ramp_clip(tmp_path / "photo.jpg", 1, height=48, width=32, kind="photo")
@@ -282,7 +288,9 @@ def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tin
 @pytest.mark.slow
 def test_complete_cache_trains_without_vae_t5_videos_or_headers(write_config, tiny_data, tmp_path, caplog,
                                                                 monkeypatch):
-    """With a complete manifest and cache a restart reads no header and loads no encoder, and a clip
+    """A complete cache trains without the VAE, T5, the videos or their headers.
+
+    With a complete manifest and cache a restart reads no header and loads no encoder, and a clip
     whose file is gone trains from its entries."""
     data_root = tmp_path / "data"
     shutil.copytree(tiny_data, data_root)
@@ -354,8 +362,11 @@ def test_skip_bad_trains_on_the_rest_and_lists_the_skipped(bad_data, write_confi
 
 
 def test_a_higher_rate_reads_up_to_the_last_frames_end(tiny_data):
-    """data.target_fps above the clip's rate: the window that ends where the clip does takes the last frame for
-    every time it is shown (until the clip's end), not only for the times nearer it than half a frame."""
+    """A target rate above the clip's reads up to the end of its last frame.
+
+    data.target_fps above the clip's rate: the window that ends where the clip does takes the last
+    frame for every time it is shown (until the clip's end), not only for the times nearer it than
+    half a frame."""
     path = sorted((tiny_data / "videos").iterdir())[0]
     media = decode.probe(path)
     rate = 3 * media.fps

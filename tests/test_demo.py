@@ -1,4 +1,6 @@
-"""The demo, exactly as the README's quick start runs it: `bash launch.sh` in a fresh copy of the repository."""
+"""The demo, exactly as the README's quick start runs it.
+
+`bash launch.sh` in a fresh copy of the repository."""
 
 import json
 import os

@@ -1,5 +1,7 @@
-"""torchrun on gloo: DDP and FSDP2 compute the same updates as one process, two nodes rendezvous, FSDP
-shards the state, a failing rank ends the job with one message, the non-finite guard."""
+"""torchrun on gloo: DDP and FSDP2 against one process, rendezvous, sharding, failures.
+
+DDP and FSDP2 compute the same updates as one process, two nodes rendezvous, FSDP shards the state,
+a failing rank ends the job with one message, the non-finite guard."""
 
 import os
 import re
@@ -79,7 +81,9 @@ def test_same_update_as_one_process(variant_runs, name):
 
 @pytest.mark.slow
 def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
-    """Two ranks log one value per step: the mean over ranks of their losses, here recomputed in this
+    """The logged loss is the mean over ranks, recomputed here for step 1.
+
+    Two ranks log one value per step: the mean over ranks of their losses, here recomputed in this
     process from the cache, the sampler and the keyed generators for step 1 (before any update)."""
     assert [m["step"] for m in read_metrics(variant_runs["ddp"]) if "train/loss" in m] == [1, 2, 3, 4, 5]
     cfg = load_config(str(write_toml(tmp_path / "c.toml", {**base_settings, "run.output_dir": str(tmp_path)})))
@@ -132,8 +136,11 @@ def test_two_nodes_through_launch_sh(variant_runs, write_config, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_shards_sft_state(write_config, tmp_path):
-    """Full fine-tuning on 2 ranks: FSDP holds about half of DDP's parameter + optimizer bytes per rank,
-    and rank 0 read only its half of the weight file (its shard, made fp32 from the file's rows)."""
+    """FSDP holds about half of DDP's sft state per rank, and each rank reads only its rows.
+
+    Full fine-tuning on 2 ranks: FSDP holds about half of DDP's parameter + optimizer bytes per
+    rank, and rank 0 read only its half of the weight file (its shard, made fp32 from the file's
+    rows)."""
     state_mb, read = {}, {}
     for strategy in ("ddp", "fsdp"):
         cfg = write_config(strategy, **{"train.training_type": "sft", "parallel.strategy": strategy,
@@ -170,9 +177,11 @@ def test_a_failure_ends_the_job_with_one_message(write_config, tmp_path, fault, 
 
 @pytest.mark.slow
 def test_ctrl_c_stops_with_one_message(write_config, tmp_path):
-    """Ctrl-C reaches launch.sh and torchrun (a terminal signals its foreground process group), and
-    torchrun passes it on: the trainer prints one line and no traceback of its own, and launch.sh exits
-    130 as the trainer did (torchrun itself exits 1 after a signal)."""
+    """Ctrl-C stops the run with one line, and launch.sh exits 130.
+
+    Ctrl-C reaches launch.sh and torchrun (a terminal signals its foreground process group), and
+    torchrun passes it on: the trainer prints one line and no traceback of its own, and launch.sh
+    exits 130 as the trainer did (torchrun itself exits 1 after a signal)."""
     process, _, output = start_paused([str(write_config("interrupted"))], "step_pause:2", script="launch.sh")
     os.killpg(process.pid, signal.SIGINT)
     code, output = finish(process, output)
@@ -204,10 +213,12 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path):
 @pytest.mark.parametrize("nproc, settings", [(1, {"train.batch_size": 4}),
                                              (2, {"train.batch_size": 2, "parallel.strategy": "fsdp"})])
 def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(write_config, tmp_path, nproc, settings):
-    """fp16 autocast on CPU: step 3's gradients overflow (on the last rank only, with two), so every rank
-    skips the update (its weights and Adam's state are those of step 2: FSDP's shards too) and halves the
-    loss scale; the loss was finite, so train.max_nonfinite_steps = 1 does not stop the run. A NaN loss
-    does. The scale is a tensor in the checkpoint."""
+    """An fp16 overflow skips the step on every rank and halves the loss scale.
+
+    fp16 autocast on CPU: step 3's gradients overflow (on the last rank only, with two), so every
+    rank skips the update (its weights and Adam's state are those of step 2: FSDP's shards too) and
+    halves the loss scale; the loss was finite, so train.max_nonfinite_steps = 1 does not stop the
+    run. A NaN loss does. The scale is a tensor in the checkpoint."""
     cfg = write_config("fp16", **{"train.mixed_precision": "fp16", "train.max_nonfinite_steps": 1,
                                   "checkpoint.checkpointing_steps": 1, "checkpoint.checkpointing_limit": 0,
                                   "validation.do_validation": False, **settings})
@@ -233,11 +244,14 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(write_c
 
 
 def test_ddp_broadcasts_no_buffer_at_each_forward(tiny_model, monkeypatch):
-    """The trainer's DDP (parallel.wrap) sends no buffer from rank 0 before each forward, as torch's default
-    would: no buffer changes in training, and CogVideoX-2B's float64 positions (the tiny 2b model has them)
-    are 260 MiB at 49x480x720. DDP's broadcasts counted on 2 ranks of a fake process group (collectives
-    that do nothing, so no backward: its reduction wants a result) in this process, over two forwards
-    with autograd on; the same model under torch's default DDP is the counter's control."""
+    """The trainer's DDP broadcasts no buffer before each forward.
+
+    The trainer's DDP (parallel.wrap) sends no buffer from rank 0 before each forward, as torch's
+    default would: no buffer changes in training, and CogVideoX-2B's float64 positions (the tiny 2b
+    model has them) are 260 MiB at 49x480x720. DDP's broadcasts counted on 2 ranks of a fake process
+    group (collectives that do nothing, so no backward: its reduction wants a result) in this
+    process, over two forwards with autograd on; the same model under torch's default DDP is the
+    counter's control."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -265,8 +279,10 @@ def test_ddp_broadcasts_no_buffer_at_each_forward(tiny_model, monkeypatch):
 
 
 def test_launch_sh_prints_our_error_last(write_config, tmp_path):
-    """A multi-rank failure through launch.sh: our one error line comes last, torchrun's own traceback and
-    ChildFailedError block go to run.output_dir/torchrun.log instead of the terminal."""
+    """launch.sh prints our error line last; torchrun's own report goes to torchrun.log.
+
+    A multi-rank failure through launch.sh: our one error line comes last, torchrun's own traceback
+    and ChildFailedError block go to run.output_dir/torchrun.log instead of the terminal."""
     cfg = write_config("launch_fails", **{"train.steps": 2, "checkpoint.checkpointing_steps": 2,
                                           "validation.do_validation": False})
     result = run_cmd([str(cfg), "--train.batch_size", "1"], nproc=2, env={"VIDTRAIN_FAULT": "save_fail:2:1"},

@@ -1,17 +1,20 @@
-"""What a GPU run would hit, seen on this CPU-only torch through fake CUDA tensors (FakeTensorMode: shapes,
-dtypes and devices, no data, no kernels): each variant's training loss under CUDA's autocast policy,
-where a CPU tensor mixed into a CUDA op raises as it does on a GPU and every host-to-device copy that
-would make the host wait is recorded (a blocking one, or a non-blocking one from pageable memory), its
-batch encoded first by the family's encoders, which are all gone after the cache pass releases them
-(2.1 I2V's CLIP image encoder included), and fetched as the trainer fetches it (cache_files.Prefetch: read
-into pinned memory by a thread, then copied); and the lean loader's fill under parallel.cpu_offload (every
-unit on the host, or the first parallel.offload_blocks blocks), on a CUDA mesh over a fake process group.
+"""What a GPU run would hit, seen on a CPU-only torch through fake CUDA tensors.
+
+What a GPU run would hit, seen on this CPU-only torch through fake CUDA tensors (FakeTensorMode:
+shapes, dtypes and devices, no data, no kernels): each variant's training loss under CUDA's autocast
+policy, where a CPU tensor mixed into a CUDA op raises as it does on a GPU and every host-to-device
+copy that would make the host wait is recorded (a blocking one, or a non-blocking one from pageable
+memory), its batch encoded first by the family's encoders, which are all gone after the cache pass
+releases them (2.1 I2V's CLIP image encoder included), and fetched as the trainer fetches it
+(cache_files.Prefetch: read into pinned memory by a thread, then copied); and the lean loader's fill
+under parallel.cpu_offload (every unit on the host, or the first parallel.offload_blocks blocks), on
+a CUDA mesh over a fake process group.
 
 Two things a CPU-only build lacks. A CUDA device guard: indexing, autocast's cast cache and autograd
 ask it for the device or stream of a CUDA tensor, and FakeTensorMode's no-op guard only replaces an
-existing one; the fixture below compiles c10's own NoOpDeviceGuardImpl for CUDA into a 2-line library
-(g++, ~3 s) and loads it. And CUDA's accelerator hooks, which the autograd engine needs to run a
-backward over CUDA tensors: there is no backward here (the forward builds the autograd graph).
+existing one; the fixture below compiles c10's own NoOpDeviceGuardImpl for CUDA into a 2-line
+library (g++) and loads it. And CUDA's accelerator hooks, which the autograd engine needs to
+run a backward over CUDA tensors: there is no backward here (the forward builds the autograd graph).
 torch.autocast("cuda") turns itself off without a GPU: CUDA's policy is switched on below it, with
 torch.set_autocast_enabled."""
 
@@ -217,11 +220,13 @@ def on_a_fake_cuda_mesh(monkeypatch, path: str, build) -> tuple[torch.nn.Module,
 
 
 def test_offloaded_shards_are_filled_on_the_cpu(tiny_models, monkeypatch, cuda_device_guard):
-    """parallel.cpu_offload on a GPU: FSDP2 wants every shard in (pinned) host memory at the first forward.
-    Filled on the GPU, each block's shards would be made there, then copied back by FSDP2's re-pinning
-    (torch 2.13 moves a shard that is not pinned to the CPU when its policy pins): GPU memory that
-    offloading is there to save. Full fine-tuning: LoRA's layers are made by skip_init, whose
-    to_empty cannot swap tensors in this mode."""
+    """Under parallel.cpu_offload the shards are filled in host memory, not on the GPU.
+
+    parallel.cpu_offload on a GPU: FSDP2 wants every shard in (pinned) host memory at the first
+    forward. Filled on the GPU, each block's shards would be made there, then copied back by FSDP2's
+    re-pinning (torch 2.13 moves a shard that is not pinned to the CPU when its policy pins): GPU
+    memory that offloading is there to save. Full fine-tuning: LoRA's layers are made by skip_init,
+    whose to_empty cannot swap tensors in this mode."""
     model, devices, copies = on_a_fake_cuda_mesh(monkeypatch, str(tiny_models("5b")), lambda adapter, d: build_model(
         adapter, TrainConfig(training_type="sft"), LoraConfig(), ParallelConfig(strategy="fsdp", cpu_offload=True), 0, d))
     assert set(devices.values()) == {"cpu"}, {name: device for name, device in devices.items() if device != "cpu"}
@@ -229,9 +234,11 @@ def test_offloaded_shards_are_filled_on_the_cpu(tiny_models, monkeypatch, cuda_d
 
 
 def test_offload_blocks_keeps_the_first_blocks_on_the_host(tiny_models, monkeypatch, cuda_device_guard):
-    """parallel.offload_blocks = 1: block 0's shards are made in host memory, the other block's and the
-    rest of the model's on the GPU, each where FSDP keeps it (a frozen model: the other expert's path,
-    which LoRA's skip_init cannot take here)."""
+    """parallel.offload_blocks = 1 keeps block 0's shards on the host and the rest on the GPU.
+
+    parallel.offload_blocks = 1: block 0's shards are made in host memory, the other block's and the
+    rest of the model's on the GPU, each where FSDP keeps it (a frozen model: the other expert's
+    path, which LoRA's skip_init cannot take here)."""
     model, devices, copies = on_a_fake_cuda_mesh(monkeypatch, str(tiny_models("5b")), lambda adapter, d: build_frozen(
         adapter, adapter.transformer_folder, TrainConfig(),
         ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=1), d))

@@ -59,7 +59,10 @@ def with_key(family: str, key: str, value) -> Config:
 
 
 def test_a_family_that_forgets_a_required_method_is_named_at_load(monkeypatch):
-    """load_adapter stops before reading the model folder, in one message naming the class and member."""
+    """A family that forgets a required method is named when it loads.
+
+    load_adapter stops before reading the model folder, in one message naming the class and member.
+    """
     monkeypatch.setitem(ADAPTERS, "wan", (__name__, "ForgetfulWanAdapter"))
     with pytest.raises(TypeError) as error:
         load_adapter(ModelConfig(family="wan", path="/nowhere"), torch.device("cpu"))
@@ -69,7 +72,10 @@ def test_a_family_that_forgets_a_required_method_is_named_at_load(monkeypatch):
 
 
 def test_the_sound_group_and_the_init_attributes_are_checked():
-    """A family with sound lacking a sound member, and one whose __init__ sets no transformer_config."""
+    """The sound group and the attributes __init__ must set are checked.
+
+    A family with sound lacking a sound member, and one whose __init__ sets no transformer_config.
+    """
     forgetful = without(LTX2Adapter, "decode_audio", "sampled_audio")
     with pytest.raises(TypeError, match="ForgetfulLTX2Adapter does not provide sampled_audio, decode_audio:"):
         check_family(forgetful)

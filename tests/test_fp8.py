@@ -1,6 +1,8 @@
-"""model.storage_dtype = "fp8": the frozen linears of the transformer blocks stored in float8_e4m3fn with a
-scale per output row, upcast per layer (storage.py). The model computes what the bf16 one does within
-fp8's rounding, a LoRA trains on it as on bf16, and its export is a LoRA of the original model."""
+"""model.storage_dtype = "fp8": the blocks' frozen linears in float8_e4m3fn, upcast per layer.
+
+The frozen linears of the transformer blocks stored in float8_e4m3fn with a scale per output row,
+upcast per layer (storage.py). The model computes what the bf16 one does within fp8's rounding, a
+LoRA trains on it as on bf16, and its export is a LoRA of the original model."""
 
 import shutil
 
@@ -43,10 +45,12 @@ def transformer_output(adapter, transformer) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["cogvideox", "wan"])
 def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_model, wan_models):
-    """Only the blocks' linear weights turn fp8 (scales in fp32, one per row); norms, biases, embeddings and
-    everything outside the blocks stay bf16 (Wan's fp32 modules fp32); those weights take half the bytes;
-    the output is bf16's within TOLERANCE. An Fp8Linear built from the same fp8 weight with a per-tensor
-    scale (ComfyUI's scaled fp8) spreads the scale to every row."""
+    """fp8 storage halves the block weights' bytes and keeps bf16's output within tolerance.
+
+    Only the blocks' linear weights turn fp8 (scales in fp32, one per row); norms, biases,
+    embeddings and everything outside the blocks stay bf16 (Wan's fp32 modules fp32); those weights
+    take half the bytes; the output is bf16's within TOLERANCE. An Fp8Linear built from the same fp8
+    weight with a per-tensor scale (ComfyUI's scaled fp8) spreads the scale to every row."""
     path = str(tiny_model if family == "cogvideox" else wan_models("t2v"))
     adapters = {s: load_adapter(ModelConfig(path=path, family=family, dtype="bf16", storage_dtype=s), torch.device("cpu"))
                 for s in ("", "fp8")}
@@ -79,10 +83,12 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
 
 
 def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
-    """model.dtype = "fp16": a row of zeros and a row of weights below 2.7e-5 (whose scale, max / 448, is
-    under fp16's smallest value, 6e-8) come back as zeros and as themselves within fp8's rounding, and the
-    model's output is finite: the scales are kept in fp32, not in fp16, where they would be 0 and the rows
-    NaN."""
+    """With model.dtype fp16, rows of zeros and of small weights survive fp8 storage.
+
+    model.dtype = "fp16": a row of zeros and a row of weights below 2.7e-5 (whose scale, max / 448,
+    is under fp16's smallest value, 6e-8) come back as zeros and as themselves within fp8's
+    rounding, and the model's output is finite: the scales are kept in fp32, not in fp16, where they
+    would be 0 and the rows NaN."""
     folder = shutil.copytree(tiny_model, tmp_path / "model")
     file = folder / "transformer" / "diffusion_pytorch_model.safetensors"
     weights = load_file(file)
@@ -102,8 +108,10 @@ def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
 
 
 def test_fp8_linear_computes_as_its_upcast_weight():
-    """Forward and backward (which keeps the fp8 weight, not its upcast copy) equal nn.Linear's with the
-    upcast weight, under bf16 autocast as in training, and inside a LoRALinear."""
+    """An fp8 linear computes as its upcast weight does, forward and backward.
+
+    Forward and backward (which keeps the fp8 weight, not its upcast copy) equal nn.Linear's with
+    the upcast weight, under bf16 autocast as in training, and inside a LoRALinear."""
     torch.manual_seed(0)
     reference = torch.nn.Linear(48, 24).to(torch.bfloat16)
     weight, scale = storage.quantize(reference.weight.detach())
@@ -140,12 +148,14 @@ def one_process_group():
 @pytest.mark.slow
 def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(base_settings, tiny_model, tmp_path,
                                                                       one_process_group):
-    """20 steps (one-process FSDP, activation checkpointing, EMA, a validation render): the held-out loss
-    falls on the fp8 base as on the model.dtype one. The export holds the same keys as that run's, and
-    diffusers' pipeline loads it (load_lora_weights) into the original model, where it computes what our
-    model computes with it. In fp32 (the session's cache), where the tiny model steps 40x faster than in
-    bf16 on these CPUs: fp8 storage upcasts to model.dtype, whichever it is, and the test above holds
-    its output to bf16's."""
+    """A LoRA trains on the fp8 base as on model.dtype's and exports for the original model.
+
+    20 steps (one-process FSDP, activation checkpointing, EMA, a validation render): the held-out
+    loss falls on the fp8 base as on the model.dtype one. The export holds the same keys as that
+    run's, and diffusers' pipeline loads it (load_lora_weights) into the original model, where it
+    computes what our model computes with it. In fp32 (the session's cache), where the tiny model
+    steps far faster than in bf16 on CPUs (docs/testing.md): fp8 storage upcasts to model.dtype,
+    whichever it is, and the test above holds its output to bf16's."""
     settings = {**base_settings, "train.steps": 20, "train.learning_rate": 3e-3, "train.gradient_checkpointing": True, "train.ema_decay": 0.9,
                 "parallel.strategy": "fsdp", "lora.rank": 8, "lora.lora_alpha": 4, "checkpoint.checkpointing_steps": 20,
                 "validation.validation_steps": 20, "validation.prompts": ["a red ball"],

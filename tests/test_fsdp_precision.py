@@ -1,7 +1,8 @@
-"""FSDP2 in bf16 computes the model DDP computes: every parameter is gathered in its own dtype (the
-frozen base in model.dtype, LoRA and Wan's fp32 modules in fp32), the blocks' inputs (the rotary
-tables) are not cast, and sft gathers its fp32 weights in bf16 but for the fp32 modules. The suite's
-other runs are fp32, where no cast shows."""
+"""FSDP2 in bf16 computes the model DDP computes.
+
+Every parameter is gathered in its own dtype (the frozen base in model.dtype, LoRA and Wan's fp32
+modules in fp32), the blocks' inputs (the rotary tables) are not cast, and sft gathers its fp32
+weights in bf16 but for the fp32 modules. The suite's other runs are fp32, where no cast shows."""
 
 import json
 import os

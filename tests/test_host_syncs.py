@@ -1,8 +1,11 @@
-"""A training step leaves the host free: on steps that neither log, save nor validate, nothing reads a
+"""A training step leaves the host free: no device value is read on a plain step.
+
+A training step leaves the host free: on steps that neither log, save nor validate, nothing reads a
 device value (no .item(), bool() or isfinite of a device tensor), so the host queues step after step
-while the device works. Counted in process by a TorchDispatchMode on aten._local_scalar_dense, the op
-behind every such read; on a GPU also by CUDA's own check, torch.cuda.set_sync_debug_mode("error"),
-which catches blocking copies too (that path needs a GPU: it is skipped on CPU-only machines)."""
+while the device works. Counted in process by a TorchDispatchMode on aten._local_scalar_dense, the
+op behind every such read; on a GPU also by CUDA's own check,
+torch.cuda.set_sync_debug_mode("error"), which catches blocking copies too (that path needs a GPU:
+it is skipped on CPU-only machines)."""
 
 import traceback
 from pathlib import Path
@@ -103,8 +106,11 @@ def test_no_host_reads_on_steps_that_do_not_log(write_config, monkeypatch, varia
 @pytest.mark.parametrize("family", ["cogvideox", "wan"])
 @pytest.mark.parametrize("variant", ["one_process", "fp16"])
 def test_no_device_syncs_on_a_gpu(write_config, monkeypatch, wan_models, variant, family):
-    """On a GPU CUDA itself raises at any synchronising call (a device read, a blocking copy) in the
-    counted steps, for each family; the dispatch mode checks that the allowed reads are of CPU tensors."""
+    """On a GPU, CUDA itself finds no synchronising call in the counted steps.
+
+    On a GPU CUDA itself raises at any synchronising call (a device read, a blocking copy) in the
+    counted steps, for each family; the dispatch mode checks that the allowed reads are of CPU
+    tensors."""
     mode = HostReads()
     settings = {"model.path": str(wan_models("t2v")), "model.family": "wan"} if family == "wan" else {}
 
@@ -121,9 +127,12 @@ def test_no_device_syncs_on_a_gpu(write_config, monkeypatch, wan_models, variant
 
 
 def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
-    """The batches the step trains on, each read while the micro-step before it computes, are those the
-    sampler and the cache give without reading ahead: same clips, same order, across the accumulation's
-    micro-steps, the steps, the epoch's end (20 clips, 5 global batches of 4 per epoch) and the NaN step."""
+    """The batches read ahead are the ones the sampler and the cache give.
+
+    The batches the step trains on, each read while the micro-step before it computes, are those the
+    sampler and the cache give without reading ahead: same clips, same order, across the
+    accumulation's micro-steps, the steps, the epoch's end (20 clips, 5 global batches of 4 per
+    epoch) and the NaN step."""
     prepared, trained, reads = [], [], []
     prepare, train_loss, read = cache.prepare, CogVideoXAdapter.train_loss, cache_files.Prefetch.host
     monkeypatch.setattr(cache, "prepare", lambda *args: prepared.append(prepare(*args)) or prepared[0])

@@ -1,7 +1,9 @@
-"""docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
-nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/).
-And the tests' own: no test module imports another (shared helpers and fixtures live in conftest.py), and
-the fast subset reaches every module but the demo's."""
+"""The import rule of docs/design.md, and the tests' own, read from the source.
+
+docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no
+cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in families/
+(and tools/). And the tests' own: no test module imports another (shared helpers and fixtures live
+in conftest.py), and the fast subset reaches every module but the demo's."""
 
 import ast
 import tomllib
@@ -67,7 +69,9 @@ def test_no_import_cycles():
 
 
 def test_family_classes_stay_in_their_adapters():
-    """No module but a family's adapter imports that family's classes (CogVideoX*, Wan*, their VAEs,
+    """No module but a family's adapter imports that family's classes.
+
+    No module but a family's adapter imports that family's classes (CogVideoX*, Wan*, their VAEs,
     pipelines and modules), so a fork adds a family in one file."""
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -79,8 +83,11 @@ def test_family_classes_stay_in_their_adapters():
 
 
 def test_no_test_module_imports_another():
-    """A test module that imports another runs (and collects) the other's module-level code and fixtures in
-    its own namespace, and breaks when the other is split or renamed: shared helpers belong in conftest.py."""
+    """No test module imports another.
+
+    A test module that imports another runs (and collects) the other's module-level code and
+    fixtures in its own namespace, and breaks when the other is split or renamed: shared helpers
+    belong in conftest.py."""
     tests = {p.stem for p in (REPO / "tests").glob("test_*.py")}
     found = []
     for path in sorted((REPO / "tests").glob("*.py")):
@@ -109,8 +116,11 @@ def fast_tests(path) -> list[str]:
 
 
 def test_the_fast_subset_keeps_every_module_but_the_demo():
-    """docs/testing.md's fast subset: the slow marker is registered, strictly, and every test module but
-    the demo's (one launch.sh run) keeps quick tests in it, so a change anywhere meets a test there."""
+    """The fast subset keeps quick tests of every module but the demo's.
+
+    docs/testing.md's fast subset: the slow marker is registered, strictly, and every test module
+    but the demo's (one launch.sh run) keeps quick tests in it, so a change anywhere meets a test
+    there."""
     options = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert options["strict_markers"] and [m for m in options["markers"] if m.startswith("slow:")]
     left_out = [p.name for p in sorted((REPO / "tests").glob("test_*.py")) if not fast_tests(p)]

@@ -1,7 +1,9 @@
-"""LTX-2, LTX-2.3 and LTX-2.5: the tiny models carry the published key sets; every variant trains video-only
-(LoRA and sft), samples exactly as LTX2Pipeline / LTX2ImageToVideoPipeline do (with and without our exported
-LoRA), and exports what diffusers loads, in diffusers' layout and in ComfyUI's (the original checkpoint's names,
-inside the blocks and out)."""
+"""LTX-2, 2.3 and 2.5: key sets, training, sampling as the pipelines, exports diffusers loads.
+
+LTX-2, LTX-2.3 and LTX-2.5: the tiny models carry the published key sets; every variant trains
+video-only (LoRA and sft), samples exactly as LTX2Pipeline / LTX2ImageToVideoPipeline do (with and
+without our exported LoRA), and exports what diffusers loads, in diffusers' layout and in ComfyUI's
+(the original checkpoint's names, inside the blocks and out)."""
 
 import contextlib
 import dataclasses
@@ -44,9 +46,11 @@ def model_of(variant: str) -> str:
 
 
 def test_tiny_models_carry_the_published_key_sets(ltx2_models):
-    """2.5 (diffusers' conversion script, version "2.5"): ff_bias and use_keyframes_abs_pos_embedding added, a
-    Gemma 4 text encoder (the script refuses another), its connectors sized by Gemma's hidden size and layer
-    count, the duration head among the components."""
+    """The tiny 2.5 carries the published key set of diffusers' conversion script.
+
+    2.5 (diffusers' conversion script, version "2.5"): ff_bias and use_keyframes_abs_pos_embedding
+    added, a Gemma 4 text encoder (the script refuses another), its connectors sized by Gemma's
+    hidden size and layer count, the duration head among the components."""
     for variant in ("2.0", "2.3", "2.5"):
         path = ltx2_models(variant)
         keys = set(json.loads((path / "transformer" / "config.json").read_text())) - {"_class_name", "_diffusers_version"}
@@ -63,8 +67,10 @@ def test_tiny_models_carry_the_published_key_sets(ltx2_models):
 
 @pytest.mark.parametrize("variant", ["2.0", "2.3", "2.5"])
 def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models, monkeypatch):
-    """The transformer as from_pretrained builds it; the text encoder of model_index.json, and the image CRF the
-    I2V pipeline picks for it (33 for Gemma 3, 18 for 2.5's Gemma 4)."""
+    """Loading builds the transformer as from_pretrained does, with the right text encoder and CRF.
+
+    The transformer as from_pretrained builds it; the text encoder of model_index.json, and the
+    image CRF the I2V pipeline picks for it (33 for Gemma 3, 18 for 2.5's Gemma 4)."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="bf16"), torch.device("cpu"))
     assert_loads_lean(adapter, monkeypatch)
     text_encoder = LTX2Pipeline.from_pretrained(adapter.path, transformer=None, vae=None, audio_vae=None, vocoder=None,
@@ -98,12 +104,15 @@ def original_top_level_linears(c: dict) -> set[str]:
 
 @pytest.mark.parametrize("variant", ["2.0", "2.5"])
 def test_comfy_names_outside_the_blocks_are_the_original_checkpoints(variant, ltx2_models, tmp_path):
-    """A LoRA on every nn.Linear outside the blocks: the ComfyUI file names each module as the original checkpoint
-    does, so ComfyUI's loader finds it (comfy/lora.py model_lora_keys_unet maps the generic key
-    `diffusion_model.<name>` to each weight `diffusion_model.<name>.weight` of the model) and so does ltx-pipelines' (ltx_core/loader/sd_ops.py LTXV_LORA_COMFY_RENAMING_MAP drops `diffusion_model.`; a
-    key naming no weight of the model is skipped, fuse_loras.py); diffusers' converter of such files
-    (_convert_non_diffusers_ltx2_lora_to_diffusers, what load_lora_weights runs) gives back our modules, and
-    lora.init_from reads the file to our weights."""
+    """The ComfyUI file names modules outside the blocks as the original checkpoint does.
+
+    A LoRA on every nn.Linear outside the blocks: the ComfyUI file names each module as the original
+    checkpoint does, so ComfyUI's loader finds it (comfy/lora.py model_lora_keys_unet maps the
+    generic key `diffusion_model.<name>` to each weight `diffusion_model.<name>.weight` of the
+    model) and so does ltx-pipelines' (ltx_core/loader/sd_ops.py LTXV_LORA_COMFY_RENAMING_MAP drops
+    `diffusion_model.`; a key naming no weight of the model is skipped, fuse_loras.py); diffusers'
+    converter of such files (_convert_non_diffusers_ltx2_lora_to_diffusers, what load_lora_weights
+    runs) gives back our modules, and lora.init_from reads the file to our weights."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant))), torch.device("cpu"))
     with torch.device("meta"):
         transformer = LTX2VideoTransformer3DModel.from_config(adapter.transformer_config)
@@ -124,7 +133,9 @@ def test_comfy_names_outside_the_blocks_are_the_original_checkpoints(variant, lt
 
 
 def test_a_folder_with_another_text_encoder_is_refused(ltx2_models, tmp_path):
-    """LTX2Pipeline takes Gemma 3 (2.0, 2.3) or Gemma 4 (2.5): another text encoder is named before any cache pass."""
+    """A folder with another text encoder is refused before any cache pass.
+
+    LTX2Pipeline takes Gemma 3 (2.0, 2.3) or Gemma 4 (2.5)."""
     folder = shutil.copytree(ltx2_models("2.5"), tmp_path / "model")
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "T5EncoderModel"]}))
@@ -160,13 +171,16 @@ def transformer_output(transformer, adapter):
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, ltx2_data, tmp_path):
-    """Two video-only LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32
-    with the base model and with our exported LoRA loaded by load_lora_weights, with plain classifier-free
-    guidance and with the pipelines' own terms (STG on 2.3, modality isolation, rescale, the sound's scale); the ComfyUI file loads through
-    the same loader's conversion to the same transformer; the sft export loads with from_pretrained and
-    computes what the checkpoint's weights compute. Image-to-video: the pipeline's transformer takes
-    ltx-core's audio-video cross-attention modulation (the image tokens' scale/shift at their own timestep
-    0, as ours; diffusers' use_cross_timestep gives them the audio's sigma: test_ltx2_training)."""
+    """Every variant trains, exports, and samples as its pipeline does.
+
+    Two video-only LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4
+    in fp32 with the base model and with our exported LoRA loaded by load_lora_weights, with plain
+    classifier-free guidance and with the pipelines' own terms (STG on 2.3, modality isolation,
+    rescale, the sound's scale); the ComfyUI file loads through the same loader's conversion to the
+    same transformer; the sft export loads with from_pretrained and computes what the checkpoint's
+    weights compute. Image-to-video: the pipeline's transformer takes ltx-core's audio-video
+    cross-attention modulation (the image tokens' scale/shift at their own timestep 0, as ours;
+    diffusers' use_cross_timestep gives them the audio's sigma: test_ltx2_training)."""
     path = ltx2_models(model_of(variant))
     lora_file, cfg, adapter = lora_and_sft_runs(ltx2_settings(variant, ltx2_models, base_settings, ltx2_data,
                                                               tmp_path / "lora", **EXTRA.get(variant, {})), tmp_path)
@@ -290,8 +304,10 @@ def test_guidance_terms_are_checked_before_anything_loads(family, setting, messa
 
 
 def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, base_settings, ltx2_data, tmp_path):
-    """LTX-2.0's blocks ignore STG (diffusers passes its perturbation to LTX-2.3's only): refused before the
-    cache pass, not a wasted forward; a block past the model's would perturb nothing."""
+    """STG needs perturbed attention and blocks the model has.
+
+    LTX-2.0's blocks ignore STG (diffusers passes its perturbation to LTX-2.3's only): refused
+    before the cache pass, not a wasted forward; a block past the model's would perturb nothing."""
     settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path, **{"validation.stg_scale": 1.0})
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     with one_rank_group() as d, pytest.raises(StopRun, match=r"transformer has no perturbed attention \(LTX-2.0; "
@@ -306,9 +322,11 @@ def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, bas
 
 @pytest.mark.slow
 def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
-    """2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
-    bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and computes
-    what our model with it computes."""
+    """LTX-2's whole lifecycle on 2 FSDP ranks: kill, resume bitwise, export to the pipeline.
+
+    2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
+    bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and
+    computes what our model with it computes."""
     lifecycle = {"parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 4, "checkpoint.checkpointing_steps": 2,
                  "validation.do_validation": True, "validation.validation_steps": 2, "validation.save_frames": True}
     configs = {name: write_toml(tmp_path / f"{name}.toml", ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data,

@@ -1,6 +1,8 @@
-"""LTX-2 with its sound: the cache pass encodes each window's soundtrack with the adapter, the loss adds the
-audio stream's (logged apart, as the held-out loss is), and the validation clips carry the sound our loop
-denoises exactly as LTX2Pipeline does, muxed into the mp4 and beside the clip in TensorBoard.
+"""LTX-2 with its sound: cached, trained, and rendered into the validation clips.
+
+The cache pass encodes each window's soundtrack with the adapter, the loss adds the audio stream's
+(logged apart, as the held-out loss is), and the validation clips carry the sound our loop denoises
+exactly as LTX2Pipeline does, muxed into the mp4 and beside the clip in TensorBoard.
 
 One training run (the synthetic clips with sound, one without among them, so batches mix) serves the
 tests that read its outputs."""
@@ -62,8 +64,10 @@ def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):
 
 @pytest.mark.slow
 def test_sound_trains_and_both_held_out_losses_fall(sound_run):
-    """Every log step has the video and the audio loss (batches mix a clip without sound: the audio loss
-    averages the clips with sound); the held-out loss falls for each stream."""
+    """The video and audio losses are logged, and both held-out losses fall.
+
+    Every log step has the video and the audio loss (batches mix a clip without sound: the audio
+    loss averages the clips with sound); the held-out loss falls for each stream."""
     run, _ = sound_run
     metrics = read_metrics(run)
     train = [m for m in metrics if "train/loss" in m]
@@ -76,8 +80,11 @@ def test_sound_trains_and_both_held_out_losses_fall(sound_run):
 
 @pytest.mark.slow
 def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
-    """Each clip's audio entry is encode_mel of its window's log-mel (decode.log_mel with the VAE's settings),
-    every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without sound has none."""
+    """A clip's cached sound is its window's log-mel through the audio VAE.
+
+    Each clip's audio entry is encode_mel of its window's log-mel (decode.log_mel with the VAE's
+    settings), every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without
+    sound has none."""
     _, cfg = sound_run
     with one_rank_group() as d:
         adapter, entries, train, held = prepare_run(cfg, d)
@@ -96,8 +103,10 @@ def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
 
 @pytest.mark.slow
 def test_validation_clip_carries_its_sound(sound_run):
-    """The step's mp4 holds an AAC stream PyAV decodes, at the vocoder's rate and as long as the rendered
-    sound; TensorBoard's event reader finds it beside the clip."""
+    """The validation clip carries its sound, in the mp4 and in TensorBoard.
+
+    The step's mp4 holds an AAC stream PyAV decodes, at the vocoder's rate and as long as the
+    rendered sound; TensorBoard's event reader finds it beside the clip."""
     run, cfg = sound_run
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with av.open(str(run / "validation_res" / f"step_{STEPS}_prompt_0.mp4")) as container:
@@ -151,9 +160,12 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):
 
 @pytest.mark.slow
 def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, sound_run, tmp_path):
-    """Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in fp32,
-    without and with the LoRA the run with sound exported (load_lora_weights), which changes the sound, and
-    with the pipeline's own guidance terms (the sound's scale, modality isolation, rescale), which change it."""
+    """Our loop's sound equals LTX2Pipeline's, with and without the LoRA.
+
+    Our loop's audio, decoded by the audio VAE and the vocoder, equals LTX2Pipeline's within 1e-4 in
+    fp32, without and with the LoRA the run with sound exported (load_lora_weights), which changes
+    the sound, and with the pipeline's own guidance terms (the sound's scale, modality isolation,
+    rescale), which change it."""
     settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path, **SOUND)
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
@@ -194,9 +206,11 @@ def ddp_sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):
 
 @pytest.mark.slow
 def test_ddp_trains_batches_with_and_without_sound(ddp_sound_run):
-    """2 DDP ranks over the clips with sound and the one without: a rank whose batch has no sound runs the video
-    alone, so the audio stream's weights get no gradient there (DDP must look for them each step: with one
-    graph assumed for the run, its second step stops)."""
+    """DDP trains batches with and without sound.
+
+    2 DDP ranks over the clips with sound and the one without: a rank whose batch has no sound runs
+    the video alone, so the audio stream's weights get no gradient there (DDP must look for them
+    each step: with one graph assumed for the run, its second step stops)."""
     losses = [m for m in read_metrics(ddp_sound_run[0] / "ddp") if "train/loss" in m]
     assert len(losses) == 3 and all(m["train/loss_video"] > 0 for m in losses)
 
@@ -211,12 +225,15 @@ def assert_same_steps(ours: Path, theirs: Path) -> None:
 
 @pytest.mark.slow
 def test_fsdp_trains_batches_with_and_without_sound(ddp_sound_run, tmp_path):
-    """FSDP over the clips with sound and the one without: a rank whose batch has no sound leaves the audio
-    stream without a gradient, yet must reduce-scatter what the other ranks do (without, the ranks'
-    collectives differ and the run stops at its first mixed step). LoRA on every attention on 2 ranks, its
-    blocks streamed (parallel.cpu_offload: LoRA then streams with them, not in a unit of its own), trains as
-    DDP does, step for step and in the exported weights; sft with sequence parallelism on 2 x 2 ranks (each
-    pair shares a clip) as one process does with the same global batch (accumulation 2 x 1)."""
+    """FSDP trains batches with and without sound, also streamed and with sequence parallelism.
+
+    FSDP over the clips with sound and the one without: a rank whose batch has no sound leaves the
+    audio stream without a gradient, yet must reduce-scatter what the other ranks do (without, the
+    ranks' collectives differ and the run stops at its first mixed step). LoRA on every attention on
+    2 ranks, its blocks streamed (parallel.cpu_offload: LoRA then streams with them, not in a unit
+    of its own), trains as DDP does, step for step and in the exported weights; sft with sequence
+    parallelism on 2 x 2 ranks (each pair shares a clip) as one process does with the same global
+    batch (accumulation 2 x 1)."""
     out, ddp = ddp_sound_run
     settings = {**ddp, "run.output_dir": str(tmp_path / "lora"), "parallel.strategy": "fsdp",
                 "parallel.cpu_offload": True}  # LoRA streams from the host with its block
@@ -239,8 +256,11 @@ def test_fsdp_trains_batches_with_and_without_sound(ddp_sound_run, tmp_path):
 
 
 def test_offload_blocks_with_sound_is_refused(ltx2_models, base_settings, sound_data, tmp_path):
-    """With sound LoRA streams with its block (above): only some blocks on the host would split LoRA's weights
-    and AdamW state between host and GPU, so parallel.offload_blocks is refused before the cache pass."""
+    """parallel.offload_blocks with sound is refused before the cache pass.
+
+    With sound LoRA streams with its block (above): only some blocks on the host would split LoRA's
+    weights and AdamW state between host and GPU, so parallel.offload_blocks is refused before the
+    cache pass."""
     settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path / "run", **SOUND, **{
         "parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 1})
     cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))

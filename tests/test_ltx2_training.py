@@ -1,8 +1,11 @@
-"""LTX-2 trains what Lightricks trains: ltx-trainer's timestep sampler (its shift unclamped), ltx-core's
-audio-video cross-attention modulation (each stream's scale/shift from its own timesteps, its gate from the
-other stream's sigma), the audio VAE in fp32, and the encoders' means as the clean latents. The reference
-formulas are Lightricks/LTX-2's (packages/ltx-trainer, packages/ltx-core), written with their files named, here
-and in conftest.py (ltx-core's cross-attention modulation, which test_ltx2.py's pipeline runs use too)."""
+"""LTX-2 trains what Lightricks trains, held to their trainer's and core's formulas.
+
+LTX-2 trains what Lightricks trains: ltx-trainer's timestep sampler (its shift unclamped),
+ltx-core's audio-video cross-attention modulation (each stream's scale/shift from its own timesteps,
+its gate from the other stream's sigma), the audio VAE in fp32, and the encoders' means as the clean
+latents. The reference formulas are Lightricks/LTX-2's (packages/ltx-trainer, packages/ltx-core),
+written with their files named, here and in conftest.py (ltx-core's cross-attention modulation,
+which test_ltx2.py's pipeline runs use too)."""
 
 import pytest
 import torch
@@ -34,8 +37,11 @@ def ltx_trainer_sigma(seq_length: int, generator: torch.Generator) -> torch.Tens
 
 @pytest.mark.parametrize("tokens", [256, 1024, 4096, 6144, 24576])
 def test_timestep_sampler_is_ltx_trainers(tokens):
-    """Our draw equals ltx-trainer's from the same generator at token counts below, inside and above the
-    line's points: past 4096 the shift keeps growing (mu 2.78 at 121 x 512 x 768's 6,144 tokens, not 2.05)."""
+    """Our timestep sampler equals ltx-trainer's, its shift unclamped.
+
+    Our draw equals ltx-trainer's from the same generator at token counts below, inside and above
+    the line's points: past 4096 the shift keeps growing (mu 2.78 at 121 x 512 x 768's 6,144 tokens,
+    not 2.05)."""
     for seed in range(40):
         ours = shifted_logit_normal(tokens, torch.Generator().manual_seed(seed))
         theirs = ltx_trainer_sigma(tokens, torch.Generator().manual_seed(seed))
@@ -44,10 +50,13 @@ def test_timestep_sampler_is_ltx_trainers(tokens):
 
 @pytest.mark.parametrize("variant", ["2.0", "2.3"])
 def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):
-    """Our forward's output equals diffusers' transformer given ltx-core's four cross-attention inputs: with a
-    sigma per stream (training with sound), and with I2V's image tokens at timestep 0 (their scale/shift their
-    own 0, not the audio's sigma); with one sigma for both it still equals the call LTX2Pipeline makes
-    (use_cross_timestep), while with a sigma per stream that call differs."""
+    """Our cross-attention modulation is ltx-core's.
+
+    Our forward's output equals diffusers' transformer given ltx-core's four cross-attention inputs:
+    with a sigma per stream (training with sound), and with I2V's image tokens at timestep 0 (their
+    scale/shift their own 0, not the audio's sigma); with one sigma for both it still equals the
+    call LTX2Pipeline makes (use_cross_timestep), while with a sigma per stream that call differs.
+    """
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="fp32"),
                            torch.device("cpu"))
     transformer = adapter.load_transformer().eval()
@@ -83,8 +92,11 @@ def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):
 
 
 def test_audio_vae_encodes_in_fp32(ltx2_models):
-    """With model.dtype bf16, the cached sound is the fp32 audio VAE's posterior of the mel spectrogram, as
-    ltx-trainer's process_videos.py encodes it ("Audio VAE needs float32 for quality")."""
+    """The audio VAE encodes in fp32 whatever model.dtype is.
+
+    With model.dtype bf16, the cached sound is the fp32 audio VAE's posterior of the mel
+    spectrogram, as ltx-trainer's process_videos.py encodes it ("Audio VAE needs float32 for
+    quality")."""
     path = ltx2_models("2.0")
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(path), dtype="bf16"), torch.device("cpu"))
     waveforms = 0.1 * torch.randn(1, 2, 6000, generator=torch.Generator().manual_seed(0))
@@ -98,8 +110,10 @@ def test_audio_vae_encodes_in_fp32(ltx2_models):
 
 
 def test_training_takes_the_encoders_means(ltx2_models):
-    """The clean latents are the cached posteriors' means (ltx-trainer's, from ltx-core's encoders): the
-    loss does not depend on the cached log-variances, of the video or of the sound."""
+    """Training takes the encoders' means as the clean latents.
+
+    The clean latents are the cached posteriors' means (ltx-trainer's, from ltx-core's encoders):
+    the loss does not depend on the cached log-variances, of the video or of the sound."""
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"),
                            torch.device("cpu"))
     transformer = adapter.load_transformer().eval()

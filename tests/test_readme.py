@@ -1,7 +1,9 @@
-"""The documents hold what the code does: docs/troubleshooting.md quotes messages the code prints (each
-quoted message an instance of a string in the code, its `...` standing for elided text and the code's
-{placeholders} for the example values the page shows), every link and cited file resolves inside the
-repository, and nothing points outside it."""
+"""The documents hold what the code does, and cite nothing outside the repository.
+
+The documents hold what the code does: docs/troubleshooting.md quotes messages the code prints (each
+quoted message an instance of a string in the code, its `...` standing for elided text and the
+code's {placeholders} for the example values the page shows), every link and cited file resolves
+inside the repository, and nothing points outside it."""
 
 import ast
 import re
@@ -77,7 +79,10 @@ def test_troubleshooting_quotes_what_the_code_prints():
 
 
 def test_out_of_memory_comes_first():
-    """The first thing a user who hit a wall looks for is the first group of the troubleshooting page."""
+    """Out of memory is the first group of the troubleshooting page.
+
+    The first thing a user who hit a wall looks for is the first group of the troubleshooting page.
+    """
     page = (REPO / "docs/troubleshooting.md").read_text()
     assert re.findall(r"^### (.+)$", page, flags=re.M)[0] == "Out of memory"
     assert "out of memory" in troubleshooting_rows()[0].lower()
@@ -89,7 +94,9 @@ def slug(heading: str) -> str:
 
 
 def test_every_link_in_the_documents_resolves():
-    """README.md, BENCHMARKS.md and every page under docs/: each relative link (inline or a reference
+    """Every link in the documents resolves to a file and heading of the repository.
+
+    README.md, BENCHMARKS.md and every page under docs/: each relative link (inline or a reference
     definition) names a file of the repository, and each #anchor a heading of its page."""
     broken = []
     for doc in DOCUMENTS:
@@ -108,9 +115,11 @@ def test_every_link_in_the_documents_resolves():
 
 
 def test_what_the_code_and_documents_cite_lives_in_the_repository():
-    """A clone has nothing beside it: no file points at the project's shared folder, and every document
-    named in the code, the tests, the configs or the documents (a path ending in .md) is a file of the
-    repository, named from the repository's root (or, in a document, from its own folder)."""
+    """Every document the code, tests, configs or documents cite lives in the repository.
+
+    A clone has nothing beside it: no file points at the project's shared folder, and every document
+    named in the code, the tests, the configs or the documents (a path ending in .md) is a file of
+    the repository, named from the repository's root (or, in a document, from its own folder)."""
     patterns = ("*.py", "families/*.py", "tools/*.py", "bench/*.py", "bench/*.sh", "tests/*.py", "configs/*.toml",
                 "*.sh", "requirements*.txt")
     code = [path for pattern in patterns for path in REPO.glob(pattern)]

@@ -1,11 +1,13 @@
-"""Sequence parallelism (parallel.sp_size): 2 ranks sharing each sample, and 4 ranks as 2 data-parallel
+"""Sequence parallelism (parallel.sp_size) trains to the same weights as one process.
+
+Sequence parallelism (parallel.sp_size): 2 ranks sharing each sample, and 4 ranks as 2 data-parallel
 groups of 2 under FSDP, train to the same weights as one process, for CogVideoX (rotary embeddings,
 joint attention) and Wan (TI2V: per-token timesteps, an uneven split), with clipping engaged; their
 held-out loss and rendered frames agree too. LTX-2's split (video tokens split, audio and text
-replicated, the audio-video cross-attentions both ways) is held to one process inside the same 2 ranks:
-its losses and every weight's gradient. The split itself is checked inside the ranks: each
-attends over its own slice of the tokens, the collectives' gradients are exact, Q, K and V travel in V's
-dtype, and under torch.compile the exchanges compile with the blocks."""
+replicated, the audio-video cross-attentions both ways) is held to one process inside the same 2
+ranks: its losses and every weight's gradient. The split itself is checked inside the ranks: each
+attends over its own slice of the tokens, the collectives' gradients are exact, Q, K and V travel in
+V's dtype, and under torch.compile the exchanges compile with the blocks."""
 
 import json
 import os
@@ -279,7 +281,9 @@ def test_errors_name_the_valid_sizes(write_config):
 
 
 def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
-    """The config accepts LTX-2 with sp (it refused it before the split was built); the video-to-audio
+    """LTX-2 takes sequence parallelism, its audio heads checked as the video's.
+
+    The config accepts LTX-2 with sp (it refused it before the split was built); the video-to-audio
     attention splits the audio heads, so their count is checked as the video's is."""
     cfg = load_config(str(write_config("ltx2", **{"model.family": "ltx2", "model.path": str(ltx2_models("2.0")),
                                                   "parallel.sp_size": 2, "parallel.strategy": "fsdp",

@@ -1,8 +1,11 @@
-"""model.transformer_file: the tiny Wan and CogVideoX written by tools/to_single_file.py in the layout ComfyUI
-and the original releases use (bf16, plain fp8, ComfyUI's scaled fp8 in both its forms) load as the folder
-does and give the folder's first-step loss (bf16 exactly, fp8 within the tolerance docs/models/wan.md
-records); the files are what diffusers' single-file loader and ComfyUI's model definition expect; a file
-of the other family, of another size, incomplete or cut short is refused before the cache pass."""
+"""model.transformer_file: single files in ComfyUI's and the original layouts load as the folder.
+
+The tiny Wan and CogVideoX written by tools/to_single_file.py in the layout ComfyUI and the original
+releases use (bf16, plain fp8, ComfyUI's scaled fp8 in both its forms) load as the folder does and
+give the folder's first-step loss (bf16 exactly, fp8 within the tolerance docs/models/wan.md
+records); the files are what diffusers' single-file loader and ComfyUI's model definition expect; a
+file of the other family, of another size, incomplete or cut short is refused before the cache pass.
+"""
 
 import dataclasses
 import json
@@ -85,9 +88,11 @@ def to_metadata_form(path, out, comfy_quant_tensors: bool):
 
 @pytest.mark.parametrize("family", MODELS)
 def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
-    """Written with the ComfyUI prefix and read as two shards beside a copy of the folder without the
-    transformer's weights: every weight and buffer is the folder's, bit for bit and dtype for dtype, so
-    the first-step loss is the folder's exactly."""
+    """A bf16 file gives the folder's weights bit for bit, and its first-step loss exactly.
+
+    Written with the ComfyUI prefix and read as two shards beside a copy of the folder without the
+    transformer's weights: every weight and buffer is the folder's, bit for bit and dtype for dtype,
+    so the first-step loss is the folder's exactly."""
     whole = tmp_path / "whole.safetensors"
     to_single_file(str(folders[family]), str(whole), prefix=True)
     weights = load_file(whole)
@@ -109,8 +114,11 @@ def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
 @pytest.mark.parametrize("form", ["cast", "scaled"])
 @pytest.mark.parametrize("family", MODELS)
 def test_an_fp8_file_dequantizes_as_comfyui_does(family, form, folders, tmp_path):
-    """Each fp8 weight is read as weight.float() * scale (the scale 1 for a plain cast), computed here from
-    safetensors' own reading of the file; the first-step loss is the folder's within FP8_LOSS_RTOL."""
+    """An fp8 file dequantizes as ComfyUI does.
+
+    Each fp8 weight is read as weight.float() * scale (the scale 1 for a plain cast), computed here
+    from safetensors' own reading of the file; the first-step loss is the folder's within
+    FP8_LOSS_RTOL."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders[family]), str(path), fp8=True, scaled=form == "scaled")
     folder_adapter, file_adapter = adapter_for(family, folders[family]), adapter_for(family, folders[family], str(path))
@@ -133,8 +141,11 @@ def test_an_fp8_file_dequantizes_as_comfyui_does(family, form, folders, tmp_path
 
 @pytest.mark.parametrize("comfy_quant_tensors", [False, True])
 def test_the_newer_scaled_fp8_form_reads_as_the_old_one(comfy_quant_tensors, folders, tmp_path):
-    """ComfyUI's newer form of the same file (X.weight_scale; the layers in the _quantization_metadata
-    header entry, or in X.comfy_quant tensors) gives the same weights as the scaled_fp8 marker's form."""
+    """ComfyUI's newer scaled fp8 form reads as the old one.
+
+    ComfyUI's newer form of the same file (X.weight_scale; the layers in the _quantization_metadata
+    header entry, or in X.comfy_quant tensors) gives the same weights as the scaled_fp8 marker's
+    form."""
     old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
     to_single_file(str(folders["wan"]), str(old), fp8=True, scaled=True)
     to_metadata_form(old, new, comfy_quant_tensors)
@@ -145,7 +156,9 @@ def test_the_newer_scaled_fp8_form_reads_as_the_old_one(comfy_quant_tensors, fol
 
 
 def test_fsdp_reads_each_ranks_rows_of_a_scaled_fp8_file(folders, tmp_path):
-    """Under FSDP (one rank) the rows are read and dequantized into the sharded parameters: the same
+    """Under FSDP each rank reads and dequantizes its rows of a scaled fp8 file.
+
+    Under FSDP (one rank) the rows are read and dequantized into the sharded parameters: the same
     weights as the plain load."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=True)
@@ -163,10 +176,13 @@ def test_fsdp_reads_each_ranks_rows_of_a_scaled_fp8_file(folders, tmp_path):
 
 @pytest.mark.parametrize("form", ["cast", "scaled", "e5m2"])
 def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path):
-    """model.storage_dtype = "fp8" on an fp8 file (a plain cast, ComfyUI's scaled fp8): each of its fp8
-    weights keeps the file's bytes and its scale (1 for a cast), spread to every row in fp32, without
-    FSDP and under it (one rank): rounded once, by the file's maker, not dequantized and quantized again.
-    An e5m2 cast, which storage.py does not keep, is quantized once from its values at full precision."""
+    """fp8 storage keeps an fp8 file's values and scale as stored.
+
+    model.storage_dtype = "fp8" on an fp8 file (a plain cast, ComfyUI's scaled fp8): each of its fp8
+    weights keeps the file's bytes and its scale (1 for a cast), spread to every row in fp32,
+    without FSDP and under it (one rank): rounded once, by the file's maker, not dequantized and
+    quantized again. An e5m2 cast, which storage.py does not keep, is quantized once from its values
+    at full precision."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=form == "scaled")
     if form == "e5m2":
@@ -198,8 +214,10 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
 
 
 def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
-    """diffusers' own reader of the original layout (from_single_file, its Wan converter) loads our file
-    to the folder's weights, rounded to bf16 where the file stores bf16."""
+    """diffusers' single-file loader loads our Wan file to the folder's weights.
+
+    diffusers' own reader of the original layout (from_single_file, its Wan converter) loads our
+    file to the folder's weights, rounded to bf16 where the file stores bf16."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), prefix=True)
     theirs = WanTransformer3DModel.from_single_file(str(path), config=str(folders["wan"]), subfolder="transformer",
@@ -238,9 +256,11 @@ def comfyui_keys(config: dict) -> set[str]:
 
 @pytest.mark.parametrize("variant", ["2b", "1.5-5b-i2v"])
 def test_cogvideox_files_hold_comfyuis_state_dict(variant, tiny_models, tmp_path):
-    """ComfyUI detects the model the file is (2b: sincos positions, from the table we write; 1.5: rotary
-    ones) and its model's state dict is the file's; our reader takes the file back to the folder's weights
-    (model.dtype bf16, as the file's), accepting 2b's table."""
+    """Our CogVideoX file holds ComfyUI's state dict, and ComfyUI detects the right model.
+
+    ComfyUI detects the model the file is (2b: sincos positions, from the table we write; 1.5:
+    rotary ones) and its model's state dict is the file's; our reader takes the file back to the
+    folder's weights (model.dtype bf16, as the file's), accepting 2b's table."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(tiny_models(variant)), str(path))
     cfg = ModelConfig(path=str(tiny_models(variant)), type="i2v" if "i2v" in variant else "t2v")
@@ -268,8 +288,11 @@ def other_size(folder, out):
 
 
 def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp_path):
-    """The other family's file, another size's, one with a weight missing, one cut short: each refused
-    when the adapter loads (which cache.py does first), naming the file and the first differing key."""
+    """Wrong files are named before the cache pass.
+
+    The other family's file, another size's, one with a weight missing, one cut short: each refused
+    when the adapter loads (which cache.py does first), naming the file and the first differing key.
+    """
     wan, cog = tmp_path / "wan.safetensors", tmp_path / "cog.safetensors"
     to_single_file(str(folders["wan"]), str(wan), fp8=True, scaled=True)
     to_single_file(str(folders["cogvideox"]), str(cog))
@@ -298,10 +321,12 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
 
 
 def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, tmp_path):
-    """ComfyUI's old scaled fp8 layout: a file with one .scale_weight missing (that layer would be read
-    1 / scale, thousands of times, too large) and a file without the scaled_fp8 marker (every scale would
-    be dropped) are refused when the adapter loads, naming the file and the key; so is a file of the new
-    layout whose metadata leaves out a layer that has its .weight_scale."""
+    """Scaled fp8 files missing a scale or their marker are refused.
+
+    ComfyUI's old scaled fp8 layout: a file with one .scale_weight missing (that layer would be read
+    1 / scale, thousands of times, too large) and a file without the scaled_fp8 marker (every scale
+    would be dropped) are refused when the adapter loads, naming the file and the key; so is a file
+    of the new layout whose metadata leaves out a layer that has its .weight_scale."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=True)
     stored = load_file(path)
@@ -326,9 +351,12 @@ def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, t
 
 
 def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_models, tmp_path):
-    """model.transformer_file given a folder, a diffusers folder's transformer file (under its own name and
-    under another), a PyTorch pickle, a GGUF file (refused by its first bytes: a header length read from them
-    would be gigabytes) or a file whose JSON header is not safetensors': each message says which it is."""
+    """Files vidtrain cannot read are named for what they are.
+
+    model.transformer_file given a folder, a diffusers folder's transformer file (under its own name
+    and under another), a PyTorch pickle, a GGUF file (refused by its first bytes: a header length
+    read from them would be gigabytes) or a file whose JSON header is not safetensors': each message
+    says which it is."""
     wan = folders["wan"]
     diffusers_file = wan / "transformer" / "diffusion_pytorch_model.safetensors"
     shutil.copy(ltx2_models("2.0") / "transformer" / "diffusion_pytorch_model.safetensors",
@@ -416,10 +444,12 @@ def lightricks_file(folder, out):
 
 @pytest.mark.parametrize("version", ["2.0", "2.3"])
 def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tmp_path):
-    """A file laid out as ltx-2-19b-dev.safetensors (LTX-2.3's as 2.3's): diffusers' conversion script turns
-    its transformer part into the folder's state dict, and model.transformer_file reads the transformer from
-    it, skipping the connectors, VAEs and vocoder, to the folder's weights (bf16, as the file's), bit for
-    bit."""
+    """Lightricks' single files give LTX-2's transformer, bit for bit.
+
+    A file laid out as ltx-2-19b-dev.safetensors (LTX-2.3's as 2.3's): diffusers' conversion script
+    turns its transformer part into the folder's state dict, and model.transformer_file reads the
+    transformer from it, skipping the connectors, VAEs and vocoder, to the folder's weights (bf16,
+    as the file's), bit for bit."""
     folder, path = ltx2_models(version), tmp_path / "ltx-2-19b-dev.safetensors"
     combined = lightricks_file(folder, path)
     assert any(k.startswith("model.diffusion_model.video_embeddings_connector.") for k in combined)

@@ -1,9 +1,11 @@
-"""Training one card's way, on one process: block streaming (parallel.cpu_offload on a 1-rank FSDP mesh,
-all of the frozen base or its first parallel.offload_blocks blocks in host memory) and activation offload
-(train.activation_offload) train the LoRA of the plain run, render its validation clips and resume
-bitwise after a stop. On this CPU-only machine host and device are one memory: the runs hold the code
-paths (FSDP2's units and policies, the saved-tensors hooks) to the plain run's numbers, and
-tests/test_fake_cuda.py holds where each weight lives on a CUDA mesh."""
+"""Training one card's way, on one process: block streaming and activation offload.
+
+Training one card's way, on one process: block streaming (parallel.cpu_offload on a 1-rank FSDP
+mesh, all of the frozen base or its first parallel.offload_blocks blocks in host memory) and
+activation offload (train.activation_offload) train the LoRA of the plain run, render its validation
+clips and resume bitwise after a stop. On this CPU-only machine host and device are one memory: the
+runs hold the code paths (FSDP2's units and policies, the saved-tensors hooks) to the plain run's
+numbers, and tests/test_fake_cuda.py holds where each weight lives on a CUDA mesh."""
 
 import logging
 
@@ -82,10 +84,12 @@ def test_trains_the_plain_runs_lora(runs, run):
 
 @pytest.mark.slow
 def test_activation_offload_moves_what_checkpointing_keeps(runs):
-    """Each step's forward packs every block's tensor inputs (the video tokens [batch, tokens, width], the
-    text tokens, the timestep embedding), and the backward takes each back. A tensor goes to the host
-    once: CogVideoX's blocks each make new video and text tokens, but share the timestep embedding, which
-    the first block copies and the second keeps on the device."""
+    """Activation offload moves what checkpointing keeps, each tensor to the host once.
+
+    Each step's forward packs every block's tensor inputs (the video tokens [batch, tokens, width],
+    the text tokens, the timestep embedding), and the backward takes each back. A tensor goes to the
+    host once: CogVideoX's blocks each make new video and text tokens, but share the timestep
+    embedding, which the first block copies and the second keeps on the device."""
     assert runs["unpacked"] == len(runs["packed"])
     # The tiny CogVideoX-2b at 9x32x32: 3 latent frames of 4x4 patches (48 video tokens), 16 text tokens, width 32.
     assert runs["packed"] == [(2, 48, 32), (2, 16, 32), (2, 32)] * (STEPS * BLOCKS)
@@ -106,8 +110,11 @@ def test_validation_clips_equal_the_plain_runs(runs):
 
 @pytest.mark.slow
 def test_stopped_streaming_run_resumes_bitwise(runs, settings, monkeypatch):
-    """Stopped by an error after step 3, in this process: what a kill leaves on disk (checkpoint-2, nothing
-    after it; tests/test_ckpt.py kills with SIGKILL), at a fraction of a new process's cost."""
+    """A stopped streaming run resumes bitwise.
+
+    Stopped by an error after step 3, in this process: what a kill leaves on disk (checkpoint-2,
+    nothing after it; tests/test_ckpt.py kills with SIGKILL), at a fraction of a new process's cost.
+    """
     config, out = settings("stopped", "one_block")
     monkeypatch.setenv("VIDTRAIN_FAULT", "step_fail:3")
     with pytest.raises(SystemExit):
@@ -122,9 +129,11 @@ def test_stopped_streaming_run_resumes_bitwise(runs, settings, monkeypatch):
 
 @pytest.mark.parametrize("offload_blocks", [0, 1])
 def test_what_lives_on_the_host_and_what_prefetches(tiny_model, offload_blocks):
-    """FSDP2's record of each unit's policy, which decides on a GPU where a shard lives: the frozen base
-    on the host (every block and the root's own weights, or block 0 alone), LoRA's weights never; every
-    unit prefetches the next block's copy as it starts, the root block 0's."""
+    """FSDP2's unit policies: what lives on the host and what prefetches.
+
+    FSDP2's record of each unit's policy, which decides on a GPU where a shard lives: the frozen
+    base on the host (every block and the root's own weights, or block 0 alone), LoRA's weights
+    never; every unit prefetches the next block's copy as it starts, the root block 0's."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         d = parallel.Dist(0, 1, 0, torch.device("cpu"))
@@ -169,10 +178,13 @@ def test_more_blocks_than_the_model_has_stop_before_the_cache_pass(settings, cap
 
 
 def test_allocator_settings_keep_the_users_keys():
-    """What parallel.init hands torch's allocators on a GPU, whatever launched the run: ours (expandable
-    segments; pinned host memory above 16 MiB at its exact size and not cached) after the user's own
-    PYTORCH_ALLOC_CONF, but for the keys the user named (the two pinned ones together: a block left
-    unrounded but cached would be handed out for a larger request of its power of two)."""
+    """Our allocator settings keep the keys the user set.
+
+    What parallel.init hands torch's allocators on a GPU, whatever launched the run: ours
+    (expandable segments; pinned host memory above 16 MiB at its exact size and not cached) after
+    the user's own PYTORCH_ALLOC_CONF, but for the keys the user named (the two pinned ones
+    together: a block left unrounded but cached would be handed out for a larger request of its
+    power of two)."""
     ours = "expandable_segments:True,pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16"
     assert parallel.allocator_settings("") == ours
     user = "roundup_power2_divisions:[256:1,>:2],max_split_size_mb:64"

@@ -1,4 +1,6 @@
-"""One-process training end to end: learning, determinism, the export, and errors before any compute."""
+"""One-process training end to end.
+
+Learning, determinism, the export, and errors before any compute."""
 
 import shutil
 
@@ -45,8 +47,10 @@ def test_training_lowers_the_held_out_loss(learned):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["lora/pytorch_lora_weights.safetensors", "lora/adapter_model.safetensors"])
 def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, layout):
-    """Started from a run's export (diffusers' or PEFT's layout), the step-0 held-out loss is that run's
-    last one; a file of another rank is refused before any compute, naming the difference."""
+    """lora.init_from continues an exported LoRA and refuses one of another rank.
+
+    Started from a run's export (diffusers' or PEFT's layout), the step-0 held-out loss is that
+    run's last one; a file of another rank is refused before any compute, naming the difference."""
     out, _ = learned
     settings = {"lora.rank": 8, "lora.lora_alpha": 4, "lora.init_from": str(out / layout), "train.steps": 1,
                 "validation.validation_steps": 1}
@@ -59,7 +63,9 @@ def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, l
 
 @pytest.mark.slow
 def test_same_seed_same_run(write_config, tmp_path):
-    """Bitwise, with run.deterministic on in one of them (on CPUs it changes nothing, and every op used
+    """The same seed gives the same run, bitwise.
+
+    Bitwise, with run.deterministic on in one of them (on CPUs it changes nothing, and every op used
     has a deterministic implementation, or torch would raise)."""
     run_ok(["--cfg", str(write_config("first"))])
     run_ok(["--cfg", str(write_config("second", **{"run.deterministic": True}))])
@@ -75,12 +81,14 @@ def test_same_seed_same_run(write_config, tmp_path):
 
 @pytest.mark.slow
 def test_compile_trains_as_eager(write_config, tmp_path):
-    """train.compile (inductor, each block, inside activation checkpointing) computes eager's 4 steps: losses
-    and weights within rtol 1e-4 (measured: 2e-8 apart), with validation on. Validation runs eagerly, so
-    the blocks' compiled variants are training's alone: 2 graphs (the first block's input needs no
-    gradient, the others' does), none for a no-grad call (with validation compiled, the first validation
-    alone made 4 of dynamo's default 8). A second bucket adds the same two with dynamic sizes (docs/distributed.md).
-    The compile costs about 50 s on 2 cores when inductor's on-disk cache is cold, about 8 s from it."""
+    """train.compile computes eager's steps, with two graphs per block.
+
+    train.compile (inductor, each block, inside activation checkpointing) computes eager's 4 steps:
+    losses and weights within rtol 1e-4, with validation on. Validation runs eagerly, so the blocks'
+    compiled variants are training's alone: 2 graphs (the first block's input needs no gradient, the
+    others' does), none for a no-grad call (with validation compiled, the first validation alone
+    made 4 of dynamo's default 8). A second bucket adds the same two with dynamic sizes
+    (docs/distributed.md). docs/testing.md has the compile's cost."""
     settings = {"train.steps": 4, "checkpoint.checkpointing_steps": 4, "validation.do_validation": False}
     run_ok(["--cfg", str(write_config("eager", **settings))])
     compiled = run_ok(["--cfg", str(write_config("compiled", **{
@@ -101,8 +109,10 @@ def test_compile_trains_as_eager(write_config, tmp_path):
 
 @pytest.mark.slow
 def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
-    """The exported LoRA holds exactly the weights of the last checkpoint, as DCP's own converter reads it,
-    with the trained alpha in its metadata; the checkpoint holds no frozen weight."""
+    """The exported LoRA is the final checkpoint's weights, as DCP's converter reads them.
+
+    The exported LoRA holds exactly the weights of the last checkpoint, as DCP's own converter reads
+    it, with the trained alpha in its metadata; the checkpoint holds no frozen weight."""
     run_ok(["--cfg", str(write_config("export", **{"lora.lora_alpha": 8}))])
     weights, meta = lora.load_lora(str(lora_file(tmp_path / "export")))
     assert meta["rank"] == 4 and meta["alpha"] == 8
@@ -116,10 +126,12 @@ def test_export_equals_the_final_checkpoint_read_by_dcp(write_config, tmp_path):
 
 @pytest.mark.slow
 def test_peak_memory_is_measured_per_phase(write_config, tmp_path):
-    """Validation (a 128x128 render, which takes far more memory than training at 32x32) reports its own
-    peak, and training's next log step does not inherit it: the peak is reset before and after each
-    validation and at each log step (on CPUs through /proc/self/clear_refs, after glibc returns the
-    validation's freed blocks)."""
+    """Peak memory is measured per phase: validation's does not leak into training's.
+
+    Validation (a 128x128 render, which takes far more memory than training at 32x32) reports its
+    own peak, and training's next log step does not inherit it: the peak is reset before and after
+    each validation and at each log step (on CPUs through /proc/self/clear_refs, after glibc returns
+    the validation's freed blocks)."""
     run_ok(["--cfg", str(write_config("peaks", **{
         "train.steps": 3, "validation.validation_steps": 1, "validation.prompts": ["a red ball"],
         "validation.num_inference_steps": 1, "validation.resolution": [9, 128, 128]}))])
@@ -175,7 +187,9 @@ def test_synthetic_clips_decode(tiny_data):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["1.5-5b", "1.5-5b-i2v"])
 def test_cogvideox_15_lowers_the_held_out_loss(variant, tiny_models, write_config, tmp_path):
-    """1.5's latents are padded to patch_size_t as the pipeline pads them, I2V's image condition rides
+    """CogVideoX 1.5 (padded latents, I2V's condition) lowers the held-out loss.
+
+    1.5's latents are padded to patch_size_t as the pipeline pads them, I2V's image condition rides
     along; both learn as 1.0 does."""
     cfg = write_config("v15", **{"model.path": str(tiny_models(variant)), "model.type": "i2v" if variant.endswith("i2v") else "t2v",
                                  "train.steps": 60, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
@@ -194,9 +208,12 @@ def test_synthetic_dataset_is_byte_identical_per_seed(tmp_path):
 
 
 def test_a_weight_no_batch_reached_steps_on_a_zero_gradient():
-    """LTX-2's audio stream in a step where no rank's batch has sound: FSDP reduce-scatters a zero gradient
-    for it (set_reduce_scatter_unused_params), so one process and DDP step on zeros too, and AdamW's weight
-    decay and momentum move it alike under every strategy (with None, AdamW would skip it)."""
+    """A weight no batch reached steps on a zero gradient under every strategy.
+
+    LTX-2's audio stream in a step where no rank's batch has sound: FSDP reduce-scatters a zero
+    gradient for it (set_reduce_scatter_unused_params), so one process and DDP step on zeros too,
+    and AdamW's weight decay and momentum move it alike under every strategy (with None, AdamW would
+    skip it)."""
     import trainer
     from config import TrainConfig
     from model import LossScaler, build_optimizer

@@ -1,5 +1,7 @@
-"""validate.py's clips: equal to CogVideoXPipeline's, spread over ranks, in mp4 and TensorBoard,
-reproducible from checkpoints and LoRA files, and invisible to training."""
+"""validate.py's clips: the pipeline's frames, spread over ranks, reproducible, harmless.
+
+They equal CogVideoXPipeline's, are spread over ranks, written to mp4 and TensorBoard, reproducible
+from checkpoints and LoRA files, and invisible to training."""
 
 import contextlib
 import io
@@ -84,8 +86,10 @@ def lora_files(output_dir, folder="lora"):
 @pytest.mark.slow
 @pytest.mark.parametrize("validated, plain", [("one", "plain"), ("fsdp", "fsdp_plain")])
 def test_training_is_not_disturbed(runs, validated, plain):
-    """Validation every 2 steps, with the EMA weights swapped in, leaves the training losses and the final
-    LoRA and EMA bitwise unchanged."""
+    """Validation leaves the training losses and the final weights bitwise unchanged.
+
+    Validation every 2 steps, with the EMA weights swapped in, leaves the training losses and the
+    final LoRA and EMA bitwise unchanged."""
     assert validation_steps(runs / validated) and not validation_steps(runs / plain)
     assert train_losses(runs / validated) == train_losses(runs / plain)
     for folder in ("lora", "lora_ema"):
@@ -97,9 +101,11 @@ def test_training_is_not_disturbed(runs, validated, plain):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["one", "fsdp"])
 def test_clips_in_mp4_and_tensorboard(runs, name):
-    """One mp4 and one playable TensorBoard clip per prompt per validation, with the configured frames and
-    fps; the mp4 decodes to the frames it was encoded from, within the encoder's loss (yuv420p halves
-    the colour resolution, so the random model's noisy clips are compared in luma)."""
+    """One mp4 and one TensorBoard clip per prompt per validation, decoding to their frames.
+
+    One mp4 and one playable TensorBoard clip per prompt per validation, with the configured frames
+    and fps; the mp4 decodes to the frames it was encoded from, within the encoder's loss (yuv420p
+    halves the colour resolution, so the random model's noisy clips are compared in luma)."""
     out = runs / name
     steps = validation_steps(out)
     assert {2, 4} <= set(steps)
@@ -137,9 +143,11 @@ def render_of(output_dir, name: str):
 
 @pytest.mark.slow
 def test_fsdp_clips_equal_one_process(runs):
-    """2 FSDP ranks (3 prompts: one rank renders a padding clip) render the clips one process renders:
-    the weights differ only by the summation order of the sharded reduction, so the frames agree within
-    a few levels, where another prompt's clip differs by tens."""
+    """2 FSDP ranks render the clips one process renders.
+
+    2 FSDP ranks (3 prompts: one rank renders a padding clip) render the clips one process renders:
+    the weights differ only by the summation order of the sharded reduction, so the frames agree
+    within a few levels, where another prompt's clip differs by tens."""
     for step in validation_steps(runs / "one"):
         for i in range(len(PROMPTS)):
             one, two = clip_of(runs / "one", f"step_{step}_prompt_{i}"), clip_of(runs / "fsdp", f"step_{step}_prompt_{i}")
@@ -150,8 +158,11 @@ def test_fsdp_clips_equal_one_process(runs):
 
 @pytest.mark.slow
 def test_render_command_reproduces_training_clips(runs):
-    """`validate.py --checkpoint` renders the training clip exactly (with the EMA weights, as validation
-    does); `--online` and the exported LoRA, in one process or on 2 FSDP ranks, render the online weights."""
+    """The render command reproduces the training clips.
+
+    `validate.py --checkpoint` renders the training clip exactly (with the EMA weights, as
+    validation does); `--online` and the exported LoRA, in one process or on 2 FSDP ranks, render
+    the online weights."""
     out, cfg = runs / "one", str(runs / "one.toml")
     lora_file = out / "lora" / "pytorch_lora_weights.safetensors"
     for extra in ([], ["--online"]):
@@ -174,9 +185,11 @@ FSDP_OVERRIDES = ["--parallel.strategy", "fsdp", "--train.batch_size", "1"]
 
 @pytest.mark.slow
 def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tmp_path):
-    """SIGTERM at sampling step 30 of the process (step 2's validation: step 0's took 3 clips x 8 steps)
-    stops every rank there with step 2's checkpoint, exit 0; the next launch ends exactly as the run that
-    was never stopped, clips included."""
+    """SIGTERM during a validation render stops every rank with a checkpoint.
+
+    SIGTERM at sampling step 30 of the process (step 2's validation: step 0's took 3 clips x 8
+    steps) stops every rank there with step 2's checkpoint, exit 0; the next launch ends exactly as
+    the run that was never stopped, clips included."""
     cfg = write_toml(tmp_path / "stopped.toml", {**base_settings, **RUN, "run.output_dir": str(tmp_path / "stopped")})
     stopped = run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "render_sigterm:30"})
     assert "stopped by a signal: after step 2, checkpoint written" in stopped.stderr
@@ -192,7 +205,10 @@ def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tm
 
 @pytest.mark.slow
 def test_encoders_load_once_per_run(write_config, tmp_path, monkeypatch):
-    """Four validations, one VAE load: it is parked on the CPU between them; T5 encodes the prompts once."""
+    """The encoders load once per run.
+
+    Four validations, one VAE load: it is parked on the CPU between them; T5 encodes the prompts
+    once."""
     config = write_config("loads", **{"train.steps": 3, "validation.validation_steps": 1, "validation.prompts": PROMPTS[:1],
                                       "validation.num_inference_steps": 2, "checkpoint.checkpointing_steps": 3})
     cache.main(["--cfg", str(config)])  # the cache complete: what follows loads encoders for validation only
@@ -234,7 +250,9 @@ def pipeline_frames(tiny_model, adapter, cfg: ValidationConfig, lora_file=None) 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheduler,dynamic", [("dpm", True), ("ddim", False)])
 def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process_group, tmp_path, scheduler, dynamic):
-    """Our loop (fused attention, keyed noise, batched CFG) gives the pipeline's frames, with the base
+    """Our loop gives the pipeline's frames, with the base model and with our LoRA.
+
+    Our loop (fused attention, keyed noise, batched CFG) gives the pipeline's frames, with the base
     model and with the trained LoRA loaded into the pipeline from our export."""
     cfg = ValidationConfig(prompts=PROMPTS[:2], num_inference_steps=12, scheduler=scheduler, use_dynamic_cfg=dynamic)
     settings = {"run.output_dir": str(tmp_path), "model.path": str(tiny_model), "model.dtype": "fp32",
@@ -259,7 +277,9 @@ def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process
 
 @pytest.mark.slow
 def test_fused_attention_and_render_leave_the_model_alone(runs, tiny_model, adapter, one_process_group, tmp_path):
-    """The fused processor matches diffusers' on a LoRA model; rendering restores the processors and
+    """Fused attention matches diffusers', and rendering leaves the model as it was.
+
+    The fused processor matches diffusers' on a LoRA model; rendering restores the processors and
     train mode, and leaves every weight bitwise unchanged."""
     transformer = adapter.load_transformer()
     weights, info = lora.load_lora(str(runs / "one" / "lora" / "pytorch_lora_weights.safetensors"))
@@ -290,9 +310,11 @@ def test_fused_attention_and_render_leave_the_model_alone(runs, tiny_model, adap
 
 
 def test_fused_attention_applies_lora_as_training_does(tiny_model):
-    """bf16 weights with a young LoRA (small B): merging it into a bf16 copy of the weights would round
-    its deltas differently from training's forward; the fused processor applies it unmerged and gives
-    training's output bitwise."""
+    """Fused attention applies a young LoRA as training does, bitwise.
+
+    bf16 weights with a young LoRA (small B): merging it into a bf16 copy of the weights would round
+    its deltas differently from training's forward; the fused processor applies it unmerged and
+    gives training's output bitwise."""
     adapter = load_adapter(ModelConfig(path=str(tiny_model), dtype="bf16"), torch.device("cpu"))
     transformer = adapter.load_transformer().eval()
     lora.inject_lora(transformer, ["to_q", "to_k", "to_v", "to_out.0"], 4, 2, 0.0, 0)
@@ -338,8 +360,11 @@ def test_config_errors(tiny_model, adapter, one_process_group, tmp_path):
 
 
 def test_gen_fps_zero_is_the_familys_published_rate(tiny_models, wan_models, one_process_group, tmp_path):
-    """validation.gen_fps = 0 (every shipped config but the demo) writes clips at the family's published rate, a set value
-    wins; validation.guidance_scale_2 without a second expert is refused before any compute."""
+    """validation.gen_fps = 0 is the family's published rate.
+
+    validation.gen_fps = 0 (every shipped config but the demo) writes clips at the family's
+    published rate, a set value wins; validation.guidance_scale_2 without a second expert is refused
+    before any compute."""
     clip = torch.zeros(9, 32, 32, 3, dtype=torch.uint8)
     for family, path, published in [("cogvideox", tiny_models("2b"), 8), ("cogvideox", tiny_models("1.5-5b"), 16),
                                     ("wan", wan_models("t2v"), 16), ("wan", wan_models("ti2v-5b"), 24)]:
@@ -356,8 +381,10 @@ def test_gen_fps_zero_is_the_familys_published_rate(tiny_models, wan_models, one
 
 @pytest.mark.slow
 def test_render_command_errors(runs):
-    """No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the message; a
-    stop signal during the render: exit 1."""
+    """The render command's errors: exit 1 with the fix in the message.
+
+    No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the
+    message; a stop signal during the render: exit 1."""
     out = runs / "one"
     no_prompt = run_cmd(["--cfg", str(runs / "plain.toml"), "--validation.prompts", "[]"], script="validate.py")
     assert no_prompt.returncode == 1 and "nothing to render: pass --prompt" in no_prompt.stderr + no_prompt.stdout
@@ -371,11 +398,13 @@ def test_render_command_errors(runs):
 
 
 def test_clips_come_from_data_parallel_leaders_only(monkeypatch):
-    """With sequence parallelism every rank of an sp group renders the same clip: rank 0 receives it from
-    the group's first rank only, in data-parallel order, and the other ranks send nothing (their copies
-    would multiply the traffic by parallel.sp_size). 6 ranks as 3 sp groups of 2, each rank's collection
-    run in turn (ClipRenderer._collect, what render calls), with the sends recorded and handed to rank 0's
-    receives."""
+    """With sequence parallelism rank 0 collects each clip from its group's first rank only.
+
+    With sequence parallelism every rank of an sp group renders the same clip: rank 0 receives it
+    from the group's first rank only, in data-parallel order, and the other ranks send nothing
+    (their copies would multiply the traffic by parallel.sp_size). 6 ranks as 3 sp groups of 2, each
+    rank's collection run in turn (ClipRenderer._collect, what render calls), with the sends
+    recorded and handed to rank 0's receives."""
     world, sp = 6, 2
     clips = {rank: torch.full((1, 2, 2, 3), rank, dtype=torch.uint8) for rank in range(world)}
     sent, received = {}, []

@@ -1,6 +1,7 @@
-"""Every published CogVideoX checkpoint: 2b, 5b, 5b-I2V, 1.5-5b, 1.5-5b-I2V. The tiny models carry the
-published config key sets; each variant trains, samples exactly as its diffusers pipeline does (with
-and without our exported LoRA), and exports what diffusers loads."""
+"""Every published CogVideoX checkpoint: 2b, 5b, 5b-I2V, 1.5-5b, 1.5-5b-I2V.
+
+The tiny models carry the published config key sets; each variant trains, samples exactly as its
+diffusers pipeline does (with and without our exported LoRA), and exports what diffusers loads."""
 
 import contextlib
 import dataclasses
@@ -93,10 +94,13 @@ def pipeline_run(variant, path, cfg: ValidationConfig, adapter, images, lora_fil
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(PUBLISHED))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models, base_settings, images, tmp_path):
-    """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32, with
-    the base model and with our exported LoRA loaded by load_lora_weights (so at the trained scale); for
-    I2V the transformer's first input equals the pipeline's (channel order, scale, padding); the sft
-    export loads with from_pretrained and computes what the checkpoint's weights compute."""
+    """Every variant trains, exports, and samples as its pipeline does.
+
+    Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32,
+    with the base model and with our exported LoRA loaded by load_lora_weights (so at the trained
+    scale); for I2V the transformer's first input equals the pipeline's (channel order, scale,
+    padding); the sft export loads with from_pretrained and computes what the checkpoint's weights
+    compute."""
     lora_file, cfg, adapter = lora_and_sft_runs(variant_settings(variant, tiny_models, base_settings, images,
                                                                  tmp_path / "lora"), tmp_path)
     with one_rank_group() as d:
@@ -160,7 +164,9 @@ def assert_comfyui_layout(path) -> None:
 
 @pytest.mark.parametrize("variant", ["2b", "1.5-5b-i2v"])
 def test_comfy_export_names_every_linear_as_comfyui_does(variant, tiny_models, tmp_path):
-    """A LoRA on every nn.Linear of the transformer (what lora.target_modules may name) exports to
+    """The ComfyUI export names every linear as ComfyUI does, and reads back.
+
+    A LoRA on every nn.Linear of the transformer (what lora.target_modules may name) exports to
     ComfyUI's module names and shapes, and reads back to the same weights."""
     adapter = load_adapter(ModelConfig(path=str(tiny_models(variant)), type=model_type(variant)), torch.device("cpu"))
     with torch.device("meta"):
@@ -180,9 +186,12 @@ def test_comfy_export_names_every_linear_as_comfyui_does(variant, tiny_models, t
 
 @pytest.mark.slow
 def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):
-    """CogVideoX1.5-5B-I2V's key set on 2 FSDP ranks with validation (images): SIGKILL after step 6, the
-    next launch resumes from step 4 and ends bitwise equal to the run that was never stopped, clips
-    included; the exported LoRA loads in CogVideoXImageToVideoPipeline and computes what ours does."""
+    """CogVideoX1.5-5B-I2V's whole lifecycle on 2 FSDP ranks.
+
+    CogVideoX1.5-5B-I2V's key set on 2 FSDP ranks with validation (images): SIGKILL after step 6,
+    the next launch resumes from step 4 and ends bitwise equal to the run that was never stopped,
+    clips included; the exported LoRA loads in CogVideoXImageToVideoPipeline and computes what ours
+    does."""
     lifecycle = {"parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 8,
                  "checkpoint.checkpointing_steps": 4, "validation.do_validation": True,
                  "validation.validation_steps": 4, "validation.num_inference_steps": 4, "validation.save_frames": True,
@@ -294,7 +303,9 @@ def test_loading_reads_sharded_files_and_names_the_folder_on_a_mismatch(tiny_mod
 
 
 def test_tiled_vae_decode_equals_the_pipelines(tiny_models, tmp_path):
-    """A VAE whose tiles (24x20 pixels: the real models' stride rule) are smaller than the 48x64 clip:
+    """Our tiled VAE decode equals the pipeline's.
+
+    A VAE whose tiles (24x20 pixels: the real models' stride rule) are smaller than the 48x64 clip:
     our decode tiles as the pipeline with enable_tiling() does, and tiling changes the frames."""
     path = tmp_path / "tiled"
     shutil.copytree(tiny_models("5b"), path)

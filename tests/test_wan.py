@@ -1,6 +1,8 @@
-"""Wan 2.1 and 2.2: the tiny models carry the published key sets; every variant trains, samples exactly
-as WanPipeline / WanImageToVideoPipeline do (with and without our exported LoRA, switching experts at
-the boundary; FLF2V with last_image), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
+"""Wan 2.1 and 2.2: key sets, training, sampling as the pipelines, exports diffusers loads.
+
+The tiny models carry the published key sets; every variant trains, samples exactly as WanPipeline /
+WanImageToVideoPipeline do (with and without our exported LoRA, switching experts at the boundary;
+FLF2V with last_image), and exports what diffusers loads, in diffusers' layout and in ComfyUI's."""
 
 import contextlib
 import io
@@ -171,10 +173,12 @@ def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models, base_settings, tiny_data, tmp_path):
-    """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32 with
-    the base model and with our exported LoRA loaded by load_lora_weights (into transformer_2 for a
-    low-noise expert); the experts take the same timesteps; the sft export loads with from_pretrained
-    and computes what the checkpoint's weights compute."""
+    """Every variant trains, exports, and samples as its pipeline does.
+
+    Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32
+    with the base model and with our exported LoRA loaded by load_lora_weights (into transformer_2
+    for a low-noise expert); the experts take the same timesteps; the sft export loads with
+    from_pretrained and computes what the checkpoint's weights compute."""
     settings = wan_settings(variant, wan_models, base_settings, tiny_data, tmp_path / "lora")
     trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
     sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft", "train.learning_rate": 1e-3}
@@ -232,8 +236,10 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models,
 
 @pytest.mark.slow
 def test_each_expert_trains_only_on_its_range(wan_models, base_settings, tiny_data, tmp_path, monkeypatch):
-    """A14B: transformer/ (high noise) takes t >= boundary_ratio x 1000, transformer_2/ the rest, as the
-    pipeline splits them; the held-out loss measures each on its own range."""
+    """Each A14B expert trains only on its range of timesteps.
+
+    A14B: transformer/ (high noise) takes t >= boundary_ratio x 1000, transformer_2/ the rest, as
+    the pipeline splits them; the held-out loss measures each on its own range."""
     seen = []
     forward = WanTransformer3DModel.forward
     monkeypatch.setattr(WanTransformer3DModel, "forward",
@@ -265,9 +271,11 @@ def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise"), ("flf2v", "")])
 def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, tmp_path):
-    """2 FSDP ranks with validation: SIGKILL after step 4, the next launch resumes from step 3 and ends
-    bitwise equal to the run never stopped, clips included; the export loads in the variant's pipeline
-    and its ComfyUI file equals it through diffusers' converter."""
+    """Wan's whole lifecycle on 2 FSDP ranks: kill, resume bitwise, export to the pipeline.
+
+    2 FSDP ranks with validation: SIGKILL after step 4, the next launch resumes from step 3 and ends
+    bitwise equal to the run never stopped, clips included; the export loads in the variant's
+    pipeline and its ComfyUI file equals it through diffusers' converter."""
     lifecycle = {"model.expert": expert, "parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 6,
                  "checkpoint.checkpointing_steps": 3, "validation.do_validation": True, "validation.validation_steps": 3,
                  "validation.num_inference_steps": 3, "validation.save_frames": True, "validation.prompts": PROMPTS[:1]}
@@ -325,8 +333,10 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
 # the window's first frame and the clip's last image and follows its content, and each refusal names the key or
 # file to fix.
 def test_the_window_ends_at_the_clips_last_frame(tmp_path):
-    """A clip with a last image trains its last 9 frames whatever the seed; without one the window starts
-    anywhere; with both images the clip must be exactly the window."""
+    """With a last image, the window ends at the clip's last frame.
+
+    A clip with a last image trains its last 9 frames whatever the seed; without one the window
+    starts anywhere; with both images the clip must be exactly the window."""
     ramp_clip(tmp_path / "ramp.mp4", 17)
     clip, media = data.Clip(tmp_path / "ramp.mp4", "grey", 1, "videos.txt"), decode.probe(tmp_path / "ramp.mp4")
     for seed in range(4):
@@ -354,7 +364,9 @@ def flf2v_data(root, tiny_data):
 
 def test_the_cache_holds_both_images_condition_keyed_by_the_last_image(wan_models, base_settings, tiny_data,
                                                                        tmp_path, caplog):
-    """The image entry is the condition of the window's first frame and the clip's last image, as the
+    """The cache holds both images' condition, keyed by the last image's content.
+
+    The image entry is the condition of the window's first frame and the clip's last image, as the
     adapter encodes them together; replacing one last image's content re-encodes that clip only."""
     root = flf2v_data(tmp_path / "data", tiny_data)
     settings = wan_settings("flf2v", wan_models, base_settings, tiny_data, tmp_path / "out", **{
@@ -383,8 +395,11 @@ def test_the_cache_holds_both_images_condition_keyed_by_the_last_image(wan_model
 
 
 def test_refusals_name_the_key(wan_models, base_settings, tiny_data, tmp_path):
-    """A first-last-frame model without last images, last images for another model, a missing last image
-    file, and validation.last_images that do not pair with the prompts: each stops with its fix."""
+    """First-last-frame refusals name the key and the fix.
+
+    A first-last-frame model without last images, last images for another model, a missing last
+    image file, and validation.last_images that do not pair with the prompts: each stops with its
+    fix."""
     from conftest import write_toml
 
     def prepare(name, variant="flf2v", **extra):
@@ -411,8 +426,10 @@ def test_refusals_name_the_key(wan_models, base_settings, tiny_data, tmp_path):
 
 
 def test_validate_renders_between_the_images(wan_models, base_settings, tiny_data, tmp_path, caplog):
-    """validate.py --last-image renders the base model's clip; without it a first-last-frame model is refused,
-    and an image-to-video model refuses one."""
+    """validate.py --last-image renders between the images.
+
+    validate.py --last-image renders the base model's clip; without it a first-last-frame model is
+    refused, and an image-to-video model refuses one."""
     from conftest import write_toml
     settings = wan_settings("flf2v", wan_models, base_settings, tiny_data, tmp_path / "out",
                             **{"validation.num_inference_steps": 2, "validation.last_images": []})

@@ -1,6 +1,7 @@
-"""Files written outside DCP: a full disk names the file and the fix and leaves no temporary behind;
-render names never collide; a checkpoint's shard given as --lora is named; async saves stage into one
-reused copy."""
+"""Files written outside DCP: full disks, render names, shards as LoRAs, async staging.
+
+A full disk names the file and the fix and leaves no temporary behind; render names never collide; a
+checkpoint's shard given as --lora is named; async saves stage into one reused copy."""
 
 import contextlib
 import logging
@@ -90,7 +91,9 @@ def test_a_write_failure_is_one_line(caplog):
 
 
 def test_render_names(base_settings, tmp_path):
-    """By checkpoint (or LoRA file), prompt index and a hash of all that makes the clip: a render never
+    """Render names never collide, and the same render keeps its name.
+
+    By checkpoint (or LoRA file), prompt index and a hash of all that makes the clip: a render never
     replaces one of other weights, prompts, images or settings; the same render keeps its name."""
     images = [tmp_path / "a.png", tmp_path / "b.png"]
     for image, colour in zip(images, ("red", "blue")):
@@ -122,7 +125,10 @@ def test_render_names(base_settings, tmp_path):
 
 
 def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
-    """A .distcp file, or a checkpoint folder, passed as validate.py --lora: named, with what to pass instead."""
+    """A checkpoint's shard passed as a LoRA is named.
+
+    A .distcp file, or a checkpoint folder, passed as validate.py --lora: named, with what to pass
+    instead."""
     checkpoint = tmp_path / "checkpoint-4"
     checkpoint.mkdir()
     (checkpoint / "__0_0.distcp").write_bytes(b"0")
@@ -140,8 +146,10 @@ def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_async_saves_reuse_one_staged_copy(tmp_path):
-    """Two async saves stage into the same CPU buffers (not the live tensors'), and each checkpoint holds
-    its own step's values exactly."""
+    """Two async saves stage into one reused copy, each checkpoint holding its own step.
+
+    Two async saves stage into the same CPU buffers (not the live tensors'), and each checkpoint
+    holds its own step's values exactly."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -174,7 +182,9 @@ def test_async_saves_reuse_one_staged_copy(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkeypatch):
-    """Every file of a committed checkpoint is fsynced (in the background), and rotation counts only
+    """Checkpoints reach the disk before rotation counts them.
+
+    Every file of a committed checkpoint is fsynced (in the background), and rotation counts only
     checkpoints already synced: one more than checkpointing_limit between saves, the limit after the
     last save, which waits for its own."""
     synced = []
@@ -200,8 +210,10 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
 
 
 def test_read_only_places_are_named(write_config, base_settings, tmp_path):
-    """A complete cache is used read-only (its probe file refused it); an incomplete read-only cache and a
-    read-only run.output_dir are named with their key, before any compute."""
+    """Read-only places are named with their key, before any compute.
+
+    A complete cache is used read-only (its probe file refused it); an incomplete read-only cache
+    and a read-only run.output_dir are named with their key, before any compute."""
     cfg = write_config("cache_only")
     run_ok(["--cfg", str(cfg)], script="cache.py")  # the session's cache, complete
     cache_dir = Path(base_settings["data.cache_dir"])
@@ -231,9 +243,11 @@ def test_read_only_places_are_named(write_config, base_settings, tmp_path):
 ])
 def test_model_checks_come_before_the_cache_pass_and_leave_no_run_lock(write_config, tmp_path, caplog, settings,
                                                                        message):
-    """Targets that match no layer and a validation resolution the model cannot render stop the launch with
-    one error line before the cache pass (nothing encoded into an empty cache), and leave no run.lock (nor
-    the run folder the launch made)."""
+    """Model checks come before the cache pass and leave no run.lock.
+
+    Targets that match no layer and a validation resolution the model cannot render stop the launch
+    with one error line before the cache pass (nothing encoded into an empty cache), and leave no
+    run.lock (nor the run folder the launch made)."""
     import trainer
 
     cache_dir = tmp_path / "cache"

@@ -1,16 +1,20 @@
-"""Write a diffusers model folder's transformer as one safetensors file in the layout ComfyUI and the original
-releases use (what model.transformer_file reads): Wan in the original checkpoint's names, CogVideoX in
-ComfyUI's native ones (2b's with its sincos table, which ComfyUI detects it by), LTX-2 in Lightricks'
-(ltx-core's) (docs/models/*.md, "Single files").
+"""A diffusers folder's transformer as one safetensors file, in ComfyUI's or the original layout.
 
-    python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp8 [--scaled]] [--prefix] [--folder transformer]
+Write a diffusers model folder's transformer as one safetensors file in the layout ComfyUI and the
+original releases use (what model.transformer_file reads): Wan in the original checkpoint's names,
+CogVideoX in ComfyUI's native ones (2b's with its sincos table, which ComfyUI detects it by), LTX-2
+in Lightricks' (ltx-core's) (docs/models/*.md, "Single files").
 
-Every floating tensor is written in bf16, but for those the diffusers class keeps in fp32 (Wan's norms, time
-embedder and modulation, as the folder stores them). --fp8 stores the 2-D weights of the transformer blocks' linear
-layers as float8_e4m3fn: a plain cast, or with --scaled ComfyUI's scaled fp8 (per tensor: scale = max|w| / 448,
-the stored value w / scale, its `.scale_weight` beside it and the `scaled_fp8` marker key, as
-comfy/utils.py convert_old_quants reads them). --prefix puts every key under `model.diffusion_model.`,
-as ComfyUI's own checkpoints have them. The file is written one tensor at a time, never held whole.
+    python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp8 [--scaled]] [--prefix]
+                                   [--folder transformer]
+
+Every floating tensor is written in bf16, but for those the diffusers class keeps in fp32 (Wan's
+norms, time embedder and modulation, as the folder stores them). --fp8 stores the 2-D weights of the
+transformer blocks' linear layers as float8_e4m3fn: a plain cast, or with --scaled ComfyUI's scaled
+fp8 (per tensor: scale = max|w| / 448, the stored value w / scale, its `.scale_weight` beside it and
+the `scaled_fp8` marker key, as comfy/utils.py convert_old_quants reads them). --prefix puts every
+key under `model.diffusion_model.`, as ComfyUI's own checkpoints have them. The file is written one
+tensor at a time, never held whole.
 """
 
 import argparse
@@ -31,7 +35,9 @@ FILE_NAMES = {dtype: name for name, dtype in FILE_DTYPES.items()}
 
 
 def adapter_class(model_dir: Path):
-    """The family's adapter class, from the folder's model_index.json (as model_adapter.load_adapter tells it)."""
+    """The family's adapter class, from the folder's model_index.json.
+
+    As model_adapter.load_adapter tells it."""
     pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
     return model_adapter.adapter_class(next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f)))
 
