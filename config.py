@@ -41,8 +41,9 @@ class ModelConfig:
     family: Literal["cogvideox", "wan", "ltx2"] = "cogvideox"
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame; a first-last-frame model, Wan FLF2V, also the clip's
-    # last frame from data.last_image_column).
-    type: Literal["t2v", "i2v"] = "t2v"
+    # last frame from data.last_image_column); "vace" a Wan VACE model (a control video, its mask and
+    # reference images through context blocks: data.control_column, data.mask_column, data.reference_column).
+    type: Literal["t2v", "i2v", "vace"] = "t2v"
     # Wan 2.2 A14B: the expert this run trains, "high_noise" (transformer/, t >= boundary_ratio x 1000) or
     # "low_noise" (transformer_2/, below); validation renders with both.
     expert: Literal["", "high_noise", "low_noise"] = ""
@@ -464,7 +465,7 @@ def check_values(cfg: Config) -> None:
                           "(the clips of a batch then have sound of one length, and the video's positions count "
                           "seconds at that rate): set data.target_fps (24, as LTX-2 was published), or data.audio = "
                           "false to train video only")
-    if cfg.model.type == "t2v" and cfg.validation.images:
+    if cfg.model.type != "i2v" and cfg.validation.images:
         raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
     if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says
         check_validation_images(cfg)

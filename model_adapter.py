@@ -61,6 +61,7 @@ class Adapter(TransformerLoading, abc.ABC):
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
     VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
+    TYPES = ("t2v", "i2v")  # the model.type values the family trains
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
     # A key every single file of the family holds (model.transformer_file; single_file_key and diffusers_names
     # map the names); "" for a family whose single files vidtrain does not read.
@@ -211,6 +212,9 @@ class Adapter(TransformerLoading, abc.ABC):
         for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
+        if cfg.type not in self.TYPES:
+            raise ConfigError(f"model.type = \"{cfg.type}\" is not a type of {self.FAMILY} models: set one of "
+                              + ", ".join(f'"{t}"' for t in self.TYPES))
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype

@@ -91,15 +91,17 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
 @torch.no_grad()
 def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
                    cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
-                   image=None, last_image=None):
+                   image=None, last_image=None, **conditions):
     """The final sampling state of one prompt (and, image-to-video, its conditioning image; first-last-frame,
     its last image too): adapter.sampled
     gives its latents (sampled_audio its sound, LTX-2). The family's pipeline loop, step for step, with
     every draw from `generator` (a CPU generator, as the pipelines use it); the adapter builds the
     denoiser's input (condition, expert, per-token timesteps) and steps the scheduler. Latents and
-    scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check."""
+    scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check.
+    `conditions` go to the family's sampling_start (Wan VACE's control, mask and references)."""
     last = {} if last_image is None else {"last_image": last_image}  # only first-last-frame models take one
-    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image, **last)
+    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image, **last,
+                                   **conditions)
     guided = cfg.guidance_scale > 1.0 or cfg.audio_guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
     for i, t in enumerate(scheduler.timesteps):
