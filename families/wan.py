@@ -410,7 +410,7 @@ class WanAdapter(Adapter):
             control = processor.preprocess_video(control, height, width).float()
         if mask is not None:
             mask = torch.clamp((processor.preprocess_video(mask, height, width).float() + 1) / 2, min=0, max=1)
-        canvases = torch.stack([wan_vace.reference_canvas(r, height, width) for r in references])[None] \
+        canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio) for r in references])[None] \
             if references else None
         return self.vace_condition(control, mask, canvases, frames, height, width)
 

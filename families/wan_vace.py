@@ -8,8 +8,10 @@ latent pixel's 8 x 8 mask pixels folded into channels. Reference images are late
 the video: their latent in the inactive slot, zeros in the reactive one and in the mask.
 """
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from diffusers.video_processor import VideoProcessor
 
 # The VACE blocks' module names in the original checkpoint's layout (ComfyUI's), beside the base blocks':
@@ -17,13 +19,13 @@ from diffusers.video_processor import VideoProcessor
 PROJECTIONS = {"proj_in": "before_proj", "proj_out": "after_proj"}
 
 
-def reference_canvas(image, height: int, width: int) -> torch.Tensor:
+def reference_canvas(image, height: int, width: int, spatial: int) -> torch.Tensor:
     """A reference image (PIL, or uint8 [H, W, 3]) -> [3, height, width] in [-1, 1] (fp32): as the
-    pipeline's preprocess_conditions, resized to fit inside the frame with its aspect kept, centred on a
-    white canvas."""
-    if isinstance(image, torch.Tensor):
-        image = image.numpy()
-    pixels = VideoProcessor(vae_scale_factor=8).preprocess(image, None, None).float()
+    pipeline's preprocess_conditions, its sides first cut to multiples of the VAE's spatial ratio, then
+    resized to fit inside the frame with its aspect kept, centred on a white canvas."""
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(np.asarray(image))
+    pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(image, None, None).float()
     img_height, img_width = pixels.shape[-2:]
     scale = min(height / img_height, width / img_width)
     new_height, new_width = int(img_height * scale), int(img_width * scale)

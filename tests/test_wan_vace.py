@@ -1,0 +1,161 @@
+"""Wan VACE: the tiny model carries the published key set; our sampling loop renders what WanVACEPipeline
+renders from a control video, its mask and reference images (with our LoRA on the base and the VACE blocks,
+loaded by load_lora_weights); the training forward reads the context the pipeline builds, with the
+reference frames outside the loss."""
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanVACEPipeline
+from PIL import Image
+
+import data
+import lora
+import validate
+from config import ConfigError, ModelConfig, ValidationConfig, load_config
+from conftest import one_rank_group, write_toml
+from families import wan_vace
+from model_adapter import load_adapter
+
+WAN_VACE_KEYS = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim",
+                 "image_dim", "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size",
+                 "pos_embed_seq_len", "qk_norm", "rope_max_seq_len", "text_dim", "vace_in_channels", "vace_layers"}
+PROMPT = "a red circle moves right"
+# LoRA on the base blocks' and the VACE blocks' attention, and on the first VACE block's input projection.
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in"]
+
+
+def conditions(seed: int = 0):
+    """A control video and a binary mask (9 frames of 32 x 32, PIL, as the pipeline takes them), and two
+    reference images of other sizes and aspects than the clip's."""
+    g = np.random.default_rng(seed)
+    control = [Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(9)]
+    mask = [Image.fromarray(np.where(g.random((32, 32)) > 0.5, 255, 0).astype(np.uint8)).convert("RGB")
+            for _ in range(9)]
+    references = [Image.fromarray(g.integers(0, 256, size, dtype=np.uint8)) for size in ((24, 40, 3), (40, 16, 3))]
+    return control, mask, references
+
+
+def vace_settings(wan_models, base_settings, output_dir, **extra) -> dict:
+    return {**base_settings, "model.path": str(wan_models("vace")), "model.family": "wan", "model.type": "vace",
+            "lora.target_modules": TARGETS, "run.output_dir": str(output_dir), "validation.do_validation": False,
+            **extra}
+
+
+def vace_adapter(wan_models):
+    return load_adapter(ModelConfig(family="wan", path=str(wan_models("vace")), dtype="fp32", type="vace"),
+                        torch.device("cpu"))
+
+
+def test_the_tiny_model_carries_the_published_key_set_and_the_type_is_checked(wan_models):
+    path = wan_models("vace")
+    config = json.loads((path / "transformer" / "config.json").read_text())
+    assert set(config) - {"_class_name", "_diffusers_version"} == WAN_VACE_KEYS
+    assert config["_class_name"] == "WanVACETransformer3DModel"
+    assert json.loads((path / "model_index.json").read_text())["_class_name"] == "WanVACEPipeline"
+    with pytest.raises(ConfigError, match=r'is a VACE model \(its transformer has vace_layers\): set model.type = "vace"'):
+        load_adapter(ModelConfig(family="wan", path=str(path), type="t2v"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r'is not a VACE model .*: set model.type = "t2v" or "i2v"'):
+        load_adapter(ModelConfig(family="wan", path=str(wan_models("t2v")), type="vace"), torch.device("cpu"))
+    adapter = vace_adapter(wan_models)
+    # The context blocks are FSDP and checkpointing units too, in the order the forward runs them.
+    transformer = adapter.load_transformer()
+    assert adapter.blocks(transformer) == [*transformer.vace_blocks, *transformer.blocks]
+
+
+def pipeline_context(pipe, control, mask, references):
+    """The pipeline's own context for these inputs: preprocess_conditions, prepare_video_latents and
+    prepare_masks, concatenated as its __call__ does."""
+    video, mask, references = pipe.preprocess_conditions(control, mask, references, 1, 32, 32, 9, torch.float32,
+                                                         torch.device("cpu"))
+    return torch.cat([pipe.prepare_video_latents(video, mask, references), pipe.prepare_masks(mask, references)], 1)
+
+
+def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_references_out(wan_models):
+    """A cached clip's VACE condition (from uint8 pixels, as the cache pass reads them) gives the transformer
+    the pipeline's conditioning latents exactly (inactive, reactive, mask packing, references in front in
+    the pipeline's order); the noisy sequence holds the references' frames in front of the clip's, and the
+    loss is the clip's frames' alone."""
+    adapter = vace_adapter(wan_models)
+    control, mask, references = conditions()
+    pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+    theirs = pipeline_context(pipe, control, mask, references)
+
+    to_uint8 = lambda frames: torch.from_numpy(np.stack([np.asarray(f) for f in frames]))  # noqa: E731
+    pixels = to_uint8(control).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+    mask_pixels = to_uint8(mask).permute(3, 0, 1, 2)[None].float() / 255.0
+    canvases = torch.stack([wan_vace.reference_canvas(np.asarray(r), 32, 32, 8) for r in references])[None]
+    condition = adapter.vace_condition(pixels, mask_pixels, canvases, 9, 32, 32)
+    assert condition["reference_latents"].shape == (1, 16, 2, 4, 4)
+    torch.testing.assert_close(wan_vace.context(condition["control_latents"], condition["reference_latents"]),
+                               theirs, rtol=0, atol=1e-5)
+
+    transformer = adapter.load_transformer().train()
+    seen = {}
+    transformer.register_forward_hook(lambda m, a, kw, out: seen.update(kw, out=out[0]), with_kwargs=True)
+    gen = torch.Generator().manual_seed(1)
+    mean = torch.randn(2, 16, 3, 4, 4, generator=gen)
+    batch = {"latent_mean": mean, "latent_logvar": torch.full_like(mean, -30.0),  # x0 is the mean (to 3e-7)
+             "prompt_embeds": torch.randn(2, 512, 32, generator=gen), **condition}
+    loss = adapter.train_loss(transformer, batch, [data.keyed_generator(0, i) for i in range(2)])
+    assert seen["control_hidden_states"].shape == (2, 96, 5, 4, 4)
+    torch.testing.assert_close(seen["control_hidden_states"], theirs.expand(2, -1, -1, -1, -1), rtol=0, atol=1e-5)
+    x_t, s = seen["hidden_states"], seen["timestep"].view(-1, 1, 1, 1, 1) / 1000
+    assert x_t.shape == (2, 16, 5, 4, 4)
+    x0 = torch.cat([condition["reference_latents"].expand(2, -1, -1, -1, -1), adapter._normalise(mean)], dim=2)
+    target = (x_t - (1 - s) * x0) / s - x0  # noise - x0, the noise read back from x_t
+    expected = (seen["out"] - target)[:, :, 2:].pow(2).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+    everything = (seen["out"] - target).pow(2).mean(dim=(1, 2, 3, 4))
+    assert (everything - expected).abs().min() > 1e-3  # the reference frames would show if they were counted
+
+
+def random_lora(adapter, path) -> list[str]:
+    """Our LoRA on TARGETS with random weights, written as the export writes it; the module names."""
+    transformer = adapter.load_transformer()
+    names = lora.inject_lora(transformer, TARGETS, 4, 4.0, 0.0, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    weights = {k: 0.3 * torch.randn(v.shape, generator=gen) for k, v in lora.lora_state_dict(transformer).items()}
+    lora.save_lora(str(path), weights, 4, 4.0, TARGETS)
+    return names
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(wan_models, base_settings, tmp_path):
+    """Control video, mask and two reference images; 4 steps with guidance: our frames equal
+    WanVACEPipeline's within 1e-4 in fp32, with the base model and with our LoRA file (on the base blocks
+    and the VACE blocks) loaded by load_lora_weights, every module of it."""
+    adapter = vace_adapter(wan_models)
+    lora_file = tmp_path / "pytorch_lora_weights.safetensors"
+    names = random_lora(adapter, lora_file)
+    assert {n.split(".")[0] for n in names} == {"blocks", "vace_blocks"} and "vace_blocks.0.proj_in" in names
+    control, mask, references = conditions()
+    cfg = ValidationConfig(prompts=[PROMPT], num_inference_steps=4, guidance_scale=5.0)
+    config = load_config(str(write_toml(tmp_path / "vace.toml", vace_settings(wan_models, base_settings, tmp_path))))
+    embeds = adapter.encode_text(["", PROMPT])
+    renders = []
+    with one_rank_group() as d:
+        for source in (None, lora_file):
+            model = validate.load_model(config, adapter, d, None, str(source) if source else None).eval()
+            state = validate.sample_latents(adapter, {"transformer": model}, adapter.sampler(""), embeds[1:],
+                                            embeds[:1], data.keyed_generator(cfg.seed, 0), cfg, [9, 32, 32],
+                                            contextlib.nullcontext(), control=control, mask=mask,
+                                            references=references)
+            ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+            pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+            pipe.set_progress_bar_config(disable=True)
+            if source:
+                pipe.load_lora_weights(str(source))
+                loaded = {n.removesuffix(".lora_A.default_0").removesuffix(".lora_A.default")
+                          for n, _ in pipe.transformer.named_modules() if ".lora_A." in n}
+                assert loaded == set(names)
+            theirs = pipe(prompt=PROMPT, video=control, mask=mask, reference_images=references, num_frames=9,
+                          height=32, width=32, num_inference_steps=4, guidance_scale=5.0,
+                          generator=data.keyed_generator(cfg.seed, 0), output_type="pt").frames[0].permute(0, 2, 3, 1)
+            assert ours.shape == theirs.shape == (9, 32, 32, 3)
+            assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
+            renders.append(ours)
+    assert (renders[0] - renders[1]).abs().max() > 1e-3  # the LoRA shows
