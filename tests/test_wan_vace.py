@@ -11,6 +11,7 @@ import pytest
 import torch
 from diffusers import WanVACEPipeline
 from PIL import Image
+from safetensors.torch import load_file
 
 import data
 import lora
@@ -113,14 +114,52 @@ def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_referen
     assert (everything - expected).abs().min() > 1e-3  # the reference frames would show if they were counted
 
 
-def random_lora(adapter, path) -> list[str]:
-    """Our LoRA on TARGETS with random weights, written as the export writes it; the module names."""
+def random_lora(adapter, path) -> tuple[list[str], dict]:
+    """Our LoRA on TARGETS with random weights, written as the export writes it; the module names, weights."""
     transformer = adapter.load_transformer()
     names = lora.inject_lora(transformer, TARGETS, 4, 4.0, 0.0, seed=0)
     gen = torch.Generator().manual_seed(3)
     weights = {k: 0.3 * torch.randn(v.shape, generator=gen) for k, v in lora.lora_state_dict(transformer).items()}
     lora.save_lora(str(path), weights, 4, 4.0, TARGETS)
-    return names
+    return names, weights
+
+
+def comfyui_vace_linears(c: dict) -> dict[str, tuple[int, int]]:
+    """The nn.Linear modules, as (in, out) features, of ComfyUI's native Wan VACE model for a diffusers
+    transformer config, written from comfy/ldm/wan/model.py (WanModel's WanAttentionBlock with t2v cross-
+    attention: self_attn and cross_attn q, k, v, o, ffn.0 and ffn.2; VaceWanModel's vace_blocks, each a
+    VaceWanAttentionBlock: the same, with after_proj, and before_proj on block 0) as read at
+    comfyanonymous/ComfyUI 01c4fa4c746a16712ccabac3ce7ff71c48340214. ComfyUI's LoRA loader (comfy/lora.py
+    model_lora_keys_unet) patches `diffusion_model.<module>.weight` of every such module from
+    `diffusion_model.<module>.lora_A/lora_B.weight`; a key naming no module of the model is dropped."""
+    dim, ffn = c["num_attention_heads"] * c["attention_head_dim"], c["ffn_dim"]
+    block = {f"{attn}.{x}": (dim, dim) for attn in ("self_attn", "cross_attn") for x in "qkvo"}
+    block |= {"ffn.0": (dim, ffn), "ffn.2": (ffn, dim)}
+    linears = {f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()}
+    for i in range(len(c["vace_layers"])):
+        linears |= {f"vace_blocks.{i}.{name}": shape for name, shape in (block | {"after_proj": (dim, dim)}).items()}
+    return linears | {"vace_blocks.0.before_proj": (dim, dim)}
+
+
+def test_the_comfyui_file_loses_no_vace_key(wan_models, tmp_path):
+    """Our ComfyUI file of a LoRA on base and VACE blocks: every module is one ComfyUI's Wan VACE model
+    has, with its shapes, none lost; lora.init_from reads it back to the same weights."""
+    adapter = vace_adapter(wan_models)
+    names, weights = random_lora(adapter, tmp_path / "ours.safetensors")
+    comfy = tmp_path / "comfy.safetensors"
+    lora.save_comfy(str(comfy), weights, 4.0, adapter.comfy_key, adapter.COMFY_ALPHA)  # as export writes it
+    linears = comfyui_vace_linears(adapter.transformer_config)
+    tensors = load_file(comfy)
+    modules = {k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k}
+    assert len(modules) == len(names) and modules <= linears.keys(), modules - linears.keys()
+    assert {m.split(".")[0] for m in modules} == {"blocks", "vace_blocks"} and "vace_blocks.0.before_proj" in modules
+    for module in modules:
+        fan_in, fan_out = linears[module]
+        assert tensors[f"diffusion_model.{module}.lora_A.weight"].shape == (4, fan_in)
+        assert tensors[f"diffusion_model.{module}.lora_B.weight"].shape == (fan_out, 4)
+    back, info = lora.load_lora(str(comfy), adapter.diffusers_key)
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+    assert (info["rank"], info["alpha"]) == (4, 4.0)
 
 
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
@@ -130,7 +169,7 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(w
     and the VACE blocks) loaded by load_lora_weights, every module of it."""
     adapter = vace_adapter(wan_models)
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
-    names = random_lora(adapter, lora_file)
+    names, _ = random_lora(adapter, lora_file)
     assert {n.split(".")[0] for n in names} == {"blocks", "vace_blocks"} and "vace_blocks.0.proj_in" in names
     control, mask, references = conditions()
     cfg = ValidationConfig(prompts=[PROMPT], num_inference_steps=4, guidance_scale=5.0)
