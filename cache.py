@@ -302,6 +302,9 @@ def prepare(cfg: Config, d: parallel.Dist):
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
             Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
         sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
+        if adapter.vace and cfg.parallel.sp_size > 1:  # the context blocks' tokens are not split (docs/control.md)
+            raise ConfigError("parallel.sp_size > 1 does not split Wan VACE's context tokens yet: set "
+                              "parallel.sp_size = 1 (FSDP shards the VACE blocks as the others)")
         parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])
         adapter.check_guidance(cfg.validation)  # validate.py's renderer checks it too, for renders without training
         if cfg.validation.do_validation and cfg.validation.resolution:  # the renderer's own check, done now

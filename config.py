@@ -256,6 +256,9 @@ class ValidationConfig:
     images: list[str] = field(default_factory=list)
     # First-last-frame models (Wan FLF2V): one last-frame image per prompt, beside validation.images.
     last_images: list[str] = field(default_factory=list)
+    # Wan VACE (model.type = "vace"): one reference image per prompt, which the clip is to show (a subject, a
+    # style); [] renders without.
+    reference_images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
     save_frames: bool = False
@@ -535,6 +538,13 @@ def check_validation_images(cfg: Config) -> None:
         raise ConfigError(f"validation.last_images has {len(last)} for {len(prompts)} validation.prompts: a "
                           "first-last-frame model renders each prompt between its image and its last image; give "
                           "one per prompt")
+    references = cfg.validation.reference_images
+    if references and cfg.model.type != "vace":
+        raise ConfigError("validation.reference_images conditions Wan VACE models: set model.type = \"vace\" "
+                          "(and model.path to a VACE model), or remove them")
+    if references and len(references) != len(prompts):
+        raise ConfigError(f"validation.reference_images has {len(references)} for {len(prompts)} validation.prompts: "
+                          "give one per prompt")
 
 
 def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,

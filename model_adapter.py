@@ -223,6 +223,9 @@ class Adapter(TransformerLoading, abc.ABC):
         # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V): the
         # cache and validation then need a last image per clip and per prompt.
         self.first_last = False
+        # Whether the model reads a control video, its mask and reference images through context blocks (Wan
+        # VACE): the cache and validation then encode them.
+        self.vace = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
 

@@ -198,6 +198,7 @@ class ClipRenderer:
                               "one: remove them (and --last-image)")
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         self.last_images = [load_image(path) for path in cfg.last_images] or [None] * len(self.prompts)
+        self.references = [[load_image(path)] for path in cfg.reference_images] or [[]] * len(self.prompts)
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
@@ -218,9 +219,11 @@ class ClipRenderer:
         """Float frames [F, H, W, 3] in [0, 1] and, for a family with sound, the soundtrack (float [channels,
         samples] at adapter.sound_rate; else None) of prompt `prompt` (default: `index`) with clip `index`'s noise."""
         prompt = index if prompt is None else prompt
+        vace = {"references": self.references[prompt]} if self.adapter.vace else {}  # no other model takes them
         state = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[prompt : prompt + 1],
                                self.negative_embeds, data.keyed_generator(self.cfg.seed, index), self.cfg,
-                               self.resolution, autocast, on_step, self.images[prompt], self.last_images[prompt])
+                               self.resolution, autocast, on_step, self.images[prompt], self.last_images[prompt],
+                               **vace)
         frames = to_frames(self.adapter.decode_latents(self.adapter.sampled(state))[0])
         sound = self.adapter.decode_audio(self.adapter.sampled_audio(state)).cpu() if self.sound else None
         return frames, sound
@@ -303,7 +306,8 @@ class ClipRenderer:
                 metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)
             metrics.text(step, f"val/prompt_{i}", prompt)
             conditions = [image for image in (self.images[i], self.last_images[i]) if image is not None]
-            if conditions:  # beside the clip: its image (and last image) side by side, at the clip's size
+            conditions += self.references[i]
+            if conditions:  # beside the clip: its image (last image, references) side by side, at the clip's size
                 size = (clip.shape[2], clip.shape[1])
                 side_by_side = np.concatenate([np.asarray(image.resize(size)) for image in conditions], axis=1)
                 metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
@@ -337,12 +341,14 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
               "lora_mtime": os.stat(lora_file).st_mtime_ns if lora_file else 0,
               "model": dataclasses.asdict(cfg.model), "mixed_precision": cfg.train.mixed_precision,
               "validation": {k: v for k, v in dataclasses.asdict(cfg.validation).items()
-                             if k not in ("prompts", "images", "last_images")}}
+                             if k not in ("prompts", "images", "last_images", "reference_images")}}
     names = []
     for i, prompt in enumerate(cfg.validation.prompts):
         image = hashlib.sha256(Path(cfg.validation.images[i]).read_bytes()).hexdigest() if cfg.validation.images else ""
         last = cfg.validation.last_images  # hashed only when given: the names of other renders stay as they were
         last = {"last_image": hashlib.sha256(Path(last[i]).read_bytes()).hexdigest()} if last else {}
+        references = cfg.validation.reference_images  # the same: hashed only when given
+        last |= {"reference": hashlib.sha256(Path(references[i]).read_bytes()).hexdigest()} if references else {}
         digest = hashlib.sha256(json.dumps({**common, "prompt": prompt, "image": image, **last},
                                            sort_keys=True).encode())
         names.append(f"render_{source}{'_online' if online else ''}_prompt_{i}_{digest.hexdigest()[:8]}")
@@ -360,10 +366,11 @@ def check_lora_file(lora_file: str) -> None:
 
 
 def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoint: str | None,
-                   lora_file: str | None, online: bool, d: parallel.Dist, last_images: list[str] = ()) -> None:
-    if prompts:  # the command line's prompts (and images, last images) replace the config's
+                   lora_file: str | None, online: bool, d: parallel.Dist, last_images: list[str] = (),
+                   references: list[str] = ()) -> None:
+    if prompts:  # the command line's prompts (and images, last images, references) replace the config's
         cfg.validation.prompts, cfg.validation.images = prompts, images
-        cfg.validation.last_images = list(last_images)
+        cfg.validation.last_images, cfg.validation.reference_images = list(last_images), list(references)
         check_values(cfg)
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
@@ -399,13 +406,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image", action="append", default=[], help="i2v: the image of each --prompt, in order")
     parser.add_argument("--last-image", action="append", default=[],
                         help="first-last-frame (Wan FLF2V): the last image of each --prompt, in order")
+    parser.add_argument("--reference", action="append", default=[],
+                        help="Wan VACE: the reference image of each --prompt, in order")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.online and not args.checkpoint:
         parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
-    if (args.image or args.last_image) and not args.prompt:
-        parser.error("--image and --last-image go with --prompt: one of each per prompt")
+    if (args.image or args.last_image or args.reference) and not args.prompt:
+        parser.error("--image, --last-image and --reference go with --prompt: one of each per prompt")
     command.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.image, args.checkpoint, args.lora,
-                                                       args.online, d, args.last_image), args.cfg, overrides)
+                                                       args.online, d, args.last_image, args.reference),
+                        args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -81,9 +81,9 @@ class WanAdapter(Adapter):
         saved = WanTransformer3DModel.load_config(self.path, subfolder=self.transformer_folder)
         self.vace = "vace_layers" in saved
         if self.vace != (cfg.type == "vace"):
-            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path} is " + (
-                "a VACE model (its transformer has vace_layers): set model.type = \"vace\"" if self.vace else
-                "not a VACE model (its transformer has no vace_layers): set model.type = \"t2v\" or \"i2v\""))
+            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path}" + (
+                " is a VACE model (its transformer has vace_layers): set model.type = \"vace\"" if self.vace else
+                " is not a VACE model (its transformer has no vace_layers): set model.type = \"t2v\" or \"i2v\""))
         if self.vace:
             self.TRANSFORMER = WanVACETransformer3DModel
         self.transformer_config = resolved_config(self.TRANSFORMER, self.path, self.transformer_folder)

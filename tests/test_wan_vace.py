@@ -198,3 +198,31 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(w
             assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
             renders.append(ours)
     assert (renders[0] - renders[1]).abs().max() > 1e-3  # the LoRA shows
+
+
+def test_validation_renders_each_prompt_with_its_reference_image(wan_models, base_settings, tiny_data, tmp_path):
+    """validation.reference_images, one per prompt, through the renderer the training run uses: the pipeline's
+    frames for that reference (no control video: its zeros and all-ones mask); refused for other models
+    and in another count than the prompts."""
+    reference = tiny_data / "images" / "00001.png"
+    settings = vace_settings(wan_models, base_settings, tmp_path, **{
+        "validation.prompts": [PROMPT], "validation.reference_images": [str(reference)],
+        "validation.num_inference_steps": 2})
+    cfg = load_config(str(write_toml(tmp_path / "vace.toml", settings)))
+    adapter = vace_adapter(wan_models)
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        model = validate.load_model(cfg, adapter, d, None, None).eval()
+        ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
+    pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(prompt=PROMPT, reference_images=[Image.open(reference).convert("RGB")], num_frames=9, height=32,
+                  width=32, num_inference_steps=2, guidance_scale=cfg.validation.guidance_scale,
+                  generator=data.keyed_generator(cfg.validation.seed, 0), output_type="pt").frames[0].permute(0, 2, 3, 1)
+    assert (ours - theirs).abs().max() <= 1e-4
+    with pytest.raises(ConfigError, match="validation.reference_images conditions Wan VACE models"):
+        load_config(str(write_toml(tmp_path / "t2v.toml", {**settings, "model.type": "t2v",
+                                                           "validation.do_validation": True})))
+    with pytest.raises(ConfigError, match="validation.reference_images has 1 for 2 validation.prompts"):
+        load_config(str(write_toml(tmp_path / "two.toml", {**settings, "validation.prompts": [PROMPT, PROMPT],
+                                                           "validation.do_validation": True})))
