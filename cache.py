@@ -2,7 +2,7 @@
 
     python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
 
-Four kinds of entry (video, image, text, audio), one safetensors file each, named by a hash of what
+Five kinds of entry (video, image, text, audio, control), one safetensors file each, named by a hash of what
 produced it (cache_files.py says what): an interrupted pass resumes where it was, and a fine-tuned VAE
 or T5 never reuses stale entries. manifest.py keeps the headers and hashes.
 
@@ -45,7 +45,7 @@ IMAGE_DIFFERENCE = 16
 
 
 def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: parallel.Dist,
-             first_last: bool = False):
+             first_last: bool = False, control: bool = False):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
     check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
     same on every rank; new manifest entries are added on every rank."""
@@ -57,12 +57,14 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
             out = []
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
                 try:
-                    video, image, last, new = manifest.clip_entries(clips[i], cfg.model.type == "i2v", first_last)
+                    video, image, last, controls, new = manifest.clip_entries(clips[i], cfg.model.type == "i2v",
+                                                                              first_last, control)
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
+                controls = (media_of(controls), controls["content"]) if controls else None
                 planned = data.plan_clip(clips[i], media_of(video), video["content"], shapes, cfg.data, cfg.run.seed,
-                                         image, last)
+                                         image, last, controls)
                 missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
                 # Sent without the clip, which every rank holds: unpickling paths is most of the gather's cost.
                 out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
@@ -87,6 +89,14 @@ def check_last_images(adapter, clips: list[data.Clip], cfg: DataConfig) -> None:
         raise ConfigError(f"data.last_image_column = {cfg.last_image_column} conditions first-last-frame models, and "
                           f"model.path = {adapter.path} is not one: remove it, or train a first-last-frame model "
                           "(Wan2.1-FLF2V-14B-720P)")
+
+
+def check_controls(adapter, cfg: DataConfig) -> None:
+    """Control videos are for a model that follows them (each clip's is checked as its header is read)."""
+    if not adapter.takes_control and cfg.control_column:
+        raise ConfigError(f"data.control_column = {cfg.control_column} gives control videos, and model.path = "
+                          f"{adapter.path} is not a model that follows one: remove it, or train a control model "
+                          "(docs/control.md)")
 
 
 def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data.Problem]:
@@ -186,7 +196,7 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
 
 def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
                   d: parallel.Dist):
-    """The missing video (and image, and audio) entries, `todo` naming each clip's: the k-th clip to rank
+    """The missing video (and image, audio, control) entries, `todo` naming each clip's: the k-th clip to rank
     k % world (sorted by bucket, so a batch shares a shape), cache_batch_size clips per VAE call (the sound
     one clip a call), one batch per rank per round, decoded by
     data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the VAE. I2V
@@ -194,7 +204,8 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed, clip); an
     image far from its video's first frame is named once, on rank 0. A clip missing only its audio entry
     (data.audio turned on, another audio VAE) decodes and encodes only its sound. Returns the problems
-    met while decoding."""
+    met while decoding. Control frames (data.decode_control) are encoded by adapter.encode_control, a
+    batch's at once."""
     per_rank = batches(sorted(todo, key=lambda item: item.bucket), cfg.cache_batch_size, d.world,
                        lambda a, b: a.bucket == b.bucket)
     workers = cfg.decode_workers or min(8, max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
@@ -204,17 +215,19 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     heard = [0, 0]  # clips whose sound this rank read, and those that had any
 
     def decoded(item):
-        audio = None
+        audio = control = None
         if "audio" in todo[item]:
             audio = data.decode_audio(item, adapter.audio_sample_rate, adapter.audio_channels)
+        if "control" in todo[item]:
+            control = data.decode_control(item, threads)
         if not todo[item] & {"video", "image"}:
-            return None, None, 0.0, audio
+            return None, None, 0.0, audio, control
         video = data.decode_clip(item, threads)
         last = data.load_image(item, last=True) if item.last_image_content is not None else None
         if not (item.clip.image and cache.image_seed is not None):
-            return video, (video[0], last), 0.0, audio  # the window's own first frame
+            return video, (video[0], last), 0.0, audio, control  # the window's own first frame
         image = data.load_image(item)
-        return video, (image, last), float((image.float() - video[0].float()).abs().mean()), audio
+        return video, (image, last), float((image.float() - video[0].float()).abs().mean()), audio, control
 
     def write_audio(item, audio):
         entry = {}  # no sound: an empty entry says so
@@ -231,15 +244,21 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
         good, bad = [], []
         for item in mine[r] if r < len(mine) else []:
             try:
-                video, image, difference, audio = pending.pop(item).result()
+                video, image, difference, audio, control = pending.pop(item).result()
             except data.BadClip as e:
                 bad.append(data.Problem(item.clip, str(e)))
                 continue
-            good.append((item, video, image, audio))
+            good.append((item, video, image, audio, control))
             if difference > IMAGE_DIFFERENCE:
                 far.append((item.clip.line, f"{item.clip.source} line {item.clip.line}: {item.clip.image} "
                                             f"(difference {difference:.0f})"))
-        pictures = [(item, video, image) for item, video, image, _ in good if video is not None]
+        pictures = [(item, video, image) for item, video, image, _, _ in good if video is not None]
+        controls = [(item, control) for item, _, _, _, control in good if control is not None]
+        if controls:  # one bucket per batch: the controls share a shape
+            controlled, encoded = zip(*controls)
+            encoded = adapter.encode_control(torch.stack(encoded))
+            for j, item in enumerate(controlled):
+                cache.write(item, "control", {name: tensor[j] for name, tensor in encoded.items()})
         index, mean, logvar, image = {}, None, None, None
         if pictures:
             items, videos, images = zip(*pictures)
@@ -251,7 +270,7 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
                 # First-last-frame (every clip has a last image then, read_headers checks): both images at once.
                 last = {"last_images": torch.stack(lasts)} if lasts[0] is not None else {}
                 image = adapter.encode_image(torch.stack(firsts), noise, items[0].resolution[0], **last)
-        for item, _, _, audio in good:
+        for item, _, _, audio, _ in good:
             if item in index:
                 j = index[item]
                 cache.write(item, "video", {"latent_mean": mean[j], "latent_logvar": logvar[j]})
@@ -341,14 +360,16 @@ def prepare(cfg: Config, d: parallel.Dist):
     encoders = manifest.encoder_identity(adapter, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
                   cfg.run.seed if cfg.model.type == "i2v" else None,
-                  adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None)
+                  adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
+                  adapter.takes_control)
     check_last_images(adapter, clips, cfg.data)
-    planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last)
+    check_controls(adapter, cfg.data)
+    planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last, adapter.takes_control)
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()
     # A clip whose file is gone trains from complete entries; without them it is bad input.
     gone = [data.Problem(p.clip, "does not exist") for p, missing, present in planned
-            if isinstance(p, data.Item) and missing & {"video", "image", "audio"} and not present]
+            if isinstance(p, data.Item) and missing & {"video", "image", "audio", "control"} and not present]
     gone_clips = {problem.clip for problem in gone}
     problems = [p for p, _, _ in planned if isinstance(p, data.Problem)] + gone
     skipped = stop_on_problems(problems, cfg.data)
@@ -360,7 +381,7 @@ def prepare(cfg: Config, d: parallel.Dist):
                           "folder or to a complete copy of the cache")
     encode_texts([item for item, missing in items if "text" in missing], adapter, cache, cfg.data, d)
     adapter.release_text_encoder()  # before the VAE: on one card T5-XXL's 9 GB would sit beside its encoding
-    video_todo = {item: missing for item, missing in items if missing & {"video", "image", "audio"}}
+    video_todo = {item: missing for item, missing in items if missing & {"video", "image", "audio", "control"}}
     failed = encode_videos(video_todo, adapter, cache, cfg.data, cfg.run.seed, d)
     adapter.release_encoders()
     failed_clips = {p.clip for p in failed}

@@ -2,7 +2,7 @@
 atomically, reading a micro-batch's entries, and the read-ahead that brings the next micro-batch in
 while the current one computes. cache.py runs the pass that writes them; the trainer only reads.
 
-Four kinds of entry, one safetensors file each, named by a hash of what produced it:
+Five kinds of entry, one safetensors file each, named by a hash of what produced it:
 - video: the VAE posterior (mean, log-variance) of a clip, keyed by the clip's content, its
   preprocessing (bucket, rate, first frame, crop, resize) and the VAE's content;
 - image (image-to-video): the conditioning image's posterior, keyed by the same plus the image's
@@ -13,6 +13,9 @@ Four kinds of entry, one safetensors file each, named by a hash of what produced
   of the sound of a clip's window (data.decode_audio), keyed by the clip's content, the window, the
   audio VAE's content and decode.SOUND; an empty entry for a clip without sound. Such a family's adapter
   has audio_sample_rate, audio_channels and encode_audio(waveforms [1, channels, samples]).
+- control (models that follow a control video, data.control_column): what the adapter's encode_control
+  makes of the control frames aligned with the clip's window (data.decode_control), keyed by the clip's
+  video key and the control file's content: a changed control video is re-encoded, the clip's latents kept.
 So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
 its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
 atomically: an interrupted pass resumes where it was. manifest.py keeps the headers and hashes.
@@ -42,15 +45,17 @@ def _key(**parts) -> str:
 
 
 class Cache:
-    """Entries under cache_dir/{video,image,text,audio}/<2 hex digits>/, named by what produced them."""
+    """Entries under cache_dir/{video,image,text,audio,control}/<2 hex digits>/, named by what produced them."""
 
     def __init__(self, cfg: DataConfig, encoders: dict[str, dict], text_length: int, dtype: str,
-                 image_seed: int | None, audio_dtype: str | None = None):
-        """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound entries."""
+                 image_seed: int | None, audio_dtype: str | None = None, control: bool = False):
+        """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound entries.
+        control: whether each clip has a control entry."""
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
         self.encoders, self.text_length, self.dtype, self.image_seed = encoders, text_length, dtype, image_seed
         self.audio_dtype, sound = audio_dtype, audio_dtype is not None
         self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * sound
+        self.kinds += ("control",) * control
 
     def path(self, item: data.Item, kind: str) -> str:
         if kind == "text":
@@ -58,6 +63,9 @@ class Cache:
         elif kind == "audio":  # the window's seconds, not its crop
             key = _key(content=item.content, window=[item.rate, item.start, item.resolution[0]], sound=decode.SOUND,
                        encoder=self.encoders["audio"], dtype=self.audio_dtype)
+        elif kind == "control":  # the window's frames of another file, by the VAE unless the family says otherwise
+            video = os.path.basename(self.path(item, "video"))  # its key, wherever the cache lies
+            key = _key(video=video, control=item.control_content, encoder=self.encoders.get("control"))
         else:
             key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
                        dtype=self.dtype)

@@ -168,6 +168,10 @@ class DataConfig:
     # File under data_root with one last-frame image per line (metadata files: a last_image column), for
     # first-last-frame models (Wan FLF2V): each clip's window ends at the clip's last frame, which it shows.
     last_image_column: str = ""
+    # File under data_root with one control video per line (metadata files: a control column), for models
+    # that follow a control clip (a depth or pose video, edges, a clip to restyle): each is read at its clip's
+    # window's timestamps, resized to the clip's size and cropped as it is (docs/control.md).
+    control_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
     # Latent and text-embedding cache; "" means <data_root>/.cache.

@@ -2,10 +2,11 @@
 
 Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
 paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
-`video`, `prompt` and optional `image` and `last_image` columns. A `video` may be an image (.png, .jpg, .webp): a
+`video`, `prompt` and optional `image`, `last_image` and `control` columns. A `video` may be an image (.png, .jpg, .webp): a
 one-frame clip. Every clip is planned from its header (decode.py reads it): its bucket, its first
 frame and its crop offsets, drawn from a generator keyed by (run.seed, the clip's content). Its sound
-covers the seconds its frames do.
+covers the seconds its frames do; its control video (data.control_column) is read at its frames' times,
+resized to its size and cropped as it is.
 """
 
 import csv
@@ -40,6 +41,7 @@ class Clip:
     source: str  # the list file the line belongs to
     image: Path | None = None
     last_image: Path | None = None  # first-last-frame: the clip's last frame (data.last_image_column)
+    control: Path | None = None  # a control video aligned with the clip (data.control_column)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Item:
     left: int
     pad: bool  # the clip is shorter than its bucket: repeat its last frame
     last_image_content: str | None = None  # first-last-frame: the hash of data.last_image_column's image
+    control_media: decode.Media | None = None  # the control video's header (data.control_column)
+    control_content: str | None = None  # and the hash of its bytes
 
     def preprocessing(self) -> dict:
         """Everything besides the content and the encoder that shapes the clip's latents."""
@@ -107,9 +111,9 @@ def _list_file(path: Path) -> list[str]:
 
 def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, dict]]]:
     columns = {"prompt": cfg.caption_column, "video": cfg.video_column, "image": cfg.image_column,
-               "last_image": cfg.last_image_column}
+               "last_image": cfg.last_image_column, "control": cfg.control_column}
     values = {key: _list_file(root / name) for key, name in columns.items() if name}
-    for key in ("video", "image", "last_image"):
+    for key in ("video", "image", "last_image", "control"):
         if key in values and len(values[key]) != len(values["prompt"]):
             raise ConfigError(
                 f"{root / cfg.caption_column} has {len(values['prompt'])} lines but {root / columns[key]} has "
@@ -164,10 +168,10 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
         for key in ("video", "prompt"):
             if not isinstance(row.get(key), str) or not row[key].strip():
                 raise ConfigError(f"{source} line {line}: empty or missing {key}: every clip needs a video and a prompt")
-        image, last = (row.get(key) for key in ("image", "last_image"))
+        image, last, control = (row.get(key) for key in ("image", "last_image", "control"))
         clips.append(Clip(root / row["video"].strip(), row["prompt"].strip(), line, source,
-                          root / image.strip() if isinstance(image, str) and image.strip() else None,
-                          root / last.strip() if isinstance(last, str) and last.strip() else None))
+                          *(root / path.strip() if isinstance(path, str) and path.strip() else None
+                            for path in (image, last, control))))
     if not clips:
         raise ConfigError(f"{source} lists no clips")
     return clips
@@ -213,11 +217,13 @@ def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, f
 
 
 def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[int, int, int]], cfg: DataConfig,
-              seed: int, image_content: str | None = None, last_image_content: str | None = None) -> Item | Problem:
+              seed: int, image_content: str | None = None, last_image_content: str | None = None,
+              control: tuple[decode.Media, str] | None = None) -> Item | Problem:
     """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass). The
     window starts at a keyed random frame, or at frame 0 for a clip with an image-to-video image
     (`image_content`); without one, image-to-video conditions on the window's own first frame. A clip with
-    a last image (`last_image_content`, first-last-frame) ends its window at its last frame."""
+    a last image (`last_image_content`, first-last-frame) ends its window at its last frame. A control
+    video (`control`: its header and content hash) must show every frame time of the window."""
     rate = 0.0 if media.image else cfg.target_fps or media.fps
     available = decode.available_frames(media, rate)
     bucket = choose_bucket(shapes, media.height, media.width, available)
@@ -247,21 +253,49 @@ def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[
         left = int(torch.randint(0, resized[1] - out_w + 1, (), generator=generator))
     else:
         top, left = (resized[0] - out_h) // 2, (resized[1] - out_w) // 2
+    if control is not None:
+        # The window's frames the clip shows (a padded clip repeats its last one): the control must show their
+        # times too, at whatever rate it was made.
+        shown = min(start + frames, available)
+        has = decode.available_frames(control[0], rate)
+        if has < shown:
+            at = f"at {rate:g} fps" if rate else "in all"
+            return Problem(clip, f"control {clip.control} has {has} frames {at}, but the clip's window needs its "
+                                 f"frames {start} to {shown - 1}: give each clip a control video as long as the clip")
     return Item(clip, media, content, image_content, bucket, shapes[bucket], resized, rate, start, top, left,
-                available < frames, last_image_content)
+                available < frames, last_image_content, *(control or (None, None)))
+
+
+def window_times(item: Item) -> list[float]:
+    """When each of the window's frames is shown, in seconds after the clip's first frame."""
+    frames = item.resolution[0]
+    return [(item.start + k) / item.rate for k in range(frames)] if item.rate else [0.0] * frames
 
 
 def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
     """The planned frames, resized and cropped: uint8 [F, H, W, 3]. Frame k is the one shown at
     (start + k) / rate seconds after the clip's first frame."""
     frames, height, width = item.resolution
-    times = [(item.start + k) / item.rate for k in range(frames)] if item.rate else [0.0] * frames
+    times = window_times(item)
     crop = (item.top, item.left, height, width)
     try:
         return torch.from_numpy(decode.read_frames(item.clip.video, item.media, times, item.resized, crop, item.pad,
                                                    threads))
     except decode.MediaError as e:
         raise BadClip(str(e)) from None
+
+
+def decode_control(item: Item, threads: int = 0) -> torch.Tensor:
+    """The control video's frames of the planned window: those shown at the clip's frame times (whatever the
+    control's own rate), resized to the clip's resized size (whatever the control's own) and cropped as the
+    clip's frames are: uint8 [F, H, W, 3], frame k aligned with decode_clip's frame k."""
+    frames, height, width = item.resolution
+    times = window_times(item)
+    try:
+        return torch.from_numpy(decode.read_frames(item.clip.control, item.control_media, times, item.resized,
+                                                   (item.top, item.left, height, width), item.pad, threads))
+    except decode.MediaError as e:
+        raise BadClip(f"control {item.clip.control}: {e}") from None
 
 
 def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | None:

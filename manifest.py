@@ -81,11 +81,12 @@ class Manifest:
                         identity[kind][str(path.relative_to(adapter.path))] = entry["content"]
         return parallel.broadcast(identity, d)
 
-    def clip_entries(self, clip, with_image: bool,
-                     with_last: bool = False) -> tuple[dict, str | None, str | None, list]:
+    def clip_entries(self, clip, with_image: bool, with_last: bool = False,
+                     with_control: bool = False) -> tuple[dict, str | None, str | None, dict | None, list]:
         """The clip's entry, (image-to-video) its image's and (first-last-frame) its last image's
-        content hashes, reading what is not known yet; and the new entries. decode.MediaError names
-        the file that failed, or the missing last image."""
+        content hashes, (a control model) its control video's entry, reading what is not known yet; and
+        the new entries. decode.MediaError names the file that failed, or the missing last image or
+        control video."""
         new = []
 
         def entry(path: Path) -> dict:
@@ -109,7 +110,16 @@ class Manifest:
                 last = entry(clip.last_image)["content"]
             except decode.MediaError as e:
                 raise decode.MediaError(f"last image {clip.last_image}: {e}") from None
-        return video, image, last, new
+        control = None
+        if with_control:
+            if clip.control is None:
+                raise decode.MediaError("has no control video: a control model needs one per clip "
+                                        "(data.control_column's line, or the metadata file's control column)")
+            try:
+                control = entry(clip.control)
+            except decode.MediaError as e:
+                raise decode.MediaError(f"control {clip.control}: {e}") from None
+        return video, image, last, control, new
 
     def save(self) -> None:
         if not self.changed:

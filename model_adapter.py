@@ -123,6 +123,11 @@ class Adapter(TransformerLoading, abc.ABC):
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
         """Image-to-video: uint8 [B, H, W, 3] -> the tensors of the clip's image entry."""
 
+    def encode_control(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Control frames uint8 [B, F, H, W, 3] -> the tensors of each clip's control entry (the VAE posterior)."""
+        mean, logvar = self.encode_video(video)
+        return {"control_latent_mean": mean, "control_latent_logvar": logvar}
+
     @abc.abstractmethod
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
         """Embeddings [B, L, D] as the pipeline computes them (padding rows zero)."""
@@ -226,6 +231,9 @@ class Adapter(TransformerLoading, abc.ABC):
         # Whether the model reads a control video, its mask and reference images through context blocks (Wan
         # VACE): the cache and validation then encode them.
         self.vace = False
+        # Whether the model follows a control video per clip (data.control_column; validation.control_videos):
+        # the cache then holds each clip's control entry (encode_control), its batches control_* tensors.
+        self.takes_control = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         self._vae = self._text_encoder = self._tokenizer = None
 

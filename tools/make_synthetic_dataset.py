@@ -11,12 +11,16 @@ first-last-frame). Byte-identical output for a given seed (in the default kind, 
   phone  a portrait clip as phones store it: landscape pixels in a .mov with a 90-degree display matrix
   photo  a portrait JPEG as cameras store it: landscape pixels with EXIF orientation 6
 
+--control writes controls.txt and controls/NNNNN.mp4: each clip's edge map (the shape's outline, white on
+black, moving as the shape does), for control models (data.control_column): a mapping from outline to
+filled shape that a demo-size run learns.
+
 --audio gives every video a mono soundtrack: a tone whose pitch follows the shape along its path (from
 220 Hz to 880 Hz across the frame, rising to the right and upwards), so picture and sound are
 related. AAC at 44.1 kHz in mp4 and mov, Opus at 48 kHz in Matroska and WebM; --kinds then defaults
 to mp4,mkv. Without --audio the clips are the same bytes as before.
 
-    python tools/make_synthetic_dataset.py --out DIR [--num-videos N] [--frames F] [--height H] [--width W] [--audio] [--seed N] [--kinds mp4,mkv,...]
+    python tools/make_synthetic_dataset.py --out DIR [--num-videos N] [--frames F] [--height H] [--width W] [--audio] [--control] [--seed N] [--kinds mp4,mkv,...]
 """
 
 import argparse
@@ -70,6 +74,15 @@ def render_clip(shape: str, colour: str, direction: str, frames: int, height: in
     along = np.array([(start_x + ux * speed * f) / width if ux else 1 - (start_y + uy * speed * f) / height
                       for f in range(frames)])
     return video, along
+
+
+def edge_map(video: np.ndarray) -> np.ndarray:
+    """uint8 [F, H, W, 3] -> the outline of what is not black, white on black: the pixels of the shape that
+    touch the background (or the frame's edge) in one of the four directions."""
+    shape = video.any(-1)
+    inner = np.pad(shape, ((0, 0), (1, 1), (1, 1)))
+    inner = inner[:, :-2, 1:-1] & inner[:, 2:, 1:-1] & inner[:, 1:-1, :-2] & inner[:, 1:-1, 2:] & shape
+    return np.repeat(((shape & ~inner) * 255).astype(np.uint8)[..., None], 3, axis=-1)
 
 
 def frame_times(kind: str, frames: int, fps: int) -> np.ndarray:
@@ -146,14 +159,17 @@ def write_sound(container, stream, sound: np.ndarray, start_pts: int = 0) -> Non
 
 
 def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, height: int = 40, width: int = 48,
-                           seed: int = 0, kinds: tuple[str, ...] | None = None, audio: bool = False):
+                           seed: int = 0, kinds: tuple[str, ...] | None = None, audio: bool = False,
+                           control: bool = False):
     root = Path(out)
     (root / "videos").mkdir(parents=True, exist_ok=True)
     (root / "images").mkdir(exist_ok=True)
     (root / "last_images").mkdir(exist_ok=True)
     rng = random.Random(seed)
     kinds = kinds or (("mp4", "mkv") if audio else ("mp4",))
-    prompts, videos, images, last_images = [], [], [], []
+    prompts, videos, images, last_images, controls = [], [], [], [], []
+    if control:
+        (root / "controls").mkdir(exist_ok=True)
     for i in range(num_videos):
         kind = kinds[i % len(kinds)]
         shape, colour, direction = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(DIRECTIONS))
@@ -169,9 +185,13 @@ def make_synthetic_dataset(out: str, num_videos: int = 16, frames: int = 17, hei
         videos.append(name)
         images.append(f"images/{i:05d}.png")
         last_images.append(f"last_images/{i:05d}.png")
+        if control:  # as displayed, in plain mp4 whatever the clip's kind
+            write_clip(root / f"controls/{i:05d}.mp4", edge_map(video), FPS)
+            controls.append(f"controls/{i:05d}.mp4")
     for name, lines in (("prompts.txt", prompts), ("videos.txt", videos), ("images.txt", images),
-                        ("last_images.txt", last_images)):
-        (root / name).write_text("\n".join(lines) + "\n")
+                        ("last_images.txt", last_images), ("controls.txt", controls)):
+        if lines:
+            (root / name).write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -185,9 +205,10 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help=f"comma-separated, cycled over the clips: {','.join([*ENCODERS, 'photo'])} "
                         "(default mp4; mp4,mkv with --audio)")
     parser.add_argument("--audio", action="store_true", help="a soundtrack per video: a tone following the shape")
+    parser.add_argument("--control", action="store_true", help="a control video per clip: its edge map")
     args = parser.parse_args()
     make_synthetic_dataset(args.out, args.num_videos, args.frames, args.height, args.width, args.seed,
-                           tuple(args.kinds.split(",")) if args.kinds else None, args.audio)
+                           tuple(args.kinds.split(",")) if args.kinds else None, args.audio, args.control)
     print(f"wrote {args.num_videos} clips to {args.out}")
 
 

@@ -1,0 +1,159 @@
+"""Control videos as data (data.control_column): each clip's control is read at its window's frame times,
+resized and cropped as its frames are, whatever the control's own rate and size; cached beside the clip's
+latents by the adapter's encode_control, keyed by the control's content; bad input is named."""
+
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import cache
+import data
+import decode
+from config import ConfigError, DataConfig, load_config
+from conftest import one_rank_group, picked_frames, write_toml
+from model_adapter import load_adapter
+from tools.make_synthetic_dataset import edge_map, make_synthetic_dataset, write_clip
+
+
+def ramp(path, frames: int, height: int, width: int, fps: int, step: float, mark: int = 0) -> None:
+    """Frame k is flat grey 10 + step x k (the decoded grey tells which frame was picked), with a white top-left
+    corner (it tells how the frame was resized and cropped) and a top-right one of grey `mark` (clips of other
+    content: other windows and crops)."""
+    video = np.stack([np.full((height, width, 3), round(10 + step * k), np.uint8) for k in range(frames)])
+    video[:, : height // 4, : width // 4] = 255
+    video[:, : height // 4, -width // 4 :] = mark
+    write_clip(path, video, fps)
+
+
+def ramp_data(root, count: int = 3):
+    """Targets: 17 frames of 40 x 48 at 8 fps, frame k grey 10 + 12k. Controls: the same ramp at 24 fps and twice
+    the size (control frame j shows the target's time j / 24: grey 10 + 4j), so a control frame read at the target
+    frame k's time has the target frame's grey; line 3's control covers only the clip's first 9 frames."""
+    (root / "videos").mkdir(parents=True)
+    (root / "controls").mkdir()
+    rows = []
+    for i in range(count):
+        ramp(root / "videos" / f"{i}.mp4", 17, 40, 48, 8, 12, 40 * i)
+        ramp(root / "controls" / f"{i}.mp4", 49, 80, 96, 24, 4, 40 * i)
+        rows.append(f'{{"video": "videos/{i}.mp4", "prompt": "ramp {i}", "control": "controls/{i}.mp4"}}\n')
+    (root / "metadata.jsonl").write_text("".join(rows))
+    return root
+
+
+@pytest.fixture
+def control_settings(base_settings, tmp_path):
+    """The session's tiny CogVideoX over a ramp dataset with controls, random crops, its own cache."""
+    root = ramp_data(tmp_path / "data")
+    return {**base_settings, "run.output_dir": str(tmp_path / "out"), "data.data_root": str(root),
+            "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0, "data.crop": "random"}
+
+
+def control_model(monkeypatch, seen: list):
+    """cache.prepare's adapter made a control model whose encode_control records the frames it is given."""
+    def load(cfg, device):
+        adapter = load_adapter(cfg, device)
+        adapter.takes_control = True
+        encode = adapter.encode_control
+
+        def recorded(video):
+            seen.append(video.clone())
+            return encode(video)
+
+        adapter.encode_control = recorded
+        return adapter
+
+    monkeypatch.setattr(cache, "load_adapter", load)
+
+
+def test_cached_controls_are_the_target_windows_frames(control_settings, tmp_path, monkeypatch, caplog):
+    """The frames encode_control receives are, frame by frame, the target window's (the same grey: the same
+    time; the same white corner: the same resize and crop), though the control has 3x the rate and 2x the
+    size; the entry is their VAE posterior; a changed control re-encodes that clip's control alone."""
+    seen = []
+    control_model(monkeypatch, seen)
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", control_settings)))
+    with one_rank_group() as d:
+        adapter, entries, items, _ = cache.prepare(cfg, d)
+        assert len(items) == 3 and "control" in entries.kinds
+        assert len({item.start for item in items}) > 1 and len({item.left for item in items}) > 1
+        frames = torch.cat(seen)  # one batch, in the items' order
+        assert frames.shape == (3, 9, 32, 32, 3) and frames.dtype == torch.uint8
+        means, logvars = adapter.encode_video(frames)  # as one batch: the VAE's sums differ by batch size
+        for item, control, mean, logvar in zip(items, frames, means, logvars):
+            target = data.decode_clip(item)
+            assert picked_frames(control) == picked_frames(target) == list(range(item.start, item.start + 9))
+            assert (control.float() - target.float()).abs().mean() < 3  # the corner's edge falls alike
+            corner = (control.float().mean(dim=(0, 3)) > 200).nonzero()
+            assert corner.amax(0).tolist() == (target.float().mean(dim=(0, 3)) > 200).nonzero().amax(0).tolist()
+            cached = load_file(entries.path(item, "control"))
+            torch.testing.assert_close(cached["control_latent_mean"], mean, rtol=0, atol=1e-6)
+            torch.testing.assert_close(cached["control_latent_logvar"], logvar, rtol=0, atol=1e-6)
+        batch = entries.load_batch(items[:2])
+        assert batch["control_latent_mean"].shape == batch["latent_mean"].shape
+        before = [entries.path(item, kind) for item in items for kind in ("video", "control")]
+        ramp(tmp_path / "data" / "controls" / "1.mp4", 49, 80, 96, 24, 4, 41)  # other greys: other content
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vidtrain"):
+            _, entries, items, _ = cache.prepare(cfg, d)
+    after = [entries.path(item, kind) for item in items for kind in ("video", "control")]
+    assert [b == a for b, a in zip(before, after)] == [True, True, True, False, True, True]
+    assert len(seen) == 2 and seen[1].shape[0] == 1  # only the changed control went to the encoder
+    assert any("cache: 1 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_control_shorter_than_the_window_is_named(tmp_path):
+    """A control that stops before the window's last frame time is bad input naming it, at any rate; one that
+    covers the window (though shorter than the clip) is fine."""
+    root = ramp_data(tmp_path / "data", 1)
+    ramp(root / "controls" / "short.mp4", 27, 80, 96, 24, 4)  # 27 / 24 s: the target's frames 0 to 8
+    clip = data.Clip(root / "videos" / "0.mp4", "ramp", 1, "metadata.jsonl", control=root / "controls" / "short.mp4")
+    media, control = decode.probe(clip.video), (decode.probe(clip.control), "short")
+    plans = [data.plan_clip(clip, media, "c", [(9, 32, 32)], DataConfig(), seed, control=control) for seed in range(20)]
+    late = next(seed for seed in range(20) if data.plan_clip(clip, media, "c", [(9, 32, 32)], DataConfig(), seed).start)
+    start = data.plan_clip(clip, media, "c", [(9, 32, 32)], DataConfig(), late).start
+    problem = plans[late]
+    assert isinstance(problem, data.Problem) and problem.kind == "bad"
+    assert f"control {clip.control} has 9 frames at 8 fps, but the clip's window needs its frames {start} to " \
+           f"{start + 8}: give each clip a control video as long as the clip" in str(problem)
+    assert str(clip.video) in str(problem)
+    item = next(plan for plan in plans if isinstance(plan, data.Item))  # a window at frame 0
+    assert item.start == 0 and picked_frames(data.decode_control(item)) == list(range(9))
+
+
+def test_control_refusals_name_the_key_or_the_clip(control_settings, base_settings, tmp_path, monkeypatch):
+    """data.control_column for a model that follows no control names the key; a control model's clip without a
+    control names the clip, the line and the column; an unreadable control names its file."""
+    with one_rank_group() as d:
+        settings = {**base_settings, "run.output_dir": str(tmp_path / "plain"), "data.control_column": "videos.txt"}
+        with pytest.raises(ConfigError, match="data.control_column = videos.txt gives control videos, and model.path"):
+            cache.prepare(load_config(str(write_toml(tmp_path / "plain.toml", settings))), d)
+        control_model(monkeypatch, [])
+        root = tmp_path / "data"
+        rows = (root / "metadata.jsonl").read_text().splitlines()
+        (root / "metadata.jsonl").write_text(rows[0] + "\n" + rows[1].replace(', "control": "controls/1.mp4"', "") + "\n")
+        cfg = load_config(str(write_toml(tmp_path / "c.toml", control_settings)))
+        with pytest.raises(data.BadClip, match=r"metadata.jsonl line 2: .*1.mp4: has no control video: a control "
+                                               r"model needs one per clip \(data.control_column's line"):
+            cache.prepare(cfg, d)
+        (root / "metadata.jsonl").write_text(rows[0] + "\n")
+        (root / "controls" / "0.mp4").write_bytes(b"not a video")
+        with pytest.raises(data.BadClip, match=r"line 1: .*0.mp4: control .*controls/0.mp4: not a readable video"):
+            cache.prepare(cfg, d)
+
+
+def test_synthetic_controls_are_each_clips_edge_map(tmp_path):
+    """--control writes one control per clip, listed line by line: the clip's outline, frame by frame."""
+    make_synthetic_dataset(str(tmp_path), num_videos=2, frames=9, control=True)
+    lines = (tmp_path / "controls.txt").read_text().splitlines()
+    assert lines == ["controls/00000.mp4", "controls/00001.mp4"]
+    clip = data.Clip(tmp_path / "videos/00001.mp4", "x", 2, "videos.txt", control=tmp_path / lines[1])
+    media = decode.probe(clip.video)
+    item = data.plan_clip(clip, media, "c", [(9, 40, 48)], DataConfig(), 0, control=(decode.probe(clip.control), "c"))
+    video, control = data.decode_clip(item).numpy(), data.decode_control(item).numpy()
+    edges = edge_map(video.astype(np.int32).__gt__(60).astype(np.uint8) * 255)
+    assert (np.abs(control.astype(np.int32) - edges) > 128).mean() < 0.02  # H.264 blurs a few edge pixels
+    assert (control > 128).mean() > 0.005 and (control > 128).mean() < (video.max(-1) > 60).mean()
