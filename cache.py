@@ -62,9 +62,13 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
-                controls = (media_of(controls), controls["content"]) if controls else None
+                vace = {}
+                if controls:  # Wan VACE: the mask's header and hash, the reference's hash
+                    mask = controls["mask"] and (media_of(controls["mask"]), controls["mask"]["content"])
+                    vace = {"mask": mask, "reference_content": controls["reference"]}
+                    controls = (media_of(controls), controls["content"])
                 planned = data.plan_clip(clips[i], media_of(video), video["content"], shapes, cfg.data, cfg.run.seed,
-                                         image, last, controls)
+                                         image, last, controls, **vace)
                 missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
                 # Sent without the clip, which every rank holds: unpickling paths is most of the gather's cost.
                 out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
@@ -97,6 +101,10 @@ def check_controls(adapter, cfg: DataConfig) -> None:
         raise ConfigError(f"data.control_column = {cfg.control_column} gives control videos, and model.path = "
                           f"{adapter.path} is not a model that follows one: remove it, or train a control model "
                           "(docs/control.md)")
+    for key in ("mask_column", "reference_column"):
+        if getattr(cfg, key) and not adapter.vace:
+            raise ConfigError(f"data.{key} = {getattr(cfg, key)} conditions Wan VACE models, and model.path = "
+                              f"{adapter.path} is not one: remove it, or train a VACE model (model.type = \"vace\")")
 
 
 def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data.Problem]:
@@ -220,6 +228,9 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
             audio = data.decode_audio(item, adapter.audio_sample_rate, adapter.audio_channels)
         if "control" in todo[item]:
             control = data.decode_control(item, threads)
+            if adapter.vace:  # Wan VACE: the clip's mask and reference image are encoded with its control
+                control = (control, data.decode_mask(item, threads) if item.mask_content else None,
+                           data.load_reference(item) if item.reference_content else None)
         if not todo[item] & {"video", "image"}:
             return None, None, 0.0, audio, control
         video = data.decode_clip(item, threads)
@@ -256,7 +267,11 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
         controls = [(item, control) for item, _, _, _, control in good if control is not None]
         if controls:  # one bucket per batch: the controls share a shape
             controlled, encoded = zip(*controls)
-            encoded = adapter.encode_control(torch.stack(encoded))
+            if adapter.vace:
+                videos, masks, references = zip(*encoded)
+                encoded = adapter.encode_control(torch.stack(videos), masks, references)
+            else:
+                encoded = adapter.encode_control(torch.stack(encoded))
             for j, item in enumerate(controlled):
                 cache.write(item, "control", {name: tensor[j] for name, tensor in encoded.items()})
         index, mean, logvar, image = {}, None, None, None

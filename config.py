@@ -172,6 +172,13 @@ class DataConfig:
     # that follow a control clip (a depth or pose video, edges, a clip to restyle): each is read at its clip's
     # window's timestamps, resized to the clip's size and cropped as it is (docs/control.md).
     control_column: str = ""
+    # Wan VACE: file under data_root with one mask per line (metadata files: a mask column), a video read as the
+    # control video is or an image for every frame; white marks what to generate, black what to keep. ""
+    # masks nothing (all white, the pipeline's default).
+    mask_column: str = ""
+    # Wan VACE: file under data_root with one reference image per line (metadata files: a reference column), a
+    # subject or style the clip shows; it is fitted into the frame on white, as the pipeline does.
+    reference_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
     # Latent and text-embedding cache; "" means <data_root>/.cache.

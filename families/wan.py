@@ -86,6 +86,7 @@ class WanAdapter(Adapter):
                 " is not a VACE model (its transformer has no vace_layers): set model.type = \"t2v\" or \"i2v\""))
         if self.vace:
             self.TRANSFORMER = WanVACETransformer3DModel
+            self.takes_control = True  # each clip's control entry: its VACE condition (encode_control)
         self.transformer_config = resolved_config(self.TRANSFORMER, self.path, self.transformer_folder)
         self.vae_config = resolved_config(AutoencoderKLWan, self.path, "vae")
         z, in_channels = self.vae_config["z_dim"], self.transformer_config["in_channels"]
@@ -241,6 +242,24 @@ class WanAdapter(Adapter):
         if references is not None and references.shape[1]:
             condition["reference_latents"] = wan_vace.reference_latents(self._vae_mode, references.to(self.device))
         return condition
+
+    def encode_control(self, video: torch.Tensor, masks=None, references=None) -> dict[str, torch.Tensor]:
+        """VACE: the control entries of a batch of clips: control frames uint8 [B, F, H, W, 3], each clip's
+        mask frames (uint8 [F, H, W, 3], or None: all white) and reference image (uint8 [H, W, 3], or None),
+        encoded as the pipeline encodes them (vace_condition)."""
+        frames, height, width = video.shape[1:4]
+        pixels = video.to(self.device).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+        white = torch.full_like(video[0], 255)
+        masks = torch.stack([white if m is None else m for m in masks or [None] * len(video)])
+        masks = masks.to(self.device).permute(0, 4, 1, 2, 3).float() / 255.0
+        canvases = None
+        if references and any(r is not None for r in references):
+            if any(r is None for r in references):
+                raise ConfigError("some clips have a reference image (data.reference_column) and others not: give "
+                                  "every clip one, or none")
+            canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio)[None]
+                                    for r in references])
+        return self.vace_condition(pixels, masks, canvases, frames, height, width)
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:

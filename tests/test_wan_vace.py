@@ -5,6 +5,8 @@ reference frames outside the loss."""
 
 import contextlib
 import json
+import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from diffusers import WanVACEPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
+import cache
 import data
 import lora
 import validate
@@ -226,3 +229,60 @@ def test_validation_renders_each_prompt_with_its_reference_image(wan_models, bas
     with pytest.raises(ConfigError, match="validation.reference_images has 1 for 2 validation.prompts"):
         load_config(str(write_toml(tmp_path / "two.toml", {**settings, "validation.prompts": [PROMPT, PROMPT],
                                                            "validation.do_validation": True})))
+
+
+def vace_data(root, tiny_data):
+    """A metadata.jsonl dataset of 4 of the session's clips, each with a control video (another clip, to
+    restyle), a mask image (left half white: generate; right half black: keep) and a reference image
+    (another clip's first frame); masks and references copied, as a test edits them."""
+    (root / "masks").mkdir(parents=True)
+    (root / "videos").symlink_to(tiny_data / "videos")
+    shutil.copytree(tiny_data / "images", root / "references")
+    rows = []
+    for i in range(4):
+        mask = np.zeros((40, 48), np.uint8)
+        mask[:, :24] = 255
+        Image.fromarray(mask).save(root / "masks" / f"{i}.png")
+        rows.append(json.dumps({"video": f"videos/0000{i}.mp4", "prompt": f"clip {i}",
+                                "control": f"videos/0000{i + 4}.mp4", "mask": f"masks/{i}.png",
+                                "reference": f"references/0000{(i + 1) % 4}.png"}) + "\n")
+    (root / "metadata.jsonl").write_text("".join(rows))
+    return root
+
+
+def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(wan_models, base_settings, tiny_data, tmp_path,
+                                                                      caplog):
+    """The control entry is the clip's window of its control video, its mask and its reference image, encoded
+    as encode_control encodes them (the pipeline's, test above); changing a clip's mask or its reference image
+    re-encodes that clip's control entry only, and keeps its video latents; the other families refuse the
+    VACE columns."""
+    root = vace_data(tmp_path / "data", tiny_data)
+    settings = vace_settings(wan_models, base_settings, tmp_path / "out", **{
+        "data.data_root": str(root), "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0})
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    with one_rank_group() as d:
+        adapter, entries, items, _ = cache.prepare(cfg, d)
+        item = items[1]
+        mask = data.decode_mask(item)
+        assert mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255  # the left edge survives the crop
+        expected = adapter.encode_control(data.decode_control(item)[None], [mask], [data.load_reference(item)])
+        cached = load_file(entries.path(item, "control"))
+        assert cached.keys() == {"control_latents", "reference_latents"}
+        assert cached["control_latents"].shape == (96, 3, 4, 4) and cached["reference_latents"].shape == (16, 1, 4, 4)
+        for key in cached:
+            torch.testing.assert_close(cached[key], expected[key][0], rtol=0, atol=1e-5)
+        before = {kind: [entries.path(i, kind) for i in items] for kind in ("video", "control")}
+        shutil.copy(root / "references" / "00003.png", root / "references" / "00002.png")  # clip 1's reference
+        mask = np.asarray(Image.open(root / "masks" / "2.png")).copy()
+        Image.fromarray(255 - mask).save(root / "masks" / "2.png")  # clip 2's mask, inverted
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vidtrain"):
+            _, entries, items, _ = cache.prepare(cfg, d)
+        after = {kind: [entries.path(i, kind) for i in items] for kind in ("video", "control")}
+        assert after["video"] == before["video"]
+        assert [a != b for a, b in zip(after["control"], before["control"])] == [False, True, True, False]
+        assert any("cache: 2 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), caplog.text
+        t2v = {**settings, "model.path": str(wan_models("t2v")), "model.type": "t2v", "lora.target_modules": ["to_q"]}
+        for key in ("mask_column", "reference_column"):
+            with pytest.raises(ConfigError, match=f"data.{key} = x.txt conditions Wan VACE models, and model.path"):
+                cache.prepare(load_config(str(write_toml(tmp_path / "t.toml", {**t2v, f"data.{key}": "x.txt"}))), d)
