@@ -4,6 +4,7 @@ loaded by load_lora_weights); the training forward reads the context the pipelin
 reference frames outside the loss."""
 
 import contextlib
+import io
 import json
 import logging
 import shutil
@@ -14,13 +15,14 @@ import torch
 from diffusers import WanVACEPipeline
 from PIL import Image
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import cache
 import data
 import lora
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from conftest import one_rank_group, write_toml
+from conftest import one_rank_group, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from families import wan_vace
 from model_adapter import load_adapter
 
@@ -231,7 +233,7 @@ def test_validation_renders_each_prompt_with_its_reference_image(wan_models, bas
                                                            "validation.do_validation": True})))
 
 
-def vace_data(root, tiny_data):
+def vace_data(root, tiny_data, count: int = 4):
     """A metadata.jsonl dataset of 4 of the session's clips, each with a control video (another clip, to
     restyle), a mask image (left half white: generate; right half black: keep) and a reference image
     (another clip's first frame); masks and references copied, as a test edits them."""
@@ -239,13 +241,13 @@ def vace_data(root, tiny_data):
     (root / "videos").symlink_to(tiny_data / "videos")
     shutil.copytree(tiny_data / "images", root / "references")
     rows = []
-    for i in range(4):
+    for i in range(count):
         mask = np.zeros((40, 48), np.uint8)
         mask[:, :24] = 255
         Image.fromarray(mask).save(root / "masks" / f"{i}.png")
         rows.append(json.dumps({"video": f"videos/0000{i}.mp4", "prompt": f"clip {i}",
-                                "control": f"videos/0000{i + 4}.mp4", "mask": f"masks/{i}.png",
-                                "reference": f"references/0000{(i + 1) % 4}.png"}) + "\n")
+                                "control": f"videos/{i + 8:05d}.mp4", "mask": f"masks/{i}.png",
+                                "reference": f"references/{(i + 1) % count:05d}.png"}) + "\n")
     (root / "metadata.jsonl").write_text("".join(rows))
     return root
 
@@ -286,3 +288,64 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(wan_models
         for key in ("mask_column", "reference_column"):
             with pytest.raises(ConfigError, match=f"data.{key} = x.txt conditions Wan VACE models, and model.path"):
                 cache.prepare(load_config(str(write_toml(tmp_path / "t.toml", {**t2v, f"data.{key}": "x.txt"}))), d)
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
+    """2 FSDP ranks train a LoRA on the base and VACE blocks from control, mask and reference, with validation
+    from a reference image: SIGKILL after step 4, the next launch resumes from step 3 and ends bitwise equal
+    to the run never stopped, clips included; TensorBoard shows the reference beside the clip; the export
+    loads into WanVACEPipeline with every module, and computes there what our model computes; its ComfyUI
+    file holds the VACE blocks' modules."""
+    root = vace_data(tmp_path / "data", tiny_data, count=6)
+    reference = root / "references" / "00005.png"
+    lifecycle = {"data.data_root": str(root), "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 2,
+                 "parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 6, "train.learning_rate": 1e-2,
+                 "checkpoint.checkpointing_steps": 3, "validation.do_validation": True,
+                 "validation.validation_steps": 3, "validation.num_inference_steps": 3, "validation.save_frames": True,
+                 "validation.prompts": [PROMPT], "validation.reference_images": [str(reference)]}
+    configs = {name: write_toml(tmp_path / f"{name}.toml", vace_settings(wan_models, base_settings, tmp_path / name,
+                                                                           **lifecycle))
+               for name in ("reference", "killed")}
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}).returncode != 0
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 3 ({tmp_path / 'killed' / 'checkpoint-3'})" in resumed.stderr
+    losses = train_losses(tmp_path / "reference")
+    assert sorted(losses) == list(range(1, 7)) and train_losses(tmp_path / "killed") == losses
+    val = [m for m in read_metrics(tmp_path / "reference") if "val/loss" in m]
+    assert [m["step"] for m in val] == [0, 3, 6] and val[-1]["val/loss"] < val[0]["val/loss"]
+    lora_dir = tmp_path / "reference" / "lora"
+    ours, theirs = (load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors")
+                    for name in ("killed", "reference"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert any(k.startswith("transformer.vace_blocks.0.proj_in.") for k in ours)
+    clip = "validation_res/step_6_prompt_0.safetensors"
+    assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
+    events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
+    events.Reload()
+    shown = events.Images("val/conditions_0")
+    assert [c.step for c in shown] == [0, 3, 6]
+    with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
+        pixels = torch.from_numpy(np.asarray(gif.convert("RGB"))).float()
+    expected = torch.from_numpy(np.asarray(Image.open(reference).convert("RGB").resize((32, 32)))).float()
+    assert pixels.shape == (32, 32, 3) and (pixels - expected).abs().mean() < 4
+    comfy = load_file(next((lora_dir / "comfy").glob("*.safetensors")))
+    assert "diffusion_model.vace_blocks.0.before_proj.lora_A.weight" in comfy
+    assert len([k for k in comfy if k.endswith("lora_A.weight")]) == len([k for k in ours if "lora_A" in k])
+
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = validate.load_model(cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")).eval()
+    pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+    pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
+    loaded = {n.rsplit(".lora_A", 1)[0] for n, _ in pipe.transformer.named_modules() if n.endswith(".lora_A")}
+    assert loaded == {k.removeprefix("transformer.").rsplit(".lora_A", 1)[0] for k in ours if "lora_A" in k}
+    gen = torch.Generator().manual_seed(0)
+    x, embeds = torch.randn(2, 16, 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    control = torch.randn(2, 96, 3, 4, 4, generator=gen)
+    with torch.no_grad():
+        t = torch.tensor([10, 900])
+        torch.testing.assert_close(adapter._predict(pipe.transformer, x, t, embeds, None, control),
+                                   adapter._predict(model, x, t, embeds, None, control), rtol=0, atol=1e-5)
