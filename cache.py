@@ -95,7 +95,7 @@ def check_last_images(adapter, clips: list[data.Clip], cfg: DataConfig) -> None:
                           "(Wan2.1-FLF2V-14B-720P)")
 
 
-def check_controls(adapter, cfg: DataConfig) -> None:
+def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip] = ()) -> None:
     """Control videos are for a model that follows them (each clip's is checked as its header is read)."""
     if not adapter.takes_control and cfg.control_column:
         raise ConfigError(f"data.control_column = {cfg.control_column} gives control videos, and model.path = "
@@ -105,6 +105,11 @@ def check_controls(adapter, cfg: DataConfig) -> None:
         if getattr(cfg, key) and not adapter.vace:
             raise ConfigError(f"data.{key} = {getattr(cfg, key)} conditions Wan VACE models, and model.path = "
                               f"{adapter.path} is not one: remove it, or train a VACE model (model.type = \"vace\")")
+    with_reference = [clip for clip in clips if clip.reference is not None]
+    if adapter.vace and 0 < len(with_reference) < len(clips):  # a batch's clips stack their references
+        without = next(clip for clip in clips if clip.reference is None)
+        raise ConfigError(f"{without.source} line {without.line} has no reference image, but {len(with_reference)} "
+                          "other clip(s) have one: give every clip a reference image (data.reference_column), or none")
 
 
 def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data.Problem]:
@@ -378,7 +383,7 @@ def prepare(cfg: Config, d: parallel.Dist):
                   adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
                   adapter.takes_control)
     check_last_images(adapter, clips, cfg.data)
-    check_controls(adapter, cfg.data)
+    check_controls(adapter, cfg.data, clips)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last, adapter.takes_control)
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()

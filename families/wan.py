@@ -253,10 +253,7 @@ class WanAdapter(Adapter):
         masks = torch.stack([white if m is None else m for m in masks or [None] * len(video)])
         masks = masks.to(self.device).permute(0, 4, 1, 2, 3).float() / 255.0
         canvases = None
-        if references and any(r is not None for r in references):
-            if any(r is None for r in references):
-                raise ConfigError("some clips have a reference image (data.reference_column) and others not: give "
-                                  "every clip one, or none")
+        if references and references[0] is not None:  # every clip has one, or none (cache.check_controls)
             canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio)[None]
                                     for r in references])
         return self.vace_condition(pixels, masks, canvases, frames, height, width)

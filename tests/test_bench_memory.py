@@ -253,3 +253,24 @@ def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
     assert pinned[0] == pinned[1] and len(pinned[0]) == layers + 2  # nothing new in the second step
     assert sorted(pinned[0]) == sorted(parts["copies"]) and sum(pinned[0]) == parts["offloaded"]
     assert all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))
+
+
+def test_vace_counts_its_context_blocks(wan_models, tmp_path):
+    """Wan VACE: the estimate builds the VACE transformer (its frozen weights are all the loaded model's,
+    the context blocks and their patch embedding included) and runs its step with the context, which the
+    VACE blocks make larger than the same base's without them."""
+    settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("vace")), "model.family": "wan",
+                "model.type": "vace", "model.dtype": "fp32", "train.mixed_precision": "no",
+                "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32]}
+    cfg = load_config(str(write_toml(tmp_path / "vace.toml", settings)))
+    family, adapter = published.make_adapter(cfg, None, tmp_path, bench_memory.torch.device("cpu"))
+    parts = bench_memory.estimate(cfg, family, adapter)
+    stored = adapter.load_transformer()
+    assert any(name.startswith("vace_blocks.") for name, _ in stored.named_parameters())
+    assert parts["frozen"] == sum(t.numel() * t.element_size() for t in [*stored.parameters(), *stored.buffers()])
+    without = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, type="t2v"))
+    base = {**adapter.transformer_config}
+    adapter.vace, adapter.TRANSFORMER = False, WanTransformer3DModel  # the same base blocks, no context
+    adapter.transformer_config = {k: v for k, v in base.items() if not k.startswith("vace_")}
+    plain = bench_memory.estimate(without, family, adapter)
+    assert plain["frozen"] < parts["frozen"] and plain["activations"] < parts["activations"]

@@ -288,6 +288,11 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(wan_models
         for key in ("mask_column", "reference_column"):
             with pytest.raises(ConfigError, match=f"data.{key} = x.txt conditions Wan VACE models, and model.path"):
                 cache.prepare(load_config(str(write_toml(tmp_path / "t.toml", {**t2v, f"data.{key}": "x.txt"}))), d)
+        rows = (root / "metadata.jsonl").read_text().splitlines()
+        (root / "metadata.jsonl").write_text("\n".join([*rows[:3], rows[3].replace(', "reference": "references/00000.png"',
+                                                                                  "")]) + "\n")
+        with pytest.raises(ConfigError, match=r"metadata.jsonl line 4 has no reference image, but 3 other clip\(s\)"):
+            cache.prepare(cfg, d)
 
 
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
