@@ -103,13 +103,15 @@ def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip] = ()) -> Non
                           "(docs/control.md)")
     for key in ("mask_column", "reference_column"):
         if getattr(cfg, key) and not adapter.vace:
-            raise ConfigError(f"data.{key} = {getattr(cfg, key)} conditions Wan VACE models, and model.path = "
-                              f"{adapter.path} is not one: remove it, or train a VACE model (model.type = \"vace\")")
+            raise ConfigError(f"data.{key} = {getattr(cfg, key)} conditions Wan VACE models, and "
+                              f"model.path = {adapter.path} is not one: remove it, or train a VACE model "
+                              "(model.type = \"vace\")")
     with_reference = [clip for clip in clips if clip.reference is not None]
     if adapter.vace and 0 < len(with_reference) < len(clips):  # a batch's clips stack their references
         without = next(clip for clip in clips if clip.reference is None)
-        raise ConfigError(f"{without.source} line {without.line} has no reference image, but {len(with_reference)} "
-                          "other clip(s) have one: give every clip a reference image (data.reference_column), or none")
+        raise ConfigError(f"{without.source} line {without.line} has no reference image, but "
+                          f"{len(with_reference)} other clip(s) have one: give every clip a reference image "
+                          "(data.reference_column), or none")
 
 
 def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data.Problem]:
@@ -341,7 +343,7 @@ def prepare(cfg: Config, d: parallel.Dist):
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
             Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
         sequence.check_heads(cfg.parallel.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
-        if adapter.vace and cfg.parallel.sp_size > 1:  # the context blocks' tokens are not split (docs/control.md)
+        if adapter.vace and cfg.parallel.sp_size > 1:  # the context's tokens are not split (docs/control.md)
             raise ConfigError("parallel.sp_size > 1 does not split Wan VACE's context tokens yet: set "
                               "parallel.sp_size = 1 (FSDP shards the VACE blocks as the others)")
         parallel.check_offload_blocks(cfg.parallel, adapter.transformer_config["num_layers"])

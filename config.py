@@ -172,9 +172,9 @@ class DataConfig:
     # that follow a control clip (a depth or pose video, edges, a clip to restyle): each is read at its clip's
     # window's timestamps, resized to the clip's size and cropped as it is (docs/control.md).
     control_column: str = ""
-    # Wan VACE: file under data_root with one mask per line (metadata files: a mask column), a video read as the
-    # control video is or an image for every frame; white marks what to generate, black what to keep. ""
-    # masks nothing (all white, the pipeline's default).
+    # Wan VACE: file under data_root with one mask per line (metadata files: a mask column), a video
+    # read as the control video is or an image for every frame; white marks what to generate, black
+    # what to keep. "" masks nothing (all white, the pipeline's default).
     mask_column: str = ""
     # Wan VACE: file under data_root with one reference image per line (metadata files: a reference column), a
     # subject or style the clip shows; it is fitted into the frame on white, as the pipeline does.
@@ -554,8 +554,8 @@ def check_validation_images(cfg: Config) -> None:
         raise ConfigError("validation.reference_images conditions Wan VACE models: set model.type = \"vace\" "
                           "(and model.path to a VACE model), or remove them")
     if references and len(references) != len(prompts):
-        raise ConfigError(f"validation.reference_images has {len(references)} for {len(prompts)} validation.prompts: "
-                          "give one per prompt")
+        raise ConfigError(f"validation.reference_images has {len(references)} for {len(prompts)} "
+                          "validation.prompts: give one per prompt")
 
 
 def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,

@@ -272,8 +272,9 @@ def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[
                                  f"frames {start} to {shown - 1}: give each clip a control video as long as the clip")
         if mask is not None and not mask[0].image and decode.available_frames(mask[0], rate) < shown:
             has = decode.available_frames(mask[0], rate)
-            return Problem(clip, f"mask {clip.mask} has {has} frames, but the clip's window needs its frames {start} "
-                                 f"to {shown - 1}: give each clip a mask video as long as the clip, or one image")
+            return Problem(clip, f"mask {clip.mask} has {has} frames, but the clip's window needs its "
+                                 f"frames {start} to {shown - 1}: give each clip a mask video as long as "
+                                 "the clip, or one image")
     return Item(clip, media, content, image_content, bucket, shapes[bucket], resized, rate, start, top, left,
                 available < frames, last_image_content, *(control or (None, None)), *(mask or (None, None)),
                 reference_content)
@@ -316,8 +317,9 @@ def decode_mask(item: Item, threads: int = 0) -> torch.Tensor:
     mask for every frame): uint8 [F, H, W, 3]."""
     frames, height, width = item.resolution
     try:
-        return torch.from_numpy(decode.read_frames(item.clip.mask, item.mask_media, window_times(item), item.resized,
-                                                   (item.top, item.left, height, width), item.pad, threads))
+        return torch.from_numpy(decode.read_frames(item.clip.mask, item.mask_media, window_times(item),
+                                                   item.resized, (item.top, item.left, height, width),
+                                                   item.pad, threads))
     except decode.MediaError as e:
         raise BadClip(f"mask {item.clip.mask}: {e}") from None
 

@@ -218,8 +218,9 @@ class Adapter(TransformerLoading, abc.ABC):
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
         if cfg.type not in self.TYPES:
-            raise ConfigError(f"model.type = \"{cfg.type}\" is not a type of {self.FAMILY} models: set one of "
-                              + ", ".join(f'"{t}"' for t in self.TYPES))
+            types = ", ".join(f'"{t}"' for t in self.TYPES)
+            raise ConfigError(f"model.type = \"{cfg.type}\" is not a type of {self.FAMILY} models: set one "
+                              f"of {types}")
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype

@@ -219,11 +219,11 @@ class ClipRenderer:
         """Float frames [F, H, W, 3] in [0, 1] and, for a family with sound, the soundtrack (float [channels,
         samples] at adapter.sound_rate; else None) of prompt `prompt` (default: `index`) with clip `index`'s noise."""
         prompt = index if prompt is None else prompt
-        vace = {"references": self.references[prompt]} if self.adapter.vace else {}  # no other model takes them
+        vace = {"references": self.references[prompt]} if self.adapter.vace else {}  # only VACE takes them
         state = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[prompt : prompt + 1],
                                self.negative_embeds, data.keyed_generator(self.cfg.seed, index), self.cfg,
-                               self.resolution, autocast, on_step, self.images[prompt], self.last_images[prompt],
-                               **vace)
+                               self.resolution, autocast, on_step, self.images[prompt],
+                               self.last_images[prompt], **vace)
         frames = to_frames(self.adapter.decode_latents(self.adapter.sampled(state))[0])
         sound = self.adapter.decode_audio(self.adapter.sampled_audio(state)).cpu() if self.sound else None
         return frames, sound
@@ -307,7 +307,7 @@ class ClipRenderer:
             metrics.text(step, f"val/prompt_{i}", prompt)
             conditions = [image for image in (self.images[i], self.last_images[i]) if image is not None]
             conditions += self.references[i]
-            if conditions:  # beside the clip: its image (last image, references) side by side, at the clip's size
+            if conditions:  # beside the clip: its image (last image, references) side by side, at its size
                 size = (clip.shape[2], clip.shape[1])
                 side_by_side = np.concatenate([np.asarray(image.resize(size)) for image in conditions], axis=1)
                 metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
@@ -348,7 +348,8 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
         last = cfg.validation.last_images  # hashed only when given: the names of other renders stay as they were
         last = {"last_image": hashlib.sha256(Path(last[i]).read_bytes()).hexdigest()} if last else {}
         references = cfg.validation.reference_images  # the same: hashed only when given
-        last |= {"reference": hashlib.sha256(Path(references[i]).read_bytes()).hexdigest()} if references else {}
+        if references:
+            last["reference"] = hashlib.sha256(Path(references[i]).read_bytes()).hexdigest()
         digest = hashlib.sha256(json.dumps({**common, "prompt": prompt, "image": image, **last},
                                            sort_keys=True).encode())
         names.append(f"render_{source}{'_online' if online else ''}_prompt_{i}_{digest.hexdigest()[:8]}")

@@ -481,7 +481,8 @@ def describe(cfg, adapter, e: dict) -> str:
     c, t = adapter.transformer_config, cfg.train
     what = f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}" if t.training_type == "lora" else "sft"
     vace = f" (+ {len(c['vace_layers'])} VACE blocks)" if c.get("vace_layers") else ""
-    return (f"{c['num_layers']} blocks{vace} x {c['num_attention_heads']} heads x {c['attention_head_dim']}, {what}, "
+    return (f"{c['num_layers']} blocks{vace} x {c['num_attention_heads']} heads x "
+            f"{c['attention_head_dim']}, {what}, "
             f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
             f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), "
             f"{t.mixed_precision}, checkpointing "

@@ -81,9 +81,10 @@ class WanAdapter(Adapter):
         saved = WanTransformer3DModel.load_config(self.path, subfolder=self.transformer_folder)
         self.vace = "vace_layers" in saved
         if self.vace != (cfg.type == "vace"):
-            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path}" + (
-                " is a VACE model (its transformer has vace_layers): set model.type = \"vace\"" if self.vace else
-                " is not a VACE model (its transformer has no vace_layers): set model.type = \"t2v\" or \"i2v\""))
+            fix = (" is a VACE model (its transformer has vace_layers): set model.type = \"vace\""
+                   if self.vace else " is not a VACE model (its transformer has no vace_layers): set "
+                   "model.type = \"t2v\" or \"i2v\"")
+            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path}" + fix)
         if self.vace:
             self.TRANSFORMER = WanVACETransformer3DModel
             self.takes_control = True  # each clip's control entry: its VACE condition (encode_control)
@@ -143,7 +144,8 @@ class WanAdapter(Adapter):
     def comfy_key(self, module: str) -> str | None:
         """blocks.N.attn1.to_q -> blocks.N.self_attn.q (diffusers' converter's inverse); None outside the
         blocks, where the converter takes no alpha."""
-        return rename_module(module, "blocks", "blocks", COMFY_NAMES, {}) or wan_vace.comfy_key(module, COMFY_NAMES)
+        return (rename_module(module, "blocks", "blocks", COMFY_NAMES, {})
+                or wan_vace.comfy_key(module, COMFY_NAMES))
 
     def diffusers_key(self, original: str) -> str | None:
         inverse = {v: k for k, v in (COMFY_NAMES | wan_vace.PROJECTIONS).items()}
@@ -224,7 +226,8 @@ class WanAdapter(Adapter):
 
     def _vae_mode(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels [B, 3, F, H, W] in [-1, 1] -> the VAE's mode, normalised: how the VACE pipeline encodes."""
-        return self._normalise(self._load_vae().encode(pixels.to(self.device, self.vae_dtype)).latent_dist.mode())
+        latents = self._load_vae().encode(pixels.to(self.device, self.vae_dtype)).latent_dist.mode()
+        return self._normalise(latents)
 
     def vace_condition(self, control: torch.Tensor | None, mask: torch.Tensor | None,
                        references: torch.Tensor | None, frames: int, height: int, width: int) -> dict:
@@ -240,7 +243,8 @@ class WanAdapter(Adapter):
         condition = {"control_latents": wan_vace.control_latents(
             self._vae_mode, control, mask, self.temporal_ratio, self.spatial_ratio, patch)}
         if references is not None and references.shape[1]:
-            condition["reference_latents"] = wan_vace.reference_latents(self._vae_mode, references.to(self.device))
+            condition["reference_latents"] = wan_vace.reference_latents(self._vae_mode,
+                                                                        references.to(self.device))
         return condition
 
     def encode_control(self, video: torch.Tensor, masks=None, references=None) -> dict[str, torch.Tensor]:
@@ -297,7 +301,7 @@ class WanAdapter(Adapter):
         x_t (n rows) at model timesteps t [n] of a cached batch or a sampling state's condition."""
         mask = torch.ones_like(x_t[:, :1])
         image_embeds = control = None
-        if self.vace:  # the reference frames in front are not the clip's: outside the loss, as the pipeline drops them
+        if self.vace:  # the reference frames in front are not the clip's: outside the loss
             references = batch.get("reference_latents")
             control = wan_vace.context(batch["control_latents"].to(self.device).float(),
                                        None if references is None else references.to(self.device).float())
@@ -425,9 +429,12 @@ class WanAdapter(Adapter):
         if control is not None:
             control = processor.preprocess_video(control, height, width).float()
         if mask is not None:
-            mask = torch.clamp((processor.preprocess_video(mask, height, width).float() + 1) / 2, min=0, max=1)
-        canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio) for r in references])[None] \
-            if references else None
+            mask = processor.preprocess_video(mask, height, width).float()
+            mask = torch.clamp((mask + 1) / 2, min=0, max=1)
+        canvases = None
+        if references:
+            canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio)
+                                    for r in references])[None]
         return self.vace_condition(control, mask, canvases, frames, height, width)
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
@@ -437,7 +444,7 @@ class WanAdapter(Adapter):
         n = 2 if guided else 1
         x, timesteps, image_embeds, control, _ = self._inputs(state.latents, t.view(1), state.condition, 1)
         return self._predict(models[folder], x.expand(n, *x.shape[1:]), timesteps.expand(n, *timesteps.shape[1:]),
-                             embeds, None if image_embeds is None else image_embeds.repeat(n, 1, 1),  # FLF2V: pairs
+                             embeds, None if image_embeds is None else image_embeds.repeat(n, 1, 1),  # FLF2V
                              None if control is None else control.expand(n, *control.shape[1:]))
 
     def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:

@@ -265,7 +265,8 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
             feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True, dropout_rate=0.1,
             layer_norm_epsilon=1e-6, scalable_attention=True, tie_word_embeddings=False))
         components = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": make_wan_vae(is_22),
-                      "transformer": make_wan_transformer(channels, image, variant == "flf2v", variant == "vace"),
+                      "transformer": make_wan_transformer(channels, image, variant == "flf2v",
+                                                          variant == "vace"),
                       "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                            num_train_timesteps=1000, flow_shift=shift)}
         if boundary is not None:  # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
@@ -278,7 +279,8 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
                 intermediate_size=32, patch_size=8)) if image else None
             components["image_processor"] = CLIPImageProcessorPil(
                 size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) if image else None
-    arguments = {} if pipeline_cls is WanVACEPipeline else {"expand_timesteps": bool(expand)}  # VACE's takes none
+    # WanVACEPipeline takes no expand_timesteps.
+    arguments = {} if pipeline_cls is WanVACEPipeline else {"expand_timesteps": bool(expand)}
     pipe = pipeline_cls(**components, boundary_ratio=boundary, **arguments)
     pipe.save_pretrained(out)
     root = Path(out)
