@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import decode
@@ -333,7 +334,8 @@ def load_reference(item: Item) -> torch.Tensor:
             size = decode.ImageOps.exif_transpose(image).size
     except (OSError, SyntaxError) as e:
         raise BadClip(f"reference {path}: not a readable image ({e})") from None
-    return torch.from_numpy(decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0])))
+    pixels = decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0]))
+    return torch.from_numpy(np.array(pixels))  # a writable copy: the uncropped image is PIL's read-only buffer
 
 
 def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | None:

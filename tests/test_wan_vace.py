@@ -565,9 +565,9 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
     shown = events.Images("val/conditions_0")
     assert [c.step for c in shown] == [0, 3, 6]
     with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
-        pixels = torch.from_numpy(np.asarray(gif.convert("RGB"))).float()
+        pixels = torch.from_numpy(np.array(gif.convert("RGB"))).float()
     expected = torch.from_numpy(
-        np.asarray(Image.open(reference).convert("RGB").resize((32, 32)))
+        np.array(Image.open(reference).convert("RGB").resize((32, 32)))
     ).float()
     assert pixels.shape == (32, 32, 3) and (pixels - expected).abs().mean() < 4
     comfy = load_file(next((lora_dir / "comfy").glob("*.safetensors")))
