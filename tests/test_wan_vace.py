@@ -603,3 +603,25 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
             rtol=0,
             atol=1e-5,
         )
+
+
+def test_validate_renders_with_a_reference(wan_models, base_settings, tiny_data, tmp_path):
+    """validate.py --reference renders the base model's clip of each prompt with its reference image, under
+    a name that tells references apart (another reference writes another clip)."""
+    settings = vace_settings(
+        wan_models, base_settings, tmp_path / "out", **{"validation.num_inference_steps": 2}
+    )
+    config = str(write_toml(tmp_path / "c.toml", settings))
+    for reference in ("00000.png", "00001.png"):
+        validate.main(
+            [
+                "--cfg",
+                config,
+                "--prompt",
+                PROMPT,
+                "--reference",
+                str(tiny_data / "images" / reference),
+            ]
+        )
+    clips = sorted((tmp_path / "out" / "validation_res").glob("render_base_prompt_0_*.mp4"))
+    assert len(clips) == 2
