@@ -59,9 +59,13 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
-                controls = (media_of(controls), controls["content"]) if controls else None
+                vace = {}
+                if controls:  # Wan VACE: the mask's header and hash, the reference's hash
+                    mask = controls["mask"] and (media_of(controls["mask"]), controls["mask"]["content"])
+                    vace = {"mask": mask, "reference_content": controls["reference"]}
+                    controls = (media_of(controls), controls["content"])
                 planned = data.plan_clip(clips[i], media_of(video), video["content"], shapes, cfg.data, cfg.run.seed,
-                                         image, last, controls)
+                                         image, last, controls, **vace)
                 missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
                 # Sent without the clip, which every rank holds: unpickling paths is most of the gather's cost.
                 out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
@@ -88,12 +92,23 @@ def check_last_images(adapter, clips: list[data.Clip], cfg: DataConfig) -> None:
                           "(Wan2.1-FLF2V-14B-720P)")
 
 
-def check_controls(adapter, cfg: DataConfig) -> None:
+def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip] = ()) -> None:
     """Control videos are for a model that follows them (each clip's is checked as its header is read)."""
     if not adapter.takes_control and cfg.control_column:
         raise ConfigError(f"data.control_column = {cfg.control_column} gives control videos, and model.path = "
                           f"{adapter.path} is not a model that follows one: remove it, or train a control model "
                           "(docs/control.md)")
+    for key in ("mask_column", "reference_column"):
+        if getattr(cfg, key) and not adapter.vace:
+            raise ConfigError(f"data.{key} = {getattr(cfg, key)} conditions Wan VACE models, and "
+                              f"model.path = {adapter.path} is not one: remove it, or train a VACE model "
+                              "(model.type = \"vace\")")
+    with_reference = [clip for clip in clips if clip.reference is not None]
+    if adapter.vace and 0 < len(with_reference) < len(clips):  # a batch's clips stack their references
+        without = next(clip for clip in clips if clip.reference is None)
+        raise ConfigError(f"{without.source} line {without.line} has no reference image, but "
+                          f"{len(with_reference)} other clip(s) have one: give every clip a reference image "
+                          "(data.reference_column), or none")
 
 
 def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data.Problem]:
@@ -250,6 +265,9 @@ class VideoEncoding:
             audio = data.decode_audio(item, self.adapter.audio_sample_rate, self.adapter.audio_channels)
         if "control" in self.todo[item]:
             control = data.decode_control(item, self.threads)
+            if self.adapter.vace:  # Wan VACE: the clip's mask and reference image are encoded with its control
+                control = (control, data.decode_mask(item, self.threads) if item.mask_content else None,
+                           data.load_reference(item) if item.reference_content else None)
         if not self.todo[item] & {"video", "image"}:
             return None, None, 0.0, audio, control
         video = data.decode_clip(item, self.threads)
@@ -286,7 +304,11 @@ class VideoEncoding:
         controls = [(item, control) for item, _, _, _, control in good if control is not None]
         if controls:  # one bucket per batch: the controls share a shape
             controlled, encoded = zip(*controls)
-            encoded = self.adapter.encode_control(torch.stack(encoded))
+            if self.adapter.vace:
+                videos, masks, references = zip(*encoded)
+                encoded = self.adapter.encode_control(torch.stack(videos), masks, references)
+            else:
+                encoded = self.adapter.encode_control(torch.stack(encoded))
             for j, item in enumerate(controlled):
                 self.cache.write(item, "control", {name: tensor[j] for name, tensor in encoded.items()})
         index, mean, logvar, image = {}, None, None, None
@@ -338,7 +360,7 @@ def prepare(cfg: Config, adapter, d: parallel.Dist):
                   adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
                   adapter.takes_control)
     check_last_images(adapter, clips, cfg.data)
-    check_controls(adapter, cfg.data)
+    check_controls(adapter, cfg.data, clips)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last, adapter.takes_control)
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()

@@ -67,7 +67,12 @@ class Cache:
                        encoder=self.encoders["audio"], dtype=self.audio_dtype)
         elif kind == "control":  # the window's frames of another file, by the VAE unless the family says otherwise
             video = os.path.basename(self.path(item, "video"))  # its key, wherever the cache lies
-            key = _key(video=video, control=item.control_content, encoder=self.encoders.get("control"))
+            # Wan VACE's mask and reference image shape the entry too (named only when given: other keys
+            # stay what they were).
+            vace = {kind: content for kind, content in (("mask", item.mask_content),
+                                                        ("reference", item.reference_content)) if content}
+            key = _key(video=video, control=item.control_content, encoder=self.encoders.get("control"),
+                       **vace)
         else:
             key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
                        dtype=self.dtype)

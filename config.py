@@ -41,9 +41,11 @@ class ModelConfig:
     family: str = ""
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
     # data.image_column's, or each clip's first frame; a first-last-frame model also the clip's last frame
-    # from data.last_image_column), or "ic" in-context (each clip's control video, data.control_column's,
-    # rides along as clean tokens the model attends to: an in-context LoRA, docs/control.md).
-    type: Literal["t2v", "i2v", "ic"] = "t2v"
+    # from data.last_image_column), "ic" in-context (each clip's control video, data.control_column's,
+    # rides along as clean tokens the model attends to: an in-context LoRA, docs/control.md), or "vace" a
+    # VACE model (a control video, its mask and reference images through context blocks: data.control_column,
+    # data.mask_column, data.reference_column).
+    type: Literal["t2v", "i2v", "ic", "vace"] = "t2v"
     # One family's key (docs/models/), for its two-expert models: the expert this run trains, "high_noise"
     # (transformer/, t >= boundary_ratio x 1000) or "low_noise" (transformer_2/, below); validation renders
     # with both.
@@ -173,6 +175,13 @@ class DataConfig:
     # that follow a control clip (a depth or pose video, edges, a clip to restyle): each is read at its clip's
     # window's timestamps, resized to the clip's size and cropped as it is (docs/control.md).
     control_column: str = ""
+    # VACE models (model.type = "vace"): file under data_root with one mask per line (metadata files: a mask column), a video
+    # read as the control video is or an image for every frame; white marks what to generate, black
+    # what to keep. "" masks nothing (all white, the pipeline's default).
+    mask_column: str = ""
+    # VACE models: file under data_root with one reference image per line (metadata files: a reference column), a
+    # subject or style the clip shows; it is fitted into the frame on white, as the pipeline does.
+    reference_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
     # Latent and text-embedding cache; "" means <data_root>/.cache.
@@ -269,6 +278,9 @@ class ValidationConfig:
     # Models that follow a control video (model.type = "ic"): one per prompt, read at the rendered clip's rate from
     # its first frame, resized to cover and centre-cropped to its size; TensorBoard shows it beside the output.
     control_videos: list[str] = field(default_factory=list)
+    # VACE models (model.type = "vace"): one reference image per prompt, which the clip is to show (a subject, a
+    # style); [] renders without.
+    reference_images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
     save_frames: bool = False
@@ -509,6 +521,13 @@ def check_validation_images(cfg: Config) -> None:
     if controls and len(controls) != len(prompts):
         raise ConfigError(f"validation.control_videos has {len(controls)} for {len(prompts)} validation.prompts: a "
                           "control model renders each prompt from its control video; give one per prompt")
+    references = cfg.validation.reference_images
+    if references and cfg.model.type != "vace":
+        raise ConfigError("validation.reference_images conditions VACE models: set model.type = \"vace\" "
+                          "(and model.path to a VACE model), or remove them")
+    if references and len(references) != len(prompts):
+        raise ConfigError(f"validation.reference_images has {len(references)} for {len(prompts)} "
+                          "validation.prompts: give one per prompt")
 
 
 def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,

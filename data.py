@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import decode
@@ -42,6 +43,8 @@ class Clip:
     image: Path | None = None
     last_image: Path | None = None  # first-last-frame: the clip's last frame (data.last_image_column)
     control: Path | None = None  # a control video aligned with the clip (data.control_column)
+    mask: Path | None = None  # Wan VACE: the control's mask, a video or an image (data.mask_column)
+    reference: Path | None = None  # Wan VACE: a reference image (data.reference_column)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class Item:
     last_image_content: str | None = None  # first-last-frame: the hash of data.last_image_column's image
     control_media: decode.Media | None = None  # the control video's header (data.control_column)
     control_content: str | None = None  # and the hash of its bytes
+    mask_media: decode.Media | None = None  # Wan VACE: the mask's header (data.mask_column)
+    mask_content: str | None = None  # and the hash of its bytes
+    reference_content: str | None = None  # Wan VACE: the hash of the reference image (data.reference_column)
 
     def preprocessing(self) -> dict:
         """Everything besides the content and the encoder that shapes the clip's latents."""
@@ -111,9 +117,10 @@ def _list_file(path: Path) -> list[str]:
 
 def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, dict]]]:
     columns = {"prompt": cfg.caption_column, "video": cfg.video_column, "image": cfg.image_column,
-               "last_image": cfg.last_image_column, "control": cfg.control_column}
+               "last_image": cfg.last_image_column, "control": cfg.control_column, "mask": cfg.mask_column,
+               "reference": cfg.reference_column}
     values = {key: _list_file(root / name) for key, name in columns.items() if name}
-    for key in ("video", "image", "last_image", "control"):
+    for key in ("video", "image", "last_image", "control", "mask", "reference"):
         if key in values and len(values[key]) != len(values["prompt"]):
             raise ConfigError(
                 f"{root / cfg.caption_column} has {len(values['prompt'])} lines but {root / columns[key]} has "
@@ -168,10 +175,10 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
         for key in ("video", "prompt"):
             if not isinstance(row.get(key), str) or not row[key].strip():
                 raise ConfigError(f"{source} line {line}: empty or missing {key}: every clip needs a video and a prompt")
-        image, last, control = (row.get(key) for key in ("image", "last_image", "control"))
+        paths = (row.get(key) for key in ("image", "last_image", "control", "mask", "reference"))
         clips.append(Clip(root / row["video"].strip(), row["prompt"].strip(), line, source,
                           *(root / path.strip() if isinstance(path, str) and path.strip() else None
-                            for path in (image, last, control))))
+                            for path in paths)))
     if not clips:
         raise ConfigError(f"{source} lists no clips")
     return clips
@@ -218,12 +225,14 @@ def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, f
 
 def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[int, int, int]], cfg: DataConfig,
               seed: int, image_content: str | None = None, last_image_content: str | None = None,
-              control: tuple[decode.Media, str] | None = None) -> Item | Problem:
+              control: tuple[decode.Media, str] | None = None, mask: tuple[decode.Media, str] | None = None,
+              reference_content: str | None = None) -> Item | Problem:
     """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass). The
     window starts at a keyed random frame, or at frame 0 for a clip with an image-to-video image
     (`image_content`); without one, image-to-video conditions on the window's own first frame. A clip with
     a last image (`last_image_content`, first-last-frame) ends its window at its last frame. A control
-    video (`control`: its header and content hash) must show every frame time of the window."""
+    video (`control`: its header and content hash) must show every frame time of the window, and so must a
+    mask video (`mask`, Wan VACE; a mask image stands for every frame)."""
     rate = 0.0 if media.image else cfg.target_fps or media.fps
     available = decode.available_frames(media, rate)
     bucket = choose_bucket(shapes, media.height, media.width, available)
@@ -262,8 +271,14 @@ def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[
             at = f"at {rate:g} fps" if rate else "in all"
             return Problem(clip, f"control {clip.control} has {has} frames {at}, but the clip's window needs its "
                                  f"frames {start} to {shown - 1}: give each clip a control video as long as the clip")
+        if mask is not None and not mask[0].image and decode.available_frames(mask[0], rate) < shown:
+            has = decode.available_frames(mask[0], rate)
+            return Problem(clip, f"mask {clip.mask} has {has} frames, but the clip's window needs its "
+                                 f"frames {start} to {shown - 1}: give each clip a mask video as long as "
+                                 "the clip, or one image")
     return Item(clip, media, content, image_content, bucket, shapes[bucket], resized, rate, start, top, left,
-                available < frames, last_image_content, *(control or (None, None)))
+                available < frames, last_image_content, *(control or (None, None)), *(mask or (None, None)),
+                reference_content)
 
 
 def window_times(item: Item) -> list[float]:
@@ -296,6 +311,31 @@ def decode_control(item: Item, threads: int = 0) -> torch.Tensor:
                                                    (item.top, item.left, height, width), item.pad, threads))
     except decode.MediaError as e:
         raise BadClip(f"control {item.clip.control}: {e}") from None
+
+
+def decode_mask(item: Item, threads: int = 0) -> torch.Tensor:
+    """Wan VACE: the mask of the planned window, read as decode_control reads the control video (an image
+    mask for every frame): uint8 [F, H, W, 3]."""
+    frames, height, width = item.resolution
+    try:
+        return torch.from_numpy(decode.read_frames(item.clip.mask, item.mask_media, window_times(item),
+                                                   item.resized, (item.top, item.left, height, width),
+                                                   item.pad, threads))
+    except decode.MediaError as e:
+        raise BadClip(f"mask {item.clip.mask}: {e}") from None
+
+
+def load_reference(item: Item) -> torch.Tensor:
+    """Wan VACE: the clip's reference image, upright, at its own size (the family fits it into the frame):
+    uint8 [H, W, 3]."""
+    path = item.clip.reference
+    try:
+        with decode.Image.open(path) as image:
+            size = decode.ImageOps.exif_transpose(image).size
+    except (OSError, SyntaxError) as e:
+        raise BadClip(f"reference {path}: not a readable image ({e})") from None
+    pixels = decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0]))
+    return torch.from_numpy(np.array(pixels))  # a writable copy: the uncropped image is PIL's read-only buffer
 
 
 def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | None:

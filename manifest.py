@@ -93,7 +93,8 @@ class Manifest:
     def clip_entries(self, clip, with_image: bool, with_last: bool = False,
                      with_control: bool = False) -> tuple[dict, str | None, str | None, dict | None, list]:
         """The clip's entry, (image-to-video) its image's and (first-last-frame) its last image's
-        content hashes, (a control model) its control video's entry, reading what is not known yet; and
+        content hashes, (a control model) its control video's entry (with Wan VACE's mask entry and
+        reference image hash, or None, under "mask" and "reference"), reading what is not known yet; and
         the new entries. decode.MediaError names the file that failed, or the missing last image or
         control video."""
         new = []
@@ -128,6 +129,16 @@ class Manifest:
                 control = entry(clip.control)
             except decode.MediaError as e:
                 raise decode.MediaError(f"control {clip.control}: {e}") from None
+            # Wan VACE's mask (its entry) and reference image (its content), beside the control video's.
+            extra = {"mask": None, "reference": None}
+            for kind in extra:
+                path = getattr(clip, kind)
+                try:
+                    extra[kind] = None if path is None else entry(path)
+                except decode.MediaError as e:
+                    raise decode.MediaError(f"{kind} {path}: {e}") from None
+            control = {**control, "mask": extra["mask"],
+                       "reference": extra["reference"] and extra["reference"]["content"]}
         return video, image, last, control, new
 
     def save(self) -> None:

@@ -89,9 +89,8 @@ class Adapter(TransformerLoading, abc.ABC):
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
     VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
+    TYPES = ("t2v", "i2v")  # the model.type values the family trains
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
-    # Whether model.type = "ic" trains the family in context: the control clip's tokens beside the clip's (LTX-2).
-    IN_CONTEXT = False
     # A key every single file of the family holds (model.transformer_file; single_file_key and diffusers_names
     # map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
@@ -241,9 +240,13 @@ class Adapter(TransformerLoading, abc.ABC):
         for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not (self.path / name).is_dir():
                 raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
-        if cfg.type == "ic" and not self.IN_CONTEXT:
+        if cfg.type == "ic" and "ic" not in self.TYPES:
             raise ConfigError(f'model.type = "ic" trains a model in context with a control clip, which vidtrain does for '
                               f'LTX-2 (IC-LoRA), not for model.family = "{self.FAMILY}": set model.type = "t2v" or "i2v"')
+        if cfg.type not in self.TYPES:
+            types = ", ".join(f'"{t}"' for t in self.TYPES)
+            raise ConfigError(f"model.type = \"{cfg.type}\" is not a type of {self.FAMILY} models: set one "
+                              f"of {types}")
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype
@@ -252,6 +255,9 @@ class Adapter(TransformerLoading, abc.ABC):
         # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V): the
         # cache and validation then need a last image per clip and per prompt.
         self.first_last = False
+        # Whether the model reads a control video, its mask and reference images through context blocks (Wan
+        # VACE): the cache and validation then encode them.
+        self.vace = False
         # Whether the model follows a control video per clip (data.control_column; validation.control_videos):
         # the cache then holds each clip's control entry (encode_control), its batches control_* tensors.
         self.takes_control = False

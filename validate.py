@@ -92,17 +92,18 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
 @torch.no_grad()
 def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
                    cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
-                   image=None, last_image=None, control=None):
+                   image=None, last_image=None, **conditions):
     """The final sampling state of one prompt (and, image-to-video, its conditioning image; first-last-frame,
     its last image too): adapter.sampled
     gives its latents (sampled_audio its sound, LTX-2). The family's pipeline loop, step for step, with
     every draw from `generator` (a CPU generator, as the pipelines use it); the adapter builds the
     denoiser's input (condition, expert, per-token timesteps) and steps the scheduler. Latents and
     scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check.
-    A control model's `control` is its control video's frames (uint8 [F, H, W, 3], the clip's size)."""
+    `conditions` go to the family's sampling_start: an in-context model's `control` (its control
+    video's frames, uint8 [F, H, W, 3] at the clip's size), Wan VACE's references."""
     last = {} if last_image is None else {"last_image": last_image}  # only first-last-frame models take one
-    last |= {} if control is None else {"control": control}  # only control models take one
-    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image, **last)
+    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image, **last,
+                                   **conditions)
     guided = cfg.guidance_scale > 1.0 or cfg.audio_guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
     for i, t in enumerate(scheduler.timesteps):
@@ -216,16 +217,17 @@ class ClipRenderer:
         if cfg.last_images and not adapter.first_last:
             raise ConfigError(f"validation.last_images conditions first-last-frame models, and {adapter.path} is not "
                               "one: remove them (and --last-image)")
-        if adapter.takes_control and self.prompts and not cfg.control_videos:
+        if adapter.type == "ic" and self.prompts and not cfg.control_videos:
             raise ConfigError(f"{adapter.path} follows a control video (model.type = \"ic\"): each validation prompt "
                               "renders from one; set validation.control_videos (validate.py: --control), one per prompt")
-        if cfg.control_videos and not adapter.takes_control:
+        if cfg.control_videos and adapter.type != "ic":  # VACE renders without its control video yet
             raise ConfigError(f"validation.control_videos conditions control models, and {adapter.path} is not one "
                               "here: remove them (and --control), or set model.type = \"ic\" (LTX-2)")
         self.controls = [load_control(path, self.resolution, float(self.fps)) for path in cfg.control_videos] \
             or [None] * len(self.prompts)
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         self.last_images = [load_image(path) for path in cfg.last_images] or [None] * len(self.prompts)
+        self.references = [[load_image(path)] for path in cfg.reference_images] or [[]] * len(self.prompts)
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
@@ -246,10 +248,12 @@ class ClipRenderer:
         """Float frames [F, H, W, 3] in [0, 1] and, for a family with sound, the soundtrack (float [channels,
         samples] at adapter.sound_rate; else None) of prompt `prompt` (default: `index`) with clip `index`'s noise."""
         prompt = index if prompt is None else prompt
+        conditions = {"references": self.references[prompt]} if self.adapter.vace else {}  # only VACE takes them
+        conditions |= {} if self.controls[prompt] is None else {"control": self.controls[prompt]}
         state = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[prompt : prompt + 1],
                                self.negative_embeds, data.keyed_generator(self.cfg.seed, index), self.cfg,
-                               self.resolution, autocast, on_step, self.images[prompt], self.last_images[prompt],
-                               self.controls[prompt])
+                               self.resolution, autocast, on_step, self.images[prompt],
+                               self.last_images[prompt], **conditions)
         frames = to_frames(self.adapter.decode_latents(self.adapter.sampled(state))[0])
         sound = self.adapter.decode_audio(self.adapter.sampled_audio(state)).cpu() if self.sound else None
         return frames, sound
@@ -334,7 +338,8 @@ class ClipRenderer:
                 metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)
             metrics.text(step, f"val/prompt_{i}", prompt)
             conditions = [image for image in (self.images[i], self.last_images[i]) if image is not None]
-            if conditions:  # beside the clip: its image (and last image) side by side, at the clip's size
+            conditions += self.references[i]
+            if conditions:  # beside the clip: its image (last image, references) side by side, at its size
                 size = (clip.shape[2], clip.shape[1])
                 side_by_side = np.concatenate([np.asarray(image.resize(size)) for image in conditions], axis=1)
                 metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
@@ -368,7 +373,8 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
               "lora_mtime": os.stat(lora_file).st_mtime_ns if lora_file else 0,
               "model": dataclasses.asdict(cfg.model), "mixed_precision": cfg.train.mixed_precision,
               "validation": {k: v for k, v in dataclasses.asdict(cfg.validation).items()
-                             if k not in ("prompts", "images", "last_images", "control_videos")}}
+                             if k not in ("prompts", "images", "last_images", "control_videos",
+                                          "reference_images")}}
     names = []
     for i, prompt in enumerate(cfg.validation.prompts):
         image = hashlib.sha256(Path(cfg.validation.images[i]).read_bytes()).hexdigest() if cfg.validation.images else ""
@@ -376,6 +382,9 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
         last = {"last_image": hashlib.sha256(Path(last[i]).read_bytes()).hexdigest()} if last else {}
         controls = cfg.validation.control_videos  # the same: hashed only when given
         last |= {"control": hashlib.sha256(Path(controls[i]).read_bytes()).hexdigest()} if controls else {}
+        references = cfg.validation.reference_images  # the same
+        if references:
+            last["reference"] = hashlib.sha256(Path(references[i]).read_bytes()).hexdigest()
         digest = hashlib.sha256(json.dumps({**common, "prompt": prompt, "image": image, **last},
                                            sort_keys=True).encode())
         names.append(f"render_{source}{'_online' if online else ''}_prompt_{i}_{digest.hexdigest()[:8]}")
@@ -394,10 +403,11 @@ def check_lora_file(lora_file: str) -> None:
 
 def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoint: str | None,
                    lora_file: str | None, online: bool, d: parallel.Dist, last_images: list[str] = (),
-                   controls: list[str] = ()) -> None:
-    if prompts:  # the command line's prompts (and images, last images, control videos) replace the config's
+                   controls: list[str] = (), references: list[str] = ()) -> None:
+    if prompts:  # the command line's prompts (and images, last images, controls, references) replace the config's
         cfg.validation.prompts, cfg.validation.images = prompts, images
         cfg.validation.last_images, cfg.validation.control_videos = list(last_images), list(controls)
+        cfg.validation.reference_images = list(references)
         check_values(cfg)
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
@@ -434,14 +444,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="first-last-frame (Wan FLF2V): the last image of each --prompt, in order")
     parser.add_argument("--control", action="append", default=[],
                         help="control models (LTX-2 IC-LoRA): the control video of each --prompt, in order")
+    parser.add_argument("--reference", action="append", default=[],
+                        help="Wan VACE: the reference image of each --prompt, in order")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.online and not args.checkpoint:
         parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
-    if (args.image or args.last_image or args.control) and not args.prompt:
-        parser.error("--image, --last-image and --control go with --prompt: one of each per prompt")
+    if (args.image or args.last_image or args.control or args.reference) and not args.prompt:
+        parser.error("--image, --last-image, --control and --reference go with --prompt: one of each per prompt")
     command.run_command(lambda cfg, d: render_command(cfg, args.prompt, args.image, args.checkpoint, args.lora,
-                                                       args.online, d, args.last_image, args.control), args.cfg,
-                                                       overrides)
+                                                       args.online, d, args.last_image, args.control,
+                                                       args.reference), args.cfg, overrides)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from transformer_loading import resolved_config  # noqa: E402
 from parallel import AUTOCAST_DTYPES, Dist, pinned_bytes  # noqa: E402
 
 import one_gpu  # noqa: E402
-from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
+from published import PUBLISHED, make_adapter, meta_transformer  # noqa: E402
 
 GIB = 2**30
 # Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h,
@@ -90,7 +90,7 @@ def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     """model.build_model's model (one process), AdamW with its state in place, and EMA."""
     loader = SimpleNamespace(blocks=adapter.blocks, keeps_fp32=adapter.keeps_fp32, GRAPH_VARIES=adapter.GRAPH_VARIES,
                              load_transformer=lambda dtype=None: meta_transformer(
-                                 TRANSFORMERS[family], adapter.transformer_config, dtype or adapter.dtype))
+                                 adapter.TRANSFORMER, adapter.transformer_config, dtype or adapter.dtype))
     # Activation offload is modelled (the tracker's "input" tag and its copies), not run: its host
     # copies would count as device memory here.
     train = dataclasses.replace(cfg.train, activation_offload=False)
@@ -148,7 +148,10 @@ def cached_batch(adapter, s: dict, new) -> dict:
     batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
     if adapter.type == "i2v":
         batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
-    if adapter.takes_control:  # its control entry: the adapter appends its tokens, in training and sampling alike
+    if adapter.vace:  # Wan VACE: the context its blocks read (no reference frames)
+        c = adapter.transformer_config
+        batch["control_latents"] = new((s["latent"][0], c["vace_in_channels"], *s["latent"][2:]))
+    elif adapter.takes_control:  # its control entry: the adapter appends its tokens, in training and sampling alike
         batch["control_latent_mean"], batch["control_latent_logvar"] = new(s["latent"]), new(s["latent"])
     if "audio" in s:
         batch["audio_latent_mean"], batch["audio_latent_logvar"] = new(s["audio"]), new(s["audio"])
@@ -524,7 +527,9 @@ def check(cfg, family, adapter, argv: list[str]) -> dict:
 def describe(cfg, adapter, e: dict) -> str:
     c, t = adapter.transformer_config, cfg.train
     what = f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}" if t.training_type == "lora" else "sft"
-    return (f"{c['num_layers']} blocks x {c['num_attention_heads']} heads x {c['attention_head_dim']}, {what}, "
+    vace = f" (+ {len(c['vace_layers'])} VACE blocks)" if c.get("vace_layers") else ""
+    return (f"{c['num_layers']} blocks{vace} x {c['num_attention_heads']} heads x "
+            f"{c['attention_head_dim']}, {what}, "
             f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
             f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), "
             f"{t.mixed_precision}, checkpointing "

@@ -83,8 +83,11 @@ PUBLISHED = {
                                           "freq_dim": 256, "eps": 1e-6, "patch_size": [1, 2, 2], "cross_attn_norm": True,
                                           "rope_max_seq_len": 1024}),
     "wan2.1-t2v-1.3b": ("wan", {**WAN_14B, "num_attention_heads": 12, "num_layers": 30, "ffn_dim": 8960}),
-    # two experts of 2.1-14B's config, transformer/ and transformer_2/
-    "wan2.2-t2v-a14b": ("wan", WAN_14B),
+    # VACE: context blocks beside every 5th (14B) or 2nd (1.3B) base block (convert_wan_to_diffusers.py)
+    "wan2.1-vace-14b": ("wan", {**WAN_14B, "vace_layers": list(range(0, 40, 5)), "vace_in_channels": 96}),
+    "wan2.1-vace-1.3b": ("wan", {**WAN_14B, "num_attention_heads": 12, "num_layers": 30, "ffn_dim": 8960,
+                                 "vace_layers": list(range(0, 30, 2)), "vace_in_channels": 96}),
+    "wan2.2-t2v-a14b": ("wan", WAN_14B),  # two experts of 2.1-14B's config, transformer/ and transformer_2/
     "ltx2-19b": ("ltx2", LTX2_19B),
     "ltx2.3-22b": ("ltx2", LTX2_23),
 }
@@ -122,6 +125,8 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
         "ltx2": ("LTX2VideoTransformer3DModel", "AutoencoderKLLTX2Video", "LTX2Pipeline")}[family]
     extras = PIPELINE_EXTRAS.get(arch, {})
     experts = ("transformer", "transformer_2") if "boundary_ratio" in extras else ("transformer",)
+    if "vace_layers" in published:
+        transformer, pipeline = "WanVACETransformer3DModel", "WanVACEPipeline"
     configs = {**{folder: {"_class_name": transformer, **published} for folder in experts},
                "vae": {"_class_name": vae}, "text_encoder": TEXT_ENCODERS[family], "tokenizer": {}}
     if family == "ltx2":

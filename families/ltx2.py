@@ -121,7 +121,8 @@ class LTX2Adapter(Adapter):
     # ("Audio VAE needs float32 for quality"). It names the cache's audio entries.
     AUDIO_DTYPE = "fp32"
     GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
-    IN_CONTEXT = True  # model.type = "ic": IC-LoRA, the control clip's tokens appended clean (docs/control.md)
+    # "ic": IC-LoRA, the control clip's tokens appended clean (docs/control.md)
+    TYPES = ("t2v", "i2v", "ic")
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)

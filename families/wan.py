@@ -1,12 +1,13 @@
 """Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.1 FLF2V (first and last
-frame: two images' CLIP tokens, pos_embed_seq_len), 2.2 TI2V-5B (expand_timesteps) and 2.2 A14B (two
+frame: two images' CLIP tokens, pos_embed_seq_len), 2.1 VACE (context blocks reading a control video, its
+mask and reference images: families/wan_vace.py), 2.2 TI2V-5B (expand_timesteps) and 2.2 A14B (two
 experts split at boundary_ratio).
 
 Flow matching: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32; u uniform from the keyed
 generator (within the trained expert's range), s = shift u / (1 + (shift - 1) u), model timestep
 1000 s. Latents are normalised with the VAE config's latents_mean and latents_std; text embeddings
 are trimmed to the attention mask and zero-padded to 512 tokens, as WanPipeline does. The sampling
-pieces are WanPipeline's and WanImageToVideoPipeline's loops.
+pieces are WanPipeline's, WanImageToVideoPipeline's and WanVACEPipeline's loops.
 """
 
 import contextlib
@@ -17,13 +18,14 @@ import diffusers
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel, WanVACETransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import Config, ConfigError, ModelConfig
+from families import wan_vace
 from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
 from transformer_loading import resolved_config
@@ -66,6 +68,7 @@ class WanAdapter(Adapter):
     # BENCHMARKS.md; the real one is deeper.
     VAE_DTYPE = torch.float32
     COMFY = True
+    TYPES = ("t2v", "i2v", "vace")
     SINGLE_FILE_KEY = "head.modulation"  # what diffusers' single-file loader detects Wan by
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
@@ -77,7 +80,18 @@ class WanAdapter(Adapter):
                 f"has two experts (boundary_ratio {self.boundary}): set model.expert to \"high_noise\" or \"low_noise\""
                 if self.boundary is not None else "has one transformer: remove model.expert"))
         self.transformer_folder = EXPERTS.get(cfg.expert, "transformer")
-        self.transformer_config = resolved_config(WanTransformer3DModel, self.path, self.transformer_folder)
+        # VACE: the folder's transformer is WanVACETransformer3DModel (its config names its context layers).
+        saved = WanTransformer3DModel.load_config(self.path, subfolder=self.transformer_folder)
+        self.vace = "vace_layers" in saved
+        if self.vace != (cfg.type == "vace"):
+            fix = (" is a VACE model (its transformer has vace_layers): set model.type = \"vace\""
+                   if self.vace else " is not a VACE model (its transformer has no vace_layers): set "
+                   "model.type = \"t2v\" or \"i2v\"")
+            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path}" + fix)
+        if self.vace:
+            self.TRANSFORMER = WanVACETransformer3DModel
+            self.takes_control = True  # each clip's control entry: its VACE condition (encode_control)
+        self.transformer_config = resolved_config(self.TRANSFORMER, self.path, self.transformer_folder)
         self.vae_config = resolved_config(AutoencoderKLWan, self.path, "vae")
         z, in_channels = self.vae_config["z_dim"], self.transformer_config["in_channels"]
         takes_image = in_channels == 2 * z + self.vae_config["scale_factor_temporal"]  # noisy, mask, image latents
@@ -100,8 +114,11 @@ class WanAdapter(Adapter):
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        """Weights in bf16 or fp16 need autocast."""
+        """Weights in bf16 or fp16 need autocast; VACE's context tokens are not split by sp."""
         super().check_config(cfg)
+        if cfg.model.type == "vace" and cfg.parallel.sp_size > 1:  # the context's tokens (docs/control.md)
+            raise ConfigError("parallel.sp_size > 1 does not split Wan VACE's context tokens yet: set "
+                              "parallel.sp_size = 1 (FSDP shards the VACE blocks as the others)")
         dtype = cfg.model.dtype
         if dtype != "fp32" and cfg.train.mixed_precision == "no":
             # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and
@@ -145,10 +162,13 @@ class WanAdapter(Adapter):
     def comfy_key(self, module: str) -> str | None:
         """blocks.N.attn1.to_q -> blocks.N.self_attn.q (diffusers' converter's inverse); None outside the
         blocks, where the converter takes no alpha."""
-        return rename_module(module, "blocks", "blocks", COMFY_NAMES, {})
+        return (rename_module(module, "blocks", "blocks", COMFY_NAMES, {})
+                or wan_vace.comfy_key(module, COMFY_NAMES))
 
     def diffusers_key(self, original: str) -> str | None:
-        return rename_module(original, "blocks", "blocks", {v: k for k, v in COMFY_NAMES.items()}, {})
+        inverse = {v: k for k, v in (COMFY_NAMES | wan_vace.PROJECTIONS).items()}
+        return rename_module(original, "blocks", "blocks", inverse, {}) or \
+            rename_module(original, "vace_blocks", "vace_blocks", inverse, {})
 
     @staticmethod
     def single_file_key(key: str) -> str | None:
@@ -222,6 +242,44 @@ class WanAdapter(Adapter):
             last = [np.asarray(image.cpu()) for image in last_images]
         return self._condition(pixels, frames, [np.asarray(image.cpu()) for image in images], last_pixels, last)
 
+    def _vae_mode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels [B, 3, F, H, W] in [-1, 1] -> the VAE's mode, normalised: how the VACE pipeline encodes."""
+        latents = self._load_vae().encode(pixels.to(self.device, self.vae_dtype)).latent_dist.mode()
+        return self._normalise(latents)
+
+    def vace_condition(self, control: torch.Tensor | None, mask: torch.Tensor | None,
+                       references: torch.Tensor | None, frames: int, height: int, width: int) -> dict:
+        """VACE's condition of one or more clips, as WanVACEPipeline encodes it: `control_latents` [B, 96,
+        F', h, w] and, with references, `reference_latents` [B, C, R, h, w] (wan_vace.py). control: float
+        pixels [B, 3, F, H, W] in [-1, 1] (None: zeros, the pipeline's without a video); mask [B, 3, F, H,
+        W] in [0, 1] (None: all ones, the pipeline's default); references: canvases [B, R, 3, H, W]."""
+        if control is None:
+            control = torch.zeros(1, 3, frames, height, width, device=self.device)
+        control = control.to(self.device, torch.float32)
+        mask = torch.ones_like(control) if mask is None else mask.to(self.device, torch.float32)
+        patch = self.transformer_config["patch_size"][1]
+        condition = {"control_latents": wan_vace.control_latents(
+            self._vae_mode, control, mask, self.temporal_ratio, self.spatial_ratio, patch)}
+        if references is not None and references.shape[1]:
+            condition["reference_latents"] = wan_vace.reference_latents(self._vae_mode,
+                                                                        references.to(self.device))
+        return condition
+
+    def encode_control(self, video: torch.Tensor, masks=None, references=None) -> dict[str, torch.Tensor]:
+        """VACE: the control entries of a batch of clips: control frames uint8 [B, F, H, W, 3], each clip's
+        mask frames (uint8 [F, H, W, 3], or None: all white) and reference image (uint8 [H, W, 3], or None),
+        encoded as the pipeline encodes them (vace_condition)."""
+        frames, height, width = video.shape[1:4]
+        pixels = video.to(self.device).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+        white = torch.full_like(video[0], 255)
+        masks = torch.stack([white if m is None else m for m in masks or [None] * len(video)])
+        masks = masks.to(self.device).permute(0, 4, 1, 2, 3).float() / 255.0
+        canvases = None
+        if references and references[0] is not None:  # every clip has one, or none (cache.check_controls)
+            canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio)[None]
+                                    for r in references])
+        return self.vace_condition(pixels, masks, canvases, frames, height, width)
+
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
         """UMT5 embeddings [B, 512, D] as WanPipeline computes them: its prompt cleaning, the rows past the
@@ -257,10 +315,16 @@ class WanAdapter(Adapter):
         return [t for t in timesteps if (t >= self.boundary * 1000) == high]
 
     def _inputs(self, x_t, t, batch, n):
-        """The transformer's input, timesteps and the loss mask for noisy latents x_t (n rows) at model
-        timesteps t [n] of a cached batch or a sampling state's condition."""
+        """The transformer's input, timesteps, image tokens, VACE context and the loss mask for noisy latents
+        x_t (n rows) at model timesteps t [n] of a cached batch or a sampling state's condition."""
         mask = torch.ones_like(x_t[:, :1])
-        image_embeds = None
+        image_embeds = control = None
+        if self.vace:  # the reference frames in front are not the clip's: outside the loss
+            references = batch.get("reference_latents")
+            control = wan_vace.context(batch["control_latents"].to(self.device).float(),
+                                       None if references is None else references.to(self.device).float())
+            control = control.expand(n, *control.shape[1:])
+            mask[:, :, :control.shape[2] - batch["control_latents"].shape[2]] = 0
         if self.type == "i2v":
             condition = batch["image_latents"].to(self.device).float().expand(n, -1, -1, -1, -1)
             if self.expand:  # TI2V: the first latent frame is the image's, at timestep 0, and not in the loss
@@ -274,7 +338,7 @@ class WanAdapter(Adapter):
                     image_embeds = image_embeds.reshape(2 * n, -1, image_embeds.shape[-1])
         if self.expand:
             t = (mask[:, 0, :, ::2, ::2] * t.view(-1, 1, 1, 1)).flatten(1)
-        return x_t, t, image_embeds, mask
+        return x_t, t, image_embeds, control, mask
 
     def _frame_mask(self, condition: torch.Tensor) -> torch.Tensor:
         """The pipeline's mask of known frames [B, temporal ratio, F', h, w], built as its prepare_latents
@@ -289,40 +353,50 @@ class WanAdapter(Adapter):
         per_frame = torch.cat([known[:1].repeat(ratio), known[1:]]).view(latent_frames, ratio).T
         return per_frame[None, :, :, None, None].expand(len(condition), -1, -1, *condition.shape[3:])
 
-    def _predict(self, transformer, x, t, embeds, image_embeds):
+    def _predict(self, transformer, x, t, embeds, image_embeds, control=None):
         dtype = next(transformer.parameters()).dtype
+        vace = {} if control is None else {"control_hidden_states": control.to(dtype)}  # conditioning scale 1
         return transformer(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=embeds.to(dtype),
                            encoder_hidden_states_image=None if image_embeds is None else image_embeds.to(dtype),
-                           return_dict=False)[0].float()
+                           return_dict=False, **vace)[0].float()
 
     def _loss(self, transformer, x0, noise, sigmas, batch, embeds):
         s = sigmas.view(-1, 1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * noise
-        x, t, image_embeds, mask = self._inputs(x_t, 1000 * sigmas, batch, len(x0))
-        error = (self._predict(transformer, x, t, embeds, image_embeds) - (noise - x0)).pow(2) * mask
+        x, t, image_embeds, control, mask = self._inputs(x_t, 1000 * sigmas, batch, len(x0))
+        error = (self._predict(transformer, x, t, embeds, image_embeds, control) - (noise - x0)).pow(2) * mask
         return error.sum(dim=(1, 2, 3, 4)) / (mask.sum(dim=(1, 2, 3, 4)) * x0.shape[1])
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch; the latent sample, u and the noise come from each sample's
         own generator, keyed by (seed, step, position in the global batch)."""
-        x0 = self._normalise(sample_posterior(batch["latent_mean"].to(self.device),
-                                              batch["latent_logvar"].to(self.device), generators))
+        x0 = self._with_references(self._normalise(sample_posterior(
+            batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators)), batch)
         sigmas = to_device(self._sigmas(generators), self.device)
         noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device)
         return self._loss(transformer, x0, noise, sigmas, batch, batch["prompt_embeds"].to(self.device))
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
         """The loss of one cached clip (its posterior mean) at each of `timesteps`, with the same noise."""
-        x0 = self._normalise(batch["latent_mean"].to(self.device).float())
+        x0 = self._with_references(self._normalise(batch["latent_mean"].to(self.device).float()), batch)
         noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
         n = len(timesteps)
         return self._loss(transformer, x0.expand(n, -1, -1, -1, -1), noise.expand(n, *noise.shape),
                           torch.tensor(timesteps, device=self.device) / 1000, batch,
                           batch["prompt_embeds"].to(self.device).expand(n, -1, -1))
 
+    def _with_references(self, x0: torch.Tensor, batch) -> torch.Tensor:
+        """VACE: the reference images' latents in front of the clip's, the sequence the pipeline denoises
+        (their noise is drawn with the clip's; _inputs keeps them out of the loss)."""
+        if "reference_latents" not in batch:
+            return x0
+        references = batch["reference_latents"].to(self.device).float()
+        return torch.cat([references.expand(len(x0), *references.shape[1:]), x0], dim=2)
+
     @staticmethod
     def blocks(transformer) -> list[torch.nn.Module]:
-        return list(transformer.blocks)
+        """VACE's context blocks first: the forward runs them all before the base blocks."""
+        return list(getattr(transformer, "vace_blocks", [])) + list(transformer.blocks)
 
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
         """Sequence parallelism: the video tokens, their rotary embeddings and (TI2V) their per-token
@@ -342,15 +416,18 @@ class WanAdapter(Adapter):
         return self.scheduler_class.from_pretrained(self.path, subfolder="scheduler")
 
     def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None,
-                       last_image=None):
+                       last_image=None, control=None, mask=None, references=()):
         """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's (FLF2V: and the last
-        image's) condition, as the pipelines' prepare_latents."""
+        image's) condition, as the pipelines' prepare_latents. VACE: the control video's and mask's frames
+        (lists of PIL images, or None) and the reference images (PIL), encoded as WanVACEPipeline does;
+        a latent frame per reference in front of the clip's."""
         frames, height, width = resolution
         ratio = self.vae_config["scale_factor_spatial"]
         scheduler.set_timesteps(steps, device=self.device)
-        shape = (1, self.vae_config["z_dim"], (frames - 1) // self.frame_multiple + 1, height // ratio, width // ratio)
+        condition = self._vace_sampling_condition(control, mask, references, resolution) if self.vace else {}
+        shape = (1, self.vae_config["z_dim"], (frames - 1) // self.frame_multiple + 1 + len(references),
+                 height // ratio, width // ratio)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
-        condition = {}
         if image is not None:
             processor = VideoProcessor(vae_scale_factor=ratio)
             pixels = processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
@@ -359,16 +436,34 @@ class WanAdapter(Adapter):
             condition = self._condition(pixels, frames, [image], last_pixels,
                                         None if last_image is None else [last_image])
         boundary = None if self.boundary is None else self.boundary * scheduler.config.num_train_timesteps
-        return SimpleNamespace(scheduler=scheduler, latents=latents, condition=condition, boundary=boundary)
+        return SimpleNamespace(scheduler=scheduler, latents=latents, condition=condition, boundary=boundary,
+                               references=len(references))
+
+    def _vace_sampling_condition(self, control, mask, references, resolution) -> dict:
+        """The pipeline's preprocess_conditions on validation's inputs: frames to [-1, 1] at the clip's size,
+        the mask to [0, 1], each reference centred on a white canvas."""
+        frames, height, width = resolution
+        processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
+        if control is not None:
+            control = processor.preprocess_video(control, height, width).float()
+        if mask is not None:
+            mask = processor.preprocess_video(mask, height, width).float()
+            mask = torch.clamp((mask + 1) / 2, min=0, max=1)
+        canvases = None
+        if references:
+            canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio)
+                                    for r in references])[None]
+        return self.vace_condition(control, mask, canvases, frames, height, width)
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
         """The flow prediction at step t, by the expert whose range holds t; with guidance, of the latents
         twice (uncond, cond) in one forward."""
         folder = "transformer" if state.boundary is None or t >= state.boundary else "transformer_2"
         n = 2 if guided else 1
-        x, timesteps, image_embeds, _ = self._inputs(state.latents, t.view(1), state.condition, 1)
+        x, timesteps, image_embeds, control, _ = self._inputs(state.latents, t.view(1), state.condition, 1)
         return self._predict(models[folder], x.expand(n, *x.shape[1:]), timesteps.expand(n, *timesteps.shape[1:]),
-                             embeds, None if image_embeds is None else image_embeds.repeat(n, 1, 1))  # FLF2V: pairs
+                             embeds, None if image_embeds is None else image_embeds.repeat(n, 1, 1),  # FLF2V
+                             None if control is None else control.expand(n, *control.shape[1:]))
 
     def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
         """A14B: the low-noise expert's steps (t < boundary) take guidance_scale_2, as the pipeline's."""
@@ -382,7 +477,7 @@ class WanAdapter(Adapter):
     def sampled(self, state) -> torch.Tensor:
         if self.expand and self.type == "i2v":  # the image's latent frame, as the pipeline restores it
             return torch.cat([state.condition["image_latents"], state.latents[:, :, 1:]], dim=2)
-        return state.latents
+        return state.latents[:, :, state.references:]  # VACE: without the reference frames, as the pipeline
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()

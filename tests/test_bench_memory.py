@@ -293,3 +293,26 @@ def test_ic_lora_counts_the_reference_tokens(tmp_path):
     assert (ic["video_tokens"], plain["video_tokens"]) == (192, 96)
     assert ic["inputs"] == (192 * d + a) * 2 and plain["inputs"] == (96 * d + a) * 2
     assert ic["activations"] > plain["activations"]
+
+
+def test_vace_counts_its_context_blocks(wan_models, tmp_path):
+    """Wan VACE: the estimate builds the VACE transformer (its frozen weights are all the loaded model's,
+    the context blocks and their patch embedding included) and runs its step with the context, which the
+    VACE blocks make larger than the same base's without them."""
+    settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("vace")),
+                "model.family": "wan", "model.type": "vace", "model.dtype": "fp32",
+                "train.mixed_precision": "no",
+                "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32]}
+    cfg = load_config(str(write_toml(tmp_path / "vace.toml", settings)))
+    family, adapter = published.make_adapter(cfg, None, tmp_path, bench_memory.torch.device("cpu"))
+    parts = bench_memory.estimate(cfg, family, adapter)
+    stored = adapter.load_transformer()
+    assert any(name.startswith("vace_blocks.") for name, _ in stored.named_parameters())
+    tensors = [*stored.parameters(), *stored.buffers()]
+    assert parts["frozen"] == sum(t.numel() * t.element_size() for t in tensors)
+    without = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, type="t2v"))
+    base = {**adapter.transformer_config}
+    adapter.vace, adapter.TRANSFORMER = False, WanTransformer3DModel  # the same base blocks, no context
+    adapter.transformer_config = {k: v for k, v in base.items() if not k.startswith("vace_")}
+    plain = bench_memory.estimate(without, family, adapter)
+    assert plain["frozen"] < parts["frozen"] and plain["activations"] < parts["activations"]

@@ -17,7 +17,7 @@ LAYERS = {
     **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
                      "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "weights",
                      "activations", "storage", "sound_decoder", "transformer_loading",
-                     *(f"families.{family}" for family in FAMILIES)], 1),
+                     "families.wan_vace", *(f"families.{family}" for family in FAMILIES)], 1),
     "config": 0,
 }
 

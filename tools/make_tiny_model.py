@@ -9,7 +9,8 @@ diffusers added later is absent, and the class fills its default, as it does for
     python tools/make_tiny_model.py --out DIR [--family cogvideox|wan|ltx2] [--variant NAME] [--seed N]
 
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V 1.3B/14B),
-i2v (2.1 I2V 14B, with a CLIP image encoder), ti2v-5b (2.2, its 4x16x16 VAE), a14b-t2v and a14b-i2v
+i2v (2.1 I2V 14B, with a CLIP image encoder), flf2v (2.1 FLF2V 14B), vace (2.1 VACE 1.3B/14B: control, mask
+and reference images through context blocks), ti2v-5b (2.2, its 4x16x16 VAE), a14b-t2v and a14b-i2v
 (2.2, two experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B), 2.5 (LTX-2.5 22B: Gemma 4, a duration
 head), each text- and image-to-video (the same folder serves both pipelines). docs/models/<family>.md list the
 published key sets.
@@ -44,6 +45,8 @@ from diffusers import (
     WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
+    WanVACEPipeline,
+    WanVACETransformer3DModel,
 )
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.duration_head import LTX2DurationHead
@@ -209,6 +212,7 @@ WAN_VARIANTS = {
     "t2v": (WanPipeline, (16, 16), False, False, None, None, 3.0),
     "i2v": (WanImageToVideoPipeline, (36, 16), True, False, None, None, 3.0),
     "flf2v": (WanImageToVideoPipeline, (36, 16), True, False, None, None, 3.0),
+    "vace": (WanVACEPipeline, (16, 16), False, False, None, None, 3.0),
     "ti2v-5b": (WanPipeline, (48, 48), False, True, None, True, 5.0),
     "a14b-t2v": (WanPipeline, (16, 16), False, False, 0.875, False, 3.0),
     "a14b-i2v": (WanImageToVideoPipeline, (36, 16), False, False, 0.9, False, 3.0),
@@ -219,14 +223,25 @@ WAN_VARIANTS = {
 CLIP_TOKENS = 17
 
 
-def make_wan_transformer(channels: tuple[int, int], image: bool, first_last: bool = False) -> WanTransformer3DModel:
+# VACE: context blocks beside base blocks 0 and 2 of 3 (the published 1.3B's every second of 30, the 14B's
+# every fifth of 40, diffusers' convert_wan_to_diffusers); 96 context channels: the inactive and reactive
+# latents (2 x z_dim = 32) and the 8 x 8 mask pixels of each latent pixel (64), as the published ones.
+VACE = {"num_layers": 3, "vace_layers": [0, 2], "vace_in_channels": 96}
+WAN_VACE_KEYS = {"vace_layers", "vace_in_channels"}
+
+
+def make_wan_transformer(channels: tuple[int, int], image: bool, first_last: bool = False,
+                         vace: bool = False) -> WanTransformer3DModel:
     # FLF2V: the image embedder's position table covers two images' tokens, as diffusers' convert_wan_to_diffusers
     # writes for Wan-FLF2V-14B-720P ("pos_embed_seq_len": 257 * 2).
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-                                 in_channels=channels[0], out_channels=channels[1], text_dim=TEXT_DIM, freq_dim=256,
-                                 ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                                 eps=1e-6, image_dim=16 if image else None, added_kv_proj_dim=32 if image else None,
-                                 rope_max_seq_len=1024, pos_embed_seq_len=2 * CLIP_TOKENS if first_last else None)
+    settings = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                    in_channels=channels[0], out_channels=channels[1], text_dim=TEXT_DIM, freq_dim=256,
+                    ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                    eps=1e-6, image_dim=16 if image else None, added_kv_proj_dim=32 if image else None,
+                    rope_max_seq_len=1024, pos_embed_seq_len=2 * CLIP_TOKENS if first_last else None)
+    if vace:
+        return WanVACETransformer3DModel(**settings | VACE)
+    return WanTransformer3DModel(**settings)
 
 
 def make_wan_vae(is_22: bool) -> AutoencoderKLWan:
@@ -250,7 +265,8 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
             feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True, dropout_rate=0.1,
             layer_norm_epsilon=1e-6, scalable_attention=True, tie_word_embeddings=False))
         components = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": make_wan_vae(is_22),
-                      "transformer": make_wan_transformer(channels, image, variant == "flf2v"),
+                      "transformer": make_wan_transformer(channels, image, variant == "flf2v",
+                                                          variant == "vace"),
                       "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                            num_train_timesteps=1000, flow_shift=shift)}
         if boundary is not None:  # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
@@ -263,17 +279,21 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
                 intermediate_size=32, patch_size=8)) if image else None
             components["image_processor"] = CLIPImageProcessorPil(
                 size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) if image else None
-    pipe = pipeline_cls(**components, boundary_ratio=boundary, expand_timesteps=bool(expand))
+    # WanVACEPipeline takes no expand_timesteps.
+    arguments = {} if pipeline_cls is WanVACEPipeline else {"expand_timesteps": bool(expand)}
+    pipe = pipeline_cls(**components, boundary_ratio=boundary, **arguments)
     pipe.save_pretrained(out)
     root = Path(out)
-    # 2.1 T2V and I2V predate pos_embed_seq_len; FLF2V's config holds it (set), 2.2's too (null).
+    # 2.1 T2V and I2V predate pos_embed_seq_len; FLF2V's config holds it (set), 2.2's and VACE's too (null);
+    # VACE's adds its context layers and channels (diffusers' convert_wan_to_diffusers, Wan-VACE-1.3B/14B).
     transformer_keys = WAN21_KEYS if variant in ("t2v", "i2v") else WAN21_KEYS | {"pos_embed_seq_len"}
+    transformer_keys |= WAN_VACE_KEYS if variant == "vace" else set()
     for folder in ("transformer", "transformer_2"):
         if (root / folder).is_dir():
             keep_keys(root / folder / "config.json", transformer_keys)
     keep_keys(root / "vae" / "config.json", WAN22_VAE_KEYS if is_22 else WAN21_VAE_KEYS)
     index = json.loads((root / "model_index.json").read_text())
-    if variant in ("t2v", "i2v", "flf2v"):  # 2.1's folders predate the 2.2 pipeline arguments
+    if variant in ("t2v", "i2v", "flf2v", "vace"):  # 2.1's folders predate the 2.2 pipeline arguments
         index = {k: v for k, v in index.items() if k not in ("boundary_ratio", "expand_timesteps", "transformer_2")}
     if index.get("image_processor", [None])[0]:  # the published class name, whichever backend saved it
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]

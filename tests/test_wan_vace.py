@@ -1,0 +1,627 @@
+"""Wan VACE: the tiny model carries the published key set; our sampling loop renders what
+WanVACEPipeline renders from a control video, its mask and reference images (with our LoRA on the
+base and the VACE blocks, loaded by load_lora_weights); the training forward reads the context the
+pipeline builds, with the reference frames outside the loss."""
+
+import contextlib
+import io
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import one_rank_group, prepare_run, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from diffusers import WanVACEPipeline
+from PIL import Image
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import cache
+import data
+import lora
+import validate
+from config import ConfigError, ModelConfig, ValidationConfig, load_config
+from families import wan_vace
+from model_adapter import load_adapter
+
+WAN_VACE_KEYS = {
+    "added_kv_proj_dim",
+    "attention_head_dim",
+    "cross_attn_norm",
+    "eps",
+    "ffn_dim",
+    "freq_dim",
+    "image_dim",
+    "in_channels",
+    "num_attention_heads",
+    "num_layers",
+    "out_channels",
+    "patch_size",
+    "pos_embed_seq_len",
+    "qk_norm",
+    "rope_max_seq_len",
+    "text_dim",
+    "vace_in_channels",
+    "vace_layers",
+}
+PROMPT = "a red circle moves right"
+# LoRA on the base blocks' and the VACE blocks' attention, and on the first VACE block's input
+# projection.
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in"]
+
+
+def conditions(seed: int = 0):
+    """A control video and a binary mask (9 frames of 32 x 32, PIL, as the pipeline takes them), and
+    two reference images of other sizes and aspects than the clip's."""
+    g = np.random.default_rng(seed)
+    control = [Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(9)]
+    mask = [
+        Image.fromarray(np.where(g.random((32, 32)) > 0.5, 255, 0).astype(np.uint8)).convert("RGB")
+        for _ in range(9)
+    ]
+    references = [
+        Image.fromarray(g.integers(0, 256, size, dtype=np.uint8))
+        for size in ((24, 40, 3), (40, 16, 3))
+    ]
+    return control, mask, references
+
+
+def vace_settings(wan_models, base_settings, output_dir, **extra) -> dict:
+    return {
+        **base_settings,
+        "model.path": str(wan_models("vace")),
+        "model.family": "wan",
+        "model.type": "vace",
+        "lora.target_modules": TARGETS,
+        "run.output_dir": str(output_dir),
+        "validation.do_validation": False,
+        **extra,
+    }
+
+
+def vace_adapter(wan_models):
+    return load_adapter(
+        ModelConfig(family="wan", path=str(wan_models("vace")), dtype="fp32", type="vace"),
+        torch.device("cpu"),
+    )
+
+
+def test_the_tiny_model_carries_the_published_key_set_and_the_type_is_checked(wan_models):
+    path = wan_models("vace")
+    config = json.loads((path / "transformer" / "config.json").read_text())
+    assert set(config) - {"_class_name", "_diffusers_version"} == WAN_VACE_KEYS
+    assert config["_class_name"] == "WanVACETransformer3DModel"
+    assert json.loads((path / "model_index.json").read_text())["_class_name"] == "WanVACEPipeline"
+    with pytest.raises(
+        ConfigError,
+        match=r'is a VACE model \(its transformer has vace_layers\): set model.type = "vace"',
+    ):
+        load_adapter(ModelConfig(family="wan", path=str(path), type="t2v"), torch.device("cpu"))
+    with pytest.raises(
+        ConfigError, match=r'is not a VACE model .*: set model.type = "t2v" or "i2v"'
+    ):
+        load_adapter(
+            ModelConfig(family="wan", path=str(wan_models("t2v")), type="vace"), torch.device("cpu")
+        )
+    adapter = vace_adapter(wan_models)
+    # The context blocks are FSDP and checkpointing units too, in the order the forward runs them.
+    transformer = adapter.load_transformer()
+    assert adapter.blocks(transformer) == [*transformer.vace_blocks, *transformer.blocks]
+
+
+def as_uint8(frames) -> torch.Tensor:
+    """PIL frames -> uint8 [F, H, W, 3], as the cache pass reads a clip's frames."""
+    return torch.from_numpy(np.stack([np.asarray(f) for f in frames]))
+
+
+def pipeline_context(pipe, control, mask, references):
+    """The pipeline's own context for these inputs: preprocess_conditions, prepare_video_latents and
+    prepare_masks, concatenated as its __call__ does."""
+    video, mask, references = pipe.preprocess_conditions(
+        control, mask, references, 1, 32, 32, 9, torch.float32, torch.device("cpu")
+    )
+    return torch.cat(
+        [pipe.prepare_video_latents(video, mask, references), pipe.prepare_masks(mask, references)],
+        1,
+    )
+
+
+def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_references_out(wan_models):
+    """A cached clip's VACE condition (from uint8 pixels, as the cache pass reads them) gives the
+    transformer the pipeline's conditioning latents exactly (inactive, reactive, mask packing,
+    references in front in the pipeline's order); the noisy sequence holds the references' frames in
+    front of the clip's, and the loss is the clip's frames' alone."""
+    adapter = vace_adapter(wan_models)
+    control, mask, references = conditions()
+    pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+    theirs = pipeline_context(pipe, control, mask, references)
+
+    pixels = as_uint8(control).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+    mask_pixels = as_uint8(mask).permute(3, 0, 1, 2)[None].float() / 255.0
+    canvases = torch.stack(
+        [wan_vace.reference_canvas(np.asarray(r), 32, 32, 8) for r in references]
+    )[None]
+    condition = adapter.vace_condition(pixels, mask_pixels, canvases, 9, 32, 32)
+    assert condition["reference_latents"].shape == (1, 16, 2, 4, 4)
+    torch.testing.assert_close(
+        wan_vace.context(condition["control_latents"], condition["reference_latents"]),
+        theirs,
+        rtol=0,
+        atol=1e-5,
+    )
+
+    transformer = adapter.load_transformer().train()
+    seen = {}
+    transformer.register_forward_hook(
+        lambda m, a, kw, out: seen.update(kw, out=out[0]), with_kwargs=True
+    )
+    gen = torch.Generator().manual_seed(1)
+    mean = torch.randn(2, 16, 3, 4, 4, generator=gen)
+    batch = {
+        "latent_mean": mean,
+        "latent_logvar": torch.full_like(mean, -30.0),  # x0 is the mean (to 3e-7)
+        "prompt_embeds": torch.randn(2, 512, 32, generator=gen),
+        **condition,
+    }
+    loss = adapter.train_loss(transformer, batch, [data.keyed_generator(0, i) for i in range(2)])
+    assert seen["control_hidden_states"].shape == (2, 96, 5, 4, 4)
+    torch.testing.assert_close(
+        seen["control_hidden_states"], theirs.expand(2, -1, -1, -1, -1), rtol=0, atol=1e-5
+    )
+    x_t, s = seen["hidden_states"], seen["timestep"].view(-1, 1, 1, 1, 1) / 1000
+    assert x_t.shape == (2, 16, 5, 4, 4)
+    x0 = torch.cat(
+        [condition["reference_latents"].expand(2, -1, -1, -1, -1), adapter._normalise(mean)], dim=2
+    )
+    target = (x_t - (1 - s) * x0) / s - x0  # noise - x0, the noise read back from x_t
+    expected = (seen["out"] - target)[:, :, 2:].pow(2).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+    everything = (seen["out"] - target).pow(2).mean(dim=(1, 2, 3, 4))
+    assert (
+        everything - expected
+    ).abs().min() > 1e-3  # the reference frames would show if they were counted
+
+
+def random_lora(adapter, path) -> tuple[list[str], dict]:
+    """Our LoRA on TARGETS with random weights, written as the export writes it; the module names,
+    weights."""
+    transformer = adapter.load_transformer()
+    names = lora.inject_lora(transformer, TARGETS, 4, 4.0, 0.0, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    weights = {
+        k: 0.3 * torch.randn(v.shape, generator=gen)
+        for k, v in lora.lora_state_dict(transformer).items()
+    }
+    lora.save_lora(str(path), weights, 4, 4.0, TARGETS)
+    return names, weights
+
+
+def comfyui_vace_linears(c: dict) -> dict[str, tuple[int, int]]:
+    """The nn.Linear modules, as (in, out) features, of ComfyUI's native Wan VACE model for a
+    diffusers transformer config, written from comfy/ldm/wan/model.py (WanModel's WanAttentionBlock
+    with t2v cross- attention: self_attn and cross_attn q, k, v, o, ffn.0 and ffn.2; VaceWanModel's
+    vace_blocks, each a VaceWanAttentionBlock: the same, with after_proj, and before_proj on block
+    0) as read at comfyanonymous/ComfyUI 01c4fa4c746a16712ccabac3ce7ff71c48340214. ComfyUI's LoRA
+    loader (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` of every
+    such module from `diffusion_model.<module>.lora_A/lora_B.weight`; a key naming no module of the
+    model is dropped."""
+    dim, ffn = c["num_attention_heads"] * c["attention_head_dim"], c["ffn_dim"]
+    block = {f"{attn}.{x}": (dim, dim) for attn in ("self_attn", "cross_attn") for x in "qkvo"}
+    block |= {"ffn.0": (dim, ffn), "ffn.2": (ffn, dim)}
+    linears = {
+        f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()
+    }
+    for i in range(len(c["vace_layers"])):
+        linears |= {
+            f"vace_blocks.{i}.{name}": shape
+            for name, shape in (block | {"after_proj": (dim, dim)}).items()
+        }
+    return linears | {"vace_blocks.0.before_proj": (dim, dim)}
+
+
+def test_the_comfyui_file_loses_no_vace_key(wan_models, tmp_path):
+    """Our ComfyUI file of a LoRA on base and VACE blocks: every module is one ComfyUI's Wan VACE
+    model has, with its shapes, none lost; lora.init_from reads it back to the same weights."""
+    adapter = vace_adapter(wan_models)
+    names, weights = random_lora(adapter, tmp_path / "ours.safetensors")
+    comfy = tmp_path / "comfy.safetensors"
+    lora.save_comfy(
+        str(comfy), weights, 4.0, adapter.comfy_key, adapter.COMFY_ALPHA
+    )  # as export writes it
+    linears = comfyui_vace_linears(adapter.transformer_config)
+    tensors = load_file(comfy)
+    modules = {
+        k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k
+    }
+    assert len(modules) == len(names) and modules <= linears.keys(), modules - linears.keys()
+    assert {m.split(".")[0] for m in modules} == {
+        "blocks",
+        "vace_blocks",
+    } and "vace_blocks.0.before_proj" in modules
+    for module in modules:
+        fan_in, fan_out = linears[module]
+        assert tensors[f"diffusion_model.{module}.lora_A.weight"].shape == (4, fan_in)
+        assert tensors[f"diffusion_model.{module}.lora_B.weight"].shape == (fan_out, 4)
+    back, info = lora.load_lora(str(comfy), adapter.diffusers_key)
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+    assert (info["rank"], info["alpha"]) == (4, 4.0)
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
+    wan_models, base_settings, tmp_path
+):
+    """Control video, mask and two reference images; 4 steps with guidance: our frames equal
+    WanVACEPipeline's within 1e-4 in fp32, with the base model and with our LoRA file (on the base
+    blocks and the VACE blocks) loaded by load_lora_weights, every module of it."""
+    adapter = vace_adapter(wan_models)
+    lora_file = tmp_path / "pytorch_lora_weights.safetensors"
+    names, _ = random_lora(adapter, lora_file)
+    assert {n.split(".")[0] for n in names} == {
+        "blocks",
+        "vace_blocks",
+    } and "vace_blocks.0.proj_in" in names
+    control, mask, references = conditions()
+    cfg = ValidationConfig(prompts=[PROMPT], num_inference_steps=4, guidance_scale=5.0)
+    config = load_config(
+        str(write_toml(tmp_path / "vace.toml", vace_settings(wan_models, base_settings, tmp_path)))
+    )
+    embeds = adapter.encode_text(["", PROMPT])
+    renders = []
+    with one_rank_group() as d:
+        for source in (None, lora_file):
+            model = validate.load_model(
+                config, adapter, d, None, str(source) if source else None
+            ).eval()
+            state = validate.sample_latents(
+                adapter,
+                {"transformer": model},
+                adapter.sampler(""),
+                embeds[1:],
+                embeds[:1],
+                data.keyed_generator(cfg.seed, 0),
+                cfg,
+                [9, 32, 32],
+                contextlib.nullcontext(),
+                control=control,
+                mask=mask,
+                references=references,
+            )
+            ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+            pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+            pipe.set_progress_bar_config(disable=True)
+            if source:
+                pipe.load_lora_weights(str(source))
+                loaded = {
+                    n.removesuffix(".lora_A.default_0").removesuffix(".lora_A.default")
+                    for n, _ in pipe.transformer.named_modules()
+                    if ".lora_A." in n
+                }
+                assert loaded == set(names)
+            theirs = (
+                pipe(
+                    prompt=PROMPT,
+                    video=control,
+                    mask=mask,
+                    reference_images=references,
+                    num_frames=9,
+                    height=32,
+                    width=32,
+                    num_inference_steps=4,
+                    guidance_scale=5.0,
+                    generator=data.keyed_generator(cfg.seed, 0),
+                    output_type="pt",
+                )
+                .frames[0]
+                .permute(0, 2, 3, 1)
+            )
+            assert ours.shape == theirs.shape == (9, 32, 32, 3)
+            assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
+            renders.append(ours)
+    assert (renders[0] - renders[1]).abs().max() > 1e-3  # the LoRA shows
+
+
+def test_validation_renders_each_prompt_with_its_reference_image(
+    wan_models, base_settings, tiny_data, tmp_path
+):
+    """validation.reference_images, one per prompt, through the renderer the training run uses: the
+    pipeline's frames for that reference (no control video: its zeros and all-ones mask); refused
+    for other models and in another count than the prompts."""
+    reference = tiny_data / "images" / "00001.png"
+    settings = vace_settings(
+        wan_models,
+        base_settings,
+        tmp_path,
+        **{
+            "validation.prompts": [PROMPT],
+            "validation.reference_images": [str(reference)],
+            "validation.num_inference_steps": 2,
+        },
+    )
+    cfg = load_config(str(write_toml(tmp_path / "vace.toml", settings)))
+    adapter = vace_adapter(wan_models)
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        model = validate.load_model(cfg, adapter, d, None, None).eval()
+        ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
+    pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+    pipe.set_progress_bar_config(disable=True)
+    theirs = (
+        pipe(
+            prompt=PROMPT,
+            reference_images=[Image.open(reference).convert("RGB")],
+            num_frames=9,
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            guidance_scale=cfg.validation.guidance_scale,
+            generator=data.keyed_generator(cfg.validation.seed, 0),
+            output_type="pt",
+        )
+        .frames[0]
+        .permute(0, 2, 3, 1)
+    )
+    assert (ours - theirs).abs().max() <= 1e-4
+    with pytest.raises(ConfigError, match="validation.reference_images conditions VACE models"):
+        load_config(
+            str(
+                write_toml(
+                    tmp_path / "t2v.toml",
+                    {**settings, "model.type": "t2v", "validation.do_validation": True},
+                )
+            )
+        )
+    with pytest.raises(
+        ConfigError, match="validation.reference_images has 1 for 2 validation.prompts"
+    ):
+        load_config(
+            str(
+                write_toml(
+                    tmp_path / "two.toml",
+                    {
+                        **settings,
+                        "validation.prompts": [PROMPT, PROMPT],
+                        "validation.do_validation": True,
+                    },
+                )
+            )
+        )
+
+
+def vace_data(root, tiny_data, count: int = 4):
+    """A metadata.jsonl dataset of 4 of the session's clips, each with a control video (another
+    clip, to restyle), a mask image (left half white: generate; right half black: keep) and a
+    reference image (another clip's first frame); masks and references copied, as a test edits them.
+    """
+    (root / "masks").mkdir(parents=True)
+    (root / "videos").symlink_to(tiny_data / "videos")
+    shutil.copytree(tiny_data / "images", root / "references")
+    rows = []
+    for i in range(count):
+        mask = np.zeros((40, 48), np.uint8)
+        mask[:, :24] = 255
+        Image.fromarray(mask).save(root / "masks" / f"{i}.png")
+        rows.append(
+            json.dumps(
+                {
+                    "video": f"videos/0000{i}.mp4",
+                    "prompt": f"clip {i}",
+                    "control": f"videos/{i + 8:05d}.mp4",
+                    "mask": f"masks/{i}.png",
+                    "reference": f"references/{(i + 1) % count:05d}.png",
+                }
+            )
+            + "\n"
+        )
+    (root / "metadata.jsonl").write_text("".join(rows))
+    return root
+
+
+def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
+    wan_models, base_settings, tiny_data, tmp_path, caplog
+):
+    """The control entry is the clip's window of its control video, its mask and its reference
+    image, encoded as encode_control encodes them (the pipeline's, test above); changing a clip's
+    mask or its reference image re-encodes that clip's control entry only, and keeps its video
+    latents; the other families refuse the VACE columns."""
+    root = vace_data(tmp_path / "data", tiny_data)
+    settings = vace_settings(
+        wan_models,
+        base_settings,
+        tmp_path / "out",
+        **{
+            "data.data_root": str(root),
+            "data.cache_dir": str(tmp_path / "cache"),
+            "data.held_out": 0,
+        },
+    )
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    with one_rank_group() as d:
+        adapter, entries, items, _ = prepare_run(cfg, d)
+        item = items[1]
+        mask = data.decode_mask(item)
+        assert (
+            mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255
+        )  # the left edge survives the crop
+        expected = adapter.encode_control(
+            data.decode_control(item)[None], [mask], [data.load_reference(item)]
+        )
+        cached = load_file(entries.path(item, "control"))
+        assert cached.keys() == {"control_latents", "reference_latents"}
+        assert cached["control_latents"].shape == (96, 3, 4, 4) and cached[
+            "reference_latents"
+        ].shape == (16, 1, 4, 4)
+        for key in cached:
+            torch.testing.assert_close(cached[key], expected[key][0], rtol=0, atol=1e-5)
+        before = {kind: [entries.path(i, kind) for i in items] for kind in ("video", "control")}
+        shutil.copy(
+            root / "references" / "00003.png", root / "references" / "00002.png"
+        )  # clip 1's reference
+        mask = np.asarray(Image.open(root / "masks" / "2.png")).copy()
+        Image.fromarray(255 - mask).save(root / "masks" / "2.png")  # clip 2's mask, inverted
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vidtrain"):
+            entries, items, _ = cache.prepare(cfg, adapter, d)
+        after = {kind: [entries.path(i, kind) for i in items] for kind in ("video", "control")}
+        assert after["video"] == before["video"]
+        assert [a != b for a, b in zip(after["control"], before["control"])] == [
+            False,
+            True,
+            True,
+            False,
+        ]
+        assert any("cache: 2 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), (
+            caplog.text
+        )
+        t2v = {
+            **settings,
+            "model.path": str(wan_models("t2v")),
+            "model.type": "t2v",
+            "lora.target_modules": ["to_q"],
+        }
+        for key in ("mask_column", "reference_column"):
+            with pytest.raises(
+                ConfigError, match=f"data.{key} = x.txt conditions Wan VACE models, and model.path"
+            ):
+                prepare_run(
+                    load_config(
+                        str(write_toml(tmp_path / "t.toml", {**t2v, f"data.{key}": "x.txt"}))
+                    ),
+                    d,
+                )
+        rows = (root / "metadata.jsonl").read_text().splitlines()
+        (root / "metadata.jsonl").write_text(
+            "\n".join([*rows[:3], rows[3].replace(', "reference": "references/00000.png"', "")])
+            + "\n"
+        )
+        with pytest.raises(
+            ConfigError,
+            match=r"metadata.jsonl line 4 has no reference image, but 3 other clip\(s\)",
+        ):
+            prepare_run(cfg, d)
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
+    """2 FSDP ranks train a LoRA on the base and VACE blocks from control, mask and reference, with
+    validation from a reference image: SIGKILL after step 4, the next launch resumes from step 3 and
+    ends bitwise equal to the run never stopped, clips included; TensorBoard shows the reference
+    beside the clip; the export loads into WanVACEPipeline with every module, and computes there
+    what our model computes; its ComfyUI file holds the VACE blocks' modules."""
+    root = vace_data(tmp_path / "data", tiny_data, count=6)
+    reference = root / "references" / "00005.png"
+    lifecycle = {
+        "data.data_root": str(root),
+        "data.cache_dir": str(tmp_path / "cache"),
+        "data.held_out": 2,
+        "parallel.strategy": "fsdp",
+        "train.batch_size": 1,
+        "train.steps": 6,
+        "train.learning_rate": 1e-2,
+        "checkpoint.checkpointing_steps": 3,
+        "validation.do_validation": True,
+        "validation.validation_steps": 3,
+        "validation.num_inference_steps": 3,
+        "validation.save_frames": True,
+        "validation.prompts": [PROMPT],
+        "validation.reference_images": [str(reference)],
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            vace_settings(wan_models, base_settings, tmp_path / name, **lifecycle),
+        )
+        for name in ("reference", "killed")
+    }
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    assert (
+        run_cmd(
+            ["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}
+        ).returncode
+        != 0
+    )
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 3 ({tmp_path / 'killed' / 'checkpoint-3'})" in resumed.stderr
+    losses = train_losses(tmp_path / "reference")
+    assert sorted(losses) == list(range(1, 7)) and train_losses(tmp_path / "killed") == losses
+    val = [m for m in read_metrics(tmp_path / "reference") if "val/loss" in m]
+    assert [m["step"] for m in val] == [0, 3, 6] and val[-1]["val/loss"] < val[0]["val/loss"]
+    lora_dir = tmp_path / "reference" / "lora"
+    ours, theirs = (
+        load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors")
+        for name in ("killed", "reference")
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert any(k.startswith("transformer.vace_blocks.0.proj_in.") for k in ours)
+    clip = "validation_res/step_6_prompt_0.safetensors"
+    assert torch.equal(
+        load_file(tmp_path / "killed" / clip)["frames"],
+        load_file(tmp_path / "reference" / clip)["frames"],
+    )
+    events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
+    events.Reload()
+    shown = events.Images("val/conditions_0")
+    assert [c.step for c in shown] == [0, 3, 6]
+    with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
+        pixels = torch.from_numpy(np.array(gif.convert("RGB"))).float()
+    expected = torch.from_numpy(
+        np.array(Image.open(reference).convert("RGB").resize((32, 32)))
+    ).float()
+    assert pixels.shape == (32, 32, 3) and (pixels - expected).abs().mean() < 4
+    comfy = load_file(next((lora_dir / "comfy").glob("*.safetensors")))
+    assert "diffusion_model.vace_blocks.0.before_proj.lora_A.weight" in comfy
+    assert len([k for k in comfy if k.endswith("lora_A.weight")]) == len(
+        [k for k in ours if "lora_A" in k]
+    )
+
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = validate.load_model(
+            cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")
+        ).eval()
+    pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+    pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
+    loaded = {
+        n.rsplit(".lora_A", 1)[0]
+        for n, _ in pipe.transformer.named_modules()
+        if n.endswith(".lora_A")
+    }
+    assert loaded == {
+        k.removeprefix("transformer.").rsplit(".lora_A", 1)[0] for k in ours if "lora_A" in k
+    }
+    gen = torch.Generator().manual_seed(0)
+    x, embeds = torch.randn(2, 16, 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
+    control = torch.randn(2, 96, 3, 4, 4, generator=gen)
+    with torch.no_grad():
+        t = torch.tensor([10, 900])
+        torch.testing.assert_close(
+            adapter._predict(pipe.transformer, x, t, embeds, None, control),
+            adapter._predict(model, x, t, embeds, None, control),
+            rtol=0,
+            atol=1e-5,
+        )
+
+
+def test_validate_renders_with_a_reference(wan_models, base_settings, tiny_data, tmp_path):
+    """validate.py --reference renders the base model's clip of each prompt with its reference image, under
+    a name that tells references apart (another reference writes another clip)."""
+    settings = vace_settings(
+        wan_models, base_settings, tmp_path / "out", **{"validation.num_inference_steps": 2}
+    )
+    config = str(write_toml(tmp_path / "c.toml", settings))
+    for reference in ("00000.png", "00001.png"):
+        validate.main(
+            [
+                "--cfg",
+                config,
+                "--prompt",
+                PROMPT,
+                "--reference",
+                str(tiny_data / "images" / reference),
+            ]
+        )
+    clips = sorted((tmp_path / "out" / "validation_res").glob("render_base_prompt_0_*.mp4"))
+    assert len(clips) == 2
