@@ -28,6 +28,7 @@ import decode
 import faults
 import lora
 import parallel
+import ranks
 import sequence
 from cache_files import Cache
 from config import Config, ConfigError, DataConfig
@@ -44,7 +45,7 @@ PROGRESS_EVERY_S = 30.0
 IMAGE_DIFFERENCE = 16
 
 
-def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: parallel.Dist,
+def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: ranks.Dist,
              first_last: bool = False):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
     check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
@@ -68,12 +69,12 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
                 out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
                             [(str(path), entry) for path, entry in new]))
             return out
-        for part in parallel.agree(work, d):
+        for part in ranks.agree(work, d):
             for i, planned, missing, present, new in part:
                 results[i] = (dataclasses.replace(planned, clip=clips[i]), missing, present)
                 for path, entry in new:
                     manifest.add(Path(path), entry)
-        parallel.stop_if_preempted(d, "while reading clip headers, with nothing encoded yet")
+        ranks.stop_if_preempted(d, "while reading clip headers, with nothing encoded yet")
     return results
 
 
@@ -141,7 +142,7 @@ def held_warnings(work, mine, r):
         log.setLevel(level)
 
 
-def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: parallel.Dist) -> list[data.Problem]:
+def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: ranks.Dist) -> list[data.Problem]:
     """One batch per rank per round, then the ranks agree: counts, problems (a clip that fails to decode
     stops the pass at once, with what was written kept, unless data.skip_bad) and stop signals."""
     total = sum(len(batch) for mine in per_rank for batch in mine)
@@ -149,12 +150,12 @@ def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: 
     problems, done, start = [], 0, time.perf_counter()
     last_log = start
     for r in range(rounds):
-        for count, bad, held in parallel.agree(lambda: held_warnings(work, mine, r), d):
+        for count, bad, held in ranks.agree(lambda: held_warnings(work, mine, r), d):
             done, problems = done + count, problems + bad
             for message in held if d.is_main else []:
                 log.warning("%s", message)
         stop_on_problems(problems, cfg)
-        parallel.stop_if_preempted(d, f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
+        ranks.stop_if_preempted(d, f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
                                       "next run continues from there")
         now = time.perf_counter()
         if now - last_log >= PROGRESS_EVERY_S or r == rounds - 1:
@@ -164,7 +165,7 @@ def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: 
     return problems
 
 
-def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, d: parallel.Dist) -> None:
+def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, d: ranks.Dist) -> None:
     """The missing text entries, one per distinct prompt: T5 only, no video decoded."""
     first_of = {}
     for item in todo:
@@ -185,7 +186,7 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
 
 
 def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
-                  d: parallel.Dist):
+                  d: ranks.Dist):
     """The missing video (and image, and audio) entries, `todo` naming each clip's: the k-th clip to rank
     k % world (sorted by bucket, so a batch shares a shape), cache_batch_size clips per VAE call (the sound
     one clip a call), one batch per rank per round, decoded by
@@ -266,8 +267,8 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
 
     with ThreadPoolExecutor(workers) as pool:
         problems = run_rounds(per_rank, work, "clips", cfg, d)
-    far = sorted(f for part in parallel.agree(lambda: far, d) for f in part)
-    read, sounding = (sum(counts) for counts in zip(*parallel.agree(lambda: heard, d)))
+    far = sorted(f for part in ranks.agree(lambda: far, d) for f in part)
+    read, sounding = (sum(counts) for counts in zip(*ranks.agree(lambda: heard, d)))
     if read and not sounding and d.is_main:
         log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
                     "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
@@ -293,11 +294,11 @@ def check_lora_targets(adapter, targets: list[str]) -> None:
         raise ConfigError(str(e)) from None
 
 
-def prepare(cfg: Config, d: parallel.Dist):
+def prepare(cfg: Config, d: ranks.Dist):
     """Check the model, the resolutions and every clip, and complete the cache, before any training (a
     complete cache on a read-only data.cache_dir is only read). Returns the adapter, the cache and the
     training and held-out items (the last data.held_out)."""
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
             Weights(adapter.path / adapter.transformer_folder)  # read after the pass: missing files are named now
@@ -328,12 +329,12 @@ def prepare(cfg: Config, d: parallel.Dist):
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
     unwritable = None  # or why data.cache_dir cannot be written
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         if d.is_main:
             unwritable = command.write_problem(cache_dir)
-    unwritable = parallel.broadcast(unwritable, d)
+    unwritable = ranks.broadcast(unwritable, d)
     if unwritable is None:  # a read-only cache is only read: each rank checks the entries it sees
-        parallel.check_shared(str(cache_dir), "data.cache_dir", d)
+        ranks.check_shared(str(cache_dir), "data.cache_dir", d)
     manifest = Manifest(cache_dir)
     encoders = manifest.encoder_identity(adapter, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 import command
 import export
 import faults
-import parallel
+import ranks
 from ckpt_files import (
     CHECKPOINT_NAME,
     EXPORT_LOCK,
@@ -120,7 +120,7 @@ def staging_copy() -> DefaultStager:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict, data: dict):
+    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: ranks.Dist, identity: dict, data: dict):
         """identity: run_identity's; data: data_identity's, of the training clips."""
         self.cfg, self.dir, self.d, self.identity, self.data = cfg, Path(output_dir), d, identity, data
         self.frozen_excluded = identity["training_type"] == "lora"
@@ -167,7 +167,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         writer = (FailingWriter if faults.active("save_fail", step) else HashingWriter)(tmp)
-        with parallel.all_or_none():
+        with ranks.all_or_none():
             state = self._state(objects, reuse=True)
             if self.cfg.async_save and not final:
                 if self.async_group is None:
@@ -189,7 +189,7 @@ class Checkpointer:
             return
         step, tmp, final_dir, future, writer = self.pending
         self.pending = None
-        with parallel.all_or_none(), write_failures_named(tmp):
+        with ranks.all_or_none(), write_failures_named(tmp):
             future.result()
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=False)
@@ -242,12 +242,12 @@ class Checkpointer:
     def _candidates(self) -> list[Path]:
         """The checkpoints to try, newest first, as rank 0 sees them (leftover .tmp folders removed)."""
         found = None
-        with parallel.all_or_none():
+        with ranks.all_or_none():
             if self.d.is_main:
                 for tmp in self.dir.glob("checkpoint-*.tmp"):
                     shutil.rmtree(tmp)
                 found = [str(p) for p in reversed(checkpoint_folders(self.dir))]
-        found = parallel.broadcast(found, self.d)
+        found = ranks.broadcast(found, self.d)
         if self.cfg.resume == "none" and found:
             raise ConfigError(f"{self.dir} already holds {Path(found[0]).name}: set checkpoint.resume = \"auto\" "
                               "to continue it, or choose another run.output_dir")
@@ -270,13 +270,13 @@ class Checkpointer:
         """Load the newest checkpoint whose files check out into the live objects on every rank, falling
         back to older ones; resharding is DCP's; return its path. A stop signal before the check ends the
         run here."""
-        parallel.stop_if_preempted(self.d, "before resuming, with nothing new to save")
+        ranks.stop_if_preempted(self.d, "before resuming, with nothing new to save")
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
-            problem = next((p for p in parallel.agree(lambda: meta_problem(path), self.d) if p), None)
+            problem = next((p for p in ranks.agree(lambda: meta_problem(path), self.d) if p), None)
             if problem is None:
-                with parallel.all_or_none():  # another model, LoRA or dataset: stop, do not fall back
+                with ranks.all_or_none():  # another model, LoRA or dataset: stop, do not fall back
                     meta = read_meta(path)
                     check_identity(path, meta, self.identity, resuming=True)
                     check_data(path, meta, self.data)
@@ -291,7 +291,7 @@ class Checkpointer:
             if candidates:  # starting over would overwrite the damaged ones: leave that decision to the user
                 raise ConfigError(self._none_passes(candidates, skipped))
             return None
-        with parallel.all_or_none():
+        with ranks.all_or_none():
             meta = read_meta(path)
             dcp.load(state, checkpoint_id=str(path))
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
@@ -307,7 +307,7 @@ class Checkpointer:
         return path
 
 
-def load_weights(model, path: str, training_type: str, identity: dict, d: parallel.Dist, ema=None) -> None:
+def load_weights(model, path: str, training_type: str, identity: dict, d: ranks.Dist, ema=None) -> None:
     """Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
     check_identity(Path(path), read_meta(Path(path)), identity)
@@ -322,13 +322,13 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: parall
     set_model_state_dict(model, state["model"], options=options)
 
 
-def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:
+def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> None:
     """Build the model as training does, load the checkpoint's trained weights (and EMA), export them."""
     # By default into the run's exports/checkpoint-N/ (its ComfyUI file named <run>_checkpoint-N): never inside
     # the checkpoint, which rotation deletes, nor over the run's own lora/, which holds its final weights.
     where = Path(checkpoint).resolve()
     target = Path(out) if out else where.parent / "exports" / where.name
-    with parallel.all_or_none():  # before any compute
+    with ranks.all_or_none():  # before any compute
         read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
         problem = command.write_problem(target) if d.is_main else None
         if problem:
@@ -339,13 +339,13 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     with exporting(where):  # a training still running keeps this checkpoint until the export is written
-        with parallel.all_or_none():
+        with ranks.all_or_none():
             load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
         export.export(model, cfg.train.training_type, cfg.lora, adapter, str(target), d, ema,
                       "" if out else f"{where.parent.name}_{where.name}")
 
 
-def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
+def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
     """Accept a checkpoint's files as they are, for a checkpoint that fails its check and is wanted anyway:
     rewrite its meta.json from the files now there (sizes, sha256) and the step its name holds. Refused
     when a shard its .metadata names is missing, when this config builds other shapes than .metadata
@@ -358,7 +358,7 @@ def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
     if not match or not (path / ".metadata").is_file():
         raise ConfigError(f"{path} is not a checkpoint-N folder holding DCP's .metadata, so nothing can load it: "
                           "resume from another checkpoint, or start over in another run.output_dir")
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
     if not d.is_main:
         return

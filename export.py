@@ -7,14 +7,14 @@ from pathlib import Path
 
 import faults
 import lora
-import parallel
+import ranks
 from config import LoraConfig
 from model import model_state
 
 log = logging.getLogger("vidtrain")
 
 
-def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None,
+def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: ranks.Dist, ema=None,
            name: str = ""):
     """The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on.
     `name` names the ComfyUI file (default: out_dir's name, the run's)."""

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import activations
 import lora
 import parallel
+import ranks
 import sequence
 from config import ConfigError, LoraConfig, ParallelConfig, TrainConfig
 
@@ -32,7 +33,7 @@ log = logging.getLogger("vidtrain")
 RECOMPILE_LIMIT = 16
 
 
-def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
+def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: ranks.Dist):
     """Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the trained
     one under FSDP, replicated otherwise (DDP has nothing to synchronise without trainable weights)."""
     def split(transformer):
@@ -52,7 +53,7 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
 
 
 def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
-                d: parallel.Dist, lora_file: str = ""):
+                d: ranks.Dist, lora_file: str = ""):
     """The wrapped transformer in train mode. `lora_file` (the render command's --lora) injects the
     file's own rank, alpha and targets instead of the config's. Under FSDP the frozen weights stay on
     the meta device until after fully_shard, when each rank reads its shard (adapter.load_transformer);

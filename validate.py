@@ -41,6 +41,7 @@ import data
 import faults
 import memory
 import parallel
+import ranks
 from config import Config, ConfigError, DataConfig, ValidationConfig, check_validation_images, check_values
 from model import EMA, build_frozen, build_model
 from model_adapter import load_adapter
@@ -57,7 +58,7 @@ def eager():
 
 
 @torch.no_grad()
-def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: parallel.Dist, autocast):
+def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: ranks.Dist, autocast):
     """val/loss and val/loss_t{t}, and each of the family's loss parts (LTX-2's val/loss_video and
     val/loss_audio: means over the clips that have the stream, and the timesteps). Clip i is measured by
     data-parallel rank i % dp_world (the whole sp group); every rank makes the same number of forward
@@ -173,7 +174,7 @@ class ClipRenderer:
     the same number of forward calls (FSDP needs it); rank 0 receives them from the data-parallel leaders
     and writes them. Ranks advance in lockstep, so no collective waits longer than one forward or decode."""
 
-    def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: parallel.Dist,
+    def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: ranks.Dist,
                  load_frozen=None):
         """load_frozen(folder) builds another expert the sampling needs (Wan 2.2 A14B), frozen and wrapped
         as the trained one is; it is built at the first render and kept."""
@@ -228,7 +229,7 @@ class ClipRenderer:
         rank samples in lockstep), so a render never outlasts a scheduler's grace period by much."""
         self.sampling_steps += 1
         faults.fault("render", self.sampling_steps)
-        parallel.stop_if_preempted(self.d, "during validation")
+        ranks.stop_if_preempted(self.d, "during validation")
 
     def render(self, model, autocast) -> list[torch.Tensor]:
         """Called on every rank: uint8 clips [F, H, W, 3] of every prompt on rank 0, [] on the others; with
@@ -276,7 +277,7 @@ class ClipRenderer:
         validation.save_frames the frames themselves (what was encoded, exactly) as {name}.safetensors.
         A failed write (a full disk) stops every rank, naming the file."""
         paths = [self.out_dir / f"{name}.mp4" for name in names]
-        with parallel.all_or_none():
+        with ranks.all_or_none():
             if self.d.is_main:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 for i, (path, clip) in enumerate(zip(paths, clips)):
@@ -305,11 +306,11 @@ class ClipRenderer:
                 size = (clip.shape[2], clip.shape[1])
                 side_by_side = np.concatenate([np.asarray(image.resize(size)) for image in conditions], axis=1)
                 metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
-        peak = parallel.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
+        peak = ranks.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
 
 
-def load_model(cfg: Config, adapter, d: parallel.Dist, checkpoint: str | None, lora_file: str | None,
+def load_model(cfg: Config, adapter, d: ranks.Dist, checkpoint: str | None, lora_file: str | None,
                online: bool = False):
     """The transformer as the trainer builds it (LoRA injected, DDP or FSDP), holding the weights of a
     checkpoint (its EMA weights when it has them, as in-training validation, unless `online`), of an
@@ -358,7 +359,7 @@ def check_lora_file(lora_file: str) -> None:
 
 
 def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoint: str | None,
-                   lora_file: str | None, online: bool, d: parallel.Dist, last_images: list[str] = ()) -> None:
+                   lora_file: str | None, online: bool, d: ranks.Dist, last_images: list[str] = ()) -> None:
     if prompts:  # the command line's prompts (and images, last images) replace the config's
         cfg.validation.prompts, cfg.validation.images = prompts, images
         cfg.validation.last_images = list(last_images)
@@ -368,7 +369,7 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
     check_validation_images(cfg)
     if lora_file:
         check_lora_file(lora_file)
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
         if cfg.data.target_fps:  # LTX-2's positions in seconds at the rate the clips trained at (cache.prepare)
             adapter.frame_rate = cfg.data.target_fps
@@ -380,8 +381,8 @@ def render_command(cfg: Config, prompts: list[str], images: list[str], checkpoin
     try:
         with eager():
             clips = renderer.render(model, compute)
-    except parallel.Preempted:  # nothing is kept for a relaunch to continue: not a clean stop
-        raise parallel.StopRun("stopped by a signal before the clips were written; run the command again") from None
+    except ranks.Preempted:  # nothing is kept for a relaunch to continue: not a clean stop
+        raise ranks.StopRun("stopped by a signal before the clips were written; run the command again") from None
     for path in renderer.save(clips, names, renderer.sounds):
         log.info("wrote %s", path)
 

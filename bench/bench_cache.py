@@ -191,7 +191,7 @@ def prefetch(root: Path, args) -> None:
     import cache_files
     import data
     import lora
-    import parallel
+    import ranks
     from config import load_config
 
     torch.set_num_threads(1)
@@ -200,7 +200,7 @@ def prefetch(root: Path, args) -> None:
                                                               "train.batch_size": 2, "data.held_out": 4})))
     cpu = torch.device("cpu")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    adapter, entries, clips, _ = cache.prepare(cfg, parallel.Dist(0, 1, 0, cpu))
+    adapter, entries, clips, _ = cache.prepare(cfg, ranks.Dist(0, 1, 0, cpu))
     if args.read_latency_ms:  # a stand-in for a network filesystem's latency per file (it sleeps, as I/O waits)
         read = entries.read
         entries.read = lambda item, kind: time.sleep(args.read_latency_ms / 1000) or read(item, kind)

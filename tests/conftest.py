@@ -25,7 +25,7 @@ from diffusers.models import modeling_utils
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import parallel  # noqa: E402
+import ranks  # noqa: E402
 import trainer  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from config import load_config, toml_value  # noqa: E402
@@ -248,7 +248,7 @@ def one_rank_group():
     which makes and destroys its own)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+        yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 

@@ -25,7 +25,7 @@ import ckpt_files
 import command
 import data
 import lora
-import parallel
+import ranks
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
 from diffusers import CogVideoXPipeline
 from model_adapter import load_adapter
@@ -336,7 +336,7 @@ def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
         for name in (".metadata", "meta.json"):
             (tmp_path / f"checkpoint-{step}" / name).write_text("")
     checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path),
-                                    parallel.Dist(0, 1, 0, torch.device("cpu")), {"training_type": "lora"}, {})
+                                    ranks.Dist(0, 1, 0, torch.device("cpu")), {"training_type": "lora"}, {})
     with ckpt_files.exporting(tmp_path / "checkpoint-2"):
         checkpoints._rotate(ckpt_files.complete_checkpoints(tmp_path))
         assert [p.name for p in ckpt_files.checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-6"]
@@ -456,7 +456,7 @@ def test_save_views_follow_the_live_tensors(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters())
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
-    one = parallel.Dist(0, 1, 0, torch.device("cpu"))
+    one = ranks.Dist(0, 1, 0, torch.device("cpu"))
     checkpoints, reference = (ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"}, {})
                               for _ in range(2))
 

@@ -12,7 +12,7 @@ from diffusers import CogVideoXPipeline
 from safetensors.torch import load_file, save_file
 
 import lora
-import parallel
+import ranks
 import storage
 import trainer
 import validate
@@ -133,7 +133,7 @@ def test_sft_with_fp8_storage_stops_before_any_work(write_config):
 @pytest.fixture
 def one_process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     dist.destroy_process_group()
 
 

@@ -16,14 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cache_files
 import data
 import faults
-import parallel
+import ranks
 import trainer
 from config import RunConfig, load_config
 from families.cogvideox import CogVideoXAdapter
 
 # Host reads allowed on a step that does not log, keyed by (root module, function), with the reason.
 ALLOWED = {
-    ("parallel.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
+    ("ranks.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
                                            "earlier, so reading it waits neither for the device nor for a peer",
 }
 STEPS = 6  # steps 2..5 are counted: step 1 sets up lazily, step 6 is the last (log, save, export)
@@ -79,7 +79,7 @@ def run_counting(write_config, monkeypatch, variant: str, device: torch.device, 
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        trainer.train(cfg, parallel.Dist(0, 1, 0, device))
+        trainer.train(cfg, ranks.Dist(0, 1, 0, device))
     finally:
         dist.destroy_process_group()
 

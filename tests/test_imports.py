@@ -1,5 +1,5 @@
-"""docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no cycles,
-nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/).
+"""docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> ranks -> config, no
+cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/).
 And the tests' own: no test module imports another (shared helpers and fixtures live in conftest.py), and
 the fast subset reaches every module but the demo's."""
 
@@ -10,12 +10,13 @@ from conftest import REPO
 
 FAMILIES = {"cogvideox": "cogvideo", "wan": "wan", "ltx2": "ltx2"}  # families/<name>.py, and the word in its classes' names
 LAYERS = {
-    "trainer": 3,
-    **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
+    "trainer": 4,
+    **dict.fromkeys(["ckpt", "validate", "cache", "export"], 3),
     **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
                      "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "weights",
                      "activations", "storage", "sound_decoder", "transformer_loading",
-                     *(f"families.{family}" for family in FAMILIES)], 1),
+                     *(f"families.{family}" for family in FAMILIES)], 2),
+    "ranks": 1,  # the process group and agreement: below parallel.py, which spreads the model over it
     "config": 0,
 }
 

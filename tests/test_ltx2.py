@@ -27,7 +27,7 @@ from conftest import (PIPELINE_GUIDANCE, assert_loads_lean, lora_and_sft_runs, l
                       one_rank_group, pipeline_guidance, run_cmd, run_ok, train_losses, write_toml)
 from families.ltx2 import TEXT_LENGTH
 from model_adapter import load_adapter
-from parallel import StopRun
+from ranks import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 
 # variant: (model.type, pipeline)

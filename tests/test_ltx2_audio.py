@@ -31,7 +31,7 @@ from conftest import (PIPELINE_GUIDANCE, ltx2_settings, one_rank_group, pipeline
                       write_toml)
 from families.ltx2 import TEXT_LENGTH
 from model_adapter import load_adapter
-from parallel import StopRun
+from ranks import StopRun
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 STEPS = 40

@@ -15,7 +15,7 @@ from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_
 from conftest import decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group, write_toml
 from families.ltx2 import FRAME_RATE, TEXT_LENGTH, shifted_logit_normal
 from model_adapter import load_adapter
-from parallel import StopRun
+from ranks import StopRun
 
 
 def ltx_trainer_sigma(seq_length: int, generator: torch.Generator) -> torch.Tensor:

@@ -19,7 +19,7 @@ import cache
 import ckpt_files
 import data
 import lora
-import parallel
+import ranks
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
@@ -69,7 +69,7 @@ def frames_of(path) -> torch.Tensor:
 def one_process_group():
     """validate's rendering gathers to rank 0: a one-rank group, as trainer.py makes without torchrun."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     dist.destroy_process_group()
 
 
@@ -389,7 +389,7 @@ def test_clips_come_from_data_parallel_leaders_only(monkeypatch):
     renderer = object.__new__(validate.ClipRenderer)
     gathered = {}
     for rank in [*range(1, world), 0]:
-        renderer.d = parallel.Dist(rank, world, rank, torch.device("cpu"), sp)
+        renderer.d = ranks.Dist(rank, world, rank, torch.device("cpu"), sp)
         gathered[rank] = renderer._collect(clips[rank])
     assert sorted(sent) == [2, 4], "the ranks that sent their clip"
     assert received == [2, 4] and all(not unreceived for unreceived in sent.values())

@@ -26,7 +26,7 @@ from config import ConfigError, DataConfig, ModelConfig, load_config
 from conftest import (assert_loads_lean, one_rank_group, picked_frames, ramp_clip, read_metrics, run_cmd, run_ok,
                       train_losses, write_toml)
 from model_adapter import load_adapter
-from parallel import StopRun
+from ranks import StopRun
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
          "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",

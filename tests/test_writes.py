@@ -22,7 +22,7 @@ import command
 import data
 import faults
 import lora
-import parallel
+import ranks
 import validate
 from config import CheckpointConfig, ConfigError, DataConfig, load_config
 
@@ -147,7 +147,7 @@ def test_async_saves_reuse_one_staged_copy(tmp_path):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
         optimizer = torch.optim.AdamW(model.parameters())
         objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
-        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         checkpoints = ckpt.Checkpointer(CheckpointConfig(async_save=True), str(tmp_path), d, {"training_type": "sft"}, {})
         staged, expected = [], []
         for step in (1, 2):
@@ -184,7 +184,7 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
     try:
         model = torch.nn.Linear(4, 2)
         objects = {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
-        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path), d, {"training_type": "sft"}, {})
         kept = []
         for step in (1, 2, 3):
