@@ -214,17 +214,15 @@ def train(cfg: Config, d: ranks.Dist) -> None:
                 loss = adapter.train_loss(model, batch, generators).mean()
             if adapter.LOSS_PARTS:
                 window.add_parts(adapter.losses)
-            if faults.active("nan_loss", step):
-                loss = loss * math.nan
+            loss = faults.on_loss(loss, step)
             with compute.attention():  # activation checkpointing recomputes the forward in the backward
-                scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
+                scaler.scaled(loss / t.gradient_accumulation_steps).backward()
             step_loss += loss.detach() / t.gradient_accumulation_steps
         grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss,
                                            zero_missing=adapter.GRAPH_VARIES and adapter.trains_sound)
         window.add_step(step_loss, skipped)
         if ema is not None:
             ema.update()
-        faults.fault("step", step)
 
         log_now = step % t.log_every == 0 or step == t.steps
         stop = ranks.PREEMPTION.agreed_a_step_late(start_next=step < t.steps)

@@ -155,7 +155,7 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
 
 @pytest.mark.slow
 def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
-    """A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: the lock a second
+    """A run through launch.sh, paused by rank 0 at step 4, holds run.output_dir: the lock a second
     run takes first (command.run_lock, before any compute) is refused naming the first one's pid and
     host (test_killed_run_resumes_bitwise: a SIGKILLed run leaves it free). Then SIGTERM to launch.sh and torchrun,
     as a scheduler signals every process of a job (the workers get it from both): the ranks learn of it

@@ -107,7 +107,7 @@ def test_validation_clips_equal_the_plain_runs(runs):
 
 @pytest.mark.slow
 def test_stopped_streaming_run_resumes_bitwise(runs, settings, monkeypatch):
-    """Stopped by an error after step 3, in this process: what a kill leaves on disk (checkpoint-2, nothing
+    """Stopped by an error at step 3, in this process: what a kill leaves on disk (checkpoint-2, nothing
     after it; tests/test_ckpt.py kills with SIGKILL), at a fraction of a new process's cost."""
     config, out = settings("stopped", "one_block")
     monkeypatch.setenv("VIDTRAIN_FAULT", "step_fail:3")
