@@ -20,6 +20,7 @@ import cache
 import data
 import export
 import lora
+import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import LTX2_PROMPTS as PROMPTS
@@ -189,7 +190,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     with one_rank_group() as d, modulation(pipe.transformer):
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         for source in (None, lora_file):
-            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
             ours = [renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext()) for i in range(len(PROMPTS))]
             if source:
                 pipe.load_lora_weights(str(source))
@@ -213,7 +214,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
         torch.testing.assert_close(transformer_output(pipe.transformer, adapter), ours, rtol=0, atol=1e-5)
 
         sft_cfg = load_config(str(tmp_path / "sft.toml"))
-        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+        ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = LTX2VideoTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
     torch.testing.assert_close(transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5)
 
@@ -322,7 +323,7 @@ def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
     cfg = load_config(str(configs["reference"]))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
-        model = validate.load_model(cfg, adapter, d, None, str(lora_file)).eval()
+        model = render.load_model(cfg, adapter, d, None, str(lora_file)).eval()
     pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
     pipe.load_lora_weights(str(lora_file))
     torch.testing.assert_close(transformer_output(pipe.transformer, adapter), transformer_output(model, adapter),

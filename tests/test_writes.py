@@ -23,6 +23,7 @@ import data
 import faults
 import lora
 import ranks
+import render
 import validate
 from config import CheckpointConfig, ConfigError, DataConfig, load_config
 
@@ -99,26 +100,26 @@ def test_render_names(base_settings, tmp_path):
     cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))
     cfg.validation.images = [str(p) for p in images]  # as validate.py's --image sets them (i2v)
     run = str(tmp_path / "checkpoint-4")
-    names = validate.render_names(cfg, run, None, False)
+    names = render.render_names(cfg, run, None, False)
     assert all(re.fullmatch(rf"render_checkpoint-4_prompt_{i}_[0-9a-f]{{8}}", n) for i, n in enumerate(names))
-    assert validate.render_names(cfg, run, None, False) == names
+    assert render.render_names(cfg, run, None, False) == names
 
     def changed(new_names):
         return [a != b for a, b in zip(names, new_names)]
 
-    online = validate.render_names(cfg, run, None, True)
+    online = render.render_names(cfg, run, None, True)
     assert changed(online) == [True, True] and online[0].startswith("render_checkpoint-4_online_prompt_0_")
-    assert changed(validate.render_names(cfg, str(tmp_path / "other" / "checkpoint-4"), None, False)) == [True, True]
+    assert changed(render.render_names(cfg, str(tmp_path / "other" / "checkpoint-4"), None, False)) == [True, True]
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
     lora_file.write_bytes(b"0")
-    assert validate.render_names(cfg, None, str(lora_file), False)[0].startswith("render_pytorch_lora_weights_prompt_0_")
+    assert render.render_names(cfg, None, str(lora_file), False)[0].startswith("render_pytorch_lora_weights_prompt_0_")
     images[1].write_bytes(images[0].read_bytes())
-    assert changed(validate.render_names(cfg, run, None, False)) == [False, True]
-    names = validate.render_names(cfg, run, None, False)
+    assert changed(render.render_names(cfg, run, None, False)) == [False, True]
+    names = render.render_names(cfg, run, None, False)
     cfg.validation.prompts = ["c", "b"]
-    assert changed(validate.render_names(cfg, run, None, False)) == [True, False]
+    assert changed(render.render_names(cfg, run, None, False)) == [True, False]
     cfg.validation.num_inference_steps += 1
-    assert changed(validate.render_names(cfg, run, None, False)) == [True, True]
+    assert changed(render.render_names(cfg, run, None, False)) == [True, True]
 
 
 def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
@@ -127,10 +128,10 @@ def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
     checkpoint.mkdir()
     (checkpoint / "__0_0.distcp").write_bytes(b"0")
     (tmp_path / "x.safetensors").write_bytes(b"0")
-    validate.check_lora_file(str(tmp_path / "x.safetensors"))
+    render.check_lora_file(str(tmp_path / "x.safetensors"))
     for given in (checkpoint / "__0_0.distcp", checkpoint):
         with pytest.raises(ConfigError) as refused:
-            validate.check_lora_file(str(given))
+            render.check_lora_file(str(given))
         assert str(refused.value) == (
             f"--lora {given} is part of the checkpoint {checkpoint}, not a LoRA file: render it with --checkpoint "
             f"{checkpoint}, or export it (python ckpt.py export --cfg FILE.toml --checkpoint {checkpoint}) and pass "
