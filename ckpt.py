@@ -35,31 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+import ckpt_files
 import command
 import export
 import faults
 import ranks
-from ckpt_files import (
-    CHECKPOINT_NAME,
-    EXPORT_LOCK,
-    FailingWriter,
-    HashingWriter,
-    base_identity,
-    check_data,
-    check_identity,
-    checkpoint_folders,
-    complete_checkpoints,
-    deletable,
-    exporting,
-    fsync_files,
-    meta_problem,
-    other_shapes,
-    read_meta,
-    reads_problem,
-    sha256_of,
-    write_failures_named,
-    write_meta,
-)
 from config import CheckpointConfig, ConfigError
 from model import EMA, build_model, model_state
 from model_adapter import load_adapter
@@ -75,7 +55,7 @@ def run_identity(cfg, adapter) -> dict:
         "family": cfg.model.family,
         "transformer_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "training_type": cfg.train.training_type,
-        "base": base_identity(adapter),
+        "base": ckpt_files.base_identity(adapter),
         "precision": {"model.dtype": cfg.model.dtype, "model.storage_dtype": cfg.model.storage_dtype},
     }
     if cfg.train.training_type == "lora":
@@ -166,7 +146,8 @@ class Checkpointer:
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        writer = (FailingWriter if faults.active("save_fail", step) else HashingWriter)(tmp)
+        failing = faults.active("save_fail", step)
+        writer = (ckpt_files.FailingWriter if failing else ckpt_files.HashingWriter)(tmp)
         with ranks.all_or_none():
             state = self._state(objects, reuse=True)
             if self.cfg.async_save and not final:
@@ -178,7 +159,7 @@ class Checkpointer:
                                         process_group=self.async_group, async_stager=self.stager)
                 self.pending = (step, tmp, final_dir, future, writer)
                 return
-            with write_failures_named(tmp):
+            with ckpt_files.write_failures_named(tmp):
                 dcp.save(state, storage_writer=writer, planner=cached_planner())
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=final)
@@ -189,7 +170,7 @@ class Checkpointer:
             return
         step, tmp, final_dir, future, writer = self.pending
         self.pending = None
-        with ranks.all_or_none(), write_failures_named(tmp):
+        with ranks.all_or_none(), ckpt_files.write_failures_named(tmp):
             future.result()
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=False)
@@ -207,7 +188,7 @@ class Checkpointer:
         dist.all_gather_object(shares, mine)
         if self.d.is_main:
             files = {k: v for share in shares for k, v in sorted(share.items())}
-            write_meta(tmp, step, self.d.world, self.identity, self.data, files)
+            ckpt_files.write_meta(tmp, step, self.d.world, self.identity, self.data, files)
             if final.exists():  # one that failed its check on resume, recomputed since: move it aside first
                 stale = final.with_name(f"{final.name}.stale.tmp")
                 os.replace(final, stale)
@@ -221,18 +202,18 @@ class Checkpointer:
             log.info("saved %s", final)
         dist.barrier()
         written = [*mine, "meta.json"] if self.d.is_main else list(mine)
-        self.syncing = self.syncer.submit(fsync_files, [final / name for name in written])
+        self.syncing = self.syncer.submit(ckpt_files.fsync_files, [final / name for name in written])
         if last:
             self.syncing.result()
             dist.barrier()
         if self.d.is_main:
-            self._rotate([p for p in complete_checkpoints(self.dir) if last or p != final])
+            self._rotate([p for p in ckpt_files.complete_checkpoints(self.dir) if last or p != final])
 
     def _rotate(self, synced: list[Path]) -> None:
         if self.cfg.checkpointing_limit == 0:
             return
         for path in synced[: -self.cfg.checkpointing_limit]:
-            lock = deletable(path)
+            lock = ckpt_files.deletable(path)
             if lock is None:
                 log.info("keeping %s while `ckpt.py export` reads it: a later rotation deletes it", path)
                 continue
@@ -246,13 +227,13 @@ class Checkpointer:
             if self.d.is_main:
                 for tmp in self.dir.glob("checkpoint-*.tmp"):
                     shutil.rmtree(tmp)
-                found = [str(p) for p in reversed(checkpoint_folders(self.dir))]
+                found = [str(p) for p in reversed(ckpt_files.checkpoint_folders(self.dir))]
         found = ranks.broadcast(found, self.d)
         if self.cfg.resume == "none" and found:
             raise ConfigError(f"{self.dir} already holds {Path(found[0]).name}: set checkpoint.resume = \"auto\" "
                               "to continue it, or choose another run.output_dir")
         if self.cfg.resume not in ("auto", "none"):
-            read_meta(Path(self.cfg.resume))
+            ckpt_files.read_meta(Path(self.cfg.resume))
             return [Path(self.cfg.resume)]
         return [Path(p) for p in found] if self.cfg.resume == "auto" else []
 
@@ -274,13 +255,13 @@ class Checkpointer:
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
-            problem = next((p for p in ranks.agree(lambda: meta_problem(path), self.d) if p), None)
+            problem = next((p for p in ranks.agree(lambda: ckpt_files.meta_problem(path), self.d) if p), None)
             if problem is None:
                 with ranks.all_or_none():  # another model, LoRA or dataset: stop, do not fall back
-                    meta = read_meta(path)
-                    check_identity(path, meta, self.identity, resuming=True)
-                    check_data(path, meta, self.data)
-                problem = reads_problem(path, state, self.d)
+                    meta = ckpt_files.read_meta(path)
+                    ckpt_files.check_identity(path, meta, self.identity, resuming=True)
+                    ckpt_files.check_data(path, meta, self.data)
+                problem = ckpt_files.reads_problem(path, state, self.d)
             if problem is None:
                 break
             if self.cfg.resume != "auto":
@@ -292,7 +273,7 @@ class Checkpointer:
                 raise ConfigError(self._none_passes(candidates, skipped))
             return None
         with ranks.all_or_none():
-            meta = read_meta(path)
+            meta = ckpt_files.read_meta(path)
             dcp.load(state, checkpoint_id=str(path))
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
             set_model_state_dict(objects["model"], state["model"], options=options)
@@ -310,12 +291,12 @@ class Checkpointer:
 def load_weights(model, path: str, training_type: str, identity: dict, d: ranks.Dist, ema=None) -> None:
     """Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
-    check_identity(Path(path), read_meta(Path(path)), identity)
+    ckpt_files.check_identity(Path(path), ckpt_files.read_meta(Path(path)), identity)
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
     state = {"model": model_state(model, training_type)}
     if ema is not None:
         state["ema"] = ema.state_dict()
-    problem = reads_problem(Path(path), state, d, allow_partial_load=True)
+    problem = ckpt_files.reads_problem(Path(path), state, d, allow_partial_load=True)
     if problem:
         raise ConfigError(problem)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
@@ -329,7 +310,7 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
     where = Path(checkpoint).resolve()
     target = Path(out) if out else where.parent / "exports" / where.name
     with ranks.all_or_none():  # before any compute
-        read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
+        ckpt_files.read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
         problem = command.write_problem(target) if d.is_main else None
         if problem:
             raise ConfigError(f"the export cannot be written to {target} ({problem}): "
@@ -338,7 +319,8 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # the checkpoint holds the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-    with exporting(where):  # a training still running keeps this checkpoint until the export is written
+    # a training still running keeps this checkpoint until the export is written
+    with ckpt_files.exporting(where):
         with ranks.all_or_none():
             load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
         export.export(model, cfg.train.training_type, cfg.lora, adapter, str(target), d, ema,
@@ -354,7 +336,7 @@ def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
     where the old meta.json still has one, else left out (None: not checked on resume). Loading it then
     reads whatever its shards hold."""
     path = Path(checkpoint)
-    match = CHECKPOINT_NAME.fullmatch(path.name)
+    match = ckpt_files.CHECKPOINT_NAME.fullmatch(path.name)
     if not match or not (path / ".metadata").is_file():
         raise ConfigError(f"{path} is not a checkpoint-N folder holding DCP's .metadata, so nothing can load it: "
                           "resume from another checkpoint, or start over in another run.output_dir")
@@ -363,23 +345,25 @@ def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
     if not d.is_main:
         return
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in ("meta.json", EXPORT_LOCK))
+    names = sorted(p.name for p in path.iterdir()
+                   if p.is_file() and p.name not in ("meta.json", ckpt_files.EXPORT_LOCK))
     missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(names))
     if missing:
         raise ConfigError(f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
                           "resume can read it: resume from another checkpoint, or start over in another run.output_dir")
-    shapes_differ = other_shapes(cfg, adapter, metadata)
+    shapes_differ = ckpt_files.other_shapes(cfg, adapter, metadata)
     if shapes_differ:
         raise ConfigError(f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
                           "rehash it with the config it was trained with (its run's config.toml)")
     identity, data = run_identity(cfg, adapter), None
-    if meta_problem(path) is None:
-        meta = read_meta(path)
-        check_identity(path, meta, identity)
+    if ckpt_files.meta_problem(path) is None:
+        meta = ckpt_files.read_meta(path)
+        ckpt_files.check_identity(path, meta, identity)
         identity, data = meta["identity"], meta.get("data")
-    ranks = {name.split("_")[2] for name in names if name.endswith(".distcp")}
-    files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)} for name in names}
-    write_meta(path, int(match.group(1)), len(ranks), identity, data, files)
+    writers = {name.split("_")[2] for name in names if name.endswith(".distcp")}  # ranks that wrote shards
+    files = {name: {"size": (path / name).stat().st_size, "sha256": ckpt_files.sha256_of(path / name)}
+             for name in names}
+    ckpt_files.write_meta(path, int(match.group(1)), len(writers), identity, data, files)
     log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
 
 

@@ -1,7 +1,8 @@
 """The render command: validation clips of a checkpoint, an exported LoRA or the base model, without
 training. `python validate.py ...` runs it too (its documented name).
 
-    python render.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT [--image FILE] [--prompt TEXT ...]
+    python render.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT
+                     [--image FILE] [--last-image FILE] [--prompt TEXT ...]
     torchrun --nproc_per_node N render.py ...       # the same, prompts spread over the ranks
 
 The model is built as the trainer builds it, with the checkpoint's weights (its EMA weights unless

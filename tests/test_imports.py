@@ -1,5 +1,6 @@
-"""docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> ranks -> config, no
-cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and tools/).
+"""docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> ranks -> config,
+no cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in families/ (and
+tools/).
 And the tests' own: no test module imports another (shared helpers and fixtures live in conftest.py), and
 the fast subset reaches every module but the demo's."""
 

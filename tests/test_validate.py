@@ -151,8 +151,9 @@ def test_fsdp_clips_equal_one_process(runs):
 
 @pytest.mark.slow
 def test_render_command_reproduces_training_clips(runs):
-    """`validate.py --checkpoint` (render.py's command) renders the training clip exactly (with the EMA weights, as validation
-    does); `--online` and the exported LoRA, in one process or on 2 FSDP ranks, render the online weights."""
+    """`validate.py --checkpoint` (render.py's command) renders the training clip exactly (with the EMA
+    weights, as validation does); `--online` and the exported LoRA, in one process or on 2 FSDP ranks,
+    render the online weights."""
     out, cfg = runs / "one", str(runs / "one.toml")
     lora_file = out / "lora" / "pytorch_lora_weights.safetensors"
     for extra, script in (([], "validate.py"), (["--online"], "render.py")):  # one command, two names
