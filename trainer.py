@@ -187,11 +187,27 @@ def train(cfg: Config, d: ranks.Dist) -> None:
              "%d held out", global_batch, t.batch_size, t.gradient_accumulation_steps, d.dp_world, len(train_clips), len(held_out_clips))
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
     compute = parallel.Compute(d.device, t.mixed_precision, t.attention_backend)
+
+    def run_validation(step: int) -> bool:
+        """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
+        cut it short (every rank agrees, between sampling steps). Eager under train.compile (validate.eager)."""
+        memory.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
+        try:
+            with ema.swapped_in() if ema is not None else contextlib.nullcontext(), validate.eager():
+                values = validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation,
+                                                cfg.run.seed, d, compute)
+                values |= renderer.run(model, step, metrics, compute)
+        except ranks.Preempted:
+            return False
+        torch.cuda.empty_cache()  # sampling's and decoding's blocks back to training's (no-op without CUDA)
+        metrics.scalars(step, values)
+        metrics.progress_validation(step, values)
+        return True
+
     # The validation of the start: before step 1, or the resumed step's when a stop cut it short.
     pending = state.validation_pending and not ranks.broadcast(metrics.logged_validation(state.step), d)
     if cfg.validation.do_validation and (state.step == 0 or pending):
-        if not run_validation(state.step, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics,
-                              renderer):
+        if not run_validation(state.step):
             raise ranks.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
                                      "again to run it")
     window, stop = TrainWindow(d, global_batch, state.step, adapter.LOSS_PARTS), False
@@ -240,8 +256,7 @@ def train(cfg: Config, d: ranks.Dist) -> None:
             checkpoints.save(step, objects, final=stop or step == t.steps)
         if validate_now:
             with window.paused():
-                stop = not run_validation(step, cfg, adapter, model, cache, held_out_clips, ema, d, compute, metrics,
-                                          renderer)
+                stop = not run_validation(step)
         if stop:
             checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
             break
@@ -299,24 +314,6 @@ def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: 
     state.count_nonfinite(counted, step, t.max_nonfinite_steps)
     state.step = step
     return grad_norm, skipped
-
-
-def run_validation(step, cfg: Config, adapter, model, cache, held_out_clips, ema, d, compute: parallel.Compute,
-                   metrics, renderer: validate.ClipRenderer) -> bool:
-    """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
-    cut it short (every rank agrees, between sampling steps). Eager under train.compile (validate.eager)."""
-    memory.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
-    try:
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext(), validate.eager():
-            values = validate.held_out_loss(adapter, model, cache, held_out_clips, cfg.validation, cfg.run.seed, d,
-                                            compute)
-            values |= renderer.run(model, step, metrics, compute)
-    except ranks.Preempted:
-        return False
-    torch.cuda.empty_cache()  # sampling's and decoding's blocks back to the device for training (no-op without CUDA)
-    metrics.scalars(step, values)
-    metrics.progress_validation(step, values)
-    return True
 
 
 def main(argv: list[str] | None = None) -> None:

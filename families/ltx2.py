@@ -24,6 +24,7 @@ import json
 import re
 from fractions import Fraction
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import PIL.Image
@@ -88,6 +89,23 @@ ORIGINAL_NAMES = ({ours: original for original, ours in SINGLE_FILE_NAMES.items(
                   | {ours.rstrip("."): original.rstrip(".") for original, ours in SINGLE_FILE_STARTS.items()})
 DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
 
+
+
+class VideoStream(NamedTuple):
+    """The video stream of one transformer call (_predict)."""
+
+    latents: torch.Tensor  # packed noisy latents [B, tokens, C]
+    timesteps: torch.Tensor  # [B], or per token [B, tokens] (I2V: the image's at 0)
+    sigma: torch.Tensor  # [B]: its noise level (LTX-2.3's prompt modulation; the audio's cross gate)
+    shape: tuple[int, int, int]  # the latent (frames, height, width)
+
+
+class AudioStream(NamedTuple):
+    """The audio stream of one transformer call (_predict)."""
+
+    latents: torch.Tensor  # packed noisy audio latents [B, audio tokens, C'] (maybe no tokens)
+    timesteps: torch.Tensor  # [B], its sigma too (the video's cross gate)
+    frames: int  # audio latent frames
 
 def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tensor:
     """One s in [0, 1]: sigmoid(N(mu, 1)) stretched between its 0.5th and 99.9th percentiles (reflected at 1e-3),
@@ -372,27 +390,31 @@ class LTX2Adapter(Adapter):
     def _normalise_audio(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens - self.audio_mean.to(tokens)) / self.audio_std.to(tokens)
 
-    def _predict(self, transformer, video, audio, video_t, sigma, audio_t, embeds, shape, audio_frames,
+    def _predict(self, transformer, video: VideoStream, audio: AudioStream, embeds: torch.Tensor,
                  isolate: bool = False, stg_blocks: list[int] | None = None):
-        """(video, audio) velocities [B, tokens, C] in fp32: video_t the video's timesteps [B] (or per token
-        [B, tokens], I2V), sigma [B] its noise level (LTX-2.3's prompt modulation), audio_t [B]. isolate turns
-        off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks skips those blocks'
-        self-attention (their STG). No audio tokens: the video stream alone, isolated (the audio stream, which
-        the video then never sees, runs on one zero token: the rotary tables refuse none)."""
+        """(video, audio) velocities [B, tokens, C] in fp32 of the two streams' noisy latents.
+
+        isolate turns off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks
+        skips those blocks' self-attention (their STG). No audio tokens: the video stream alone, isolated
+        (the audio stream, which the video then never sees, runs on one zero token: the rotary tables
+        refuse none)."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
-        frames, height, width = shape
-        n = len(video)
-        if audio.shape[1] == 0:
-            audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
-        with self._cross_gates(transformer, sigma, audio_t):
+        frames, height, width = video.shape
+        n, audio_latents, audio_frames = len(video.latents), audio.latents, audio.frames
+        if audio_latents.shape[1] == 0:
+            audio_latents, audio_frames = audio_latents.new_zeros(n, 1, audio_latents.shape[2]), 1
+            isolate = True
+        with self._cross_gates(transformer, video.sigma, audio.timesteps):
             out = transformer(
-                hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
-                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_t,
-                audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
-                width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
+                hidden_states=video.latents.to(dtype), audio_hidden_states=audio_latents.to(dtype),
+                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text,
+                timestep=video.timesteps, audio_timestep=audio.timesteps, sigma=video.sigma,
+                audio_sigma=audio.timesteps, num_frames=frames, height=height, width=width,
+                fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
                 spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, return_dict=False)
-        return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
+        return (out[0].float().view(n, -1, video.latents.shape[-1]),
+                out[1].float().view(n, -1, audio_latents.shape[-1]))
 
     @contextlib.contextmanager
     def _cross_gates(self, transformer, sigma: torch.Tensor, audio_sigma: torch.Tensor):
@@ -433,8 +455,8 @@ class LTX2Adapter(Adapter):
             first = image.shape[1]
             x_t = torch.cat([image, x_t[:, first:]], dim=1)
             video_t = torch.cat([video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1)
-        video, audio = self._predict(transformer, x_t, a_t, video_t, 1000 * sigmas, 1000 * audio_sigmas, embeds, shape,
-                                     a0.shape[1])
+        video, audio = self._predict(transformer, VideoStream(x_t, video_t, 1000 * sigmas, shape),
+                                     AudioStream(a_t, 1000 * audio_sigmas, a0.shape[1]), embeds)
         video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
         audio_loss = torch.zeros_like(video_loss)
         if a0.shape[1]:
@@ -564,9 +586,10 @@ class LTX2Adapter(Adapter):
         if state.first:  # I2V: the image's tokens at timestep 0
             video_t = video_t[:, None].repeat(1, state.latents.shape[1])
             video_t[:, :state.first] = 0
-        video, audio = self._predict(models["transformer"], state.latents.expand(n, -1, -1),
-                                     state.audio.expand(n, -1, -1), video_t, t.expand(n), t.expand(n), embeds,
-                                     state.shape, state.audio_frames, **perturbed)
+        video, audio = self._predict(models["transformer"],
+                                     VideoStream(state.latents.expand(n, -1, -1), video_t, t.expand(n), state.shape),
+                                     AudioStream(state.audio.expand(n, -1, -1), t.expand(n), state.audio_frames),
+                                     embeds, **perturbed)
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def check_guidance(self, cfg) -> None:

@@ -26,7 +26,7 @@ from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import LTX2_PROMPTS as PROMPTS
 from conftest import (PIPELINE_GUIDANCE, assert_loads_lean, lora_and_sft_runs, ltx2_settings, ltx_core_cross_modulation,
                       one_rank_group, pipeline_guidance, run_cmd, run_ok, train_losses, write_toml)
-from families.ltx2 import TEXT_LENGTH
+from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream
 from model_adapter import load_adapter
 from ranks import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
@@ -155,7 +155,8 @@ def transformer_output(transformer, adapter):
     embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
     t = torch.tensor([10.0, 900.0])
     with torch.no_grad():
-        return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, t, t, t, embeds, (2, 4, 4), 9)], 1)
+        outputs = adapter._predict(transformer, VideoStream(video, t, t, (2, 4, 4)), AudioStream(audio, t, 9), embeds)
+        return torch.cat([x.flatten(1) for x in outputs], 1)
 
 
 @pytest.mark.slow

@@ -245,3 +245,12 @@ def test_the_loop_has_one_fault_hook(monkeypatch):
     with pytest.raises(OSError, match="injected fault step_fail at 4"):
         loss_and_grad(4)
     assert torch.equal(loss_and_grad(4)[1], plain_grad)  # the step's next micro-step: fired already
+
+
+def test_validation_is_a_closure_over_the_run():
+    """train() validates through a closure over what a run does not change (model, cache, EMA, renderer,
+    metrics): its one parameter is the step, and no module-level function takes the eleven."""
+    assert not hasattr(trainer, "run_validation")
+    closures = [node for node in ast.walk(ast.parse(inspect.getsource(trainer.train)))
+                if isinstance(node, ast.FunctionDef) and node.name == "run_validation"]
+    assert [[arg.arg for arg in node.args.args] for node in closures] == [["step"]]
