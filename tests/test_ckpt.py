@@ -297,7 +297,7 @@ def test_resume_on_other_data_is_refused(references):
     path = references["one"] / f"checkpoint-{STEPS}"
     meta = json.loads((path / "meta.json").read_text())
     assert meta["data"]["clips_per_bucket"] == {"[9, 32, 32]": 20}
-    ckpt.check_data(path, meta, meta["data"])
+    ckpt_files.check_data(path, meta, meta["data"])
 
     def clips(count: int, content: str) -> list:
         return [SimpleNamespace(resolution=(9, 32, 32), content=f"{content}{i}", image_content=None, bucket=0,
@@ -305,9 +305,9 @@ def test_resume_on_other_data_is_refused(references):
 
     with pytest.raises(ConfigError, match=re.escape(f"checkpoint {path} was trained on other data: clips per bucket "
                                                     "{'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here")):
-        ckpt.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
+        ckpt_files.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
     with pytest.raises(ConfigError, match="as many clips per bucket, but other ones"):
-        ckpt.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
+        ckpt_files.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
 
 
 def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, caplog):
@@ -321,9 +321,9 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
     saved = {"identity": identity(tiny_model)}
     moved = tmp_path / "moved"
     shutil.copytree(tiny_model, moved)
-    ckpt.check_identity(tmp_path, saved, identity(moved), resuming=True)
+    ckpt_files.check_identity(tmp_path, saved, identity(moved), resuming=True)
     assert "precision" not in caplog.text
-    ckpt.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
+    ckpt_files.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
     assert ("was trained with the base in {'model.dtype': 'fp32', 'model.storage_dtype': ''}, this run has "
             "{'model.dtype': 'bf16', 'model.storage_dtype': ''}: training continues in this run's precision") in caplog.text
 

@@ -179,8 +179,8 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
     checkpoints already synced: one more than checkpointing_limit between saves, the limit after the
     last save, which waits for its own."""
     synced = []
-    fsync = ckpt.fsync_files
-    monkeypatch.setattr(ckpt, "fsync_files", lambda paths: (fsync(paths), synced.extend(paths)))
+    fsync = ckpt_files.fsync_files
+    monkeypatch.setattr(ckpt_files, "fsync_files", lambda paths: (fsync(paths), synced.extend(paths)))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Linear(4, 2)
