@@ -26,7 +26,9 @@ ALLOWED = {
     ("ranks.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
                                            "earlier, so reading it waits neither for the device nor for a peer",
 }
-STEPS = 6  # steps 2..5 are counted: step 1 sets up lazily, step 6 is the last (log, save, export)
+# Counted: from step 2's first loss to step 6's, so steps 2..5's backward passes, updates and boundaries:
+# step 1 sets up lazily, step 6 is the last (log, save, export).
+STEPS = 6
 VARIANTS = {
     # accumulation, EMA and a NaN loss (a skipped update) inside the counted steps
     "one_process": {"train.gradient_accumulation_steps": 2, "train.ema_decay": 0.9},
@@ -62,8 +64,8 @@ class HostReads(TorchDispatchMode):
 
 
 def run_counting(write_config, monkeypatch, variant: str, device: torch.device, on_window, **family):
-    """Train STEPS steps in this process, calling on_window(True) after step 1 and on_window(False)
-    after step STEPS - 1 (the fault hook marks the step boundaries)."""
+    """Train STEPS steps in this process, calling on_window(True) at step 2's first loss and
+    on_window(False) at step STEPS's (the loop's fault hook, faults.on_loss, marks the steps)."""
     settings = {"train.steps": STEPS, "train.log_every": 100, "checkpoint.checkpointing_steps": 100,
                 "validation.do_validation": False, **VARIANTS[variant], **family}
     cfg = load_config(str(write_config(variant, **settings)))
@@ -71,8 +73,8 @@ def run_counting(write_config, monkeypatch, variant: str, device: torch.device, 
     original = faults.fault
 
     def fault(point, count):
-        if point == "step" and count in (1, STEPS - 1):
-            on_window(count == 1)
+        if point == "step" and count in (2, STEPS):
+            on_window(count == 2)
         original(point, count)
 
     monkeypatch.setattr(faults, "fault", fault)
