@@ -24,8 +24,8 @@ only for its own. On a CPU the copies are plain ones: the same code path, which 
 
 The host buffers are this object's own, reused from step to step (a block's come back once its
 backward has run; the smallest free one that is large enough serves): torch's pinned allocator hands
-out exact sizes above parallel.PINNED_EXACT_MB and caches none of them
-(parallel.ALLOCATOR_SETTINGS), so pinning them anew each step would page-lock every block's inputs
+out exact sizes above ranks.PINNED_EXACT_MB and caches none of them
+(ranks.ALLOCATOR_SETTINGS), so pinning them anew each step would page-lock every block's inputs
 again at every step (docs/memory.md gives their size for Wan 14B). Both directions of a buffer's
 copies run on the side stream, in order, so a buffer handed out again is written after its last
 read.

@@ -26,7 +26,7 @@ import command
 import data
 import decode
 import faults
-import parallel
+import ranks
 from cache_files import Cache
 from config import Config, ConfigError, DataConfig
 from manifest import Manifest, media_of
@@ -41,7 +41,7 @@ PROGRESS_EVERY_S = 30.0
 IMAGE_DIFFERENCE = 16
 
 
-def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: parallel.Dist,
+def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: ranks.Dist,
              first_last: bool = False, control: bool = False):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
     check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
@@ -71,12 +71,12 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
                 out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
                             [(str(path), entry) for path, entry in new]))
             return out
-        for part in parallel.agree(work, d):
+        for part in ranks.agree(work, d):
             for i, planned, missing, present, new in part:
                 results[i] = (dataclasses.replace(planned, clip=clips[i]), missing, present)
                 for path, entry in new:
                     manifest.add(Path(path), entry)
-        parallel.stop_if_preempted(d, "while reading clip headers, with nothing encoded yet")
+        ranks.stop_if_preempted(d, "while reading clip headers, with nothing encoded yet")
     return results
 
 
@@ -163,7 +163,7 @@ def held_warnings(work, mine, r):
         log.setLevel(level)
 
 
-def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: parallel.Dist) -> list[data.Problem]:
+def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: ranks.Dist) -> list[data.Problem]:
     """One batch per rank per round, then the ranks agree: counts, problems (a clip that fails to decode
     stops the pass at once, with what was written kept, unless data.skip_bad) and stop signals."""
     total = sum(len(batch) for mine in per_rank for batch in mine)
@@ -171,12 +171,12 @@ def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: 
     problems, done, start = [], 0, time.perf_counter()
     last_log = start
     for r in range(rounds):
-        for count, bad, held in parallel.agree(lambda: held_warnings(work, mine, r), d):
+        for count, bad, held in ranks.agree(lambda: held_warnings(work, mine, r), d):
             done, problems = done + count, problems + bad
             for message in held if d.is_main else []:
                 log.warning("%s", message)
         stop_on_problems(problems, cfg)
-        parallel.stop_if_preempted(d, f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
+        ranks.stop_if_preempted(d, f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
                                       "next run continues from there")
         now = time.perf_counter()
         if now - last_log >= PROGRESS_EVERY_S or r == rounds - 1:
@@ -186,7 +186,7 @@ def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: 
     return problems
 
 
-def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, d: parallel.Dist) -> None:
+def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, d: ranks.Dist) -> None:
     """The missing text entries, one per distinct prompt: T5 only, no video decoded."""
     first_of = {}
     for item in todo:
@@ -207,7 +207,7 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
 
 
 def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
-                  d: parallel.Dist):
+                  d: ranks.Dist):
     """The missing video (and image, audio, control) entries, `todo` naming each clip's; returns the
     problems met while decoding.
 
@@ -228,8 +228,8 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     with ThreadPoolExecutor(workers) as pool:
         encoding = VideoEncoding(todo, adapter, cache, seed, threads, pool)
         problems = run_rounds(per_rank, encoding.work, "clips", cfg, d)
-    far = sorted(f for part in parallel.agree(lambda: encoding.far, d) for f in part)
-    read, sounding = (sum(counts) for counts in zip(*parallel.agree(lambda: encoding.heard, d)))
+    far = sorted(f for part in ranks.agree(lambda: encoding.far, d) for f in part)
+    read, sounding = (sum(counts) for counts in zip(*ranks.agree(lambda: encoding.heard, d)))
     if read and not sounding and d.is_main:
         log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
                     "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
@@ -336,23 +336,23 @@ class VideoEncoding:
         return len(good) + len(bad), bad
 
 
-def prepare(cfg: Config, adapter, d: parallel.Dist):
+def prepare(cfg: Config, adapter, d: ranks.Dist):
     """Check every clip and complete the cache with the run's adapter, before any training.
 
     `adapter` comes checked (model.setup_adapter). A complete cache on a read-only data.cache_dir is
     only read. Returns the cache and the training and held-out items (the last data.held_out).
     """
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
         clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
     unwritable = None  # or why data.cache_dir cannot be written
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         if d.is_main:
             unwritable = command.write_problem(cache_dir)
-    unwritable = parallel.broadcast(unwritable, d)
+    unwritable = ranks.broadcast(unwritable, d)
     if unwritable is None:  # a read-only cache is only read: each rank checks the entries it sees
-        parallel.check_shared(str(cache_dir), "data.cache_dir", d)
+        ranks.check_shared(str(cache_dir), "data.cache_dir", d)
     manifest = Manifest(cache_dir)
     encoders = manifest.encoder_identity(adapter, d)
     cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),

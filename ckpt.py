@@ -37,31 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+import ckpt_files
 import command
 import export
 import faults
-import parallel
-from ckpt_files import (
-    CHECKPOINT_NAME,
-    EXPORT_LOCK,
-    FailingWriter,
-    HashingWriter,
-    base_identity,
-    check_data,
-    check_identity,
-    checkpoint_folders,
-    complete_checkpoints,
-    deletable,
-    exporting,
-    fsync_files,
-    meta_problem,
-    other_shapes,
-    read_meta,
-    reads_problem,
-    sha256_of,
-    write_failures_named,
-    write_meta,
-)
+import ranks
 from config import CheckpointConfig, ConfigError
 from model import EMA, build_model, model_state
 from model_adapter import load_adapter
@@ -79,7 +59,7 @@ def run_identity(cfg, adapter) -> dict:
         "family": adapter.FAMILY,  # model.family as resolved: "" names the folder's
         "transformer_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "training_type": cfg.train.training_type,
-        "base": base_identity(adapter),
+        "base": ckpt_files.base_identity(adapter),
         "precision": {"model.dtype": cfg.model.dtype, "model.storage_dtype": cfg.model.storage_dtype},
     }
     if cfg.train.training_type == "lora":
@@ -132,7 +112,7 @@ def staging_copy() -> DefaultStager:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: parallel.Dist, identity: dict, data: dict):
+    def __init__(self, cfg: CheckpointConfig, output_dir: str, d: ranks.Dist, identity: dict, data: dict):
         """identity: run_identity's; data: data_identity's, of the training clips."""
         self.cfg, self.dir, self.d, self.identity, self.data = cfg, Path(output_dir), d, identity, data
         self.frozen_excluded = identity["training_type"] == "lora"
@@ -187,8 +167,9 @@ class Checkpointer:
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        writer = (FailingWriter if faults.active("save_fail", step) else HashingWriter)(tmp)
-        with parallel.all_or_none():
+        failing = faults.active("save_fail", step)
+        writer = (ckpt_files.FailingWriter if failing else ckpt_files.HashingWriter)(tmp)
+        with ranks.all_or_none():
             state = self._state(objects, reuse=True)
             if self.cfg.async_save and not final:
                 if self.async_group is None:
@@ -199,7 +180,7 @@ class Checkpointer:
                                         process_group=self.async_group, async_stager=self.stager)
                 self.pending = (step, tmp, final_dir, future, writer)
                 return
-            with write_failures_named(tmp):
+            with ckpt_files.write_failures_named(tmp):
                 dcp.save(state, storage_writer=writer, planner=cached_planner())
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=final)
@@ -210,7 +191,7 @@ class Checkpointer:
             return
         step, tmp, final_dir, future, writer = self.pending
         self.pending = None
-        with parallel.all_or_none(), write_failures_named(tmp):
+        with ranks.all_or_none(), ckpt_files.write_failures_named(tmp):
             future.result()
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=False)
@@ -230,7 +211,7 @@ class Checkpointer:
         dist.all_gather_object(shares, mine)
         if self.d.is_main:
             files = {k: v for share in shares for k, v in sorted(share.items())}
-            write_meta(tmp, step, self.d.world, self.identity, self.data, files)
+            ckpt_files.write_meta(tmp, step, self.d.world, self.identity, self.data, files)
             # one that failed its check on resume, recomputed since: move it aside first
             if final.exists():
                 stale = final.with_name(f"{final.name}.stale.tmp")
@@ -245,18 +226,18 @@ class Checkpointer:
             log.info("saved %s", final)
         dist.barrier()
         written = [*mine, "meta.json"] if self.d.is_main else list(mine)
-        self.syncing = self.syncer.submit(fsync_files, [final / name for name in written])
+        self.syncing = self.syncer.submit(ckpt_files.fsync_files, [final / name for name in written])
         if last:
             self.syncing.result()
             dist.barrier()
         if self.d.is_main:
-            self._rotate([p for p in complete_checkpoints(self.dir) if last or p != final])
+            self._rotate([p for p in ckpt_files.complete_checkpoints(self.dir) if last or p != final])
 
     def _rotate(self, synced: list[Path]) -> None:
         if self.cfg.checkpointing_limit == 0:
             return
         for path in synced[: -self.cfg.checkpointing_limit]:
-            lock = deletable(path)
+            lock = ckpt_files.deletable(path)
             if lock is None:
                 log.info("keeping %s while `ckpt.py export` reads it: a later rotation deletes it", path)
                 continue
@@ -268,17 +249,17 @@ class Checkpointer:
 
         Leftover .tmp folders are removed."""
         found = None
-        with parallel.all_or_none():
+        with ranks.all_or_none():
             if self.d.is_main:
                 for tmp in self.dir.glob("checkpoint-*.tmp"):
                     shutil.rmtree(tmp)
-                found = [str(p) for p in reversed(checkpoint_folders(self.dir))]
-        found = parallel.broadcast(found, self.d)
+                found = [str(p) for p in reversed(ckpt_files.checkpoint_folders(self.dir))]
+        found = ranks.broadcast(found, self.d)
         if self.cfg.resume == "none" and found:
             raise ConfigError(f"{self.dir} already holds {Path(found[0]).name}: set checkpoint.resume = \"auto\" "
                               "to continue it, or choose another run.output_dir")
         if self.cfg.resume not in ("auto", "none"):
-            read_meta(Path(self.cfg.resume))
+            ckpt_files.read_meta(Path(self.cfg.resume))
             return [Path(self.cfg.resume)]
         return [Path(p) for p in found] if self.cfg.resume == "auto" else []
 
@@ -297,18 +278,18 @@ class Checkpointer:
 
         The checkpoint is loaded into the live objects on every rank; resharding is DCP's. A stop
         signal before the check ends the run here."""
-        parallel.stop_if_preempted(self.d, "before resuming, with nothing new to save")
+        ranks.stop_if_preempted(self.d, "before resuming, with nothing new to save")
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
-            problem = next((p for p in parallel.agree(lambda: meta_problem(path), self.d) if p), None)
+            problem = next((p for p in ranks.agree(lambda: ckpt_files.meta_problem(path), self.d) if p), None)
             if problem is None:
                 # another model, LoRA or dataset: stop, do not fall back
-                with parallel.all_or_none():
-                    meta = read_meta(path)
-                    check_identity(path, meta, self.identity, resuming=True)
-                    check_data(path, meta, self.data)
-                problem = reads_problem(path, state, self.d)
+                with ranks.all_or_none():
+                    meta = ckpt_files.read_meta(path)
+                    ckpt_files.check_identity(path, meta, self.identity, resuming=True)
+                    ckpt_files.check_data(path, meta, self.data)
+                problem = ckpt_files.reads_problem(path, state, self.d)
             if problem is None:
                 break
             if self.cfg.resume != "auto":
@@ -320,8 +301,8 @@ class Checkpointer:
             if candidates:
                 raise ConfigError(self._none_passes(candidates, skipped))
             return None
-        with parallel.all_or_none():
-            meta = read_meta(path)
+        with ranks.all_or_none():
+            meta = ckpt_files.read_meta(path)
             dcp.load(state, checkpoint_id=str(path))
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
             set_model_state_dict(objects["model"], state["model"], options=options)
@@ -336,24 +317,24 @@ class Checkpointer:
         return path
 
 
-def load_weights(model, path: str, training_type: str, identity: dict, d: parallel.Dist, ema=None) -> None:
+def load_weights(model, path: str, training_type: str, identity: dict, d: ranks.Dist, ema=None) -> None:
     """Load only a checkpoint's trained weights (and EMA) into a built model.
 
     Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
-    check_identity(Path(path), read_meta(Path(path)), identity)
+    ckpt_files.check_identity(Path(path), ckpt_files.read_meta(Path(path)), identity)
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
     state = {"model": model_state(model, training_type)}
     if ema is not None:
         state["ema"] = ema.state_dict()
-    problem = reads_problem(Path(path), state, d, allow_partial_load=True)
+    problem = ckpt_files.reads_problem(Path(path), state, d, allow_partial_load=True)
     if problem:
         raise ConfigError(problem)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(model, state["model"], options=options)
 
 
-def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -> None:
+def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> None:
     """Export a checkpoint's trained weights (and EMA).
 
     Builds the model as training does and loads the checkpoint's trained weights into it first."""
@@ -362,8 +343,8 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     # its final weights.
     where = Path(checkpoint).resolve()
     target = Path(out) if out else where.parent / "exports" / where.name
-    with parallel.all_or_none():  # before any compute
-        read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
+    with ranks.all_or_none():  # before any compute
+        ckpt_files.read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
         problem = command.write_problem(target) if d.is_main else None
         if problem:
             raise ConfigError(f"the export cannot be written to {target} ({problem}): "
@@ -373,14 +354,14 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: parallel.Dist) -
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     # a training still running keeps this checkpoint until the export is written
-    with exporting(where):
-        with parallel.all_or_none():
+    with ckpt_files.exporting(where):
+        with ranks.all_or_none():
             load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
         export.export(model, cfg.train.training_type, cfg.lora, adapter, str(target), d, ema,
                       "" if out else f"{where.parent.name}_{where.name}")
 
 
-def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
+def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
     """Accept a checkpoint's files as they are by rewriting its meta.json.
 
     For a checkpoint that fails its check and is wanted anyway: its meta.json is rewritten from the
@@ -391,32 +372,34 @@ def rehash(cfg, checkpoint: str, d: parallel.Dist) -> None:
     the old meta.json still has one, else left out (None: not checked on resume). Loading it then
     reads whatever its shards hold."""
     path = Path(checkpoint)
-    match = CHECKPOINT_NAME.fullmatch(path.name)
+    match = ckpt_files.CHECKPOINT_NAME.fullmatch(path.name)
     if not match or not (path / ".metadata").is_file():
         raise ConfigError(f"{path} is not a checkpoint-N folder holding DCP's .metadata, so nothing can load it: "
                           "resume from another checkpoint, or start over in another run.output_dir")
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
     if not d.is_main:
         return
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in ("meta.json", EXPORT_LOCK))
+    names = sorted(p.name for p in path.iterdir()
+                   if p.is_file() and p.name not in ("meta.json", ckpt_files.EXPORT_LOCK))
     missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(names))
     if missing:
         raise ConfigError(f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
                           "resume can read it: resume from another checkpoint, or start over in another run.output_dir")
-    shapes_differ = other_shapes(cfg, adapter, metadata)
+    shapes_differ = ckpt_files.other_shapes(cfg, adapter, metadata)
     if shapes_differ:
         raise ConfigError(f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
                           "rehash it with the config it was trained with (its run's config.toml)")
     identity, data = run_identity(cfg, adapter), None
-    if meta_problem(path) is None:
-        meta = read_meta(path)
-        check_identity(path, meta, identity)
+    if ckpt_files.meta_problem(path) is None:
+        meta = ckpt_files.read_meta(path)
+        ckpt_files.check_identity(path, meta, identity)
         identity, data = meta["identity"], meta.get("data")
-    ranks = {name.split("_")[2] for name in names if name.endswith(".distcp")}
-    files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)} for name in names}
-    write_meta(path, int(match.group(1)), len(ranks), identity, data, files)
+    writers = {name.split("_")[2] for name in names if name.endswith(".distcp")}  # ranks that wrote shards
+    files = {name: {"size": (path / name).stat().st_size, "sha256": ckpt_files.sha256_of(path / name)}
+             for name in names}
+    ckpt_files.write_meta(path, int(match.group(1)), len(writers), identity, data, files)
     log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
 
 

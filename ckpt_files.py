@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 import command
 import lora
-import parallel
+import ranks
 from config import ConfigError
 from weights import Weights
 
@@ -48,7 +48,7 @@ def write_failures_named(tmp: Path):
     try:
         yield
     except CheckpointException as e:
-        raise parallel.StopRun(f"writing {tmp} failed on {command.first_failure(e)}; earlier checkpoints are "
+        raise ranks.StopRun(f"writing {tmp} failed on {command.first_failure(e)}; earlier checkpoints are "
                                "intact, free space or move run.output_dir and resume") from None
 
 
@@ -260,11 +260,11 @@ def check_reads(path: Path, state: dict, planner) -> str | None:
     return check_files(path, sorted(reads))
 
 
-def reads_problem(path: Path, state: dict, d: parallel.Dist, **planner_options) -> str | None:
+def reads_problem(path: Path, state: dict, d: ranks.Dist, **planner_options) -> str | None:
     """Check on every rank what it will read of `path`; return the first problem found, or None.
 
     A collective."""
-    problems = parallel.agree(lambda: check_reads(path, state, dcp.DefaultLoadPlanner(**planner_options)), d)
+    problems = ranks.agree(lambda: check_reads(path, state, dcp.DefaultLoadPlanner(**planner_options)), d)
     return next((p for p in problems if p), None)
 
 

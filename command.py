@@ -26,7 +26,7 @@ from transformers.utils import logging as transformers_logging
 
 import faults
 import model_adapter
-import parallel
+import ranks
 from config import ConfigError, load_config
 
 log = logging.getLogger("vidtrain")
@@ -42,15 +42,15 @@ def run_command(work, config_path: str, overrides: list[str], lock_output_dir: b
     code is 0, 1 after a failure, 130 after Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     rank, code = int(os.environ.get("RANK", 0)), 0
-    previous_handlers = parallel.PREEMPTION.install()
+    previous_handlers = ranks.PREEMPTION.install()
     try:
         cfg = load_config(config_path, overrides)
         model_adapter.check_config(cfg)
         if EXIT_CODES in os.environ and rank == 0:  # launch.sh keeps torchrun's log there
             (Path(os.environ[EXIT_CODES]) / "output_dir").write_text(cfg.run.output_dir)
         if cfg.run.deterministic:
-            parallel.make_deterministic()
-        d = parallel.init(cfg.parallel)
+            ranks.make_deterministic()
+        d = ranks.init(cfg.parallel)
         if not d.is_main:
             quiet()
         with run_lock(cfg.run.output_dir, d) if lock_output_dir else contextlib.nullcontext():
@@ -84,7 +84,7 @@ def quiet() -> None:
 
 
 @contextlib.contextmanager
-def run_lock(folder: str, d: parallel.Dist):
+def run_lock(folder: str, d: ranks.Dist):
     """Hold run.output_dir for this run alone: an exclusive flock on its run.lock on rank 0.
 
     One writer per run.output_dir: rank 0 holds an exclusive flock on its run.lock, from before any
@@ -95,12 +95,12 @@ def run_lock(folder: str, d: parallel.Dist):
     lock, path = None, Path(folder) / "run.lock"
     # what this launch creates, if it fails its checks
     made = [p for p in (path.parent, path) if not p.exists()]
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         if d.is_main:
             lock = take_lock(path)
     try:
         yield
-    except (ConfigError, parallel.StopRun):
+    except (ConfigError, ranks.StopRun):
         # A check that failed (the config's, the model's, the clips') leaves no trace of a run that
         # never started: the run.lock this launch made goes, still held, and the folder too while it
         # is empty.
@@ -162,12 +162,12 @@ def take_lock(path: Path):
 
 def report(error: BaseException, rank: int) -> int:
     """Report a failure at most once across ranks; return the exit code."""
-    if isinstance(error, parallel.Preempted):
+    if isinstance(error, ranks.Preempted):
         if rank == 0:
             log.info("stopped by a signal: %s", error)
         return 0
     # Raised alike on every rank, or (a failed write of rank 0's files) on rank 0 alone.
-    if isinstance(error, (ConfigError, parallel.StopRun, CheckpointException, faults.WriteFailed)):
+    if isinstance(error, (ConfigError, ranks.StopRun, CheckpointException, faults.WriteFailed)):
         if rank == 0:
             message = f"error: {first_failure(error) if isinstance(error, CheckpointException) else error}"
             log.error("%s", message)

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import faults
 import lora
-import parallel
+import ranks
 from config import LoraConfig
 from model import model_state
 
 log = logging.getLogger("vidtrain")
 
 
-def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: parallel.Dist, ema=None,
+def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: ranks.Dist, ema=None,
            name: str = ""):
     """Export the final weights, and the EMA weights beside them when EMA is on.
 

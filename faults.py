@@ -2,22 +2,23 @@
 
     VIDTRAIN_FAULT=<point>_<action>:<count>[:<rank>][,<another>...]
 
-fires at the point when the count matches, on every rank or only the one named. Points: `step` after
-that optimizer step, `save` after that step's shards are written and before the commit, `cache` after
-that many cache entries, `render` before that sampling step of the process. Actions: `kill` (SIGKILL),
-`sigterm` (as a scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a
-message no rank sends, until parallel.timeout_s), `pause` (print a line naming the process, then wait
-for a signal and handle it as if it had just arrived: a test can act at that point, e.g. start a second
-run or signal the launcher, without racing a timer). Five more are named for what they do: `save_fail`
-(the storage writer fails like a full disk), `disk_full` (the count-th file this process writes through
-`written` fails like a full disk: a cache entry, a clip, an exported file), `sound_segv` (the child
-decoding the count-th clip's sound of this process dies of SIGSEGV, as a decoder's bug would; decode.py
-asks), `nan_loss` (the step's loss
-is NaN) and `overflow` (the step's backward starts from its loss times 1e30: its gradients overflow, its
-loss stays finite)."""
+fires at the point when the count matches, on every rank or only the one named. Points: `step` at
+that optimizer step's loss, before its backward (on_loss: its update and checkpoint never happen),
+`save` after that step's shards are written and before the commit, `cache` after that many cache
+entries, `render` before that sampling step of the process. Actions: `kill` (SIGKILL), `sigterm` (as a
+scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a message no rank
+sends, until parallel.timeout_s), `pause` (print a line naming the process, then wait for a signal and
+handle it as if it had just arrived: a test can act at that point, e.g. start a second run or signal
+the launcher, without racing a timer). Five more are named for what they do: `save_fail` (the storage
+writer fails like a full disk), `disk_full` (the count-th file this process writes through `written`
+fails like a full disk: a cache entry, a clip, an exported file), `sound_segv` (the child decoding the
+count-th clip's sound of this process dies of SIGSEGV, as a decoder's bug would; decode.py asks),
+`nan_loss` (the step's loss is NaN) and `overflow` (the step's backward starts from its loss times
+1e30: its gradients overflow, its loss stays finite)."""
 
 import contextlib
 import errno
+import math
 import os
 import shutil
 import signal
@@ -74,9 +75,38 @@ def written(path: Path, fix: str):
         raise
 
 
-def backward_factor(step: int) -> float:
-    """What the `overflow` fault multiplies a step's loss by before its backward."""
-    return 1e30 if active("overflow", step) else 1.0
+class _ScaledBackward(torch.autograd.Function):
+    """The loss unchanged forward; its backward starts from the incoming gradient times `factor`."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+_step_seen = 0  # the last step on_loss saw: the step point fires at a step's first micro-step only
+
+
+def on_loss(loss: torch.Tensor, step: int) -> torch.Tensor:
+    """The training loop's one fault hook: a micro-step's loss of optimizer step `step`, before its backward.
+
+    `nan_loss` makes the loss NaN; `overflow` keeps its value (the loop logs it finite) and multiplies the
+    gradient its backward starts from by 1e30, as a backward from the loss times 1e30 would; the `step`
+    point fires at the step's first micro-step, so its update and its checkpoint never happen (the
+    checkpoints before it are written, an asynchronous one still in flight)."""
+    global _step_seen
+    if step != _step_seen:
+        _step_seen = step
+        fault("step", step)
+    if active("nan_loss", step):
+        loss = loss * math.nan
+    if active("overflow", step):
+        loss = _ScaledBackward.apply(loss, 1e30)
+    return loss
 
 
 def fault(point: str, count: int) -> None:

@@ -58,7 +58,7 @@ else
     args+=(--standalone)
 fi
 # The allocator settings (expandable segments, exact-size pinned host memory) are set by each worker
-# itself (parallel.init), however it was launched; a key of your PYTORCH_ALLOC_CONF keeps your value.
+# itself (ranks.init), however it was launched; a key of your PYTORCH_ALLOC_CONF keeps your value.
 # torchrun exits 1 after passing on a signal it got itself (Ctrl-C; a scheduler that signals every
 # process of the job), however the workers ended: each worker writes its own exit code here instead, rank 0
 # its one-line error (error) and run.output_dir (output_dir).

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import decode
-import parallel
+import ranks
 
 CHUNK = 1 << 24
 
@@ -71,12 +71,12 @@ class Manifest:
         self.entries[os.path.abspath(path)] = entry
         self.changed = True
 
-    def encoder_identity(self, adapter, d: parallel.Dist) -> dict[str, dict]:
+    def encoder_identity(self, adapter, d: ranks.Dist) -> dict[str, dict]:
         """Each encoder's files by content (name -> hash), hashed once on rank 0.
 
         Remembered here against size and mtime."""
         identity = None
-        with parallel.all_or_none():
+        with ranks.all_or_none():
             if d.is_main:
                 identity = {}
                 for kind, folders in adapter.ENCODERS.items():
@@ -88,7 +88,7 @@ class Manifest:
                         if new:
                             self.add(path, entry)
                         identity[kind][str(path.relative_to(adapter.path))] = entry["content"]
-        return parallel.broadcast(identity, d)
+        return ranks.broadcast(identity, d)
 
     def clip_entries(self, clip, with_image: bool, with_last: bool = False,
                      with_control: bool = False) -> tuple[dict, str | None, str | None, dict | None, list]:

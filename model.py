@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import activations
 import lora
 import parallel
+import ranks
 import sequence
 from config import Config, ConfigError, LoraConfig, ParallelConfig, TrainConfig
 from model_adapter import RunSettings, load_adapter
@@ -37,7 +38,7 @@ log = logging.getLogger("vidtrain")
 RECOMPILE_LIMIT = 16
 
 
-def setup_adapter(cfg: Config, d: parallel.Dist):
+def setup_adapter(cfg: Config, d: ranks.Dist):
     """The run's adapter, built with its settings and checked against the config before any clip.
 
     Every rank checks; a failure on any stops them all: the transformer's files, the heads against
@@ -45,7 +46,7 @@ def setup_adapter(cfg: Config, d: parallel.Dist):
     and frame rate (the renderer checks them again, for renders without training),
     lora.target_modules and lora.init_from.
     """
-    with parallel.all_or_none():
+    with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device, RunSettings.of(cfg))
         config = adapter.transformer_config
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
@@ -94,7 +95,7 @@ def check_lora_targets(adapter, targets: list[str]) -> None:
         raise ConfigError(str(e)) from None
 
 
-def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: parallel.Dist):
+def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: ranks.Dist):
     """Another frozen expert that sampling needs (Wan 2.2 A14B), spread like the trained one.
 
     Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the
@@ -117,7 +118,7 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
 
 
 def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
-                d: parallel.Dist, lora_file: str = ""):
+                d: ranks.Dist, lora_file: str = ""):
     """The wrapped transformer in train mode.
 
     `lora_file` (the render command's --lora) injects the file's own rank, alpha and targets instead

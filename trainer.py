@@ -26,6 +26,7 @@ import faults
 import lora
 import memory
 import parallel
+import ranks
 import validate
 from cache_files import Prefetch
 from config import Config, ConfigError, TrainConfig, to_toml
@@ -35,11 +36,11 @@ from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, s
 log = logging.getLogger("vidtrain")
 
 
-def train(cfg: Config, d: parallel.Dist) -> None:
+def train(cfg: Config, d: ranks.Dist) -> None:
     """One run: the adapter, the data, the model, the optimizer, the checkpoints, the loop, export."""
     t = cfg.train
     # The adapter, then the data: the model checked before any clip, every clip before any compute.
-    parallel.check_shared(cfg.run.output_dir, "run.output_dir", d)
+    ranks.check_shared(cfg.run.output_dir, "run.output_dir", d)
     adapter = setup_adapter(cfg, d)
     entries, train_clips, held_out_clips = cache.prepare(cfg, adapter, d)
     renderer = (validate.ClipRenderer(adapter, cfg.validation, cfg.data, cfg.run.output_dir, d,
@@ -74,12 +75,28 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     # The loop.
     metrics = Metrics(cfg.run.output_dir, d.is_main, state.step, t.steps)
     compute = parallel.Compute(d.device, t.mixed_precision, t.attention_backend)
+
+    def run_validation(step: int) -> bool:
+        """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
+        cut it short (every rank agrees, between sampling steps). Eager under train.compile (validate.eager)."""
+        memory.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
+        try:
+            with ema.swapped_in() if ema is not None else contextlib.nullcontext(), validate.eager():
+                values = validate.held_out_loss(adapter, model, entries, held_out_clips, cfg.validation,
+                                                cfg.run.seed, d, compute)
+                values |= renderer.run(model, step, metrics, compute)
+        except ranks.Preempted:
+            return False
+        torch.cuda.empty_cache()  # sampling's and decoding's blocks back to training's (no-op without CUDA)
+        metrics.scalars(step, values)
+        metrics.progress_validation(step, values)
+        return True
+
     # The validation of the start: before step 1, or the resumed step's when a stop cut it short.
-    pending = state.validation_pending and not parallel.broadcast(metrics.logged_validation(state.step), d)
+    pending = state.validation_pending and not ranks.broadcast(metrics.logged_validation(state.step), d)
     if cfg.validation.do_validation and (state.step == 0 or pending):
-        if not run_validation(state.step, cfg, adapter, model, entries, held_out_clips, ema, d, compute, metrics,
-                              renderer):
-            raise parallel.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
+        if not run_validation(state.step):
+            raise ranks.Preempted(f"during the validation of step {state.step}, with nothing new to save; launch "
                                      "again to run it")
     window, stop = TrainWindow(d, global_batch, state.step, adapter.LOSS_PARTS), False
     prefetch = Prefetch(entries, d.device)
@@ -101,20 +118,18 @@ def train(cfg: Config, d: parallel.Dist) -> None:
                 loss = adapter.train_loss(model, batch, generators).mean()
             if adapter.LOSS_PARTS:
                 window.add_parts(adapter.losses)
-            if faults.active("nan_loss", step):
-                loss = loss * math.nan
+            loss = faults.on_loss(loss, step)
             with compute.attention():  # activation checkpointing recomputes the forward in the backward
-                scaler.scaled(loss * faults.backward_factor(step) / t.gradient_accumulation_steps).backward()
+                scaler.scaled(loss / t.gradient_accumulation_steps).backward()
             step_loss += loss.detach() / t.gradient_accumulation_steps
         grad_norm, skipped = clip_and_step(params, optimizer, scaler, t, state, step, step_loss,
                                            zero_missing=adapter.GRAPH_VARIES and adapter.trains_sound)
         window.add_step(step_loss, skipped)
         if ema is not None:
             ema.update()
-        faults.fault("step", step)
 
         log_now = step % t.log_every == 0 or step == t.steps
-        stop = parallel.PREEMPTION.agreed_a_step_late(start_next=step < t.steps)
+        stop = ranks.PREEMPTION.agreed_a_step_late(start_next=step < t.steps)
         save_now = stop or step % cfg.checkpoint.checkpointing_steps == 0 or step == t.steps
         state.validation_pending = cfg.validation.do_validation and (
             step % cfg.validation.validation_steps == 0 or step == t.steps)
@@ -129,8 +144,7 @@ def train(cfg: Config, d: parallel.Dist) -> None:
             checkpoints.save(step, objects, final=stop or step == t.steps)
         if validate_now:
             with window.paused():
-                stop = not run_validation(step, cfg, adapter, model, entries, held_out_clips, ema, d, compute, metrics,
-                                          renderer)
+                stop = not run_validation(step)
         if stop:
             checkpoints.save(step, objects, final=True)  # nothing to do when this step is committed already
             break
@@ -139,10 +153,10 @@ def train(cfg: Config, d: parallel.Dist) -> None:
     prefetch.close()
     metrics.close()
     if stop and state.step == t.steps and state.validation_pending:  # the export waits for the last validation
-        raise parallel.Preempted(f"after the last step ({state.step}), before its validation completed; checkpoint "
+        raise ranks.Preempted(f"after the last step ({state.step}), before its validation completed; checkpoint "
                                  "written; launch again to run the validation and export")
     if stop and state.step < t.steps:
-        raise parallel.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
+        raise ranks.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
     export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
 
 
@@ -172,7 +186,7 @@ class TrainState:
         steps after the step that reached it (those steps are skipped if non-finite too)."""
         reached = int(self.limit_reached_at)  # the guard's one host read
         if reached:
-            raise parallel.StopRun(f"step {reached}: {limit} steps in a row with a non-finite gradient norm "
+            raise ranks.StopRun(f"step {reached}: {limit} steps in a row with a non-finite gradient norm "
                                    f"(train.max_nonfinite_steps; seen at step {step}); lower train.learning_rate "
                                    "or check the data")
 
@@ -191,7 +205,7 @@ class TrainWindow:
     log step, kept on the device and reduced only when logged. Validations inside the window are left out of
     its time and its peak memory."""
 
-    def __init__(self, d: parallel.Dist, global_batch: int, start_step: int, parts: tuple[str, ...] = ()):
+    def __init__(self, d: ranks.Dist, global_batch: int, start_step: int, parts: tuple[str, ...] = ()):
         self.d, self.global_batch, self.last_step = d, global_batch, start_step
         self.loss, self.start, self.first = torch.zeros((), device=d.device), time.perf_counter(), True
         # Per part: its sum over the samples that have it, and their count (adapter.losses, every micro-step).
@@ -222,16 +236,16 @@ class TrainWindow:
         steps = step - self.last_step
         peak = torch.tensor(max(self.peak, memory.peak_memory_gb(self.d.device)), device=self.d.device)
         values = {
-            "train/loss": parallel.mean_over_ranks(self.loss).item() / steps,
+            "train/loss": ranks.mean_over_ranks(self.loss).item() / steps,
             "train/lr": optimizer.param_groups[0]["lr"],
             "train/grad_norm": grad_norm.item(),
             "train/samples_per_s": steps * self.global_batch / (time.perf_counter() - self.start),
-            "train/peak_mem_gb": parallel.max_over_ranks(peak).item(),
+            "train/peak_mem_gb": ranks.max_over_ranks(peak).item(),
         }
         if scaler.enabled:
             values["train/loss_scale"] = scaler.scale.item()
         # Each part's mean over the window's samples that have it (none with sound: no train/loss_audio).
-        parts = parallel.mean_over_ranks(self.parts).tolist() if self.part_names else []
+        parts = ranks.mean_over_ranks(self.parts).tolist() if self.part_names else []
         for name, (total, count) in zip(self.part_names, parts):
             values |= {f"train/{name}": total / count} if count else {}
         skipped = int(self.skipped)  # the same on every rank: the norm deciding it is global
@@ -264,7 +278,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def following_clips(clips: list, sampler: data.Sampler, batch_ids: list[int], step: int, micro: int,
-                    t: TrainConfig, d: parallel.Dist) -> list | None:
+                    t: TrainConfig, d: ranks.Dist) -> list | None:
     """This rank's clips of the micro-step after (step, micro), read while this one computes; None after
     the last step. The sampler is peeked at, not advanced: its state stays the completed steps'."""
     if micro + 1 < t.gradient_accumulation_steps:
@@ -302,28 +316,10 @@ def clip_and_step(params, optimizer, scaler: LossScaler, t: TrainConfig, state: 
     scaler.update(skipped)
     counted = skipped
     if scaler.enabled:  # a non-finite loss on any rank: a device-side all-reduce, not waited for on GPUs
-        counted = skipped & (parallel.max_over_ranks((~torch.isfinite(step_loss)).float()) > 0)
+        counted = skipped & (ranks.max_over_ranks((~torch.isfinite(step_loss)).float()) > 0)
     state.count_nonfinite(counted, step, t.max_nonfinite_steps)
     state.step = step
     return grad_norm, skipped
-
-
-def run_validation(step, cfg: Config, adapter, model, entries, held_out_clips, ema, d, compute: parallel.Compute,
-                   metrics, renderer: validate.ClipRenderer) -> bool:
-    """Held-out loss and clips, with the EMA weights swapped in when EMA is on; False when a stop signal
-    cut it short (every rank agrees, between sampling steps). Eager under train.compile (validate.eager)."""
-    memory.reset_peak_memory(d.device)  # val/peak_mem_gb is the validation's own
-    try:
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext(), validate.eager():
-            values = validate.held_out_loss(adapter, model, entries, held_out_clips, cfg.validation, cfg.run.seed, d,
-                                            compute)
-            values |= renderer.run(model, step, metrics, compute)
-    except parallel.Preempted:
-        return False
-    torch.cuda.empty_cache()  # sampling's and decoding's blocks back to the device for training (no-op without CUDA)
-    metrics.scalars(step, values)
-    metrics.progress_validation(step, values)
-    return True
 
 
 def main(argv: list[str] | None = None) -> None:

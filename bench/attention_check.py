@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import memory  # noqa: E402
-import parallel  # noqa: E402
+import ranks  # noqa: E402
 
 SHAPES = {  # name: (tokens, heads, head size)
     "CogVideoX-2B 49x480x720": (226 + 13 * 30 * 45, 30, 64),
@@ -68,7 +68,7 @@ def main() -> int:
             print(f"{'PASS' if ok else 'FAIL'} attention kernel at {name} ({shape[0]} tokens, {shape[1]} heads x "
                   f"{shape[2]}): {', '.join(ran) or 'none recognised'}", flush=True)
         return int(failed)
-    parallel.make_deterministic()
+    ranks.make_deterministic()
     name, shape = next(iter(shapes.items())) if args.cpu else ("CogVideoX-5B 49x480x720", SHAPES["CogVideoX-5B 49x480x720"])
     memory.reset_peak_memory(device)
     ran, first = attend(*shape, device)

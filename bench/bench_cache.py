@@ -195,7 +195,7 @@ def prefetch(root: Path, args) -> None:
     import cache_files
     import data
     import lora
-    import parallel
+    import ranks
     from config import load_config
     from model import setup_adapter
 
@@ -205,7 +205,7 @@ def prefetch(root: Path, args) -> None:
                                                               "train.batch_size": 2, "data.held_out": 4})))
     cpu = torch.device("cpu")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    d = parallel.Dist(0, 1, 0, cpu)
+    d = ranks.Dist(0, 1, 0, cpu)
     adapter = setup_adapter(cfg, d)
     entries, clips, _ = cache.prepare(cfg, adapter, d)
     if args.read_latency_ms:  # a stand-in for a network filesystem's latency per file (it sleeps, as I/O waits)

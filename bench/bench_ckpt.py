@@ -48,7 +48,7 @@ from common import timed_run, tiny_settings  # puts the repository on sys.path
 import ckpt  # noqa: E402
 import ckpt_files  # noqa: E402
 import data  # noqa: E402
-import parallel  # noqa: E402
+import ranks  # noqa: E402
 from config import CheckpointConfig  # noqa: E402
 
 ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
@@ -105,7 +105,7 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
     Interleaved, in this process; then where a save's time goes, from its pieces timed alone."""
     torch.set_num_threads(1)  # as the trainer runs here (OMP_NUM_THREADS=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+    d = ranks.Dist(0, 1, 0, torch.device("cpu"))
     model = cogvideox_5b_lora(rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():  # one step, so AdamW holds its moments as in training

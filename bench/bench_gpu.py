@@ -37,7 +37,7 @@ model.build_model, AdamW): the first writes Wan 2.1 14B's transformer with rando
 GB, drawn on the GPU) beside the tiny Wan's VAE and text encoder in --folder, reused after. Their
 peak is printed beside bench_memory's estimate of the same setting's training step
 (bench/one_gpu.py), and the pinned host memory torch's host allocator holds
-(torch.cuda.host_memory_stats, under the allocator settings parallel.init sets) beside --fit's host
+(torch.cuda.host_memory_stats, under the allocator settings ranks.init sets) beside --fit's host
 figure for the pinned weights and offloaded block inputs.
 
 Model FLOPs of a step (what the step must compute; checkpointing's recompute is not counted), per
@@ -75,6 +75,7 @@ from common import REPO, write_random_transformer  # noqa: E402
 import command  # noqa: E402
 import memory  # noqa: E402
 import parallel  # noqa: E402
+import ranks  # noqa: E402
 import validate  # noqa: E402
 from config import Config, ValidationConfig, load_config  # noqa: E402
 from model import build_model, build_optimizer  # noqa: E402
@@ -263,7 +264,7 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     literal = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
     overrides = [f"--{key}={literal(value)}" for key, value in settings.items()]
     cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
-    d = parallel.init(cfg.parallel)
+    d = ranks.init(cfg.parallel)
     adapter = load_adapter(cfg.model, d.device)
     model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
     params, optimizer = build_optimizer(model, cfg.train)

@@ -35,7 +35,7 @@ from common import REPO, free_port, make_tiny_model, write_random_transformer
 
 import command  # noqa: E402
 import memory  # noqa: E402
-import parallel  # noqa: E402
+import ranks  # noqa: E402
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from model import build_model  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
@@ -74,7 +74,7 @@ def rss_kb(field: str) -> int:
 def measure(folder: Path, mode: str) -> None:
     """In this process: load, then print one JSON line of this rank's figures."""
     fsdp = mode == "fsdp"
-    d = parallel.init(ParallelConfig(strategy="fsdp" if fsdp else "ddp"))
+    d = ranks.init(ParallelConfig(strategy="fsdp" if fsdp else "ddp"))
     adapter = load_adapter(ModelConfig(path=str(folder), dtype="bf16"), d.device)
     memory.reset_peak_memory(d.device, trim_heap=True)  # VmHWM back to the resident size now
     baseline = rss_kb("VmRSS")

@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
 from transformer_loading import resolved_config  # noqa: E402
-from parallel import AUTOCAST_DTYPES, Dist, pinned_bytes  # noqa: E402
+from parallel import AUTOCAST_DTYPES  # noqa: E402
+from ranks import Dist, pinned_bytes  # noqa: E402
 
 import one_gpu  # noqa: E402
 from published import PUBLISHED, make_adapter, meta_transformer  # noqa: E402
@@ -362,7 +363,7 @@ def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
 def pinned_weights(adapter, model, blocks) -> dict:
     """The bytes that block streaming pins, by torch's pinned allocator's rule.
 
-    What streaming pins, by torch's pinned allocator's rule (parallel.pinned_bytes): FSDP2 pins each
+    What streaming pins, by torch's pinned allocator's rule (ranks.pinned_bytes): FSDP2 pins each
     frozen parameter of a streamed unit on its own (FSDPParam, CPUOffloadPolicy(pin_memory=True));
     its buffers stay on the GPU. The largest block in model.dtype and in fp8 (each linear weight and
     its row scales two parameters, storage.py), and the parameters outside the blocks (streamed with

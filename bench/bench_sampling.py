@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import data  # noqa: E402
-import parallel  # noqa: E402
+import ranks  # noqa: E402
 import validate  # noqa: E402
 from config import DataConfig, ModelConfig, ValidationConfig  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
@@ -53,7 +53,7 @@ def main() -> None:
     cfg = ValidationConfig(prompts=(PROMPTS * args.prompts)[: args.prompts], num_inference_steps=args.steps,
                            scheduler=args.scheduler)
     renderer = validate.ClipRenderer(adapter, cfg, DataConfig(train_resolution=args.resolution), model_dir,
-                                     parallel.Dist(0, 1, 0, device))
+                                     ranks.Dist(0, 1, 0, device))
     transformer = adapter.load_transformer().eval()
     pipe = CogVideoXPipeline.from_pretrained(model_dir, dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)

@@ -27,7 +27,7 @@ data.cache_batch_size prompts, then the VAE encoding data.cache_batch_size clips
 where that many do not fit: cache.prepare frees the text encoder between them; the validation
 prompts' encoding, before the model is built, is a text pass too, over the prompts and the negative
 prompt). Host RAM: the pinned weights and activations as torch's pinned allocator hands them out
-under parallel.ALLOCATOR_SETTINGS (parallel.pinned_bytes: exact sizes above 16 MiB, the next power
+under ranks.ALLOCATOR_SETTINGS (ranks.pinned_bytes: exact sizes above 16 MiB, the next power
 of two below), this process's resident size, the VAE parked between validations; in the cache pass
 the text encoder, which from_pretrained reads on the host first.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from parallel import ALLOCATOR_SETTINGS  # noqa: E402
+from ranks import ALLOCATOR_SETTINGS  # noqa: E402
 
 GIB = 2**30
 # What the estimate leaves out, until a GPU run has measured a pick (bench/bench_gpu.py's
@@ -255,6 +255,6 @@ def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting 
           + f" = {needed['training'] / GIB:.1f} GiB in training; {needed['cache pass'] / GIB:.1f} GiB in the cache pass")
     print("paste into the config:\n    " + "\n    ".join(chosen.config_lines(p["layers"]) + data))
     allocator = ",".join(f"{key}:{value}" for key, value in ALLOCATOR_SETTINGS.items())
-    print("allocator settings (the host RAM above assumes them; parallel.init sets them at the start of every "
+    print("allocator settings (the host RAM above assumes them; ranks.init sets them at the start of every "
           f"run, but for a key PYTORCH_ALLOC_CONF names):\n    PYTORCH_ALLOC_CONF={allocator}")
     return chosen

@@ -24,6 +24,7 @@ import json
 import re
 from fractions import Fraction
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import PIL.Image
@@ -88,6 +89,25 @@ ORIGINAL_NAMES = ({ours: original for original, ours in SINGLE_FILE_NAMES.items(
                   | {ours.rstrip("."): original.rstrip(".") for original, ours in SINGLE_FILE_STARTS.items()})
 DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
 
+
+
+class VideoStream(NamedTuple):
+    """The video stream of one transformer call (_predict)."""
+
+    latents: torch.Tensor  # packed noisy latents [B, tokens, C]
+    timesteps: torch.Tensor  # [B], or per token [B, tokens] (I2V: the image's at 0)
+    sigma: torch.Tensor  # [B]: its noise level (LTX-2.3's prompt modulation; the audio's cross gate)
+    shape: tuple[int, int, int]  # the latent (frames, height, width)
+    # IC-LoRA: the second half of the tokens are the reference clip's, at the clip's positions
+    reference: bool = False
+
+
+class AudioStream(NamedTuple):
+    """The audio stream of one transformer call (_predict)."""
+
+    latents: torch.Tensor  # packed noisy audio latents [B, audio tokens, C'] (maybe no tokens)
+    timesteps: torch.Tensor  # [B], its sigma too (the video's cross gate)
+    frames: int  # audio latent frames
 
 def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tensor:
     """One s in [0, 1]: sigmoid(N(mu, 1)) stretched between its 0.5th and 99.9th percentiles (reflected at 1e-3),
@@ -409,34 +429,38 @@ class LTX2Adapter(Adapter):
     def _normalise_audio(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens - self.audio_mean.to(tokens)) / self.audio_std.to(tokens)
 
-    def _predict(self, transformer, video, audio, video_t, sigma, audio_t, embeds, shape, audio_frames,
-                 isolate: bool = False, stg_blocks: list[int] | None = None, reference: bool = False):
-        """(video, audio) velocities [B, tokens, C] in fp32: video_t the video's timesteps [B] (or per token
-        [B, tokens], I2V), sigma [B] its noise level (LTX-2.3's prompt modulation), audio_t [B]. isolate turns
-        off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks skips those blocks'
-        self-attention (their STG). No audio tokens: the video stream alone, isolated (the audio stream, which
-        the video then never sees, runs on one zero token: the rotary tables refuse none). reference: the second
-        half of the video tokens are an IC-LoRA reference clip of the same latent shape, at the same positions."""
+    def _predict(self, transformer, video: VideoStream, audio: AudioStream, embeds: torch.Tensor,
+                 isolate: bool = False, stg_blocks: list[int] | None = None):
+        """(video, audio) velocities [B, tokens, C] in fp32 of the two streams' noisy latents.
+
+        isolate turns off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks
+        skips those blocks' self-attention (their STG). No audio tokens: the video stream alone, isolated
+        (the audio stream, which the video then never sees, runs on one zero token: the rotary tables
+        refuse none). video.reference: the second half of the video tokens are an IC-LoRA reference
+        clip of the same latent shape, at the same positions."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
-        frames, height, width = shape
-        n = len(video)
-        if audio.shape[1] == 0:
-            audio, audio_frames, isolate = audio.new_zeros(n, 1, audio.shape[2]), 1, True
+        frames, height, width = video.shape
+        n, audio_latents, audio_frames = len(video.latents), audio.latents, audio.frames
+        if audio_latents.shape[1] == 0:
+            audio_latents, audio_frames = audio_latents.new_zeros(n, 1, audio_latents.shape[2]), 1
+            isolate = True
         coords = None
-        if reference:  # the positions ltx-trainer's video_to_video strategy gives a same-size reference: the target's
+        if video.reference:  # the positions ltx-trainer's video_to_video gives a same-size reference: the target's
             model = getattr(transformer, "module", transformer)  # DDP's wrapper
-            coords = model.rope.prepare_video_coords(n, *shape, video.device, fps=self.frame_rate)
+            coords = model.rope.prepare_video_coords(n, *video.shape, video.latents.device, fps=self.frame_rate)
             coords = torch.cat([coords, coords], dim=2)
-        with self._cross_gates(transformer, sigma, audio_t):
+        with self._cross_gates(transformer, video.sigma, audio.timesteps):
             out = transformer(
-                hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
-                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_t,
-                audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t, num_frames=frames, height=height,
-                width=width, fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
+                hidden_states=video.latents.to(dtype), audio_hidden_states=audio_latents.to(dtype),
+                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text,
+                timestep=video.timesteps, audio_timestep=audio.timesteps, sigma=video.sigma,
+                audio_sigma=audio.timesteps, num_frames=frames, height=height, width=width,
+                fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
                 spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, video_coords=coords,
                 return_dict=False)
-        return out[0].float().view(n, -1, video.shape[-1]), out[1].float().view(n, -1, audio.shape[-1])
+        return (out[0].float().view(n, -1, video.latents.shape[-1]),
+                out[1].float().view(n, -1, audio_latents.shape[-1]))
 
     @contextlib.contextmanager
     def _cross_gates(self, transformer, sigma: torch.Tensor, audio_sigma: torch.Tensor):
@@ -484,8 +508,8 @@ class LTX2Adapter(Adapter):
             reference = self._pack(self._normalise(batch["control_latent_mean"].to(self.device).float())).expand(n, -1, -1)
             x_t = torch.cat([x_t, reference], dim=1)
             video_t = torch.cat([video_t[:, None].expand(n, tokens), video_t.new_zeros(n, reference.shape[1])], dim=1)
-        video, audio = self._predict(transformer, x_t, a_t, video_t, 1000 * sigmas, 1000 * audio_sigmas, embeds, shape,
-                                     a0.shape[1], reference=self.takes_control)
+        video, audio = self._predict(transformer, VideoStream(x_t, video_t, 1000 * sigmas, shape, self.takes_control),
+                                     AudioStream(a_t, 1000 * audio_sigmas, a0.shape[1]), embeds)
         video = video[:, :tokens]
         video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
         audio_loss = torch.zeros_like(video_loss)
@@ -638,9 +662,11 @@ class LTX2Adapter(Adapter):
             video_t = video_t[:, None].repeat(1, state.latents.shape[1])
             video_t[:, :state.first] = 0
             video_t[:, state.latents.shape[1] - state.reference:] = 0
-        video, audio = self._predict(models["transformer"], state.latents.expand(n, -1, -1),
-                                     state.audio.expand(n, -1, -1), video_t, t.expand(n), t.expand(n), embeds,
-                                     state.shape, state.audio_frames, reference=state.reference > 0, **perturbed)
+        video, audio = self._predict(models["transformer"],
+                                     VideoStream(state.latents.expand(n, -1, -1), video_t, t.expand(n), state.shape,
+                                                 state.reference > 0),
+                                     AudioStream(state.audio.expand(n, -1, -1), t.expand(n), state.audio_frames),
+                                     embeds, **perturbed)
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def check_guidance(self, cfg) -> None:

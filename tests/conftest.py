@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import cache  # noqa: E402
-import parallel  # noqa: E402
+import ranks  # noqa: E402
 import trainer  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from config import load_config, toml_value  # noqa: E402
@@ -250,12 +250,12 @@ def one_rank_group():
     which makes and destroys its own)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+        yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 
 
-def prepare_run(cfg, d: parallel.Dist):
+def prepare_run(cfg, d: ranks.Dist):
     """The trainer's first two steps: the checked adapter, then the cache pass over every clip.
     Returns (adapter, cache, training items, held-out items)."""
     adapter = setup_adapter(cfg, d)

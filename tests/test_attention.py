@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import parallel
+
+import ranks
 import trainer
 from config import ConfigError, ModelConfig, load_config
 from conftest import read_metrics
@@ -57,7 +59,7 @@ def test_a_backend_the_device_lacks_stops_the_first_step(write_config):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention"):
-            trainer.train(cfg, parallel.Dist(0, 1, 0, torch.device("cpu")))
+            trainer.train(cfg, ranks.Dist(0, 1, 0, torch.device("cpu")))
     finally:
         dist.destroy_process_group()
     assert read_metrics(cfg.run.output_dir) == []  # no step was logged
@@ -72,7 +74,7 @@ def test_deterministic_keeps_the_fused_attention_kernels(monkeypatch, write_conf
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     benchmark = torch.backends.cudnn.benchmark
     try:
-        parallel.make_deterministic()
+        ranks.make_deterministic()
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:

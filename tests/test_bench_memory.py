@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import bench_memory  # noqa: E402
 import one_gpu  # noqa: E402
 import published  # noqa: E402
-import parallel  # noqa: E402
+import ranks  # noqa: E402
 from config import load_config  # noqa: E402
 from model import build_model, build_optimizer  # noqa: E402
 
@@ -195,11 +195,11 @@ def test_ltx2_block_and_its_audio(tmp_path):
 
 def handed_out(nbytes: int) -> int:
     """The bytes torch 2.13's pinned allocator hands out for a request of nbytes, under the settings
-    parallel.ALLOCATOR_SETTINGS gives it (aten/src/ATen/core/CachingHostAllocator.h,
+    ranks.ALLOCATOR_SETTINGS gives it (aten/src/ATen/core/CachingHostAllocator.h,
     CachingHostAllocatorImpl::allocate: `size <= pinned_max_round_threshold() && size <=
     pinned_max_cached_size()` rounds to c10::llvm::PowerOf2Ceil(size), else the size itself; both keys in
     MiB, c10/core/AllocatorConfig.h)."""
-    limits = [int(parallel.ALLOCATOR_SETTINGS[k]) * 2**20
+    limits = [int(ranks.ALLOCATOR_SETTINGS[k]) * 2**20
               for k in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")]
     return 2 ** math.ceil(math.log2(nbytes)) if all(nbytes <= limit for limit in limits) else nbytes
 
@@ -242,7 +242,7 @@ def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
     out = capsys.readouterr().out
     assert f"host RAM: pinned weights {3 * bf16 / one_gpu.GIB:.1f}, offloaded activations " \
            f"{activations / one_gpu.GIB:.1f}" in out and f"= {total / one_gpu.GIB:.1f} GiB in training" in out
-    assert ",".join(f"{k}:{v}" for k, v in parallel.ALLOCATOR_SETTINGS.items()) in out
+    assert ",".join(f"{k}:{v}" for k, v in ranks.ALLOCATOR_SETTINGS.items()) in out
 
 
 def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
@@ -261,7 +261,7 @@ def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
     cfg = load_config(str(cfg_file))
     family, adapter = published.make_adapter(cfg, None, tmp_path, torch.device("cpu"))
     parts = bench_memory.estimate(cfg, family, adapter)
-    d, s = parallel.Dist(0, 1, 0, torch.device("cpu")), bench_memory.shapes(cfg, adapter, 1)
+    d, s = ranks.Dist(0, 1, 0, torch.device("cpu")), bench_memory.shapes(cfg, adapter, 1)
     trained, pinned = {}, []
     for offload in (True, False):
         train = dataclasses.replace(cfg.train, activation_offload=offload)

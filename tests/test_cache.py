@@ -24,7 +24,7 @@ import cache
 import cache_files
 import data
 import decode
-import parallel
+import ranks
 from conftest import one_rank_group, prepare_run, read_metrics, run_cmd, run_ok, train_losses
 from config import load_config
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip
@@ -324,8 +324,8 @@ def test_a_transformer_without_weights_is_named_before_the_pass(tiny_model, writ
     config = write_config("bare", **{"model.path": str(bare), "data.cache_dir": str(tmp_path / "cache")})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(parallel.StopRun, match="transformer holds no diffusion_pytorch_model.safetensors"):
-            prepare_run(load_config(str(config)), parallel.Dist(0, 1, 0, torch.device("cpu")))
+        with pytest.raises(ranks.StopRun, match="transformer holds no diffusion_pytorch_model.safetensors"):
+            prepare_run(load_config(str(config)), ranks.Dist(0, 1, 0, torch.device("cpu")))
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))

@@ -27,7 +27,7 @@ import ckpt_files
 import command
 import data
 import lora
-import parallel
+import ranks
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
 from diffusers import CogVideoXPipeline
 from model_adapter import load_adapter
@@ -164,7 +164,7 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
 def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
     """SIGTERM to launch.sh stops the run one step later, with a checkpoint and exit 0.
 
-    A run through launch.sh, paused by rank 0 after step 4, holds run.output_dir: the lock a second
+    A run through launch.sh, paused by rank 0 at step 4, holds run.output_dir: the lock a second
     run takes first (command.run_lock, before any compute) is refused naming the first one's pid and
     host (test_killed_run_resumes_bitwise: a SIGKILLed run leaves it free). Then SIGTERM to
     launch.sh and torchrun, as a scheduler signals every process of a job (the workers get it from
@@ -318,7 +318,7 @@ def test_resume_on_other_data_is_refused(references):
     path = references["one"] / f"checkpoint-{STEPS}"
     meta = json.loads((path / "meta.json").read_text())
     assert meta["data"]["clips_per_bucket"] == {"[9, 32, 32]": 20}
-    ckpt.check_data(path, meta, meta["data"])
+    ckpt_files.check_data(path, meta, meta["data"])
 
     def clips(count: int, content: str) -> list:
         return [SimpleNamespace(resolution=(9, 32, 32), content=f"{content}{i}", image_content=None, bucket=0,
@@ -326,9 +326,9 @@ def test_resume_on_other_data_is_refused(references):
 
     with pytest.raises(ConfigError, match=re.escape(f"checkpoint {path} was trained on other data: clips per bucket "
                                                     "{'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here")):
-        ckpt.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
+        ckpt_files.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
     with pytest.raises(ConfigError, match="as many clips per bucket, but other ones"):
-        ckpt.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
+        ckpt_files.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
 
 
 def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, caplog):
@@ -344,9 +344,9 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
     saved = {"identity": identity(tiny_model)}
     moved = tmp_path / "moved"
     shutil.copytree(tiny_model, moved)
-    ckpt.check_identity(tmp_path, saved, identity(moved), resuming=True)
+    ckpt_files.check_identity(tmp_path, saved, identity(moved), resuming=True)
     assert "precision" not in caplog.text
-    ckpt.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
+    ckpt_files.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
     assert ("was trained with the base in {'model.dtype': 'fp32', 'model.storage_dtype': ''}, this run has "
             "{'model.dtype': 'bf16', 'model.storage_dtype': ''}: training continues in this run's precision") in caplog.text
 
@@ -361,7 +361,7 @@ def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
         for name in (".metadata", "meta.json"):
             (tmp_path / f"checkpoint-{step}" / name).write_text("")
     checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path),
-                                    parallel.Dist(0, 1, 0, torch.device("cpu")), {"training_type": "lora"}, {})
+                                    ranks.Dist(0, 1, 0, torch.device("cpu")), {"training_type": "lora"}, {})
     with ckpt_files.exporting(tmp_path / "checkpoint-2"):
         checkpoints._rotate(ckpt_files.complete_checkpoints(tmp_path))
         assert [p.name for p in ckpt_files.checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-6"]
@@ -495,7 +495,7 @@ def test_save_views_follow_the_live_tensors(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters())
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
-    one = parallel.Dist(0, 1, 0, torch.device("cpu"))
+    one = ranks.Dist(0, 1, 0, torch.device("cpu"))
     checkpoints, reference = (ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"}, {})
                               for _ in range(2))
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import data
-import parallel
+import ranks
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from model import build_model
 from model_adapter import load_adapter
@@ -89,7 +89,7 @@ def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
     cfg = load_config(str(write_toml(tmp_path / "c.toml", {**base_settings, "run.output_dir": str(tmp_path)})))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         adapter, cache, clips, _ = prepare_run(cfg, d)
         model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
         batch_ids = data.Sampler([c.bucket for c in clips], 4, cfg.run.seed).next_batch()
@@ -266,7 +266,7 @@ def test_ddp_broadcasts_no_buffer_at_each_forward(tiny_model, monkeypatch):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         ours = build_model(adapter, TrainConfig(), LoraConfig(), ParallelConfig(strategy="ddp"), 0,
-                           parallel.Dist(0, 2, 0, cpu))
+                           ranks.Dist(0, 2, 0, cpu))
         for name, model in (("ours", ours), ("default", DistributedDataParallel(ours.module))):
             broadcasts.clear()
             for _ in range(2):

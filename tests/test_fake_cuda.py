@@ -35,6 +35,7 @@ import cache_files
 import data
 import lora
 import parallel
+import ranks
 import weights
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from model import build_frozen, build_model
@@ -211,7 +212,7 @@ def on_a_fake_cuda_mesh(monkeypatch, path: str, build) -> tuple[torch.nn.Module,
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), HostWaits() as copies:
             adapter = load_adapter(ModelConfig(path=path, dtype="bf16"), CUDA)
-            model = build(adapter, parallel.Dist(0, 2, 0, CUDA))
+            model = build(adapter, ranks.Dist(0, 2, 0, CUDA))
             devices = {name: p.to_local().device.type for name, p in model.named_parameters()}
     finally:
         dist.destroy_process_group()

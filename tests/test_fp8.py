@@ -14,10 +14,10 @@ from diffusers import CogVideoXPipeline
 from safetensors.torch import load_file, save_file
 
 import lora
-import parallel
+import ranks
+import render
 import storage
 import trainer
-import validate
 from config import ConfigError, ModelConfig, load_config
 from model_adapter import load_adapter
 
@@ -141,7 +141,7 @@ def test_sft_with_fp8_storage_stops_before_any_work(write_config):
 @pytest.fixture
 def one_process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     dist.destroy_process_group()
 
 
@@ -176,7 +176,7 @@ def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(bas
     pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
     pipe.load_lora_weights(str(exported))
     adapter = load_adapter(configs["plain"].model, torch.device("cpu"))
-    ours = validate.load_model(configs["plain"], adapter, one_process_group, None, str(exported))
+    ours = render.load_model(configs["plain"], adapter, one_process_group, None, str(exported))
     base = transformer_output(adapter, adapter.load_transformer())
     theirs = transformer_output(adapter, pipe.transformer)
     torch.testing.assert_close(theirs, transformer_output(adapter, ours.eval()), rtol=0, atol=1e-5)

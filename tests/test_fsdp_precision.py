@@ -15,14 +15,14 @@ WORKER = r'''
 import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import command, data, parallel
+import command, data, ranks
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from model import build_model
 from model_adapter import load_adapter
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-d = parallel.Dist(rank, 2, rank, torch.device("cpu"))
+d = ranks.Dist(rank, 2, rank, torch.device("cpu"))
 train = TrainConfig(mixed_precision="bf16", gradient_checkpointing=False)
 lora = LoraConfig(rank=4, lora_alpha=2)
 report = {}

@@ -20,17 +20,19 @@ import cache
 import cache_files
 import data
 import faults
-import parallel
+import ranks
 import trainer
 from config import RunConfig, load_config
 from families.cogvideox import CogVideoXAdapter
 
 # Host reads allowed on a step that does not log, keyed by (root module, function), with the reason.
 ALLOWED = {
-    ("parallel.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
+    ("ranks.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
                                            "earlier, so reading it waits neither for the device nor for a peer",
 }
-STEPS = 6  # steps 2..5 are counted: step 1 sets up lazily, step 6 is the last (log, save, export)
+# Counted: from step 2's first loss to step 6's, so steps 2..5's backward passes, updates and boundaries:
+# step 1 sets up lazily, step 6 is the last (log, save, export).
+STEPS = 6
 VARIANTS = {
     # accumulation, EMA and a NaN loss (a skipped update) inside the counted steps
     "one_process": {"train.gradient_accumulation_steps": 2, "train.ema_decay": 0.9},
@@ -66,8 +68,8 @@ class HostReads(TorchDispatchMode):
 
 
 def run_counting(write_config, monkeypatch, variant: str, device: torch.device, on_window, **family):
-    """Train STEPS steps in this process, calling on_window(True) after step 1 and on_window(False)
-    after step STEPS - 1 (the fault hook marks the step boundaries)."""
+    """Train STEPS steps in this process, calling on_window(True) at step 2's first loss and
+    on_window(False) at step STEPS's (the loop's fault hook, faults.on_loss, marks the steps)."""
     settings = {"train.steps": STEPS, "train.log_every": 100, "checkpoint.checkpointing_steps": 100,
                 "validation.do_validation": False, **VARIANTS[variant], **family}
     cfg = load_config(str(write_config(variant, **settings)))
@@ -75,15 +77,15 @@ def run_counting(write_config, monkeypatch, variant: str, device: torch.device, 
     original = faults.fault
 
     def fault(point, count):
-        if point == "step" and count in (1, STEPS - 1):
-            on_window(count == 1)
+        if point == "step" and count in (2, STEPS):
+            on_window(count == 2)
         original(point, count)
 
     monkeypatch.setattr(faults, "fault", fault)
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        trainer.train(cfg, parallel.Dist(0, 1, 0, device))
+        trainer.train(cfg, ranks.Dist(0, 1, 0, device))
     finally:
         dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """The import rule of docs/design.md, and the tests' own, read from the source.
 
-docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> config, no
+docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> ranks -> config, no
 cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in families/
 (and tools/). And the tests' own: no test module imports another (shared helpers and fixtures live
 in conftest.py), and the fast subset reaches every module but the demo's."""
@@ -12,12 +12,13 @@ from conftest import REPO
 
 FAMILIES = {"cogvideox": "cogvideo", "wan": "wan", "ltx2": "ltx2"}  # families/<name>.py, and the word in its classes' names
 LAYERS = {
-    "trainer": 3,
-    **dict.fromkeys(["ckpt", "validate", "cache", "export"], 2),
+    **dict.fromkeys(["trainer", "render"], 4),
+    **dict.fromkeys(["ckpt", "validate", "cache", "export"], 3),
     **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
                      "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "weights",
                      "activations", "storage", "sound_decoder", "transformer_loading",
-                     "families.wan_vace", *(f"families.{family}" for family in FAMILIES)], 1),
+                     "families.wan_vace", *(f"families.{family}" for family in FAMILIES)], 2),
+    "ranks": 1,  # the process group and agreement: below parallel.py, which spreads the model over it
     "config": 0,
 }
 
@@ -27,10 +28,18 @@ def modules() -> dict:
     return {p.stem: p for p in REPO.glob("*.py")} | {f"families.{p.stem}": p for p in REPO.glob("families/*.py")}
 
 
+def is_main_block(node) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+
+
 def our_imports(path) -> set[str]:
-    """Our modules that `path` imports anywhere in it (function-local imports included)."""
+    """Our modules that `path` imports anywhere in it (function-local imports included), but in its
+    `if __name__ == "__main__":` block: run as a script, a job module is an entry point (validate.py
+    is the render command's documented name)."""
+    tree = ast.parse(path.read_text())
+    tree.body = [node for node in tree.body if not is_main_block(node)]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names} | {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -49,6 +58,12 @@ def test_imports_go_one_way():
     upward = [(m, i) for m, imports in graph.items() for i in imports if LAYERS[i] > LAYERS[m]]
     assert upward == []
     assert [m for m, imports in graph.items() if "trainer" in imports] == []
+
+
+def test_validation_reads_no_checkpoint():
+    """validate.py samples and measures what it is handed (the trainer's model): reading checkpoints and
+    LoRA files to render is the render command's (render.py), so validate.py imports no other job."""
+    assert import_graph()["validate"] & {"ckpt", "ckpt_files", "cache", "export", "command"} == set()
 
 
 def test_no_import_cycles():

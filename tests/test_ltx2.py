@@ -21,14 +21,15 @@ from safetensors.torch import load_file
 import data
 import export
 import lora
+import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import LTX2_PROMPTS as PROMPTS
 from conftest import (PIPELINE_GUIDANCE, assert_loads_lean, lora_and_sft_runs, ltx2_settings, ltx_core_cross_modulation,
                       one_rank_group, pipeline_guidance, prepare_run, run_cmd, run_ok, train_losses, write_toml)
-from families.ltx2 import TEXT_LENGTH
+from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream
 from model_adapter import RunSettings, check_config, load_adapter
-from parallel import StopRun
+from ranks import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 
 # variant: (model.type, pipeline)
@@ -164,7 +165,8 @@ def transformer_output(transformer, adapter):
     embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
     t = torch.tensor([10.0, 900.0])
     with torch.no_grad():
-        return torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, t, t, t, embeds, (2, 4, 4), 9)], 1)
+        outputs = adapter._predict(transformer, VideoStream(video, t, t, (2, 4, 4)), AudioStream(audio, t, 9), embeds)
+        return torch.cat([x.flatten(1) for x in outputs], 1)
 
 
 @pytest.mark.slow
@@ -202,7 +204,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     with one_rank_group() as d, modulation(pipe.transformer):
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         for source in (None, lora_file):
-            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
             ours = [renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext()) for i in range(len(PROMPTS))]
             if source:
                 pipe.load_lora_weights(str(source))
@@ -226,7 +228,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
         torch.testing.assert_close(transformer_output(pipe.transformer, adapter), ours, rtol=0, atol=1e-5)
 
         sft_cfg = load_config(str(tmp_path / "sft.toml"))
-        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+        ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = LTX2VideoTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
     torch.testing.assert_close(transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5)
 
@@ -345,7 +347,7 @@ def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
     cfg = load_config(str(configs["reference"]))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
-        model = validate.load_model(cfg, adapter, d, None, str(lora_file)).eval()
+        model = render.load_model(cfg, adapter, d, None, str(lora_file)).eval()
     pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
     pipe.load_lora_weights(str(lora_file))
     torch.testing.assert_close(transformer_output(pipe.transformer, adapter), transformer_output(model, adapter),

@@ -25,6 +25,7 @@ import data
 import decode
 import lora
 import trainer
+import render
 import validate
 from config import ModelConfig, load_config
 from conftest import LTX2_PROMPTS as PROMPTS
@@ -32,7 +33,7 @@ from conftest import (PIPELINE_GUIDANCE, ltx2_settings, one_rank_group, pipeline
                       run_ok, write_toml)
 from families.ltx2 import TEXT_LENGTH
 from model_adapter import RunSettings, load_adapter
-from parallel import StopRun
+from ranks import StopRun
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 STEPS = 40
@@ -179,7 +180,7 @@ def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, 
             pipe.load_lora_weights(str(trained))
         with one_rank_group() as d:
             renderer = validate.ClipRenderer(adapter, v, cfg.data, str(tmp_path), d)
-            model = validate.load_model(cfg, adapter, d, None, str(trained) if trained else None).eval()
+            model = render.load_model(cfg, adapter, d, None, str(trained) if trained else None).eval()
             _, ours = renderer.clip(model, 0, adapter.sampler(""), contextlib.nullcontext())
         theirs = pipe(prompt=PROMPTS[0], negative_prompt=v.negative_prompt, num_frames=9, height=32, width=32,
                       num_inference_steps=v.num_inference_steps, **pipeline_guidance(v),

@@ -34,7 +34,7 @@ import data
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
-from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
+from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
 from model_adapter import load_adapter
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
@@ -398,7 +398,10 @@ def in_context_output(transformer, adapter):
             [
                 x.flatten(1)
                 for x in adapter._predict(
-                    transformer, video, audio, video_t, t, t, embeds, (2, 4, 4), 9, reference=True
+                    transformer,
+                    VideoStream(video, video_t, t, (2, 4, 4), reference=True),
+                    AudioStream(audio, t, 9),
+                    embeds,
                 )
             ],
             1,

@@ -15,9 +15,9 @@ import data
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from conftest import decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group, prepare_run, write_toml
-from families.ltx2 import TEXT_LENGTH, shifted_logit_normal
+from families.ltx2 import FRAME_RATE, TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
 from model_adapter import RunSettings, load_adapter
-from parallel import StopRun
+from ranks import StopRun
 
 
 def ltx_trainer_sigma(seq_length: int, generator: torch.Generator) -> torch.Tensor:
@@ -79,8 +79,8 @@ def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):
 
     with torch.no_grad():
         for video_t, audio_t in ((sigma, audio_sigma), (image_t, audio_sigma), (image_t, sigma), (sigma, sigma)):
-            ours = torch.cat([x.flatten(1) for x in adapter._predict(transformer, video, audio, video_t, sigma,
-                                                                      audio_t, embeds, (2, 4, 4), 9)], 1)
+            ours = torch.cat([x.flatten(1) for x in adapter._predict(
+                transformer, VideoStream(video, video_t, sigma, (2, 4, 4)), AudioStream(audio, audio_t, 9), embeds)], 1)
             with ltx_core_cross_modulation(transformer):
                 theirs = diffusers_call(video_t, sigma, audio_t)
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)

@@ -94,6 +94,7 @@ import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import sequence
 from config import ModelConfig
+from families.ltx2 import AudioStream, VideoStream
 from model_adapter import load_adapter
 
 dist.init_process_group("gloo")
@@ -215,8 +216,10 @@ for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", Fal
         results.append((loss.detach(), parts, grads))
         if adapter.transformer_config["perturbed_attn"]:  # validation's STG forward (LTX-2.3), as guide runs it
             c, g = adapter.transformer_config, torch.Generator().manual_seed(6)
-            inputs = (torch.randn(1, 27, c["in_channels"], generator=g), torch.randn(1, 5, c["audio_in_channels"], generator=g),
-                      *[torch.tensor([700.0])] * 3, batch["prompt_embeds"][:1], (3, 3, 3), 5)
+            t = torch.tensor([700.0])
+            inputs = (VideoStream(torch.randn(1, 27, c["in_channels"], generator=g), t, t, (3, 3, 3)),
+                      AudioStream(torch.randn(1, 5, c["audio_in_channels"], generator=g), t, 5),
+                      batch["prompt_embeds"][:1])
             with torch.no_grad():
                 stg.append([torch.cat([x.flatten() for x in adapter._predict(model, *inputs, stg_blocks=blocks)])
                             for blocks in ([0, 1], None)])

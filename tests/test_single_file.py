@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import data
 import parallel
+import ranks
 import storage
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from conftest import comfyui_linears, one_rank_group, write_toml
@@ -315,7 +316,7 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
     cfg = load_config(str(write_toml(tmp_path / "cut.toml", {
         **base_settings, "run.output_dir": str(tmp_path / "run"), "data.cache_dir": str(tmp_path / "cache"),
         "model.transformer_file": str(tmp_path / "2b-cut.safetensors")})))
-    with one_rank_group() as d, pytest.raises(parallel.StopRun, match=f"{tmp_path / '2b-cut.safetensors'} is truncated:"):
+    with one_rank_group() as d, pytest.raises(ranks.StopRun, match=f"{tmp_path / '2b-cut.safetensors'} is truncated:"):
         setup_adapter(cfg, d)
     assert not (tmp_path / "cache").exists()
 

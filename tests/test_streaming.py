@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import activations
 import parallel
+import ranks
 import trainer
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from model import build_model
@@ -112,7 +113,7 @@ def test_validation_clips_equal_the_plain_runs(runs):
 def test_stopped_streaming_run_resumes_bitwise(runs, settings, monkeypatch):
     """A stopped streaming run resumes bitwise.
 
-    Stopped by an error after step 3, in this process: what a kill leaves on disk (checkpoint-2,
+    Stopped by an error at step 3, in this process: what a kill leaves on disk (checkpoint-2,
     nothing after it; tests/test_ckpt.py kills with SIGKILL), at a fraction of a new process's cost.
     """
     config, out = settings("stopped", "one_block")
@@ -136,7 +137,7 @@ def test_what_lives_on_the_host_and_what_prefetches(tiny_model, offload_blocks):
     never; every unit prefetches the next block's copy as it starts, the root block 0's."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         adapter = load_adapter(ModelConfig(path=str(tiny_model), dtype="fp32"), d.device)
         model = build_model(adapter, TrainConfig(mixed_precision="no"), LoraConfig(rank=4),
                             ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=offload_blocks), 0, d)
@@ -180,14 +181,14 @@ def test_more_blocks_than_the_model_has_stop_before_the_cache_pass(settings, cap
 def test_allocator_settings_keep_the_users_keys():
     """Our allocator settings keep the keys the user set.
 
-    What parallel.init hands torch's allocators on a GPU, whatever launched the run: ours
+    What ranks.init hands torch's allocators on a GPU, whatever launched the run: ours
     (expandable segments; pinned host memory above 16 MiB at its exact size and not cached) after
     the user's own PYTORCH_ALLOC_CONF, but for the keys the user named (the two pinned ones
     together: a block left unrounded but cached would be handed out for a larger request of its
     power of two)."""
     ours = "expandable_segments:True,pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16"
-    assert parallel.allocator_settings("") == ours
+    assert ranks.allocator_settings("") == ours
     user = "roundup_power2_divisions:[256:1,>:2],max_split_size_mb:64"
-    assert parallel.allocator_settings(user) == f"{user},{ours}"
+    assert ranks.allocator_settings(user) == f"{user},{ours}"
     user = "expandable_segments:False,pinned_max_cached_size_mb:64"
-    assert parallel.allocator_settings(user) == user
+    assert ranks.allocator_settings(user) == user

@@ -2,6 +2,8 @@
 
 Learning, determinism, the export, and errors before any compute."""
 
+import ast
+import inspect
 import shutil
 
 import av
@@ -10,7 +12,9 @@ import torch
 from conftest import read_metrics, run_cmd, run_ok, train_losses, write_toml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import faults
 import lora
+import trainer
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 
@@ -229,3 +233,41 @@ def test_a_weight_no_batch_reached_steps_on_a_zero_gradient():
         trainer.clip_and_step(params, optimizer, scaler, t, state, step, loss.detach(), zero_missing=True)
     assert not torch.equal(model["audio"].weight, before)  # moved by momentum and decay alone
     assert optimizer.state[model["audio"].weight]["step"] == 2  # stepped twice, as FSDP steps it
+
+
+def test_the_loop_has_one_fault_hook(monkeypatch):
+    """trainer.py's loop reaches faults.py through on_loss alone. nan_loss makes that step's loss NaN;
+    overflow keeps the loss's value and starts its backward from 1e30 times the gradient, as autograd's
+    backward from the loss times 1e30 does; a step fault fires at the step's first micro-step only."""
+    loop = ast.parse(inspect.getsource(trainer.train))
+    calls = [ast.unparse(node.func) for node in ast.walk(loop) if isinstance(node, ast.Call)
+             and ast.unparse(node.func).startswith("faults.")]
+    assert calls == ["faults.on_loss"]
+    monkeypatch.setattr(faults, "_step_seen", 0)
+    monkeypatch.setenv(faults.FAULT_ENV, "nan_loss:2,overflow:3,step_fail:4")
+    weight = torch.tensor([0.5, -2.0], requires_grad=True)
+
+    def loss_and_grad(step):
+        loss = faults.on_loss((weight**3).sum(), step)
+        (grad,) = torch.autograd.grad(loss, weight)
+        return loss.detach(), grad
+
+    plain_loss, plain_grad = loss_and_grad(1)
+    assert torch.equal(plain_loss, (weight**3).sum().detach())
+    nan_loss, nan_grad = loss_and_grad(2)
+    assert nan_loss.isnan() and nan_grad.isnan().all()
+    overflow_loss, overflow_grad = loss_and_grad(3)
+    (expected,) = torch.autograd.grad((weight**3).sum() * 1e30, weight)
+    assert torch.equal(overflow_loss, plain_loss) and torch.equal(overflow_grad, expected)
+    with pytest.raises(OSError, match="injected fault step_fail at 4"):
+        loss_and_grad(4)
+    assert torch.equal(loss_and_grad(4)[1], plain_grad)  # the step's next micro-step: fired already
+
+
+def test_validation_is_a_closure_over_the_run():
+    """train() validates through a closure over what a run does not change (model, cache, EMA, renderer,
+    metrics): its one parameter is the step, and no module-level function takes the eleven."""
+    assert not hasattr(trainer, "run_validation")
+    closures = [node for node in ast.walk(ast.parse(inspect.getsource(trainer.train)))
+                if isinstance(node, ast.FunctionDef) and node.name == "run_validation"]
+    assert [[arg.arg for arg in node.args.args] for node in closures] == [["step"]]

@@ -21,8 +21,9 @@ import cache
 import ckpt_files
 import data
 import lora
-import parallel
+import ranks
 import trainer
+import render
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from model_adapter import load_adapter
@@ -71,7 +72,7 @@ def frames_of(path) -> torch.Tensor:
 def one_process_group():
     """validate's rendering gathers to rank 0: a one-rank group, as trainer.py makes without torchrun."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield parallel.Dist(0, 1, 0, torch.device("cpu"))
+    yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     dist.destroy_process_group()
 
 
@@ -136,7 +137,7 @@ def clip_of(output_dir, name: str) -> torch.Tensor:
 
 
 def render_of(output_dir, name: str):
-    """The one render named {name}_{hash}.mp4 (validate.render_names)."""
+    """The one render named {name}_{hash}.mp4 (render.render_names)."""
     [path] = (output_dir / "validation_res").glob(f"{name}_????????.mp4")
     return path
 
@@ -160,14 +161,14 @@ def test_fsdp_clips_equal_one_process(runs):
 def test_render_command_reproduces_training_clips(runs):
     """The render command reproduces the training clips.
 
-    `validate.py --checkpoint` renders the training clip exactly (with the EMA weights, as
+    `validate.py --checkpoint` (render.py's command) renders the training clip exactly (with the EMA weights, as
     validation does); `--online` and the exported LoRA, in one process or on 2 FSDP ranks, render
     the online weights."""
     out, cfg = runs / "one", str(runs / "one.toml")
     lora_file = out / "lora" / "pytorch_lora_weights.safetensors"
-    for extra in ([], ["--online"]):
+    for extra, script in (([], "validate.py"), (["--online"], "render.py")):  # one command, two names
         run_ok(["--cfg", cfg, "--checkpoint", str(out / "checkpoint-4"), "--prompt", PROMPTS[0], *extra],
-               script="validate.py")
+               script=script)
     training = clip_of(out, "step_4_prompt_0")
     assert torch.equal(frames_of(render_of(out, "render_checkpoint-4_prompt_0")), training)
     online = frames_of(render_of(out, "render_checkpoint-4_online_prompt_0"))
@@ -263,7 +264,7 @@ def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process
     lora_file = runs / "one" / "lora" / "pytorch_lora_weights.safetensors"
     results = {}
     for source in (None, lora_file):
-        model = validate.load_model(run_cfg, adapter, one_process_group, None, source)
+        model = render.load_model(run_cfg, adapter, one_process_group, None, source)
         with adapter.sampling_attention(model):
             ours = [renderer.frames(model, i, adapter.sampler(scheduler), contextlib.nullcontext())
                     for i in range(len(cfg.prompts))]
@@ -349,7 +350,7 @@ def test_config_errors(tiny_model, adapter, one_process_group, tmp_path):
         load_config(None, i2v)
     off = load_config(None, [*i2v, "--validation.do_validation", "false"])  # no clips in training: no images needed
     with pytest.raises(ConfigError, match="validation.images has 0 for 1 validation.prompts"):  # but to render
-        validate.render_command(off, [], [], None, None, False, one_process_group)
+        render.render_command(off, [], [], None, None, False, one_process_group)
     with pytest.raises(ConfigError, match=r"validation.gen_fps must be 0 \(the family's published rate\) or positive"):
         load_config(None, [*required, "--validation.gen_fps", "-1"])
     with pytest.raises(ConfigError, match="validation.scheduler"):
@@ -418,7 +419,7 @@ def test_clips_come_from_data_parallel_leaders_only(monkeypatch):
     renderer = object.__new__(validate.ClipRenderer)
     gathered = {}
     for rank in [*range(1, world), 0]:
-        renderer.d = parallel.Dist(rank, world, rank, torch.device("cpu"), sp)
+        renderer.d = ranks.Dist(rank, world, rank, torch.device("cpu"), sp)
         gathered[rank] = renderer._collect(clips[rank])
     assert sorted(sent) == [2, 4], "the ranks that sent their clip"
     assert received == [2, 4] and all(not unreceived for unreceived in sent.values())

@@ -19,6 +19,7 @@ import cache
 import data
 import export
 import lora
+import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from conftest import (assert_loads_lean, comfyui_linears, lora_and_sft_runs, one_rank_group, read_metrics, run_cmd, run_ok,
@@ -107,7 +108,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         first_inputs = {}
         for source in (None, lora_file):
-            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None)
+            model = render.load_model(cfg, adapter, d, None, str(source) if source else None)
             ours, seen = [], []
             hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"]), with_kwargs=True)
             with adapter.sampling_attention(model):
@@ -134,12 +135,12 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, tiny_models
         trained, _ = lora.load_lora(str(lora_file))
         init_from = dataclasses.replace(cfg.lora, init_from=str(comfy_file))
         for model in (build_model(adapter, cfg.train, init_from, cfg.parallel, 0, d),
-                      validate.load_model(cfg, adapter, d, None, str(comfy_file))):
+                      render.load_model(cfg, adapter, d, None, str(comfy_file))):
             weights = lora.lora_state_dict(model)
             assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in trained)
 
         sft_cfg = load_config(str(tmp_path / "sft.toml"))
-        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+        ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = CogVideoXTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
     config = adapter.transformer_config
     frames = 4 if config["patch_size_t"] else 3  # 5b-I2V's learned positions: exactly 3 latent frames
@@ -217,7 +218,7 @@ def test_i2v_15_full_lifecycle(tiny_models, base_settings, images, tmp_path):
     pipe = CogVideoXImageToVideoPipeline.from_pretrained(str(tiny_models("1.5-5b-i2v")))
     pipe.load_lora_weights(str(tmp_path / "reference" / lora_file))
     with one_rank_group() as d:
-        model = validate.load_model(cfg, adapter, d, None, str(tmp_path / "reference" / lora_file)).eval()
+        model = render.load_model(cfg, adapter, d, None, str(tmp_path / "reference" / lora_file)).eval()
     gen = torch.Generator().manual_seed(0)
     x_t, embeds = torch.randn(2, 4, 8, 8, 8, generator=gen), torch.randn(2, adapter.text_length, 32, generator=gen)
     rotary = adapter.rotary_embeddings(4, 8, 8)

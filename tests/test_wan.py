@@ -22,12 +22,13 @@ import data
 import decode
 import lora
 import trainer
+import render
 import validate
 from config import ConfigError, DataConfig, ModelConfig, load_config
 from conftest import (assert_loads_lean, one_rank_group, picked_frames, prepare_run, ramp_clip, read_metrics,
                       run_cmd, run_ok, train_losses, write_toml)
 from model_adapter import RunSettings, load_adapter
-from parallel import StopRun
+from ranks import StopRun
 
 WAN21 = {"added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
          "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "qk_norm",
@@ -198,7 +199,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models,
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d,
                                          lambda folder: frozen.setdefault(folder, adapter.load_transformer(folder=folder).eval()))
         for source in (None, lora_file):
-            model = validate.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
             denoisers = renderer.denoisers(model)
             calls = []
             hooks = [module.register_forward_pre_hook(
@@ -221,7 +222,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, wan_models,
             assert {folder for folder, _ in calls} == {"transformer", "transformer_2"}
 
         sft_cfg = load_config(str(tmp_path / "sft.toml"))
-        ours = validate.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+        ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = WanTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
     config = adapter.transformer_config
     gen = torch.Generator().manual_seed(0)
@@ -316,7 +317,7 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
         assert pixels.shape == (32, 64, 3) and (pixels - expected).abs().mean() < 4
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
-        model = validate.load_model(cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")).eval()
+        model = render.load_model(cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")).eval()
     pipe = VARIANTS[variant][3].from_pretrained(str(wan_models(variant)))
     pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
     gen = torch.Generator().manual_seed(0)
@@ -435,7 +436,7 @@ def test_validate_renders_between_the_images(wan_models, base_settings, tiny_dat
                             **{"validation.num_inference_steps": 2, "validation.last_images": []})
     config = str(write_toml(tmp_path / "c.toml", settings))
     first, last = str(tiny_data / "images" / "00000.png"), str(tiny_data / "last_images" / "00000.png")
-    validate.main(["--cfg", config, "--prompt", "a square", "--image", first, "--last-image", last])
+    render.main(["--cfg", config, "--prompt", "a square", "--image", first, "--last-image", last])
     assert len(list((tmp_path / "out" / "validation_res").glob("render_base_prompt_0_*.mp4"))) == 1
     i2v = wan_settings("i2v", wan_models, base_settings, tiny_data, tmp_path / "i2v",
                        **{"validation.num_inference_steps": 2})
@@ -446,5 +447,5 @@ def test_validate_renders_between_the_images(wan_models, base_settings, tiny_dat
     for message, arguments in refusals.items():
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="vidtrain"), pytest.raises(SystemExit):
-            validate.main(["--cfg", arguments[0], "--prompt", "a square", "--image", first, *arguments[1:]])
+            render.main(["--cfg", arguments[0], "--prompt", "a square", "--image", first, *arguments[1:]])
         assert message in caplog.text

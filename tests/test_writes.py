@@ -23,7 +23,8 @@ import command
 import data
 import faults
 import lora
-import parallel
+import ranks
+import render
 import validate
 from config import CheckpointConfig, ConfigError, DataConfig, load_config
 
@@ -102,26 +103,26 @@ def test_render_names(base_settings, tmp_path):
     cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))
     cfg.validation.images = [str(p) for p in images]  # as validate.py's --image sets them (i2v)
     run = str(tmp_path / "checkpoint-4")
-    names = validate.render_names(cfg, run, None, False)
+    names = render.render_names(cfg, run, None, False)
     assert all(re.fullmatch(rf"render_checkpoint-4_prompt_{i}_[0-9a-f]{{8}}", n) for i, n in enumerate(names))
-    assert validate.render_names(cfg, run, None, False) == names
+    assert render.render_names(cfg, run, None, False) == names
 
     def changed(new_names):
         return [a != b for a, b in zip(names, new_names)]
 
-    online = validate.render_names(cfg, run, None, True)
+    online = render.render_names(cfg, run, None, True)
     assert changed(online) == [True, True] and online[0].startswith("render_checkpoint-4_online_prompt_0_")
-    assert changed(validate.render_names(cfg, str(tmp_path / "other" / "checkpoint-4"), None, False)) == [True, True]
+    assert changed(render.render_names(cfg, str(tmp_path / "other" / "checkpoint-4"), None, False)) == [True, True]
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
     lora_file.write_bytes(b"0")
-    assert validate.render_names(cfg, None, str(lora_file), False)[0].startswith("render_pytorch_lora_weights_prompt_0_")
+    assert render.render_names(cfg, None, str(lora_file), False)[0].startswith("render_pytorch_lora_weights_prompt_0_")
     images[1].write_bytes(images[0].read_bytes())
-    assert changed(validate.render_names(cfg, run, None, False)) == [False, True]
-    names = validate.render_names(cfg, run, None, False)
+    assert changed(render.render_names(cfg, run, None, False)) == [False, True]
+    names = render.render_names(cfg, run, None, False)
     cfg.validation.prompts = ["c", "b"]
-    assert changed(validate.render_names(cfg, run, None, False)) == [True, False]
+    assert changed(render.render_names(cfg, run, None, False)) == [True, False]
     cfg.validation.num_inference_steps += 1
-    assert changed(validate.render_names(cfg, run, None, False)) == [True, True]
+    assert changed(render.render_names(cfg, run, None, False)) == [True, True]
 
 
 def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
@@ -133,10 +134,10 @@ def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
     checkpoint.mkdir()
     (checkpoint / "__0_0.distcp").write_bytes(b"0")
     (tmp_path / "x.safetensors").write_bytes(b"0")
-    validate.check_lora_file(str(tmp_path / "x.safetensors"))
+    render.check_lora_file(str(tmp_path / "x.safetensors"))
     for given in (checkpoint / "__0_0.distcp", checkpoint):
         with pytest.raises(ConfigError) as refused:
-            validate.check_lora_file(str(given))
+            render.check_lora_file(str(given))
         assert str(refused.value) == (
             f"--lora {given} is part of the checkpoint {checkpoint}, not a LoRA file: render it with --checkpoint "
             f"{checkpoint}, or export it (python ckpt.py export --cfg FILE.toml --checkpoint {checkpoint}) and pass "
@@ -155,7 +156,7 @@ def test_async_saves_reuse_one_staged_copy(tmp_path):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
         optimizer = torch.optim.AdamW(model.parameters())
         objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
-        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         checkpoints = ckpt.Checkpointer(CheckpointConfig(async_save=True), str(tmp_path), d, {"training_type": "sft"}, {})
         staged, expected = [], []
         for step in (1, 2):
@@ -188,13 +189,13 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
     checkpoints already synced: one more than checkpointing_limit between saves, the limit after the
     last save, which waits for its own."""
     synced = []
-    fsync = ckpt.fsync_files
-    monkeypatch.setattr(ckpt, "fsync_files", lambda paths: (fsync(paths), synced.extend(paths)))
+    fsync = ckpt_files.fsync_files
+    monkeypatch.setattr(ckpt_files, "fsync_files", lambda paths: (fsync(paths), synced.extend(paths)))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Linear(4, 2)
         objects = {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
-        d = parallel.Dist(0, 1, 0, torch.device("cpu"))
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path), d, {"training_type": "sft"}, {})
         kept = []
         for step in (1, 2, 3):
