@@ -81,8 +81,14 @@ class HostActivations:
 
     def pack(self, kept: _Kept, tensor: torch.Tensor):
         self.seen = {k: ref for k, ref in self.seen.items() if not ref.expired()}
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(),
-               tensor.dtype, tensor._version)
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.shape,
+            tensor.stride(),
+            tensor.dtype,
+            tensor._version,
+        )
         if key in self.seen:
             kept.host.append(tensor)
             kept.copied.append(False)
@@ -132,8 +138,10 @@ class HostActivations:
             kept.on_device = kept.host
             return
         with torch.cuda.stream(self.stream):
-            kept.on_device = [host.to(self.device, non_blocking=True) if copied else host
-                              for host, copied in zip(kept.host, kept.copied)]
+            kept.on_device = [
+                host.to(self.device, non_blocking=True) if copied else host
+                for host, copied in zip(kept.host, kept.copied)
+            ]
             kept.ready = self.stream.record_event()
         # made on the side stream, used on the compute one
         for tensor, copied in zip(kept.on_device, kept.copied):

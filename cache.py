@@ -1,10 +1,11 @@
-"""The latent, text and audio cache, and the pass that completes it: batched, spread over ranks, resumable.
+"""The latent, text and audio cache, and the pass that completes it: batched, spread over ranks,
+resumable.
 
     python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
 
-Five kinds of entry (video, image, text, audio, control), one safetensors file each, named by a hash of what
-produced it (cache_files.py says what): an interrupted pass resumes where it was, and a fine-tuned VAE
-or T5 never reuses stale entries. manifest.py keeps the headers and hashes.
+Five kinds of entry (video, image, text, audio, control), one safetensors file each, named by a hash
+of what produced it (cache_files.py says what): an interrupted pass resumes where it was, and a
+fine-tuned VAE or T5 never reuses stale entries. manifest.py keeps the headers and hashes.
 
 Ranks agree after every round (a header chunk, or one encode batch per rank), so no collective waits
 longer than one round, far below parallel.timeout_s, and an error on one rank stops them all.
@@ -41,8 +42,16 @@ PROGRESS_EVERY_S = 30.0
 IMAGE_DIFFERENCE = 16
 
 
-def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest: Manifest, d: ranks.Dist,
-             first_last: bool = False, control: bool = False):
+def plan_all(
+    clips: list[data.Clip],
+    shapes,
+    cfg: Config,
+    cache: Cache,
+    manifest: Manifest,
+    d: ranks.Dist,
+    first_last: bool = False,
+    control: bool = False,
+):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
     check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
     same on every rank; new manifest entries are added on every rank."""
@@ -50,12 +59,14 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
     share = range(d.rank, len(clips), d.world)
     rounds = math.ceil(math.ceil(len(clips) / d.world) / HEADERS_PER_ROUND)
     for r in range(rounds):
+
         def work():
             out = []
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
                 try:
-                    video, image, last, controls, new = manifest.clip_entries(clips[i], cfg.model.type == "i2v",
-                                                                              first_last, control)
+                    video, image, last, controls, new = manifest.clip_entries(
+                        clips[i], cfg.model.type == "i2v", first_last, control
+                    )
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
@@ -64,13 +75,32 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
                     mask = controls["mask"] and (media_of(controls["mask"]), controls["mask"]["content"])
                     vace = {"mask": mask, "reference_content": controls["reference"]}
                     controls = (media_of(controls), controls["content"])
-                planned = data.plan_clip(clips[i], media_of(video), video["content"], shapes, cfg.data, cfg.run.seed,
-                                         image, last, controls, **vace)
+                planned = data.plan_clip(
+                    clips[i],
+                    media_of(video),
+                    video["content"],
+                    shapes,
+                    cfg.data,
+                    cfg.run.seed,
+                    image,
+                    last,
+                    controls,
+                    **vace,
+                )
                 missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
-                # Sent without the clip, which every rank holds: unpickling paths is most of the gather's cost.
-                out.append((i, dataclasses.replace(planned, clip=None), missing, clips[i].video.exists(),
-                            [(str(path), entry) for path, entry in new]))
+                # Sent without the clip, which every rank holds: unpickling paths is most of the
+                # gather's cost.
+                out.append(
+                    (
+                        i,
+                        dataclasses.replace(planned, clip=None),
+                        missing,
+                        clips[i].video.exists(),
+                        [(str(path), entry) for path, entry in new],
+                    )
+                )
             return out
+
         for part in ranks.agree(work, d):
             for i, planned, missing, present, new in part:
                 results[i] = (dataclasses.replace(planned, clip=clips[i]), missing, present)
@@ -83,32 +113,44 @@ def plan_all(clips: list[data.Clip], shapes, cfg: Config, cache: Cache, manifest
 def check_last_images(adapter, clips: list[data.Clip], cfg: DataConfig) -> None:
     """A first-last-frame model trains on clips with last images; another model takes none."""
     if adapter.first_last and not any(clip.last_image for clip in clips):
-        raise ConfigError(f"model.path = {adapter.path} is a first-last-frame model (Wan FLF2V), but no clip has a "
-                          "last image: set data.last_image_column to a file under data_root with each clip's last "
-                          "frame, one per line (or give metadata.jsonl / metadata.csv a last_image column)")
+        raise ConfigError(
+            f"model.path = {adapter.path} is a first-last-frame model (Wan FLF2V), but no clip has a "
+            "last image: set data.last_image_column to a file under data_root with each clip's last "
+            "frame, one per line (or give metadata.jsonl / metadata.csv a last_image column)"
+        )
     if not adapter.first_last and cfg.last_image_column:
-        raise ConfigError(f"data.last_image_column = {cfg.last_image_column} conditions first-last-frame models, and "
-                          f"model.path = {adapter.path} is not one: remove it, or train a first-last-frame model "
-                          "(Wan2.1-FLF2V-14B-720P)")
+        raise ConfigError(
+            f"data.last_image_column = {cfg.last_image_column} conditions first-last-frame models, and "
+            f"model.path = {adapter.path} is not one: remove it, or train a first-last-frame model "
+            "(Wan2.1-FLF2V-14B-720P)"
+        )
 
 
 def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip] = ()) -> None:
-    """Control videos are for a model that follows them (each clip's is checked as its header is read)."""
+    """Control videos are for a model that follows them (each clip's is checked as its header is
+    read)."""
     if not adapter.takes_control and cfg.control_column:
-        raise ConfigError(f"data.control_column = {cfg.control_column} gives control videos, and model.path = "
-                          f"{adapter.path} is not a model that follows one: remove it, or train a control model "
-                          "(docs/control.md)")
+        raise ConfigError(
+            f"data.control_column = {cfg.control_column} gives control videos, and model.path = "
+            f"{adapter.path} is not a model that follows one: remove it, or train a control model "
+            "(docs/control.md)"
+        )
     for key in ("mask_column", "reference_column"):
         if getattr(cfg, key) and not adapter.vace:
-            raise ConfigError(f"data.{key} = {getattr(cfg, key)} conditions Wan VACE models, and "
-                              f"model.path = {adapter.path} is not one: remove it, or train a VACE model "
-                              "(model.type = \"vace\")")
+            raise ConfigError(
+                f"data.{key} = {getattr(cfg, key)} conditions Wan VACE models, and "
+                f"model.path = {adapter.path} is not one: remove it, or train a VACE model "
+                '(model.type = "vace")'
+            )
     with_reference = [clip for clip in clips if clip.reference is not None]
-    if adapter.vace and 0 < len(with_reference) < len(clips):  # a batch's clips stack their references
+    # a batch's clips stack their references
+    if adapter.vace and 0 < len(with_reference) < len(clips):
         without = next(clip for clip in clips if clip.reference is None)
-        raise ConfigError(f"{without.source} line {without.line} has no reference image, but "
-                          f"{len(with_reference)} other clip(s) have one: give every clip a reference image "
-                          "(data.reference_column), or none")
+        raise ConfigError(
+            f"{without.source} line {without.line} has no reference image, but "
+            f"{len(with_reference)} other clip(s) have one: give every clip a reference image "
+            "(data.reference_column), or none"
+        )
 
 
 def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data.Problem]:
@@ -116,14 +158,18 @@ def stop_on_problems(problems: list[data.Problem], cfg: DataConfig) -> list[data
     fatal = [p for p in problems if not (cfg.short_clips == "skip" if p.kind == "short" else cfg.skip_bad)]
     if fatal:
         first = min(fatal, key=lambda p: p.clip.line)
-        fix = ("set data.short_clips = \"skip\" or \"pad\", or choose shorter buckets" if first.kind == "short"
-               else "fix or remove it, or set data.skip_bad = true to skip such clips and list them in skipped.txt")
+        fix = (
+            'set data.short_clips = "skip" or "pad", or choose shorter buckets'
+            if first.kind == "short"
+            else "fix or remove it, or set data.skip_bad = true to skip such clips and list them in skipped.txt"
+        )
         raise data.BadClip(f"{first}. {len(fatal)} clip(s) cannot be used; this is the lowest line: {fix}")
     return problems
 
 
 def batches(todo: list, size: int, world: int, same=lambda a, b: True) -> list[list[list]]:
-    """The k-th unit to rank k % world, cut into batches of `size` whose units are `same` as the first."""
+    """The k-th unit to rank k % world, cut into batches of `size` whose units are `same` as the
+    first."""
     per_rank = []
     for rank in range(world):
         mine = []
@@ -151,11 +197,13 @@ class _Held(logging.Filter):
 
 
 def held_warnings(work, mine, r):
-    """work(mine, r) with the warnings it logs (a truncated prompt of this rank's share, say) held back and
-    returned with its result: rank 0 prints every rank's, once (the others print no warnings)."""
+    """work(mine, r) with the warnings it logs (a truncated prompt of this rank's share, say) held
+    back and returned with its result: rank 0 prints every rank's, once (the others print no
+    warnings)."""
     held, level = _Held(), log.level
     log.addFilter(held)
-    log.setLevel(min(log.getEffectiveLevel(), logging.WARNING))  # command.quiet() drops them at the source
+    # command.quiet() drops them at the source
+    log.setLevel(min(log.getEffectiveLevel(), logging.WARNING))
     try:
         return *work(mine, r), held.messages
     finally:
@@ -163,9 +211,12 @@ def held_warnings(work, mine, r):
         log.setLevel(level)
 
 
-def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: ranks.Dist) -> list[data.Problem]:
-    """One batch per rank per round, then the ranks agree: counts, problems (a clip that fails to decode
-    stops the pass at once, with what was written kept, unless data.skip_bad) and stop signals."""
+def run_rounds(
+    per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: ranks.Dist
+) -> list[data.Problem]:
+    """One batch per rank per round, then the ranks agree: counts, problems (a clip that fails to
+    decode stops the pass at once, with what was written kept, unless data.skip_bad) and stop
+    signals."""
     total = sum(len(batch) for mine in per_rank for batch in mine)
     mine, rounds = per_rank[d.rank], max(len(m) for m in per_rank)
     problems, done, start = [], 0, time.perf_counter()
@@ -176,8 +227,11 @@ def run_rounds(per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: 
             for message in held if d.is_main else []:
                 log.warning("%s", message)
         stop_on_problems(problems, cfg)
-        ranks.stop_if_preempted(d, f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
-                                      "next run continues from there")
+        ranks.stop_if_preempted(
+            d,
+            f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
+            "next run continues from there",
+        )
         now = time.perf_counter()
         if now - last_log >= PROGRESS_EVERY_S or r == rounds - 1:
             rate = done / (now - start)
@@ -197,8 +251,8 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
             return 0, []
         embeds = adapter.encode_text([item.clip.prompt for item in mine[r]])
         for item, embed in zip(mine[r], embeds):
-            # Rows of zeros at the end are padding (Wan's pipeline zeroes the rows past the attention
-            # mask): not stored, load_batch puts them back.
+            # Rows of zeros at the end are padding (Wan's pipeline zeroes the rows past the
+            # attention mask): not stored, load_batch puts them back.
             kept = int(embed.abs().sum(-1).nonzero().max()) + 1
             cache.write(item, "text", {"prompt_embeds": embed[:kept]})
         return len(mine[r]), []
@@ -206,23 +260,31 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
     run_rounds(batches(list(first_of.values()), cfg.cache_batch_size, d.world), work, "prompts", cfg, d)
 
 
-def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int,
-                  d: ranks.Dist):
+def encode_videos(
+    todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int, d: ranks.Dist
+):
     """The missing video (and image, audio, control) entries, `todo` naming each clip's; returns the
     problems met while decoding.
 
     The k-th clip goes to rank k % world (sorted by bucket, so a batch shares a shape),
     cache_batch_size clips per VAE call (the sound one clip a call), one batch per rank per round,
     decoded by data.decode_workers threads per rank (PyAV releases the GIL) one batch ahead of the
-    VAE. I2V entries hold the conditioning image's posterior (data.image_column's image, whose window
-    starts at frame 0, or the window's own first frame), its noise augmentation keyed by (run.seed,
-    clip); an image far from its video's first frame is named once, on rank 0. A clip missing only
-    its audio entry (data.audio turned on, another audio VAE) decodes and encodes only its sound.
-    Control frames (data.decode_control) are encoded by adapter.encode_control, a batch's at once.
+    VAE. I2V entries hold the conditioning image's posterior (data.image_column's image, whose
+    window starts at frame 0, or the window's own first frame), its noise augmentation keyed by
+    (run.seed, clip); an image far from its video's first frame is named once, on rank 0. A clip
+    missing only its audio entry (data.audio turned on, another audio VAE) decodes and encodes only
+    its sound. Control frames (data.decode_control) are encoded by adapter.encode_control, a batch's
+    at once.
     """
-    per_rank = batches(sorted(todo, key=lambda item: item.bucket), cfg.cache_batch_size, d.world,
-                       lambda a, b: a.bucket == b.bucket)
-    workers = cfg.decode_workers or min(8, max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    per_rank = batches(
+        sorted(todo, key=lambda item: item.bucket),
+        cfg.cache_batch_size,
+        d.world,
+        lambda a, b: a.bucket == b.bucket,
+    )
+    workers = cfg.decode_workers or min(
+        8, max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    )
     # Decoder threads per clip: the cores not already taken by workers (cores ~ workers x threads).
     threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // workers)
     with ThreadPoolExecutor(workers) as pool:
@@ -231,16 +293,22 @@ def encode_videos(todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: D
     far = sorted(f for part in ranks.agree(lambda: encoding.far, d) for f in part)
     read, sounding = (sum(counts) for counts in zip(*ranks.agree(lambda: encoding.heard, d)))
     if read and not sounding and d.is_main:
-        log.warning(f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
-                    "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
-                    "false)")
+        log.warning(
+            f"data.audio is on, but none of the {read} clip(s) whose sound this pass read has an "
+            "audio stream: the run trains video alone (add clips with sound, or set data.audio = "
+            "false)"
+        )
     if far and d.is_main:
-        named = "; ".join(name for _, name in far[:5]) + (f"; and {len(far) - 5} more" if len(far) > 5 else "")
-        log.warning(f"{len(far)} clip(s) have an image (data.image_column) that differs from their video's first "
-                    f"frame by more than {IMAGE_DIFFERENCE} of 255 (mean absolute difference, resized and cropped "
-                    f"alike): {named}. Training starts each such clip's window at frame 0 and conditions on the "
-                    "image: give each clip its own first frame, or clear data.image_column to condition on the "
-                    "window's first frame")
+        named = "; ".join(name for _, name in far[:5]) + (
+            f"; and {len(far) - 5} more" if len(far) > 5 else ""
+        )
+        log.warning(
+            f"{len(far)} clip(s) have an image (data.image_column) that differs from their video's first "
+            f"frame by more than {IMAGE_DIFFERENCE} of 255 (mean absolute difference, resized and cropped "
+            f"alike): {named}. Training starts each such clip's window at frame 0 and conditions on the "
+            "image: give each clip its own first frame, or clear data.image_column to condition on the "
+            "window's first frame"
+        )
     return problems
 
 
@@ -249,8 +317,15 @@ class VideoEncoding:
     decodes in the pool, and what the ranks compare at the end (images far from their video's first
     frame, clips with sound)."""
 
-    def __init__(self, todo: dict[data.Item, set[str]], adapter, cache: Cache, seed: int,
-                 threads: int, pool: ThreadPoolExecutor):
+    def __init__(
+        self,
+        todo: dict[data.Item, set[str]],
+        adapter,
+        cache: Cache,
+        seed: int,
+        threads: int,
+        pool: ThreadPoolExecutor,
+    ):
         self.todo, self.adapter, self.cache, self.seed = todo, adapter, cache, seed
         self.threads, self.pool = threads, pool  # decoder threads per clip; the decoding workers
         self.pending = {}  # item -> the future of its decoding, submitted a batch ahead
@@ -259,15 +334,20 @@ class VideoEncoding:
         self.heard = [0, 0]  # clips whose sound this rank read, and those that had any
 
     def decoded(self, item: data.Item):
-        """(video, (first image, last image), the image's distance from the first frame, sound, control)."""
+        """(video, (first image, last image), the image's distance from the first frame, sound,
+        control)."""
         audio = control = None
         if "audio" in self.todo[item]:
             audio = data.decode_audio(item, self.adapter.audio_sample_rate, self.adapter.audio_channels)
         if "control" in self.todo[item]:
             control = data.decode_control(item, self.threads)
-            if self.adapter.vace:  # Wan VACE: the clip's mask and reference image are encoded with its control
-                control = (control, data.decode_mask(item, self.threads) if item.mask_content else None,
-                           data.load_reference(item) if item.reference_content else None)
+            # Wan VACE: the clip's mask and reference image are encoded with its control
+            if self.adapter.vace:
+                control = (
+                    control,
+                    data.decode_mask(item, self.threads) if item.mask_content else None,
+                    data.load_reference(item) if item.reference_content else None,
+                )
         if not self.todo[item] & {"video", "image"}:
             return None, None, 0.0, audio, control
         video = data.decode_clip(item, self.threads)
@@ -279,7 +359,8 @@ class VideoEncoding:
 
     def write_audio(self, item: data.Item, audio) -> None:
         entry = {}  # no sound: an empty entry says so
-        if audio is not None:  # one clip a call: windows at other rates hold other numbers of samples
+        # one clip a call: windows at other rates hold other numbers of samples
+        if audio is not None:
             mean, logvar = self.adapter.encode_audio(audio[None])
             entry = {"audio_latent_mean": mean[0], "audio_latent_logvar": logvar[0]}
         self.cache.write(item, "audio", entry)
@@ -319,7 +400,8 @@ class VideoEncoding:
             if self.cache.image_seed is not None:
                 noise = [data.keyed_generator(self.seed, "image_noise", item.content) for item in items]
                 firsts, lasts = zip(*images)
-                # First-last-frame (every clip has a last image then, read_headers checks): both images at once.
+                # First-last-frame (every clip has a last image then, read_headers checks): both
+                # images at once.
                 last = {"last_images": torch.stack(lasts)} if lasts[0] is not None else {}
                 image = self.adapter.encode_image(torch.stack(firsts), noise, items[0].resolution[0], **last)
         for item, _, _, audio, _ in good:
@@ -355,30 +437,45 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
         ranks.check_shared(str(cache_dir), "data.cache_dir", d)
     manifest = Manifest(cache_dir)
     encoders = manifest.encoder_identity(adapter, d)
-    cache = Cache(cfg.data, encoders, adapter.text_length, adapter.encoding_precision(cfg.model.dtype),
-                  cfg.run.seed if cfg.model.type == "i2v" else None,
-                  adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
-                  adapter.takes_control)
+    cache = Cache(
+        cfg.data,
+        encoders,
+        adapter.text_length,
+        adapter.encoding_precision(cfg.model.dtype),
+        cfg.run.seed if cfg.model.type == "i2v" else None,
+        adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
+        adapter.takes_control,
+    )
     check_last_images(adapter, clips, cfg.data)
     check_controls(adapter, cfg.data, clips)
     planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last, adapter.takes_control)
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()
     # A clip whose file is gone trains from complete entries; without them it is bad input.
-    gone = [data.Problem(p.clip, "does not exist") for p, missing, present in planned
-            if isinstance(p, data.Item) and missing & {"video", "image", "audio", "control"} and not present]
+    gone = [
+        data.Problem(p.clip, "does not exist")
+        for p, missing, present in planned
+        if isinstance(p, data.Item) and missing & {"video", "image", "audio", "control"} and not present
+    ]
     gone_clips = {problem.clip for problem in gone}
     problems = [p for p, _, _ in planned if isinstance(p, data.Problem)] + gone
     skipped = stop_on_problems(problems, cfg.data)
-    items = [(p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips]
+    items = [
+        (p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips
+    ]
     lacking = sum(bool(missing) for _, missing in items)
     if unwritable is not None and lacking:
-        raise ConfigError(f"data.cache_dir = {cache_dir} cannot be written ({unwritable}) and lacks entries of "
-                          f"{lacking} of {len(items)} clips: make it writable, or set data.cache_dir to a writable "
-                          "folder or to a complete copy of the cache")
+        raise ConfigError(
+            f"data.cache_dir = {cache_dir} cannot be written ({unwritable}) and lacks entries of "
+            f"{lacking} of {len(items)} clips: make it writable, or set data.cache_dir to a writable "
+            "folder or to a complete copy of the cache"
+        )
     encode_texts([item for item, missing in items if "text" in missing], adapter, cache, cfg.data, d)
-    adapter.release_text_encoder()  # before the VAE: on one card T5-XXL's 9 GB would sit beside its encoding
-    video_todo = {item: missing for item, missing in items if missing & {"video", "image", "audio", "control"}}
+    # before the VAE: on one card T5-XXL's 9 GB would sit beside its encoding
+    adapter.release_text_encoder()
+    video_todo = {
+        item: missing for item, missing in items if missing & {"video", "image", "audio", "control"}
+    }
     failed = encode_videos(video_todo, adapter, cache, cfg.data, cfg.run.seed, d)
     adapter.release_encoders()
     failed_clips = {p.clip for p in failed}
@@ -386,25 +483,42 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
     skipped = sorted(skipped + failed, key=lambda p: p.clip.line)
     if skipped and d.is_main:
         Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run.output_dir) / "skipped.txt").write_text("".join(f"{p.clip.video}\t{p.reason}\n" for p in skipped))
+        (Path(cfg.run.output_dir) / "skipped.txt").write_text(
+            "".join(f"{p.clip.video}\t{p.reason}\n" for p in skipped)
+        )
     per_bucket = {str(list(shape)): sum(item.bucket == b for item in items) for b, shape in enumerate(shapes)}
     encoded = len(video_todo) - len(failed)
-    log.info("cache: %d clips encoded, %d reused, %d skipped%s; clips per bucket %s; in %s",
-             encoded, len(items) - encoded, len(skipped),
-             f" (listed in {Path(cfg.run.output_dir) / 'skipped.txt'})" if skipped else "", per_bucket, cache.dir)
+    log.info(
+        "cache: %d clips encoded, %d reused, %d skipped%s; clips per bucket %s; in %s",
+        encoded,
+        len(items) - encoded,
+        len(skipped),
+        f" (listed in {Path(cfg.run.output_dir) / 'skipped.txt'})" if skipped else "",
+        per_bucket,
+        cache.dir,
+    )
     global_batch = cfg.train.batch_size * cfg.train.gradient_accumulation_steps * d.dp_world
     for shape, count in per_bucket.items():
         if 0 < count < global_batch:
-            log.warning("bucket %s holds %d clips, fewer than the global batch of %d: they will never train "
-                        "(add clips, lower the batch, or drop the bucket)", shape, count, global_batch)
+            log.warning(
+                "bucket %s holds %d clips, fewer than the global batch of %d: they will never train "
+                "(add clips, lower the batch, or drop the bucket)",
+                shape,
+                count,
+                global_batch,
+            )
     if len(items) <= cfg.data.held_out:
-        raise ConfigError(f"{len(items)} usable clips but data.held_out = {cfg.data.held_out}: lower it or add clips")
+        raise ConfigError(
+            f"{len(items)} usable clips but data.held_out = {cfg.data.held_out}: lower it or add clips"
+        )
     held_out = len(items) - cfg.data.held_out
     return cache, items[:held_out], items[held_out:]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cfg", required=True, help="TOML config file")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     command.run_command(lambda cfg, d: prepare(cfg, setup_adapter(cfg, d), d), args.cfg, overrides)

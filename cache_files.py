@@ -9,18 +9,20 @@ Five kinds of entry, one safetensors file each, named by a hash of what produced
   preprocessing (bucket, rate, first frame, crop, resize) and the VAE's content;
 - image (image-to-video): the conditioning image's posterior, keyed by the same plus the image's
   content and the seed of its noise augmentation;
-- text: the T5 embedding of a prompt, keyed by the prompt, the text encoder's and tokenizer's content
-  and the text length;
-- audio (families with sound, data.audio): the audio VAE posterior (audio_latent_mean, audio_latent_logvar)
-  of the sound of a clip's window (data.decode_audio), keyed by the clip's content, the window, the
-  audio VAE's content and decode.SOUND; an empty entry for a clip without sound. Such a family's adapter
-  has audio_sample_rate, audio_channels and encode_audio(waveforms [1, channels, samples]).
-- control (models that follow a control video, data.control_column): what the adapter's encode_control
-  makes of the control frames aligned with the clip's window (data.decode_control), keyed by the clip's
-  video key and the control file's content: a changed control video is re-encoded, the clip's latents kept.
-So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
-its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
-atomically: an interrupted pass resumes where it was. manifest.py keeps the headers and hashes.
+- text: the T5 embedding of a prompt, keyed by the prompt, the text encoder's and tokenizer's
+  content and the text length;
+- audio (families with sound, data.audio): the audio VAE posterior (audio_latent_mean,
+  audio_latent_logvar) of the sound of a clip's window (data.decode_audio), keyed by the clip's
+  content, the window, the audio VAE's content and decode.SOUND; an empty entry for a clip without
+  sound. Such a family's adapter has audio_sample_rate, audio_channels and encode_audio(waveforms
+  [1, channels, samples]).
+- control (models that follow a control video, data.control_column): what the adapter's
+  encode_control makes of the control frames aligned with the clip's window (data.decode_control),
+  keyed by the clip's video key and the control file's content: a changed control video is
+  re-encoded, the clip's latents kept. So recaptioning encodes prompts and no video, a per-node copy
+  of a model or of the clips reuses what its twin encoded, and a fine-tuned VAE or T5 never reuses
+  stale entries. Entries are written atomically: an interrupted pass resumes where it was.
+  manifest.py keeps the headers and hashes.
 """
 
 import hashlib
@@ -38,8 +40,10 @@ import decode
 import faults
 from config import DataConfig
 
-CACHE_FIX = ("free space there, or set data.cache_dir to a disk with room, and run again: the entries written so far "
-             "are kept")
+CACHE_FIX = (
+    "free space there, or set data.cache_dir to a disk with room, and run again: the entries written so far "
+    "are kept"
+)
 
 
 def _key(**parts) -> str:
@@ -47,35 +51,68 @@ def _key(**parts) -> str:
 
 
 class Cache:
-    """Entries under cache_dir/{video,image,text,audio,control}/<2 hex digits>/, named by what produced them."""
+    """Entries under cache_dir/{video,image,text,audio,control}/<2 hex digits>/, named by what
+    produced them."""
 
-    def __init__(self, cfg: DataConfig, encoders: dict[str, dict], text_length: int, dtype: str,
-                 image_seed: int | None, audio_dtype: str | None = None, control: bool = False):
-        """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound entries.
-        control: whether each clip has a control entry."""
+    def __init__(
+        self,
+        cfg: DataConfig,
+        encoders: dict[str, dict],
+        text_length: int,
+        dtype: str,
+        image_seed: int | None,
+        audio_dtype: str | None = None,
+        control: bool = False,
+    ):
+        """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound
+        entries. control: whether each clip has a control entry."""
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
-        self.encoders, self.text_length, self.dtype, self.image_seed = encoders, text_length, dtype, image_seed
+        self.encoders, self.text_length, self.dtype, self.image_seed = (
+            encoders,
+            text_length,
+            dtype,
+            image_seed,
+        )
         self.audio_dtype, sound = audio_dtype, audio_dtype is not None
         self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * sound
         self.kinds += ("control",) * control
 
     def path(self, item: data.Item, kind: str) -> str:
         if kind == "text":
-            key = _key(prompt=item.clip.prompt, encoder=self.encoders["text"], length=self.text_length, dtype=self.dtype)
+            key = _key(
+                prompt=item.clip.prompt,
+                encoder=self.encoders["text"],
+                length=self.text_length,
+                dtype=self.dtype,
+            )
         elif kind == "audio":  # the window's seconds, not its crop
-            key = _key(content=item.content, window=[item.rate, item.start, item.resolution[0]], sound=decode.SOUND,
-                       encoder=self.encoders["audio"], dtype=self.audio_dtype)
-        elif kind == "control":  # the window's frames of another file, by the VAE unless the family says otherwise
+            key = _key(
+                content=item.content,
+                window=[item.rate, item.start, item.resolution[0]],
+                sound=decode.SOUND,
+                encoder=self.encoders["audio"],
+                dtype=self.audio_dtype,
+            )
+        # the window's frames of another file, by the VAE unless the family says otherwise
+        elif kind == "control":
             video = os.path.basename(self.path(item, "video"))  # its key, wherever the cache lies
-            # Wan VACE's mask and reference image shape the entry too (named only when given: other keys
-            # stay what they were).
-            vace = {kind: content for kind, content in (("mask", item.mask_content),
-                                                        ("reference", item.reference_content)) if content}
-            key = _key(video=video, control=item.control_content, encoder=self.encoders.get("control"),
-                       **vace)
+            # Wan VACE's mask and reference image shape the entry too (named only when given: other
+            # keys stay what they were).
+            vace = {
+                kind: content
+                for kind, content in (("mask", item.mask_content), ("reference", item.reference_content))
+                if content
+            }
+            key = _key(
+                video=video, control=item.control_content, encoder=self.encoders.get("control"), **vace
+            )
         else:
-            key = _key(content=item.content, preprocessing=item.preprocessing(), encoder=self.encoders[kind],
-                       dtype=self.dtype)
+            key = _key(
+                content=item.content,
+                preprocessing=item.preprocessing(),
+                encoder=self.encoders[kind],
+                dtype=self.dtype,
+            )
             # the window's first frame, or data.image_column's image, noised by a keyed draw
             if kind == "image":
                 last = {} if item.last_image_content is None else {"last_image": item.last_image_content}
@@ -101,7 +138,9 @@ class Cache:
         entries = [{k: v for kind in self.kinds for k, v in self.read(item, kind).items()} for item in items]
         for entry in entries:
             text = entry["prompt_embeds"]
-            entry["prompt_embeds"] = torch.cat([text, text.new_zeros(self.text_length - len(text), text.shape[1])])
+            entry["prompt_embeds"] = torch.cat(
+                [text, text.new_zeros(self.text_length - len(text), text.shape[1])]
+            )
         sound = [e for e in entries if "audio_latent_mean" in e]
         if sound and len(sound) < len(entries):  # the clips of a bucket share their window's length
             for entry in entries:
@@ -115,8 +154,10 @@ class Cache:
         try:
             return load_file(path)
         except (OSError, SafetensorError) as e:  # safetensors names neither the file nor what to do
-            raise OSError(f"cache entry {path} cannot be read ({e}): delete it and launch again, the cache pass "
-                          "encodes it anew") from None
+            raise OSError(
+                f"cache entry {path} cannot be read ({e}): delete it and launch again, the cache pass "
+                "encodes it anew"
+            ) from None
 
 
 class Prefetch:

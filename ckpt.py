@@ -63,8 +63,11 @@ def run_identity(cfg, adapter) -> dict:
         "precision": {"model.dtype": cfg.model.dtype, "model.storage_dtype": cfg.model.storage_dtype},
     }
     if cfg.train.training_type == "lora":
-        identity["lora"] = {"rank": cfg.lora.rank, "lora_alpha": cfg.lora.lora_alpha,
-                            "target_modules": cfg.lora.target_modules}
+        identity["lora"] = {
+            "rank": cfg.lora.rank,
+            "lora_alpha": cfg.lora.lora_alpha,
+            "target_modules": cfg.lora.target_modules,
+        }
     return identity
 
 
@@ -75,8 +78,10 @@ def data_identity(clips: list) -> dict:
     contents and prompts (not their paths: a dataset moved elsewhere still resumes)."""
     per_bucket = collections.Counter(str(list(item.resolution)) for item in clips)
     keys = [[item.content, item.image_content, item.clip.prompt, item.bucket] for item in clips]
-    return {"clips_per_bucket": dict(sorted(per_bucket.items())),
-            "clips_sha256": hashlib.sha256(json.dumps(keys).encode()).hexdigest()}
+    return {
+        "clips_per_bucket": dict(sorted(per_bucket.items())),
+        "clips_sha256": hashlib.sha256(json.dumps(keys).encode()).hexdigest(),
+    }
 
 
 @torch.no_grad()
@@ -107,8 +112,14 @@ def staging_copy() -> DefaultStager:
     sft with EMA); pinned on GPUs, so the device-to-host copy runs at full speed. Refilling is safe:
     each save waits for the previous write before it stages."""
     on_gpu = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=on_gpu))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=on_gpu,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=on_gpu,
+        )
+    )
 
 
 class Checkpointer:
@@ -135,16 +146,23 @@ class Checkpointer:
         requires_grad rebuilds it. The kept tensors stay alive, so no other tensor can take one of
         their ids."""
         model, optimizer = objects["model"], objects["optimizer"]
-        tensors = [*model.parameters(), *model.buffers(),
-                   *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+        tensors = [
+            *model.parameters(),
+            *model.buffers(),
+            *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        ]
         key = tuple(_identity(t) for t in tensors)
         if reuse and self.views and self.views[1] == key:
             views = self.views[2]
         else:
-            options = StateDictOptions(ignore_frozen_params=self.frozen_excluded, flatten_optimizer_state_dict=True)
+            options = StateDictOptions(
+                ignore_frozen_params=self.frozen_excluded, flatten_optimizer_state_dict=True
+            )
             optim_state = get_optimizer_state_dict(model, optimizer, options=options)
             views = {
-                "model": model_state(model, self.identity["training_type"], flatten_optimizer_state_dict=True),
+                "model": model_state(
+                    model, self.identity["training_type"], flatten_optimizer_state_dict=True
+                ),
                 # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors
                 # are saved.
                 "optimizer": {k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)},
@@ -176,8 +194,13 @@ class Checkpointer:
                     # Background writes on the default group collide with training's collectives.
                     self.async_group = dist.new_group(backend="gloo")
                     self.stager = staging_copy()
-                future = dcp.async_save(state, storage_writer=writer, planner=cached_planner(),
-                                        process_group=self.async_group, async_stager=self.stager)
+                future = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    planner=cached_planner(),
+                    process_group=self.async_group,
+                    async_stager=self.stager,
+                )
                 self.pending = (step, tmp, final_dir, future, writer)
                 return
             with ckpt_files.write_failures_named(tmp):
@@ -256,8 +279,10 @@ class Checkpointer:
                 found = [str(p) for p in reversed(ckpt_files.checkpoint_folders(self.dir))]
         found = ranks.broadcast(found, self.d)
         if self.cfg.resume == "none" and found:
-            raise ConfigError(f"{self.dir} already holds {Path(found[0]).name}: set checkpoint.resume = \"auto\" "
-                              "to continue it, or choose another run.output_dir")
+            raise ConfigError(
+                f'{self.dir} already holds {Path(found[0]).name}: set checkpoint.resume = "auto" '
+                "to continue it, or choose another run.output_dir"
+            )
         if self.cfg.resume not in ("auto", "none"):
             ckpt_files.read_meta(Path(self.cfg.resume))
             return [Path(self.cfg.resume)]
@@ -265,12 +290,16 @@ class Checkpointer:
 
     def _none_passes(self, candidates: list[Path], skipped: list[str]) -> str:
         """The message when every checkpoint fails its check: both ways on, spelled out."""
-        message = (f"no checkpoint in {self.dir} passes its check ({'; '.join(skipped)}): to start over, choose "
-                   "another run.output_dir")
+        message = (
+            f"no checkpoint in {self.dir} passes its check ({'; '.join(skipped)}): to start over, choose "
+            "another run.output_dir"
+        )
         loadable = [p for p in candidates if (p / ".metadata").is_file()]
         if loadable:
-            message += (f"; to resume from {loadable[0].name} anyway, accept its files as they are with `python "
-                        f"ckpt.py rehash --cfg {self.dir / 'config.toml'} --checkpoint {loadable[0]}` and launch again")
+            message += (
+                f"; to resume from {loadable[0].name} anyway, accept its files as they are with `python "
+                f"ckpt.py rehash --cfg {self.dir / 'config.toml'} --checkpoint {loadable[0]}` and launch again"
+            )
         return message
 
     def resume(self, objects: dict) -> Path | None:
@@ -307,8 +336,9 @@ class Checkpointer:
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
             set_model_state_dict(objects["model"], state["model"], options=options)
             optim_state = get_optimizer_state_dict(objects["model"], objects["optimizer"], options=options)
-            set_optimizer_state_dict(objects["model"], objects["optimizer"], {**optim_state, **state["optimizer"]},
-                                     options=options)
+            set_optimizer_state_dict(
+                objects["model"], objects["optimizer"], {**optim_state, **state["optimizer"]}, options=options
+            )
             for name, obj in objects.items():
                 if name not in ("model", "optimizer"):
                     obj.load_state_dict(state[name])
@@ -347,8 +377,10 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
         ckpt_files.read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
         problem = command.write_problem(target) if d.is_main else None
         if problem:
-            raise ConfigError(f"the export cannot be written to {target} ({problem}): "
-                              f"{'choose another --out' if out else 'pass --out DIR, a folder you can write'}")
+            raise ConfigError(
+                f"the export cannot be written to {target} ({problem}): "
+                f"{'choose another --out' if out else 'pass --out DIR, a folder you can write'}"
+            )
         adapter = load_adapter(cfg.model, d.device)
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # the checkpoint holds the weights
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
@@ -357,8 +389,16 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
     with ckpt_files.exporting(where):
         with ranks.all_or_none():
             load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
-        export.export(model, cfg.train.training_type, cfg.lora, adapter, str(target), d, ema,
-                      "" if out else f"{where.parent.name}_{where.name}")
+        export.export(
+            model,
+            cfg.train.training_type,
+            cfg.lora,
+            adapter,
+            str(target),
+            d,
+            ema,
+            "" if out else f"{where.parent.name}_{where.name}",
+        )
 
 
 def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
@@ -374,45 +414,62 @@ def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
     path = Path(checkpoint)
     match = ckpt_files.CHECKPOINT_NAME.fullmatch(path.name)
     if not match or not (path / ".metadata").is_file():
-        raise ConfigError(f"{path} is not a checkpoint-N folder holding DCP's .metadata, so nothing can load it: "
-                          "resume from another checkpoint, or start over in another run.output_dir")
+        raise ConfigError(
+            f"{path} is not a checkpoint-N folder holding DCP's .metadata, so nothing can load it: "
+            "resume from another checkpoint, or start over in another run.output_dir"
+        )
     with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device)
     if not d.is_main:
         return
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    names = sorted(p.name for p in path.iterdir()
-                   if p.is_file() and p.name not in ("meta.json", ckpt_files.EXPORT_LOCK))
+    names = sorted(
+        p.name for p in path.iterdir() if p.is_file() and p.name not in ("meta.json", ckpt_files.EXPORT_LOCK)
+    )
     missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(names))
     if missing:
-        raise ConfigError(f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
-                          "resume can read it: resume from another checkpoint, or start over in another run.output_dir")
+        raise ConfigError(
+            f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
+            "resume can read it: resume from another checkpoint, or start over in another run.output_dir"
+        )
     shapes_differ = ckpt_files.other_shapes(cfg, adapter, metadata)
     if shapes_differ:
-        raise ConfigError(f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
-                          "rehash it with the config it was trained with (its run's config.toml)")
+        raise ConfigError(
+            f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
+            "rehash it with the config it was trained with (its run's config.toml)"
+        )
     identity, data = run_identity(cfg, adapter), None
     if ckpt_files.meta_problem(path) is None:
         meta = ckpt_files.read_meta(path)
         ckpt_files.check_identity(path, meta, identity)
         identity, data = meta["identity"], meta.get("data")
-    writers = {name.split("_")[2] for name in names if name.endswith(".distcp")}  # ranks that wrote shards
-    files = {name: {"size": (path / name).stat().st_size, "sha256": ckpt_files.sha256_of(path / name)}
-             for name in names}
+    # ranks that wrote shards
+    writers = {name.split("_")[2] for name in names if name.endswith(".distcp")}
+    files = {
+        name: {"size": (path / name).stat().st_size, "sha256": ckpt_files.sha256_of(path / name)}
+        for name in names
+    }
     ckpt_files.write_meta(path, int(match.group(1)), len(writers), identity, data, files)
     log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="ckpt.py", description="Export the weights of any checkpoint, or accept "
-                                     "the files of a checkpoint that fails its check (rehash).")
+    parser = argparse.ArgumentParser(
+        prog="ckpt.py",
+        description="Export the weights of any checkpoint, or accept "
+        "the files of a checkpoint that fails its check (rehash).",
+    )
     parser.add_argument("command", choices=["export", "rehash"])
     parser.add_argument("--cfg", required=True, help="the run's TOML config")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint-N folder")
-    parser.add_argument("--out", help="where lora/ or transformer/ go (default: the run's exports/checkpoint-N/)")
+    parser.add_argument(
+        "--out", help="where lora/ or transformer/ go (default: the run's exports/checkpoint-N/)"
+    )
     args, overrides = parser.parse_known_args(argv)
-    commands = {"export": lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d),
-                "rehash": lambda cfg, d: rehash(cfg, args.checkpoint, d)}
+    commands = {
+        "export": lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d),
+        "rehash": lambda cfg, d: rehash(cfg, args.checkpoint, d),
+    }
     command.run_command(commands[args.command], args.cfg, overrides)
 
 

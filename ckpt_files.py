@@ -48,8 +48,10 @@ def write_failures_named(tmp: Path):
     try:
         yield
     except CheckpointException as e:
-        raise ranks.StopRun(f"writing {tmp} failed on {command.first_failure(e)}; earlier checkpoints are "
-                               "intact, free space or move run.output_dir and resume") from None
+        raise ranks.StopRun(
+            f"writing {tmp} failed on {command.first_failure(e)}; earlier checkpoints are "
+            "intact, free space or move run.output_dir and resume"
+        ) from None
 
 
 class HashingStream:
@@ -146,7 +148,11 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Committed checkpoints, oldest first.
 
     A committed one is a checkpoint-<int>/ with DCP's .metadata and our meta.json."""
-    return [p for p in checkpoint_folders(output_dir) if (p / ".metadata").is_file() and (p / "meta.json").is_file()]
+    return [
+        p
+        for p in checkpoint_folders(output_dir)
+        if (p / ".metadata").is_file() and (p / "meta.json").is_file()
+    ]
 
 
 def meta_problem(path: Path) -> str | None:
@@ -169,13 +175,17 @@ def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = Fals
     checked for it."""
     saved = meta["identity"]
     if resuming and "base" in saved and saved["base"]["weights"] != identity["base"]["weights"]:
-        raise ConfigError(f"checkpoint {path} was trained on other base weights: {saved['base']['files']} "
-                          f"there, {identity['base']['files']} here (model.path, model.transformer_file): resume on "
-                          "the weights it was trained on, or start over in another run.output_dir (lora.init_from "
-                          "carries a LoRA over)")
+        raise ConfigError(
+            f"checkpoint {path} was trained on other base weights: {saved['base']['files']} "
+            f"there, {identity['base']['files']} here (model.path, model.transformer_file): resume on "
+            "the weights it was trained on, or start over in another run.output_dir (lora.init_from "
+            "carries a LoRA over)"
+        )
     if resuming and saved.get("precision", identity["precision"]) != identity["precision"]:
-        log.warning(f"checkpoint {path} was trained with the base in {saved['precision']}, this run has "
-                    f"{identity['precision']}: training continues in this run's precision")
+        log.warning(
+            f"checkpoint {path} was trained with the base in {saved['precision']}, this run has "
+            f"{identity['precision']}: training continues in this run's precision"
+        )
     for key in sorted((set(saved) | set(identity)) - {"base", "precision"}):
         if saved.get(key) != identity.get(key):
             raise ConfigError(
@@ -195,7 +205,9 @@ def base_identity(adapter) -> dict:
     if adapter.single_file is not None:
         files = adapter.single_file.files
     else:
-        files = sorted({entry[0] for entry in Weights(adapter.path / adapter.transformer_folder).entries.values()})
+        files = sorted(
+            {entry[0] for entry in Weights(adapter.path / adapter.transformer_folder).entries.values()}
+        )
     digest = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
@@ -222,9 +234,11 @@ def check_data(path: Path, meta: dict, data: dict) -> None:
         what = f"clips per bucket {saved['clips_per_bucket']} there, {data['clips_per_bucket']} here"
     else:
         what = "as many clips per bucket, but other ones (their contents, prompts or order differ)"
-    raise ConfigError(f"checkpoint {path} was trained on other data: {what}; resume with the clips it was trained on "
-                      "(data.data_root, its list files, data.held_out, data.buckets), or start over in another "
-                      "run.output_dir")
+    raise ConfigError(
+        f"checkpoint {path} was trained on other data: {what}; resume with the clips it was trained on "
+        "(data.data_root, its list files, data.held_out, data.buckets), or start over in another "
+        "run.output_dir"
+    )
 
 
 def check_files(path: Path, names: list[str]) -> str | None:
@@ -235,7 +249,11 @@ def check_files(path: Path, names: list[str]) -> str | None:
     expected = json.loads((path / "meta.json").read_text())["files"]
     for name in names:
         if name not in expected or not (path / name).is_file():
-            return f"checkpoint {path} is missing {name}" if name in expected else f"checkpoint {path}: {name} is not in meta.json"
+            return (
+                f"checkpoint {path} is missing {name}"
+                if name in expected
+                else f"checkpoint {path}: {name} is not in meta.json"
+            )
         if (path / name).stat().st_size != expected[name]["size"]:
             return f"checkpoint {path}: {name} does not match its size or sha256 in meta.json"
     for name in names:
@@ -256,7 +274,9 @@ def check_reads(path: Path, state: dict, planner) -> str | None:
         return problem
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     planner.set_up_planner(state, metadata, is_coordinator=False)
-    reads = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+    reads = {
+        metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items
+    }
     return check_files(path, sorted(reads))
 
 
@@ -279,18 +299,29 @@ def other_shapes(cfg, adapter, metadata) -> str | None:
         built = {name: tuple(p.shape) for name, p in skeleton.named_parameters() if p.requires_grad}
     else:
         built = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
-    saved = {key.removeprefix("model."): tuple(m.size) for key, m in metadata.state_dict_metadata.items()
-             if key.startswith("model.")}
+    saved = {
+        key.removeprefix("model."): tuple(m.size)
+        for key, m in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
     for name in sorted(set(saved) | set(built)):
         if saved.get(name) != built.get(name):
-            return f"{name}: {list(saved[name]) if name in saved else 'absent'} there, " \
-                   f"{list(built[name]) if name in built else 'absent'} here"
+            return (
+                f"{name}: {list(saved[name]) if name in saved else 'absent'} there, "
+                f"{list(built[name]) if name in built else 'absent'} here"
+            )
     return None
 
 
 def write_meta(folder: Path, step: int, world_size: int, identity: dict, data: dict, files: dict) -> None:
-    meta = {"step": step, "world_size": world_size, "identity": identity, "data": data,
-            "versions": library_versions(), "files": files}
+    meta = {
+        "step": step,
+        "world_size": world_size,
+        "identity": identity,
+        "data": data,
+        "versions": library_versions(),
+        "files": files,
+    }
     (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
     os.replace(folder / "meta.json.tmp", folder / "meta.json")
 
@@ -322,8 +353,10 @@ def exporting(path: Path):
     with lock:
         fcntl.flock(lock, fcntl.LOCK_SH)  # waits while rotation is deleting it
         if not (path / ".metadata").is_file():
-            raise ConfigError(f"{path} was deleted by rotation (checkpoint.checkpointing_limit) as the export "
-                              "started: export a newer checkpoint")
+            raise ConfigError(
+                f"{path} was deleted by rotation (checkpoint.checkpointing_limit) as the export "
+                "started: export a newer checkpoint"
+            )
         yield
 
 
@@ -346,5 +379,6 @@ def has_ema(path: str) -> bool:
 
     Its run had train.ema_decay > 0."""
     read_meta(Path(path))
-    return any(key.startswith("ema.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-
+    return any(
+        key.startswith("ema.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    )

@@ -36,10 +36,10 @@ EXIT_CODES = "VIDTRAIN_EXIT_CODES"
 
 def run_command(work, config_path: str, overrides: list[str], lock_output_dir: bool = False) -> None:
     """Every command's frame: read the config and check it against its family's options (reading
-    nothing of the model but its model_index.json), set up the process group, take the run lock (with
-    `lock_output_dir`), run work(cfg, d) on every rank; on any failure (an exception, Ctrl-C, DCP's own
-    errors) exactly one rank reports the cause; the process group is destroyed on every path; the exit
-    code is 0, 1 after a failure, 130 after Ctrl-C."""
+    nothing of the model but its model_index.json), set up the process group, take the run lock
+    (with `lock_output_dir`), run work(cfg, d) on every rank; on any failure (an exception, Ctrl-C,
+    DCP's own errors) exactly one rank reports the cause; the process group is destroyed on every
+    path; the exit code is 0, 1 after a failure, 130 after Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     rank, code = int(os.environ.get("RANK", 0)), 0
     previous_handlers = ranks.PREEMPTION.install()
@@ -139,21 +139,29 @@ def take_lock(path: Path):
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
-        raise ConfigError(f"run.output_dir = {path.parent} cannot be written ({e.strerror}): choose a folder this "
-                          "user can write for run.output_dir") from None
+        raise ConfigError(
+            f"run.output_dir = {path.parent} cannot be written ({e.strerror}): choose a folder this "
+            "user can write for run.output_dir"
+        ) from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
         holder = lock.read().strip() or "a run that has not written its pid yet"
         lock.close()
-        raise ConfigError(f"run.output_dir = {path.parent} is in use by another run: {holder} (its {path.name}); "
-                          "wait for it to end or stop it, or choose another run.output_dir") from None
+        raise ConfigError(
+            f"run.output_dir = {path.parent} is in use by another run: {holder} (its {path.name}); "
+            "wait for it to end or stop it, or choose another run.output_dir"
+        ) from None
     except OSError as e:
         if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
             raise
-        log.warning("cannot lock %s (%s): this filesystem refuses flock, so nothing stops a second run from "
-                    "writing into the same run.output_dir", path, e)
+        log.warning(
+            "cannot lock %s (%s): this filesystem refuses flock, so nothing stops a second run from "
+            "writing into the same run.output_dir",
+            path,
+            e,
+        )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     lock.flush()
@@ -177,15 +185,19 @@ def report(error: BaseException, rank: int) -> int:
         return 1
     if isinstance(error, KeyboardInterrupt):
         if rank == 0:
-            log.error("interrupted: stopped without a checkpoint (SIGTERM or SIGUSR1 save one before stopping)")
+            log.error(
+                "interrupted: stopped without a checkpoint (SIGTERM or SIGUSR1 save one before stopping)"
+            )
         return 130
     if timed_out(error):  # before peer_failed: this rank's own timeout also closes its connections
         if not first_to_report("timeout"):
             return 1
         try:  # raised, so that the traceback torchrun prints is this one
-            raise TimeoutError(f"rank {rank}: a collective waited longer than parallel.timeout_s: another rank "
-                               "hangs, or the ranks disagree on what runs next; raise parallel.timeout_s if a step, "
-                               f"a save or a validation legitimately takes longer ({error})") from None
+            raise TimeoutError(
+                f"rank {rank}: a collective waited longer than parallel.timeout_s: another rank "
+                "hangs, or the ranks disagree on what runs next; raise parallel.timeout_s if a step, "
+                f"a save or a validation legitimately takes longer ({error})"
+            ) from None
         except TimeoutError as explained:
             return report_unexpected(explained)
     if peer_failed(error):
@@ -211,8 +223,7 @@ def first_failure(error: CheckpointException) -> str:
 
 
 def shutdown() -> None:
-    """FSDP2 processes sometimes abort at exit unless the model is collected before the group goes.
-    """
+    """FSDP2 processes sometimes abort at exit unless the model is collected before the group goes."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -233,7 +244,9 @@ def timed_out(error: BaseException) -> bool:
     collective waited on after one that timed out in the background (the preemption flag's) raises
     "Application timeout caused pair closure": this rank's own timeout too, not a lost peer (else it
     exits quietly, the hung rank sees its connection close and does too, and nobody reports it)."""
-    return isinstance(error, RuntimeError) and any(text in str(error) for text in ("Timed out", "timed out", "timeout"))
+    return isinstance(error, RuntimeError) and any(
+        text in str(error) for text in ("Timed out", "timed out", "timeout")
+    )
 
 
 def first_to_report(what: str) -> bool:
@@ -245,10 +258,13 @@ def first_to_report(what: str) -> bool:
         return True
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=30))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=30),
+        )
         return store.add(f"vidtrain/{run}/{what}", 1) == 1
     # the store itself is gone (DistError is a RuntimeError): better twice than never
     except RuntimeError:
         return True
-

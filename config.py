@@ -1,19 +1,21 @@
-"""The TOML config as a dataclass tree: schema, command-line overrides, validation, and the resolved copy.
+"""The TOML config as a dataclass tree: schema, command-line overrides, validation, and the resolved
+copy.
 
-Every field documents itself with the comment above it. Unknown keys, wrong types and repeated keys are
-errors that name the key and the nearest valid one. Each module receives only its own section.
+Every field documents itself with the comment above it. Unknown keys, wrong types and repeated keys
+are errors that name the key and the nearest valid one. Each module receives only its own section.
 """
 
 import dataclasses
 import difflib
 import inspect
 import json
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+import tomllib
 
 
 class ConfigError(ValueError):
@@ -26,9 +28,10 @@ class RunConfig:
     output_dir: str = ""
     # The one seed: every random draw is keyed by it.
     seed: int = 42
-    # Deterministic kernels on GPUs (torch.use_deterministic_algorithms: FlashAttention's and memory-efficient
-    # attention's backward passes take their deterministic paths, cuDNN attention is left out; no cuDNN
-    # autotuning), so same-seed runs and resumed runs are bitwise identical there as on CPUs; slower.
+    # Deterministic kernels on GPUs (torch.use_deterministic_algorithms: FlashAttention's and
+    # memory-efficient attention's backward passes take their deterministic paths, cuDNN attention
+    # is left out; no cuDNN autotuning), so same-seed runs and resumed runs are bitwise identical
+    # there as on CPUs; slower.
     deterministic: bool = False
 
 
@@ -36,29 +39,31 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family: a name in model_adapter.ADAPTERS, whose adapter (families/<name>.py) knows its classes,
-    # loss, sampling and the keys only it accepts; "": the family of model.path's pipeline (model_index.json).
+    # Model family: a name in model_adapter.ADAPTERS, whose adapter (families/<name>.py) knows its
+    # classes, loss, sampling and the keys only it accepts; "": the family of model.path's pipeline
+    # (model_index.json).
     family: str = ""
     # "t2v" text-to-video, or "i2v" image-to-video (the transformer also takes a conditioning image:
-    # data.image_column's, or each clip's first frame; a first-last-frame model also the clip's last frame
-    # from data.last_image_column), "ic" in-context (each clip's control video, data.control_column's,
-    # rides along as clean tokens the model attends to: an in-context LoRA, docs/control.md), or "vace" a
-    # VACE model (a control video, its mask and reference images through context blocks: data.control_column,
-    # data.mask_column, data.reference_column).
+    # data.image_column's, or each clip's first frame; a first-last-frame model also the clip's last
+    # frame from data.last_image_column), "ic" in-context (each clip's control video,
+    # data.control_column's, rides along as clean tokens the model attends to: an in-context LoRA,
+    # docs/control.md), or "vace" a VACE model (a control video, its mask and reference images
+    # through context blocks: data.control_column, data.mask_column, data.reference_column).
     type: Literal["t2v", "i2v", "ic", "vace"] = "t2v"
-    # One family's key (docs/models/), for its two-expert models: the expert this run trains, "high_noise"
-    # (transformer/, t >= boundary_ratio x 1000) or "low_noise" (transformer_2/, below); validation renders
-    # with both.
+    # One family's key (docs/models/), for its two-expert models: the expert this run trains,
+    # "high_noise" (transformer/, t >= boundary_ratio x 1000) or "low_noise" (transformer_2/,
+    # below); validation renders with both.
     expert: Literal["", "high_noise", "low_noise"] = ""
     # Storage dtype of the frozen weights.
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    # The trained transformer's weights from a safetensors file (or a list of its shards) in ComfyUI's or the
-    # original release's layout, bf16, fp16, fp32, fp8 or ComfyUI's scaled fp8, instead of model.path's
-    # transformer folder (its config.json still shapes the model; the VAE and text encoder stay model.path's).
+    # The trained transformer's weights from a safetensors file (or a list of its shards) in
+    # ComfyUI's or the original release's layout, bf16, fp16, fp32, fp8 or ComfyUI's scaled fp8,
+    # instead of model.path's transformer folder (its config.json still shapes the model; the VAE
+    # and text encoder stay model.path's).
     transformer_file: str | list[str] = ""
-    # "fp8" stores the frozen linear weights of the transformer blocks as float8_e4m3fn with a scale per
-    # output row (half of bf16's bytes), upcast to model.dtype per layer as it runs (LoRA only); "" keeps
-    # them in model.dtype.
+    # "fp8" stores the frozen linear weights of the transformer blocks as float8_e4m3fn with a scale
+    # per output row (half of bf16's bytes), upcast to model.dtype per layer as it runs (LoRA only);
+    # "" keeps them in model.dtype.
     storage_dtype: Literal["", "fp8"] = ""
 
 
@@ -88,29 +93,34 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     # Gradient clipping by global norm, once per optimizer step; 0: no clipping.
     max_grad_norm: float = 1.0
-    # Autocast dtype of the forward pass; the loss is always fp32. fp16 adds a dynamic loss scale (2**16,
-    # halved on an overflow, whose step is skipped; doubled after 2000 finite steps), kept in checkpoints.
+    # Autocast dtype of the forward pass; the loss is always fp32. fp16 adds a dynamic loss scale
+    # (2**16, halved on an overflow, whose step is skipped; doubled after 2000 finite steps), kept
+    # in checkpoints.
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     # Recompute each transformer block in the backward pass to save activation memory.
     gradient_checkpointing: bool = True
-    # With gradient_checkpointing: the block inputs that checkpointing keeps for the backward (one per block,
-    # the largest activations left) wait in pinned host memory instead, copied out and back beside the compute.
+    # With gradient_checkpointing: the block inputs that checkpointing keeps for the backward (one
+    # per block, the largest activations left) wait in pinned host memory instead, copied out and
+    # back beside the compute.
     activation_offload: bool = False
-    # torch.compile each transformer block (regional: one compile serves every block); slow first steps.
+    # torch.compile each transformer block (regional: one compile serves every block); slow first
+    # steps.
     compile: bool = False
-    # The attention kernel of every transformer call, training's and validation's (through sdpa_kernel):
-    # "" lets SDPA choose (FlashAttention-2 on H100/H200), or "flash", "cudnn" (cuDNN attention, which SDPA
-    # never picks itself), "efficient" (memory-efficient attention), "math" (unfused; memory grows with the
-    # square of the sequence). A kernel that cannot serve the device, dtype or shape stops the first step.
+    # The attention kernel of every transformer call, training's and validation's (through
+    # sdpa_kernel): "" lets SDPA choose (FlashAttention-2 on H100/H200), or "flash", "cudnn" (cuDNN
+    # attention, which SDPA never picks itself), "efficient" (memory-efficient attention), "math"
+    # (unfused; memory grows with the square of the sequence). A kernel that cannot serve the
+    # device, dtype or shape stops the first step.
     attention_backend: Literal["", "flash", "cudnn", "efficient", "math"] = ""
     # Optimizer steps between metric reductions and log lines (each one waits for the device).
     log_every: int = 10
-    # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is skipped;
-    # with fp16, only those whose loss is too). Counted on the device, read on log steps, saves and
-    # validations: the stop comes up to log_every - 1 steps later.
+    # Stop after this many optimizer steps in a row whose gradient norm is NaN or Inf (each is
+    # skipped; with fp16, only those whose loss is too). Counted on the device, read on log steps,
+    # saves and validations: the stop comes up to log_every - 1 steps later.
     max_nonfinite_steps: int = 3
-    # One family's key (docs/models/): the flow-matching timestep shift, s = shift u / (1 + (shift - 1) u);
-    # 0 takes the scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at 720p).
+    # One family's key (docs/models/): the flow-matching timestep shift, s = shift u / (1 + (shift -
+    # 1) u); 0 takes the scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at
+    # 720p).
     flow_shift: float = 0.0
     # Families with sound: the loss is the video loss plus this times the audio loss.
     audio_loss_weight: float = 1.0
@@ -125,21 +135,24 @@ class ParallelConfig:
     strategy: Literal["ddp", "fsdp"] = "ddp"
     # Seconds a collective may wait before the job fails (a rank that died, a hung node).
     timeout_s: int = 600
-    # FSDP: free gathered block weights after forward (less memory, one more all-gather in backward).
+    # FSDP: free gathered block weights after forward (less memory, one more all-gather in
+    # backward).
     reshard_after_forward: bool = True
     # FSDP: replicate groups (HSDP): the model is sharded within a group and replicated across them.
     # Set it to the number of nodes to keep all-gathers inside a node.
     dp_replicate: int = 1
-    # Sequence parallelism (Ulysses): this many adjacent ranks share each sample, its video tokens split
-    # between them; must divide the world size and the model's attention heads. Per-rank batches count
-    # sp groups: the global batch is batch_size x accumulation x world / sp_size.
+    # Sequence parallelism (Ulysses): this many adjacent ranks share each sample, its video tokens
+    # split between them; must divide the world size and the model's attention heads. Per-rank
+    # batches count sp groups: the global batch is batch_size x accumulation x world / sp_size.
     sp_size: int = 1
-    # FSDP (one process too): keep the sharded weights in pinned CPU memory, each block streamed to the GPU
-    # as it runs (FSDP2's CPUOffloadPolicy); LoRA's weights and AdamW state stay on the GPU, sft's gradients
-    # and AdamW state go to the CPU too (AdamW steps there): for GPUs too small for the model, at a cost in speed.
+    # FSDP (one process too): keep the sharded weights in pinned CPU memory, each block streamed to
+    # the GPU as it runs (FSDP2's CPUOffloadPolicy); LoRA's weights and AdamW state stay on the GPU,
+    # sft's gradients and AdamW state go to the CPU too (AdamW steps there): for GPUs too small for
+    # the model, at a cost in speed.
     cpu_offload: bool = False
-    # FSDP with cpu_offload, LoRA: only the first this many transformer blocks live in host memory, streamed
-    # to the GPU block by block; the others and the rest of the model stay on the GPU. 0: all of it on the host.
+    # FSDP with cpu_offload, LoRA: only the first this many transformer blocks live in host memory,
+    # streamed to the GPU block by block; the others and the rest of the model stay on the GPU. 0:
+    # all of it on the host.
     offload_blocks: int = 0
 
 
@@ -151,16 +164,19 @@ class LoraConfig:
     lora_alpha: float = 64
     # Module names (or dotted suffixes) of the nn.Linear layers that get adapters.
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
-    # Dropout on the adapter input, drawn on the activations' device from a generator keyed by (seed, step, rank).
+    # Dropout on the adapter input, drawn on the activations' device from a generator keyed by
+    # (seed, step, rank).
     dropout: float = 0.0
-    # Start from an existing LoRA instead of a fresh one: a file (or folder) in our, diffusers', PEFT's or
-    # ComfyUI's layout (lora/comfy/), whose rank, alpha and targets must equal the ones above.
+    # Start from an existing LoRA instead of a fresh one: a file (or folder) in our, diffusers',
+    # PEFT's or ComfyUI's layout (lora/comfy/), whose rank, alpha and targets must equal the ones
+    # above.
     init_from: str = ""
 
 
 @dataclass
 class DataConfig:
-    # Dataset folder (required): prompts.txt and videos.txt, or metadata.jsonl / metadata.csv (docs/data.md).
+    # Dataset folder (required): prompts.txt and videos.txt, or metadata.jsonl / metadata.csv
+    # (docs/data.md).
     data_root: str = ""
     # File under data_root with one prompt per line.
     caption_column: str = "prompts.txt"
@@ -168,19 +184,22 @@ class DataConfig:
     video_column: str = "videos.txt"
     # File under data_root with one first-frame image per line (image-to-video; unused by t2v).
     image_column: str = ""
-    # File under data_root with one last-frame image per line (metadata files: a last_image column), for
-    # first-last-frame models: each clip's window ends at the clip's last frame, which it shows.
+    # File under data_root with one last-frame image per line (metadata files: a last_image column),
+    # for first-last-frame models: each clip's window ends at the clip's last frame, which it shows.
     last_image_column: str = ""
-    # File under data_root with one control video per line (metadata files: a control column), for models
-    # that follow a control clip (a depth or pose video, edges, a clip to restyle): each is read at its clip's
-    # window's timestamps, resized to the clip's size and cropped as it is (docs/control.md).
+    # File under data_root with one control video per line (metadata files: a control column), for
+    # models that follow a control clip (a depth or pose video, edges, a clip to restyle): each is
+    # read at its clip's window's timestamps, resized to the clip's size and cropped as it is
+    # (docs/control.md).
     control_column: str = ""
-    # VACE models (model.type = "vace"): file under data_root with one mask per line (metadata files: a mask column), a video
-    # read as the control video is or an image for every frame; white marks what to generate, black
-    # what to keep. "" masks nothing (all white, the pipeline's default).
+    # VACE models (model.type = "vace"): file under data_root with one mask per line (metadata
+    # files: a mask column), a video read as the control video is or an image for every frame; white
+    # marks what to generate, black what to keep. "" masks nothing (all white, the pipeline's
+    # default).
     mask_column: str = ""
-    # VACE models: file under data_root with one reference image per line (metadata files: a reference column), a
-    # subject or style the clip shows; it is fitted into the frame on white, as the pipeline does.
+    # VACE models: file under data_root with one reference image per line (metadata files: a
+    # reference column), a subject or style the clip shows; it is fitted into the frame on white, as
+    # the pipeline does.
     reference_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
@@ -190,22 +209,25 @@ class DataConfig:
     skip_bad: bool = False
     # The last N clips are held out of training and used for the held-out loss.
     held_out: int = 0
-    # [[frames, height, width], ...]: when set, replaces train_resolution; each clip goes to the bucket of
-    # the nearest aspect ratio, then the largest area and most frames it fills; [1, H, W] buckets take
-    # images; every global batch holds one bucket.
+    # [[frames, height, width], ...]: when set, replaces train_resolution; each clip goes to the
+    # bucket of the nearest aspect ratio, then the largest area and most frames it fills; [1, H, W]
+    # buckets take images; every global batch holds one bucket.
     buckets: list[list[int]] = field(default_factory=list)
     # Frames are chosen at this rate by their timestamps; 0 keeps the clip's own rate.
     target_fps: float = 0.0
-    # Crop after the aspect-preserving resize: "center", or "random" (drawn once per clip from (run.seed, clip)).
+    # Crop after the aspect-preserving resize: "center", or "random" (drawn once per clip from
+    # (run.seed, clip)).
     crop: Literal["center", "random"] = "center"
-    # A clip with fewer frames than its bucket: "error" stops the run, "skip" lists it in skipped.txt,
-    # "pad" repeats its last frame.
+    # A clip with fewer frames than its bucket: "error" stops the run, "skip" lists it in
+    # skipped.txt, "pad" repeats its last frame.
     short_clips: Literal["error", "skip", "pad"] = "error"
     # Clips per VAE and T5 call in the cache pass (clips of one bucket only).
     cache_batch_size: int = 4
-    # Threads per rank decoding clips in the cache pass, a batch ahead of the VAE (0: min(8, CPUs per rank)).
+    # Threads per rank decoding clips in the cache pass, a batch ahead of the VAE (0: min(8, CPUs
+    # per rank)).
     decode_workers: int = 0
-    # Families with sound: train each clip's soundtrack, cut to its frames' seconds; false: video only.
+    # Families with sound: train each clip's soundtrack, cut to its frames' seconds; false: video
+    # only.
     audio: bool = True
 
 
@@ -215,10 +237,11 @@ class CheckpointConfig:
     checkpointing_steps: int = 200
     # Newest complete checkpoints to keep; 0 keeps all.
     checkpointing_limit: int = 10
-    # "auto" resumes from the newest complete checkpoint in output_dir, "none" starts fresh, or a path.
+    # "auto" resumes from the newest complete checkpoint in output_dir, "none" starts fresh, or a
+    # path.
     resume: str = "auto"
-    # Write checkpoints in the background on a dedicated gloo group; a checkpoint commits at the next
-    # save (so `latest` lags one interval); the final save is synchronous.
+    # Write checkpoints in the background on a dedicated gloo group; a checkpoint commits at the
+    # next save (so `latest` lags one interval); the final save is synchronous.
     async_save: bool = False
 
 
@@ -230,14 +253,16 @@ class ValidationConfig:
     validation_steps: int = 200
     # Timesteps at which the held-out loss is measured (fixed noise), logged as val/loss_t{t}.
     loss_timesteps: list[int] = field(default_factory=lambda: [100, 300, 500, 700, 900])
-    # Prompts rendered into validation_res/step_{step}_prompt_{i}.mp4 and TensorBoard's val/clip_{i}.
+    # Prompts rendered into validation_res/step_{step}_prompt_{i}.mp4 and TensorBoard's
+    # val/clip_{i}.
     prompts: list[str] = field(default_factory=list)
     # Text the guidance steers away from (by default the empty prompt).
     negative_prompt: str = ""
-    # Seed of clip i's noise, keyed by (seed, i): a prompt's clip is comparable across steps and ranks.
+    # Seed of clip i's noise, keyed by (seed, i): a prompt's clip is comparable across steps and
+    # ranks.
     seed: int = 42
-    # One family's key (docs/models/): the sampler, "" the model folder's own (its pipeline's), or "dpm" or
-    # "ddim".
+    # One family's key (docs/models/): the sampler, "" the model folder's own (its pipeline's), or
+    # "dpm" or "ddim".
     scheduler: Literal["", "dpm", "ddim"] = ""
     # Denoising steps per clip.
     num_inference_steps: int = 50
@@ -246,40 +271,43 @@ class ValidationConfig:
     # Two-expert models: the low-noise expert's guidance scale (the pipeline's guidance_scale_2); 0:
     # guidance_scale.
     guidance_scale_2: float = 0.0
-    # One family's key (docs/models/): raise the guidance scale along a cosine schedule over the steps, as
-    # the pipeline's use_dynamic_cfg.
+    # One family's key (docs/models/): raise the guidance scale along a cosine schedule over the
+    # steps, as the pipeline's use_dynamic_cfg.
     use_dynamic_cfg: bool = False
-    # One family's key (docs/models/): the sound's guidance scale (the pipeline's audio_guidance_scale; its
-    # configs: 7); 0: guidance_scale.
+    # One family's key (docs/models/): the sound's guidance scale (the pipeline's
+    # audio_guidance_scale; its configs: 7); 0: guidance_scale.
     audio_guidance_scale: float = 0.0
-    # One family's key (docs/models/): spatio-temporal guidance (STG) of both streams, away from one more
-    # forward per step with the self-attention of validation.stg_blocks skipped (the pipeline's stg_scale and
-    # audio_stg_scale; 1); 0: off.
+    # One family's key (docs/models/): spatio-temporal guidance (STG) of both streams, away from one
+    # more forward per step with the self-attention of validation.stg_blocks skipped (the pipeline's
+    # stg_scale and audio_stg_scale; 1); 0: off.
     stg_scale: float = 0.0
     # One family's key (docs/models/): the blocks STG skips; []: the pipelines' default.
     stg_blocks: list[int] = field(default_factory=list)
-    # One family's key (docs/models/): modality-isolation guidance of both streams, away from one more
-    # forward per step without the audio-video cross-attention (the pipeline's modality_scale and
-    # audio_modality_scale; 3); 1: off.
+    # One family's key (docs/models/): modality-isolation guidance of both streams, away from one
+    # more forward per step without the audio-video cross-attention (the pipeline's modality_scale
+    # and audio_modality_scale; 3); 1: off.
     modality_scale: float = 1.0
-    # One family's key (docs/models/): the guided prediction rescaled toward the conditional one's spread,
-    # both streams (the pipeline's guidance_rescale and audio_guidance_rescale; 0.7); 0: off.
+    # One family's key (docs/models/): the guided prediction rescaled toward the conditional one's
+    # spread, both streams (the pipeline's guidance_rescale and audio_guidance_rescale; 0.7); 0:
+    # off.
     guidance_rescale: float = 0.0
-    # [frames, height, width] of the clips; [] renders at data.train_resolution (data.buckets[0] when set).
+    # [frames, height, width] of the clips; [] renders at data.train_resolution (data.buckets[0]
+    # when set).
     resolution: list[int] = field(default_factory=list)
     # Frame rate written into the mp4s and the TensorBoard clips; 0: the model's published rate
-    # (docs/models/), as the configs of published models set. A family with sound writes at the rate its
-    # sound was generated for (data.target_fps, else its published rate), no other.
+    # (docs/models/), as the configs of published models set. A family with sound writes at the rate
+    # its sound was generated for (data.target_fps, else its published rate), no other.
     gen_fps: int = 0
     # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say).
     images: list[str] = field(default_factory=list)
     # First-last-frame models: one last-frame image per prompt, beside validation.images.
     last_images: list[str] = field(default_factory=list)
-    # Models that follow a control video (model.type = "ic"): one per prompt, read at the rendered clip's rate from
-    # its first frame, resized to cover and centre-cropped to its size; TensorBoard shows it beside the output.
+    # Models that follow a control video (model.type = "ic"): one per prompt, read at the rendered
+    # clip's rate from its first frame, resized to cover and centre-cropped to its size; TensorBoard
+    # shows it beside the output.
     control_videos: list[str] = field(default_factory=list)
-    # VACE models (model.type = "vace"): one reference image per prompt, which the clip is to show (a subject, a
-    # style); [] renders without.
+    # VACE models (model.type = "vace"): one reference image per prompt, which the clip is to show
+    # (a subject, a style); [] renders without.
     reference_images: list[str] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
@@ -339,7 +367,9 @@ def _set(cfg: Config, key: str, value) -> None:
     section_name, _, name = key.partition(".")
     sections = [f.name for f in dataclasses.fields(Config)]
     if section_name not in sections:
-        raise ConfigError(f"unknown config section '{section_name}' in '{key}'{_nearest(section_name, sections)}")
+        raise ConfigError(
+            f"unknown config section '{section_name}' in '{key}'{_nearest(section_name, sections)}"
+        )
     section = getattr(cfg, section_name)
     hints = typing.get_type_hints(type(section))
     if name not in hints:
@@ -405,49 +435,82 @@ def check_values(cfg: Config) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
             raise ConfigError(f"{key} is required: set it in the config file or pass --{key} VALUE")
-    positive = ("train.steps", "parallel.timeout_s", "parallel.dp_replicate", "parallel.sp_size",
-                "train.batch_size", "train.gradient_accumulation_steps", "train.log_every", "train.max_nonfinite_steps",
-                "lora.rank", "checkpoint.checkpointing_steps", "validation.validation_steps")
+    positive = (
+        "train.steps",
+        "parallel.timeout_s",
+        "parallel.dp_replicate",
+        "parallel.sp_size",
+        "train.batch_size",
+        "train.gradient_accumulation_steps",
+        "train.log_every",
+        "train.max_nonfinite_steps",
+        "lora.rank",
+        "checkpoint.checkpointing_steps",
+        "validation.validation_steps",
+    )
     for key in positive:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
             raise ConfigError(f"{key} must be at least 1")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy != "fsdp":
-        raise ConfigError("parallel.cpu_offload offloads FSDP's shards: set parallel.strategy = \"fsdp\" or remove it")
+        raise ConfigError(
+            'parallel.cpu_offload offloads FSDP\'s shards: set parallel.strategy = "fsdp" or remove it'
+        )
     if cfg.parallel.cpu_offload and cfg.train.mixed_precision == "fp16":
-        # The loss scale lives on the GPU and offloaded gradients on the CPU; untested there, so refused.
-        raise ConfigError("parallel.cpu_offload does not support train.mixed_precision = \"fp16\" yet: use \"bf16\"")
+        # The loss scale lives on the GPU and offloaded gradients on the CPU; untested there, so
+        # refused.
+        raise ConfigError(
+            'parallel.cpu_offload does not support train.mixed_precision = "fp16" yet: use "bf16"'
+        )
     if cfg.parallel.offload_blocks < 0:
-        raise ConfigError(f"parallel.offload_blocks must be 0 (every block) or a number of blocks, got "
-                          f"{cfg.parallel.offload_blocks}")
+        raise ConfigError(
+            f"parallel.offload_blocks must be 0 (every block) or a number of blocks, got "
+            f"{cfg.parallel.offload_blocks}"
+        )
     if cfg.parallel.offload_blocks and not cfg.parallel.cpu_offload:
-        raise ConfigError("parallel.offload_blocks chooses how many blocks parallel.cpu_offload keeps in host memory: "
-                          "set parallel.cpu_offload = true, or remove it")
+        raise ConfigError(
+            "parallel.offload_blocks chooses how many blocks parallel.cpu_offload keeps in host memory: "
+            "set parallel.cpu_offload = true, or remove it"
+        )
     if cfg.parallel.offload_blocks and cfg.train.training_type == "sft":
-        # sft's gradients and AdamW state would be split between host and GPU: one device per run instead.
-        raise ConfigError("parallel.offload_blocks is for LoRA: with train.training_type = \"sft\" parallel.cpu_offload "
-                          "keeps every block, its gradients and its AdamW state in host memory; remove it")
+        # sft's gradients and AdamW state would be split between host and GPU: one device per run
+        # instead.
+        raise ConfigError(
+            'parallel.offload_blocks is for LoRA: with train.training_type = "sft" parallel.cpu_offload '
+            "keeps every block, its gradients and its AdamW state in host memory; remove it"
+        )
     if cfg.train.activation_offload and not cfg.train.gradient_checkpointing:
-        raise ConfigError("train.activation_offload moves the block inputs that activation checkpointing keeps to "
-                          "host memory: set train.gradient_checkpointing = true, or remove it")
+        raise ConfigError(
+            "train.activation_offload moves the block inputs that activation checkpointing keeps to "
+            "host memory: set train.gradient_checkpointing = true, or remove it"
+        )
     if cfg.model.storage_dtype == "fp8" and cfg.train.training_type == "sft":
-        raise ConfigError("model.storage_dtype = \"fp8\" stores a frozen base, but train.training_type = \"sft\" "
-                          "trains every weight: remove model.storage_dtype, or train a LoRA")
+        raise ConfigError(
+            'model.storage_dtype = "fp8" stores a frozen base, but train.training_type = "sft" '
+            "trains every weight: remove model.storage_dtype, or train a LoRA"
+        )
     if cfg.run.deterministic and cfg.train.attention_backend == "cudnn":
-        raise ConfigError("train.attention_backend = \"cudnn\" has no deterministic backward, and run.deterministic "
-                          "= true: use \"flash\" or \"\" (SDPA's choice), whose backward is deterministic then")
+        raise ConfigError(
+            'train.attention_backend = "cudnn" has no deterministic backward, and run.deterministic '
+            '= true: use "flash" or "" (SDPA\'s choice), whose backward is deterministic then'
+        )
     if len(cfg.data.train_resolution) != 3:
-        raise ConfigError(f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}")
+        raise ConfigError(
+            f"data.train_resolution must be [frames, height, width], got {cfg.data.train_resolution}"
+        )
     if cfg.model.type == "i2v":
-        # The image is the first frame: a 1-frame sample is its own condition. TI2V masks that frame out of
-        # the loss (0/0, NaN); the other image-to-video models would learn to copy the image.
-        shapes = {f"data.buckets[{i}]": s for i, s in enumerate(cfg.data.buckets)} or \
-            {"data.train_resolution": cfg.data.train_resolution}
+        # The image is the first frame: a 1-frame sample is its own condition. TI2V masks that frame
+        # out of the loss (0/0, NaN); the other image-to-video models would learn to copy the image.
+        shapes = {f"data.buckets[{i}]": s for i, s in enumerate(cfg.data.buckets)} or {
+            "data.train_resolution": cfg.data.train_resolution
+        }
         for key, shape in shapes.items():
             if shape[:1] == [1]:
-                raise ConfigError(f"{key} = {shape} has 1 frame, but image-to-video trains the frames after its "
-                                  "conditioning image (the first frame): give it more frames (the model's 4k+1 or "
-                                  "8k+1); image-to-video cannot train on images listed as videos")
+                raise ConfigError(
+                    f"{key} = {shape} has 1 frame, but image-to-video trains the frames after its "
+                    "conditioning image (the first frame): give it more frames (the model's 4k+1 or "
+                    "8k+1); image-to-video cannot train on images listed as videos"
+                )
     check_training_values(cfg)
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError(f"train.ema_decay must be in [0, 1), got {cfg.train.ema_decay}")
@@ -459,10 +522,12 @@ def check_values(cfg: Config) -> None:
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if cfg.lora.dropout and cfg.train.gradient_checkpointing:
-        # The recompute would draw a different dropout mask: checkpointing restores only the global RNG.
+        # The recompute would draw a different dropout mask: checkpointing restores only the global
+        # RNG.
         raise ConfigError("lora.dropout > 0 needs train.gradient_checkpointing = false")
     if cfg.lora.dropout and cfg.parallel.sp_size > 1:
-        # The ranks of an sp group each compute the replicated text tokens: their masks would differ.
+        # The ranks of an sp group each compute the replicated text tokens: their masks would
+        # differ.
         raise ConfigError("lora.dropout > 0 needs parallel.sp_size = 1")
     if cfg.checkpoint.checkpointing_limit < 0 or cfg.data.held_out < 0:
         raise ConfigError("checkpoint.checkpointing_limit and data.held_out must not be negative")
@@ -474,19 +539,27 @@ def check_values(cfg: Config) -> None:
     if cfg.validation.gen_fps < 0:
         raise ConfigError("validation.gen_fps must be 0 (the family's published rate) or positive")
     if cfg.train.flow_shift < 0:
-        raise ConfigError(f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}")
+        raise ConfigError(
+            f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}"
+        )
     if cfg.train.audio_loss_weight < 0:
         raise ConfigError(f"train.audio_loss_weight must be 0 or positive, got {cfg.train.audio_loss_weight}")
-    if cfg.model.type != "i2v" and cfg.validation.images:  # t2v, and ic (its condition is a control video)
-        raise ConfigError("validation.images conditions image-to-video models: set model.type = \"i2v\" or remove it")
+    # t2v, and ic (its condition is a control video)
+    if cfg.model.type != "i2v" and cfg.validation.images:
+        raise ConfigError(
+            'validation.images conditions image-to-video models: set model.type = "i2v" or remove it'
+        )
     if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says
         check_validation_images(cfg)
     if len(cfg.validation.resolution) not in (0, 3):
-        raise ConfigError(f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}")
+        raise ConfigError(
+            f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}"
+        )
 
 
 def check_training_values(cfg: Config) -> None:
-    """Values that would train nothing (an all-zero LoRA, exported with exit 0) or crash after the cache pass."""
+    """Values that would train nothing (an all-zero LoRA, exported with exit 0) or crash after the
+    cache pass."""
     t = cfg.train
     if t.learning_rate <= 0:
         raise ConfigError(f"train.learning_rate must be positive, got {t.learning_rate}")
@@ -496,46 +569,65 @@ def check_training_values(cfg: Config) -> None:
         raise ConfigError(f"train.max_grad_norm must be 0 (no clipping) or positive, got {t.max_grad_norm}")
     if t.training_type == "lora" and cfg.lora.lora_alpha <= 0:
         # The adapters' scale is lora_alpha / rank: 0 multiplies every update away.
-        raise ConfigError(f"lora.lora_alpha must be positive (the scale is lora_alpha / lora.rank), got "
-                          f"{cfg.lora.lora_alpha}")
+        raise ConfigError(
+            f"lora.lora_alpha must be positive (the scale is lora_alpha / lora.rank), got "
+            f"{cfg.lora.lora_alpha}"
+        )
     if t.training_type == "lora" and not cfg.lora.target_modules:
-        raise ConfigError("lora.target_modules is empty, so no layer would get an adapter: name the linear layers "
-                          "to adapt (the default is [\"to_q\", \"to_k\", \"to_v\", \"to_out.0\"])")
+        raise ConfigError(
+            "lora.target_modules is empty, so no layer would get an adapter: name the linear layers "
+            'to adapt (the default is ["to_q", "to_k", "to_v", "to_out.0"])'
+        )
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).exists():
-        raise ConfigError(f"checkpoint.resume = {resume} does not exist: give a checkpoint-N folder, or \"auto\" "
-                          "(the newest in run.output_dir) or \"none\"")
+        raise ConfigError(
+            f'checkpoint.resume = {resume} does not exist: give a checkpoint-N folder, or "auto" '
+            '(the newest in run.output_dir) or "none"'
+        )
 
 
 def check_validation_images(cfg: Config) -> None:
     images, prompts = cfg.validation.images, cfg.validation.prompts
     if cfg.model.type == "i2v" and len(images) != len(prompts):
-        raise ConfigError(f"model.type = \"i2v\" renders each validation prompt from an image: validation.images "
-                          f"has {len(images)} for {len(prompts)} validation.prompts; give one per prompt")
+        raise ConfigError(
+            f'model.type = "i2v" renders each validation prompt from an image: validation.images '
+            f"has {len(images)} for {len(prompts)} validation.prompts; give one per prompt"
+        )
     last = cfg.validation.last_images
     if last and len(last) != len(prompts):
-        raise ConfigError(f"validation.last_images has {len(last)} for {len(prompts)} validation.prompts: a "
-                          "first-last-frame model renders each prompt between its image and its last image; give "
-                          "one per prompt")
+        raise ConfigError(
+            f"validation.last_images has {len(last)} for {len(prompts)} validation.prompts: a "
+            "first-last-frame model renders each prompt between its image and its last image; give "
+            "one per prompt"
+        )
     controls = cfg.validation.control_videos
     if controls and len(controls) != len(prompts):
-        raise ConfigError(f"validation.control_videos has {len(controls)} for {len(prompts)} validation.prompts: a "
-                          "control model renders each prompt from its control video; give one per prompt")
+        raise ConfigError(
+            f"validation.control_videos has {len(controls)} for {len(prompts)} validation.prompts: a "
+            "control model renders each prompt from its control video; give one per prompt"
+        )
     references = cfg.validation.reference_images
     if references and cfg.model.type != "vace":
-        raise ConfigError("validation.reference_images conditions VACE models: set model.type = \"vace\" "
-                          "(and model.path to a VACE model), or remove them")
+        raise ConfigError(
+            'validation.reference_images conditions VACE models: set model.type = "vace" '
+            "(and model.path to a VACE model), or remove them"
+        )
     if references and len(references) != len(prompts):
-        raise ConfigError(f"validation.reference_images has {len(references)} for {len(prompts)} "
-                          "validation.prompts: give one per prompt")
+        raise ConfigError(
+            f"validation.reference_images has {len(references)} for {len(prompts)} "
+            "validation.prompts: give one per prompt"
+        )
 
 
-def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: int,
-                     key: str = "data.train_resolution") -> None:
-    """The model's own rules: frames = k * frame_multiple + 1, height and width divisible by size_multiple."""
+def check_resolution(
+    resolution: list[int], frame_multiple: int, size_multiple: int, key: str = "data.train_resolution"
+) -> None:
+    """The model's own rules: frames = k * frame_multiple + 1, height and width divisible by
+    size_multiple."""
     frames, height, width = resolution
     if frames < 1 or (frames - 1) % frame_multiple:
-        lower = max(1, (frames - 1) // frame_multiple * frame_multiple + 1)  # never a count below one frame
+        # never a count below one frame
+        lower = max(1, (frames - 1) // frame_multiple * frame_multiple + 1)
         raise ConfigError(
             f"{key} frames = {frames}, but this model needs {frame_multiple}k+1 frames "
             f"(the VAE decodes latents in pairs): use {lower} or {lower + frame_multiple}"
@@ -550,16 +642,25 @@ def check_resolution(resolution: list[int], frame_multiple: int, size_multiple: 
 
 def reference() -> str:
     """docs/configuration.md: every key, its type, default and the comment above it."""
-    lines = ["# Configuration reference", "",
-             "Every key, its type, default and meaning: the comments of `config.py`, which is the schema.",
-             "`python config.py` prints this page (a test keeps the two equal); how a run reads a config and",
-             "its `--section.key value` overrides is in [training.md](training.md).",
-             "\"One family's key\" marks a key that only one family accepts (its page in [models/](models/)",
-             "names it); a run of another family refuses it before anything is computed.", ""]
+    lines = [
+        "# Configuration reference",
+        "",
+        "Every key, its type, default and meaning: the comments of `config.py`, which is the schema.",
+        "`python config.py` prints this page (a test keeps the two equal); how a run reads a config and",
+        "its `--section.key value` overrides is in [training.md](training.md).",
+        '"One family\'s key" marks a key that only one family accepts (its page in [models/](models/)',
+        "names it); a run of another family refuses it before anything is computed.",
+        "",
+    ]
     for section in dataclasses.fields(Config):
         schema = typing.get_type_hints(section.type)
         comments = _field_comments(section.type)
-        lines += [f"## [{section.name}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"## [{section.name}]",
+            "",
+            "| key | type | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
         for name, default in dataclasses.asdict(section.type()).items():
             kind = _type_name(schema[name]).replace("|", "\\|")
             lines.append(f"| `{section.name}.{name}` | {kind} | `{toml_value(default)}` | {comments[name]} |")

@@ -2,11 +2,11 @@
 
 Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
 paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
-`video`, `prompt` and optional `image`, `last_image` and `control` columns. A `video` may be an image (.png, .jpg, .webp): a
-one-frame clip. Every clip is planned from its header (decode.py reads it): its bucket, its first
-frame and its crop offsets, drawn from a generator keyed by (run.seed, the clip's content). Its sound
-covers the seconds its frames do; its control video (data.control_column) is read at its frames' times,
-resized to its size and cropped as it is.
+`video`, `prompt` and optional `image`, `last_image` and `control` columns. A `video` may be an
+image (.png, .jpg, .webp): a one-frame clip. Every clip is planned from its header (decode.py reads
+it): its bucket, its first frame and its crop offsets, drawn from a generator keyed by (run.seed,
+the clip's content). Its sound covers the seconds its frames do; its control video
+(data.control_column) is read at its frames' times, resized to its size and cropped as it is.
 """
 
 import csv
@@ -27,9 +27,10 @@ METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 
 
 def keyed_generator(*keys, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator seeded from a tuple of keys, e.g. (seed, step, sample): no draw uses the global RNG.
-    On the CPU unless `device` says otherwise (LoRA dropout draws its masks where the activations are:
-    the same keys give other numbers on another device type, the same ones on every run)."""
+    """A generator seeded from a tuple of keys, e.g. (seed, step, sample): no draw uses the global
+    RNG. On the CPU unless `device` says otherwise (LoRA dropout draws its masks where the
+    activations are: the same keys give other numbers on another device type, the same ones on every
+    run)."""
     digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
@@ -41,7 +42,8 @@ class Clip:
     line: int  # 1-based line in the list file, for messages and for reporting the lowest bad line
     source: str  # the list file the line belongs to
     image: Path | None = None
-    last_image: Path | None = None  # first-last-frame: the clip's last frame (data.last_image_column)
+    # first-last-frame: the clip's last frame (data.last_image_column)
+    last_image: Path | None = None
     control: Path | None = None  # a control video aligned with the clip (data.control_column)
     mask: Path | None = None  # Wan VACE: the control's mask, a video or an image (data.mask_column)
     reference: Path | None = None  # Wan VACE: a reference image (data.reference_column)
@@ -63,22 +65,33 @@ class Item:
     top: int
     left: int
     pad: bool  # the clip is shorter than its bucket: repeat its last frame
-    last_image_content: str | None = None  # first-last-frame: the hash of data.last_image_column's image
+    # first-last-frame: the hash of data.last_image_column's image
+    last_image_content: str | None = None
     control_media: decode.Media | None = None  # the control video's header (data.control_column)
     control_content: str | None = None  # and the hash of its bytes
     mask_media: decode.Media | None = None  # Wan VACE: the mask's header (data.mask_column)
     mask_content: str | None = None  # and the hash of its bytes
-    reference_content: str | None = None  # Wan VACE: the hash of the reference image (data.reference_column)
+    # Wan VACE: the hash of the reference image (data.reference_column)
+    reference_content: str | None = None
 
     def preprocessing(self) -> dict:
         """Everything besides the content and the encoder that shapes the clip's latents."""
-        return {"resolution": self.resolution, "resized": self.resized, "rate": self.rate, "start": self.start,
-                "top": self.top, "left": self.left, "pad": self.pad, "resize": decode.RESIZE}
+        return {
+            "resolution": self.resolution,
+            "resized": self.resized,
+            "rate": self.rate,
+            "start": self.start,
+            "top": self.top,
+            "left": self.left,
+            "pad": self.pad,
+            "resize": decode.RESIZE,
+        }
 
 
 @dataclass(frozen=True)
 class Problem:
-    """A clip that cannot be used. kind "short" follows data.short_clips, every other kind data.skip_bad."""
+    """A clip that cannot be used. kind "short" follows data.short_clips, every other kind
+    data.skip_bad."""
 
     clip: Clip
     reason: str
@@ -89,19 +102,22 @@ class Problem:
 
 
 class BadClip(ConfigError):
-    """A clip, or the first of several, that cannot be used; the message names the file and what to do."""
+    """A clip, or the first of several, that cannot be used; the message names the file and what to
+    do."""
 
 
 # Formats.
 def _read_text(path: Path) -> str:
-    """A list or metadata file as UTF-8 text, without the byte-order mark some editors write first (it
-    would become part of the first prompt or path); other bytes are an error naming the line."""
+    """A list or metadata file as UTF-8 text, without the byte-order mark some editors write first
+    (it would become part of the first prompt or path); other bytes are an error naming the line."""
     raw = path.read_bytes()
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"{path} line {line} is not UTF-8 (byte {raw[e.start]:#04x}): save the file as UTF-8") from None
+        raise ConfigError(
+            f"{path} line {line} is not UTF-8 (byte {raw[e.start]:#04x}): save the file as UTF-8"
+        ) from None
 
 
 def _list_file(path: Path) -> list[str]:
@@ -116,9 +132,15 @@ def _list_file(path: Path) -> list[str]:
 
 
 def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, dict]]]:
-    columns = {"prompt": cfg.caption_column, "video": cfg.video_column, "image": cfg.image_column,
-               "last_image": cfg.last_image_column, "control": cfg.control_column, "mask": cfg.mask_column,
-               "reference": cfg.reference_column}
+    columns = {
+        "prompt": cfg.caption_column,
+        "video": cfg.video_column,
+        "image": cfg.image_column,
+        "last_image": cfg.last_image_column,
+        "control": cfg.control_column,
+        "mask": cfg.mask_column,
+        "reference": cfg.reference_column,
+    }
     values = {key: _list_file(root / name) for key, name in columns.items() if name}
     for key in ("video", "image", "last_image", "control", "mask", "reference"):
         if key in values and len(values[key]) != len(values["prompt"]):
@@ -149,12 +171,15 @@ def _csv_rows(path: Path) -> list[tuple[int, dict]]:
     reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
     rows = [(reader.line_num, row) for row in reader]
     if reader.fieldnames is None or not {"video", "prompt"} <= set(reader.fieldnames):
-        raise ConfigError(f"{path} line 1 must be a header naming the columns video and prompt (and optionally image)")
+        raise ConfigError(
+            f"{path} line 1 must be a header naming the columns video and prompt (and optionally image)"
+        )
     return rows
 
 
 def read_clips(cfg: DataConfig) -> list[Clip]:
-    """The clip list in file order. Missing videos are not an error here: they are bad input (skip_bad)."""
+    """The clip list in file order. Missing videos are not an error here: they are bad input
+    (skip_bad)."""
     root = Path(cfg.data_root)
     if not root.is_dir():
         raise ConfigError(f"data.data_root = {cfg.data_root} is not a folder")
@@ -174,11 +199,19 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
     for line, row in rows:
         for key in ("video", "prompt"):
             if not isinstance(row.get(key), str) or not row[key].strip():
-                raise ConfigError(f"{source} line {line}: empty or missing {key}: every clip needs a video and a prompt")
+                raise ConfigError(
+                    f"{source} line {line}: empty or missing {key}: every clip needs a video and a prompt"
+                )
         paths = (row.get(key) for key in ("image", "last_image", "control", "mask", "reference"))
-        clips.append(Clip(root / row["video"].strip(), row["prompt"].strip(), line, source,
-                          *(root / path.strip() if isinstance(path, str) and path.strip() else None
-                            for path in paths)))
+        clips.append(
+            Clip(
+                root / row["video"].strip(),
+                row["prompt"].strip(),
+                line,
+                source,
+                *(root / path.strip() if isinstance(path, str) and path.strip() else None for path in paths),
+            )
+        )
     if not clips:
         raise ConfigError(f"{source} lists no clips")
     return clips
@@ -186,12 +219,16 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
 
 # Buckets and planning.
 def resolutions(cfg: DataConfig, check) -> list[tuple[int, int, int]]:
-    """data.buckets when set, else [data.train_resolution]; each checked by check(shape, key), the model's
-    rules (the adapter's check_resolution)."""
+    """data.buckets when set, else [data.train_resolution]; each checked by check(shape, key), the
+    model's rules (the adapter's check_resolution)."""
     if cfg.target_fps < 0 or cfg.cache_batch_size < 1 or cfg.decode_workers < 0:
-        raise ConfigError("data.target_fps must be >= 0 (0 keeps the native rate), data.cache_batch_size >= 1 and "
-                          "data.decode_workers >= 0 (0 picks min(8, CPUs per rank))")
-    key, shapes = ("data.buckets", cfg.buckets) if cfg.buckets else ("data.train_resolution", [cfg.train_resolution])
+        raise ConfigError(
+            "data.target_fps must be >= 0 (0 keeps the native rate), data.cache_batch_size >= 1 and "
+            "data.decode_workers >= 0 (0 picks min(8, CPUs per rank))"
+        )
+    key, shapes = (
+        ("data.buckets", cfg.buckets) if cfg.buckets else ("data.train_resolution", [cfg.train_resolution])
+    )
     for i, shape in enumerate(shapes):
         name = f"{key}[{i}]" if cfg.buckets else key
         if len(shape) != 3:
@@ -204,16 +241,16 @@ def resolutions(cfg: DataConfig, check) -> list[tuple[int, int, int]]:
 
 def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, frames: int) -> int | None:
     """The bucket whose aspect ratio is nearest the clip's (as displayed), then of the largest area
-    it fills without upscaling, then of the most frames it fills. Among those of the nearest aspect, a
-    clip smaller than every one goes, upscaled, to the smallest; one too short for every one it covers
-    to the shortest of them (data.short_clips decides). Images go to one-frame buckets, videos to the
-    others; None when there is none of its kind."""
+    it fills without upscaling, then of the most frames it fills. Among those of the nearest aspect,
+    a clip smaller than every one goes, upscaled, to the smallest; one too short for every one it
+    covers to the shortest of them (data.short_clips decides). Images go to one-frame buckets,
+    videos to the others; None when there is none of its kind."""
     kind = [i for i, shape in enumerate(shapes) if (shape[0] == 1) == (frames == 1)]
     if not kind:
         return None
     distance = {i: abs(math.log(shapes[i][2] / shapes[i][1]) - math.log(width / height)) for i in kind}
     nearest = [i for i in kind if distance[i] <= min(distance.values()) + 1e-9]
-    area = lambda i: shapes[i][1] * shapes[i][2]  # noqa: E731
+    area = lambda i: shapes[i][1] * shapes[i][2]
     covered = [i for i in nearest if shapes[i][1] <= height and shapes[i][2] <= width]
     smallest = min(area(i) for i in nearest)
     covered = covered or [i for i in nearest if area(i) == smallest]
@@ -223,39 +260,55 @@ def choose_bucket(shapes: list[tuple[int, int, int]], height: int, width: int, f
     return min(covered, key=lambda i: (shapes[i][0], -area(i)))
 
 
-def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[int, int, int]], cfg: DataConfig,
-              seed: int, image_content: str | None = None, last_image_content: str | None = None,
-              control: tuple[decode.Media, str] | None = None, mask: tuple[decode.Media, str] | None = None,
-              reference_content: str | None = None) -> Item | Problem:
+def plan_clip(
+    clip: Clip,
+    media: decode.Media,
+    content: str,
+    shapes: list[tuple[int, int, int]],
+    cfg: DataConfig,
+    seed: int,
+    image_content: str | None = None,
+    last_image_content: str | None = None,
+    control: tuple[decode.Media, str] | None = None,
+    mask: tuple[decode.Media, str] | None = None,
+    reference_content: str | None = None,
+) -> Item | Problem:
     """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass). The
     window starts at a keyed random frame, or at frame 0 for a clip with an image-to-video image
-    (`image_content`); without one, image-to-video conditions on the window's own first frame. A clip with
-    a last image (`last_image_content`, first-last-frame) ends its window at its last frame. A control
-    video (`control`: its header and content hash) must show every frame time of the window, and so must a
-    mask video (`mask`, Wan VACE; a mask image stands for every frame)."""
+    (`image_content`); without one, image-to-video conditions on the window's own first frame. A
+    clip with a last image (`last_image_content`, first-last-frame) ends its window at its last
+    frame. A control video (`control`: its header and content hash) must show every frame time of
+    the window, and so must a mask video (`mask`, Wan VACE; a mask image stands for every frame)."""
     rate = 0.0 if media.image else cfg.target_fps or media.fps
     available = decode.available_frames(media, rate)
     bucket = choose_bucket(shapes, media.height, media.width, available)
     if bucket is None:
-        kind = "an image, but no bucket has 1 frame" if media.image else "a video, but every bucket has 1 frame"
+        kind = (
+            "an image, but no bucket has 1 frame" if media.image else "a video, but every bucket has 1 frame"
+        )
         return Problem(clip, f"{kind}: add a [frames, height, width] bucket of its kind to data.buckets")
     frames, out_h, out_w = shapes[bucket]
     if available < frames and cfg.short_clips != "pad":
         at = f"at {cfg.target_fps:g} fps" if cfg.target_fps else "in all"
-        return Problem(clip, f"has {available} frames {at}, its bucket {list(shapes[bucket])} needs {frames}", "short")
+        return Problem(
+            clip, f"has {available} frames {at}, its bucket {list(shapes[bucket])} needs {frames}", "short"
+        )
     scale = max(out_h / media.height, out_w / media.width)
     resized = (max(out_h, round(media.height * scale)), max(out_w, round(media.width * scale)))
     generator = keyed_generator(seed, "clip", content)  # the same wherever the file lies
-    # An image-to-video clip's image (data.image_column) is its video's first frame: its window must start
-    # there, or the model learns a jump from the image to a later frame. Still one draw (of one choice):
-    # the crop draws after it stay the same.
-    # A last image (data.last_image_column) is the clip's last frame: the window ends there, for the same reason.
+    # An image-to-video clip's image (data.image_column) is its video's first frame: its window must
+    # start there, or the model learns a jump from the image to a later frame. Still one draw (of
+    # one choice): the crop draws after it stay the same. A last image (data.last_image_column) is
+    # the clip's last frame: the window ends there, for the same reason.
     latest = 0 if image_content is not None else max(available - frames, 0)
     earliest = latest if last_image_content is not None else 0
     if last_image_content is not None and image_content is not None and available > frames:
-        return Problem(clip, f"has {available} frames and both an image and a last image, which are its first and "
-                             f"last frames, but its bucket {list(shapes[bucket])} takes {frames}: cut the clip to "
-                             f"{frames} frames, or clear data.image_column to condition on the window's first frame")
+        return Problem(
+            clip,
+            f"has {available} frames and both an image and a last image, which are its first and "
+            f"last frames, but its bucket {list(shapes[bucket])} takes {frames}: cut the clip to "
+            f"{frames} frames, or clear data.image_column to condition on the window's first frame",
+        )
     start = int(torch.randint(earliest, latest + 1, (), generator=generator))
     if cfg.crop == "random":
         top = int(torch.randint(0, resized[0] - out_h + 1, (), generator=generator))
@@ -263,22 +316,43 @@ def plan_clip(clip: Clip, media: decode.Media, content: str, shapes: list[tuple[
     else:
         top, left = (resized[0] - out_h) // 2, (resized[1] - out_w) // 2
     if control is not None:
-        # The window's frames the clip shows (a padded clip repeats its last one): the control must show their
-        # times too, at whatever rate it was made.
+        # The window's frames the clip shows (a padded clip repeats its last one): the control must
+        # show their times too, at whatever rate it was made.
         shown = min(start + frames, available)
         has = decode.available_frames(control[0], rate)
         if has < shown:
             at = f"at {rate:g} fps" if rate else "in all"
-            return Problem(clip, f"control {clip.control} has {has} frames {at}, but the clip's window needs its "
-                                 f"frames {start} to {shown - 1}: give each clip a control video as long as the clip")
+            return Problem(
+                clip,
+                f"control {clip.control} has {has} frames {at}, but the clip's window needs its "
+                f"frames {start} to {shown - 1}: give each clip a control video as long as the clip",
+            )
         if mask is not None and not mask[0].image and decode.available_frames(mask[0], rate) < shown:
             has = decode.available_frames(mask[0], rate)
-            return Problem(clip, f"mask {clip.mask} has {has} frames, but the clip's window needs its "
-                                 f"frames {start} to {shown - 1}: give each clip a mask video as long as "
-                                 "the clip, or one image")
-    return Item(clip, media, content, image_content, bucket, shapes[bucket], resized, rate, start, top, left,
-                available < frames, last_image_content, *(control or (None, None)), *(mask or (None, None)),
-                reference_content)
+            return Problem(
+                clip,
+                f"mask {clip.mask} has {has} frames, but the clip's window needs its "
+                f"frames {start} to {shown - 1}: give each clip a mask video as long as "
+                "the clip, or one image",
+            )
+    return Item(
+        clip,
+        media,
+        content,
+        image_content,
+        bucket,
+        shapes[bucket],
+        resized,
+        rate,
+        start,
+        top,
+        left,
+        available < frames,
+        last_image_content,
+        *(control or (None, None)),
+        *(mask or (None, None)),
+        reference_content,
+    )
 
 
 def window_times(item: Item) -> list[float]:
@@ -294,40 +368,59 @@ def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
     times = window_times(item)
     crop = (item.top, item.left, height, width)
     try:
-        return torch.from_numpy(decode.read_frames(item.clip.video, item.media, times, item.resized, crop, item.pad,
-                                                   threads))
+        return torch.from_numpy(
+            decode.read_frames(item.clip.video, item.media, times, item.resized, crop, item.pad, threads)
+        )
     except decode.MediaError as e:
         raise BadClip(str(e)) from None
 
 
 def decode_control(item: Item, threads: int = 0) -> torch.Tensor:
-    """The control video's frames of the planned window: those shown at the clip's frame times (whatever the
-    control's own rate), resized to the clip's resized size (whatever the control's own) and cropped as the
-    clip's frames are: uint8 [F, H, W, 3], frame k aligned with decode_clip's frame k."""
+    """The control video's frames of the planned window: those shown at the clip's frame times
+    (whatever the control's own rate), resized to the clip's resized size (whatever the control's
+    own) and cropped as the clip's frames are: uint8 [F, H, W, 3], frame k aligned with
+    decode_clip's frame k."""
     frames, height, width = item.resolution
     times = window_times(item)
     try:
-        return torch.from_numpy(decode.read_frames(item.clip.control, item.control_media, times, item.resized,
-                                                   (item.top, item.left, height, width), item.pad, threads))
+        return torch.from_numpy(
+            decode.read_frames(
+                item.clip.control,
+                item.control_media,
+                times,
+                item.resized,
+                (item.top, item.left, height, width),
+                item.pad,
+                threads,
+            )
+        )
     except decode.MediaError as e:
         raise BadClip(f"control {item.clip.control}: {e}") from None
 
 
 def decode_mask(item: Item, threads: int = 0) -> torch.Tensor:
-    """Wan VACE: the mask of the planned window, read as decode_control reads the control video (an image
-    mask for every frame): uint8 [F, H, W, 3]."""
+    """Wan VACE: the mask of the planned window, read as decode_control reads the control video (an
+    image mask for every frame): uint8 [F, H, W, 3]."""
     frames, height, width = item.resolution
     try:
-        return torch.from_numpy(decode.read_frames(item.clip.mask, item.mask_media, window_times(item),
-                                                   item.resized, (item.top, item.left, height, width),
-                                                   item.pad, threads))
+        return torch.from_numpy(
+            decode.read_frames(
+                item.clip.mask,
+                item.mask_media,
+                window_times(item),
+                item.resized,
+                (item.top, item.left, height, width),
+                item.pad,
+                threads,
+            )
+        )
     except decode.MediaError as e:
         raise BadClip(f"mask {item.clip.mask}: {e}") from None
 
 
 def load_reference(item: Item) -> torch.Tensor:
-    """Wan VACE: the clip's reference image, upright, at its own size (the family fits it into the frame):
-    uint8 [H, W, 3]."""
+    """Wan VACE: the clip's reference image, upright, at its own size (the family fits it into the
+    frame): uint8 [H, W, 3]."""
     path = item.clip.reference
     try:
         with decode.Image.open(path) as image:
@@ -335,28 +428,31 @@ def load_reference(item: Item) -> torch.Tensor:
     except (OSError, SyntaxError) as e:
         raise BadClip(f"reference {path}: not a readable image ({e})") from None
     pixels = decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0]))
-    return torch.from_numpy(np.array(pixels))  # a writable copy: the uncropped image is PIL's read-only buffer
+    # a writable copy: the uncropped image is PIL's read-only buffer
+    return torch.from_numpy(np.array(pixels))
 
 
 def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | None:
-    """The sound of the planned frames' seconds, start / rate to (start + frames) / rate after the clip's
-    first frame, mixed to `channels` at `sample_rate`: float32 [channels, round(frames / rate *
-    sample_rate)]; zeros past the end of the stream (a padded clip's repeated frames). None for an
+    """The sound of the planned frames' seconds, start / rate to (start + frames) / rate after the
+    clip's first frame, mixed to `channels` at `sample_rate`: float32 [channels, round(frames / rate
+    * sample_rate)]; zeros past the end of the stream (a padded clip's repeated frames). None for an
     image or a file without sound (decode.read_audio); BadClip when its sound cannot be decoded."""
     if item.media.image:
         return None
     frames = item.resolution[0]
     try:
-        return decode.read_audio(item.clip.video, item.media, item.start / item.rate, frames / item.rate,
-                                 sample_rate, channels)
+        return decode.read_audio(
+            item.clip.video, item.media, item.start / item.rate, frames / item.rate, sample_rate, channels
+        )
     except decode.MediaError as e:
         raise BadClip(str(e)) from None
 
 
 def load_image(item: Item, last: bool = False) -> torch.Tensor:
-    """A clip's conditioning image (data.image_column, or with `last` data.last_image_column's), upright as
-    displayed (EXIF orientation), resized to the clip's resized size and cropped as its frames are: uint8
-    [H, W, 3]. An image of the clip's own size (its first or last frame, say) lines up with the frames exactly."""
+    """A clip's conditioning image (data.image_column, or with `last` data.last_image_column's),
+    upright as displayed (EXIF orientation), resized to the clip's resized size and cropped as its
+    frames are: uint8 [H, W, 3]. An image of the clip's own size (its first or last frame, say)
+    lines up with the frames exactly."""
     frames, height, width = item.resolution
     path = item.clip.last_image if last else item.clip.image
     try:
@@ -369,7 +465,8 @@ def load_image(item: Item, last: bool = False) -> torch.Tensor:
 class Sampler:
     """Global batches of G clip indices, each from one bucket. For each (seed, epoch): one keyed
     permutation within each bucket, cut into global batches of G with the tails dropped, then the
-    batches of all buckets in one keyed order. State: (epoch, global batches consumed in this epoch)."""
+    batches of all buckets in one keyed order. State: (epoch, global batches consumed in this
+    epoch)."""
 
     def __init__(self, buckets: list[int], global_batch: int, seed: int):
         self.members: dict[int, list[int]] = {}
@@ -389,10 +486,14 @@ class Sampler:
         if self._batches[0] != epoch:
             batches, g = [], self.global_batch
             for bucket, members in sorted(self.members.items()):
-                order = torch.randperm(len(members), generator=keyed_generator(self.seed, "epoch", epoch, bucket))
+                order = torch.randperm(
+                    len(members), generator=keyed_generator(self.seed, "epoch", epoch, bucket)
+                )
                 shuffled = [members[i] for i in order.tolist()]
                 batches += [shuffled[i * g : (i + 1) * g] for i in range(len(shuffled) // g)]
-            order = torch.randperm(len(batches), generator=keyed_generator(self.seed, "epoch", epoch, "batches"))
+            order = torch.randperm(
+                len(batches), generator=keyed_generator(self.seed, "epoch", epoch, "batches")
+            )
             self._batches = (epoch, [batches[i] for i in order.tolist()])
         return self._batches[1]
 
@@ -401,7 +502,8 @@ class Sampler:
         return self._epoch_batches(self.epoch)[self.consumed - 1]
 
     def peek(self) -> list[int]:
-        """The batch next_batch returns next, not taken: the state a checkpoint holds stays as it is."""
+        """The batch next_batch returns next, not taken: the state a checkpoint holds stays as it
+        is."""
         epoch, consumed = self._after()
         return self._epoch_batches(epoch)[consumed - 1]
 
@@ -412,8 +514,11 @@ class Sampler:
         return self.epoch, self.consumed + 1
 
     def state_dict(self) -> dict:
-        return {"epoch": torch.tensor(self.epoch), "consumed": torch.tensor(self.consumed),
-                "global_batch": torch.tensor(self.global_batch)}
+        return {
+            "epoch": torch.tensor(self.epoch),
+            "consumed": torch.tensor(self.consumed),
+            "global_batch": torch.tensor(self.global_batch),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["global_batch"]) != self.global_batch:
@@ -425,7 +530,7 @@ class Sampler:
 
 
 def micro_slice(micro: int, rank: int, world: int, batch_size: int) -> range:
-    """Positions in the global batch that this rank uses in this micro-step (docs/training.md, Steps and batches)."""
+    """Positions in the global batch that this rank uses in this micro-step (docs/training.md, Steps
+    and batches)."""
     start = (micro * world + rank) * batch_size
     return range(start, start + batch_size)
-

@@ -11,9 +11,10 @@ Images (EXIF orientation applied) are one-frame clips.
 
 Sound: a clip's first audio stream, cut to the seconds its frames cover on the same clock (both
 streams' timestamps, measured from the first frame's display time: an audio stream may start before
-or after the video), decoded in a child process (sound_decoder.py: a crashing decoder names the clip),
-mixed to the channels a model takes and resampled with a windowed sinc (equal to torchaudio's default,
-which the official LTX-2 trainer uses), then turned into the log-mel spectrogram an audio VAE encodes.
+or after the video), decoded in a child process (sound_decoder.py: a crashing decoder names the
+clip), mixed to the channels a model takes and resampled with a windowed sinc (equal to torchaudio's
+default, which the official LTX-2 trainer uses), then turned into the log-mel spectrogram an audio
+VAE encodes.
 """
 
 import functools
@@ -50,7 +51,8 @@ class Media:
     height: int  # as displayed
     width: int
     matrix: tuple[int, ...] | None  # the display matrix (9 ints, 16.16), None when upright
-    by_index: bool = False  # timestamps unusable (raw streams, AVI with B-frames): pick by decode order
+    # timestamps unusable (raw streams, AVI with B-frames): pick by decode order
+    by_index: bool = False
     image: bool = False
 
     @property
@@ -81,7 +83,8 @@ def _probe_image(path: Path) -> Media:
                 exif = image.getexif()
     except (OSError, SyntaxError) as e:  # PIL reports unreadable images as either
         raise MediaError(f"not a readable image ({e})") from None
-    if exif.get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8):  # a quarter turn: the displayed size is swapped
+    # a quarter turn: the displayed size is swapped
+    if exif.get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
         width, height = height, width
     return Media(1, 0.0, None, height, width, None, image=True)
 
@@ -110,15 +113,16 @@ def _probe_video(path: Path) -> Media:
                     stamps.append(packet.pts)
                     durations[packet.pts] = packet.duration or 0
             by_index = len(stamps) != count or count < 2 or container.format.name == "avi"
-            if by_index:  # raw streams have no pts; AVI with B-frames gives decoded frames decode-order pts
+            # raw streams have no pts; AVI with B-frames gives decoded frames decode-order pts
+            if by_index:
                 rate = float(stream.guessed_rate or stream.average_rate or 0)
                 duration, first_pts = (count / rate if rate else 0.0), None
             else:
                 stamps.sort()
                 last = durations[stamps[-1]] or int(np.median(np.diff(stamps)))
                 duration, first_pts = float((stamps[-1] + last - stamps[0]) * stream.time_base), stamps[0]
-        # The display matrix travels as frame side data: decode one frame. Reopened, not sought to 0:
-        # raw streams refuse to seek.
+        # The display matrix travels as frame side data: decode one frame. Reopened, not sought to
+        # 0: raw streams refuse to seek.
         with _open(path) as container:
             stream = container.streams.video[0]
             frame = next(container.decode(stream), None)
@@ -163,11 +167,19 @@ def available_frames(media: Media, rate: float) -> int:
     return math.floor(media.duration * rate - 1e-6) + 1
 
 
-def read_frames(path: Path, media: Media, times: list[float], resized: tuple[int, int], crop: tuple[int, int, int, int],
-                pad: bool, threads: int = 0) -> np.ndarray:
-    """The frames shown at `times` (seconds from the first frame; the nearest one in time), resized to
-    `resized` (height, width as displayed) and cropped to (top, left, height, width): uint8 [F, H, W, 3].
-    A clip that ends early repeats its last frame when `pad` (the plan decided so), else is an error."""
+def read_frames(
+    path: Path,
+    media: Media,
+    times: list[float],
+    resized: tuple[int, int],
+    crop: tuple[int, int, int, int],
+    pad: bool,
+    threads: int = 0,
+) -> np.ndarray:
+    """The frames shown at `times` (seconds from the first frame; the nearest one in time), resized
+    to `resized` (height, width as displayed) and cropped to (top, left, height, width): uint8 [F,
+    H, W, 3]. A clip that ends early repeats its last frame when `pad` (the plan decided so), else
+    is an error."""
     if media.image:
         return read_image(path, resized, crop)[None].repeat(len(times), axis=0)
     top, left, height, width = crop
@@ -182,8 +194,11 @@ def read_frames(path: Path, media: Media, times: list[float], resized: tuple[int
         with _open(path) as container:
             stream = container.streams.video[0]
             stream.thread_type, stream.thread_count = "AUTO", threads
-            frames = _frames_by_index(container, stream, media) if media.by_index else \
-                _frames_from(container, stream, media, times[0])
+            frames = (
+                _frames_by_index(container, stream, media)
+                if media.by_index
+                else _frames_from(container, stream, media, times[0])
+            )
             k, previous = 0, None
             for t, frame in frames:
                 while k < len(times) and t >= times[k] - 0.5 / media.fps:
@@ -193,7 +208,8 @@ def read_frames(path: Path, media: Media, times: list[float], resized: tuple[int
                 if k == len(times):
                     return out
                 previous = (t, frame)
-            while previous and k < len(times) and times[k] < media.duration:  # the last frame, shown until then
+            # the last frame, shown until then
+            while previous and k < len(times) and times[k] < media.duration:
                 keep(k, previous[1])
                 k += 1
             if k == len(times):
@@ -207,10 +223,10 @@ def read_frames(path: Path, media: Media, times: list[float], resized: tuple[int
 
 
 def _frames_from(container, stream, media: Media, t: float):
-    """(time, frame) from the keyframe at or before time t on. A fragmented mp4 with B-frames indexes
-    decode times, and an MPEG transport stream has no index (its seek bisects the file by timestamps), so
-    the seek can land after t, or find nothing: then back off 1 s, 2 s, 4 s, ... to the first frame, and
-    past it decode from the file's start."""
+    """(time, frame) from the keyframe at or before time t on. A fragmented mp4 with B-frames
+    indexes decode times, and an MPEG transport stream has no index (its seek bisects the file by
+    timestamps), so the seek can land after t, or find nothing: then back off 1 s, 2 s, 4 s, ... to
+    the first frame, and past it decode from the file's start."""
     tb, half = stream.time_base, 0.5 / media.fps
     target, margin = media.first_pts + t / tb, 0.0
     while True:
@@ -222,7 +238,8 @@ def _frames_from(container, stream, media: Media, t: float):
             if seek > media.first_pts:
                 margin = max(2 * margin, 1 / tb)
                 continue
-            container.seek(0)  # the file's start (a transport stream's seek to its first frame can miss it)
+            # the file's start (a transport stream's seek to its first frame can miss it)
+            container.seek(0)
             frames = container.decode(stream)
             first = next(frames, None)
         if first is None:
@@ -239,7 +256,8 @@ def _frames_by_index(container, stream, media: Media):
 
 
 def read_image(path: Path, resized: tuple[int, int], crop: tuple[int, int, int, int]) -> np.ndarray:
-    """An image upright as displayed (EXIF orientation), resized (antialiased) and cropped: uint8 [H, W, 3]."""
+    """An image upright as displayed (EXIF orientation), resized (antialiased) and cropped: uint8
+    [H, W, 3]."""
     top, left, height, width = crop
     try:
         with Image.open(path) as image:
@@ -250,35 +268,38 @@ def read_image(path: Path, resized: tuple[int, int], crop: tuple[int, int, int, 
     return np.ascontiguousarray(pixels[top : top + height, left : left + width])
 
 
-# Sound.
-# Decoded on each side of the window: a decoder restarted by a seek needs frames to settle (Opus: 80 ms), the
-# resampler a few samples.
+# Sound. Decoded on each side of the window: a decoder restarted by a seek needs frames to settle
+# (Opus: 80 ms), the resampler a few samples.
 AUDIO_MARGIN_S = 0.5
 RESAMPLE_TAPS = 6  # zero crossings on each side of the sinc (torchaudio's lowpass_filter_width)
 RESAMPLE_ROLLOFF = 0.99  # cutoff as a share of the lower Nyquist frequency (torchaudio's rolloff)
-# Louder than this, a decoded sample comes from a corrupt stream (a damaged Opus packet decodes to hundreds);
-# lossy codecs overshoot full scale by a few dB at most.
+# Louder than this, a decoded sample comes from a corrupt stream (a damaged Opus packet decodes to
+# hundreds); lossy codecs overshoot full scale by a few dB at most.
 LOUDEST = 4.0
-# Past this many phase-kernel values, resample computes each output's weights where it needs them: 44,101 Hz
-# to 16 kHz (no common factor) would take 16,000 kernels of 44,135 taps, 5.6 GB.
+# Past this many phase-kernel values, resample computes each output's weights where it needs them:
+# 44,101 Hz to 16 kHz (no common factor) would take 16,000 kernels of 44,135 taps, 5.6 GB.
 KERNEL_VALUES = 1 << 22
 SOUND = "sinc-hann-6-0.99"  # part of the audio cache key: another resampler gives other latents
-_sounds, _sounds_lock = 0, threading.Lock()  # clips whose sound this process decoded (the sound_segv fault)
+# clips whose sound this process decoded (the sound_segv fault)
+_sounds, _sounds_lock = 0, threading.Lock()
 
 
-def read_audio(path: Path, media: Media, start: float, duration: float, sample_rate: int,
-               channels: int) -> torch.Tensor | None:
+def read_audio(
+    path: Path, media: Media, start: float, duration: float, sample_rate: int, channels: int
+) -> torch.Tensor | None:
     """The clip's sound from `start` seconds after its first frame is shown, for `duration` seconds:
-    float32 [channels, round(duration * sample_rate)] at `sample_rate`; zeros where the stream has no
-    sound (before it starts, after it ends). None when the file has no audio stream, or one without a
-    single frame. Decoded in a child process (sound_decoder.py): a decoder that crashes names the clip."""
+    float32 [channels, round(duration * sample_rate)] at `sample_rate`; zeros where the stream has
+    no sound (before it starts, after it ends). None when the file has no audio stream, or one
+    without a single frame. Decoded in a child process (sound_decoder.py): a decoder that crashes
+    names the clip."""
     global _sounds
     with _sounds_lock:
         _sounds += 1
         crash = faults.active("sound_segv", _sounds)
     try:
-        found = sound_decoder.decode(str(path), media.first_pts, start - AUDIO_MARGIN_S,
-                                     duration + 2 * AUDIO_MARGIN_S, crash)
+        found = sound_decoder.decode(
+            str(path), media.first_pts, start - AUDIO_MARGIN_S, duration + 2 * AUDIO_MARGIN_S, crash
+        )
     except sound_decoder.Failed as e:
         raise MediaError(str(e)) from None
     if found is None:
@@ -286,8 +307,10 @@ def read_audio(path: Path, media: Media, start: float, duration: float, sample_r
     rate, native = found
     peak = float(np.abs(native).max())
     if peak > LOUDEST:
-        raise MediaError(f"its sound decodes to samples up to {peak:.3g}, far outside [-1, 1] (a corrupt "
-                         "stream): re-encode its sound or remove the clip")
+        raise MediaError(
+            f"its sound decodes to samples up to {peak:.3g}, far outside [-1, 1] (a corrupt "
+            "stream): re-encode its sound or remove the clip"
+        )
     waveform = resample(mix(torch.from_numpy(native), channels), rate, sample_rate)
     first = round(AUDIO_MARGIN_S * sample_rate)
     return waveform[:, first : first + round(duration * sample_rate)]
@@ -296,14 +319,18 @@ def read_audio(path: Path, media: Media, start: float, duration: float, sample_r
 def mix(waveform: torch.Tensor, channels: int) -> torch.Tensor:
     """[C, N] samples to `channels` (1 or 2), as the official LTX-2 trainer mixes: mono is copied to
     both sides; 5.1 and 7.1 (FFmpeg's order: L, R, C, LFE, then the surrounds) keep each side's
-    front, add the centre and that side's surrounds at 0.707 and drop the LFE, scaled so the weights sum
-    to 1; any other layout is averaged; one channel out is the mean of two."""
+    front, add the centre and that side's surrounds at 0.707 and drop the LFE, scaled so the weights
+    sum to 1; any other layout is averaged; one channel out is the mean of two."""
     count = waveform.shape[0]
     if count in (6, 8):
         left, right = [0, 4, 6][: count // 2 - 1], [1, 5, 7][: count // 2 - 1]
         total = 1 + 0.707 * len(left)  # the front, then the centre and the surrounds of one side
-        waveform = torch.stack([(waveform[side[0]] + 0.707 * (waveform[2] + waveform[side[1:]].sum(0))) / total
-                                for side in (left, right)])
+        waveform = torch.stack(
+            [
+                (waveform[side[0]] + 0.707 * (waveform[2] + waveform[side[1:]].sum(0))) / total
+                for side in (left, right)
+            ]
+        )
     elif count > 2:
         waveform = waveform.mean(0, keepdim=True)
     if channels == 1:
@@ -326,7 +353,8 @@ def resample(waveform: torch.Tensor, rate: int, new_rate: int) -> torch.Tensor:
         return _resample_pointwise(waveform, rate, new_rate, samples)
     kernels = _sinc_kernels(rate, new_rate)
     padded = torch.nn.functional.pad(waveform[:, None], (width, width + rate))
-    out = torch.nn.functional.conv1d(padded, kernels.to(waveform.dtype), stride=rate)  # [C, new_rate phases, blocks]
+    # [C, new_rate phases, blocks]
+    out = torch.nn.functional.conv1d(padded, kernels.to(waveform.dtype), stride=rate)
     return out.transpose(1, 2).reshape(waveform.shape[0], -1)[:, :samples]
 
 
@@ -355,7 +383,8 @@ def _sinc_kernels(rate: int, new_rate: int) -> torch.Tensor:
 
 def _resample_pointwise(waveform: torch.Tensor, rate: int, new_rate: int, samples: int) -> torch.Tensor:
     """resample's filter, each output sample's weights computed for the inputs within its reach: for
-    rates with little in common, whose phase kernels would not fit in memory. Chunks of 2**16 outputs."""
+    rates with little in common, whose phase kernels would not fit in memory. Chunks of 2**16
+    outputs."""
     width, count = _width(rate, new_rate), waveform.shape[1]
     reach = torch.arange(-width, width + 2)
     chunks = []
@@ -369,20 +398,29 @@ def _resample_pointwise(waveform: torch.Tensor, rate: int, new_rate: int, sample
 
 
 def log_mel(waveform: torch.Tensor, sample_rate: int, n_fft: int, hop: int, mel_bins: int) -> torch.Tensor:
-    """[C, N] samples to the log-mel spectrogram LTX-2's audio VAE encodes (docs/models/ltx2.md, Audio
-    input): [C, N // hop + 1, mel_bins], in the waveform's dtype.
-    The magnitude (not power) STFT with a periodic Hann window of n_fft, centred with reflection; Slaney's
-    mel scale and area-normalised filters from 0 Hz to Nyquist; the natural log, floored at 1e-5."""
-    spectrum = torch.stft(waveform, n_fft, hop, window=torch.hann_window(n_fft, dtype=waveform.dtype), center=True,
-                          pad_mode="reflect", return_complex=True).abs()
-    mel = _mel_filters(sample_rate, n_fft, mel_bins).to(spectrum.dtype).T @ spectrum  # [C, mel_bins, frames]
+    """[C, N] samples to the log-mel spectrogram LTX-2's audio VAE encodes (docs/models/ltx2.md,
+    Audio input): [C, N // hop + 1, mel_bins], in the waveform's dtype. The magnitude (not power)
+    STFT with a periodic Hann window of n_fft, centred with reflection; Slaney's mel scale and
+    area-normalised filters from 0 Hz to Nyquist; the natural log, floored at 1e-5."""
+    spectrum = torch.stft(
+        waveform,
+        n_fft,
+        hop,
+        window=torch.hann_window(n_fft, dtype=waveform.dtype),
+        center=True,
+        pad_mode="reflect",
+        return_complex=True,
+    ).abs()
+    # [C, mel_bins, frames]
+    mel = _mel_filters(sample_rate, n_fft, mel_bins).to(spectrum.dtype).T @ spectrum
     return mel.clamp(min=1e-5).log().transpose(1, 2)
 
 
 @functools.lru_cache(maxsize=4)
 def _mel_filters(sample_rate: int, n_fft: int, mel_bins: int) -> torch.Tensor:
-    """Triangular filters [n_fft // 2 + 1, mel_bins] (float64), evenly spaced on Slaney's mel scale (linear below
-    1 kHz, logarithmic above), each scaled by 2 / its width in Hz."""
+    """Triangular filters [n_fft // 2 + 1, mel_bins] (float64), evenly spaced on Slaney's mel scale
+    (linear below 1 kHz, logarithmic above), each scaled by 2 / its width in Hz."""
+
     def to_mel(hz):
         return torch.where(hz < 1000, hz * 3 / 200, 15 + torch.log(hz / 1000) * 27 / math.log(6.4))
 

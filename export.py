@@ -16,8 +16,16 @@ from model import model_state
 log = logging.getLogger("vidtrain")
 
 
-def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: str, d: ranks.Dist, ema=None,
-           name: str = ""):
+def export(
+    model,
+    training_type: str,
+    lora_cfg: LoraConfig,
+    adapter,
+    out_dir: str,
+    d: ranks.Dist,
+    ema=None,
+    name: str = "",
+):
     """Export the final weights, and the EMA weights beside them when EMA is on.
 
     The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on.
@@ -29,7 +37,9 @@ def export(model, training_type: str, lora_cfg: LoraConfig, adapter, out_dir: st
             _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "_ema", d, name)
 
 
-def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d, name: str):
+def _export_weights(
+    model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d, name: str
+):
     """Gather only the exported weights to rank 0 and write them.
 
     The LoRA in diffusers' and PEFT's layouts, or the full transformer with save_pretrained."""
@@ -43,8 +53,11 @@ def _export_weights(model, training_type, lora_cfg: LoraConfig, adapter, out: Pa
         args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
         lora.save_lora(str(folder / "pytorch_lora_weights.safetensors"), *args, expert=adapter.expert)
         lora.save_peft_adapter(str(folder), *args)
-        log.info("LoRA written to %s%s", folder / "pytorch_lora_weights.safetensors",
-                 f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "")
+        log.info(
+            "LoRA written to %s%s",
+            folder / "pytorch_lora_weights.safetensors",
+            f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "",
+        )
         _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, name)
     else:
         with faults.written(out / f"transformer{suffix}", lora.EXPORT_FIX) as tmp:
@@ -62,8 +75,12 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str)
     modules = {key.rsplit(".lora_", 1)[0] for key in weights}
     unmapped = sorted(m for m in modules if adapter.comfy_key(m) is None)
     if unmapped:
-        log.warning("no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3])
+        log.warning(
+            "no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3]
+        )
         return
     name += f"_{adapter.expert}" if adapter.expert else ""
-    lora.save_comfy(str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key, adapter.COMFY_ALPHA)
+    lora.save_comfy(
+        str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key, adapter.COMFY_ALPHA
+    )
     log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")

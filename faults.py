@@ -5,16 +5,16 @@
 fires at the point when the count matches, on every rank or only the one named. Points: `step` at
 that optimizer step's loss, before its backward (on_loss: its update and checkpoint never happen),
 `save` after that step's shards are written and before the commit, `cache` after that many cache
-entries, `render` before that sampling step of the process. Actions: `kill` (SIGKILL), `sigterm` (as a
-scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a message no rank
-sends, until parallel.timeout_s), `pause` (print a line naming the process, then wait for a signal and
-handle it as if it had just arrived: a test can act at that point, e.g. start a second run or signal
-the launcher, without racing a timer). Five more are named for what they do: `save_fail` (the storage
-writer fails like a full disk), `disk_full` (the count-th file this process writes through `written`
-fails like a full disk: a cache entry, a clip, an exported file), `sound_segv` (the child decoding the
-count-th clip's sound of this process dies of SIGSEGV, as a decoder's bug would; decode.py asks),
-`nan_loss` (the step's loss is NaN) and `overflow` (the step's backward starts from its loss times
-1e30: its gradients overflow, its loss stays finite)."""
+entries, `render` before that sampling step of the process. Actions: `kill` (SIGKILL), `sigterm` (as
+a scheduler sends), `sigint` (Ctrl-C), `fail` (raise OSError), `deadlock` (wait for a message no
+rank sends, until parallel.timeout_s), `pause` (print a line naming the process, then wait for a
+signal and handle it as if it had just arrived: a test can act at that point, e.g. start a second
+run or signal the launcher, without racing a timer). Five more are named for what they do:
+`save_fail` (the storage writer fails like a full disk), `disk_full` (the count-th file this process
+writes through `written` fails like a full disk: a cache entry, a clip, an exported file),
+`sound_segv` (the child decoding the count-th clip's sound of this process dies of SIGSEGV, as a
+decoder's bug would; decode.py asks), `nan_loss` (the step's loss is NaN) and `overflow` (the step's
+backward starts from its loss times 1e30: its gradients overflow, its loss stays finite)."""
 
 import contextlib
 import errno
@@ -43,16 +43,18 @@ def _specs() -> list[list[str]]:
 
 
 def active(name: str, count: int) -> bool:
-    return any(spec[0] == name and int(spec[1]) == count and (len(spec) == 2 or int(spec[2]) == dist.get_rank())
-               for spec in _specs())
+    return any(
+        spec[0] == name and int(spec[1]) == count and (len(spec) == 2 or int(spec[2]) == dist.get_rank())
+        for spec in _specs()
+    )
 
 
 @contextlib.contextmanager
 def written(path: Path, fix: str):
-    """Write `path` (a file, or a folder) as the temporary beside it that this yields, renamed into place
-    once complete: a failed write leaves neither a partial `path` nor the temporary, and raises
-    WriteFailed naming `path`, the cause and `fix`. The disk_full fault fires after the write, before
-    the rename."""
+    """Write `path` (a file, or a folder) as the temporary beside it that this yields, renamed into
+    place once complete: a failed write leaves neither a partial `path` nor the temporary, and
+    raises WriteFailed naming `path`, the cause and `fix`. The disk_full fault fires after the
+    write, before the rename."""
     global writes
     writes += 1
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -60,7 +62,8 @@ def written(path: Path, fix: str):
         yield tmp
         if active("disk_full", writes):
             raise OSError(errno.ENOSPC, "No space left on device (injected disk_full)")
-        if path.is_dir():  # a folder cannot be replaced in one rename: the old one goes once the new is in place
+        # a folder cannot be replaced in one rename: the old one goes once the new is in place
+        if path.is_dir():
             os.replace(path, path.with_name(f"{path.name}.old{os.getpid()}"))
             os.replace(tmp, path)
             shutil.rmtree(path.with_name(f"{path.name}.old{os.getpid()}"))
@@ -92,12 +95,13 @@ _step_seen = 0  # the last step on_loss saw: the step point fires at a step's fi
 
 
 def on_loss(loss: torch.Tensor, step: int) -> torch.Tensor:
-    """The training loop's one fault hook: a micro-step's loss of optimizer step `step`, before its backward.
+    """The training loop's one fault hook: a micro-step's loss of optimizer step `step`, before its
+    backward.
 
-    `nan_loss` makes the loss NaN; `overflow` keeps its value (the loop logs it finite) and multiplies the
-    gradient its backward starts from by 1e30, as a backward from the loss times 1e30 would; the `step`
-    point fires at the step's first micro-step, so its update and its checkpoint never happen (the
-    checkpoints before it are written, an asynchronous one still in flight)."""
+    `nan_loss` makes the loss NaN; `overflow` keeps its value (the loop logs it finite) and
+    multiplies the gradient its backward starts from by 1e30, as a backward from the loss times 1e30
+    would; the `step` point fires at the step's first micro-step, so its update and its checkpoint
+    never happen (the checkpoints before it are written, an asynchronous one still in flight)."""
     global _step_seen
     if step != _step_seen:
         _step_seen = step
@@ -125,14 +129,18 @@ def fault(point: str, count: int) -> None:
 
 
 def pause(where: str) -> None:
-    """Wait until the process handles a signal (SIGTERM, SIGUSR1, Ctrl-C); its handler runs as usual.
-    Python's wakeup fd receives a byte for every signal it handles, whichever thread the kernel gave it
-    to, and it is set before the line is printed: a signal sent as soon as the line is read is never
-    missed."""
+    """Wait until the process handles a signal (SIGTERM, SIGUSR1, Ctrl-C); its handler runs as
+    usual. Python's wakeup fd receives a byte for every signal it handles, whichever thread the
+    kernel gave it to, and it is set before the line is printed: a signal sent as soon as the line
+    is read is never missed."""
     wake, woken = os.pipe()
     os.set_blocking(woken, False)
     previous = signal.set_wakeup_fd(woken)
-    print(f"rank {dist.get_rank()} (pid {os.getpid()}) paused at {where} ({FAULT_ENV})", file=sys.stderr, flush=True)
+    print(
+        f"rank {dist.get_rank()} (pid {os.getpid()}) paused at {where} ({FAULT_ENV})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         os.read(wake, 1)
     finally:

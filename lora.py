@@ -33,8 +33,16 @@ class LoRALinear(nn.Linear):
 
     W and b are the base layer's own Parameters."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, *, generator: torch.Generator,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        base: nn.Linear,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        *,
+        generator: torch.Generator,
+        device: torch.device | None = None,
+    ):
         # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -110,7 +118,12 @@ def _matches(name: str, target: str) -> bool:
 
 
 def inject_lora(
-    model: nn.Module, target_modules: list[str], rank: int, alpha: float, dropout: float, seed: int,
+    model: nn.Module,
+    target_modules: list[str],
+    rank: int,
+    alpha: float,
+    dropout: float,
+    seed: int,
     device: torch.device | None = None,
 ) -> list[str]:
     """Replace every targeted nn.Linear by a LoRALinear, freeze the rest; return the names.
@@ -133,8 +146,11 @@ def inject_lora(
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout, generator=generator,
-                                          device=device))
+        setattr(
+            parent,
+            child,
+            LoRALinear(getattr(parent, child), rank, alpha, dropout, generator=generator, device=device),
+        )
     trainable = set(_lora_keys(model))
     for pname, param in model.named_parameters():
         param.requires_grad_(pname in trainable)
@@ -152,8 +168,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the base state dict with every LoRA layer merged in; live parameters are untouched.
-    """
+    """A copy of the base state dict with every LoRA layer merged in; live parameters are untouched."""
     lora_keys = set(_lora_keys(model))
     merged = {f"{name}.weight": m.merged_weight() for name, m in _lora_modules(model).items()}
     return {
@@ -164,13 +179,14 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # What to do when an exported file cannot be written (a full disk): faults.written names the file.
-EXPORT_FIX = ("free space (or write elsewhere: python ckpt.py export --out DIR), then export again; launching a "
-              "finished run again exports it")
+EXPORT_FIX = (
+    "free space (or write elsewhere: python ckpt.py export --out DIR), then export again; launching a "
+    "finished run again exports it"
+)
 
 
 def _adapter_config(rank: int, alpha: float, target_modules: list[str], dropout: float) -> dict:
-    """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load.
-    """
+    """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load."""
     return {
         "r": rank,
         "lora_alpha": alpha,
@@ -200,8 +216,13 @@ def _save_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
 
 
 def save_lora(
-    path: str, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: list[str],
-    dropout: float = 0.0, expert: str = "",
+    path: str,
+    lora_sd: dict[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
+    dropout: float = 0.0,
+    expert: str = "",
 ) -> None:
     """Write diffusers' pytorch_lora_weights.safetensors as the pipeline's save_lora_weights does.
 
@@ -217,7 +238,11 @@ def save_lora(
 
 
 def save_peft_adapter(
-    directory: str, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, target_modules: list[str],
+    directory: str,
+    lora_sd: dict[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
     dropout: float = 0.0,
 ) -> None:
     """Write PEFT's adapter_model.safetensors and adapter_config.json.
@@ -255,13 +280,17 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
     if lora_sd and all(k.startswith(PEFT_PREFIX) for k in lora_sd):
         config_path = os.path.join(os.path.dirname(path), "adapter_config.json")
         if not os.path.isfile(config_path):
-            raise ValueError(f"{path} is in PEFT's layout but {config_path}, which holds its rank and alpha, is missing")
+            raise ValueError(
+                f"{path} is in PEFT's layout but {config_path}, which holds its rank and alpha, is missing"
+            )
         with open(config_path) as f:
             config = json.load(f)
         prefix = PEFT_PREFIX
     elif METADATA_KEY in header:
         packed = json.loads(header[METADATA_KEY])
-        config = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in packed.items() if k.startswith(DIFFUSERS_PREFIX)}
+        config = {
+            k.removeprefix(DIFFUSERS_PREFIX): v for k, v in packed.items() if k.startswith(DIFFUSERS_PREFIX)
+        }
         prefix = DIFFUSERS_PREFIX
     else:
         raise ValueError(
@@ -270,43 +299,66 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
         )
     others = [k for k in lora_sd if not k.startswith(prefix)]
     if others or not {"r", "lora_alpha", "target_modules"} <= config.keys():
-        raise ValueError(f"{path}: not a transformer LoRA (keys outside '{prefix}': {others[:3]}; "
-                         f"config keys: {sorted(config)})")
+        raise ValueError(
+            f"{path}: not a transformer LoRA (keys outside '{prefix}': {others[:3]}; "
+            f"config keys: {sorted(config)})"
+        )
     # Files trained elsewhere may use variants LoRALinear cannot represent; refuse rather than
     # misload.
-    unsupported = sorted(k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k))
+    unsupported = sorted(
+        k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)
+    )
     if unsupported or isinstance(config["target_modules"], str):
         what = unsupported or ["target_modules as a regular expression"]
-        raise ValueError(f"{path}: its config sets {what}; only plain LoRA with one rank, alpha and a target list is supported")
+        raise ValueError(
+            f"{path}: its config sets {what}; only plain LoRA with one rank, alpha and a target list is supported"
+        )
     lora_sd = {k.removeprefix(prefix): v for k, v in lora_sd.items()}
     wrong_rank = [k for k, v in lora_sd.items() if k.endswith("lora_A.weight") and v.shape[0] != config["r"]]
     if wrong_rank:
         raise ValueError(f"{path}: its config says rank {config['r']} but {wrong_rank[:3]} disagree")
-    info = {"rank": config["r"], "alpha": config["lora_alpha"], "target_modules": sorted(config["target_modules"])}
+    info = {
+        "rank": config["r"],
+        "alpha": config["lora_alpha"],
+        "target_modules": sorted(config["target_modules"]),
+    }
     return lora_sd, info
 
 
-def _from_comfy(path: str, tensors: dict[str, torch.Tensor], from_comfy) -> tuple[dict[str, torch.Tensor], dict]:
+def _from_comfy(
+    path: str, tensors: dict[str, torch.Tensor], from_comfy
+) -> tuple[dict[str, torch.Tensor], dict]:
     modules = {k.removeprefix(COMFY_PREFIX).rsplit(".", 2)[0] for k in tensors if k.endswith("lora_A.weight")}
     ours = {m: from_comfy(m) if from_comfy else None for m in modules}
     unknown = sorted(m for m, name in ours.items() if name is None)
     if unknown:
-        raise ValueError(f"{path} is in ComfyUI's layout, but {unknown[:3]} name no module this model family "
-                         "maps (only the transformer blocks' projections are read)")
-    alphas = {float(tensors[f"{COMFY_PREFIX}{m}.alpha"]) for m in modules if f"{COMFY_PREFIX}{m}.alpha" in tensors}
+        raise ValueError(
+            f"{path} is in ComfyUI's layout, but {unknown[:3]} name no module this model family "
+            "maps (only the transformer blocks' projections are read)"
+        )
+    alphas = {
+        float(tensors[f"{COMFY_PREFIX}{m}.alpha"]) for m in modules if f"{COMFY_PREFIX}{m}.alpha" in tensors
+    }
     ranks = {tensors[f"{COMFY_PREFIX}{m}.lora_A.weight"].shape[0] for m in modules}
     # the scale is baked into lora_B: alpha = rank
     if not any(k.endswith(".alpha") for k in tensors):
         alphas = {float(r) for r in ranks}
     if len(alphas) > 1 or len(ranks) > 1 or len(alphas) == 0:
-        raise ValueError(f"{path}: ranks {sorted(ranks)} and alphas {sorted(alphas)}: only one rank and one alpha "
-                         "(an .alpha per module) are supported")
-    lora_sd = {f"{ours[m]}.lora_{part}.weight": tensors[f"{COMFY_PREFIX}{m}.lora_{part}.weight"]
-               for m in modules for part in "AB"}
+        raise ValueError(
+            f"{path}: ranks {sorted(ranks)} and alphas {sorted(alphas)}: only one rank and one alpha "
+            "(an .alpha per module) are supported"
+        )
+    lora_sd = {
+        f"{ours[m]}.lora_{part}.weight": tensors[f"{COMFY_PREFIX}{m}.lora_{part}.weight"]
+        for m in modules
+        for part in "AB"
+    }
     return lora_sd, {"rank": ranks.pop(), "alpha": alphas.pop(), "target_modules": None}
 
 
-def save_comfy(path: str, lora_sd: dict[str, torch.Tensor], alpha: float, to_comfy, alpha_keys: bool = True) -> None:
+def save_comfy(
+    path: str, lora_sd: dict[str, torch.Tensor], alpha: float, to_comfy, alpha_keys: bool = True
+) -> None:
     """Write a LoRA in ComfyUI's native layout.
 
     ComfyUI's native layout: diffusion_model.<original module>.lora_A/lora_B.weight and a 0-dim
@@ -339,6 +391,7 @@ def load_lora_into(model: nn.Module, lora_sd: dict[str, torch.Tensor]) -> None:
         )
     for key, param in params.items():
         if lora_sd[key].shape != param.shape:  # copy_ would broadcast some mismatches silently
-            raise ValueError(f"LoRA weight {key}: shape {tuple(lora_sd[key].shape)}, model has {tuple(param.shape)}")
+            raise ValueError(
+                f"LoRA weight {key}: shape {tuple(lora_sd[key].shape)}, model has {tuple(param.shape)}"
+            )
         param.copy_(lora_sd[key])
-

@@ -80,8 +80,9 @@ class Manifest:
             if d.is_main:
                 identity = {}
                 for kind, folders in adapter.ENCODERS.items():
-                    files = sorted(p for folder in folders for p in (adapter.path / folder).rglob("*")
-                                   if p.is_file())
+                    files = sorted(
+                        p for folder in folders for p in (adapter.path / folder).rglob("*") if p.is_file()
+                    )
                     identity[kind] = {}
                     for path in files:
                         entry, new = self.entry(path, probe=False)
@@ -90,13 +91,14 @@ class Manifest:
                         identity[kind][str(path.relative_to(adapter.path))] = entry["content"]
         return ranks.broadcast(identity, d)
 
-    def clip_entries(self, clip, with_image: bool, with_last: bool = False,
-                     with_control: bool = False) -> tuple[dict, str | None, str | None, dict | None, list]:
+    def clip_entries(
+        self, clip, with_image: bool, with_last: bool = False, with_control: bool = False
+    ) -> tuple[dict, str | None, str | None, dict | None, list]:
         """The clip's entry, (image-to-video) its image's and (first-last-frame) its last image's
         content hashes, (a control model) its control video's entry (with Wan VACE's mask entry and
-        reference image hash, or None, under "mask" and "reference"), reading what is not known yet; and
-        the new entries. decode.MediaError names the file that failed, or the missing last image or
-        control video."""
+        reference image hash, or None, under "mask" and "reference"), reading what is not known yet;
+        and the new entries. decode.MediaError names the file that failed, or the missing last image
+        or control video."""
         new = []
 
         def entry(path: Path) -> dict:
@@ -113,9 +115,11 @@ class Manifest:
         last = None
         if with_last:
             if clip.last_image is None:
-                raise decode.MediaError("has no last image: a first-last-frame model needs each clip's last "
-                                        "frame (data.last_image_column's line, or the metadata file's "
-                                        "last_image column)")
+                raise decode.MediaError(
+                    "has no last image: a first-last-frame model needs each clip's last "
+                    "frame (data.last_image_column's line, or the metadata file's "
+                    "last_image column)"
+                )
             try:
                 last = entry(clip.last_image)["content"]
             except decode.MediaError as e:
@@ -123,13 +127,16 @@ class Manifest:
         control = None
         if with_control:
             if clip.control is None:
-                raise decode.MediaError("has no control video: a control model needs one per clip "
-                                        "(data.control_column's line, or the metadata file's control column)")
+                raise decode.MediaError(
+                    "has no control video: a control model needs one per clip "
+                    "(data.control_column's line, or the metadata file's control column)"
+                )
             try:
                 control = entry(clip.control)
             except decode.MediaError as e:
                 raise decode.MediaError(f"control {clip.control}: {e}") from None
-            # Wan VACE's mask (its entry) and reference image (its content), beside the control video's.
+            # Wan VACE's mask (its entry) and reference image (its content), beside the control
+            # video's.
             extra = {"mask": None, "reference": None}
             for kind in extra:
                 path = getattr(clip, kind)
@@ -137,8 +144,11 @@ class Manifest:
                     extra[kind] = None if path is None else entry(path)
                 except decode.MediaError as e:
                     raise decode.MediaError(f"{kind} {path}: {e}") from None
-            control = {**control, "mask": extra["mask"],
-                       "reference": extra["reference"] and extra["reference"]["content"]}
+            control = {
+                **control,
+                "mask": extra["mask"],
+                "reference": extra["reference"] and extra["reference"]["content"],
+            }
         return video, image, last, control, new
 
     def save(self) -> None:

@@ -19,7 +19,9 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds of parameters and optimizer state (its shard under FSDP)."""
     params = sum(_local_bytes(p) for p in model.parameters())
-    states = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    states = sum(
+        _local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
     return params + states
 
 

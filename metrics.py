@@ -39,7 +39,9 @@ class Metrics:
     def _truncate_jsonl(self, purge_step: int) -> None:
         if not self.jsonl_path.exists():
             return
-        kept = [line for line in self.jsonl_path.read_text().splitlines() if json.loads(line)["step"] < purge_step]
+        kept = [
+            line for line in self.jsonl_path.read_text().splitlines() if json.loads(line)["step"] < purge_step
+        ]
         self.jsonl_path.write_text("".join(line + "\n" for line in kept))
 
     def logged_validation(self, step: int) -> bool | None:
@@ -68,8 +70,15 @@ class Metrics:
         elapsed = time.perf_counter() - self.started
         rate = (step - self.start_step) / elapsed if elapsed > 0 else math.nan
         eta = (self.total_steps - step) / rate if rate > 0 else math.nan
-        log.info("step %d/%d  loss %.4f  %.2f it/s  %.1f samples/s  ETA %s", step, self.total_steps,
-                 values["train/loss"], rate, values["train/samples_per_s"], _hms(eta))
+        log.info(
+            "step %d/%d  loss %.4f  %.2f it/s  %.1f samples/s  ETA %s",
+            step,
+            self.total_steps,
+            values["train/loss"],
+            rate,
+            values["train/samples_per_s"],
+            _hms(eta),
+        )
 
     def progress_validation(self, step: int, values: dict[str, float]) -> None:
         """Show the held-out loss on the terminal's progress line.
@@ -77,7 +86,11 @@ class Metrics:
         It measures learning; the training loss does not."""
         if not self.enabled or "val/loss" not in values:
             return
-        per_t = "  ".join(f"t{k.removeprefix('val/loss_t')} {v:.4f}" for k, v in values.items() if k.startswith("val/loss_t"))
+        per_t = "  ".join(
+            f"t{k.removeprefix('val/loss_t')} {v:.4f}"
+            for k, v in values.items()
+            if k.startswith("val/loss_t")
+        )
         log.info("step %d/%d  held-out loss %.4f  (%s)", step, self.total_steps, values["val/loss"], per_t)
 
     def clip(self, step: int, tag: str, frames, fps: int) -> None:
@@ -89,9 +102,12 @@ class Metrics:
             return
         images = [Image.fromarray(frame) for frame in frames.numpy()]
         gif = io.BytesIO()
-        images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
-        image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
-                              encoded_image_string=gif.getvalue())
+        images[0].save(
+            gif, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0
+        )
+        image = Summary.Image(
+            height=frames.shape[1], width=frames.shape[2], colorspace=3, encoded_image_string=gif.getvalue()
+        )
         self.writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
     def audio(self, step: int, tag: str, sound, rate: int) -> None:
@@ -100,7 +116,9 @@ class Metrics:
         A clip's soundtrack, float [channels, samples] in [-1, 1], as TensorBoard's audio summary
         (which holds one channel: the channels' mean)."""
         if self.enabled:
-            self.writer.add_audio(tag, sound.float().mean(0, keepdim=True).clamp(-1, 1), step, sample_rate=rate)
+            self.writer.add_audio(
+                tag, sound.float().mean(0, keepdim=True).clamp(-1, 1), step, sample_rate=rate
+            )
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:

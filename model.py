@@ -79,7 +79,8 @@ def check_streaming_with_sound(cfg: ParallelConfig, adapter) -> None:
             f"parallel.offload_blocks = {cfg.offload_blocks} with data.audio = true: batches "
             "with and without sound keep LoRA's weights in their blocks' FSDP units, which would "
             "split them between host and GPU; set parallel.offload_blocks = 0 (every block on the "
-            "host) or remove parallel.cpu_offload")
+            "host) or remove parallel.cpu_offload"
+        )
 
 
 def check_lora_targets(adapter, targets: list[str]) -> None:
@@ -101,6 +102,7 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
     Another expert the sampling needs (Wan 2.2 A14B), frozen in model.dtype: sharded like the
     trained one under FSDP, replicated otherwise (DDP has nothing to synchronise without trainable
     weights)."""
+
     def split(transformer):
         if adapter.sequence is not None:
             adapter.split_sequence(transformer, adapter.sequence)
@@ -111,14 +113,27 @@ def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: Paralle
 
     def shard(transformer):
         split(transformer)
-        return parallel.wrap(transformer.requires_grad_(False), adapter.blocks(transformer), parallel_cfg,
-                             train.mixed_precision, train.gradient_accumulation_steps, d)
+        return parallel.wrap(
+            transformer.requires_grad_(False),
+            adapter.blocks(transformer),
+            parallel_cfg,
+            train.mixed_precision,
+            train.gradient_accumulation_steps,
+            d,
+        )
 
     return adapter.load_transformer(folder=folder, shard=shard)
 
 
-def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, seed: int,
-                d: ranks.Dist, lora_file: str = ""):
+def build_model(
+    adapter,
+    train: TrainConfig,
+    lora_cfg: LoraConfig,
+    parallel_cfg: ParallelConfig,
+    seed: int,
+    d: ranks.Dist,
+    lora_file: str = "",
+):
     """The wrapped transformer in train mode.
 
     `lora_file` (the render command's --lora) injects the file's own rank, alpha and targets instead
@@ -138,18 +153,28 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
             lora.inject_lora(transformer, targets, info["rank"], info["alpha"], 0.0, seed, lora_device)
             lora.load_lora_into(transformer, weights)
         elif train.training_type == "lora":
-            lora.inject_lora(transformer, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha,
-                             lora_cfg.dropout, seed, lora_device)
+            lora.inject_lora(
+                transformer,
+                lora_cfg.target_modules,
+                lora_cfg.rank,
+                lora_cfg.lora_alpha,
+                lora_cfg.dropout,
+                seed,
+                lora_device,
+            )
             if lora_cfg.init_from:
                 weights, info = lora.load_lora(lora_cfg.init_from, adapter.diffusers_key)
                 check_lora_matches(lora_cfg, info)
                 lora.load_lora_into(transformer, weights)
         if parallel_cfg.sp_size > 1:
-            sequence.check_heads(parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world)
+            sequence.check_heads(
+                parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world
+            )
             adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
         if train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing(
-                activations.HostActivations(d.device).checkpoint if train.activation_offload else None)
+                activations.HostActivations(d.device).checkpoint if train.activation_offload else None
+            )
         if train.compile:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
             # Each block, not the whole model: its repeated blocks share one compiled graph, and the
@@ -162,23 +187,38 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
         log.info("parameters: %d trainable of %d (%.3f%%)", trainable, total, 100 * trainable / total)
         # sft's fp32 weights are gathered in the autocast dtype (it casts them anyway), but for the
         # fp32 modules.
-        compute_dtype_params = frozenset(name for name, _ in transformer.named_parameters()
-                                         if train.training_type == "sft" and not adapter.keeps_fp32(name))
+        compute_dtype_params = frozenset(
+            name
+            for name, _ in transformer.named_parameters()
+            if train.training_type == "sft" and not adapter.keeps_fp32(name)
+        )
         # Batches with and without sound (data.audio on LTX-2): a rank whose batch has none leaves
         # the audio stream out of the graph, and FSDP2 reduce-scatters only the weights that got a
         # gradient: the ranks' collectives would differ (gloo stops, NCCL hangs). See
         # set_reduce_scatter_unused_params.
         varies = fsdp and adapter.GRAPH_VARIES and adapter.trains_sound
-        # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams from the
-        # host, in a unit of several modules per block (fully_shard of a list). FSDP2 ends such a unit's
-        # backward otherwise when some of its modules never ran (the audio-video cross-attentions without
-        # sound), and the ranks' collectives differ: with batches that vary, LoRA streams with its block
-        # instead, as sft's does (check_streaming_with_sound refuses parallel.offload_blocks then).
-        resident = frozenset(name for name, p in transformer.named_parameters()
-                             if train.training_type == "lora" and p.requires_grad and not varies)
-        wrapped = parallel.wrap(transformer, adapter.blocks(transformer), parallel_cfg, train.mixed_precision,
-                                train.gradient_accumulation_steps, d, compute_dtype_params, resident,
-                                adapter.GRAPH_VARIES)
+        # LoRA's weights, gradients and AdamW state stay on the GPU when the frozen base streams
+        # from the host, in a unit of several modules per block (fully_shard of a list). FSDP2 ends
+        # such a unit's backward otherwise when some of its modules never ran (the audio-video
+        # cross-attentions without sound), and the ranks' collectives differ: with batches that
+        # vary, LoRA streams with its block instead, as sft's does (check_streaming_with_sound
+        # refuses parallel.offload_blocks then).
+        resident = frozenset(
+            name
+            for name, p in transformer.named_parameters()
+            if train.training_type == "lora" and p.requires_grad and not varies
+        )
+        wrapped = parallel.wrap(
+            transformer,
+            adapter.blocks(transformer),
+            parallel_cfg,
+            train.mixed_precision,
+            train.gradient_accumulation_steps,
+            d,
+            compute_dtype_params,
+            resident,
+            adapter.GRAPH_VARIES,
+        )
         if varies:
             # Each weight the backward skipped reduce-scatters a zero gradient in its unit's usual
             # place, so every rank issues the same collectives and the step's gradient is the other
@@ -196,15 +236,16 @@ def build_model(adapter, train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg:
 
 
 def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
-    """lora.init_from must describe the adapter the config trains: the same rank, alpha and targets.
-    """
+    """lora.init_from must describe the adapter the config trains: the same rank, alpha and targets."""
     ours = {"rank": cfg.rank, "alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules)}
     keys = {"rank": "lora.rank", "alpha": "lora.lora_alpha", "target_modules": "lora.target_modules"}
     for name, key in keys.items():
         # ComfyUI files name modules, not targets
         if info[name] is not None and info[name] != ours[name]:
-            raise ConfigError(f"lora.init_from = {cfg.init_from} has {name} {info[name]!r}, but {key} = "
-                              f"{ours[name]!r}: set {key} to the file's value")
+            raise ConfigError(
+                f"lora.init_from = {cfg.init_from} has {name} {info[name]!r}, but {key} = "
+                f"{ours[name]!r}: set {key} to the file's value"
+            )
 
 
 def build_optimizer(model, train: TrainConfig):
@@ -218,8 +259,14 @@ def build_optimizer(model, train: TrainConfig):
     floating-point parameters on a CPU or an accelerator; trainable weights are fp32 (LoRA's, and
     sft's) by the house rules."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay,
-                                  betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon, fused=True)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=train.learning_rate,
+        weight_decay=train.weight_decay,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_epsilon,
+        fused=True,
+    )
     return params, optimizer
 
 
@@ -283,7 +330,9 @@ class EMA:
     def update(self) -> None:
         # One kernel launch per group of tensors, not one per parameter (fp32 weights: .float() is
         # no copy).
-        torch._foreach_lerp_(list(self.weights.values()), [p.detach().float() for p in self.params], 1.0 - self.decay)
+        torch._foreach_lerp_(
+            list(self.weights.values()), [p.detach().float() for p in self.params], 1.0 - self.decay
+        )
 
     def state_dict(self) -> dict:
         return dict(self.weights)

@@ -1,13 +1,14 @@
-"""The family contract as code: Adapter declares everything a model family provides, and the registry of
-families (ADAPTERS) with load_adapter, which checks a family against the contract before it runs.
+"""The family contract as code: Adapter declares everything a model family provides, and the
+registry of families (ADAPTERS) with load_adapter, which checks a family against the contract before
+it runs.
 
-An adapter knows one family's diffusers classes (families/*.py; nothing else imports them): loading the
-components from a local diffusers folder (the VAE and text encoder lazily: training from a complete cache
-never builds them; the transformer through transformer_loading.py), encoding video, images, text (and sound)
-for the cache, the noise and the loss, the pieces of the sampling loop (validate.py runs the loop), the
-transformer blocks (FSDP and checkpointing units), the exported LoRA's other layouts. Every config value comes
-from the model classes' resolved configs: the file's values over the class's defaults, since published files
-predate keys newer diffusers versions add.
+An adapter knows one family's diffusers classes (families/*.py; nothing else imports them): loading
+the components from a local diffusers folder (the VAE and text encoder lazily: training from a
+complete cache never builds them; the transformer through transformer_loading.py), encoding video,
+images, text (and sound) for the cache, the noise and the loss, the pieces of the sampling loop
+(validate.py runs the loop), the transformer blocks (FSDP and checkpointing units), the exported
+LoRA's other layouts. Every config value comes from the model classes' resolved configs: the file's
+values over the class's defaults, since published files predate keys newer diffusers versions add.
 """
 
 import abc
@@ -30,9 +31,10 @@ log = logging.getLogger("vidtrain")
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor's copy on `device` that queues behind the running step instead of waiting for it: a
-    blocking copy synchronises the stream, and so may a non-blocking one from pageable memory (CUDA
-    stages it through a bounce buffer), hence pinned first on a GPU (a CPU-only torch has no pinning)."""
+    """A host tensor's copy on `device` that queues behind the running step instead of waiting for
+    it: a blocking copy synchronises the stream, and so may a non-blocking one from pageable memory
+    (CUDA stages it through a bounce buffer), hence pinned first on a GPU (a CPU-only torch has no
+    pinning)."""
     if device.type == "cuda":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
@@ -44,7 +46,9 @@ def sample_posterior(mean, logvar, generators: list[torch.Generator] | None) -> 
     if generators is None:
         return mean
     # Drawn on the CPU (keyed generators), copied without waiting for the queued step.
-    eps = to_device(torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)]), mean.device)
+    eps = to_device(
+        torch.stack([torch.randn(m.shape, generator=g) for m, g in zip(mean, generators)]), mean.device
+    )
     return mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps
 
 
@@ -72,13 +76,13 @@ class RunSettings:
 
 
 class Adapter(TransformerLoading, abc.ABC):
-    """One model family: its diffusers classes, read through the shared machinery below. The contract a family
-    fills comes first: its class attributes, the attributes its __init__ sets, the methods it must provide
-    (abstract: load_adapter names any a family lacks) and the optional hooks with their default behaviour.
-    A family with sound (ENCODERS has "audio") provides SOUND too; one whose SINGLE_FILE_KEY is set,
-    SINGLE_FILES.
-    families/cogvideox.py, families/wan.py and families/ltx2.py are the three; the tests of each are the
-    template for a fourth (docs/adding-a-family.md)."""
+    """One model family: its diffusers classes, read through the shared machinery below. The
+    contract a family fills comes first: its class attributes, the attributes its __init__ sets, the
+    methods it must provide (abstract: load_adapter names any a family lacks) and the optional hooks
+    with their default behaviour. A family with sound (ENCODERS has "audio") provides SOUND too; one
+    whose SINGLE_FILE_KEY is set, SINGLE_FILES. families/cogvideox.py, families/wan.py and
+    families/ltx2.py are the three; the tests of each are the template for a fourth
+    (docs/adding-a-family.md)."""
 
     FAMILY = ""  # model.family's value, and the registry's key (ADAPTERS)
     # The config keys only this family accepts, each with the message that a run of another family
@@ -88,25 +92,30 @@ class Adapter(TransformerLoading, abc.ABC):
     # The model folders whose files shape each kind of cache entry.
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
-    VAE_DTYPE: torch.dtype | None = None  # the VAE's own precision, where the family's reference keeps one
+    # the VAE's own precision, where the family's reference keeps one
+    VAE_DTYPE: torch.dtype | None = None
     TYPES = ("t2v", "i2v")  # the model.type values the family trains
     COMFY = False  # whether exports also write ComfyUI's layout (comfy_key, diffusers_key)
-    # A key every single file of the family holds (model.transformer_file; single_file_key and diffusers_names
-    # map the names); "" for a family whose single files vidtrain does not read.
+    # A key every single file of the family holds (model.transformer_file; single_file_key and
+    # diffusers_names map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
-    COMFY_ALPHA = True  # whether that file carries an .alpha per module (else alpha / rank is baked into lora_B)
-    # Parts of the loss logged beside it (train/<part>, val/<part>): a family with several streams (LTX-2's video
-    # and audio) names them, and its train_loss and fixed_losses leave `losses`, [parts, 2]: each part's sum over
-    # the samples that have it, and their count (a clip without sound has no audio loss to average in).
+    # whether that file carries an .alpha per module (else alpha / rank is baked into lora_B)
+    COMFY_ALPHA = True
+    # Parts of the loss logged beside it (train/<part>, val/<part>): a family with several streams
+    # (LTX-2's video and audio) names them, and its train_loss and fixed_losses leave `losses`,
+    # [parts, 2]: each part's sum over the samples that have it, and their count (a clip without
+    # sound has no audio loss to average in).
     LOSS_PARTS: tuple[str, ...] = ()
-    # Whether a step may leave trainable weights without a gradient (LTX-2's audio stream in a batch without
-    # sound): DDP then looks for them every step instead of assuming one graph for the run.
+    # Whether a step may leave trainable weights without a gradient (LTX-2's audio stream in a batch
+    # without sound): DDP then looks for them every step instead of assuming one graph for the run.
     GRAPH_VARIES = False
-    AUDIO_DTYPE = ""  # with sound: the audio VAE's precision, as model.dtype names it (the audio entries')
+    # with sound: the audio VAE's precision, as model.dtype names it (the audio entries')
+    AUDIO_DTYPE = ""
 
-    # Set by the family's __init__ (load_adapter names any missing): the transformer's resolved config (the
-    # folder's config.json over the class's defaults); with LOSS_PARTS, `losses`; with sound, `sound_rate`
-    # (the vocoder's samples per second) and `audio_loss_weight` (RunSettings.audio_loss_weight).
+    # Set by the family's __init__ (load_adapter names any missing): the transformer's resolved
+    # config (the folder's config.json over the class's defaults); with LOSS_PARTS, `losses`; with
+    # sound, `sound_rate` (the vocoder's samples per second) and `audio_loss_weight`
+    # (RunSettings.audio_loss_weight).
     transformer_config: dict
     losses: torch.Tensor
     sound_rate: int
@@ -115,8 +124,14 @@ class Adapter(TransformerLoading, abc.ABC):
     # `frame_rate` (positions counted in seconds).
     shift: float
     frame_rate: float
-    SOUND = ("AUDIO_DTYPE", "audio_sample_rate", "audio_channels", "encode_audio", "sampled_audio",
-             "decode_audio")
+    SOUND = (
+        "AUDIO_DTYPE",
+        "audio_sample_rate",
+        "audio_channels",
+        "encode_audio",
+        "sampled_audio",
+        "decode_audio",
+    )
     SINGLE_FILES = ("single_file_key", "diffusers_names")
 
     # Shape rules.
@@ -128,7 +143,8 @@ class Adapter(TransformerLoading, abc.ABC):
     @property
     @abc.abstractmethod
     def size_multiple(self) -> int:
-        """Height and width are multiples of it (the VAE's spatial compression times the patch size)."""
+        """Height and width are multiples of it (the VAE's spatial compression times the patch
+        size)."""
 
     @property
     @abc.abstractmethod
@@ -150,7 +166,8 @@ class Adapter(TransformerLoading, abc.ABC):
         """Image-to-video: uint8 [B, H, W, 3] -> the tensors of the clip's image entry."""
 
     def encode_control(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Control frames uint8 [B, F, H, W, 3] -> the tensors of each clip's control entry (the VAE posterior)."""
+        """Control frames uint8 [B, F, H, W, 3] -> the tensors of each clip's control entry (the VAE
+        posterior)."""
         mean, logvar = self.encode_video(video)
         return {"control_latent_mean": mean, "control_latent_logvar": logvar}
 
@@ -204,12 +221,14 @@ class Adapter(TransformerLoading, abc.ABC):
 
     @abc.abstractmethod
     def split_sequence(self, transformer, split) -> None:
-        """Install sequence parallelism (a sequence.SequenceSplit) in attention; keep it as self.sequence."""
+        """Install sequence parallelism (a sequence.SequenceSplit) in attention; keep it as
+        self.sequence."""
 
     # Single files (SINGLE_FILES, required once SINGLE_FILE_KEY is set).
     @staticmethod
     def single_file_key(key: str) -> str | None:
-        """A diffusers state-dict key's name in the family's single files, or None where they have none."""
+        """A diffusers state-dict key's name in the family's single files, or None where they have
+        none."""
 
     @staticmethod
     def diffusers_names(keys: list[str]) -> dict[str, str]:
@@ -239,27 +258,34 @@ class Adapter(TransformerLoading, abc.ABC):
             raise ConfigError(not_a_model_folder(cfg.path))
         for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not (self.path / name).is_dir():
-                raise ConfigError(f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete")
+                raise ConfigError(
+                    f"model.path = {cfg.path} has no {name}/ folder: the model copy is incomplete"
+                )
         if cfg.type == "ic" and "ic" not in self.TYPES:
-            raise ConfigError(f'model.type = "ic" trains a model in context with a control clip, which vidtrain does for '
-                              f'LTX-2 (IC-LoRA), not for model.family = "{self.FAMILY}": set model.type = "t2v" or "i2v"')
+            raise ConfigError(
+                f'model.type = "ic" trains a model in context with a control clip, which vidtrain does for '
+                f'LTX-2 (IC-LoRA), not for model.family = "{self.FAMILY}": set model.type = "t2v" or "i2v"'
+            )
         if cfg.type not in self.TYPES:
             types = ", ".join(f'"{t}"' for t in self.TYPES)
-            raise ConfigError(f"model.type = \"{cfg.type}\" is not a type of {self.FAMILY} models: set one "
-                              f"of {types}")
+            raise ConfigError(
+                f'model.type = "{cfg.type}" is not a type of {self.FAMILY} models: set one of {types}'
+            )
         self.device, self.dtype, self.type, self.expert = device, DTYPES[cfg.dtype], cfg.type, cfg.expert
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
-        self.single_file = None  # model.transformer_file's reader (weights.SingleFile), set by load_adapter
-        # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V): the
-        # cache and validation then need a last image per clip and per prompt.
+        # model.transformer_file's reader (weights.SingleFile), set by load_adapter
+        self.single_file = None
+        # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V):
+        # the cache and validation then need a last image per clip and per prompt.
         self.first_last = False
-        # Whether the model reads a control video, its mask and reference images through context blocks (Wan
-        # VACE): the cache and validation then encode them.
+        # Whether the model reads a control video, its mask and reference images through context
+        # blocks (Wan VACE): the cache and validation then encode them.
         self.vace = False
-        # Whether the model follows a control video per clip (data.control_column; validation.control_videos):
-        # the cache then holds each clip's control entry (encode_control), its batches control_* tensors.
+        # Whether the model follows a control video per clip (data.control_column;
+        # validation.control_videos): the cache then holds each clip's control entry
+        # (encode_control), its batches control_* tensors.
         self.takes_control = False
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         # data.audio on a family with sound: the batches may differ in sound.
@@ -292,25 +318,29 @@ class Adapter(TransformerLoading, abc.ABC):
     def _text(self):
         if self._text_encoder is None:
             log.info("loading text encoder from %s", self.path)
-            self._text_encoder = self.TEXT_ENCODER.from_pretrained(self.path, subfolder="text_encoder",
-                                                                   dtype=self.dtype)
+            self._text_encoder = self.TEXT_ENCODER.from_pretrained(
+                self.path, subfolder="text_encoder", dtype=self.dtype
+            )
             self._text_encoder.to(self.device).requires_grad_(False).eval()
             self._tokenizer = AutoTokenizer.from_pretrained(self.path, subfolder="tokenizer")
         return self._text_encoder, self._tokenizer
 
     def release_text_encoder(self) -> None:
-        """Its memory back to the device (T5-XXL's 8.9 GiB, UMT5-XXL's 10.6 GiB in bf16), not to PyTorch's cache."""
+        """Its memory back to the device (T5-XXL's 8.9 GiB, UMT5-XXL's 10.6 GiB in bf16), not to
+        PyTorch's cache."""
         self._text_encoder = self._tokenizer = None
         torch.cuda.empty_cache()  # a no-op without CUDA
 
     def park_vae(self) -> None:
-        """Move the VAE to the CPU between validations: the next decode moves it back, not reloads it."""
+        """Move the VAE to the CPU between validations: the next decode moves it back, not reloads
+        it."""
         if self._vae is not None:
             self._vae.to("cpu")
 
     def release_encoders(self) -> None:
-        """After the cache pass: the encoders' memory goes back to the device, not to PyTorch's cache (T5-XXL's
-        9.5 GB would stay reserved otherwise, where training cannot reach them under fragmentation)."""
+        """After the cache pass: the encoders' memory goes back to the device, not to PyTorch's
+        cache (T5-XXL's 9.5 GB would stay reserved otherwise, where training cannot reach them under
+        fragmentation)."""
         self._vae = self._text_encoder = self._tokenizer = None
         torch.cuda.empty_cache()  # a no-op without CUDA
 
@@ -319,11 +349,13 @@ class Adapter(TransformerLoading, abc.ABC):
         return frames.to(self.device).permute(0, 4, 1, 2, 3).to(self.vae_dtype) / 127.5 - 1.0
 
     def encoding_precision(self, dtype: str) -> str:
-        """What the cache's keys name as the encoders' precision: model.dtype, and the VAE's where it differs."""
+        """What the cache's keys name as the encoders' precision: model.dtype, and the VAE's where
+        it differs."""
         return dtype if self.vae_dtype == self.dtype else f"{dtype}, VAE {self.vae_dtype}"
 
     def held_out_timesteps(self, timesteps: list[int]) -> list[int]:
-        """The held-out loss's timesteps this run's transformer is trained on (all, but for an expert)."""
+        """The held-out loss's timesteps this run's transformer is trained on (all, but for an
+        expert)."""
         return timesteps
 
     def other_experts(self) -> list[str]:
@@ -331,42 +363,57 @@ class Adapter(TransformerLoading, abc.ABC):
         return []
 
     def clip_rate(self, gen_fps: int) -> Fraction:
-        """The frame rate validation's mp4s are written at: validation.gen_fps, or the published rate for 0.
-        A family with sound (LTX-2) writes at the rate its sound was generated for."""
+        """The frame rate validation's mp4s are written at: validation.gen_fps, or the published
+        rate for 0. A family with sound (LTX-2) writes at the rate its sound was generated for."""
         return Fraction(gen_fps or self.published_fps)
 
     def check_guidance(self, cfg) -> None:
-        """validation's guidance options against this model, before any compute (LTX-2 adds its STG blocks')."""
+        """validation's guidance options against this model, before any compute (LTX-2 adds its STG
+        blocks')."""
         if cfg.guidance_scale_2 and not self.other_experts():
-            raise ConfigError(f"validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert, but {self.path} "
-                              "has one transformer: remove it")
+            raise ConfigError(
+                f"validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert, but {self.path} "
+                "has one transformer: remove it"
+            )
 
     def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
-        """The classifier-free guidance scale at step t: validation.guidance_scale throughout, unless the
-        family's pipeline varies it (CogVideoX's use_dynamic_cfg, Wan 2.2 A14B's second expert)."""
+        """The classifier-free guidance scale at step t: validation.guidance_scale throughout,
+        unless the family's pipeline varies it (CogVideoX's use_dynamic_cfg, Wan 2.2 A14B's second
+        expert)."""
         return cfg.guidance_scale
 
-    def guide(self, cfg, models: dict, state, t: torch.Tensor, i: int, embeds: torch.Tensor,
-              prediction: torch.Tensor) -> torch.Tensor:
-        """The guided prediction from denoise's (uncond, cond) pair: classifier-free guidance at guidance_scale. A
-        family whose pipeline adds terms (LTX-2) overrides it; models and embeds serve its extra forwards."""
+    def guide(
+        self,
+        cfg,
+        models: dict,
+        state,
+        t: torch.Tensor,
+        i: int,
+        embeds: torch.Tensor,
+        prediction: torch.Tensor,
+    ) -> torch.Tensor:
+        """The guided prediction from denoise's (uncond, cond) pair: classifier-free guidance at
+        guidance_scale. A family whose pipeline adds terms (LTX-2) overrides it; models and embeds
+        serve its extra forwards."""
         uncond, cond = prediction.chunk(2)
         return uncond + self.guidance_scale(cfg, state, t) * (cond - uncond)
 
     @classmethod
     def single_file_tables(cls, config: dict) -> dict[str, torch.Tensor]:
-        """Tensors tools/to_single_file.py writes beside the weights of a transformer built from `config`,
-        under their diffusers names, for other readers' sake (CogVideoX 2b's sincos table, for ComfyUI's
-        model detection)."""
+        """Tensors tools/to_single_file.py writes beside the weights of a transformer built from
+        `config`, under their diffusers names, for other readers' sake (CogVideoX 2b's sincos table,
+        for ComfyUI's model detection)."""
         return {}
 
     def single_file_extra(self, key: str) -> bool:
-        """Whether a single file's key (its own name, without ComfyUI's prefix) holds something besides the
-        transformer's weights, which reading skips (LTX-2's text connectors; CogVideoX 2b's sincos table)."""
+        """Whether a single file's key (its own name, without ComfyUI's prefix) holds something
+        besides the transformer's weights, which reading skips (LTX-2's text connectors; CogVideoX
+        2b's sincos table)."""
         return False
 
     def comfy_key(self, module: str) -> str | None:
-        """A LoRA module's name in the original checkpoint's layout (ComfyUI's), or None if the family has none."""
+        """A LoRA module's name in the original checkpoint's layout (ComfyUI's), or None if the
+        family has none."""
         return None
 
     def diffusers_key(self, original: str) -> str | None:
@@ -376,8 +423,11 @@ class Adapter(TransformerLoading, abc.ABC):
 
 # model.family -> its module and adapter class. A family's module (and with it its diffusers and
 # transformers classes) is imported when a config names it or check_config reads its OWN_KEYS.
-ADAPTERS = {"cogvideox": ("families.cogvideox", "CogVideoXAdapter"), "wan": ("families.wan", "WanAdapter"),
-            "ltx2": ("families.ltx2", "LTX2Adapter")}
+ADAPTERS = {
+    "cogvideox": ("families.cogvideox", "CogVideoXAdapter"),
+    "wan": ("families.wan", "WanAdapter"),
+    "ltx2": ("families.ltx2", "LTX2Adapter"),
+}
 
 
 def config_sets(cfg: Config, key: str) -> bool:
@@ -389,19 +439,33 @@ def config_sets(cfg: Config, key: str) -> bool:
 
 def not_a_model_folder(path: str) -> str:
     """The message for a model.path without a model_index.json."""
-    return (f"model.path = {path} is not a diffusers model folder (no model_index.json): "
-            "point it at a local copy, e.g. one written by tools/make_tiny_model.py")
+    return (
+        f"model.path = {path} is not a diffusers model folder (no model_index.json): "
+        "point it at a local copy, e.g. one written by tools/make_tiny_model.py"
+    )
 
 
 def missing_members(family: type[Adapter], adapter: Adapter | None = None) -> list[str]:
-    """What the family class (or, given it, its adapter's __init__) leaves out of the contract: the abstract
-    methods, SOUND with sound, SINGLE_FILES with a SINGLE_FILE_KEY, and the attributes __init__ sets."""
+    """What the family class (or, given it, its adapter's __init__) leaves out of the contract: the
+    abstract methods, SOUND with sound, SINGLE_FILES with a SINGLE_FILE_KEY, and the attributes
+    __init__ sets."""
     if adapter is None:
-        groups = [name for name, wanted in (("SOUND", "audio" in family.ENCODERS),
-                                            ("SINGLE_FILES", bool(family.SINGLE_FILE_KEY))) if wanted]
-        # A member of a group the family needs is missing while it is still Adapter's own declaration.
-        unfilled = [n for group in groups for n in getattr(Adapter, group)
-                    if getattr(family, n) is getattr(Adapter, n)]
+        groups = [
+            name
+            for name, wanted in (
+                ("SOUND", "audio" in family.ENCODERS),
+                ("SINGLE_FILES", bool(family.SINGLE_FILE_KEY)),
+            )
+            if wanted
+        ]
+        # A member of a group the family needs is missing while it is still Adapter's own
+        # declaration.
+        unfilled = [
+            n
+            for group in groups
+            for n in getattr(Adapter, group)
+            if getattr(family, n) is getattr(Adapter, n)
+        ]
         return sorted(family.__abstractmethods__) + unfilled
     wanted = ["transformer_config"] + ["losses"] * bool(family.LOSS_PARTS)
     wanted += ["sound_rate", "audio_loss_weight"] * ("audio" in family.ENCODERS)
@@ -412,9 +476,11 @@ def check_family(family: type[Adapter], adapter: Adapter | None = None) -> None:
     """A family class that does not fill the contract is named, with what it lacks, before it runs."""
     missing = missing_members(family, adapter)
     if missing:
-        raise TypeError(f"the family adapter {family.__module__}.{family.__name__} does not provide "
-                        f"{', '.join(missing)}: every family defines them "
-                        "(model_adapter.Adapter declares each, docs/adding-a-family.md lists them)")
+        raise TypeError(
+            f"the family adapter {family.__module__}.{family.__name__} does not provide "
+            f"{', '.join(missing)}: every family defines them "
+            "(model_adapter.Adapter declares each, docs/adding-a-family.md lists them)"
+        )
 
 
 def adapter_class(family: str) -> type[Adapter]:
@@ -426,26 +492,33 @@ def adapter_class(family: str) -> type[Adapter]:
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """model.family, checked against the registry and the folder's pipeline; "": the folder's family.
+    """model.family, checked against the registry and the folder's pipeline; "": the folder's
+    family.
 
     The pipeline is model_index.json's: another family's folder would fail obscurely in its configs.
     """
     known = ", ".join(f'"{family}"' for family in ADAPTERS)
     if cfg.family and cfg.family not in ADAPTERS:
-        raise ConfigError(f'model.family = "{cfg.family}" is no family vidtrain trains: set one of '
-                          f'{known}, or "" for the family of model.path\'s pipeline')
+        raise ConfigError(
+            f'model.family = "{cfg.family}" is no family vidtrain trains: set one of '
+            f'{known}, or "" for the family of model.path\'s pipeline'
+        )
     index = Path(cfg.path) / "model_index.json"  # none, with a family set: the adapter says so
     pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
     family = next((f for f in ADAPTERS if pipeline.lower().startswith(f)), None)
     if pipeline and cfg.family and family != cfg.family:
         fix = f'set model.family = "{family}"' if family else f"vidtrain trains {', '.join(ADAPTERS)}"
-        raise ConfigError(f'model.path = {cfg.path} holds a {pipeline} (its model_index.json), not a model of '
-                          f'model.family = "{cfg.family}": {fix}')
+        raise ConfigError(
+            f"model.path = {cfg.path} holds a {pipeline} (its model_index.json), not a model of "
+            f'model.family = "{cfg.family}": {fix}'
+        )
     if not cfg.family and not pipeline:
         raise ConfigError(not_a_model_folder(cfg.path))
     if not cfg.family and family is None:
-        raise ConfigError(f"model.path = {cfg.path} holds a {pipeline} (its model_index.json), which "
-                          f"is no family vidtrain trains: point model.path at a model of one of {known}")
+        raise ConfigError(
+            f"model.path = {cfg.path} holds a {pipeline} (its model_index.json), which "
+            f"is no family vidtrain trains: point model.path at a model of one of {known}"
+        )
     return cfg.family or family
 
 
@@ -460,8 +533,7 @@ def check_config(cfg: Config) -> type[Adapter]:
     return cls
 
 
-def load_adapter(cfg: ModelConfig, device: torch.device,
-                 run: RunSettings = RunSettings()) -> Adapter:
+def load_adapter(cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()) -> Adapter:
     """model.family's adapter over the folder at model.path, built with the run's settings.
 
     With model.transformer_file, the file's reader too (weights.SingleFile), checked against the
@@ -473,8 +545,10 @@ def load_adapter(cfg: ModelConfig, device: torch.device,
     check_family(cls, adapter)
     if cfg.transformer_file:  # checked now, before the cache pass
         if not adapter.SINGLE_FILE_KEY:
-            raise ConfigError(f"model.transformer_file: vidtrain reads no single files of {family} models yet; "
-                              "remove it and give the diffusers folder's transformer in model.path")
+            raise ConfigError(
+                f"model.transformer_file: vidtrain reads no single files of {family} models yet; "
+                "remove it and give the diffusers folder's transformer in model.path"
+            )
         marks = {family: adapter_class(family).SINGLE_FILE_KEY for family in ADAPTERS}
         files = [cfg.transformer_file] if isinstance(cfg.transformer_file, str) else cfg.transformer_file
         adapter.single_file = weights.open_single_file(files, adapter, marks)

@@ -50,8 +50,7 @@ class SequenceSplit:
         return [r.view(s) for r, s in zip(received.split(sizes), shapes)]
 
     def seq_to_heads(self, x: torch.Tensor, seq_dim: int, head_dim: int) -> torch.Tensor:
-        """Exchange a sequence slice with every head for the whole sequence with 1/sp of the heads.
-        """
+        """Exchange a sequence slice with every head for the whole sequence with 1/sp of the heads."""
         chunks = list(x.chunk(self.size, head_dim))
         shapes = [_with(chunks[0].shape, seq_dim, n) for n in self.lengths]
         return torch.cat(self._exchange(chunks, shapes), dim=seq_dim)
@@ -66,7 +65,9 @@ class SequenceSplit:
 
         Every rank's slice of the sequence, concatenated along dim, on every rank: an all-gather
         whose backward sums each slice's gradients over the group."""
-        return torch.cat(self._exchange([x] * self.size, [_with(x.shape, dim, n) for n in self.lengths]), dim=dim)
+        return torch.cat(
+            self._exchange([x] * self.size, [_with(x.shape, dim, n) for n in self.lengths]), dim=dim
+        )
 
     def heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
         """This rank's 1/sp of the heads of a tensor every rank holds whole.
@@ -111,8 +112,11 @@ def split_blocks(blocks: list[torch.nn.Module], split: SequenceSplit, per_token_
             arguments["hidden_states"] = split.local(arguments["hidden_states"], 1)
         for name, dim in per_token_inputs(arguments).items():
             value = arguments[name]
-            arguments[name] = (tuple(split.local(v, dim) for v in value) if isinstance(value, tuple)
-                               else split.local(value, dim))
+            arguments[name] = (
+                tuple(split.local(v, dim) for v in value)
+                if isinstance(value, tuple)
+                else split.local(value, dim)
+            )
         return (), arguments
 
     def after(module, args, output):
@@ -129,9 +133,11 @@ def check_heads(sp_size: int, heads: int, world: int) -> None:
     """parallel.sp_size must divide the head count (each rank attends with 1/sp of the heads)."""
     if heads % sp_size:
         valid = [n for n in range(1, world + 1) if heads % n == 0 and world % n == 0]
-        raise ConfigError(f"parallel.sp_size = {sp_size} does not divide this model's {heads} attention heads: "
-                          f"use one of {valid} (the sizes that divide both the heads and the world size {world})")
+        raise ConfigError(
+            f"parallel.sp_size = {sp_size} does not divide this model's {heads} attention heads: "
+            f"use one of {valid} (the sizes that divide both the heads and the world size {world})"
+        )
 
 
 def _with(shape: torch.Size, dim: int, length: int) -> torch.Size:
-    return torch.Size([*shape[:dim], length, *shape[dim + 1:]])
+    return torch.Size([*shape[:dim], length, *shape[dim + 1 :]])

@@ -88,8 +88,9 @@ class _Child:
     """A Python process that decodes what it is sent, one request at a time (serve, below)."""
 
     def __init__(self):
-        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
 
     def ask(self, request: dict):
         pickle.dump(request, self.process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
@@ -110,8 +111,9 @@ _idle: list[_Child] = []
 _lock = threading.Lock()
 
 
-def decode(path: str, first_pts: int | None, start: float, seconds: float,
-           crash: bool = False) -> tuple[int, np.ndarray] | None:
+def decode(
+    path: str, first_pts: int | None, start: float, seconds: float, crash: bool = False
+) -> tuple[int, np.ndarray] | None:
     """Run native(...) in an idle child process, so that a crashing decoder names the clip.
 
     native(...) in an idle child; Failed with the reason when the stream cannot be decoded, or when
@@ -123,9 +125,11 @@ def decode(path: str, first_pts: int | None, start: float, seconds: float,
     try:
         ok, found = child.ask(request)
     except (OSError, EOFError, pickle.UnpicklingError):  # a broken pipe, or a reply cut short
-        raise Failed(f"crashed the audio decoder ({child.ended()}), a bug in FFmpeg or PyAV that this file "
-                     "triggers: re-encode its sound (ffmpeg -i CLIP -c:v copy -c:a aac OUT.mp4) or remove "
-                     "the clip") from None
+        raise Failed(
+            f"crashed the audio decoder ({child.ended()}), a bug in FFmpeg or PyAV that this file "
+            "triggers: re-encode its sound (ffmpeg -i CLIP -c:v copy -c:a aac OUT.mp4) or remove "
+            "the clip"
+        ) from None
     with _lock:
         _idle.append(child)
     if not ok:

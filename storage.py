@@ -96,8 +96,9 @@ class Fp8Linear(nn.Linear):
     or [out]) or per tensor (one value, as ComfyUI's scaled fp8 files keep it, spread to every row).
     """
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype):
+    def __init__(
+        self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate and fill a weight of its own
         if weight.dtype != FP8 or weight.dim() != 2:
             raise ValueError(f"Fp8Linear takes a 2-d {FP8} weight, got {weight.dtype} {tuple(weight.shape)}")
@@ -116,8 +117,12 @@ class Fp8Linear(nn.Linear):
         (the loader fills them: with `quantize`, or one rank's rows at a time under FSDP:
         `load_rows`)."""
         out_features, in_features = base.weight.shape
-        return cls(torch.empty(out_features, in_features, dtype=FP8, device="meta"),
-                   torch.empty(out_features, 1, device="meta"), base.bias, base.weight.dtype)
+        return cls(
+            torch.empty(out_features, in_features, dtype=FP8, device="meta"),
+            torch.empty(out_features, 1, device="meta"),
+            base.bias,
+            base.weight.dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x)
@@ -140,8 +145,9 @@ def store_fp8(model: nn.Module, blocks: list[nn.Module], keep) -> list[str]:
 
 
 @torch.no_grad()
-def load_rows(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
-              stored_scale: float | None = None) -> None:
+def load_rows(
+    weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, stored_scale: float | None = None
+) -> None:
     """Fill an fp8 weight's rows and their scales from rows of a weight.
 
     The scales are tensors of the same rows (e.g. one rank's shard). The rows are quantized, or,

@@ -23,8 +23,11 @@ log = logging.getLogger("vidtrain")
 
 def resolved_config(model_class, path: Path, subfolder: str) -> dict:
     """The config the class builds from a folder: its config.json over the class's own defaults."""
-    defaults = {name: p.default for name, p in inspect.signature(model_class.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(model_class.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
     saved = model_class.load_config(path, subfolder=subfolder)
     return {**defaults, **{k: v for k, v in saved.items() if not k.startswith("_")}}
 
@@ -92,8 +95,11 @@ class TransformerLoading:
         weights = self.single_file if from_file else Weights(self.path / folder)
         transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
         weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
-        fp8 = set(storage.store_fp8(transformer, self.blocks(transformer), self.keeps_fp32)
-                  if self.storage_dtype == "fp8" else [])
+        fp8 = set(
+            storage.store_fp8(transformer, self.blocks(transformer), self.keeps_fp32)
+            if self.storage_dtype == "fp8"
+            else []
+        )
         buffers = dict(transformer.named_buffers())
         with weights.opened():
             for name in weights.keys:
@@ -105,7 +111,9 @@ class TransformerLoading:
                     _replace(transformer, name, weight)
                     _replace(transformer, f"{name}_scale", scale)
                 elif shard is None or name in buffers:  # buffers are whole on every rank
-                    _replace(transformer, name, weights.read(name, self._load_dtype(name, dtype)).to(self.device))
+                    _replace(
+                        transformer, name, weights.read(name, self._load_dtype(name, dtype)).to(self.device)
+                    )
             transformer.eval()  # as from_pretrained returns it
             if shard is None:
                 transformer.to(self.device)
@@ -114,8 +122,13 @@ class TransformerLoading:
                 # fully_shard left the meta parameters on meta: allocate this rank's rows (FSDP's
                 # own _apply re-pads uneven shards) where FSDP keeps them, then fill them.
                 on_host = parallel.offloaded(transformer)
-                transformer._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in on_host else self.device)
-                                   if t.is_meta else t)
+                transformer._apply(
+                    lambda t: (
+                        torch.empty_like(t, device="cpu" if id(t) in on_host else self.device)
+                        if t.is_meta
+                        else t
+                    )
+                )
                 with torch.no_grad():
                     for name, param in transformer.named_parameters():
                         if name in fp8:
@@ -124,13 +137,22 @@ class TransformerLoading:
                             storage.load_rows(param.to_local(), scale, *rows)
                         elif name in weights.keys:
                             weights.read_shard(name, param)
-        log.info("loaded %s/: read %.1f%% of its %.1f MB of weights%s", folder,
-                 100 * weights.read_bytes / weights.data_bytes, weights.data_bytes / 2**20,
-                 ", this rank's shard" if shard else "")
+        log.info(
+            "loaded %s/: read %.1f%% of its %.1f MB of weights%s",
+            folder,
+            100 * weights.read_bytes / weights.data_bytes,
+            weights.data_bytes / 2**20,
+            ", this rank's shard" if shard else "",
+        )
         if fp8:
             elements = sum(math.prod(weights.entries[name][2]) for name in fp8)
-            log.info("model.storage_dtype = fp8: %d linear weights of the blocks stored in %.1f MB (%.1f MB in %s)",
-                     len(fp8), elements / 2**20, elements * dtype.itemsize / 2**20, str(dtype).removeprefix("torch."))
+            log.info(
+                "model.storage_dtype = fp8: %d linear weights of the blocks stored in %.1f MB (%.1f MB in %s)",
+                len(fp8),
+                elements / 2**20,
+                elements * dtype.itemsize / 2**20,
+                str(dtype).removeprefix("torch."),
+            )
         return transformer
 
     def transformer_from_state_dict(self, state: dict[str, torch.Tensor]):

@@ -34,25 +34,29 @@ import memory
 import ranks
 from config import ConfigError, DataConfig, ValidationConfig
 
+
 def eager():
-    """Validation runs eagerly under train.compile: its calls (no grad, eval mode, the guided batch of two,
-    its own resolution) would each add compiled variants of every block to training's, counted against
-    dynamo's recompile limit (model.RECOMPILE_LIMIT), and pay their compile at the first validation; they
-    run rarely enough that eager costs little."""
+    """Validation runs eagerly under train.compile: its calls (no grad, eval mode, the guided batch
+    of two, its own resolution) would each add compiled variants of every block to training's,
+    counted against dynamo's recompile limit (model.RECOMPILE_LIMIT), and pay their compile at the
+    first validation; they run rarely enough that eager costs little."""
     return torch.compiler.set_stance("force_eager")
 
 
 @torch.no_grad()
-def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: ranks.Dist, autocast):
+def held_out_loss(
+    adapter, model, cache, clips: list, cfg: ValidationConfig, seed: int, d: ranks.Dist, autocast
+):
     """val/loss and val/loss_t{t}, and each of the family's loss parts (LTX-2's val/loss_video and
-    val/loss_audio: means over the clips that have the stream, and the timesteps). Clip i is measured by
-    data-parallel rank i % dp_world (the whole sp group); every rank makes the same number of forward
-    calls (FSDP needs it), the padding ones weighted 0."""
+    val/loss_audio: means over the clips that have the stream, and the timesteps). Clip i is
+    measured by data-parallel rank i % dp_world (the whole sp group); every rank makes the same
+    number of forward calls (FSDP needs it), the padding ones weighted 0."""
     timesteps = adapter.held_out_timesteps(cfg.loss_timesteps)
     if not clips or not timesteps:
         return {}
     sums = torch.zeros(len(timesteps), device=d.device)
-    parts = torch.zeros(len(adapter.LOSS_PARTS), 2, device=d.device)  # per part: (sum, count), adapter.losses
+    # per part: (sum, count), adapter.losses
+    parts = torch.zeros(len(adapter.LOSS_PARTS), 2, device=d.device)
     was_training = model.training
     model.eval()
     for j in range(math.ceil(len(clips) / d.dp_world)):
@@ -60,41 +64,64 @@ def held_out_loss(adapter, model, cache, clips: list, cfg: ValidationConfig, see
         weight = 1.0 if index < len(clips) else 0.0
         batch = cache.load_batch([clips[min(index, len(clips) - 1)]])
         with autocast:
-            sums += weight * adapter.fixed_losses(model, batch, timesteps, data.keyed_generator(seed, "held_out", index))
+            sums += weight * adapter.fixed_losses(
+                model, batch, timesteps, data.keyed_generator(seed, "held_out", index)
+            )
         if adapter.LOSS_PARTS:
             parts += weight * adapter.losses.to(d.device)
     model.train(was_training)
     dist.all_reduce(sums)
     losses = (sums / (len(clips) * d.sp)).tolist()  # the ranks of an sp group hold the same sums
-    values = {"val/loss": sum(losses) / len(losses), **{f"val/loss_t{t}": v for t, v in zip(timesteps, losses)}}
+    values = {
+        "val/loss": sum(losses) / len(losses),
+        **{f"val/loss_t{t}": v for t, v in zip(timesteps, losses)},
+    }
     if adapter.LOSS_PARTS:
         dist.all_reduce(parts)
-        values |= {f"val/{name}": total / count for name, (total, count) in zip(adapter.LOSS_PARTS, parts.tolist())
-                   if count}
+        values |= {
+            f"val/{name}": total / count
+            for name, (total, count) in zip(adapter.LOSS_PARTS, parts.tolist())
+            if count
+        }
     return values
 
 
 @torch.no_grad()
-def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_embeds, generator: torch.Generator,
-                   cfg: ValidationConfig, resolution: list[int], autocast, on_step=lambda i: None,
-                   image=None, last_image=None, **conditions):
-    """The final sampling state of one prompt (and, image-to-video, its conditioning image; first-last-frame,
-    its last image too): adapter.sampled
-    gives its latents (sampled_audio its sound, LTX-2). The family's pipeline loop, step for step, with
-    every draw from `generator` (a CPU generator, as the pipelines use it); the adapter builds the
-    denoiser's input (condition, expert, per-token timesteps) and steps the scheduler. Latents and
-    scheduler math stay fp32. on_step(i) runs before sampling step i (from 1): the renderer's stop check.
-    `conditions` go to the family's sampling_start: an in-context model's `control` (its control
-    video's frames, uint8 [F, H, W, 3] at the clip's size), Wan VACE's references."""
-    last = {} if last_image is None else {"last_image": last_image}  # only first-last-frame models take one
-    state = adapter.sampling_start(scheduler, cfg.num_inference_steps, resolution, generator, image, **last,
-                                   **conditions)
+def sample_latents(
+    adapter,
+    denoisers: dict,
+    scheduler,
+    prompt_embeds,
+    negative_embeds,
+    generator: torch.Generator,
+    cfg: ValidationConfig,
+    resolution: list[int],
+    autocast,
+    on_step=lambda i: None,
+    image=None,
+    last_image=None,
+    **conditions,
+):
+    """The final sampling state of one prompt (and, image-to-video, its conditioning image;
+    first-last-frame, its last image too): adapter.sampled gives its latents (sampled_audio its
+    sound, LTX-2). The family's pipeline loop, step for step, with every draw from `generator` (a
+    CPU generator, as the pipelines use it); the adapter builds the denoiser's input (condition,
+    expert, per-token timesteps) and steps the scheduler. Latents and scheduler math stay fp32.
+    on_step(i) runs before sampling step i (from 1): the renderer's stop check. `conditions` go to
+    the family's sampling_start: an in-context model's `control` (its control video's frames, uint8
+    [F, H, W, 3] at the clip's size), Wan VACE's references."""
+    # only first-last-frame models take one
+    last = {} if last_image is None else {"last_image": last_image}
+    state = adapter.sampling_start(
+        scheduler, cfg.num_inference_steps, resolution, generator, image, **last, **conditions
+    )
     guided = cfg.guidance_scale > 1.0 or cfg.audio_guidance_scale > 1.0
     embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
     for i, t in enumerate(scheduler.timesteps):
         on_step(i + 1)
         with autocast:
-            prediction = adapter.denoise(denoisers, state, t, embeds, guided)  # cond and uncond in one forward
+            # cond and uncond in one forward
+            prediction = adapter.denoise(denoisers, state, t, embeds, guided)
             if guided:
                 prediction = adapter.guide(cfg, denoisers, state, t, i, embeds, prediction)
         adapter.sampling_step(state, prediction, t, i)
@@ -102,7 +129,8 @@ def sample_latents(adapter, denoisers: dict, scheduler, prompt_embeds, negative_
 
 
 def to_frames(pixels: torch.Tensor) -> torch.Tensor:
-    """VAE output [C, F, H, W] in [-1, 1] -> float frames [F, H, W, C] in [0, 1], as the pipeline's postprocess."""
+    """VAE output [C, F, H, W] in [-1, 1] -> float frames [F, H, W, C] in [0, 1], as the pipeline's
+    postprocess."""
     return (pixels.float() * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).cpu()
 
 
@@ -111,14 +139,17 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
     return (frames * 255).round().to(torch.uint8)
 
 
-CLIP_FIX = "free space (or move run.output_dir) and launch again; a training run resumes from its last checkpoint"
+CLIP_FIX = (
+    "free space (or move run.output_dir) and launch again; a training run resumes from its last checkpoint"
+)
 
 
-def write_mp4(path: Path, frames: torch.Tensor, fps: Fraction, sound: torch.Tensor | None = None,
-              rate: int = 0) -> None:
-    """uint8 [F, H, W, 3] -> H.264 mp4, with `sound` (float [channels, samples] at `rate`) as AAC beside it.
-    yuv420p (what players accept) needs even sizes: odd ones get their last row or column repeated.
-    Written under a temporary name, then renamed."""
+def write_mp4(
+    path: Path, frames: torch.Tensor, fps: Fraction, sound: torch.Tensor | None = None, rate: int = 0
+) -> None:
+    """uint8 [F, H, W, 3] -> H.264 mp4, with `sound` (float [channels, samples] at `rate`) as AAC
+    beside it. yuv420p (what players accept) needs even sizes: odd ones get their last row or column
+    repeated. Written under a temporary name, then renamed."""
     if frames.shape[1] % 2:
         frames = torch.cat([frames, frames[:, -1:]], dim=1)
     if frames.shape[2] % 2:
@@ -127,8 +158,11 @@ def write_mp4(path: Path, frames: torch.Tensor, fps: Fraction, sound: torch.Tens
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], "yuv420p"
         # Every stream before the first packet: the header is written then.
-        audio = None if sound is None else container.add_stream("aac", rate=rate, layout="stereo" if len(sound) == 2
-                                                                else "mono")
+        audio = (
+            None
+            if sound is None
+            else container.add_stream("aac", rate=rate, layout="stereo" if len(sound) == 2 else "mono")
+        )
         for frame in frames.numpy():
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
@@ -140,7 +174,9 @@ def write_aac(container, stream, sound: torch.Tensor, rate: int) -> None:
     """float [channels, samples] into the AAC `stream`, clipped to [-1, 1]."""
     samples = sound.clamp(-1, 1).contiguous().numpy()
     for start in range(0, samples.shape[1], 1024):  # AAC's frame size
-        frame = av.AudioFrame.from_ndarray(samples[:, start : start + 1024], format="fltp", layout=stream.layout.name)
+        frame = av.AudioFrame.from_ndarray(
+            samples[:, start : start + 1024], format="fltp", layout=stream.layout.name
+        )
         frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
         container.mux(stream.encode(frame))
     container.mux(stream.encode())
@@ -152,64 +188,96 @@ def load_image(path: str):
         with Image.open(path) as image:
             return ImageOps.exif_transpose(image).convert("RGB")
     except OSError as e:
-        raise ConfigError(f"validation image {path} is unreadable ({e}): fix validation.images or --image "
-                          "(validation.last_images or --last-image)") from None
+        raise ConfigError(
+            f"validation image {path} is unreadable ({e}): fix validation.images or --image "
+            "(validation.last_images or --last-image)"
+        ) from None
 
 
 def load_control(path: str, resolution, rate: float) -> torch.Tensor:
-    """A validation control video: the frames shown at the clip's frame times from its first frame, resized to
-    cover the clip's size (keeping its aspect) and centre-cropped to it, as LTX2InContextPipeline's crop mode
-    does: uint8 [F, H, W, 3]."""
+    """A validation control video: the frames shown at the clip's frame times from its first frame,
+    resized to cover the clip's size (keeping its aspect) and centre-cropped to it, as
+    LTX2InContextPipeline's crop mode does: uint8 [F, H, W, 3]."""
     frames, height, width = resolution
     try:
         media = decode.probe(Path(path))
         if decode.available_frames(media, rate) < frames:
-            raise decode.MediaError(f"has {decode.available_frames(media, rate)} frames at {rate:g} fps, and the "
-                                    f"clips have {frames}")
+            raise decode.MediaError(
+                f"has {decode.available_frames(media, rate)} frames at {rate:g} fps, and the "
+                f"clips have {frames}"
+            )
         scale = max(height / media.height, width / media.width)
         resized = (max(height, round(media.height * scale)), max(width, round(media.width * scale)))
         crop = ((resized[0] - height) // 2, (resized[1] - width) // 2, height, width)
         times = [k / rate for k in range(frames)]
         return torch.from_numpy(decode.read_frames(Path(path), media, times, resized, crop, False))
     except decode.MediaError as e:
-        raise ConfigError(f"validation control video {path} {e}: fix validation.control_videos or --control") from None
+        raise ConfigError(
+            f"validation control video {path} {e}: fix validation.control_videos or --control"
+        ) from None
 
 
 class ClipRenderer:
     """The validation prompts' clips. Embeddings are computed once, here; clip i is rendered by
-    data-parallel rank i % dp_world (with sequence parallelism, its whole sp group), every rank making
-    the same number of forward calls (FSDP needs it); rank 0 receives them from the data-parallel leaders
-    and writes them. Ranks advance in lockstep, so no collective waits longer than one forward or decode."""
+    data-parallel rank i % dp_world (with sequence parallelism, its whole sp group), every rank
+    making the same number of forward calls (FSDP needs it); rank 0 receives them from the
+    data-parallel leaders and writes them. Ranks advance in lockstep, so no collective waits longer
+    than one forward or decode."""
 
-    def __init__(self, adapter, cfg: ValidationConfig, data_cfg: DataConfig, output_dir: str, d: ranks.Dist,
-                 load_frozen=None):
-        """load_frozen(folder) builds another expert the sampling needs (Wan 2.2 A14B), frozen and wrapped
-        as the trained one is; it is built at the first render and kept."""
+    def __init__(
+        self,
+        adapter,
+        cfg: ValidationConfig,
+        data_cfg: DataConfig,
+        output_dir: str,
+        d: ranks.Dist,
+        load_frozen=None,
+    ):
+        """load_frozen(folder) builds another expert the sampling needs (Wan 2.2 A14B), frozen and
+        wrapped as the trained one is; it is built at the first render and kept."""
         self.adapter, self.cfg, self.d, self.load_frozen, self.frozen = adapter, cfg, d, load_frozen, {}
         self.resolution = cfg.resolution or (data_cfg.buckets or [data_cfg.train_resolution])[0]
-        key = "validation.resolution" if cfg.resolution else "data.buckets[0]" if data_cfg.buckets else "data.train_resolution"
+        key = (
+            "validation.resolution"
+            if cfg.resolution
+            else "data.buckets[0]"
+            if data_cfg.buckets
+            else "data.train_resolution"
+        )
         adapter.check_resolution(self.resolution, key)
         adapter.check_guidance(cfg)
         self.out_dir = Path(output_dir) / "validation_res"
         self.fps = adapter.clip_rate(cfg.gen_fps)
-        self.prompts, self.sampling_steps = list(cfg.prompts), 0  # steps taken, counted for fault injection
-        # A family with sound (LTX-2) renders each clip's soundtrack too: muxed into the mp4, and in TensorBoard.
+        # steps taken, counted for fault injection
+        self.prompts, self.sampling_steps = list(cfg.prompts), 0
+        # A family with sound (LTX-2) renders each clip's soundtrack too: muxed into the mp4, and in
+        # TensorBoard.
         self.sound, self.sounds = "audio" in adapter.ENCODERS, []
         if adapter.first_last and self.prompts and not cfg.last_images:
-            raise ConfigError(f"{adapter.path} is a first-last-frame model (Wan FLF2V): each validation prompt "
-                              "renders between its image and its last image; set validation.last_images (validate.py: "
-                              "--last-image), one per prompt")
+            raise ConfigError(
+                f"{adapter.path} is a first-last-frame model (Wan FLF2V): each validation prompt "
+                "renders between its image and its last image; set validation.last_images (validate.py: "
+                "--last-image), one per prompt"
+            )
         if cfg.last_images and not adapter.first_last:
-            raise ConfigError(f"validation.last_images conditions first-last-frame models, and {adapter.path} is not "
-                              "one: remove them (and --last-image)")
+            raise ConfigError(
+                f"validation.last_images conditions first-last-frame models, and {adapter.path} is not "
+                "one: remove them (and --last-image)"
+            )
         if adapter.type == "ic" and self.prompts and not cfg.control_videos:
-            raise ConfigError(f"{adapter.path} follows a control video (model.type = \"ic\"): each validation prompt "
-                              "renders from one; set validation.control_videos (validate.py: --control), one per prompt")
-        if cfg.control_videos and adapter.type != "ic":  # VACE renders without its control video yet
-            raise ConfigError(f"validation.control_videos conditions control models, and {adapter.path} is not one "
-                              "here: remove them (and --control), or set model.type = \"ic\" (LTX-2)")
-        self.controls = [load_control(path, self.resolution, float(self.fps)) for path in cfg.control_videos] \
-            or [None] * len(self.prompts)
+            raise ConfigError(
+                f'{adapter.path} follows a control video (model.type = "ic"): each validation prompt '
+                "renders from one; set validation.control_videos (validate.py: --control), one per prompt"
+            )
+        # VACE renders without its control video yet
+        if cfg.control_videos and adapter.type != "ic":
+            raise ConfigError(
+                f"validation.control_videos conditions control models, and {adapter.path} is not one "
+                'here: remove them (and --control), or set model.type = "ic" (LTX-2)'
+            )
+        self.controls = [
+            load_control(path, self.resolution, float(self.fps)) for path in cfg.control_videos
+        ] or [None] * len(self.prompts)
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         self.last_images = [load_image(path) for path in cfg.last_images] or [None] * len(self.prompts)
         self.references = [[load_image(path)] for path in cfg.reference_images] or [[]] * len(self.prompts)
@@ -230,29 +298,43 @@ class ClipRenderer:
         return self.clip(model, index, scheduler, autocast, on_step)[0]
 
     def clip(self, model, index: int, scheduler, autocast, on_step=lambda i: None, prompt: int | None = None):
-        """Float frames [F, H, W, 3] in [0, 1] and, for a family with sound, the soundtrack (float [channels,
-        samples] at adapter.sound_rate; else None) of prompt `prompt` (default: `index`) with clip `index`'s noise."""
+        """Float frames [F, H, W, 3] in [0, 1] and, for a family with sound, the soundtrack (float
+        [channels, samples] at adapter.sound_rate; else None) of prompt `prompt` (default: `index`)
+        with clip `index`'s noise."""
         prompt = index if prompt is None else prompt
-        conditions = {"references": self.references[prompt]} if self.adapter.vace else {}  # only VACE takes them
+        # only VACE takes them
+        conditions = {"references": self.references[prompt]} if self.adapter.vace else {}
         conditions |= {} if self.controls[prompt] is None else {"control": self.controls[prompt]}
-        state = sample_latents(self.adapter, self.denoisers(model), scheduler, self.prompt_embeds[prompt : prompt + 1],
-                               self.negative_embeds, data.keyed_generator(self.cfg.seed, index), self.cfg,
-                               self.resolution, autocast, on_step, self.images[prompt],
-                               self.last_images[prompt], **conditions)
+        state = sample_latents(
+            self.adapter,
+            self.denoisers(model),
+            scheduler,
+            self.prompt_embeds[prompt : prompt + 1],
+            self.negative_embeds,
+            data.keyed_generator(self.cfg.seed, index),
+            self.cfg,
+            self.resolution,
+            autocast,
+            on_step,
+            self.images[prompt],
+            self.last_images[prompt],
+            **conditions,
+        )
         frames = to_frames(self.adapter.decode_latents(self.adapter.sampled(state))[0])
         sound = self.adapter.decode_audio(self.adapter.sampled_audio(state)).cpu() if self.sound else None
         return frames, sound
 
     def _on_step(self, i: int) -> None:
-        """Between sampling steps every rank learns whether any got a stop signal (a collective: every
-        rank samples in lockstep), so a render never outlasts a scheduler's grace period by much."""
+        """Between sampling steps every rank learns whether any got a stop signal (a collective:
+        every rank samples in lockstep), so a render never outlasts a scheduler's grace period by
+        much."""
         self.sampling_steps += 1
         faults.fault("render", self.sampling_steps)
         ranks.stop_if_preempted(self.d, "during validation")
 
     def render(self, model, autocast) -> list[torch.Tensor]:
-        """Called on every rank: uint8 clips [F, H, W, 3] of every prompt on rank 0, [] on the others; with
-        sound, self.sounds holds their soundtracks (rank 0)."""
+        """Called on every rank: uint8 clips [F, H, W, 3] of every prompt on rank 0, [] on the
+        others; with sound, self.sounds holds their soundtracks (rank 0)."""
         was_training = model.training
         model.eval()
         scheduler = self.adapter.sampler(self.cfg.scheduler)
@@ -267,22 +349,29 @@ class ClipRenderer:
                     if index < len(self.prompts):
                         clip, sound = self.clip(model, index, scheduler, autocast, self._on_step)
                         clip = to_uint8(clip)
-                    else:  # a padding rank: its forward calls are needed, its clip is not (its sound's shape is)
-                        _, sound = self.clip(model, index, scheduler, autocast, self._on_step, len(self.prompts) - 1)
+                    # a padding rank: its forward calls are needed, its clip is not (its sound's
+                    # shape is)
+                    else:
+                        _, sound = self.clip(
+                            model, index, scheduler, autocast, self._on_step, len(self.prompts) - 1
+                        )
                         clip = torch.zeros(num_frames, height, width, 3, dtype=torch.uint8)
                     clips += self._collect(clip)
                     self.sounds += self._collect(sound) if self.sound else []
         finally:
             model.train(was_training)
-            self.adapter.park_vae()  # on the CPU until the next validation: no second load from disk
+            # on the CPU until the next validation: no second load from disk
+            self.adapter.park_vae()
         self.sounds = self.sounds[: len(self.prompts)]
         return clips[: len(self.prompts)]
 
     def _collect(self, clip: torch.Tensor) -> list[torch.Tensor]:
-        """Rank 0 gets the clip of each data-parallel leader (the first rank of an sp group, whose ranks all
-        made the same clip), in data-parallel rank order; the other ranks send nothing, and get []."""
+        """Rank 0 gets the clip of each data-parallel leader (the first rank of an sp group, whose
+        ranks all made the same clip), in data-parallel rank order; the other ranks send nothing,
+        and get []."""
         if self.d.is_main:
-            clips = [clip] + [clip.new_empty(clip.shape) for _ in range(1, self.d.dp_world)]  # contiguous
+            # contiguous
+            clips = [clip] + [clip.new_empty(clip.shape) for _ in range(1, self.d.dp_world)]
             for dp_rank in range(1, self.d.dp_world):
                 dist.recv(clips[dp_rank], src=dp_rank * self.d.sp)
             return clips
@@ -290,11 +379,13 @@ class ClipRenderer:
             dist.send(clip.contiguous(), dst=0)  # frames come permuted from the VAE's layout
         return []
 
-    def save(self, clips: list[torch.Tensor], names: list[str], sounds: list[torch.Tensor] = ()) -> list[Path]:
-        """Called on every rank; rank 0 writes validation_res/{name}.mp4 at self.fps (with its sound, from
-        `sounds`, at the adapter's sound_rate), and with
-        validation.save_frames the frames themselves (what was encoded, exactly) as {name}.safetensors.
-        A failed write (a full disk) stops every rank, naming the file."""
+    def save(
+        self, clips: list[torch.Tensor], names: list[str], sounds: list[torch.Tensor] = ()
+    ) -> list[Path]:
+        """Called on every rank; rank 0 writes validation_res/{name}.mp4 at self.fps (with its
+        sound, from `sounds`, at the adapter's sound_rate), and with validation.save_frames the
+        frames themselves (what was encoded, exactly) as {name}.safetensors. A failed write (a full
+        disk) stops every rank, naming the file."""
         paths = [self.out_dir / f"{name}.mp4" for name in names]
         with ranks.all_or_none():
             if self.d.is_main:
@@ -308,8 +399,8 @@ class ClipRenderer:
         return paths if self.d.is_main else []
 
     def run(self, model, step: int, metrics, autocast) -> dict[str, float]:
-        """The training-time validation: mp4s, val/clip_{i}, val/prompt_{i} and (image-to-video) val/conditions_{i};
-        returns time and peak memory."""
+        """The training-time validation: mp4s, val/clip_{i}, val/prompt_{i} and (image-to-video)
+        val/conditions_{i}; returns time and peak memory."""
         if not self.prompts:
             return {}
         start = time.perf_counter()
@@ -324,9 +415,12 @@ class ClipRenderer:
             metrics.text(step, f"val/prompt_{i}", prompt)
             conditions = [image for image in (self.images[i], self.last_images[i]) if image is not None]
             conditions += self.references[i]
-            if conditions:  # beside the clip: its image (last image, references) side by side, at its size
+            # beside the clip: its image (last image, references) side by side, at its size
+            if conditions:
                 size = (clip.shape[2], clip.shape[1])
-                side_by_side = np.concatenate([np.asarray(image.resize(size)) for image in conditions], axis=1)
+                side_by_side = np.concatenate(
+                    [np.asarray(image.resize(size)) for image in conditions], axis=1
+                )
                 metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
         peak = ranks.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}

@@ -44,9 +44,20 @@ MAX_HEADER = 100_000_000  # the safetensors library refuses longer headers (MAX_
 # files' ones.
 QUANT_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
 # safetensors' dtype names.
-FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+FILE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class Weights:
@@ -65,8 +76,10 @@ class Weights:
         elif single.is_file():
             paths = [single]
         else:
-            raise ConfigError(f"{folder} holds no diffusion_pytorch_model.safetensors (nor its .index.json): "
-                              "the transformer's weights are missing")
+            raise ConfigError(
+                f"{folder} holds no diffusion_pytorch_model.safetensors (nor its .index.json): "
+                "the transformer's weights are missing"
+            )
         # key -> (file, dtype, shape, first byte in the file)
         self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}
         self.data_bytes = 0
@@ -77,7 +90,12 @@ class Weights:
             header.pop("__metadata__", None)
             for key, entry in header.items():
                 begin, end = entry["data_offsets"]
-                self.entries[key] = (path, FILE_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin)
+                self.entries[key] = (
+                    path,
+                    FILE_DTYPES[entry["dtype"]],
+                    tuple(entry["shape"]),
+                    8 + length + begin,
+                )
                 self.data_bytes += end - begin
         self.keys: list[str] = []
         self.read_bytes = 0  # of tensor data, as stored
@@ -89,23 +107,31 @@ class Weights:
         The files must hold exactly the model's state dict (keys and shapes), but for the class's
         ignored unexpected keys."""
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        unexpected = [k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)]
+        unexpected = [
+            k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)
+        ]
         missing = [k for k in expected if k not in self.entries]
         if missing or unexpected:
-            raise ConfigError(f"{self.folder}: the weights do not fit {type(model).__name__} built from its "
-                              f"config.json: {len(missing)} missing (first: {missing[:3]}), {len(unexpected)} "
-                              f"unexpected (first: {unexpected[:3]})")
+            raise ConfigError(
+                f"{self.folder}: the weights do not fit {type(model).__name__} built from its "
+                f"config.json: {len(missing)} missing (first: {missing[:3]}), {len(unexpected)} "
+                f"unexpected (first: {unexpected[:3]})"
+            )
         self.keys = [k for k in expected if k in self.entries]
         wrong = [k for k in self.keys if self.entries[k][2] != expected[k]]
         if wrong:
-            raise ConfigError(f"{self.folder}: {len(wrong)} weights have another shape than its config.json "
-                              f"gives (first: {wrong[0]})")
+            raise ConfigError(
+                f"{self.folder}: {len(wrong)} weights have another shape than its config.json "
+                f"gives (first: {wrong[0]})"
+            )
 
     @contextlib.contextmanager
     def opened(self):
         with contextlib.ExitStack() as stack:
-            self._open = {path: stack.enter_context(path.open("rb"))
-                          for path in {entry[0] for entry in self.entries.values()}}
+            self._open = {
+                path: stack.enter_context(path.open("rb"))
+                for path in {entry[0] for entry in self.entries.values()}
+            }
             try:
                 yield
             finally:
@@ -140,7 +166,9 @@ class Weights:
 
         The parameter is a DTensor sharded on dim 0 by FSDP2, replicated on HSDP's other mesh
         dimension."""
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
         local = param.to_local()
         if tuple(local.shape) != tuple(shape) or any(offset[1:]):
             raise ValueError(f"{key}: expected a dim-0 shard, got {local.shape} at {offset}")
@@ -184,39 +212,50 @@ def read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int
     with path.open("rb") as f:
         start = f.read(8)
         if start.startswith(GGUF_MAGIC):
-            raise ConfigError(f"{source} is a GGUF file (llama.cpp's format, as ComfyUI-GGUF's "
-                              "quantized models): vidtrain reads safetensors files only; use the model's "
-                              "bf16, fp16 or fp8 .safetensors")
+            raise ConfigError(
+                f"{source} is a GGUF file (llama.cpp's format, as ComfyUI-GGUF's "
+                "quantized models): vidtrain reads safetensors files only; use the model's "
+                "bf16, fp16 or fp8 .safetensors"
+            )
         length = int.from_bytes(start, "little")
         try:
             header = json.loads(f.read(length)) if 8 + length <= size and length <= MAX_HEADER else None
         except (UnicodeDecodeError, json.JSONDecodeError):
             header = None
     if header is None and (start.startswith(ZIP_MAGIC) or path.suffix in PICKLE_SUFFIXES):
-        raise ConfigError(f"{source} is a PyTorch pickle (torch.save's format, as .ckpt, .pt and .pth "
-                          "files are): vidtrain reads safetensors files only, which hold no code to run; use "
-                          "the model's .safetensors release")
+        raise ConfigError(
+            f"{source} is a PyTorch pickle (torch.save's format, as .ckpt, .pt and .pth "
+            "files are): vidtrain reads safetensors files only, which hold no code to run; use "
+            "the model's .safetensors release"
+        )
     if not isinstance(header, dict):
-        raise ConfigError(f"{source} is not a safetensors file, or is cut short inside its header: "
-                          "download it again")
+        raise ConfigError(
+            f"{source} is not a safetensors file, or is cut short inside its header: download it again"
+        )
     metadata = header.pop("__metadata__", None) or {}
     entries, cut = {"__metadata__": metadata}, []
     for key, entry in header.items():
         try:
             (begin, end), dtype, shape = entry["data_offsets"], entry["dtype"], tuple(entry["shape"])
         except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"{source}: its header's entry {key!r} is not a tensor's (safetensors gives "
-                              "each tensor a dtype, a shape and data_offsets): the file is not a safetensors "
-                              "file vidtrain can read; download it again") from None
+            raise ConfigError(
+                f"{source}: its header's entry {key!r} is not a tensor's (safetensors gives "
+                "each tensor a dtype, a shape and data_offsets): the file is not a safetensors "
+                "file vidtrain can read; download it again"
+            ) from None
         if dtype not in FILE_DTYPES:
-            raise ConfigError(f"{source}: {key} is stored as {dtype}, which vidtrain does not read (bf16, "
-                              "fp16, fp32 and fp8 it does)")
+            raise ConfigError(
+                f"{source}: {key} is stored as {dtype}, which vidtrain does not read (bf16, "
+                "fp16, fp32 and fp8 it does)"
+            )
         entries[key] = (FILE_DTYPES[dtype], shape, 8 + length + begin, end - begin)
         if 8 + length + end > size:
             cut.append(key)
     if cut:
-        raise ConfigError(f"{source} is truncated: {size} bytes, but its header places {len(cut)} tensors "
-                          f"past the end (first: {cut[0]}): download it again")
+        raise ConfigError(
+            f"{source} is truncated: {size} bytes, but its header places {len(cut)} tensors "
+            f"past the end (first: {cut[0]}): download it again"
+        )
     return entries
 
 
@@ -241,37 +280,52 @@ def read_scales(stored: dict, metadata: dict) -> dict[str, float]:
         layers = {k.removeprefix(PREFIX): v for k, v in listed.items()}
     # every fp8 weight of an old scaled file has a scale: one missing is refused
     elif "scaled_fp8" in stored:
-        layers = {k.removesuffix(".weight"): {"format": "float8_e4m3fn"} for k, entry in stored.items()
-                  if k.endswith(".weight") and entry[1] in FP8}
+        layers = {
+            k.removesuffix(".weight"): {"format": "float8_e4m3fn"}
+            for k, entry in stored.items()
+            if k.endswith(".weight") and entry[1] in FP8
+        }
         scale_key = "scale_weight"
     for key in [k for k in stored if k.endswith(".comfy_quant")]:
         config = _read_small(stored[key][0], stored[key][1:])  # the layer's JSON, as uint8
         layers[key.removesuffix(".comfy_quant")] = json.loads(bytes(config.tolist()))
     # An fp8 weight with a scale beside it that no marker or metadata assigns would be read as a
     # plain cast.
-    unassigned = [k for k in stored if k.endswith((".scale_weight", ".weight_scale"))
-                  and k.rpartition(".")[0] not in layers and stored.get(f"{k.rpartition('.')[0]}.weight",
-                                                                         (None, None))[1] in FP8]
+    unassigned = [
+        k
+        for k in stored
+        if k.endswith((".scale_weight", ".weight_scale"))
+        and k.rpartition(".")[0] not in layers
+        and stored.get(f"{k.rpartition('.')[0]}.weight", (None, None))[1] in FP8
+    ]
     if unassigned:
-        raise ConfigError(f"model.transformer_file = {stored[unassigned[0]][0]} holds fp8 scales "
-                          f"({unassigned[0]}, ...) that neither ComfyUI's scaled_fp8 key nor its quantization "
-                          "metadata (_quantization_metadata, .comfy_quant) assign to their layers, so whether "
-                          "they apply is unknown: the file is incomplete or was re-saved without them; "
-                          "download it again")
+        raise ConfigError(
+            f"model.transformer_file = {stored[unassigned[0]][0]} holds fp8 scales "
+            f"({unassigned[0]}, ...) that neither ComfyUI's scaled_fp8 key nor its quantization "
+            "metadata (_quantization_metadata, .comfy_quant) assign to their layers, so whether "
+            "they apply is unknown: the file is incomplete or was re-saved without them; "
+            "download it again"
+        )
     scales = {}
     for layer, layer_config in layers.items():
         where = f"model.transformer_file = {stored[f'{layer}.weight'][0]}: layer {layer}"
         if layer_config.get("format") not in SCALED_FORMATS:
-            raise ConfigError(f"{where} is quantized as {layer_config.get('format')}, which vidtrain does not read "
-                              f"(it reads {' and '.join(SCALED_FORMATS)} with one scale per tensor): use a bf16, "
-                              "fp16 or fp8 file")
+            raise ConfigError(
+                f"{where} is quantized as {layer_config.get('format')}, which vidtrain does not read "
+                f"(it reads {' and '.join(SCALED_FORMATS)} with one scale per tensor): use a bf16, "
+                "fp16 or fp8 file"
+            )
         if f"{layer}.{scale_key}" not in stored:
-            raise ConfigError(f"{where} is quantized as {layer_config['format']} but the file lacks its scale, "
-                              f"{layer}.{scale_key}: the file is incomplete")
+            raise ConfigError(
+                f"{where} is quantized as {layer_config['format']} but the file lacks its scale, "
+                f"{layer}.{scale_key}: the file is incomplete"
+            )
         scale = _read_small(stored[f"{layer}.{scale_key}"][0], stored[f"{layer}.{scale_key}"][1:])
         if scale.numel() != 1:
-            raise ConfigError(f"{where} has a {scale_key} of shape {list(scale.shape)}; vidtrain reads one scale "
-                              "per tensor, as ComfyUI's fp8 formats store it")
+            raise ConfigError(
+                f"{where} has a {scale_key} of shape {list(scale.shape)}; vidtrain reads one scale "
+                "per tensor, as ComfyUI's fp8 formats store it"
+            )
         scales[f"{layer}.weight"] = scale.float().item()
     return scales
 
@@ -285,9 +339,11 @@ class SingleFile(Weights):
         stored, metadata = {}, {}
         for path in self.files:
             if path.is_dir():
-                raise ConfigError(f"model.transformer_file = {path} is a folder; it takes a single "
-                                  ".safetensors file (or a list of them); a diffusers folder's transformer "
-                                  "is read from model.path")
+                raise ConfigError(
+                    f"model.transformer_file = {path} is a folder; it takes a single "
+                    ".safetensors file (or a list of them); a diffusers folder's transformer "
+                    "is read from model.path"
+                )
             if not path.is_file():
                 raise ConfigError(f"model.transformer_file = {path} does not exist")
             header = read_header(path)
@@ -295,22 +351,33 @@ class SingleFile(Weights):
             stored |= {key: (path, *entry) for key, entry in header.items()}
         # an all-in-one checkpoint's VAE and text encoder stay out
         if any(key.startswith(PREFIX) for key in stored):
-            stored = {key.removeprefix(PREFIX): entry for key, entry in stored.items() if key.startswith(PREFIX)}
+            stored = {
+                key.removeprefix(PREFIX): entry for key, entry in stored.items() if key.startswith(PREFIX)
+            }
         stored = {key: entry for key, entry in stored.items() if not adapter.single_file_extra(key)}
         diffusers_mark = adapter.diffusers_names([adapter.SINGLE_FILE_KEY])[adapter.SINGLE_FILE_KEY]
-        if adapter.SINGLE_FILE_KEY not in stored and (diffusers_mark in stored or any(
-                path.name.startswith("diffusion_pytorch_model") for path in self.files)):
-            raise ConfigError(f"model.transformer_file = {', '.join(files)} is in diffusers' layout (a "
-                              "diffusers folder's transformer/diffusion_pytorch_model.safetensors), which "
-                              "vidtrain reads from model.path: point model.path at the folder whose "
-                              "transformer/ holds it and remove model.transformer_file")
+        if adapter.SINGLE_FILE_KEY not in stored and (
+            diffusers_mark in stored
+            or any(path.name.startswith("diffusion_pytorch_model") for path in self.files)
+        ):
+            raise ConfigError(
+                f"model.transformer_file = {', '.join(files)} is in diffusers' layout (a "
+                "diffusers folder's transformer/diffusion_pytorch_model.safetensors), which "
+                "vidtrain reads from model.path: point model.path at the folder whose "
+                "transformer/ holds it and remove model.transformer_file"
+            )
         if adapter.SINGLE_FILE_KEY not in stored:
             family = next((f for f, mark in marks.items() if mark in stored), None)
-            kind = f"a {family} transformer (it holds {marks[family]})" if family else \
-                f"no transformer vidtrain knows (its first key: {next(iter(stored), 'none')})"
-            raise ConfigError(f"model.transformer_file = {', '.join(files)} holds {kind}, not a {adapter.FAMILY} one "
-                              f"(which holds {adapter.SINGLE_FILE_KEY}): use the {adapter.FAMILY} file of the model "
-                              "at model.path")
+            kind = (
+                f"a {family} transformer (it holds {marks[family]})"
+                if family
+                else f"no transformer vidtrain knows (its first key: {next(iter(stored), 'none')})"
+            )
+            raise ConfigError(
+                f"model.transformer_file = {', '.join(files)} holds {kind}, not a {adapter.FAMILY} one "
+                f"(which holds {adapter.SINGLE_FILE_KEY}): use the {adapter.FAMILY} file of the model "
+                "at model.path"
+            )
         scales = read_scales(stored, metadata)
         weights = [k for k in stored if k != "scaled_fp8" and not k.endswith(QUANT_SUFFIXES)]
         names = adapter.diffusers_names(weights)
@@ -323,8 +390,12 @@ class SingleFile(Weights):
         self.keys: list[str] = []
         self.read_bytes = 0
         self._open: dict[Path, object] = {}
-        log.info("model.transformer_file: %d weights (%d fp8 with a scale) in %s", len(weights), len(scales),
-                 ", ".join(files))
+        log.info(
+            "model.transformer_file: %d weights (%d fp8 with a scale) in %s",
+            len(weights),
+            len(scales),
+            ", ".join(files),
+        )
 
     def check(self, model: torch.nn.Module, ignored: list[str]) -> None:
         """Check that the file holds the model's state dict, shape for shape.
@@ -337,19 +408,27 @@ class SingleFile(Weights):
         wrong = [k for k in expected if k in self.entries and self.entries[k][2] != expected[k]]
         if wrong:
             key = wrong[0]
-            raise ConfigError(f"{source}: {self.file_keys[key]} is {list(self.entries[key][2])} there, but "
-                              f"{self.config_folder}/config.json makes it {list(expected[key])} ({key}): the file is "
-                              "another size of the model; use the file of the model at model.path")
+            raise ConfigError(
+                f"{source}: {self.file_keys[key]} is {list(self.entries[key][2])} there, but "
+                f"{self.config_folder}/config.json makes it {list(expected[key])} ({key}): the file is "
+                "another size of the model; use the file of the model at model.path"
+            )
         missing = [k for k in expected if k not in self.entries]
         if missing:
-            raise ConfigError(f"{source} lacks {len(missing)} weights of {type(model).__name__} as "
-                              f"{self.config_folder}/config.json builds it (first: {missing[0]}): the file is "
-                              "incomplete or of another variant")
-        unexpected = [k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)]
+            raise ConfigError(
+                f"{source} lacks {len(missing)} weights of {type(model).__name__} as "
+                f"{self.config_folder}/config.json builds it (first: {missing[0]}): the file is "
+                "incomplete or of another variant"
+            )
+        unexpected = [
+            k for k in self.entries if k not in expected and not any(re.search(p, k) for p in ignored)
+        ]
         if unexpected:
-            raise ConfigError(f"{source} holds {len(unexpected)} keys that {type(model).__name__} as "
-                              f"{self.config_folder}/config.json builds it has no weight for (first: "
-                              f"{self.file_keys[unexpected[0]]}): the file is of another variant")
+            raise ConfigError(
+                f"{source} holds {len(unexpected)} keys that {type(model).__name__} as "
+                f"{self.config_folder}/config.json builds it has no weight for (first: "
+                f"{self.file_keys[unexpected[0]]}): the file is of another variant"
+            )
         self.keys = [k for k in expected if k in self.entries]
 
     def fp8_source(self, key: str, start: int, count: int) -> tuple[torch.Tensor, float | None]:

@@ -34,15 +34,23 @@ SHAPES = {  # name: (tokens, heads, head size)
     "Wan 14B 81x480x832": (21 * 30 * 52, 40, 128),
     "Wan2.2-TI2V-5B 121x704x1280": (31 * 22 * 40, 24, 128),
 }
-KERNELS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
-           "cudnn": "_scaled_dot_product_cudnn_attention", "math": "_scaled_dot_product_attention_math"}
+KERNELS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+    "math": "_scaled_dot_product_attention_math",
+}
 
 
 def attend(tokens: int, heads: int, head_dim: int, device: torch.device, seed: int = 0):
     """One bf16 forward and backward; returns the kernel that ran and the three input gradients."""
     generator = torch.Generator(device).manual_seed(seed)
-    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, generator=generator, dtype=torch.bfloat16)
-               .requires_grad_() for _ in range(3))
+    q, k, v = (
+        torch.randn(
+            1, heads, tokens, head_dim, device=device, generator=generator, dtype=torch.bfloat16
+        ).requires_grad_()
+        for _ in range(3)
+    )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         out = F.scaled_dot_product_attention(q, k, v)
         out.backward(torch.ones_like(out))
@@ -52,7 +60,9 @@ def attend(tokens: int, heads: int, head_dim: int, device: torch.device, seed: i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("check", choices=["kernels", "deterministic"])
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args()
@@ -65,19 +75,29 @@ def main() -> int:
             # the unfused kernel at these lengths runs out of memory or crawls
             ok = ran and "math" not in ran
             failed |= not ok
-            print(f"{'PASS' if ok else 'FAIL'} attention kernel at {name} ({shape[0]} tokens, {shape[1]} heads x "
-                  f"{shape[2]}): {', '.join(ran) or 'none recognised'}", flush=True)
+            print(
+                f"{'PASS' if ok else 'FAIL'} attention kernel at {name} ({shape[0]} tokens, {shape[1]} heads x "
+                f"{shape[2]}): {', '.join(ran) or 'none recognised'}",
+                flush=True,
+            )
         return int(failed)
     ranks.make_deterministic()
-    name, shape = next(iter(shapes.items())) if args.cpu else ("CogVideoX-5B 49x480x720", SHAPES["CogVideoX-5B 49x480x720"])
+    name, shape = (
+        next(iter(shapes.items()))
+        if args.cpu
+        else ("CogVideoX-5B 49x480x720", SHAPES["CogVideoX-5B 49x480x720"])
+    )
     memory.reset_peak_memory(device)
     ran, first = attend(*shape, device)
     _, second = attend(*shape, device)
     equal = all(torch.equal(a, b) for a, b in zip(first, second))
     peak = memory.peak_memory_gb(device)
     ok = equal and ran and "math" not in ran
-    print(f"{'PASS' if ok else 'FAIL'} run.deterministic attention at {name}: {', '.join(ran)}; two backward "
-          f"passes {'bitwise equal' if equal else 'DIFFER'}; peak {peak:.1f} GB", flush=True)
+    print(
+        f"{'PASS' if ok else 'FAIL'} run.deterministic attention at {name}: {', '.join(ran)}; two backward "
+        f"passes {'bitwise equal' if equal else 'DIFFER'}; peak {peak:.1f} GB",
+        flush=True,
+    )
     return int(not ok)
 
 

@@ -50,20 +50,42 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def settings(root: Path, data: str, resolution: list[int], cache: str) -> dict:
-    return {"run.output_dir": str(root / "out"), "model.path": str(root / "model"), "model.dtype": "fp32",
-            "data.data_root": str(root / data), "data.train_resolution": resolution,
-            "data.cache_dir": str(root / cache), "train.mixed_precision": "no", "train.gradient_checkpointing": False,
-            "train.batch_size": 1, "validation.do_validation": False}
+    return {
+        "run.output_dir": str(root / "out"),
+        "model.path": str(root / "model"),
+        "model.dtype": "fp32",
+        "data.data_root": str(root / data),
+        "data.train_resolution": resolution,
+        "data.cache_dir": str(root / cache),
+        "train.mixed_precision": "no",
+        "train.gradient_checkpointing": False,
+        "train.batch_size": 1,
+        "validation.do_validation": False,
+    }
 
 
 def cache_pass(root: Path, values: dict, nproc: int = 1) -> tuple[float, float]:
     """(clips per second in the encode loop, wall seconds of the command)."""
     config = write_toml(root / "bench.toml", values)
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+        ]
+    )
     start = time.perf_counter()
-    result = subprocess.run([*launcher, str(REPO / "cache.py"), "--cfg", str(config)], cwd=REPO, env=ENV,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [*launcher, str(REPO / "cache.py"), "--cfg", str(config)],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - start
     if result.returncode != 0:
         sys.exit(f"the cache pass failed:\n{result.stderr[-3000:]}")
@@ -77,9 +99,14 @@ def throughput(root: Path, args) -> None:
     base = settings(root, "clips", [17, 64, 64], "unused")
     runs = {
         "one clip at a time, 1 rank": ({"data.cache_batch_size": 1, "data.cache_dir": str(root / "c1")}, 1),
-        f"batch {args.batch}, 1 rank": ({"data.cache_batch_size": args.batch, "data.cache_dir": str(root / "c2")}, 1),
-        f"batch {args.batch}, {args.nproc} ranks": ({"data.cache_batch_size": args.batch,
-                                                    "data.cache_dir": str(root / "c3")}, args.nproc),
+        f"batch {args.batch}, 1 rank": (
+            {"data.cache_batch_size": args.batch, "data.cache_dir": str(root / "c2")},
+            1,
+        ),
+        f"batch {args.batch}, {args.nproc} ranks": (
+            {"data.cache_batch_size": args.batch, "data.cache_dir": str(root / "c3")},
+            args.nproc,
+        ),
     }
     measured = {name: cache_pass(root, {**base, **extra}, nproc) for name, (extra, nproc) in runs.items()}
     baseline = next(iter(measured.values()))[0]
@@ -118,12 +145,19 @@ def memory(root: Path, args) -> None:
             pixels = np.stack([(xs + 8 * k) % 256, (ys + 4 * k) % 256, (xs ^ ys) % 256], -1).astype(np.uint8)
             out.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
         out.mux(stream.encode())
-    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(repo=str(REPO), clip=str(clip))],
-                            env=ENV, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE.format(repo=str(REPO), clip=str(clip))],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     extra, seconds, shape = result.stdout.split(maxsplit=2)
-    print(f"memory: decoding 49 frames of 1920x1080 H.264 to {shape.strip()}: peak extra RSS "
-          f"{int(extra) / 2**20:.0f} MiB (target < 200 MiB), {float(seconds):.2f} s; the frames alone are "
-          f"{49 * 480 * 720 * 3 / 2**20:.0f} MiB (full-resolution float32 frames would be {49 * 1080 * 1920 * 12 / 2**20:.0f} MiB)")
+    print(
+        f"memory: decoding 49 frames of 1920x1080 H.264 to {shape.strip()}: peak extra RSS "
+        f"{int(extra) / 2**20:.0f} MiB (target < 200 MiB), {float(seconds):.2f} s; the frames alone are "
+        f"{49 * 480 * 720 * 3 / 2**20:.0f} MiB (full-resolution float32 frames would be {49 * 1080 * 1920 * 12 / 2**20:.0f} MiB)"
+    )
 
 
 def workers(root: Path, args) -> None:
@@ -132,13 +166,24 @@ def workers(root: Path, args) -> None:
     walls = {n: [] for n in (1, 2)}
     for r in range(args.repeats):
         for n in walls:
-            rate, _ = cache_pass(root, {**base, "data.decode_workers": n, "data.cache_batch_size": 4,
-                                        "data.cache_dir": str(root / f"w{n}-{r}")})
+            rate, _ = cache_pass(
+                root,
+                {
+                    **base,
+                    "data.decode_workers": n,
+                    "data.cache_batch_size": 4,
+                    "data.cache_dir": str(root / f"w{n}-{r}"),
+                },
+            )
             walls[n].append(rate)
     best = {n: max(rates) for n, rates in walls.items()}
-    print(f"workers: {args.worker_clips} clips of 17x720x1280 H.264 to 17x32x32, 1 rank, fastest of {args.repeats}")
+    print(
+        f"workers: {args.worker_clips} clips of 17x720x1280 H.264 to 17x32x32, 1 rank, fastest of {args.repeats}"
+    )
     for n, rate in best.items():
-        print(f"  decode_workers = {n}: {rate:6.2f} clips/s  {rate / best[1]:4.2f}x   (runs {' '.join(f'{x:.2f}' for x in walls[n])})")
+        print(
+            f"  decode_workers = {n}: {rate:6.2f} clips/s  {rate / best[1]:4.2f}x   (runs {' '.join(f'{x:.2f}' for x in walls[n])})"
+        )
     print("  target: >= 1.5x with 2 workers")
 
 
@@ -146,8 +191,14 @@ def time_to_step_one(config: Path, output_dir: Path) -> float:
     # a run that got to save its step 1 would only export next time
     shutil.rmtree(output_dir, ignore_errors=True)
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, str(REPO / "trainer.py"), "--cfg", str(config)], cwd=REPO, env=ENV,
-                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "trainer.py"), "--cfg", str(config)],
+        cwd=REPO,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     for line in process.stderr:
         if " step 1/" in line:
             elapsed = time.perf_counter() - start
@@ -165,9 +216,15 @@ def startup(root: Path, args) -> None:
         root.mkdir(parents=True, exist_ok=True)
         if not (root / "model").is_dir():
             make_tiny_model(str(root / "model"))
-    values = {**settings(root, "many", [9, 32, 32], "many-cache"), "data.cache_batch_size": 64, "train.steps": 1}
+    values = {
+        **settings(root, "many", [9, 32, 32], "many-cache"),
+        "data.cache_batch_size": 64,
+        "train.steps": 1,
+    }
     config = write_toml(root / "startup.toml", values)
-    if (root / "many" / "videos.txt").is_file() and len((root / "many" / "videos.txt").read_text().splitlines()) == n:
+    if (root / "many" / "videos.txt").is_file() and len(
+        (root / "many" / "videos.txt").read_text().splitlines()
+    ) == n:
         filled = "reused"
     else:
         print(f"startup: writing {n} clips of 9x32x32 ...", flush=True)
@@ -180,10 +237,14 @@ def startup(root: Path, args) -> None:
         manifest.unlink()
         cold.append(time_to_step_one(config, root / "out"))
     print(f"startup: {n} clips, complete cache ({filled}), launch of trainer.py to its step 1 line; medians")
-    print(f"  manifest warm  {statistics.median(warm):6.1f} s   (runs {' '.join(f'{x:.1f}' for x in warm)}; target < 10 s)")
+    print(
+        f"  manifest warm  {statistics.median(warm):6.1f} s   (runs {' '.join(f'{x:.1f}' for x in warm)}; target < 10 s)"
+    )
     if cold:
-        print(f"  manifest cold  {statistics.median(cold):6.1f} s   (runs {' '.join(f'{x:.1f}' for x in cold)}): every "
-              "header read and hashed")
+        print(
+            f"  manifest cold  {statistics.median(cold):6.1f} s   (runs {' '.join(f'{x:.1f}' for x in cold)}): every "
+            "header read and hashed"
+        )
         print(f"  cold / warm    {statistics.median(cold) / statistics.median(warm):6.2f}x")
 
 
@@ -201,14 +262,21 @@ def prefetch(root: Path, args) -> None:
 
     torch.set_num_threads(1)
     make_synthetic_dataset(str(root / "pf"), 24, 17, 40, 48, seed=0)
-    cfg = load_config(str(write_toml(root / "prefetch.toml", {**settings(root, "pf", [9, 32, 32], "pf-cache"),
-                                                              "train.batch_size": 2, "data.held_out": 4})))
+    cfg = load_config(
+        str(
+            write_toml(
+                root / "prefetch.toml",
+                {**settings(root, "pf", [9, 32, 32], "pf-cache"), "train.batch_size": 2, "data.held_out": 4},
+            )
+        )
+    )
     cpu = torch.device("cpu")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     d = ranks.Dist(0, 1, 0, cpu)
     adapter = setup_adapter(cfg, d)
     entries, clips, _ = cache.prepare(cfg, adapter, d)
-    if args.read_latency_ms:  # a stand-in for a network filesystem's latency per file (it sleeps, as I/O waits)
+    # a stand-in for a network filesystem's latency per file (it sleeps, as I/O waits)
+    if args.read_latency_ms:
         read = entries.read
         entries.read = lambda item, kind: time.sleep(args.read_latency_ms / 1000) or read(item, kind)
     model = adapter.load_transformer()
@@ -223,14 +291,18 @@ def prefetch(root: Path, args) -> None:
             start = time.perf_counter()
             batch = fetch(k)
             fetched = time.perf_counter()
-            adapter.train_loss(model, batch, [data.keyed_generator(0, k, p) for p in range(2)]).mean().backward()
+            adapter.train_loss(
+                model, batch, [data.keyed_generator(0, k, p) for p in range(2)]
+            ).mean().backward()
             model.zero_grad(set_to_none=True)
             waits.append(fetched - start)
             steps.append(time.perf_counter() - start)
         return statistics.median(waits), statistics.median(steps)
 
     def inline(k):
-        return {key: value.to(cpu, non_blocking=True) for key, value in entries.load_batch(batches[k]).items()}
+        return {
+            key: value.to(cpu, non_blocking=True) for key, value in entries.load_batch(batches[k]).items()
+        }
 
     def prefetched(k):
         return ahead.batch(batches[k], batches[k + 1] if k + 1 < len(batches) else None)
@@ -238,26 +310,36 @@ def prefetch(root: Path, args) -> None:
     measured = {"in the step's thread": [], "cache_files.Prefetch": []}
     for r in range(args.repeats):
         ahead = cache_files.Prefetch(entries, cpu)
-        for name, fetch in sorted({"in the step's thread": inline, "cache_files.Prefetch": prefetched}.items(),
-                                  reverse=r % 2 == 1):  # each first in every other repetition
+        for name, fetch in sorted(
+            {"in the step's thread": inline, "cache_files.Prefetch": prefetched}.items(), reverse=r % 2 == 1
+        ):  # each first in every other repetition
             measured[name].append(micro_steps(fetch))
         ahead.close()
     dist.destroy_process_group()
     latency = f", {args.read_latency_ms} ms slept per file read" if args.read_latency_ms else ""
-    print(f"prefetch: {args.prefetch_steps} micro-steps of batch 2 (9x32x32, 2 cache files per clip{latency}), tiny "
-          f"CogVideoX LoRA rank 4, loss + backward, 1 thread, {args.repeats} interleaved repetitions; medians in ms")
-    base_wait, base_step = (statistics.median(run[i] for run in measured["in the step's thread"]) for i in (0, 1))
+    print(
+        f"prefetch: {args.prefetch_steps} micro-steps of batch 2 (9x32x32, 2 cache files per clip{latency}), tiny "
+        f"CogVideoX LoRA rank 4, loss + backward, 1 thread, {args.repeats} interleaved repetitions; medians in ms"
+    )
+    base_wait, base_step = (
+        statistics.median(run[i] for run in measured["in the step's thread"]) for i in (0, 1)
+    )
     for name, runs in measured.items():
         wait, step = (statistics.median(run[i] for run in runs) for i in (0, 1))
-        print(f"  {name:22s} wait for the batch {wait * 1000:6.3f} ({wait / base_wait:5.2f}x)   micro-step "
-              f"{step * 1000:6.2f} ({step / base_step:5.3f}x)   runs: "
-              + " ".join(f"{w * 1000:.3f}/{s * 1000:.2f}" for w, s in runs))
+        print(
+            f"  {name:22s} wait for the batch {wait * 1000:6.3f} ({wait / base_wait:5.2f}x)   micro-step "
+            f"{step * 1000:6.2f} ({step / base_step:5.3f}x)   runs: "
+            + " ".join(f"{w * 1000:.3f}/{s * 1000:.2f}" for w, s in runs)
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "throughput", "memory", "workers", "startup", "prefetch"],
-                        default="all")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--part", choices=["all", "throughput", "memory", "workers", "startup", "prefetch"], default="all"
+    )
     parser.add_argument("--clips", type=int, default=48, help="clips in the throughput part")
     parser.add_argument("--batch", type=int, default=8, help="clips per VAE/T5 call in the batched runs")
     parser.add_argument("--nproc", type=int, default=2, help="ranks in the spread run")
@@ -265,10 +347,18 @@ def main() -> None:
     parser.add_argument("--startup-clips", type=int, default=10000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cold-repeats", type=int, default=2, help="startup runs without the manifest")
-    parser.add_argument("--startup-dir", default="", help="keep the startup part's clips and cache here, and reuse them")
-    parser.add_argument("--prefetch-steps", type=int, default=200, help="micro-steps per run of the prefetch part")
-    parser.add_argument("--read-latency-ms", type=float, default=0.0,
-                        help="prefetch part: sleep this long before each cache file read (a slow filesystem's stand-in)")
+    parser.add_argument(
+        "--startup-dir", default="", help="keep the startup part's clips and cache here, and reuse them"
+    )
+    parser.add_argument(
+        "--prefetch-steps", type=int, default=200, help="micro-steps per run of the prefetch part"
+    )
+    parser.add_argument(
+        "--read-latency-ms",
+        type=float,
+        default=0.0,
+        help="prefetch part: sleep this long before each cache file read (a slow filesystem's stand-in)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -38,12 +38,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
-from torch.distributed.checkpoint import FileSystemReader
-from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from common import timed_run, tiny_settings  # puts the repository on sys.path
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt  # noqa: E402
 import ckpt_files  # noqa: E402
@@ -76,7 +75,11 @@ class TrainState:
     """trainer.TrainState's tensors (nothing imports trainer.py)."""
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(1), "validation_pending": torch.tensor(False), "nonfinite_in_row": torch.tensor(0)}
+        return {
+            "step": torch.tensor(1),
+            "validation_pending": torch.tensor(False),
+            "nonfinite_in_row": torch.tensor(0),
+        }
 
 
 def cogvideox_5b_lora(rank: int) -> nn.Module:
@@ -85,12 +88,25 @@ def cogvideox_5b_lora(rank: int) -> nn.Module:
     42 blocks, each with to_q, to_k, to_v and to_out.0 mapping its 3072 channels (48 heads x 64) to
     3072, each with lora_A [rank, 3072] and lora_B [3072, rank], under the transformer's own names.
     At rank 128: 42 x 4 x 2 x 128 x 3072 = 132,120,576 parameters."""
+
     def lora_pair():
-        return nn.ModuleDict({"lora_A": nn.Linear(3072, rank, bias=False), "lora_B": nn.Linear(rank, 3072, bias=False)})
+        return nn.ModuleDict(
+            {"lora_A": nn.Linear(3072, rank, bias=False), "lora_B": nn.Linear(rank, 3072, bias=False)}
+        )
 
     def block():
-        return nn.ModuleDict({"attn1": nn.ModuleDict({"to_q": lora_pair(), "to_k": lora_pair(), "to_v": lora_pair(),
-                                                      "to_out": nn.ModuleList([lora_pair()])})})
+        return nn.ModuleDict(
+            {
+                "attn1": nn.ModuleDict(
+                    {
+                        "to_q": lora_pair(),
+                        "to_k": lora_pair(),
+                        "to_v": lora_pair(),
+                        "to_out": nn.ModuleList([lora_pair()]),
+                    }
+                )
+            }
+        )
 
     return nn.ModuleDict({"transformer_blocks": nn.ModuleList([block() for _ in range(42)])})
 
@@ -112,9 +128,16 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
         p.grad = torch.randn_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 24, 8, 0), "train": TrainState()}
+    objects = {
+        "model": model,
+        "optimizer": optimizer,
+        "sampler": data.Sampler([0] * 24, 8, 0),
+        "train": TrainState(),
+    }
     identity = {"family": "cogvideox", "training_type": "lora", "lora": {"rank": rank}}
-    checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=2), str(root / "save-cost"), d, identity, {})
+    checkpoints = ckpt.Checkpointer(
+        CheckpointConfig(checkpointing_limit=2), str(root / "save-cost"), d, identity, {}
+    )
     start = time.perf_counter()
     checkpoints.save(1, objects, final=False)
     first = time.perf_counter() - start
@@ -122,8 +145,10 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
     tensors = [t for part in state.values() for t in part.values()]
     size = sum(t.numel() * t.element_size() for t in tensors)
 
-    runs = {"Checkpointer.save": lambda i: checkpoints.save(i + 2, objects, final=False),
-            "torch.save": lambda i: torch.save(state, root / "plain.pt")}
+    runs = {
+        "Checkpointer.save": lambda i: checkpoints.save(i + 2, objects, final=False),
+        "torch.save": lambda i: torch.save(state, root / "plain.pt"),
+    }
     timed: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(saves):
         for name, run in runs.items():
@@ -144,18 +169,24 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
     for path in sorted(newest.iterdir()):
         if path.is_file() and path.name != "meta.json":
             ckpt_files.sha256_of(path)
-    pieces["sha256 of the files read back (the commit hashed so before hashing while writing)"] = time.perf_counter() - start
+    pieces["sha256 of the files read back (the commit hashed so before hashing while writing)"] = (
+        time.perf_counter() - start
+    )
     dist.destroy_process_group()
     median = {k: statistics.median(v) for k, v in timed.items()}
     params = sum(p.numel() for p in model.parameters())
-    print(f"save cost, CogVideoX-5B LoRA rank {rank} (default targets), 1 rank, 1 thread: {params:,} trainable "
-          f"parameters, {len(tensors)} tensors, {size / 1e9:.2f} GB of state ({dir_bytes(newest) / 1e9:.2f} GB "
-          f"on disk), {saves} saves after the first")
+    print(
+        f"save cost, CogVideoX-5B LoRA rank {rank} (default targets), 1 rank, 1 thread: {params:,} trainable "
+        f"parameters, {len(tensors)} tensors, {size / 1e9:.2f} GB of state ({dir_bytes(newest) / 1e9:.2f} GB "
+        f"on disk), {saves} saves after the first"
+    )
     print(f"  first save (builds what later saves reuse)  {first:6.2f} s")
     for k, v in timed.items():
         print(f"  {k:18s} median {median[k]:6.2f} s   all " + " ".join(f"{x:.2f}" for x in v))
     ratio = median["Checkpointer.save"] / median["torch.save"]
-    print(f"  Checkpointer.save / torch.save: {ratio:.2f}x median (target <= 1.25x: {'met' if ratio <= 1.25 else 'not met'})")
+    print(
+        f"  Checkpointer.save / torch.save: {ratio:.2f}x median (target <= 1.25x: {'met' if ratio <= 1.25 else 'not met'})"
+    )
     print("  pieces, each timed once alone: " + ", ".join(f"{k} {v:.2f} s" for k, v in pieces.items()))
 
 
@@ -171,17 +202,27 @@ def payload(root: Path, base: dict) -> None:
     for group, size in sorted(parts.items()):
         print(f"  {group:16s} {size:9d} B  {size / adapter:6.3f}x adapter")
     print(f"  {'all tensors':16s} {sum(parts.values()):9d} B  {sum(parts.values()) / adapter:6.3f}x adapter")
-    print(f"  folder on disk   {on_disk:9d} B  {on_disk / adapter_file.stat().st_size:6.3f}x the adapter file "
-          f"({adapter_file.stat().st_size} B); with the frozen base ({frozen} B) it would be "
-          f"{(on_disk + frozen) / on_disk:.2f}x this")
+    print(
+        f"  folder on disk   {on_disk:9d} B  {on_disk / adapter_file.stat().st_size:6.3f}x the adapter file "
+        f"({adapter_file.stat().st_size} B); with the frozen base ({frozen} B) it would be "
+        f"{(on_disk + frozen) / on_disk:.2f}x this"
+    )
 
 
 def stall(root: Path, stall_settings: dict, args) -> None:
     """Part 2."""
-    modes = {"one step": {"train.steps": 1},
-             "save at end only": {"checkpoint.checkpointing_steps": args.steps + 1},
-             "sync save every step": {"checkpoint.checkpointing_steps": args.every, "checkpoint.async_save": False},
-             "async save every step": {"checkpoint.checkpointing_steps": args.every, "checkpoint.async_save": True}}
+    modes = {
+        "one step": {"train.steps": 1},
+        "save at end only": {"checkpoint.checkpointing_steps": args.steps + 1},
+        "sync save every step": {
+            "checkpoint.checkpointing_steps": args.every,
+            "checkpoint.async_save": False,
+        },
+        "async save every step": {
+            "checkpoint.checkpointing_steps": args.every,
+            "checkpoint.async_save": True,
+        },
+    }
     walls: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.repeats):
         for i, (mode, extra) in enumerate(modes.items()):
@@ -190,21 +231,30 @@ def stall(root: Path, stall_settings: dict, args) -> None:
     step_time = (best["save at end only"] - best["one step"]) / (args.steps - 1)
     saves = (args.steps - 1) // args.every
     what = "full fine-tuning" if args.sft else "LoRA rank 64 on every linear layer"
-    print(f"stall, {what}, {args.nproc} rank(s), {args.steps} steps, {saves} saves before the last, fastest of {args.repeats}:")
+    print(
+        f"stall, {what}, {args.nproc} rank(s), {args.steps} steps, {saves} saves before the last, fastest of {args.repeats}:"
+    )
     print(f"  loop time per step (no saves)  {step_time * 1000:7.1f} ms")
     overhead = {}
     for mode in ("sync save every step", "async save every step"):
         overhead[mode] = (best[mode] - best["save at end only"]) / saves
-        print(f"  {mode:30s} +{overhead[mode] * 1000:7.1f} ms per save  ({overhead[mode] / step_time:5.2f}x a step)")
+        print(
+            f"  {mode:30s} +{overhead[mode] * 1000:7.1f} ms per save  ({overhead[mode] / step_time:5.2f}x a step)"
+        )
     sync, async_ = overhead.values()
-    print(f"  sync / async overhead: {sync / async_:.2f}x" if async_ > 0 else
-          f"  async overhead not measurable (<= 0); sync {sync * 1000:.1f} ms per save")
+    print(
+        f"  sync / async overhead: {sync / async_:.2f}x"
+        if async_ > 0
+        else f"  async overhead not measurable (<= 0); sync {sync * 1000:.1f} ms per save"
+    )
     for mode, w in walls.items():
         print(f"  wall {mode:24s} " + " ".join(f"{x:6.2f}" for x in w) + " s")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parts = ["payload", "stall", "save"]
     parser.add_argument("--parts", nargs="+", choices=parts, default=parts)
     parser.add_argument("--steps", type=int, default=40)
@@ -221,8 +271,13 @@ def main() -> None:
             save_cost(root, args.saves, args.rank)
         if "payload" not in args.parts and "stall" not in args.parts:
             return
-        base = {**tiny_settings(root), "train.lr_warmup_steps": 1, "lora.rank": 64, "lora.lora_alpha": 32,
-                "checkpoint.checkpointing_limit": 2}
+        base = {
+            **tiny_settings(root),
+            "train.lr_warmup_steps": 1,
+            "lora.rank": 64,
+            "lora.lora_alpha": 32,
+            "checkpoint.checkpointing_limit": 2,
+        }
         if "payload" in args.parts:
             payload(root, base)
         if "stall" in args.parts:

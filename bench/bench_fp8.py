@@ -38,7 +38,14 @@ from config import ModelConfig  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
 
-WAN_14B = {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "text_dim": 4096, "freq_dim": 256, "in_channels": 16}
+WAN_14B = {
+    "dim": 5120,
+    "ffn_dim": 13824,
+    "num_heads": 40,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "in_channels": 16,
+}
 
 
 def fp8_linear(linear: torch.nn.Linear, scales: str) -> storage.Fp8Linear:
@@ -77,8 +84,9 @@ def wan_block(init: str) -> WanTransformerBlock:
 
     The published config has a cross-attention norm and an RMS norm across heads."""
     torch.manual_seed(0)
-    block = WanTransformerBlock(WAN_14B["dim"], WAN_14B["ffn_dim"], WAN_14B["num_heads"], "rms_norm_across_heads",
-                                True, 1e-6)
+    block = WanTransformerBlock(
+        WAN_14B["dim"], WAN_14B["ffn_dim"], WAN_14B["num_heads"], "rms_norm_across_heads", True, 1e-6
+    )
     for module in block.modules():
         if isinstance(module, torch.nn.Linear) and init != "diffusers":
             torch.nn.init.xavier_uniform_(module.weight)
@@ -120,7 +128,10 @@ def wan_block_errors(tokens: int, init: str) -> dict[str, float]:
     errors = {"bf16 vs fp32": relative(reference, reference32)}
     for scales in SCALES:
         ours = update(to_fp8(block, [block], scales), torch.bfloat16)
-        errors[f"{scales} vs bf16"], errors[f"{scales} vs fp32"] = relative(ours, reference), relative(ours, reference32)
+        errors[f"{scales} vs bf16"], errors[f"{scales} vs fp32"] = (
+            relative(ours, reference),
+            relative(ours, reference32),
+        )
     return errors
 
 
@@ -132,14 +143,24 @@ def tiny_errors(root: Path) -> dict[str, dict[str, float]]:
     make_tiny_wan(str(root / "wan"), "t2v")
     results = {}
     for family in ("cogvideox", "wan"):
-        adapters = {s: load_adapter(ModelConfig(path=str(root / family), family=family, dtype="bf16", storage_dtype=s),
-                                    torch.device("cpu")) for s in ("", "fp8")}
+        adapters = {
+            s: load_adapter(
+                ModelConfig(path=str(root / family), family=family, dtype="bf16", storage_dtype=s),
+                torch.device("cpu"),
+            )
+            for s in ("", "fp8")
+        }
         plain = adapters[""].load_transformer()
         expected = transformer_output(adapters[""], plain)
-        errors = {"loader (row)": relative(transformer_output(adapters["fp8"], adapters["fp8"].load_transformer()), expected)}
+        errors = {
+            "loader (row)": relative(
+                transformer_output(adapters["fp8"], adapters["fp8"].load_transformer()), expected
+            )
+        }
         for scales in SCALES:
-            errors[scales] = relative(transformer_output(adapters[""], to_fp8(plain, adapters[""].blocks(plain), scales)),
-                                      expected)
+            errors[scales] = relative(
+                transformer_output(adapters[""], to_fp8(plain, adapters[""].blocks(plain), scales)), expected
+            )
         results[family] = errors
     return results
 
@@ -150,12 +171,15 @@ def transformer_output(adapter, transformer) -> torch.Tensor:
     tests/test_fp8.py's."""
     c, g = adapter.transformer_config, torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, adapter.latent_channels, 8, 8, generator=g).to(adapter.dtype)
-    text = torch.randn(1, adapter.text_length, c.get("text_embed_dim") or c["text_dim"], generator=g).to(adapter.dtype)
+    text = torch.randn(1, adapter.text_length, c.get("text_embed_dim") or c["text_dim"], generator=g).to(
+        adapter.dtype
+    )
     if adapter.FAMILY == "wan":
         x = x.transpose(1, 2)
     with torch.no_grad():
-        return transformer(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]),
-                           return_dict=False)[0].float()
+        return transformer(
+            hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]), return_dict=False
+        )[0].float()
 
 
 def write_wan_14b(folder: Path, layers: int) -> None:
@@ -166,15 +190,23 @@ def write_wan_14b(folder: Path, layers: int) -> None:
     make_tiny_wan(str(folder), "t2v")
     config_path = folder / "transformer" / "config.json"
     config = json.loads(config_path.read_text()) | {
-        "num_attention_heads": WAN_14B["num_heads"], "attention_head_dim": WAN_14B["dim"] // WAN_14B["num_heads"],
-        "ffn_dim": WAN_14B["ffn_dim"], "text_dim": WAN_14B["text_dim"], "freq_dim": WAN_14B["freq_dim"],
-        "in_channels": WAN_14B["in_channels"], "out_channels": WAN_14B["in_channels"], "num_layers": layers,
-        "cross_attn_norm": True}
+        "num_attention_heads": WAN_14B["num_heads"],
+        "attention_head_dim": WAN_14B["dim"] // WAN_14B["num_heads"],
+        "ffn_dim": WAN_14B["ffn_dim"],
+        "text_dim": WAN_14B["text_dim"],
+        "freq_dim": WAN_14B["freq_dim"],
+        "in_channels": WAN_14B["in_channels"],
+        "out_channels": WAN_14B["in_channels"],
+        "num_layers": layers,
+        "cross_attn_norm": True,
+    }
     config_path.write_text(json.dumps(config))
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in WanTransformer3DModel.from_config(config).state_dict().items()}
     g = torch.Generator().manual_seed(0)
-    weights = {name: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
+    weights = {
+        name: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()
+    }
     save_file(weights, str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
 
 
@@ -182,7 +214,11 @@ def resident() -> dict[str, int]:
     """VmRSS and VmHWM (its peak) of this process image, in bytes.
 
     Per process image, where getrusage's maxrss keeps the forking parent's peak across exec."""
-    fields = dict(line.split(":") for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Vm"))
+    fields = dict(
+        line.split(":")
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("Vm")
+    )
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
 
 
@@ -191,23 +227,36 @@ def load_child(folder: str, storage_dtype: str) -> None:
 
     In a fresh process: the resident size before and after adapter.load_transformer(), and its peak.
     """
-    adapter = load_adapter(ModelConfig(path=folder, family="wan", dtype="bf16", storage_dtype=storage_dtype),
-                           torch.device("cpu"))
+    adapter = load_adapter(
+        ModelConfig(path=folder, family="wan", dtype="bf16", storage_dtype=storage_dtype), torch.device("cpu")
+    )
     before = resident()["VmRSS"]
     transformer = adapter.load_transformer()
     after, peak = resident()["VmRSS"], resident()["VmHWM"]
     frozen = sum(p.nbytes for p in transformer.parameters())
     blocks = sum(p.nbytes for block in adapter.blocks(transformer) for p in block.parameters())
-    print(json.dumps({"growth": after - before, "peak_growth": peak - before, "parameters": frozen, "blocks": blocks}))
+    print(
+        json.dumps(
+            {"growth": after - before, "peak_growth": peak - before, "parameters": frozen, "blocks": blocks}
+        )
+    )
 
 
 def memory(layers: int) -> dict[str, dict]:
     folder = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
     try:
         write_wan_14b(folder, layers)
-        return {s or "bf16": json.loads(subprocess.run(
-            [sys.executable, __file__, "--load-child", str(folder), s], capture_output=True, text=True,
-            check=True).stdout.splitlines()[-1]) for s in ("", "fp8")}
+        return {
+            s or "bf16": json.loads(
+                subprocess.run(
+                    [sys.executable, __file__, "--load-child", str(folder), s],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.splitlines()[-1]
+            )
+            for s in ("", "fp8")
+        }
     finally:
         shutil.rmtree(folder)
 
@@ -215,18 +264,26 @@ def memory(layers: int) -> dict[str, dict]:
 def errors_part(tokens: int) -> None:
     with tempfile.TemporaryDirectory() as root:
         for family, errors in tiny_errors(Path(root)).items():
-            print(f"tiny {family} output, relative L2 error vs bf16: " +
-                  ", ".join(f"{k} {v:.4f}" for k, v in errors.items()))
+            print(
+                f"tiny {family} output, relative L2 error vs bf16: "
+                + ", ".join(f"{k} {v:.4f}" for k, v in errors.items())
+            )
     for init in ("published (Xavier)", "diffusers", "unequal rows"):
         errors = wan_block_errors(tokens, init.split(" (")[0] if init.startswith("published") else init)
-        print(f"Wan 14B block, {tokens} tokens, {init} init, relative L2 error of its update: " +
-              ", ".join(f"{k} {v:.4f}" for k, v in errors.items()))
+        print(
+            f"Wan 14B block, {tokens} tokens, {init} init, relative L2 error of its update: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in errors.items())
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=256, help="video tokens of the Wan 14B block's input")
-    parser.add_argument("--layers", type=int, default=4, help="blocks of the Wan 14B-shaped model whose load is measured")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="blocks of the Wan 14B-shaped model whose load is measured"
+    )
     parser.add_argument("--only", choices=["errors", "memory"], help="run one of the two parts")
     parser.add_argument("--load-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -238,13 +295,17 @@ def main() -> None:
     if args.only != "errors":
         measured = memory(args.layers)
         for name, m in measured.items():
-            print(f"Wan 14B-shaped, {args.layers} blocks, {name}: parameters {m['parameters'] / 2**30:.2f} GiB "
-                  f"(blocks {m['blocks'] / 2**30:.2f}), resident growth {m['growth'] / 2**30:.2f} GiB, peak growth "
-                  f"{m['peak_growth'] / 2**30:.2f} GiB")
-        print(f"fp8 / bf16: parameters {measured['fp8']['parameters'] / measured['bf16']['parameters']:.3f}, blocks "
-              f"{measured['fp8']['blocks'] / measured['bf16']['blocks']:.3f}, resident growth "
-              f"{measured['fp8']['growth'] / measured['bf16']['growth']:.3f}, peak growth "
-              f"{measured['fp8']['peak_growth'] / measured['bf16']['peak_growth']:.3f}")
+            print(
+                f"Wan 14B-shaped, {args.layers} blocks, {name}: parameters {m['parameters'] / 2**30:.2f} GiB "
+                f"(blocks {m['blocks'] / 2**30:.2f}), resident growth {m['growth'] / 2**30:.2f} GiB, peak growth "
+                f"{m['peak_growth'] / 2**30:.2f} GiB"
+            )
+        print(
+            f"fp8 / bf16: parameters {measured['fp8']['parameters'] / measured['bf16']['parameters']:.3f}, blocks "
+            f"{measured['fp8']['blocks'] / measured['bf16']['blocks']:.3f}, resident growth "
+            f"{measured['fp8']['growth'] / measured['bf16']['growth']:.3f}, peak growth "
+            f"{measured['fp8']['peak_growth'] / measured['bf16']['peak_growth']:.3f}"
+        )
 
 
 if __name__ == "__main__":

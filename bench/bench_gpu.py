@@ -69,8 +69,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import one_gpu  # noqa: E402
 from bench_memory import build, estimate, materialize, shapes  # noqa: E402
-from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
 from common import REPO, write_random_transformer  # noqa: E402
+from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
 
 import command  # noqa: E402
 import memory  # noqa: E402
@@ -98,8 +98,13 @@ CONFIGS = {  # name: (arch, train settings)
 # weights stored in fp8 and the checkpointed block inputs in host memory.
 ONE_GPU = {
     "14b-resident": {"parallel.strategy": "ddp"},
-    "14b-one-gpu": {"parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 0,
-                    "model.storage_dtype": "fp8", "train.activation_offload": True},
+    "14b-one-gpu": {
+        "parallel.strategy": "fsdp",
+        "parallel.cpu_offload": True,
+        "parallel.offload_blocks": 0,
+        "model.storage_dtype": "fp8",
+        "train.activation_offload": True,
+    },
 }
 SMOKE = {"num_layers": 2, "num_attention_heads": 2}
 WARMUP = 2
@@ -121,14 +126,24 @@ def setup(name: str, smoke: bool, root: Path):
 
 
 def sizes(adapter, resolution) -> dict:
-    """Latent shape [C, F', h, w], tokens S, and the per-token linear weights N of one transformer.
-    """
+    """Latent shape [C, F', h, w], tokens S, and the per-token linear weights N of one transformer."""
     c = adapter.transformer_config
     frames, height, width = resolution
-    latent = (adapter.latent_channels, (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio,
-              width // adapter.spatial_ratio)
-    tokens = c["max_text_seq_length"] + latent[1] * (latent[2] // c["patch_size"]) * (latent[3] // c["patch_size"])
-    return {"latent": latent, "S": tokens, "L": c["num_layers"], "D": c["num_attention_heads"] * c["attention_head_dim"]}
+    latent = (
+        adapter.latent_channels,
+        (frames - 1) // adapter.temporal_ratio + 1,
+        height // adapter.spatial_ratio,
+        width // adapter.spatial_ratio,
+    )
+    tokens = c["max_text_seq_length"] + latent[1] * (latent[2] // c["patch_size"]) * (
+        latent[3] // c["patch_size"]
+    )
+    return {
+        "latent": latent,
+        "S": tokens,
+        "L": c["num_layers"],
+        "D": c["num_attention_heads"] * c["attention_head_dim"],
+    }
 
 
 def linear_weights(model) -> tuple[int, int]:
@@ -138,8 +153,12 @@ def linear_weights(model) -> tuple[int, int]:
     LoRA's weights."""
     n = 0
     for name, module in model.named_modules():
-        if (".transformer_blocks." in f".{name}" and isinstance(module, torch.nn.Linear) and ".norm" not in name
-                and "lora_" not in name):
+        if (
+            ".transformer_blocks." in f".{name}"
+            and isinstance(module, torch.nn.Linear)
+            and ".norm" not in name
+            and "lora_" not in name
+        ):
             n += module.weight.numel()
     n_lora = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
     return n, n_lora
@@ -150,7 +169,9 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(adapter, model, batch, params, optimizer, compute, max_grad_norm, steps, device) -> list[float]:
+def timed_steps(
+    adapter, model, batch, params, optimizer, compute, max_grad_norm, steps, device
+) -> list[float]:
     """Time each of WARMUP + steps training steps, and the peak memory of the measured ones.
 
     Seconds of each of WARMUP + steps training steps (the trainer's: loss, backward, clip, AdamW),
@@ -180,14 +201,24 @@ def train_run(name: str, steps: int, smoke: bool, root: Path) -> dict:
     s = sizes(adapter, cfg.data.train_resolution)
     n, n_lora = linear_weights(model)
     flops = 4 * n * s["S"] + 6 * n_lora * s["S"] + 12 * s["L"] * s["S"] ** 2 * s["D"]
-    new = lambda shape: torch.randn(shape, device=device).to(adapter.dtype)  # noqa: E731
-    batch = {"latent_mean": new((1, *s["latent"])), "latent_logvar": new((1, *s["latent"])),
-             "prompt_embeds": new((1, adapter.text_length, adapter.transformer_config["text_embed_dim"]))}
+    new = lambda shape: torch.randn(shape, device=device).to(adapter.dtype)
+    batch = {
+        "latent_mean": new((1, *s["latent"])),
+        "latent_logvar": new((1, *s["latent"])),
+        "prompt_embeds": new((1, adapter.text_length, adapter.transformer_config["text_embed_dim"])),
+    }
     # as trainer.py applies it
     compute = parallel.Compute(device, "bf16", cfg.train.attention_backend)
-    times = timed_steps(adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, device)
-    return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "flops": flops, "tokens": s["S"],
-            "warmup_s": sum(times[:WARMUP]), "peak_gb": memory.peak_memory_gb(device)}
+    times = timed_steps(
+        adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, device
+    )
+    return {
+        "s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2],
+        "flops": flops,
+        "tokens": s["S"],
+        "warmup_s": sum(times[:WARMUP]),
+        "peak_gb": memory.peak_memory_gb(device),
+    }
 
 
 def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
@@ -203,24 +234,46 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
     n, _ = linear_weights(transformer)
     flops = 2 * (2 * n * s["S"] + 4 * s["L"] * s["S"] ** 2 * s["D"])
     text = (1, adapter.text_length, adapter.transformer_config["text_embed_dim"])
-    embeds, negative = torch.randn(text, device=device).to(adapter.dtype), torch.randn(text, device=device).to(adapter.dtype)
+    embeds, negative = (
+        torch.randn(text, device=device).to(adapter.dtype),
+        torch.randn(text, device=device).to(adapter.dtype),
+    )
     frames, height, width = cfg.data.train_resolution
-    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
-                             scheduler=adapter.sampler(""))
+    pipe = CogVideoXPipeline(
+        tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=adapter.sampler("")
+    )
     pipe.set_progress_bar_config(disable=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def ours(k: int):
         vcfg = ValidationConfig(num_inference_steps=k)
         with torch.no_grad(), adapter.sampling_attention(transformer):
-            return adapter.sampled(validate.sample_latents(
-                adapter, {adapter.transformer_folder: transformer}, adapter.sampler(""), embeds, negative,
-                torch.Generator().manual_seed(0), vcfg, cfg.data.train_resolution, autocast))
+            return adapter.sampled(
+                validate.sample_latents(
+                    adapter,
+                    {adapter.transformer_folder: transformer},
+                    adapter.sampler(""),
+                    embeds,
+                    negative,
+                    torch.Generator().manual_seed(0),
+                    vcfg,
+                    cfg.data.train_resolution,
+                    autocast,
+                )
+            )
 
     def theirs(k: int):
-        return pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, num_frames=frames, height=height,
-                    width=width, num_inference_steps=k, guidance_scale=ValidationConfig().guidance_scale,
-                    generator=torch.Generator().manual_seed(0), output_type="latent").frames
+        return pipe(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative,
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=k,
+            guidance_scale=ValidationConfig().guidance_scale,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        ).frames
 
     result = {"flops": flops, "tokens": s["S"]}
     for label, fn in (("ours", ours), ("pipeline", theirs)):
@@ -230,7 +283,10 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
         start = time.perf_counter()
         latents = fn(steps)
         synchronize(device)
-        result[label] = {"s_per_step": (time.perf_counter() - start) / steps, "peak_gb": memory.peak_memory_gb(device)}
+        result[label] = {
+            "s_per_step": (time.perf_counter() - start) / steps,
+            "peak_gb": memory.peak_memory_gb(device),
+        }
         result[f"{label}_latents"] = latents.float().flatten()[:4096].cpu()
     result["max_diff"] = (result.pop("ours_latents") - result.pop("pipeline_latents")).abs().max().item()
     return result
@@ -248,8 +304,13 @@ def write_wan_14b(folder: Path, smoke: bool) -> None:
     make_tiny_wan(str(folder))
     shutil.rmtree(folder / "transformer")
     config = {**PUBLISHED["wan2.1-t2v-14b"][1], **(SMOKE if smoke else {})}
-    write_random_transformer(folder / "transformer", TRANSFORMERS["wan"], config, 5 * 10**9,
-                             "cuda" if torch.cuda.is_available() else "cpu")
+    write_random_transformer(
+        folder / "transformer",
+        TRANSFORMERS["wan"],
+        config,
+        5 * 10**9,
+        "cuda" if torch.cuda.is_available() else "cpu",
+    )
 
 
 def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
@@ -258,9 +319,12 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     At 81x480x832 (--smoke: 9x64x64), through the adapter's loader, model.build_model and AdamW,
     with ONE_GPU's settings; the estimate of the same setting (bench_memory, bench/one_gpu.py)
     beside the measured peak."""
-    settings = {"model.path": str(folder), "data.train_resolution": [9, 64, 64] if smoke else [81, 480, 832],
-                **ONE_GPU[name]}
-    # noqa: E731 (TOML literals)
+    settings = {
+        "model.path": str(folder),
+        "data.train_resolution": [9, 64, 64] if smoke else [81, 480, 832],
+        **ONE_GPU[name],
+    }
+    # TOML literals
     literal = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
     overrides = [f"--{key}={literal(value)}" for key, value in settings.items()]
     cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
@@ -269,14 +333,25 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
     params, optimizer = build_optimizer(model, cfg.train)
     s = shapes(cfg, adapter, 1)
-    new = lambda shape: torch.randn(shape, device=d.device).to(adapter.dtype)  # noqa: E731
-    batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
+    new = lambda shape: torch.randn(shape, device=d.device).to(adapter.dtype)
+    batch = {
+        "latent_mean": new(s["latent"]),
+        "latent_logvar": new(s["latent"]),
+        "prompt_embeds": new(s["text"]),
+    }
     compute = parallel.Compute(d.device, cfg.train.mixed_precision, cfg.train.attention_backend)
-    times = timed_steps(adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, d.device)
-    peak, layers, keys = memory.peak_memory_gb(d.device), adapter.transformer_config["num_layers"], ONE_GPU[name]
+    times = timed_steps(
+        adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, d.device
+    )
+    peak, layers, keys = (
+        memory.peak_memory_gb(d.device),
+        adapter.transformer_config["num_layers"],
+        ONE_GPU[name],
+    )
     streamed = (keys.get("parallel.offload_blocks") or layers) if keys.get("parallel.cpu_offload") else 0
-    setting = one_gpu.Setting(keys.get("model.storage_dtype") == "fp8", keys.get("train.activation_offload", False),
-                              streamed)
+    setting = one_gpu.Setting(
+        keys.get("model.storage_dtype") == "fp8", keys.get("train.activation_offload", False), streamed
+    )
     # Pinned host memory as torch's host allocator counts it (every block it holds, cached ones too)
     # against --fit's host figure for the same setting (the pinned weights and the offloaded block
     # inputs).
@@ -286,10 +361,15 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     del model, params, optimizer
     # the model collected before the process group goes: FSDP2 may abort at exit otherwise
     command.shutdown()
-    return {"s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "warmup_s": sum(times[:WARMUP]),
-            "peak_gb": peak, "estimate_gib": estimated, "tokens": s["video_tokens"],
-            "pinned_gib": pinned and pinned / 2**30,
-            "pinned_estimate_gib": sum(one_gpu.pinned(parts, setting).values()) / 2**30}
+    return {
+        "s_per_step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2],
+        "warmup_s": sum(times[:WARMUP]),
+        "peak_gb": peak,
+        "estimate_gib": estimated,
+        "tokens": s["video_tokens"],
+        "pinned_gib": pinned and pinned / 2**30,
+        "pinned_estimate_gib": sum(one_gpu.pinned(parts, setting).values()) / 2**30,
+    }
 
 
 def one(name: str, args) -> dict:
@@ -306,35 +386,50 @@ def one(name: str, args) -> dict:
 
 
 def report(name: str, r: dict, peak_flops: float | None) -> None:
-    mfu = lambda seconds: f"{100 * r['flops'] / seconds / peak_flops:5.1f}%" if peak_flops else "  n/a"  # noqa: E731
+    mfu = lambda seconds: f"{100 * r['flops'] / seconds / peak_flops:5.1f}%" if peak_flops else "  n/a"
     if "oom" in r:
         print(f"{name:12} out of memory: {r['oom']}")
     elif name == "sampling":
         for label in ("ours", "pipeline"):
             x = r[label]
-            print(f"{name:12} {label:8} {x['s_per_step']:7.3f} s/step  MFU {mfu(x['s_per_step'])}  "
-                  f"peak {x['peak_gb']:6.1f} GB")
-        print(f"{'':12} pipeline / ours {r['pipeline']['s_per_step'] / r['ours']['s_per_step']:.3f}x; "
-              f"{r['tokens']} tokens; largest latent difference {r['max_diff']:.2e}")
+            print(
+                f"{name:12} {label:8} {x['s_per_step']:7.3f} s/step  MFU {mfu(x['s_per_step'])}  "
+                f"peak {x['peak_gb']:6.1f} GB"
+            )
+        print(
+            f"{'':12} pipeline / ours {r['pipeline']['s_per_step'] / r['ours']['s_per_step']:.3f}x; "
+            f"{r['tokens']} tokens; largest latent difference {r['max_diff']:.2e}"
+        )
     elif name in ONE_GPU:
-        print(f"{name:12} {r['s_per_step']:7.3f} s/step  peak {r['peak_gb']:6.1f} GB, estimated {r['estimate_gib']:.1f} "
-              f"({r['tokens']} video tokens, warm-up {r['warmup_s']:.0f} s)")
+        print(
+            f"{name:12} {r['s_per_step']:7.3f} s/step  peak {r['peak_gb']:6.1f} GB, estimated {r['estimate_gib']:.1f} "
+            f"({r['tokens']} video tokens, warm-up {r['warmup_s']:.0f} s)"
+        )
         pinned = "n/a (no CUDA)" if r["pinned_gib"] is None else f"{r['pinned_gib']:.2f} GiB"
         print(f"{'':12} pinned host memory {pinned}, estimated {r['pinned_estimate_gib']:.2f} GiB")
     else:
-        print(f"{name:12} {r['s_per_step']:7.3f} s/step  MFU {mfu(r['s_per_step'])}  peak {r['peak_gb']:6.1f} GB  "
-              f"({r['tokens']} tokens, {r['flops'] / 1e12:.3g} TFLOP/step, warm-up {r['warmup_s']:.0f} s)")
+        print(
+            f"{name:12} {r['s_per_step']:7.3f} s/step  MFU {mfu(r['s_per_step'])}  peak {r['peak_gb']:6.1f} GB  "
+            f"({r['tokens']} tokens, {r['flops'] / 1e12:.3g} TFLOP/step, warm-up {r['warmup_s']:.0f} s)"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed training steps (the median is reported)")
     parser.add_argument("--sampling-steps", type=int, default=4)
-    parser.add_argument("--peak-tflops", type=float, help="the chip's dense bf16 peak (default: 989 on H100/H200)")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the chip's dense bf16 peak (default: 989 on H100/H200)"
+    )
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, 1 step: checks the code only")
-    parser.add_argument("--folder", help="where the 14b configurations' model is written once and reused "
-                        "(28 GB; default /tmp/vidtrain-bench-gpu-wan14b, -smoke with --smoke)")
+    parser.add_argument(
+        "--folder",
+        help="where the 14b configurations' model is written once and reused "
+        "(28 GB; default /tmp/vidtrain-bench-gpu-wan14b, -smoke with --smoke)",
+    )
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     args.folder = args.folder or f"/tmp/vidtrain-bench-gpu-wan14b{'-smoke' if args.smoke else ''}"
@@ -346,16 +441,33 @@ def main() -> None:
         print(json.dumps(one(args.one, args)))
         return
     peak = args.peak_tflops
-    if peak is None and torch.cuda.is_available() and any(c in torch.cuda.get_device_name() for c in ("H100", "H200")):
+    if (
+        peak is None
+        and torch.cuda.is_available()
+        and any(c in torch.cuda.get_device_name() for c in ("H100", "H200"))
+    ):
         peak = 989.0
     device = "cpu (smoke: figures mean nothing)" if args.smoke else torch.cuda.get_device_name()
-    print(f"{device}; bf16 peak {peak or 'unknown'} TFLOPS; batch 1 at {'9x64x64' if args.smoke else '49x480x720'}, "
-          f"LoRA rank 128 (14b: Wan at {'9x64x64' if args.smoke else '81x480x832'}, rank 32); median of "
-          f"{args.steps} steps after {WARMUP}")
+    print(
+        f"{device}; bf16 peak {peak or 'unknown'} TFLOPS; batch 1 at {'9x64x64' if args.smoke else '49x480x720'}, "
+        f"LoRA rank 128 (14b: Wan at {'9x64x64' if args.smoke else '81x480x832'}, rank 32); median of "
+        f"{args.steps} steps after {WARMUP}"
+    )
     results = {}
     for name in args.only:
-        child = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--folder", args.folder,
-                 "--sampling-steps", str(args.sampling_steps), *(["--smoke"] if args.smoke else [])]
+        child = [
+            sys.executable,
+            __file__,
+            "--one",
+            name,
+            "--steps",
+            str(args.steps),
+            "--folder",
+            args.folder,
+            "--sampling-steps",
+            str(args.sampling_steps),
+            *(["--smoke"] if args.smoke else []),
+        ]
         run = subprocess.run(child, capture_output=True, text=True)
         if run.returncode:
             print(f"{name:12} failed:\n{run.stderr[-3000:]}")
@@ -367,8 +479,10 @@ def main() -> None:
             print(f"{'':12} {results[name]['s_per_step'] / baseline:.3f}x 5b-lora's time (SDPA's own choice)")
         resident = results.get("14b-resident", {}).get("s_per_step")
         if name == "14b-one-gpu" and resident and "s_per_step" in results[name]:
-            print(f"{'':12} {results[name]['s_per_step'] / resident:.3f}x 14b-resident's time: the cost of streaming, "
-                  "fp8 upcasts and activation offload")
+            print(
+                f"{'':12} {results[name]['s_per_step'] / resident:.3f}x 14b-resident's time: the cost of streaming, "
+                "fp8 upcasts and activation offload"
+            )
         sys.stdout.flush()
 
 

@@ -28,10 +28,10 @@ import sys
 from pathlib import Path
 
 import torch
-from diffusers import CogVideoXTransformer3DModel
 
 # puts the repository on sys.path
 from common import REPO, free_port, make_tiny_model, write_random_transformer
+from diffusers import CogVideoXTransformer3DModel
 
 import command  # noqa: E402
 import memory  # noqa: E402
@@ -44,20 +44,36 @@ from weights import Weights  # noqa: E402
 # CogVideoX-2b's transformer/config.json (the published values; the tiny model writes the same key
 # set).
 CONFIG_2B = {
-    "_class_name": "CogVideoXTransformer3DModel", "activation_fn": "gelu-approximate", "attention_bias": True,
-    "attention_head_dim": 64, "dropout": 0.0, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 16,
-    "max_text_seq_length": 226, "norm_elementwise_affine": True, "norm_eps": 1e-05, "num_attention_heads": 30,
-    "num_layers": 30, "out_channels": 16, "patch_size": 2, "sample_frames": 49, "sample_height": 60,
-    "sample_width": 90, "spatial_interpolation_scale": 1.875, "temporal_compression_ratio": 4,
-    "temporal_interpolation_scale": 1.0, "text_embed_dim": 4096, "time_embed_dim": 512,
+    "_class_name": "CogVideoXTransformer3DModel",
+    "activation_fn": "gelu-approximate",
+    "attention_bias": True,
+    "attention_head_dim": 64,
+    "dropout": 0.0,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "in_channels": 16,
+    "max_text_seq_length": 226,
+    "norm_elementwise_affine": True,
+    "norm_eps": 1e-05,
+    "num_attention_heads": 30,
+    "num_layers": 30,
+    "out_channels": 16,
+    "patch_size": 2,
+    "sample_frames": 49,
+    "sample_height": 60,
+    "sample_width": 90,
+    "spatial_interpolation_scale": 1.875,
+    "temporal_compression_ratio": 4,
+    "temporal_interpolation_scale": 1.0,
+    "text_embed_dim": 4096,
+    "time_embed_dim": 512,
     "timestep_activation_fn": "silu",
 }
 SHARD_BYTES = 2 * 10**9  # the published folder's two shards
 
 
 def write_model(folder: Path) -> None:
-    """The tiny 2b model's folder with CogVideoX-2B's transformer in place of its own, random bf16.
-    """
+    """The tiny 2b model's folder with CogVideoX-2B's transformer in place of its own, random bf16."""
     make_tiny_model(str(folder), "2b")
     shutil.rmtree(folder / "transformer")
     config = {k: v for k, v in CONFIG_2B.items() if k != "_class_name"}
@@ -81,9 +97,14 @@ def measure(folder: Path, mode: str) -> None:
     if mode == "pretrained":
         model = adapter.TRANSFORMER.from_pretrained(folder, subfolder="transformer", dtype=adapter.dtype)
     elif fsdp:
-        model = build_model(adapter, TrainConfig(training_type="sft", mixed_precision="bf16",
-                                                 gradient_checkpointing=False),
-                            LoraConfig(), ParallelConfig(strategy="fsdp"), 0, d)
+        model = build_model(
+            adapter,
+            TrainConfig(training_type="sft", mixed_precision="bf16", gradient_checkpointing=False),
+            LoraConfig(),
+            ParallelConfig(strategy="fsdp"),
+            0,
+            d,
+        )
     else:
         model = adapter.load_transformer()
     peak = rss_kb("VmHWM")
@@ -94,27 +115,55 @@ def measure(folder: Path, mode: str) -> None:
                 p.sum()
     touched = rss_kb("VmHWM")
     local = sum(memory._local_bytes(p) for p in model.parameters())
-    print(json.dumps({"rank": d.rank, "baseline_mb": baseline / 1024, "peak_mb": peak / 1024,
-                      "added_bytes": (peak - baseline) * 1024, "local_param_bytes": local,
-                      "touched_bytes": (touched - baseline) * 1024,
-                      "params": sum(p.numel() for p in model.parameters())}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": d.rank,
+                "baseline_mb": baseline / 1024,
+                "peak_mb": peak / 1024,
+                "added_bytes": (peak - baseline) * 1024,
+                "local_param_bytes": local,
+                "touched_bytes": (touched - baseline) * 1024,
+                "params": sum(p.numel() for p in model.parameters()),
+            }
+        ),
+        flush=True,
+    )
     del model
     command.shutdown()
 
 
 def run(folder: Path, mode: str, nproc: int) -> list[dict]:
-    launcher = [sys.executable] if mode != "fsdp" else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-    result = subprocess.run([*launcher, __file__, "--folder", str(folder), "--measure", mode], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    launcher = (
+        [sys.executable]
+        if mode != "fsdp"
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+        ]
+    )
+    result = subprocess.run(
+        [*launcher, __file__, "--folder", str(folder), "--measure", mode],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         sys.exit(f"{mode} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
-    return sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--folder", default="/tmp/vidtrain-bench-load")
     parser.add_argument("--nproc", type=int, default=2)
     # The child processes' one measurement.
@@ -130,21 +179,29 @@ def main() -> None:
     file_bytes = Weights(folder / "transformer").data_bytes
     (one,) = run(folder, "one", 1)
     params = one["params"]
-    print(f"transformer: {params / 1e9:.3f}B parameters, {file_bytes / 2**30:.2f} GiB of bf16 tensor data "
-          f"in the files, {4 * params / 2**30:.2f} GiB in fp32")
-    print(f"1 process, bf16: loading adds {one['added_bytes'] / 2**30:.2f} GiB to the resident size "
-          f"(baseline {one['baseline_mb'] / 1024:.2f} GiB, peak {one['peak_mb'] / 1024:.2f} GiB): "
-          f"{one['added_bytes'] / file_bytes:.2f}x the weight files (target <= 1.3x)")
+    print(
+        f"transformer: {params / 1e9:.3f}B parameters, {file_bytes / 2**30:.2f} GiB of bf16 tensor data "
+        f"in the files, {4 * params / 2**30:.2f} GiB in fp32"
+    )
+    print(
+        f"1 process, bf16: loading adds {one['added_bytes'] / 2**30:.2f} GiB to the resident size "
+        f"(baseline {one['baseline_mb'] / 1024:.2f} GiB, peak {one['peak_mb'] / 1024:.2f} GiB): "
+        f"{one['added_bytes'] / file_bytes:.2f}x the weight files (target <= 1.3x)"
+    )
     for rank in run(folder, "fsdp", args.nproc):
-        print(f"FSDP sft, rank {rank['rank']} of {args.nproc}: loading adds {rank['added_bytes'] / 2**30:.2f} GiB "
-              f"(baseline {rank['baseline_mb'] / 1024:.2f} GiB, peak {rank['peak_mb'] / 1024:.2f} GiB; its fp32 "
-              f"shard {rank['local_param_bytes'] / 2**30:.2f} GiB): {rank['added_bytes'] / (4 * params):.2f}x the "
-              f"fp32 model (target <= 0.75x)")
+        print(
+            f"FSDP sft, rank {rank['rank']} of {args.nproc}: loading adds {rank['added_bytes'] / 2**30:.2f} GiB "
+            f"(baseline {rank['baseline_mb'] / 1024:.2f} GiB, peak {rank['peak_mb'] / 1024:.2f} GiB; its fp32 "
+            f"shard {rank['local_param_bytes'] / 2**30:.2f} GiB): {rank['added_bytes'] / (4 * params):.2f}x the "
+            f"fp32 model (target <= 0.75x)"
+        )
     (pretrained,) = run(folder, "pretrained", 1)
-    print(f"1 process, bf16, diffusers' from_pretrained (with accelerate): adds {pretrained['added_bytes'] / 2**30:.2f}"
-          f" GiB ({pretrained['added_bytes'] / file_bytes:.2f}x the weight files), {pretrained['touched_bytes'] / 2**30:.2f}"
-          f" GiB ({pretrained['touched_bytes'] / file_bytes:.2f}x) once every weight has been read: its bf16 weights"
-          " are views of the files' memory maps (page cache, faulted in as first read; copied on a GPU)")
+    print(
+        f"1 process, bf16, diffusers' from_pretrained (with accelerate): adds {pretrained['added_bytes'] / 2**30:.2f}"
+        f" GiB ({pretrained['added_bytes'] / file_bytes:.2f}x the weight files), {pretrained['touched_bytes'] / 2**30:.2f}"
+        f" GiB ({pretrained['touched_bytes'] / file_bytes:.2f}x) once every weight has been read: its bf16 weights"
+        " are views of the files' memory maps (page cache, faulted in as first read; copied on a GPU)"
+    )
 
 
 if __name__ == "__main__":

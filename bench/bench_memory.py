@@ -19,19 +19,21 @@ torch.cuda.max_memory_allocated where CUDA is).
   dp_replicate); in flight the root's weights, 3 blocks gathered in the compute dtype (computing,
   prefetched, its all-gather buffer) and one block's unsharded gradients with an fp32 reduce-scatter
   buffer; activations without autocast's weight copies; optimizer temporaries / shards.
-- sp, modelled (no fake collectives here) rather than run through sequence.py: each rank holds 1/sp of
-  a sample's video tokens (the latent width split, rounded up to whole patches) and all text tokens, as
-  Ulysses attention does; sequence.py splits the tokens at the first block and gathers the last block's
-  output, so the patch embedding, the output layers and the loss on the whole sample are undercounted.
-- sound (LTX-2, data.audio): the batch holds the audio VAE's latents of the clip's seconds (the adapter's
-  audio rate at its published frame rate: 126 frames for 121 at 24 fps), every rank all of them.
-- control (LTX-2 IC-LoRA, model.type = "ic"): the batch holds the control clip's latents, which the adapter
-  appends as tokens: twice the video tokens in training and in the validation render.
+- sp, modelled (no fake collectives here) rather than run through sequence.py: each rank holds 1/sp
+  of a sample's video tokens (the latent width split, rounded up to whole patches) and all text
+  tokens, as Ulysses attention does; sequence.py splits the tokens at the first block and gathers
+  the last block's output, so the patch embedding, the output layers and the loss on the whole
+  sample are undercounted.
+- sound (LTX-2, data.audio): the batch holds the audio VAE's latents of the clip's seconds (the
+  adapter's audio rate at its published frame rate: 126 frames for 121 at 24 fps), every rank all of
+  them.
+- control (LTX-2 IC-LoRA, model.type = "ic"): the batch holds the control clip's latents, which the
+  adapter appends as tokens: twice the video tokens in training and in the validation render.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
-  parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
-Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
-buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation
-and the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
+  parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py). Not
+  counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
+  buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation
+  and the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
 """
 
 import argparse
@@ -55,20 +57,34 @@ from torch.utils._pytree import tree_map_only
 from transformers import BatchEncoding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import model as vidtrain_model  # noqa: E402
-from config import ConfigError, ParallelConfig, load_config  # noqa: E402
-from transformer_loading import resolved_config  # noqa: E402
-from parallel import AUTOCAST_DTYPES  # noqa: E402
-from ranks import Dist, pinned_bytes  # noqa: E402
-
 import one_gpu  # noqa: E402
 from published import PUBLISHED, make_adapter, meta_transformer  # noqa: E402
+
+import model as vidtrain_model  # noqa: E402
+from config import ConfigError, ParallelConfig, load_config  # noqa: E402
+from parallel import AUTOCAST_DTYPES  # noqa: E402
+from ranks import Dist, pinned_bytes  # noqa: E402
+from transformer_loading import resolved_config  # noqa: E402
 
 GIB = 2**30
 # Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h,
 # AT_FORALL_FP32*).
-CUDA_FP32_OPS = ["layer_norm", "native_layer_norm", "group_norm", "exp", "log", "rsqrt", "reciprocal", "softplus",
-                 "pow.Tensor_Scalar", "pow.Tensor_Tensor", "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList"]
+CUDA_FP32_OPS = [
+    "layer_norm",
+    "native_layer_norm",
+    "group_norm",
+    "exp",
+    "log",
+    "rsqrt",
+    "reciprocal",
+    "softplus",
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    "softmax.int",
+    "log_softmax.int",
+    "sum",
+    "sum.dim_IntList",
+]
 
 
 def materialize(module, fake_mode, device) -> None:
@@ -80,8 +96,10 @@ def materialize(module, fake_mode, device) -> None:
         for m in module.modules():
             for name, p in m._parameters.items():
                 if p is not None and id(p) not in made:
-                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0, 0.02),
-                                                     requires_grad=p.requires_grad)
+                    made[id(p)] = torch.nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0, 0.02),
+                        requires_grad=p.requires_grad,
+                    )
                 m._parameters[name] = made.get(id(p))
             for name, b in m._buffers.items():
                 m._buffers[name] = None if b is None else torch.zeros(b.shape, dtype=b.dtype, device=device)
@@ -89,14 +107,20 @@ def materialize(module, fake_mode, device) -> None:
 
 def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     """model.build_model's model (one process), AdamW with its state in place, and EMA."""
-    loader = SimpleNamespace(blocks=adapter.blocks, keeps_fp32=adapter.keeps_fp32, GRAPH_VARIES=adapter.GRAPH_VARIES,
-                             load_transformer=lambda dtype=None: meta_transformer(
-                                 adapter.TRANSFORMER, adapter.transformer_config, dtype or adapter.dtype))
+    loader = SimpleNamespace(
+        blocks=adapter.blocks,
+        keeps_fp32=adapter.keeps_fp32,
+        GRAPH_VARIES=adapter.GRAPH_VARIES,
+        load_transformer=lambda dtype=None: meta_transformer(
+            adapter.TRANSFORMER, adapter.transformer_config, dtype or adapter.dtype
+        ),
+    )
     # Activation offload is modelled (the tracker's "input" tag and its copies), not run: its host
     # copies would count as device memory here.
     train = dataclasses.replace(cfg.train, activation_offload=False)
-    model = vidtrain_model.build_model(loader, train, cfg.lora, ParallelConfig(), cfg.run.seed,
-                                       Dist(0, 1, 0, device))
+    model = vidtrain_model.build_model(
+        loader, train, cfg.lora, ParallelConfig(), cfg.run.seed, Dist(0, 1, 0, device)
+    )
     materialize(model, fake_mode, device)
     with fake_mode or contextlib.nullcontext():
         params, optimizer = vidtrain_model.build_optimizer(model, cfg.train)
@@ -116,12 +140,21 @@ def shapes(cfg, adapter, sp: int) -> dict:
     counts."""
     (frames, height, width), c = cfg.data.train_resolution, adapter.transformer_config
     patch = c["patch_size"][-1] if isinstance(c["patch_size"], (list, tuple)) else c["patch_size"]
-    f, h, w = (frames - 1) // adapter.temporal_ratio + 1, height // adapter.spatial_ratio, width // adapter.spatial_ratio
+    f, h, w = (
+        (frames - 1) // adapter.temporal_ratio + 1,
+        height // adapter.spatial_ratio,
+        width // adapter.spatial_ratio,
+    )
     w_rank, grid = -(-w // patch // sp) * patch, -(-f // (c.get("patch_size_t") or 1)) * (h // patch)
-    s = {"latent": (cfg.train.batch_size, adapter.latent_channels, f, h, w_rank),
-         "text": (cfg.train.batch_size, adapter.text_length, text_width(c)),
-         "video_tokens": grid * (w // patch), "rank_tokens": grid * (w_rank // patch), "audio_tokens": 0}
-    if adapter.takes_control:  # IC-LoRA: the control's tokens beside the clip's, as many (cached_batch)
+    s = {
+        "latent": (cfg.train.batch_size, adapter.latent_channels, f, h, w_rank),
+        "text": (cfg.train.batch_size, adapter.text_length, text_width(c)),
+        "video_tokens": grid * (w // patch),
+        "rank_tokens": grid * (w_rank // patch),
+        "audio_tokens": 0,
+    }
+    # IC-LoRA: the control's tokens beside the clip's, as many (cached_batch)
+    if adapter.takes_control:
         s["video_tokens"], s["rank_tokens"] = 2 * s["video_tokens"], 2 * s["rank_tokens"]
     if hasattr(adapter, "audio_latents_per_second") and cfg.data.audio:
         # The clip's soundtrack, as the audio cache holds it: [B, C', L, M'] for the frames' seconds
@@ -145,14 +178,20 @@ def text_width(c: dict) -> int:
 
 
 def cached_batch(adapter, s: dict, new) -> dict:
-    """A cached batch of shapes s: latents, text, I2V's image latents, a control clip's, the soundtrack's latents."""
-    batch = {"latent_mean": new(s["latent"]), "latent_logvar": new(s["latent"]), "prompt_embeds": new(s["text"])}
+    """A cached batch of shapes s: latents, text, I2V's image latents, a control clip's, the
+    soundtrack's latents."""
+    batch = {
+        "latent_mean": new(s["latent"]),
+        "latent_logvar": new(s["latent"]),
+        "prompt_embeds": new(s["text"]),
+    }
     if adapter.type == "i2v":
         batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
     if adapter.vace:  # Wan VACE: the context its blocks read (no reference frames)
         c = adapter.transformer_config
         batch["control_latents"] = new((s["latent"][0], c["vace_in_channels"], *s["latent"][2:]))
-    elif adapter.takes_control:  # its control entry: the adapter appends its tokens, in training and sampling alike
+    # its control entry: the adapter appends its tokens, in training and sampling alike
+    elif adapter.takes_control:
         batch["control_latent_mean"], batch["control_latent_logvar"] = new(s["latent"]), new(s["latent"])
     if "audio" in s:
         batch["audio_latent_mean"], batch["audio_latent_logvar"] = new(s["audio"]), new(s["audio"])
@@ -164,11 +203,12 @@ def train_step(cfg, adapter, model, params, optimizer, ema, s: dict, device, tra
 
     One step as trainer.py runs it on a cached batch: loss under autocast, backward, clip, AdamW,
     EMA."""
-    # noqa: E731
     t, new = cfg.train, lambda shape: torch.randn(shape, device=device).to(adapter.dtype)
     batch = cached_batch(adapter, s, new)
     generators = [torch.Generator().manual_seed(i) for i in range(t.batch_size)]
-    with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[t.mixed_precision], enabled=t.mixed_precision != "no"):
+    with torch.autocast(
+        device.type, dtype=AUTOCAST_DTYPES[t.mixed_precision], enabled=t.mixed_precision != "no"
+    ):
         loss = adapter.train_loss(model, batch, generators).mean()
     if tracker:
         tracker.forward = False
@@ -190,14 +230,23 @@ class Tracker(TorchDispatchMode):
     host), cast (autocast's copy of a weight), grad (retagged once accumulated), opt (made in the
     optimizer step); the peak of each sum a strategy needs, and the gradients at each peak. Storages
     that exist before are not counted."""
-    SUMS = {"single": ("act", "input", "cast", "grad", "opt"), "offload": ("act", "cast", "grad", "opt"),
-            "ddp": ("act", "input", "cast", "opt"), "fsdp": ("act", "input"), "opt": ("opt",)}
+
+    SUMS = {
+        "single": ("act", "input", "cast", "grad", "opt"),
+        "offload": ("act", "cast", "grad", "opt"),
+        "ddp": ("act", "input", "cast", "opt"),
+        "fsdp": ("act", "input"),
+        "opt": ("opt",),
+    }
 
     def __init__(self, existing):
         super().__init__()
         self.existing, self.phase, self.forward = list(existing), "act", True
         self.sizes = {id(t.untyped_storage()): None for t in self.existing}
-        self.now, self.peak = dict.fromkeys(("act", "input", "cast", "grad", "opt"), 0), dict.fromkeys(self.SUMS, 0)
+        self.now, self.peak = (
+            dict.fromkeys(("act", "input", "cast", "grad", "opt"), 0),
+            dict.fromkeys(self.SUMS, 0),
+        )
         self.grads_at_peak = dict.fromkeys(self.SUMS, 0)
         self.inputs = []  # bytes of each block's inputs, in call order
         # What activations.HostActivations copies to the host: each block call's tensor arguments, a
@@ -209,6 +258,7 @@ class Tracker(TorchDispatchMode):
 
         Not in checkpointing's recompute: the first block's inputs in the positions of what it
         returns, then every block's outputs but the last's."""
+
         def tag(tensors) -> None:
             fresh = [t for t in tensors if (self.sizes.get(id(t.untyped_storage())) or [None])[0] == "act"]
             for t in fresh:
@@ -216,7 +266,9 @@ class Tracker(TorchDispatchMode):
             self.inputs.append(sum(t.untyped_storage().nbytes() for t in fresh))
 
         def after(block, args, kwargs, output):
-            outputs = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
+            outputs = [
+                t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)
+            ]
             if self.forward and block is blocks[0]:
                 tag([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)][: len(outputs)])
             if self.forward and block is not blocks[-1]:
@@ -261,7 +313,10 @@ class Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        weight_copy = func is torch.ops.aten._to_copy.default and self.sizes.get(id(args[0].untyped_storage()), 0) is None
+        weight_copy = (
+            func is torch.ops.aten._to_copy.default
+            and self.sizes.get(id(args[0].untyped_storage()), 0) is None
+        )
         kind = "cast" if self.phase == "act" and weight_copy else self.phase
         tree_map_only(torch.Tensor, lambda t: self.add(t, kind), out)
         for name, kinds in self.SUMS.items():
@@ -274,13 +329,19 @@ class Tracker(TorchDispatchMode):
 @contextlib.contextmanager
 def cuda_autocast_policy():
     """CPU autocast with CUDA's fp32 ops: from bf16/fp16 inputs they run, and return, in fp32."""
-    lib, skip = torch.library.Library("aten", "IMPL"), torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    lib, skip = (
+        torch.library.Library("aten", "IMPL"),
+        torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU),
+    )
 
     def fp32(op):
         def kernel(*args, **kwargs):
-            up = lambda a: a.float() if isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) else a  # noqa: E731
+            up = lambda a: (
+                a.float() if isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) else a
+            )
             with torch._C._ExcludeDispatchKeyGuard(skip):
                 return op(*map(up, args), **{k: up(v) for k, v in kwargs.items()})
+
         return kernel
 
     for name in CUDA_FP32_OPS:
@@ -302,7 +363,10 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
     Frozen, weights, adamw, ema, grads, activations, in_flight, total."""
     fake, cpu, s = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), shapes(cfg, adapter, sp)
     model, params, optimizer, ema = build(cfg, family, adapter, fake, cpu, foreach=gpu)
-    moments, averages = [v for st in optimizer.state.values() for v in st.values()], list(ema.weights.values()) if ema else []
+    moments, averages = (
+        [v for st in optimizer.state.values() for v in st.values()],
+        list(ema.weights.values()) if ema else [],
+    )
     tracker = Tracker([*model.parameters(), *model.buffers(), *moments, *averages])
     tracker.watch_blocks(adapter.blocks(model))
     for p in params:
@@ -310,26 +374,46 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
     with fake, cuda_autocast_policy() if gpu else contextlib.nullcontext(), tracker:
         train_step(cfg, adapter, model, params, optimizer, ema, s, cpu, tracker)
     frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
-    state = {"frozen": nbytes(frozen), "weights": nbytes(params), "adamw": nbytes(moments), "ema": nbytes(averages)}
+    state = {
+        "frozen": nbytes(frozen),
+        "weights": nbytes(params),
+        "adamw": nbytes(moments),
+        "ema": nbytes(averages),
+    }
     parts = {"grads": nbytes(params), "activations": tracker.peak["ddp"], "in_flight": 0, "shards": 1}
     if world == 1:
-        parts |= {"grads": tracker.grads_at_peak["single"],
-                  "activations": tracker.peak["single"] - tracker.grads_at_peak["single"],
-                  **block_parts(cfg, adapter, model, tracker)}
+        parts |= {
+            "grads": tracker.grads_at_peak["single"],
+            "activations": tracker.peak["single"] - tracker.grads_at_peak["single"],
+            **block_parts(cfg, adapter, model, tracker),
+        }
     elif cfg.parallel.strategy == "fsdp":
         shards, blocks = world // cfg.parallel.dp_replicate, adapter.blocks(model)
         # FSDP's param_dtype (None: each weight's own)
         compute = AUTOCAST_DTYPES[cfg.train.mixed_precision]
         gathered = [nbytes(b.parameters(), compute) for b in blocks]
         block_grads = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
-        in_flight = nbytes(model.parameters(), compute) - sum(gathered) + 3 * max(gathered) + \
-            block_grads * ((compute or torch.float32).itemsize + 4)
+        in_flight = (
+            nbytes(model.parameters(), compute)
+            - sum(gathered)
+            + 3 * max(gathered)
+            + block_grads * ((compute or torch.float32).itemsize + 4)
+        )
         forward = tracker.peak["fsdp"] >= tracker.peak["opt"] / shards - in_flight
-        parts = {"grads": nbytes(params) / shards, "in_flight": in_flight if forward else 0, "shards": shards,
-                 "activations": tracker.peak["fsdp"] if forward else tracker.peak["opt"] / shards}
+        parts = {
+            "grads": nbytes(params) / shards,
+            "in_flight": in_flight if forward else 0,
+            "shards": shards,
+            "activations": tracker.peak["fsdp"] if forward else tracker.peak["opt"] / shards,
+        }
         state = {k: v / shards for k, v in state.items()}
-    parts |= {**state, "trainable": state["weights"] + state["adamw"] + state["ema"],
-              "video_tokens": s["video_tokens"], "rank_tokens": s["rank_tokens"], "audio_tokens": s["audio_tokens"]}
+    parts |= {
+        **state,
+        "trainable": state["weights"] + state["adamw"] + state["ema"],
+        "video_tokens": s["video_tokens"],
+        "rank_tokens": s["rank_tokens"],
+        "audio_tokens": s["audio_tokens"],
+    }
     parts["total"] = sum(parts[k] for k in ("frozen", "trainable", "grads", "activations", "in_flight"))
     return parts
 
@@ -342,22 +426,33 @@ def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
     streaming pins of them; those linears in the compute dtype, a block's gradient buffer, the step
     without the block inputs, and what activation offload copies."""
     blocks, compute = adapter.blocks(model), AUTOCAST_DTYPES[cfg.train.mixed_precision] or adapter.dtype
-    # noqa: E731
     frozen = lambda m: [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())
-    linears = lambda b: [m.weight for m in b.modules()  # noqa: E731
-                         if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    linears = lambda b: [
+        m.weight for m in b.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
+    ]
     in_blocks = [nbytes(frozen(b)) for b in blocks]
-    fp8 = [n - nbytes(linears(b)) + sum(w.numel() + 4 * w.shape[0] for w in linears(b))
-           for b, n in zip(blocks, in_blocks)]
+    fp8 = [
+        n - nbytes(linears(b)) + sum(w.numel() + 4 * w.shape[0] for w in linears(b))
+        for b, n in zip(blocks, in_blocks)
+    ]
     grads = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
     copies = [n for call in tracker.copies for n in call]
-    return {"layers": len(blocks), "root": nbytes(frozen(model)) - sum(in_blocks), "block": max(in_blocks),
-            "block_fp8": max(fp8), "upcast": max(nbytes(linears(b), compute) for b in blocks),
-            "reduce": grads * (compute.itemsize + 4), "offload_grads": tracker.grads_at_peak["offload"],
-            "offload_activations": tracker.peak["offload"] - tracker.grads_at_peak["offload"],
-            "inputs": sum(tracker.inputs), "block_input": max(map(sum, tracker.copies), default=0),
-            "copies": copies, "offloaded": sum(copies), "offloaded_pinned": sum(map(pinned_bytes, copies)),
-            **pinned_weights(adapter, model, blocks)}
+    return {
+        "layers": len(blocks),
+        "root": nbytes(frozen(model)) - sum(in_blocks),
+        "block": max(in_blocks),
+        "block_fp8": max(fp8),
+        "upcast": max(nbytes(linears(b), compute) for b in blocks),
+        "reduce": grads * (compute.itemsize + 4),
+        "offload_grads": tracker.grads_at_peak["offload"],
+        "offload_activations": tracker.peak["offload"] - tracker.grads_at_peak["offload"],
+        "inputs": sum(tracker.inputs),
+        "block_input": max(map(sum, tracker.copies), default=0),
+        "copies": copies,
+        "offloaded": sum(copies),
+        "offloaded_pinned": sum(map(pinned_bytes, copies)),
+        **pinned_weights(adapter, model, blocks),
+    }
 
 
 def pinned_weights(adapter, model, blocks) -> dict:
@@ -379,9 +474,11 @@ def pinned_weights(adapter, model, blocks) -> dict:
         return sum(pinned_bytes(n) for p in params if not p.requires_grad for n in requests(p, fp8))
 
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    return {"block_pinned": max(pinned(b.parameters()) for b in blocks),
-            "block_fp8_pinned": max(pinned(b.parameters(), fp8=True) for b in blocks),
-            "root_pinned": pinned(p for p in model.parameters() if id(p) not in in_blocks)}
+    return {
+        "block_pinned": max(pinned(b.parameters()) for b in blocks),
+        "block_fp8_pinned": max(pinned(b.parameters(), fp8=True) for b in blocks),
+        "root_pinned": pinned(p for p in model.parameters() if id(p) not in in_blocks),
+    }
 
 
 def peak_of(run, modules=(), existing=()) -> int:
@@ -412,25 +509,36 @@ def other_phases(cfg, family, adapter) -> dict:
     weights and its pass over a batch of prompts. Each on fake tensors, as the adapter runs it."""
     fake, cpu = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu")
     resolution = cfg.validation.resolution or (cfg.data.buckets or [cfg.data.train_resolution])[0]
-    sampled = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=2),
-                                  data=dataclasses.replace(cfg.data, train_resolution=resolution))
+    sampled = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, batch_size=2),
+        data=dataclasses.replace(cfg.data, train_resolution=resolution),
+    )
     model, params, optimizer, ema = build(sampled, family, adapter, fake, cpu, foreach=True)
     model.eval()
     vae = fake_module(lambda: adapter.VAE.from_config(adapter.vae_config), adapter.vae_dtype, fake)
     config = adapter.TEXT_ENCODER.config_class.from_pretrained(adapter.path / "text_encoder")
     text_encoder = fake_module(lambda: adapter.TEXT_ENCODER(config), adapter.dtype, fake)
     s = shapes(sampled, adapter, 1)
-    new = lambda shape: torch.randn(shape, device=cpu).to(adapter.dtype)  # noqa: E731
+    new = lambda shape: torch.randn(shape, device=cpu).to(adapter.dtype)
     with fake, torch.no_grad():
         batch = cached_batch(adapter, s, new)
         generators = [torch.Generator().manual_seed(i) for i in range(2)]
-        with torch.autocast("cpu", dtype=AUTOCAST_DTYPES[cfg.train.mixed_precision] or torch.bfloat16,
-                            enabled=cfg.train.mixed_precision != "no"):
+        with torch.autocast(
+            "cpu",
+            dtype=AUTOCAST_DTYPES[cfg.train.mixed_precision] or torch.bfloat16,
+            enabled=cfg.train.mixed_precision != "no",
+        ):
             sampling = peak_of(lambda: adapter.train_loss(model, batch, generators), [model], batch.values())
         adapter._load_vae = lambda: vae  # the adapter's own encode and decode, over the fake VAE
         frames, height, width = cfg.data.train_resolution
-        encode = {n: peak_of(lambda: adapter.encode_video(torch.empty(n, frames, height, width, 3, dtype=torch.uint8)),
-                             [vae]) for n in {cfg.data.cache_batch_size, 1}}
+        encode = {
+            n: peak_of(
+                lambda: adapter.encode_video(torch.empty(n, frames, height, width, 3, dtype=torch.uint8)),
+                [vae],
+            )
+            for n in {cfg.data.cache_batch_size, 1}
+        }
         _, c, f, h, w = s["latent"]
         latents = torch.randn((1, f, c, h, w) if family == "cogvideox" else (1, c, f, h, w))
         decode = peak_of(lambda: adapter.decode_latents(latents), [vae], [latents])
@@ -441,15 +549,26 @@ def other_phases(cfg, family, adapter) -> dict:
         if "connectors" in adapter.ENCODERS["text"]:
             # LTX-2: the adapter's own encode_text (Gemma's every hidden state kept, stacked,
             # through the connectors)
-            connectors = fake_module(lambda: LTX2TextConnectors.from_config(
-                resolved_config(LTX2TextConnectors, adapter.path, "connectors")), adapter.dtype, fake)
+            connectors = fake_module(
+                lambda: LTX2TextConnectors.from_config(
+                    resolved_config(LTX2TextConnectors, adapter.path, "connectors")
+                ),
+                adapter.dtype,
+                fake,
+            )
             adapter._text_encoder, adapter._connectors = text_encoder, connectors
             text_modules.append(connectors)
         text = {n: text_pass(adapter, text_modules, n) for n in set(prompts.values())}
-    return {"sampling": sampling, "vae": nbytes([*vae.parameters(), *vae.buffers()]), "decode": decode,
-            "encode": encode[cfg.data.cache_batch_size], "encode_1": encode[1],
-            "text": text[prompts[cfg.data.cache_batch_size]], "text_1": text[prompts[1]],
-            "text_encoder": nbytes([t for m in text_modules for t in (*m.parameters(), *m.buffers())])}
+    return {
+        "sampling": sampling,
+        "vae": nbytes([*vae.parameters(), *vae.buffers()]),
+        "decode": decode,
+        "encode": encode[cfg.data.cache_batch_size],
+        "encode_1": encode[1],
+        "text": text[prompts[cfg.data.cache_batch_size]],
+        "text_1": text[prompts[1]],
+        "text_encoder": nbytes([t for m in text_modules for t in (*m.parameters(), *m.buffers())]),
+    }
 
 
 def text_pass(adapter, text_modules: list, prompts: int) -> int:
@@ -468,17 +587,24 @@ def text_pass(adapter, text_modules: list, prompts: int) -> int:
 def one_gpu_parts(cfg, family, adapter) -> dict:
     """Everything bench/one_gpu.py adds up for one process, in bytes."""
     if cfg.train.training_type != "lora":
-        raise ConfigError("--fit models LoRA runs: sft's streaming also moves gradients and AdamW's state to the host")
+        raise ConfigError(
+            "--fit models LoRA runs: sft's streaming also moves gradients and AdamW's state to the host"
+        )
     status = Path("/proc/self/status").read_text()
     step = estimate(cfg, family, adapter)
-    return {**step, **other_phases(cfg, family, adapter), "experts": 1 + len(adapter.other_experts()),
-            "validation": cfg.validation.do_validation and bool(cfg.validation.prompts),
-            "checkpointing": cfg.train.gradient_checkpointing, "cache_batch_size": cfg.data.cache_batch_size,
-            "cache_pass": True,
-            # EMA.swapped_in keeps the online weights
-            "ema_swap": step["weights"] if cfg.train.ema_decay else 0,
-            # this process: imports, no CUDA
-            "process": int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024}
+    return {
+        **step,
+        **other_phases(cfg, family, adapter),
+        "experts": 1 + len(adapter.other_experts()),
+        "validation": cfg.validation.do_validation and bool(cfg.validation.prompts),
+        "checkpointing": cfg.train.gradient_checkpointing,
+        "cache_batch_size": cfg.data.cache_batch_size,
+        "cache_pass": True,
+        # EMA.swapped_in keeps the online weights
+        "ema_swap": step["weights"] if cfg.train.ema_decay else 0,
+        # this process: imports, no CUDA
+        "process": int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024,
+    }
 
 
 def measure(cfg, family, adapter, device) -> dict:
@@ -487,11 +613,17 @@ def measure(cfg, family, adapter, device) -> dict:
     State = the build's resident growth, step = the step's peak over it (VmRSS, VmHWM after
     resetting it through clear_refs; allocated bytes on a GPU)."""
     if device.type == "cuda":
-        used, peak, reset = torch.cuda.memory_allocated, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
+        used, peak, reset = (
+            torch.cuda.memory_allocated,
+            torch.cuda.max_memory_allocated,
+            torch.cuda.reset_peak_memory_stats,
+        )
     else:
-        status = lambda key: int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024  # noqa: E731
+        status = lambda key: (
+            int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+        )
         used, peak = lambda: status("VmRSS"), lambda: status("VmHWM")
-        reset = lambda: Path("/proc/self/clear_refs").write_text("5")  # noqa: E731
+        reset = lambda: Path("/proc/self/clear_refs").write_text("5")
     base = used()
     model, params, optimizer, ema = build(cfg, family, adapter, None, device, foreach=device.type == "cuda")
     state = used() - base
@@ -510,13 +642,17 @@ def check(cfg, family, adapter, argv: list[str]) -> dict:
     # size follows the live tensors, not the heap's high-water mark (an allocator's cache is not
     # estimated).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)}
-    run = subprocess.run([sys.executable, __file__, *argv, "--measure"], capture_output=True, text=True, env=env)
+    run = subprocess.run(
+        [sys.executable, __file__, *argv, "--measure"], capture_output=True, text=True, env=env
+    )
     if run.returncode:
         sys.exit(f"the measured run failed:\n{run.stderr[-3000:]}")
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     e = estimate(cfg, family, adapter, gpu=measured["device"] == "cuda")
-    rows = {"weights + AdamW + EMA before the step": (e["frozen"] + e["trainable"], measured["state"]),
-            "the step's peak above them": (e["total"] - e["frozen"] - e["trainable"], measured["step"])}
+    rows = {
+        "weights + AdamW + EMA before the step": (e["frozen"] + e["trainable"], measured["state"]),
+        "the step's peak above them": (e["total"] - e["frozen"] - e["trainable"], measured["step"]),
+    }
     rows["peak"] = tuple(map(sum, zip(*rows.values())))
     print(f"check, one process on the {measured['device']}: {describe(cfg, adapter, e)}")
     print(f"  {'GiB':40}{'estimate':>10}{'measured':>10}{'ratio':>8}")
@@ -527,14 +663,20 @@ def check(cfg, family, adapter, argv: list[str]) -> dict:
 
 def describe(cfg, adapter, e: dict) -> str:
     c, t = adapter.transformer_config, cfg.train
-    what = f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}" if t.training_type == "lora" else "sft"
+    what = (
+        f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}"
+        if t.training_type == "lora"
+        else "sft"
+    )
     vace = f" (+ {len(c['vace_layers'])} VACE blocks)" if c.get("vace_layers") else ""
-    return (f"{c['num_layers']} blocks{vace} x {c['num_attention_heads']} heads x "
-            f"{c['attention_head_dim']}, {what}, "
-            f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
-            f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), "
-            f"{t.mixed_precision}, checkpointing "
-            f"{'on' if t.gradient_checkpointing else 'off'}{f', EMA {t.ema_decay}' if t.ema_decay else ''}")
+    return (
+        f"{c['num_layers']} blocks{vace} x {c['num_attention_heads']} heads x "
+        f"{c['attention_head_dim']}, {what}, "
+        f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
+        f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), "
+        f"{t.mixed_precision}, checkpointing "
+        f"{'on' if t.gradient_checkpointing else 'off'}{f', EMA {t.ema_decay}' if t.ema_decay else ''}"
+    )
 
 
 def table(cfg, adapter, world: int, results: dict[int, dict]) -> None:
@@ -544,26 +686,43 @@ def table(cfg, adapter, world: int, results: dict[int, dict]) -> None:
     sharded = f", sharded {first['shards']} ways" if first["shards"] > 1 else ""
     print(f"{describe(cfg, adapter, first)}\n{how}{sharded}")
     if list(results) != [1]:
-        print("sp is modelled, not run: each sample's video tokens split sp ways from the input on (sequence.py "
-              "splits them inside the blocks only)")
+        print(
+            "sp is modelled, not run: each sample's video tokens split sp ways from the input on (sequence.py "
+            "splits them inside the blocks only)"
+        )
     print(f"  {'GiB per rank':28}" + "".join(f"{f'sp {sp}':>9}" for sp in results))
     print(f"  {'video tokens per rank':28}" + "".join(f"{r['rank_tokens']:9d}" for r in results.values()))
-    for name, key in (("frozen weights", "frozen"), ("trainable weights", "weights"), ("AdamW moments", "adamw"),
-                      ("EMA", "ema"), ("gradients", "grads"), ("activations + temporaries", "activations"),
-                      ("FSDP in flight", "in_flight"), ("peak", "total")):
+    for name, key in (
+        ("frozen weights", "frozen"),
+        ("trainable weights", "weights"),
+        ("AdamW moments", "adamw"),
+        ("EMA", "ema"),
+        ("gradients", "grads"),
+        ("activations + temporaries", "activations"),
+        ("FSDP in flight", "in_flight"),
+        ("peak", "total"),
+    ):
         print(f"  {name:28}" + "".join(f"{r[key] / GIB:9.2f}" for r in results.values()))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cfg", required=True, help="TOML config file; overrides as for trainer.py")
-    parser.add_argument("--arch", choices=list(PUBLISHED), help="a published transformer config instead of model.path's")
+    parser.add_argument(
+        "--arch", choices=list(PUBLISHED), help="a published transformer config instead of model.path's"
+    )
     parser.add_argument("--world", type=int, default=8, help="ranks (GPUs)")
     parser.add_argument("--sp", type=int, nargs="+", default=[1], help="sequence-parallel sizes (a model)")
     parser.add_argument("--layers", type=int, help="transformer blocks (default: the config's)")
     parser.add_argument("--check", action="store_true", help="compare with a measured one-process step")
-    parser.add_argument("--fit", type=float, metavar="GB", help="one process: the fastest one-GPU setting that fits GB "
-                        "GiB (bench/one_gpu.py), as config lines")
+    parser.add_argument(
+        "--fit",
+        type=float,
+        metavar="GB",
+        help="one process: the fastest one-GPU setting that fits GB GiB (bench/one_gpu.py), as config lines",
+    )
     parser.add_argument("--ram", type=float, metavar="GB", help="with --fit: the host RAM there is, GiB")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
@@ -584,7 +743,12 @@ def main(argv: list[str] | None = None) -> None:
             title = describe(cfg, adapter, shapes(cfg, adapter, 1))
             one_gpu.report(one_gpu_parts(cfg, family, adapter), args.fit, title, args.ram)
         else:
-            table(cfg, adapter, args.world, {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp})
+            table(
+                cfg,
+                adapter,
+                args.world,
+                {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp},
+            )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from common import median_step_s, timed_run, tiny_settings  # puts the repository on sys.path
+from safetensors.torch import load_file
 
 import lora  # noqa: E402
 from config import LoraConfig, ModelConfig  # noqa: E402
@@ -37,8 +36,10 @@ from model_adapter import load_adapter  # noqa: E402
 
 BATCH, EMBEDS = 2, (16, 32)  # [L, D] of the tiny T5
 # Transformer settings over the tiny ones, and the training resolution (the clips are 17x40x48).
-SIZES = {"tiny": ({}, [9, 32, 32]),
-         "mid": ({"num_attention_heads": 4, "attention_head_dim": 64, "num_layers": 4}, [17, 40, 48])}
+SIZES = {
+    "tiny": ({}, [9, 32, 32]),
+    "mid": ({"num_attention_heads": 4, "attention_head_dim": 64, "num_layers": 4}, [17, 40, 48]),
+}
 
 
 def latent_shape(resolution: list[int]) -> tuple[int, ...]:
@@ -47,7 +48,9 @@ def latent_shape(resolution: list[int]) -> tuple[int, ...]:
     return (frames - 1) // 4 + 1, 4, height // 4, width // 4
 
 
-def bare_step_s(model_path: Path, latents: tuple[int, ...], iters: int, warmup: int = 20) -> tuple[float, float]:
+def bare_step_s(
+    model_path: Path, latents: tuple[int, ...], iters: int, warmup: int = 20
+) -> tuple[float, float]:
     """Seconds per iteration of a bare training step: the mean and the median.
 
     A bare step is the loss, backward, clip, AdamW step, zero_grad; the median of the iterations is
@@ -59,7 +62,7 @@ def bare_step_s(model_path: Path, latents: tuple[int, ...], iters: int, warmup: 
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, fused=True)  # as the trainer
     torch.manual_seed(0)
     times = []
-    for i in range(warmup + iters):
+    for _ in range(warmup + iters):
         start = time.perf_counter()
         x0, noise = torch.randn(BATCH, *latents), torch.randn(BATCH, *latents)
         timesteps = torch.randint(0, len(adapter.alphas_cumprod), (BATCH,))
@@ -73,7 +76,9 @@ def bare_step_s(model_path: Path, latents: tuple[int, ...], iters: int, warmup: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--short", type=int, default=20)
     parser.add_argument("--long", type=int, default=1020)
@@ -85,36 +90,64 @@ def main() -> None:
         root = Path(tmp)
         transformer_settings, resolution = SIZES[args.size]
         latents = latent_shape(resolution)
-        base = {**tiny_settings(root, transformer_settings), "data.train_resolution": resolution, "lora.rank": 4,
-                "lora.lora_alpha": 2}
+        base = {
+            **tiny_settings(root, transformer_settings),
+            "data.train_resolution": resolution,
+            "lora.rank": 4,
+            "lora.lora_alpha": 2,
+        }
         timed_run(root, "warm-cache", {**base, "train.steps": 1})
         # The bare shapes are the trainer's: a video entry and a text entry of the cache.
-        video, text = (load_file(next((root / "cache" / kind).rglob("*.safetensors"))) for kind in ("video", "text"))
+        video, text = (
+            load_file(next((root / "cache" / kind).rglob("*.safetensors"))) for kind in ("video", "text")
+        )
         assert video["latent_mean"].permute(1, 0, 2, 3).shape == latents, video["latent_mean"].shape
         assert text["prompt_embeds"].shape == EMBEDS, text["prompt_embeds"].shape
         bare, own, walls = [], [], {args.short: [], args.long: []}
         for r in range(args.repeats):
             bare.append(bare_step_s(root / "model", latents, args.iters))
             for steps in walls:
-                walls[steps].append(timed_run(root, f"run-{r}-{steps}", {
-                    **base, "train.steps": steps, "checkpoint.checkpointing_steps": steps + 1}))
+                walls[steps].append(
+                    timed_run(
+                        root,
+                        f"run-{r}-{steps}",
+                        {**base, "train.steps": steps, "checkpoint.checkpointing_steps": steps + 1},
+                    )
+                )
             own.append(median_step_s(root / f"run-{r}-{args.long}", BATCH, args.short))
-    spans = [(long - short) / (args.long - args.short) for short, long in zip(walls[args.short], walls[args.long])]
-    print(f"{args.size} CogVideoX, fp32, LoRA rank 4, batch 2 of {'x'.join(map(str, resolution))}, 1 thread, "
-          f"{args.repeats} interleaved repetitions:")
-    print("  bare step (loss, backward, clip, AdamW), mean ms    " + " ".join(f"{b[0] * 1000:.2f}" for b in bare))
-    print("  bare step, median of the iterations, ms             " + " ".join(f"{b[1] * 1000:.2f}" for b in bare))
-    print(f"  trainer step, walls ({args.long} - {args.short} steps), ms    " + " ".join(f"{x * 1000:.2f}" for x in spans))
+    spans = [
+        (long - short) / (args.long - args.short) for short, long in zip(walls[args.short], walls[args.long])
+    ]
+    print(
+        f"{args.size} CogVideoX, fp32, LoRA rank 4, batch 2 of {'x'.join(map(str, resolution))}, 1 thread, "
+        f"{args.repeats} interleaved repetitions:"
+    )
+    print(
+        "  bare step (loss, backward, clip, AdamW), mean ms    "
+        + " ".join(f"{b[0] * 1000:.2f}" for b in bare)
+    )
+    print(
+        "  bare step, median of the iterations, ms             "
+        + " ".join(f"{b[1] * 1000:.2f}" for b in bare)
+    )
+    print(
+        f"  trainer step, walls ({args.long} - {args.short} steps), ms    "
+        + " ".join(f"{x * 1000:.2f}" for x in spans)
+    )
     print("  trainer step, median of its own step times, ms      " + " ".join(f"{x * 1000:.2f}" for x in own))
     for steps, w in walls.items():
         print(f"    wall {steps:4d} steps  " + " ".join(f"{x:6.2f}" for x in w) + " s")
     # "fastest": the fastest long run less the fastest short one, as the earlier figures were
     # computed.
     step_fastest = (min(walls[args.long]) - min(walls[args.short])) / (args.long - args.short)
-    for label, bare_s, step_s in (("fastest", min(b[0] for b in bare), step_fastest),
-                                  ("median", statistics.median(b[1] for b in bare), statistics.median(own))):
-        print(f"  {label:7} bare {bare_s * 1000:7.2f} ms  trainer {step_s * 1000:7.2f} ms  trainer / bare "
-              f"{step_s / bare_s:.3f}x ({100 * (step_s / bare_s - 1):.1f}% on top of the bare step)")
+    for label, bare_s, step_s in (
+        ("fastest", min(b[0] for b in bare), step_fastest),
+        ("median", statistics.median(b[1] for b in bare), statistics.median(own)),
+    ):
+        print(
+            f"  {label:7} bare {bare_s * 1000:7.2f} ms  trainer {step_s * 1000:7.2f} ms  trainer / bare "
+            f"{step_s / bare_s:.3f}x ({100 * (step_s / bare_s - 1):.1f}% on top of the bare step)"
+        )
 
 
 if __name__ == "__main__":

@@ -28,14 +28,28 @@ from tools.make_tiny_model import make_tiny_wan  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--clips", type=int, default=4)
     args = parser.parse_args()
     rng = random.Random(0)
-    videos = [torch.as_tensor(render_clip(rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(DIRECTIONS)),
-                                          args.frames, args.size, args.size, rng)[0]) for _ in range(args.clips)]
+    videos = [
+        torch.as_tensor(
+            render_clip(
+                rng.choice(SHAPES),
+                rng.choice(list(COLOURS)),
+                rng.choice(list(DIRECTIONS)),
+                args.frames,
+                args.size,
+                args.size,
+                rng,
+            )[0]
+        )
+        for _ in range(args.clips)
+    ]
     pixels = torch.stack(videos).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # [B, 3, F, H, W]
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_wan(f"{tmp}/wan", "t2v")
@@ -51,9 +65,11 @@ def main() -> None:
     reference, bf16 = means[torch.float32], means[torch.bfloat16]
     relative = ((bf16 - reference).norm() / reference.norm()).item()
     normalised = ((bf16 - mean) / std - (reference - mean) / std).abs()
-    print(f"tiny Wan VAE, {args.clips} clips of {args.frames}x{args.size}x{args.size}: latent mean bf16 vs fp32: "
-          f"relative L2 {relative:.2e}; normalised: max |diff| {normalised.max().item():.3e}, "
-          f"mean |diff| {normalised.mean().item():.3e} (noise std 1)")
+    print(
+        f"tiny Wan VAE, {args.clips} clips of {args.frames}x{args.size}x{args.size}: latent mean bf16 vs fp32: "
+        f"relative L2 {relative:.2e}; normalised: max |diff| {normalised.max().item():.3e}, "
+        f"mean |diff| {normalised.mean().item():.3e} (noise std 1)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""What the trainer benchmarks share: the tiny model and clips in a folder, and a timed trainer run.
-"""
+"""What the trainer benchmarks share: the tiny model and clips in a folder, and a timed trainer run."""
 
 import json
 import os
@@ -26,10 +25,17 @@ def tiny_settings(root: Path, transformer_settings: dict | None = None) -> dict:
     The model's transformer_settings are overridden."""
     make_tiny_model(str(root / "model"), transformer_settings=transformer_settings)
     make_synthetic_dataset(str(root / "data"), num_videos=24, frames=17, height=40, width=48, seed=0)
-    return {"model.path": str(root / "model"), "model.dtype": "fp32", "data.data_root": str(root / "data"),
-            "data.train_resolution": [9, 32, 32], "data.cache_dir": str(root / "cache"),
-            "train.batch_size": 2, "train.mixed_precision": "no", "train.gradient_checkpointing": False,
-            "validation.do_validation": False}
+    return {
+        "model.path": str(root / "model"),
+        "model.dtype": "fp32",
+        "data.data_root": str(root / "data"),
+        "data.train_resolution": [9, 32, 32],
+        "data.cache_dir": str(root / "cache"),
+        "train.batch_size": 2,
+        "train.mixed_precision": "no",
+        "train.gradient_checkpointing": False,
+        "validation.do_validation": False,
+    }
 
 
 def median_step_s(output_dir: Path, global_batch: int, after: int) -> float:
@@ -38,8 +44,11 @@ def median_step_s(output_dir: Path, global_batch: int, after: int) -> float:
     Its metrics.jsonl, logged every step: global batch / samples_per_s, which start-up and a load
     spike move less than a wall time."""
     logged = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").open()]
-    return statistics.median(global_batch / m["train/samples_per_s"] for m in logged
-                             if m.get("step", 0) > after and "train/samples_per_s" in m)
+    return statistics.median(
+        global_batch / m["train/samples_per_s"]
+        for m in logged
+        if m.get("step", 0) > after and "train/samples_per_s" in m
+    )
 
 
 def timed_run(root: Path, name: str, settings: dict, nproc: int = 1) -> float:
@@ -48,11 +57,25 @@ def timed_run(root: Path, name: str, settings: dict, nproc: int = 1) -> float:
     Write the config, run the trainer (one thread per rank) on a fresh output folder; its wall
     seconds."""
     config = write_toml(root / f"{name}.toml", {"run.output_dir": str(root / name), **settings})
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+        ]
+    )
     start = time.perf_counter()
-    result = subprocess.run([*launcher, str(REPO / "trainer.py"), "--cfg", str(config)], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    result = subprocess.run(
+        [*launcher, str(REPO / "trainer.py"), "--cfg", str(config)],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - start
     if result.returncode != 0:
         sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -91,4 +114,5 @@ def write_random_transformer(folder: Path, cls, config: dict, shard_bytes: int, 
         weight_map = {k: final if v == name else v for k, v in weight_map.items()}
     total = sum((folder / n).stat().st_size for n in set(weight_map.values()))
     (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )

@@ -47,11 +47,23 @@ GIB = 2**30
 MARGIN = 2.5 * GIB
 
 
-PARTS = {"outside the blocks": "root", "a block": "block", "in fp8": "block_fp8", "LoRA + AdamW": "trainable",
-         "step": "activations", "of which block inputs": "inputs", "step, inputs offloaded": "offload_activations",
-         "offloaded (tensors shared by the blocks once)": "offloaded",
-         "sampling": "sampling", "VAE": "vae", "encode": "encode", "one clip": "encode_1", "decode": "decode",
-         "text encoder": "text_encoder", "its pass": "text"}
+PARTS = {
+    "outside the blocks": "root",
+    "a block": "block",
+    "in fp8": "block_fp8",
+    "LoRA + AdamW": "trainable",
+    "step": "activations",
+    "of which block inputs": "inputs",
+    "step, inputs offloaded": "offload_activations",
+    "offloaded (tensors shared by the blocks once)": "offloaded",
+    "sampling": "sampling",
+    "VAE": "vae",
+    "encode": "encode",
+    "one clip": "encode_1",
+    "decode": "decode",
+    "text encoder": "text_encoder",
+    "its pass": "text",
+}
 
 
 @dataclass(frozen=True)
@@ -61,18 +73,27 @@ class Setting:
     streamed: int  # blocks in pinned host memory
 
     def describe(self, layers: int) -> str:
-        blocks = (f"{self.streamed} of {layers} blocks streamed from host memory" if self.streamed
-                  else "every block resident")
-        return (f"{'fp8' if self.fp8 else 'bf16'} weights, {blocks}, activations "
-                f"{'offloaded to host memory' if self.activation_offload else 'on the GPU'}")
+        blocks = (
+            f"{self.streamed} of {layers} blocks streamed from host memory"
+            if self.streamed
+            else "every block resident"
+        )
+        return (
+            f"{'fp8' if self.fp8 else 'bf16'} weights, {blocks}, activations "
+            f"{'offloaded to host memory' if self.activation_offload else 'on the GPU'}"
+        )
 
     def config_lines(self, layers: int) -> list[str]:
         lines = ["[model]", 'storage_dtype = "fp8"'] if self.fp8 else []
         lines += ["[train]", "activation_offload = true"] if self.activation_offload else []
         if self.streamed:
             every = "  # every block" if self.streamed == layers else ""
-            lines += ["[parallel]", 'strategy = "fsdp"', "cpu_offload = true",
-                      f"offload_blocks = {0 if self.streamed == layers else self.streamed}{every}"]
+            lines += [
+                "[parallel]",
+                'strategy = "fsdp"',
+                "cpu_offload = true",
+                f"offload_blocks = {0 if self.streamed == layers else self.streamed}{every}",
+            ]
         else:
             lines += ["[parallel]", 'strategy = "ddp"  # one process: no wrapper', "cpu_offload = false"]
         return lines
@@ -91,8 +112,7 @@ def block_bytes(p: dict, s: Setting) -> int:
 
 
 def resident(p: dict, s: Setting) -> int:
-    """Frozen weights that stay on the GPU: the layers outside the blocks and the unstreamed blocks.
-    """
+    """Frozen weights that stay on the GPU: the layers outside the blocks and the unstreamed blocks."""
     return p["root"] + (p["layers"] - s.streamed) * block_bytes(p, s)
 
 
@@ -118,8 +138,13 @@ def gpu(p: dict, s: Setting) -> dict[str, int]:
     weights = weights_on_gpu(p, s)
     phases = {"training": training(p, s)}
     if p["validation"]:
-        phases["validation"] = (weights + (p["experts"] - 1) * resident(p, s) + p["trainable"] + p["ema_swap"]
-                                + max(p["sampling"], p["vae"] + p["decode"]))
+        phases["validation"] = (
+            weights
+            + (p["experts"] - 1) * resident(p, s)
+            + p["trainable"]
+            + p["ema_swap"]
+            + max(p["sampling"], p["vae"] + p["decode"])
+        )
     if p["cache_pass"]:
         phases["cache pass"] = cache_pass(p)
     return phases
@@ -137,8 +162,10 @@ def pinned(p: dict, s: Setting, experts: int = 1) -> dict[str, int]:
     block = p["block_fp8_pinned"] if s.fp8 else p["block_pinned"]
     # offload_blocks = 0 streams the root too
     root = p["root_pinned"] if s.streamed == p["layers"] else 0
-    return {"pinned weights": experts * (s.streamed * block + root),
-            "offloaded activations": p["offloaded_pinned"] if s.activation_offload else 0}
+    return {
+        "pinned weights": experts * (s.streamed * block + root),
+        "offloaded activations": p["offloaded_pinned"] if s.activation_offload else 0,
+    }
 
 
 def host(p: dict, s: Setting) -> dict[str, int]:
@@ -146,8 +173,11 @@ def host(p: dict, s: Setting) -> dict[str, int]:
 
     Training holds the pinned weights of every expert validation holds, pinned activations, the
     process and the parked VAE."""
-    parts = {**pinned(p, s, p["experts"] if p["validation"] else 1),
-             "process": p["process"], "parked VAE": p["vae"] if p["validation"] else 0}
+    parts = {
+        **pinned(p, s, p["experts"] if p["validation"] else 1),
+        "process": p["process"],
+        "parked VAE": p["vae"] if p["validation"] else 0,
+    }
     parts["training"] = sum(parts.values())
     parts["cache pass"] = p["process"] + (p["text_encoder"] if p["cache_pass"] or p["validation"] else 0)
     return parts
@@ -175,8 +205,11 @@ def with_cache_batch(p: dict, gb: float) -> dict:
 
     Clips per VAE call and prompts per text encoder call."""
     fitting = cache_pass(p) + MARGIN <= gb * GIB
-    return p if fitting or p["cache_batch_size"] == 1 else \
-        p | {"encode": p["encode_1"], "text": p["text_1"], "cache_batch_size": 1}
+    return (
+        p
+        if fitting or p["cache_batch_size"] == 1
+        else p | {"encode": p["encode_1"], "text": p["text_1"], "cache_batch_size": 1}
+    )
 
 
 def fit(p: dict, gb: float, ram: float | None = None) -> Setting | None:
@@ -192,24 +225,36 @@ def why_none(p: dict, gb: float, ram: float | None = None) -> str:
     memory, or, where that one fits, the host RAM."""
     if p["cache_pass"] and cache_pass(p) + MARGIN > gb * GIB:
         text, vae = p["text_encoder"] + p["text"], p["vae"] + p["encode"]
-        reason = (f"the text encoder's pass needs {text / GIB:.1f} GiB, its weights alone {p['text_encoder'] / GIB:.1f}"
-                  " GiB (the validation prompts load it too)" if text >= vae else
-                  f"the VAE's encoding of one clip needs {vae / GIB:.1f} GiB")
-        return (f"none fits {gb:g} GiB: the cache pass needs {cache_pass(p) / GIB:.1f} GiB + "
-                f"{MARGIN / GIB:g} GiB margin whatever the setting: {reason}")
+        reason = (
+            f"the text encoder's pass needs {text / GIB:.1f} GiB, its weights alone {p['text_encoder'] / GIB:.1f}"
+            " GiB (the validation prompts load it too)"
+            if text >= vae
+            else f"the VAE's encoding of one clip needs {vae / GIB:.1f} GiB"
+        )
+        return (
+            f"none fits {gb:g} GiB: the cache pass needs {cache_pass(p) / GIB:.1f} GiB + "
+            f"{MARGIN / GIB:g} GiB margin whatever the setting: {reason}"
+        )
     leanest = min(settings(p), key=lambda s: max(gpu(p, s).values()))
     phase, peak = max(gpu(p, leanest).items(), key=lambda kv: kv[1])
     if peak + MARGIN <= gb * GIB:
         least = min(host_needed(p, s) for s in settings(p) if fits(p, s, gb))
-        return (f"none fits {gb:g} GiB with {ram:g} GiB of host RAM: the settings that fit the GPU need "
-                f"{least / GIB:.1f} GiB of host RAM or more (pinned weights and activations, the process)")
+        return (
+            f"none fits {gb:g} GiB with {ram:g} GiB of host RAM: the settings that fit the GPU need "
+            f"{least / GIB:.1f} GiB of host RAM or more (pinned weights and activations, the process)"
+        )
     weights = weights_on_gpu(p, leanest)
-    reason = (f"a guided sampling forward needs {p['sampling'] / GIB:.1f} GiB, the VAE's decode "
-              f"{(p['vae'] + p['decode']) / GIB:.1f} GiB" if phase == "validation" else
-              f"the trainable state and one step's gradients and activations need {(peak - weights) / GIB:.1f} GiB "
-              f"beside {weights / GIB:.1f} GiB of weights")
-    return (f"none fits {gb:g} GiB: the setting that needs the least ({leanest.describe(p['layers'])}) needs "
-            f"{peak / GIB:.1f} GiB + {MARGIN / GIB:g} GiB margin in the {phase}: {reason}")
+    reason = (
+        f"a guided sampling forward needs {p['sampling'] / GIB:.1f} GiB, the VAE's decode "
+        f"{(p['vae'] + p['decode']) / GIB:.1f} GiB"
+        if phase == "validation"
+        else f"the trainable state and one step's gradients and activations need {(peak - weights) / GIB:.1f} GiB "
+        f"beside {weights / GIB:.1f} GiB of weights"
+    )
+    return (
+        f"none fits {gb:g} GiB: the setting that needs the least ({leanest.describe(p['layers'])}) needs "
+        f"{peak / GIB:.1f} GiB + {MARGIN / GIB:g} GiB margin in the {phase}: {reason}"
+    )
 
 
 def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting | None:
@@ -217,44 +262,71 @@ def report(p: dict, gb: float, title: str, ram: float | None = None) -> Setting 
 
     One per weight dtype and activation placement."""
     configured, p = p["cache_batch_size"], with_cache_batch(p, gb)
-    print(f"{title}\none GPU of {gb:g} GiB, less a {MARGIN / GIB:g} GiB margin for the CUDA context, the "
-          "attention and cuBLAS workspaces and the allocator's fragmentation (not yet measured on a GPU)"
-          f"{f', {ram:g} GiB of host RAM' if ram else ''}; GiB per phase at its peak, host RAM, GB moved over "
-          "PCIe per training step")
+    print(
+        f"{title}\none GPU of {gb:g} GiB, less a {MARGIN / GIB:g} GiB margin for the CUDA context, the "
+        "attention and cuBLAS workspaces and the allocator's fragmentation (not yet measured on a GPU)"
+        f"{f', {ram:g} GiB of host RAM' if ram else ''}; GiB per phase at its peak, host RAM, GB moved over "
+        "PCIe per training step"
+    )
     print("  parts: " + ", ".join(f"{name} {p[key] / GIB:.2f}" for name, key in PARTS.items()))
-    print(f"  {'weights':8}{'activations':13}{'streamed':>10}{'training':>10}{'validation':>11}{'cache':>8}"
-          f"{'host RAM':>10}{'moved':>8}")
+    print(
+        f"  {'weights':8}{'activations':13}{'streamed':>10}{'training':>10}{'validation':>11}{'cache':>8}"
+        f"{'host RAM':>10}{'moved':>8}"
+    )
     for fp8 in (False, True):
-        for offload in ((False, True) if p["checkpointing"] else (False,)):
-            found = next((s for s in settings(p) if (s.fp8, s.activation_offload) == (fp8, offload)
-                          and fits(p, s, gb, ram)), None)
+        for offload in (False, True) if p["checkpointing"] else (False,):
+            found = next(
+                (
+                    s
+                    for s in settings(p)
+                    if (s.fp8, s.activation_offload) == (fp8, offload) and fits(p, s, gb, ram)
+                ),
+                None,
+            )
             label = f"  {'fp8' if fp8 else 'bf16':8}{'host' if offload else 'GPU':13}"
             if found is None:
                 print(f"{label}{'none fits':>10}")
                 continue
             phases = gpu(p, found)
-            print(f"{label}{found.streamed:>7}/{p['layers']:<2}{phases['training'] / GIB:10.1f}"
-                  f"{phases.get('validation', 0) / GIB:11.1f}{phases.get('cache pass', 0) / GIB:8.1f}"
-                  f"{host_needed(p, found) / GIB:10.1f}{moved(p, found) / 1e9:8.1f}")
+            print(
+                f"{label}{found.streamed:>7}/{p['layers']:<2}{phases['training'] / GIB:10.1f}"
+                f"{phases.get('validation', 0) / GIB:11.1f}{phases.get('cache pass', 0) / GIB:8.1f}"
+                f"{host_needed(p, found) / GIB:10.1f}{moved(p, found) / 1e9:8.1f}"
+            )
     chosen = fit(p, gb, ram)
     if chosen is None:
         print(why_none(p, gb, ram))
         elsewhere = p | {"cache_pass": False, "validation": False}
         if p["cache_pass"] and cache_pass(p) + MARGIN > gb * GIB and fit(elsewhere, gb, ram):
-            print("with the cache built on a larger GPU (python cache.py; the cache is reused through data.cache_dir) "
-                  "and no validation prompts:")
+            print(
+                "with the cache built on a larger GPU (python cache.py; the cache is reused through data.cache_dir) "
+                "and no validation prompts:"
+            )
             return report(elsewhere, gb, title, ram)
         return None
     needed = host(p, chosen)
     smaller = p["cache_batch_size"] < configured
-    data = ["[data]", "cache_batch_size = 1  # clips per VAE call, prompts per text encoder call, in the cache pass"] \
-        if smaller else []
+    data = (
+        [
+            "[data]",
+            "cache_batch_size = 1  # clips per VAE call, prompts per text encoder call, in the cache pass",
+        ]
+        if smaller
+        else []
+    )
     print(f"fastest that fits: {chosen.describe(p['layers'])}")
-    print("  host RAM: " + ", ".join(f"{k} {needed[k] / GIB:.1f}" for k in ("pinned weights", "offloaded activations",
-                                                                             "process", "parked VAE"))
-          + f" = {needed['training'] / GIB:.1f} GiB in training; {needed['cache pass'] / GIB:.1f} GiB in the cache pass")
+    print(
+        "  host RAM: "
+        + ", ".join(
+            f"{k} {needed[k] / GIB:.1f}"
+            for k in ("pinned weights", "offloaded activations", "process", "parked VAE")
+        )
+        + f" = {needed['training'] / GIB:.1f} GiB in training; {needed['cache pass'] / GIB:.1f} GiB in the cache pass"
+    )
     print("paste into the config:\n    " + "\n    ".join(chosen.config_lines(p["layers"]) + data))
     allocator = ",".join(f"{key}:{value}" for key, value in ALLOCATOR_SETTINGS.items())
-    print("allocator settings (the host RAM above assumes them; ranks.init sets them at the start of every "
-          f"run, but for a key PYTORCH_ALLOC_CONF names):\n    PYTORCH_ALLOC_CONF={allocator}")
+    print(
+        "allocator settings (the host RAM above assumes them; ranks.init sets them at the start of every "
+        f"run, but for a key PYTORCH_ALLOC_CONF names):\n    PYTORCH_ALLOC_CONF={allocator}"
+    )
     return chosen

@@ -37,28 +37,49 @@ SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 # diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py;
 # docs/models/cogvideox.md): inside a block (transformer_blocks.N -> blocks.N), and outside. Every
 # nn.Linear of diffusers' model has one.
-COMFY_BLOCK = {"norm1.linear": "norm1.linear", "attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v",
-               "attn1.to_out.0": "attn_out", "norm2.linear": "norm2.linear", "ff.net.0.proj": "ff_proj",
-               "ff.net.2": "ff_out"}
-COMFY_OTHER = {"patch_embed.proj": "patch_embed.proj", "patch_embed.text_proj": "patch_embed.text_proj",
-               "time_embedding.linear_1": "time_embedding_linear_1", "time_embedding.linear_2": "time_embedding_linear_2",
-               "ofs_embedding.linear_1": "ofs_embedding_linear_1", "ofs_embedding.linear_2": "ofs_embedding_linear_2",
-               "norm_out.linear": "norm_out.linear", "proj_out": "proj_out"}
+COMFY_BLOCK = {
+    "norm1.linear": "norm1.linear",
+    "attn1.to_q": "q",
+    "attn1.to_k": "k",
+    "attn1.to_v": "v",
+    "attn1.to_out.0": "attn_out",
+    "norm2.linear": "norm2.linear",
+    "ff.net.0.proj": "ff_proj",
+    "ff.net.2": "ff_out",
+}
+COMFY_OTHER = {
+    "patch_embed.proj": "patch_embed.proj",
+    "patch_embed.text_proj": "patch_embed.text_proj",
+    "time_embedding.linear_1": "time_embedding_linear_1",
+    "time_embedding.linear_2": "time_embedding_linear_2",
+    "ofs_embedding.linear_1": "ofs_embedding_linear_1",
+    "ofs_embedding.linear_2": "ofs_embedding_linear_2",
+    "norm_out.linear": "norm_out.linear",
+    "proj_out": "proj_out",
+}
 # With the norms and the learned positions, the whole state dict: ComfyUI's single files
 # (model.transformer_file).
-COMFY_WEIGHTS_BLOCK = COMFY_BLOCK | {"norm1.norm": "norm1.norm", "attn1.norm_q": "norm_q", "attn1.norm_k": "norm_k",
-                                     "norm2.norm": "norm2.norm"}
-COMFY_WEIGHTS_OTHER = COMFY_OTHER | {"norm_final": "norm_final", "norm_out.norm": "norm_out.norm",
-                                     "patch_embed.pos_embedding": "patch_embed.pos_embedding"}
+COMFY_WEIGHTS_BLOCK = COMFY_BLOCK | {
+    "norm1.norm": "norm1.norm",
+    "attn1.norm_q": "norm_q",
+    "attn1.norm_k": "norm_k",
+    "norm2.norm": "norm2.norm",
+}
+COMFY_WEIGHTS_OTHER = COMFY_OTHER | {
+    "norm_final": "norm_final",
+    "norm_out.norm": "norm_out.norm",
+    "patch_embed.pos_embedding": "patch_embed.pos_embedding",
+}
 
 
 class CogVideoXAdapter(Adapter):
     FAMILY = "cogvideox"
     OWN_KEYS = {
         "validation.use_dynamic_cfg": "validation.use_dynamic_cfg is CogVideoX's pipeline option; "
-                                      "Wan's and LTX-2's pipelines have none: remove it",
+        "Wan's and LTX-2's pipelines have none: remove it",
         "validation.scheduler": "validation.scheduler chooses between CogVideoX's samplers: Wan and "
-                                "LTX-2 sample with their folder's scheduler; remove it"}
+        "LTX-2 sample with their folder's scheduler; remove it",
+    }
     ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer")}
     TRANSFORMER, VAE, TEXT_ENCODER = CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, T5EncoderModel
     COMFY = True
@@ -72,9 +93,11 @@ class CogVideoXAdapter(Adapter):
         takes_image = self.transformer_config["in_channels"] == 2 * self.vae_config["latent_channels"]
         if takes_image != (cfg.type == "i2v"):
             kind = "an image-to-video" if takes_image else "a text-to-video"
-            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path} is {kind} model (its transformer takes "
-                              f"{self.transformer_config['in_channels']} input channels): set model.type = "
-                              f"\"{'i2v' if takes_image else 't2v'}\"")
+            raise ConfigError(
+                f'model.type = "{cfg.type}", but {cfg.path} is {kind} model (its transformer takes '
+                f"{self.transformer_config['in_channels']} input channels): set model.type = "
+                f'"{"i2v" if takes_image else "t2v"}"'
+            )
         self.scheduler = CogVideoXDPMScheduler.from_pretrained(self.path, subfolder="scheduler")
         # indexed on the device every step
         self.alphas_cumprod = self.scheduler.alphas_cumprod.to(device, torch.float32)
@@ -119,12 +142,16 @@ class CogVideoXAdapter(Adapter):
             if list(resolution) != native:
                 # diffusers refuses another height or width, but silently swaps in other embeddings
                 # for another frame count.
-                raise ConfigError(f"{key} = {list(resolution)}, but this model's learned positional embeddings "
-                                  f"(CogVideoX-5b-I2V) are sized for {native} only: use {native}")
+                raise ConfigError(
+                    f"{key} = {list(resolution)}, but this model's learned positional embeddings "
+                    f"(CogVideoX-5b-I2V) are sized for {native} only: use {native}"
+                )
         if c["patch_size_t"] and (height > c["sample_height"] * ratio or width > c["sample_width"] * ratio):
-            raise ConfigError(f"{key} = {list(resolution)}, but CogVideoX 1.5's rotary grid covers at most "
-                              f"{c['sample_height'] * ratio}x{c['sample_width'] * ratio} (the transformer config's "
-                              "sample_height and sample_width): use a smaller height or width")
+            raise ConfigError(
+                f"{key} = {list(resolution)}, but CogVideoX 1.5's rotary grid covers at most "
+                f"{c['sample_height'] * ratio}x{c['sample_width'] * ratio} (the transformer config's "
+                "sample_height and sample_width): use a smaller height or width"
+            )
 
     def comfy_key(self, module: str) -> str | None:
         """Our module name in ComfyUI's model.
@@ -134,8 +161,13 @@ class CogVideoXAdapter(Adapter):
         return rename_module(module, "transformer_blocks", "blocks", COMFY_BLOCK, COMFY_OTHER)
 
     def diffusers_key(self, original: str) -> str | None:
-        return rename_module(original, "blocks", "transformer_blocks", {v: k for k, v in COMFY_BLOCK.items()},
-                       {v: k for k, v in COMFY_OTHER.items()})
+        return rename_module(
+            original,
+            "blocks",
+            "transformer_blocks",
+            {v: k for k, v in COMFY_BLOCK.items()},
+            {v: k for k, v in COMFY_OTHER.items()},
+        )
 
     @staticmethod
     def single_file_key(key: str) -> str | None:
@@ -149,7 +181,9 @@ class CogVideoXAdapter(Adapter):
         """A single file's keys (ComfyUI's names) -> diffusers'.
 
         A key ComfyUI's model lacks keeps its name."""
-        block, other = ({v: k for k, v in names.items()} for names in (COMFY_WEIGHTS_BLOCK, COMFY_WEIGHTS_OTHER))
+        block, other = (
+            {v: k for k, v in names.items()} for names in (COMFY_WEIGHTS_BLOCK, COMFY_WEIGHTS_OTHER)
+        )
         return {k: rename_key(k, "blocks", "transformer_blocks", block, other) or k for k in keys}
 
     @classmethod
@@ -169,8 +203,9 @@ class CogVideoXAdapter(Adapter):
     def single_file_extra(self, key: str) -> bool:
         """2b's sincos table (single_file_tables): the model computes its own."""
         c = self.transformer_config
-        return key == "patch_embed.pos_embedding" and not (c["use_rotary_positional_embeddings"]
-                                                           or c["use_learned_positional_embeddings"])
+        return key == "patch_embed.pos_embedding" and not (
+            c["use_rotary_positional_embeddings"] or c["use_learned_positional_embeddings"]
+        )
 
     # Encoding.
     @torch.no_grad()
@@ -257,8 +292,9 @@ class CogVideoXAdapter(Adapter):
         Sampled, or its mean without generators."""
         if self.type != "i2v":
             return None
-        image = sample_posterior(batch["image_mean"].to(self.device), batch["image_logvar"].to(self.device),
-                                 generators)
+        image = sample_posterior(
+            batch["image_mean"].to(self.device), batch["image_logvar"].to(self.device), generators
+        )
         return self.image_condition(image, frames)
 
     # Diffusion.
@@ -271,7 +307,10 @@ class CogVideoXAdapter(Adapter):
             vae_scale_factor_spatial=self.spatial_ratio,
         )
         return CogVideoXPipeline._prepare_rotary_positional_embeddings(
-            fake_pipeline, latent_height * self.spatial_ratio, latent_width * self.spatial_ratio, latent_frames,
+            fake_pipeline,
+            latent_height * self.spatial_ratio,
+            latent_width * self.spatial_ratio,
+            latent_frames,
             self.device,
         )
 
@@ -280,13 +319,19 @@ class CogVideoXAdapter(Adapter):
         return -latent_frames % (self.transformer_config["patch_size_t"] or 1)
 
     def pad_frames(self, latents: torch.Tensor) -> torch.Tensor:
-        """CogVideoX 1.5: repeat the first latent frame in front up to a multiple of patch_size_t.
-        """
+        """CogVideoX 1.5: repeat the first latent frame in front up to a multiple of patch_size_t."""
         extra = self.extra_frames(latents.shape[1])
         return torch.cat([latents[:, :1].expand(-1, extra, -1, -1, -1), latents], dim=1) if extra else latents
 
-    def predict_v(self, transformer, x_t: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor, rotary,
-                  condition: torch.Tensor | None = None):
+    def predict_v(
+        self,
+        transformer,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        rotary,
+        condition: torch.Tensor | None = None,
+    ):
         """The denoiser call [B, F, C, H, W] -> v prediction in fp32; used by training and sampling.
 
         I2V: the image condition follows the noisy latents on channels, as in the pipeline."""
@@ -294,11 +339,19 @@ class CogVideoXAdapter(Adapter):
             x_t = torch.cat([x_t, condition.to(x_t.dtype)], dim=2)
         ofs = x_t.new_full((x_t.shape[0],), 2.0) if self.transformer_config["ofs_embed_dim"] else None
         weight_dtype = next(transformer.parameters()).dtype
-        out = transformer(hidden_states=x_t.to(weight_dtype), encoder_hidden_states=prompt_embeds.to(weight_dtype),
-                          timestep=t, ofs=ofs, image_rotary_emb=rotary, return_dict=False)[0]
+        out = transformer(
+            hidden_states=x_t.to(weight_dtype),
+            encoder_hidden_states=prompt_embeds.to(weight_dtype),
+            timestep=t,
+            ofs=ofs,
+            image_rotary_emb=rotary,
+            return_dict=False,
+        )[0]
         return out.float()
 
-    def clean_latents(self, mean: torch.Tensor, logvar: torch.Tensor, generators: list[torch.Generator] | None):
+    def clean_latents(
+        self, mean: torch.Tensor, logvar: torch.Tensor, generators: list[torch.Generator] | None
+    ):
         """Turn a [B, C, F', h, w] posterior into scaled, padded latents [B, F', C, h, w] in fp32.
 
         [B, C, F', h, w] posterior -> scaled, padded latents [B, F', C, h, w] in fp32; sampled when
@@ -306,10 +359,16 @@ class CogVideoXAdapter(Adapter):
         latents = sample_posterior(mean, logvar, generators) * self.vae_config["scaling_factor"]
         return self.pad_frames(latents.permute(0, 2, 1, 3, 4))
 
-    def loss(self, transformer, x0: torch.Tensor, prompt_embeds, timesteps: torch.Tensor, noise: torch.Tensor,
-             condition: torch.Tensor | None = None):
-        """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints.
-        """
+    def loss(
+        self,
+        transformer,
+        x0: torch.Tensor,
+        prompt_embeds,
+        timesteps: torch.Tensor,
+        noise: torch.Tensor,
+        condition: torch.Tensor | None = None,
+    ):
+        """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints."""
         a = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1, 1)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
         v = a.sqrt() * noise - (1 - a).sqrt() * x0
@@ -322,24 +381,43 @@ class CogVideoXAdapter(Adapter):
 
         Latent sample, timestep and noise come from each sample's own generator, keyed by (seed,
         step, position in the global batch)."""
-        x0 = self.clean_latents(batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators)
-        timesteps = torch.stack([torch.randint(0, len(self.alphas_cumprod), (), generator=g) for g in generators])
-        noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), x0.device)
+        x0 = self.clean_latents(
+            batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators
+        )
+        timesteps = torch.stack(
+            [torch.randint(0, len(self.alphas_cumprod), (), generator=g) for g in generators]
+        )
+        noise = to_device(
+            torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), x0.device
+        )
         condition = self.batch_condition(batch, x0.shape[1], generators)
-        return self.loss(transformer, x0, batch["prompt_embeds"].to(self.device), to_device(timesteps, x0.device), noise,
-                         condition)
+        return self.loss(
+            transformer,
+            x0,
+            batch["prompt_embeds"].to(self.device),
+            to_device(timesteps, x0.device),
+            noise,
+            condition,
+        )
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
         """The loss of one cached clip (its posterior mean) at each of `timesteps`.
 
         Every timestep gets the same noise."""
-        x0 = self.clean_latents(batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), None)
+        x0 = self.clean_latents(
+            batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), None
+        )
         condition = self.batch_condition(batch, x0.shape[1], None)
         noise = torch.randn(x0.shape[1:], generator=generator).to(x0.device)
         n = len(timesteps)
-        return self.loss(transformer, x0.expand(n, -1, -1, -1, -1), batch["prompt_embeds"].to(self.device).expand(n, -1, -1),
-                         torch.tensor(timesteps, device=x0.device), noise.expand(n, *noise.shape),
-                         None if condition is None else condition.expand(n, -1, -1, -1, -1))
+        return self.loss(
+            transformer,
+            x0.expand(n, -1, -1, -1, -1),
+            batch["prompt_embeds"].to(self.device).expand(n, -1, -1),
+            torch.tensor(timesteps, device=x0.device),
+            noise.expand(n, *noise.shape),
+            None if condition is None else condition.expand(n, -1, -1, -1, -1),
+        )
 
     @staticmethod
     def blocks(transformer) -> list[torch.nn.Module]:
@@ -350,6 +428,7 @@ class CogVideoXAdapter(Adapter):
 
         Sequence parallelism: the video tokens and their rotary embeddings split at the first block,
         the text tokens replicated; joint attention through FusedQKVAttention's all-to-all."""
+
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             return {} if arguments.get("image_rotary_emb") is None else {"image_rotary_emb": 0}
 
@@ -366,7 +445,9 @@ class CogVideoXAdapter(Adapter):
 
         "" is the folder's own (5b: DPM, 2b: DDIM), or CogVideoX's "dpm" or "ddim"."""
         folder = self.scheduler.load_config(self.path, subfolder="scheduler")["_class_name"]
-        return SAMPLERS[name or ("ddim" if folder == "CogVideoXDDIMScheduler" else "dpm")].from_config(self.scheduler.config)
+        return SAMPLERS[name or ("ddim" if folder == "CogVideoXDDIMScheduler" else "dpm")].from_config(
+            self.scheduler.config
+        )
 
     def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None):
         """Draw one clip's sampling state: initial latents and the image's condition.
@@ -378,14 +459,28 @@ class CogVideoXAdapter(Adapter):
         frames, height, width = resolution
         latent_frames = (frames - 1) // self.temporal_ratio + 1
         extra = self.extra_frames(latent_frames)
-        shape = (1, latent_frames + extra, self.vae_config["latent_channels"],
-                 height // self.spatial_ratio, width // self.spatial_ratio)
-        condition = None if image is None else self._sampling_condition(image, resolution, shape[1], generator)
+        shape = (
+            1,
+            latent_frames + extra,
+            self.vae_config["latent_channels"],
+            height // self.spatial_ratio,
+            width // self.spatial_ratio,
+        )
+        condition = (
+            None if image is None else self._sampling_condition(image, resolution, shape[1], generator)
+        )
         latents = torch.randn(shape, generator=generator).to(self.device) * scheduler.init_noise_sigma
         scheduler.set_timesteps(steps, device=self.device)
-        return SimpleNamespace(scheduler=scheduler, generator=generator, steps=steps, latents=latents,
-                               condition=condition, extra=extra, previous_x0=None,
-                               rotary=self.rotary_embeddings(shape[1], shape[3], shape[4]))
+        return SimpleNamespace(
+            scheduler=scheduler,
+            generator=generator,
+            steps=steps,
+            latents=latents,
+            condition=condition,
+            extra=extra,
+            previous_x0=None,
+            rotary=self.rotary_embeddings(shape[1], shape[3], shape[4]),
+        )
 
     @torch.no_grad()
     def _sampling_condition(self, image, resolution, frames: int, generator: torch.Generator):
@@ -398,7 +493,9 @@ class CogVideoXAdapter(Adapter):
         posterior = self._load_vae().encode(pixels.to(self.device, self.dtype).unsqueeze(2)).latent_dist
         return self.image_condition(posterior.sample(generator).to(self.dtype), frames)
 
-    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
+    def denoise(
+        self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool
+    ) -> torch.Tensor:
         """The v prediction at step t.
 
         With guidance, of the latents twice (uncond, cond) in one forward."""
@@ -419,19 +516,26 @@ class CogVideoXAdapter(Adapter):
         scheduler = state.scheduler
         if isinstance(scheduler, CogVideoXDPMScheduler):
             t_back = scheduler.timesteps[i - 1] if i > 0 else None
-            state.latents, state.previous_x0 = scheduler.step(prediction, state.previous_x0, t, t_back, state.latents,
-                                                              generator=state.generator, return_dict=False)
+            state.latents, state.previous_x0 = scheduler.step(
+                prediction,
+                state.previous_x0,
+                t,
+                t_back,
+                state.latents,
+                generator=state.generator,
+                return_dict=False,
+            )
         else:
-            state.latents = scheduler.step(prediction, t, state.latents, generator=state.generator,
-                                           return_dict=False)[0]
+            state.latents = scheduler.step(
+                prediction, t, state.latents, generator=state.generator, return_dict=False
+            )[0]
 
     def sampled(self, state) -> torch.Tensor:
-        return state.latents[:, state.extra:]
+        return state.latents[:, state.extra :]
 
     @contextlib.contextmanager
     def sampling_attention(self, model: torch.nn.Module):
-        """FusedQKVAttention on every attention layer while sampling; the original processors after.
-        """
+        """FusedQKVAttention on every attention layer while sampling; the original processors after."""
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         originals = [m.processor for m in layers]
         for layer in layers:
@@ -462,10 +566,18 @@ class FusedQKVAttention:
     def __init__(self, split: SequenceSplit | None = None):
         self.split = split
 
-    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states, attention_mask=None,
-                 image_rotary_emb=None):
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states,
+        encoder_hidden_states,
+        attention_mask=None,
+        image_rotary_emb=None,
+    ):
         if attention_mask is not None:
-            raise ValueError("FusedQKVAttention serves CogVideoX's joint attention, which takes no attention mask")
+            raise ValueError(
+                "FusedQKVAttention serves CogVideoX's joint attention, which takes no attention mask"
+            )
         text_length = encoder_hidden_states.size(1)
         tokens = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         batch, length, _ = tokens.shape
@@ -473,8 +585,10 @@ class FusedQKVAttention:
         weight = torch.cat([storage.weight(p) for p in projections])  # fp8 storage: upcast
         bias = None if attn.to_q.bias is None else torch.cat([p.bias for p in projections])
         outputs = F.linear(tokens, weight, bias).chunk(3, dim=-1)
-        outputs = [p.add_delta(out, tokens) if isinstance(p, lora.LoRALinear) else out
-                   for p, out in zip(projections, outputs)]
+        outputs = [
+            p.add_delta(out, tokens) if isinstance(p, lora.LoRALinear) else out
+            for p, out in zip(projections, outputs)
+        ]
         qkv = torch.cat(outputs, dim=-1).view(batch, length, 3, attn.heads, -1).permute(2, 0, 3, 1, 4)
         query, key, value = qkv.unbind(0)
         if attn.norm_q is not None:
@@ -482,9 +596,13 @@ class FusedQKVAttention:
         if attn.norm_k is not None:
             key = attn.norm_k(key)
         if image_rotary_emb is not None:  # video tokens only, as the diffusers processor does
-            query = torch.cat([query[:, :, :text_length], apply_rotary_emb(query[:, :, text_length:], image_rotary_emb)], 2)
+            query = torch.cat(
+                [query[:, :, :text_length], apply_rotary_emb(query[:, :, text_length:], image_rotary_emb)], 2
+            )
             if not attn.is_cross_attention:
-                key = torch.cat([key[:, :, :text_length], apply_rotary_emb(key[:, :, text_length:], image_rotary_emb)], 2)
+                key = torch.cat(
+                    [key[:, :, :text_length], apply_rotary_emb(key[:, :, text_length:], image_rotary_emb)], 2
+                )
         split = self.split
         if split is not None:  # [3, B, H, tokens, D]: one all-to-all for Q, K and V
             qkv = stack_qkv(query, key, value)

@@ -1,21 +1,21 @@
-"""LTX-2, LTX-2.3 and LTX-2.5 (docs/models/ltx2.md): one transformer with a video and an audio stream,
-text- and image-to-video from the same folder.
+"""LTX-2, LTX-2.3 and LTX-2.5 (docs/models/ltx2.md): one transformer with a video and an audio
+stream, text- and image-to-video from the same folder.
 
-Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream draws
-its own s (LTX-2's trainer, ltx-trainer, samples every generated modality separately) from the shifted
-logit-normal sampler of ltx-trainer, its shift set by the stream's token count; model timesteps are
-1000 s. The clean latents are the cached posteriors' means, as ltx-trainer trains; the audio-video
-cross-attention is modulated as ltx-core modulates it (_cross_gates). A batch without audio latents
-trains the video alone, as ltx-trainer does with no audio modality:
-the audio stream gets no tokens and the audio-video cross-attention is off (isolate_modalities), so the
-video stream computes exactly what ltx-core computes without audio; with audio latents the loss is the
-video loss plus audio_loss_weight times the audio loss. Video latents are normalised with the VAE's
+Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream
+draws its own s (LTX-2's trainer, ltx-trainer, samples every generated modality separately) from the
+shifted logit-normal sampler of ltx-trainer, its shift set by the stream's token count; model
+timesteps are 1000 s. The clean latents are the cached posteriors' means, as ltx-trainer trains; the
+audio-video cross-attention is modulated as ltx-core modulates it (_cross_gates). A batch without
+audio latents trains the video alone, as ltx-trainer does with no audio modality: the audio stream
+gets no tokens and the audio-video cross-attention is off (isolate_modalities), so the video stream
+computes exactly what ltx-core computes without audio; with audio latents the loss is the video loss
+plus audio_loss_weight times the audio loss. Video latents are normalised with the VAE's
 latents_mean/std and scaling_factor, audio latents per token feature with the audio VAE's; text is
-Gemma's hidden states of every layer (Gemma 3; Gemma 4 for 2.5) through the connectors, whose learnable
-registers fill every padded position, so the cache holds the video and audio text embeddings side by side (no
-mask). The sampling pieces are LTX2Pipeline's and LTX2ImageToVideoPipeline's loops with their guidance:
-classifier-free (the sound at its own scale), STG, modality isolation and the rescale, each at validation's
-setting.
+Gemma's hidden states of every layer (Gemma 3; Gemma 4 for 2.5) through the connectors, whose
+learnable registers fill every padded position, so the cache holds the video and audio text
+embeddings side by side (no mask). The sampling pieces are LTX2Pipeline's and
+LTX2ImageToVideoPipeline's loops with their guidance: classifier-free (the sound at its own scale),
+STG, modality isolation and the rescale, each at validation's setting.
 """
 
 import contextlib
@@ -38,10 +38,16 @@ from diffusers import (
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
-from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
+from diffusers.models.transformers.transformer_ltx2 import (
+    apply_interleaved_rotary_emb,
+    apply_split_rotary_emb,
+)
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
-from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import apply_image_conditioning_crf, resolve_default_image_crf
+from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import (
+    apply_image_conditioning_crf,
+    resolve_default_image_crf,
+)
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffusers.video_processor import VideoProcessor
 from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
@@ -54,41 +60,60 @@ from transformer_loading import resolved_config
 from weights import Weights
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
-FRAME_RATE = 24.0  # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
+# the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
+FRAME_RATE = 24.0
 MEL_FFT = 1024  # the audio VAE's STFT size: ltx-core's AudioProcessor (not in diffusers' config)
-STG_BLOCKS = [28]  # the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
+# the pipelines' spatio_temporal_guidance_blocks: the blocks whose self-attention STG skips
+STG_BLOCKS = [28]
 # Lightricks' single files (ltx-2-19b-dev.safetensors, LTX-2.3's): ltx-core's transformer under
-# model.diffusion_model., named as diffusers' but for these substrings, replaced in this order (diffusers'
-# scripts/convert_ltx2_to_diffusers.py, LTX_2_3_TRANSFORMER_KEYS_RENAME_DICT: LTX_2_0_'s and 2.3's prompt
-# AdaLNs), and for a leading adaln_single. or audio_adaln_single. (convert_ltx2_transformer_adaln_single,
-# applied after them). docs/models/ltx2.md, "Single files".
-SINGLE_FILE_NAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
-                     "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
-                     "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
-                     "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
-                     "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
-                     "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
-                     "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
-                     "q_norm": "norm_q", "k_norm": "norm_k",
-                     "audio_prompt_adaln_single": "audio_prompt_adaln", "prompt_adaln_single": "prompt_adaln"}
+# model.diffusion_model., named as diffusers' but for these substrings, replaced in this order
+# (diffusers' scripts/convert_ltx2_to_diffusers.py, LTX_2_3_TRANSFORMER_KEYS_RENAME_DICT: LTX_2_0_'s
+# and 2.3's prompt AdaLNs), and for a leading adaln_single. or audio_adaln_single.
+# (convert_ltx2_transformer_adaln_single, applied after them). docs/models/ltx2.md, "Single files".
+SINGLE_FILE_NAMES = {
+    "patchify_proj": "proj_in",
+    "audio_patchify_proj": "audio_proj_in",
+    "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
+    "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
+    "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
+    "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
+    "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
+    "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
+    "q_norm": "norm_q",
+    "k_norm": "norm_k",
+    "audio_prompt_adaln_single": "audio_prompt_adaln",
+    "prompt_adaln_single": "prompt_adaln",
+}
 SINGLE_FILE_STARTS = {"adaln_single.": "time_embed.", "audio_adaln_single.": "audio_time_embed."}
-# The text connectors the same file holds beside the transformer, which diffusers keeps in another folder
-# (split_transformer_and_connector_state_dict's prefixes); the VAEs and the vocoder are outside the prefix.
-CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector", "transformer_1d_blocks",
-                      "text_embedding_projection", "connectors.", "video_connector", "audio_connector",
-                      "text_proj_in")
-# ltx-trainer's shifted logit-normal timestep sampler: its shift is the line through these (tokens, shift)
-# points, extrapolated both ways (timestep_samplers.py's _get_shift_for_sequence_length clamps neither end).
+# The text connectors the same file holds beside the transformer, which diffusers keeps in another
+# folder (split_transformer_and_connector_state_dict's prefixes); the VAEs and the vocoder are
+# outside the prefix.
+CONNECTOR_PREFIXES = (
+    "video_embeddings_connector",
+    "audio_embeddings_connector",
+    "transformer_1d_blocks",
+    "text_embedding_projection",
+    "connectors.",
+    "video_connector",
+    "audio_connector",
+    "text_proj_in",
+)
+# ltx-trainer's shifted logit-normal timestep sampler: its shift is the line through these (tokens,
+# shift) points, extrapolated both ways (timestep_samplers.py's _get_shift_for_sequence_length
+# clamps neither end).
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
-# model_index.json's text encoder: Gemma 3 (2.0, 2.3) or Gemma 4 (2.5); the pipelines accept these two.
-TEXT_ENCODERS = {c.__name__: c for c in (Gemma3ForConditionalGeneration,
-                                          Gemma4UnifiedForConditionalGeneration)}
-# The original checkpoint's (Lightricks', ComfyUI's) names of the modules outside the blocks whose diffusers
-# names differ (proj_out, audio_proj_out and the caption projections keep theirs): the tables above, reversed.
-ORIGINAL_NAMES = ({ours: original for original, ours in SINGLE_FILE_NAMES.items()}
-                  | {ours.rstrip("."): original.rstrip(".") for original, ours in SINGLE_FILE_STARTS.items()})
+# model_index.json's text encoder: Gemma 3 (2.0, 2.3) or Gemma 4 (2.5); the pipelines accept these
+# two.
+TEXT_ENCODERS = {
+    c.__name__: c for c in (Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration)
+}
+# The original checkpoint's (Lightricks', ComfyUI's) names of the modules outside the blocks whose
+# diffusers names differ (proj_out, audio_proj_out and the caption projections keep theirs): the
+# tables above, reversed.
+ORIGINAL_NAMES = {ours: original for original, ours in SINGLE_FILE_NAMES.items()} | {
+    ours.rstrip("."): original.rstrip(".") for original, ours in SINGLE_FILE_STARTS.items()
+}
 DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
-
 
 
 class VideoStream(NamedTuple):
@@ -96,7 +121,8 @@ class VideoStream(NamedTuple):
 
     latents: torch.Tensor  # packed noisy latents [B, tokens, C]
     timesteps: torch.Tensor  # [B], or per token [B, tokens] (I2V: the image's at 0)
-    sigma: torch.Tensor  # [B]: its noise level (LTX-2.3's prompt modulation; the audio's cross gate)
+    # [B]: its noise level (LTX-2.3's prompt modulation; the audio's cross gate)
+    sigma: torch.Tensor
     shape: tuple[int, int, int]  # the latent (frames, height, width)
     # IC-LoRA: the second half of the tokens are the reference clip's, at the clip's positions
     reference: bool = False
@@ -109,13 +135,19 @@ class AudioStream(NamedTuple):
     timesteps: torch.Tensor  # [B], its sigma too (the video's cross gate)
     frames: int  # audio latent frames
 
+
 def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tensor:
-    """One s in [0, 1]: sigmoid(N(mu, 1)) stretched between its 0.5th and 99.9th percentiles (reflected at 1e-3),
-    or, one draw in ten, uniform in [1e-3, 1); mu grows linearly with the token count, uncapped (2.78 at the
-    shipped 121 x 512 x 768's 6,144 tokens)."""
-    mu = SHIFTS[0] + (SHIFTS[1] - SHIFTS[0]) * (tokens - SHIFT_TOKENS[0]) / (SHIFT_TOKENS[1] - SHIFT_TOKENS[0])
-    normal, uniform, choice = torch.randn((), generator=generator), torch.rand((), generator=generator), \
-        torch.rand((), generator=generator)
+    """One s in [0, 1]: sigmoid(N(mu, 1)) stretched between its 0.5th and 99.9th percentiles
+    (reflected at 1e-3), or, one draw in ten, uniform in [1e-3, 1); mu grows linearly with the token
+    count, uncapped (2.78 at the shipped 121 x 512 x 768's 6,144 tokens)."""
+    mu = SHIFTS[0] + (SHIFTS[1] - SHIFTS[0]) * (tokens - SHIFT_TOKENS[0]) / (
+        SHIFT_TOKENS[1] - SHIFT_TOKENS[0]
+    )
+    normal, uniform, choice = (
+        torch.randn((), generator=generator),
+        torch.rand((), generator=generator),
+        torch.rand((), generator=generator),
+    )
     low, high = torch.sigmoid(torch.tensor(mu - 2.5758)), torch.sigmoid(torch.tensor(mu + 3.0902))
     stretched = (torch.sigmoid(normal + mu) - low) / (high - low)
     stretched = torch.where(stretched >= 1e-3, stretched, 2e-3 - stretched).clamp(0, 1)
@@ -124,23 +156,38 @@ def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tenso
 
 class LTX2Adapter(Adapter):
     FAMILY = "ltx2"
-    # The pipelines' terms added to classifier-free guidance; the other families' pipelines have none.
+    # The pipelines' terms added to classifier-free guidance; the other families' pipelines have
+    # none.
     OWN_KEYS = dict.fromkeys(
-        ("validation.audio_guidance_scale", "validation.stg_scale", "validation.stg_blocks",
-         "validation.modality_scale", "validation.guidance_rescale"),
-        "{key} is an option of LTX-2's pipelines; {family}'s pipeline has no such guidance term: remove it")
-    # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio VAE's files.
-    ENCODERS = {"video": ("vae",), "image": ("vae",), "text": ("text_encoder", "tokenizer", "connectors"),
-                "audio": ("audio_vae",)}
+        (
+            "validation.audio_guidance_scale",
+            "validation.stg_scale",
+            "validation.stg_blocks",
+            "validation.modality_scale",
+            "validation.guidance_rescale",
+        ),
+        "{key} is an option of LTX-2's pipelines; {family}'s pipeline has no such guidance term: remove it",
+    )
+    # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio
+    # VAE's files.
+    ENCODERS = {
+        "video": ("vae",),
+        "image": ("vae",),
+        "text": ("text_encoder", "tokenizer", "connectors"),
+        "audio": ("audio_vae",),
+    }
     TRANSFORMER, VAE = LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
     COMFY = True
-    SINGLE_FILE_KEY = "audio_adaln_single.linear.weight"  # what ComfyUI's detection knows LTX-2 by ("ltxav")
-    COMFY_ALPHA = False  # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
+    # what ComfyUI's detection knows LTX-2 by ("ltxav")
+    SINGLE_FILE_KEY = "audio_adaln_single.linear.weight"
+    # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
+    COMFY_ALPHA = False
     LOSS_PARTS = ("loss_video", "loss_audio")
-    # The audio VAE's precision, whatever model.dtype: ltx-trainer's process_videos.py encodes in float32
-    # ("Audio VAE needs float32 for quality"). It names the cache's audio entries.
+    # The audio VAE's precision, whatever model.dtype: ltx-trainer's process_videos.py encodes in
+    # float32 ("Audio VAE needs float32 for quality"). It names the cache's audio entries.
     AUDIO_DTYPE = "fp32"
-    GRAPH_VARIES = True  # a batch without sound runs the video alone: the audio stream's weights get no gradient
+    # a batch without sound runs the video alone: the audio stream's weights get no gradient
+    GRAPH_VARIES = True
     # "ic": IC-LoRA, the control clip's tokens appended clean (docs/control.md)
     TYPES = ("t2v", "i2v", "ic")
 
@@ -152,33 +199,41 @@ class LTX2Adapter(Adapter):
         for stream in ("video", "audio"):
             registers = connectors[f"{stream}_connector_num_learnable_registers"]
             if not registers or TEXT_LENGTH % registers:
-                raise ConfigError(f"{self.path}/connectors/config.json: {stream}_connector_num_learnable_registers = "
-                                  f"{registers}, but the cache keeps no text mask and needs registers filling the "
-                                  f"padding of {TEXT_LENGTH} tokens (the published 128 do)")
+                raise ConfigError(
+                    f"{self.path}/connectors/config.json: {stream}_connector_num_learnable_registers = "
+                    f"{registers}, but the cache keeps no text mask and needs registers filling the "
+                    f"padding of {TEXT_LENGTH} tokens (the published 128 do)"
+                )
         self.audio_config = resolved_config(AutoencoderKLLTX2Audio, self.path, "audio_vae")
-        # Latent statistics live in the VAEs' weights (buffers): read those few values, not the VAEs.
+        # Latent statistics live in the VAEs' weights (buffers): read those few values, not the
+        # VAEs.
         with (video := Weights(self.path / "vae")).opened():
             mean, std = (video.read(f"latents_{n}", torch.float32).to(device) for n in ("mean", "std"))
         self.latents_mean, self.latents_std = mean.view(1, -1, 1, 1, 1), std.view(1, -1, 1, 1, 1)
         with (audio := Weights(self.path / "audio_vae")).opened():
-            self.audio_mean, self.audio_std = (audio.read(f"latents_{n}", torch.float32).to(device)
-                                               for n in ("mean", "std"))
+            self.audio_mean, self.audio_std = (
+                audio.read(f"latents_{n}", torch.float32).to(device) for n in ("mean", "std")
+            )
         index = json.loads((self.path / "model_index.json").read_text())
         text_encoder = index["text_encoder"][1]
         if text_encoder not in TEXT_ENCODERS:
-            raise ConfigError(f"{self.path}/model_index.json: text_encoder is {text_encoder}, which "
-                              f"LTX2Pipeline does not load: model.path must be an LTX-2 folder with "
-                              f"{' or '.join(TEXT_ENCODERS)}")
+            raise ConfigError(
+                f"{self.path}/model_index.json: text_encoder is {text_encoder}, which "
+                f"LTX2Pipeline does not load: model.path must be an LTX-2 folder with "
+                f"{' or '.join(TEXT_ENCODERS)}"
+            )
         self.TEXT_ENCODER = TEXT_ENCODERS[text_encoder]
-        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation (33 for
-        # Gemma 3, 18 for Gemma 4).
+        # The H.264 CRF the I2V pipeline compresses its image with, by the text encoder's generation
+        # (33 for Gemma 3, 18 for Gemma 4).
         text_config = json.loads((self.path / "text_encoder" / "config.json").read_text())
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = run.audio_loss_weight
         self.takes_control = cfg.type == "ic"
-        # The rate the video's rotary positions count seconds in: data.target_fps (every clip's rate) when set.
+        # The rate the video's rotary positions count seconds in: data.target_fps (every clip's
+        # rate) when set.
         self.frame_rate = run.frame_rate or FRAME_RATE
-        self.losses = torch.zeros(len(self.LOSS_PARTS), 2)  # the last loss's per stream: (sum, samples), detached
+        # the last loss's per stream: (sum, samples), detached
+        self.losses = torch.zeros(len(self.LOSS_PARTS), 2)
         self._audio_vae = self._connectors = self._vocoder = None
         vocoder = index["vocoder"][1]  # 2.3's and 2.5's extend the band
         self.vocoder_class = {c.__name__: c for c in (LTX2Vocoder, LTX2VocoderWithBWE)}[vocoder]
@@ -190,28 +245,39 @@ class LTX2Adapter(Adapter):
         super().check_config(cfg)
         v = cfg.validation
         if min(v.audio_guidance_scale, v.stg_scale, v.modality_scale, *v.stg_blocks) < 0:
-            raise ConfigError("validation.audio_guidance_scale, stg_scale, modality_scale and "
-                              "stg_blocks cannot be negative")
+            raise ConfigError(
+                "validation.audio_guidance_scale, stg_scale, modality_scale and stg_blocks cannot be negative"
+            )
         if not 0 <= v.guidance_rescale <= 1:
-            raise ConfigError("validation.guidance_rescale must be between 0 and 1, got "
-                              f"{v.guidance_rescale}")
+            raise ConfigError(
+                f"validation.guidance_rescale must be between 0 and 1, got {v.guidance_rescale}"
+            )
         if v.stg_blocks and not v.stg_scale:
-            raise ConfigError("validation.stg_blocks names the blocks STG skips, but "
-                              "validation.stg_scale = 0 turns STG off: set stg_scale, or remove "
-                              "stg_blocks")
+            raise ConfigError(
+                "validation.stg_blocks names the blocks STG skips, but "
+                "validation.stg_scale = 0 turns STG off: set stg_scale, or remove "
+                "stg_blocks"
+            )
         guided = v.guidance_scale > 1 or v.audio_guidance_scale > 1
-        added = [key for key in ("stg_scale", "modality_scale", "guidance_rescale")
-                 if config_sets(cfg, f"validation.{key}")]
+        added = [
+            key
+            for key in ("stg_scale", "modality_scale", "guidance_rescale")
+            if config_sets(cfg, f"validation.{key}")
+        ]
         if added and not guided:
-            raise ConfigError(f"validation.{added[0]} adds to classifier-free guidance, which is off "
-                              f"(validation.guidance_scale = {v.guidance_scale}): set "
-                              f"validation.guidance_scale above 1, or remove {added[0]}")
+            raise ConfigError(
+                f"validation.{added[0]} adds to classifier-free guidance, which is off "
+                f"(validation.guidance_scale = {v.guidance_scale}): set "
+                f"validation.guidance_scale above 1, or remove {added[0]}"
+            )
         if cfg.data.audio and not cfg.data.target_fps:
-            raise ConfigError("data.audio = true with data.target_fps = 0: LTX-2's sound needs every "
-                              "clip at one rate (the clips of a batch then have sound of one length, "
-                              "and the video's positions count seconds at that rate): set "
-                              "data.target_fps (24, as LTX-2 was published), or data.audio = false to "
-                              "train video only")
+            raise ConfigError(
+                "data.audio = true with data.target_fps = 0: LTX-2's sound needs every "
+                "clip at one rate (the clips of a batch then have sound of one length, "
+                "and the video's positions count seconds at that rate): set "
+                "data.target_fps (24, as LTX-2 was published), or data.audio = false to "
+                "train video only"
+            )
 
     # Shape rules read from the model's own config.
     @property
@@ -243,14 +309,17 @@ class LTX2Adapter(Adapter):
         return int(FRAME_RATE)
 
     def clip_rate(self, gen_fps: int) -> Fraction:
-        """The rate the sound was generated for, frame_rate (data.target_fps, else the pipelines' 24): the
-        pipeline makes frames / frame_rate seconds of sound (sampling_start's audio_frames), so a clip written
-        at another rate plays out of step with it; such a validation.gen_fps is refused."""
+        """The rate the sound was generated for, frame_rate (data.target_fps, else the pipelines'
+        24): the pipeline makes frames / frame_rate seconds of sound (sampling_start's
+        audio_frames), so a clip written at another rate plays out of step with it; such a
+        validation.gen_fps is refused."""
         rate = Fraction(self.frame_rate).limit_denominator(1001)
         if gen_fps and gen_fps != rate:
-            raise ConfigError(f"validation.gen_fps = {gen_fps}, but LTX-2 generates each clip's sound for its "
-                              f"frames at {float(rate):g} fps (data.target_fps, else the published 24): at another "
-                              f"rate picture and sound would disagree; set validation.gen_fps = 0 (that rate)")
+            raise ConfigError(
+                f"validation.gen_fps = {gen_fps}, but LTX-2 generates each clip's sound for its "
+                f"frames at {float(rate):g} fps (data.target_fps, else the published 24): at another "
+                f"rate picture and sound would disagree; set validation.gen_fps = 0 (that rate)"
+            )
         return rate
 
     @property
@@ -263,12 +332,13 @@ class LTX2Adapter(Adapter):
 
     @property
     def audio_latents_per_second(self) -> float:
-        """The audio VAE's latent frames per second: 16000 Hz / hop 160 / 4 = 25 for the published one."""
+        """The audio VAE's latent frames per second: 16000 Hz / hop 160 / 4 = 25 for the published
+        one."""
         return self.audio_config["sample_rate"] / self.audio_config["mel_hop_length"] / 4
 
     def comfy_key(self, module: str) -> str:
-        """The original checkpoint's name (Lightricks' and ComfyUI's): the blocks' modules as diffusers names
-        them, the top-level modules by ORIGINAL_NAMES."""
+        """The original checkpoint's name (Lightricks' and ComfyUI's): the blocks' modules as
+        diffusers names them, the top-level modules by ORIGINAL_NAMES."""
         top, _, rest = module.partition(".")
         return ".".join(filter(None, (ORIGINAL_NAMES.get(top, top), rest)))
 
@@ -278,12 +348,13 @@ class LTX2Adapter(Adapter):
 
     @staticmethod
     def single_file_key(key: str) -> str:
-        """A state-dict key's name in Lightricks' single files: SINGLE_FILE_NAMES and SINGLE_FILE_STARTS undone."""
+        """A state-dict key's name in Lightricks' single files: SINGLE_FILE_NAMES and
+        SINGLE_FILE_STARTS undone."""
         for original, ours in SINGLE_FILE_STARTS.items():
             if key.startswith(ours):
                 key = original + key.removeprefix(ours)
-        # One pass, the longest name first where two start at one place: replaced one by one, prompt_adaln's
-        # inverse would find audio_prompt_adaln_single's "audio_prompt_adaln" again.
+        # One pass, the longest name first where two start at one place: replaced one by one,
+        # prompt_adaln's inverse would find audio_prompt_adaln_single's "audio_prompt_adaln" again.
         inverse = {ours: original for original, ours in SINGLE_FILE_NAMES.items()}
         longest_first = "|".join(sorted(map(re.escape, inverse), key=len, reverse=True))
         return re.sub(longest_first, lambda m: inverse[m[0]], key)
@@ -291,6 +362,7 @@ class LTX2Adapter(Adapter):
     @staticmethod
     def diffusers_names(keys: list[str]) -> dict[str, str]:
         """Lightricks' names -> diffusers', as diffusers' conversion script renames them."""
+
         def renamed(key: str) -> str:
             for original, ours in SINGLE_FILE_NAMES.items():
                 key = key.replace(original, ours)
@@ -298,6 +370,7 @@ class LTX2Adapter(Adapter):
                 if key.startswith(original) and key.endswith((".weight", ".bias")):
                     key = ours + key.removeprefix(original)
             return key
+
         return {k: renamed(k) for k in keys}
 
     def single_file_extra(self, key: str) -> bool:
@@ -307,64 +380,79 @@ class LTX2Adapter(Adapter):
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
         """The pipelines' (x - mean) * scaling_factor / std, [B, C, F, h, w]."""
-        return (latents - self.latents_mean.to(latents)) * self.vae_config["scaling_factor"] / self.latents_std.to(latents)
+        return (
+            (latents - self.latents_mean.to(latents))
+            * self.vae_config["scaling_factor"]
+            / self.latents_std.to(latents)
+        )
 
     @torch.no_grad()
     def encode_video(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 [B, F, H, W, 3] -> posterior mean and log-variance [B, C, F', h, w] (not normalised)."""
+        """uint8 [B, F, H, W, 3] -> posterior mean and log-variance [B, C, F', h, w] (not
+        normalised)."""
         posterior = self._load_vae().encode(self._pixels(video)).latent_dist
         return posterior.mean, posterior.logvar
 
     @torch.no_grad()
     def _image_latents(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Image pixels [B, 3, H, W] in [-1, 1] -> the VAE's mode of the one-frame video, normalised as the I2V
-        pipeline's prepare_latents does (without the scaling factor), [B, C, 1, h, w]."""
+        """Image pixels [B, 3, H, W] in [-1, 1] -> the VAE's mode of the one-frame video, normalised
+        as the I2V pipeline's prepare_latents does (without the scaling factor), [B, C, 1, h, w]."""
         latents = self._load_vae().encode(pixels[:, :, None].to(self.vae_dtype)).latent_dist.mode().float()
         return (latents - self.latents_mean.to(latents)) / self.latents_std.to(latents)
 
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
-        """I2V conditioning images, uint8 [B, H, W, 3] -> their latent frame, compressed first as the pipeline
-        compresses its image (one H.264 frame at the model's CRF)."""
+        """I2V conditioning images, uint8 [B, H, W, 3] -> their latent frame, compressed first as
+        the pipeline compresses its image (one H.264 frame at the model's CRF)."""
         pictures = [apply_image_conditioning_crf(np.asarray(image.cpu()), self.image_crf) for image in images]
-        pixels = torch.stack([torch.from_numpy(p) for p in pictures]).to(self.device).permute(0, 3, 1, 2).float()
+        pixels = (
+            torch.stack([torch.from_numpy(p) for p in pictures]).to(self.device).permute(0, 3, 1, 2).float()
+        )
         return {"image_latents": self._image_latents(pixels / 127.5 - 1.0)}
 
     def mel(self, waveforms: torch.Tensor) -> torch.Tensor:
-        """Waveforms [B, channels, samples] at audio_sample_rate -> the audio VAE's input, the log-mel spectrogram
-        [B, channels, samples // hop + 1, mel bins] (decode.log_mel: ltx-core's AudioProcessor), in fp32."""
+        """Waveforms [B, channels, samples] at audio_sample_rate -> the audio VAE's input, the
+        log-mel spectrogram [B, channels, samples // hop + 1, mel bins] (decode.log_mel: ltx-core's
+        AudioProcessor), in fp32."""
         c = self.audio_config
-        mel = decode.log_mel(waveforms.flatten(0, 1).float(), c["sample_rate"], MEL_FFT, c["mel_hop_length"],
-                             c["mel_bins"])
+        mel = decode.log_mel(
+            waveforms.flatten(0, 1).float(), c["sample_rate"], MEL_FFT, c["mel_hop_length"], c["mel_bins"]
+        )
         return mel.unflatten(0, waveforms.shape[:2])
 
     def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A window's sound, [B, audio_channels, samples] at audio_sample_rate (data.decode_audio) -> the audio
-        VAE's posterior mean and log-variance of its mel spectrogram, [B, C', L, M'] (not normalised): the
-        cache's audio_latent_mean and audio_latent_logvar. L is what the VAE gives (1 + (mel frames - 1) // 4:
-        127 for 121 frames at 24 fps, where the pipeline generates round(121 / 24 x 25) = 126), kept as
-        ltx-trainer keeps it: the audio tokens' positions come from their own count."""
+        """A window's sound, [B, audio_channels, samples] at audio_sample_rate (data.decode_audio)
+        -> the audio VAE's posterior mean and log-variance of its mel spectrogram, [B, C', L, M']
+        (not normalised): the cache's audio_latent_mean and audio_latent_logvar. L is what the VAE
+        gives (1 + (mel frames - 1) // 4: 127 for 121 frames at 24 fps, where the pipeline generates
+        round(121 / 24 x 25) = 126), kept as ltx-trainer keeps it: the audio tokens' positions come
+        from their own count."""
         return self.encode_mel(self.mel(waveforms))
 
     def _load_audio_vae(self):
         if self._audio_vae is None:
             log.info("loading audio VAE from %s", self.path)
-            self._audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae",
-                                                                     dtype=DTYPES[self.AUDIO_DTYPE])
+            self._audio_vae = AutoencoderKLLTX2Audio.from_pretrained(
+                self.path, subfolder="audio_vae", dtype=DTYPES[self.AUDIO_DTYPE]
+            )
             self._audio_vae.requires_grad_(False).eval()
         return self._audio_vae.to(self.device)
 
     @torch.no_grad()
     def encode_mel(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The audio VAE's posterior of a log-mel spectrogram [B, channels, mel frames, mel bins], in fp32."""
+        """The audio VAE's posterior of a log-mel spectrogram [B, channels, mel frames, mel bins],
+        in fp32."""
         posterior = self._load_audio_vae().encode(mel.to(self.device, DTYPES[self.AUDIO_DTYPE])).latent_dist
         return posterior.mean, posterior.logvar
 
     @torch.no_grad()
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
-        """Audio latents [1, C', L, M'] (sampled_audio) -> the waveform [channels, samples] at sound_rate, fp32, as
-        the pipeline decodes them: the audio VAE's mel spectrogram through the vocoder."""
+        """Audio latents [1, C', L, M'] (sampled_audio) -> the waveform [channels, samples] at
+        sound_rate, fp32, as the pipeline decodes them: the audio VAE's mel spectrogram through the
+        vocoder."""
         if self._vocoder is None:
-            self._vocoder = self.vocoder_class.from_pretrained(self.path, subfolder="vocoder", dtype=self.vae_dtype)
+            self._vocoder = self.vocoder_class.from_pretrained(
+                self.path, subfolder="vocoder", dtype=self.vae_dtype
+            )
             self._vocoder.requires_grad_(False).eval()
         mel = self._load_audio_vae().decode(latents.to(DTYPES[self.AUDIO_DTYPE]), return_dict=False)[0]
         return self._vocoder.to(self.device)(mel.to(self.vae_dtype))[0].float()
@@ -372,7 +460,9 @@ class LTX2Adapter(Adapter):
     def _text(self):
         if self._text_encoder is None:
             super()._text()
-            self._connectors = LTX2TextConnectors.from_pretrained(self.path, subfolder="connectors", dtype=self.dtype)
+            self._connectors = LTX2TextConnectors.from_pretrained(
+                self.path, subfolder="connectors", dtype=self.dtype
+            )
             self._connectors.to(self.device).requires_grad_(False).eval()
         return self._text_encoder, self._tokenizer
 
@@ -392,34 +482,44 @@ class LTX2Adapter(Adapter):
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma's every hidden state, left
-        padding, the connectors), the video stream's text and the audio stream's side by side."""
+        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma's every hidden state,
+        left padding, the connectors), the video stream's text and the audio stream's side by side."""
         text_encoder, tokenizer = self._text()
         tokenizer.padding_side = "left"
-        inputs = tokenizer([p.strip() for p in prompts], padding="max_length", max_length=TEXT_LENGTH,
-                           truncation=True, add_special_tokens=True, return_tensors="pt").to(self.device)
-        hidden = text_encoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                              output_hidden_states=True).hidden_states
+        inputs = tokenizer(
+            [p.strip() for p in prompts],
+            padding="max_length",
+            max_length=TEXT_LENGTH,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        ).to(self.device)
+        hidden = text_encoder(
+            input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, output_hidden_states=True
+        ).hidden_states
         embeds = torch.stack(hidden, dim=-1).flatten(2, 3).to(self.dtype)
         video, audio, _ = self._connectors(embeds, inputs.attention_mask, padding_side="left")
         return torch.cat([video, audio], dim=-1)
 
     def _split_text(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached text's two halves: the connectors give 2.0's streams caption_channels each (the transformer
-        projects them), 2.3's the streams' own widths."""
+        """The cached text's two halves: the connectors give 2.0's streams caption_channels each
+        (the transformer projects them), 2.3's the streams' own widths."""
         c = self.transformer_config
         video_dim = c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"]
         return embeds[..., :video_dim], embeds[..., video_dim:]
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents [B, C, F', h, w] -> pixels [B, 3, F, H, W] in [-1, 1], as the pipeline decodes
-        (a timestep-conditioned VAE at the pipeline's decode_timestep 0)."""
-        latents = latents * self.latents_std.to(latents) / self.vae_config["scaling_factor"] + self.latents_mean.to(latents)
+        """Normalised latents [B, C, F', h, w] -> pixels [B, 3, F, H, W] in [-1, 1], as the pipeline
+        decodes (a timestep-conditioned VAE at the pipeline's decode_timestep 0)."""
+        latents = latents * self.latents_std.to(latents) / self.vae_config[
+            "scaling_factor"
+        ] + self.latents_mean.to(latents)
         vae = self._load_vae()
         timestep = torch.zeros(1, device=self.device) if self.vae_config["timestep_conditioning"] else None
-        return torch.cat([vae.decode(clip.to(self.vae_dtype), timestep, return_dict=False)[0]
-                          for clip in latents.split(1)])
+        return torch.cat(
+            [vae.decode(clip.to(self.vae_dtype), timestep, return_dict=False)[0] for clip in latents.split(1)]
+        )
 
     # Training.
     def _pack(self, latents: torch.Tensor) -> torch.Tensor:
@@ -429,15 +529,22 @@ class LTX2Adapter(Adapter):
     def _normalise_audio(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens - self.audio_mean.to(tokens)) / self.audio_std.to(tokens)
 
-    def _predict(self, transformer, video: VideoStream, audio: AudioStream, embeds: torch.Tensor,
-                 isolate: bool = False, stg_blocks: list[int] | None = None):
+    def _predict(
+        self,
+        transformer,
+        video: VideoStream,
+        audio: AudioStream,
+        embeds: torch.Tensor,
+        isolate: bool = False,
+        stg_blocks: list[int] | None = None,
+    ):
         """(video, audio) velocities [B, tokens, C] in fp32 of the two streams' noisy latents.
 
-        isolate turns off the audio-video cross-attention (the pipelines' modality guidance), stg_blocks
-        skips those blocks' self-attention (their STG). No audio tokens: the video stream alone, isolated
-        (the audio stream, which the video then never sees, runs on one zero token: the rotary tables
-        refuse none). video.reference: the second half of the video tokens are an IC-LoRA reference
-        clip of the same latent shape, at the same positions."""
+        isolate turns off the audio-video cross-attention (the pipelines' modality guidance),
+        stg_blocks skips those blocks' self-attention (their STG). No audio tokens: the video stream
+        alone, isolated (the audio stream, which the video then never sees, runs on one zero token:
+        the rotary tables refuse none). video.reference: the second half of the video tokens are an
+        IC-LoRA reference clip of the same latent shape, at the same positions."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
         frames, height, width = video.shape
@@ -446,30 +553,48 @@ class LTX2Adapter(Adapter):
             audio_latents, audio_frames = audio_latents.new_zeros(n, 1, audio_latents.shape[2]), 1
             isolate = True
         coords = None
-        if video.reference:  # the positions ltx-trainer's video_to_video gives a same-size reference: the target's
+        # the positions ltx-trainer's video_to_video gives a same-size reference: the target's
+        if video.reference:
             model = getattr(transformer, "module", transformer)  # DDP's wrapper
-            coords = model.rope.prepare_video_coords(n, *video.shape, video.latents.device, fps=self.frame_rate)
+            coords = model.rope.prepare_video_coords(
+                n, *video.shape, video.latents.device, fps=self.frame_rate
+            )
             coords = torch.cat([coords, coords], dim=2)
         with self._cross_gates(transformer, video.sigma, audio.timesteps):
             out = transformer(
-                hidden_states=video.latents.to(dtype), audio_hidden_states=audio_latents.to(dtype),
-                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text,
-                timestep=video.timesteps, audio_timestep=audio.timesteps, sigma=video.sigma,
-                audio_sigma=audio.timesteps, num_frames=frames, height=height, width=width,
-                fps=self.frame_rate, audio_num_frames=audio_frames, isolate_modalities=isolate,
-                spatio_temporal_guidance_blocks=stg_blocks, use_cross_timestep=False, video_coords=coords,
-                return_dict=False)
-        return (out[0].float().view(n, -1, video.latents.shape[-1]),
-                out[1].float().view(n, -1, audio_latents.shape[-1]))
+                hidden_states=video.latents.to(dtype),
+                audio_hidden_states=audio_latents.to(dtype),
+                encoder_hidden_states=video_text,
+                audio_encoder_hidden_states=audio_text,
+                timestep=video.timesteps,
+                audio_timestep=audio.timesteps,
+                sigma=video.sigma,
+                audio_sigma=audio.timesteps,
+                num_frames=frames,
+                height=height,
+                width=width,
+                fps=self.frame_rate,
+                audio_num_frames=audio_frames,
+                isolate_modalities=isolate,
+                spatio_temporal_guidance_blocks=stg_blocks,
+                use_cross_timestep=False,
+                video_coords=coords,
+                return_dict=False,
+            )
+        return (
+            out[0].float().view(n, -1, video.latents.shape[-1]),
+            out[1].float().view(n, -1, audio_latents.shape[-1]),
+        )
 
     @contextlib.contextmanager
     def _cross_gates(self, transformer, sigma: torch.Tensor, audio_sigma: torch.Tensor):
-        """The audio-video cross-attention's AdaLN inputs as ltx-core computes them (transformer_args.py,
-        _prepare_cross_attention_timestep): each stream's scale/shift from its own timesteps (per token: I2V's
-        image tokens at 0), its gate from the other stream's sigma. diffusers takes both from one timestep,
-        the other stream's sigma (use_cross_timestep) or the stream's own: run without use_cross_timestep and
-        give the two gates the other stream's sigma. With one sigma for both streams (T2V sampling) this
-        equals use_cross_timestep; with a sigma per stream (training with sound) or I2V's image tokens, not."""
+        """The audio-video cross-attention's AdaLN inputs as ltx-core computes them
+        (transformer_args.py, _prepare_cross_attention_timestep): each stream's scale/shift from its
+        own timesteps (per token: I2V's image tokens at 0), its gate from the other stream's sigma.
+        diffusers takes both from one timestep, the other stream's sigma (use_cross_timestep) or the
+        stream's own: run without use_cross_timestep and give the two gates the other stream's
+        sigma. With one sigma for both streams (T2V sampling) this equals use_cross_timestep; with a
+        sigma per stream (training with sound) or I2V's image tokens, not."""
         c = self.transformer_config
         factor = c["cross_attn_timestep_scale_multiplier"] / c["timestep_scale_multiplier"]
         model = getattr(transformer, "module", transformer)  # DDP's wrapper
@@ -487,13 +612,14 @@ class LTX2Adapter(Adapter):
                 hook.remove()
 
     def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
-        """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at sigmas [B],
-        and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas [B]; sound [B] says which
-        samples have sound (the others have no audio loss). I2V: the first latent frame's tokens are the
-        image's, clean, at timestep 0 and outside the loss, as ltx-trainer's first-frame condition and the I2V
-        pipeline have them. IC-LoRA: the control clip's latents (control_latent_mean) follow the clip's tokens, clean,
-        at timestep 0, at the clip's positions and outside the loss, as ltx-trainer's video_to_video strategy has
-        its reference. Sets self.losses."""
+        """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at
+        sigmas [B], and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas
+        [B]; sound [B] says which samples have sound (the others have no audio loss). I2V: the first
+        latent frame's tokens are the image's, clean, at timestep 0 and outside the loss, as
+        ltx-trainer's first-frame condition and the I2V pipeline have them. IC-LoRA: the control
+        clip's latents (control_latent_mean) follow the clip's tokens, clean, at timestep 0, at the
+        clip's positions and outside the loss, as ltx-trainer's video_to_video strategy has its
+        reference. Sets self.losses."""
         n, shape = len(x0), batch["shape"]
         s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
         x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
@@ -502,28 +628,43 @@ class LTX2Adapter(Adapter):
             image = self._pack(batch["image_latents"].to(self.device).float()).expand(n, -1, -1)
             first = image.shape[1]
             x_t = torch.cat([image, x_t[:, first:]], dim=1)
-            video_t = torch.cat([video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1)
+            video_t = torch.cat(
+                [video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1
+            )
         tokens = x0.shape[1]
         if self.takes_control:  # model.type = "ic"
-            reference = self._pack(self._normalise(batch["control_latent_mean"].to(self.device).float())).expand(n, -1, -1)
+            reference = self._pack(
+                self._normalise(batch["control_latent_mean"].to(self.device).float())
+            ).expand(n, -1, -1)
             x_t = torch.cat([x_t, reference], dim=1)
-            video_t = torch.cat([video_t[:, None].expand(n, tokens), video_t.new_zeros(n, reference.shape[1])], dim=1)
-        video, audio = self._predict(transformer, VideoStream(x_t, video_t, 1000 * sigmas, shape, self.takes_control),
-                                     AudioStream(a_t, 1000 * audio_sigmas, a0.shape[1]), embeds)
+            video_t = torch.cat(
+                [video_t[:, None].expand(n, tokens), video_t.new_zeros(n, reference.shape[1])], dim=1
+            )
+        video, audio = self._predict(
+            transformer,
+            VideoStream(x_t, video_t, 1000 * sigmas, shape, self.takes_control),
+            AudioStream(a_t, 1000 * audio_sigmas, a0.shape[1]),
+            embeds,
+        )
         video = video[:, :tokens]
         video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
         audio_loss = torch.zeros_like(video_loss)
         if a0.shape[1]:
             audio_loss = (audio - (audio_noise - a0)).pow(2).mean(dim=(1, 2)) * sound
-        self.losses = torch.stack([torch.stack([video_loss.sum(), video_loss.new_tensor(n)]),
-                                   torch.stack([audio_loss.sum(), sound.sum().float()])]).detach()
+        self.losses = torch.stack(
+            [
+                torch.stack([video_loss.sum(), video_loss.new_tensor(n)]),
+                torch.stack([audio_loss.sum(), sound.sum().float()]),
+            ]
+        ).detach()
         return video_loss + self.audio_loss_weight * audio_loss, video_loss, audio_loss
 
     def _clean(self, batch):
-        """Packed clean latents, video [B, tokens, C] and audio [B, audio tokens, C'] (none without the batch's
-        audio entries): the posteriors' means, what ltx-trainer trains on (ltx-core's encoders return the
-        normalised means; docs/models/ltx2.md); which samples have sound [B] (load_batch's audio_mask in a
-        batch mixing clips with and without); the video's latent shape."""
+        """Packed clean latents, video [B, tokens, C] and audio [B, audio tokens, C'] (none without
+        the batch's audio entries): the posteriors' means, what ltx-trainer trains on (ltx-core's
+        encoders return the normalised means; docs/models/ltx2.md); which samples have sound [B]
+        (load_batch's audio_mask in a batch mixing clips with and without); the video's latent
+        shape."""
         mean = batch["latent_mean"].to(self.device)
         x0 = self._pack(self._normalise(mean.float()))
         sound = torch.zeros(len(x0), device=self.device)
@@ -536,55 +677,85 @@ class LTX2Adapter(Adapter):
         return x0, a0, sound, tuple(mean.shape[2:])
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
-        """Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and position in the
-        global batch) draws, in order: the video s, the audio s, the video noise, the audio noise. Audio
-        entries (the audio cache's audio_latent_mean and audio_latent_logvar, [B, C', L, M'], the audio VAE's
-        posterior) add audio_loss_weight x the audio loss. A clip without sound in a batch with sound
-        (audio_mask false) has an audio stream of pure noise at s = 1, where generation starts, and no audio
-        loss; a batch without sound runs the video stream alone."""
+        """Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and
+        position in the global batch) draws, in order: the video s, the audio s, the video noise,
+        the audio noise. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
+        [B, C', L, M'], the audio VAE's posterior) add audio_loss_weight x the audio loss. A clip
+        without sound in a batch with sound (audio_mask false) has an audio stream of pure noise at
+        s = 1, where generation starts, and no audio loss; a batch without sound runs the video
+        stream alone."""
         x0, a0, sound, shape = self._clean(batch)
-        sigmas = to_device(torch.stack([shifted_logit_normal(x0.shape[1], g) for g in generators]), self.device)
-        audio_sigmas = to_device(torch.stack([shifted_logit_normal(max(a0.shape[1], 1), g) for g in generators]),
-                                 self.device)
+        sigmas = to_device(
+            torch.stack([shifted_logit_normal(x0.shape[1], g) for g in generators]), self.device
+        )
+        audio_sigmas = to_device(
+            torch.stack([shifted_logit_normal(max(a0.shape[1], 1), g) for g in generators]), self.device
+        )
         if a0.shape[1]:
             audio_sigmas = torch.where(sound > 0, audio_sigmas, 1.0)
-        noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device)
-        audio_noise = to_device(torch.stack([torch.randn(a.shape, generator=g) for a, g in zip(a0, generators)]),
-                                self.device)
-        return self._loss(transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound,
-                          {**batch, "shape": shape}, batch["prompt_embeds"].to(self.device))[0]
+        noise = to_device(
+            torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device
+        )
+        audio_noise = to_device(
+            torch.stack([torch.randn(a.shape, generator=g) for a, g in zip(a0, generators)]), self.device
+        )
+        return self._loss(
+            transformer,
+            x0,
+            noise,
+            sigmas,
+            a0,
+            audio_noise,
+            audio_sigmas,
+            sound,
+            {**batch, "shape": shape},
+            batch["prompt_embeds"].to(self.device),
+        )[0]
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
-        """The loss of one cached clip (its posterior means) at each of `timesteps` for both streams, the same noise;
-        self.losses sums each stream's over the timesteps."""
+        """The loss of one cached clip (its posterior means) at each of `timesteps` for both
+        streams, the same noise; self.losses sums each stream's over the timesteps."""
         x0, a0, sound, shape = self._clean(batch)
         noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
         audio_noise = torch.randn(a0.shape[1:], generator=generator).to(self.device)
         n = len(timesteps)
         sigmas = torch.tensor(timesteps, device=self.device) / 1000
-        return self._loss(transformer, x0.expand(n, -1, -1), noise.expand(n, -1, -1), sigmas, a0.expand(n, -1, -1),
-                          audio_noise.expand(n, -1, -1), sigmas, sound.expand(n), {**batch, "shape": shape},
-                          batch["prompt_embeds"].to(self.device).expand(n, -1, -1))[0]
+        return self._loss(
+            transformer,
+            x0.expand(n, -1, -1),
+            noise.expand(n, -1, -1),
+            sigmas,
+            a0.expand(n, -1, -1),
+            audio_noise.expand(n, -1, -1),
+            sigmas,
+            sound.expand(n),
+            {**batch, "shape": shape},
+            batch["prompt_embeds"].to(self.device).expand(n, -1, -1),
+        )[0]
 
     @staticmethod
     def blocks(transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
-        """Sequence parallelism: the video tokens split at the first block, with every per-token video input (the
-        rotary embeddings of self-attention and of the audio-video cross-attention; I2V's per-token timestep
-        embeddings); the audio tokens and both texts replicated. Video self-attention and the video-to-audio
-        cross-attention (audio queries, video keys) exchange through all-to-alls (SequenceParallelAttention);
-        the text cross-attentions, audio self-attention and the audio-to-video cross-attention (video queries,
-        the whole audio's keys) stay local. The video-to-audio attention splits the audio heads too: sp must
-        divide both counts (model.py and cache.py check the video's)."""
+        """Sequence parallelism: the video tokens split at the first block, with every per-token
+        video input (the rotary embeddings of self-attention and of the audio-video cross-attention;
+        I2V's per-token timestep embeddings); the audio tokens and both texts replicated. Video
+        self-attention and the video-to-audio cross-attention (audio queries, video keys) exchange
+        through all-to-alls (SequenceParallelAttention); the text cross-attentions, audio
+        self-attention and the audio-to-video cross-attention (video queries, the whole audio's
+        keys) stay local. The video-to-audio attention splits the audio heads too: sp must divide
+        both counts (model.py and cache.py check the video's)."""
         check_heads(split.size, self.transformer_config["audio_num_attention_heads"], dist.get_world_size())
 
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             # rotary (cos, sin): [B, tokens, D] interleaved, [B, heads, tokens, D / 2] split
-            rotary = {name: 2 if arguments[name][0].ndim == 4 else 1
-                      for name in ("video_rotary_emb", "ca_video_rotary_emb")}
-            # the video's timestep embeddings: [B, 1, n] for one timestep per sample, [B, tokens, n] per token
+            rotary = {
+                name: 2 if arguments[name][0].ndim == 4 else 1
+                for name in ("video_rotary_emb", "ca_video_rotary_emb")
+            }
+            # the video's timestep embeddings: [B, 1, n] for one timestep per sample, [B, tokens, n]
+            # per token
             embeddings = ("temb", "temb_ca_scale_shift", "temb_ca_gate")
             return rotary | {name: 1 for name in embeddings if arguments[name].shape[1] > 1}
 
@@ -594,79 +765,125 @@ class LTX2Adapter(Adapter):
             for attention in (block.attn1, block.video_to_audio_attn):
                 attention.set_processor(SequenceParallelAttention(split))
 
-    # Sampling: LTX2Pipeline's (LTX2ImageToVideoPipeline's) loop, run by validate.sample_latents. Both streams are
-    # denoised (the video attends to the audio); the denoiser returns the video and audio velocities flattened
-    # side by side, so validate's guidance applies to both.
+    # Sampling: LTX2Pipeline's (LTX2ImageToVideoPipeline's) loop, run by validate.sample_latents.
+    # Both streams are denoised (the video attends to the audio); the denoiser returns the video and
+    # audio velocities flattened side by side, so validate's guidance applies to both.
     def sampler(self, name: str):
         return FlowMatchEulerDiscreteScheduler.from_pretrained(self.path, subfolder="scheduler")
 
-    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None, control=None):
-        """Initial video and audio latents (fp32, packed) from `generator`, the two schedulers, and I2V's image
-        latent frame, as the pipelines' prepare_latents, prepare_audio_latents and timesteps. IC-LoRA: `control`
-        (uint8 [F, H, W, 3] at the clip's size) appended as LTX2InContextPipeline appends a reference condition."""
+    def sampling_start(
+        self, scheduler, steps: int, resolution, generator: torch.Generator, image=None, control=None
+    ):
+        """Initial video and audio latents (fp32, packed) from `generator`, the two schedulers, and
+        I2V's image latent frame, as the pipelines' prepare_latents, prepare_audio_latents and
+        timesteps. IC-LoRA: `control` (uint8 [F, H, W, 3] at the clip's size) appended as
+        LTX2InContextPipeline appends a reference condition."""
         frames, height, width = resolution
-        shape = ((frames - 1) // self.temporal_ratio + 1, height // self.spatial_ratio, width // self.spatial_ratio)
+        shape = (
+            (frames - 1) // self.temporal_ratio + 1,
+            height // self.spatial_ratio,
+            width // self.spatial_ratio,
+        )
         if control is not None:
             return self._in_context_start(scheduler, steps, frames, shape, generator, control)
-        noise = torch.randn((1, self.latent_channels, *shape), generator=generator, dtype=torch.float32).to(self.device)
+        noise = torch.randn((1, self.latent_channels, *shape), generator=generator, dtype=torch.float32).to(
+            self.device
+        )
         condition = None
         if image is not None:
-            image = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), self.image_crf))
+            image = PIL.Image.fromarray(
+                apply_image_conditioning_crf(np.array(image.convert("RGB")), self.image_crf)
+            )
             pixels = VideoProcessor(vae_scale_factor=self.spatial_ratio, resample="bilinear").preprocess(
-                image, height=height, width=width)
+                image, height=height, width=width
+            )
             condition = self._pack(self._image_latents(pixels.to(self.device, torch.float32)))
         latents = self._pack(noise)
         if condition is not None:
-            latents = torch.cat([condition, latents[:, condition.shape[1]:]], dim=1)
-        return self._start(scheduler, steps, frames, shape, generator, latents, 0 if condition is None else
-                           condition.shape[1])
+            latents = torch.cat([condition, latents[:, condition.shape[1] :]], dim=1)
+        return self._start(
+            scheduler,
+            steps,
+            frames,
+            shape,
+            generator,
+            latents,
+            0 if condition is None else condition.shape[1],
+        )
 
     def _in_context_start(self, scheduler, steps: int, frames: int, shape, generator, control):
-        """LTX2InContextPipeline's prepare_latents with one reference of full strength: the control's VAE mean,
-        normalised and packed, after the clip's tokens; the noise drawn over both (packed), the reference's kept
-        clean."""
+        """LTX2InContextPipeline's prepare_latents with one reference of full strength: the
+        control's VAE mean, normalised and packed, after the clip's tokens; the noise drawn over
+        both (packed), the reference's kept clean."""
         reference = self._pack(self._normalise(self.encode_video(control[None])[0].float()))
-        noise = torch.randn((1, 2 * reference.shape[1], self.latent_channels), generator=generator,
-                            dtype=torch.float32).to(self.device)
+        noise = torch.randn(
+            (1, 2 * reference.shape[1], self.latent_channels), generator=generator, dtype=torch.float32
+        ).to(self.device)
         latents = torch.cat([noise[:, : reference.shape[1]], reference], dim=1)
         return self._start(scheduler, steps, frames, shape, generator, latents, 0, reference.shape[1])
 
-    def _start(self, scheduler, steps: int, frames: int, shape, generator, latents, first: int, reference: int = 0):
-        """The audio latents and the schedulers (the shift from every video token's count) after the video's."""
+    def _start(
+        self, scheduler, steps: int, frames: int, shape, generator, latents, first: int, reference: int = 0
+    ):
+        """The audio latents and the schedulers (the shift from every video token's count) after the
+        video's."""
         audio_frames = round(frames / self.frame_rate * self.audio_latents_per_second)
         mel_bins, channels = self.audio_config["mel_bins"] // 4, self.audio_config["latent_channels"]
-        if reference:  # LTX2InContextPipeline draws the sound's noise packed, as the original LTX-2 code
-            audio = torch.randn((1, audio_frames, channels * mel_bins), generator=generator, dtype=torch.float32)
+        # LTX2InContextPipeline draws the sound's noise packed, as the original LTX-2 code
+        if reference:
+            audio = torch.randn(
+                (1, audio_frames, channels * mel_bins), generator=generator, dtype=torch.float32
+            )
         else:
-            audio = LTX2Pipeline._pack_audio_latents(torch.randn((1, channels, audio_frames, mel_bins),
-                                                                 generator=generator, dtype=torch.float32))
+            audio = LTX2Pipeline._pack_audio_latents(
+                torch.randn((1, channels, audio_frames, mel_bins), generator=generator, dtype=torch.float32)
+            )
         sigmas = np.linspace(1.0, 1 / steps, steps)
         c = scheduler.config
-        mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
-                             c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+        mu = calculate_shift(
+            latents.shape[1],
+            c.get("base_image_seq_len", 1024),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.95),
+            c.get("max_shift", 2.05),
+        )
         scheduler.set_timesteps(sigmas=sigmas, mu=mu, device=self.device)
         audio_scheduler = copy.deepcopy(scheduler)
         scheduler.set_begin_index(0)
         audio_scheduler.set_begin_index(0)
-        return SimpleNamespace(scheduler=scheduler, audio_scheduler=audio_scheduler, latents=latents,
-                               audio=audio.to(self.device), shape=shape, audio_frames=audio_frames,
-                               first=first, reference=reference)
+        return SimpleNamespace(
+            scheduler=scheduler,
+            audio_scheduler=audio_scheduler,
+            latents=latents,
+            audio=audio.to(self.device),
+            shape=shape,
+            audio_frames=audio_frames,
+            first=first,
+            reference=reference,
+        )
 
-    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool,
-                **perturbed) -> torch.Tensor:
-        """[n, video numbers + audio numbers]: both streams' velocities at step t, with guidance of the latents
-        twice (uncond, cond) in one forward; `perturbed` (isolate, stg_blocks) as _predict's."""
+    def denoise(
+        self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool, **perturbed
+    ) -> torch.Tensor:
+        """[n, video numbers + audio numbers]: both streams' velocities at step t, with guidance of
+        the latents twice (uncond, cond) in one forward; `perturbed` (isolate, stg_blocks) as
+        _predict's."""
         n = 2 if guided else 1
         video_t = t.expand(n)
-        if state.first or state.reference:  # I2V's image tokens and IC-LoRA's reference at timestep 0
+        # I2V's image tokens and IC-LoRA's reference at timestep 0
+        if state.first or state.reference:
             video_t = video_t[:, None].repeat(1, state.latents.shape[1])
-            video_t[:, :state.first] = 0
-            video_t[:, state.latents.shape[1] - state.reference:] = 0
-        video, audio = self._predict(models["transformer"],
-                                     VideoStream(state.latents.expand(n, -1, -1), video_t, t.expand(n), state.shape,
-                                                 state.reference > 0),
-                                     AudioStream(state.audio.expand(n, -1, -1), t.expand(n), state.audio_frames),
-                                     embeds, **perturbed)
+            video_t[:, : state.first] = 0
+            video_t[:, state.latents.shape[1] - state.reference :] = 0
+        video, audio = self._predict(
+            models["transformer"],
+            VideoStream(
+                state.latents.expand(n, -1, -1), video_t, t.expand(n), state.shape, state.reference > 0
+            ),
+            AudioStream(state.audio.expand(n, -1, -1), t.expand(n), state.audio_frames),
+            embeds,
+            **perturbed,
+        )
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def check_guidance(self, cfg) -> None:
@@ -674,19 +891,32 @@ class LTX2Adapter(Adapter):
         if not cfg.stg_scale:
             return
         if not self.transformer_config["perturbed_attn"]:
-            raise ConfigError(f"validation.stg_scale: {self.path}'s transformer has no perturbed attention (LTX-2.0; "
-                              "perturbed_attn = false), so its STG forward is the conditional one and adds nothing, as "
-                              "in the pipelines: remove stg_scale")
+            raise ConfigError(
+                f"validation.stg_scale: {self.path}'s transformer has no perturbed attention (LTX-2.0; "
+                "perturbed_attn = false), so its STG forward is the conditional one and adds nothing, as "
+                "in the pipelines: remove stg_scale"
+            )
         blocks = self.transformer_config["num_layers"]
         if any(block >= blocks for block in cfg.stg_blocks or STG_BLOCKS):
-            raise ConfigError(f"validation.stg_blocks = {cfg.stg_blocks or STG_BLOCKS} names a block the transformer of "
-                              f"{self.path} lacks (it has {blocks}): name blocks below {blocks}")
+            raise ConfigError(
+                f"validation.stg_blocks = {cfg.stg_blocks or STG_BLOCKS} names a block the transformer of "
+                f"{self.path} lacks (it has {blocks}): name blocks below {blocks}"
+            )
 
-    def guide(self, cfg, models: dict, state, t: torch.Tensor, i: int, embeds: torch.Tensor,
-              prediction: torch.Tensor) -> torch.Tensor:
-        """The pipelines' guidance, in x0 space and per stream: classifier-free (the sound at audio_guidance_scale),
-        then STG and modality isolation (one more forward each, with the prompt alone), summed in the pipelines'
-        order, then rescaled toward the conditional prediction's spread; back to velocities for the step."""
+    def guide(
+        self,
+        cfg,
+        models: dict,
+        state,
+        t: torch.Tensor,
+        i: int,
+        embeds: torch.Tensor,
+        prediction: torch.Tensor,
+    ) -> torch.Tensor:
+        """The pipelines' guidance, in x0 space and per stream: classifier-free (the sound at
+        audio_guidance_scale), then STG and modality isolation (one more forward each, with the
+        prompt alone), summed in the pipelines' order, then rescaled toward the conditional
+        prediction's spread; back to velocities for the step."""
         sigma = state.scheduler.sigmas[i]
         sample = torch.cat([state.latents.flatten(1), state.audio.flatten(1)], dim=1)
         uncond, cond = (sample - prediction * sigma).chunk(2)
@@ -709,10 +939,16 @@ class LTX2Adapter(Adapter):
 
     def sampling_step(self, state, prediction: torch.Tensor, t: torch.Tensor, i: int) -> None:
         split = state.latents.numel()
-        video, audio = prediction[:, :split].view_as(state.latents), prediction[:, split:].view_as(state.audio)
-        # The conditions stay clean: the pipelines' velocity there is 0 (their denoised value is the condition).
+        video, audio = (
+            prediction[:, :split].view_as(state.latents),
+            prediction[:, split:].view_as(state.audio),
+        )
+        # The conditions stay clean: the pipelines' velocity there is 0 (their denoised value is the
+        # condition).
         first, end = state.first, state.latents.shape[1] - state.reference
-        stepped = state.scheduler.step(video[:, first:end], t, state.latents[:, first:end], return_dict=False)[0]
+        stepped = state.scheduler.step(
+            video[:, first:end], t, state.latents[:, first:end], return_dict=False
+        )[0]
         state.latents = torch.cat([state.latents[:, :first], stepped, state.latents[:, end:]], dim=1)
         state.audio = state.audio_scheduler.step(audio, t, state.audio, return_dict=False)[0]
 
@@ -722,34 +958,49 @@ class LTX2Adapter(Adapter):
         return LTX2Pipeline._unpack_latents(latents, *state.shape, c["patch_size"], c["patch_size_t"])
 
     def sampled_audio(self, state) -> torch.Tensor:
-        """The audio latents [1, C', L, M'] as the pipeline hands them to the audio VAE (denormalised)."""
+        """The audio latents [1, C', L, M'] as the pipeline hands them to the audio VAE
+        (denormalised)."""
         audio = state.audio * self.audio_std.to(state.audio) + self.audio_mean.to(state.audio)
-        return LTX2Pipeline._unpack_audio_latents(audio, state.audio_frames, self.audio_config["mel_bins"] // 4)
+        return LTX2Pipeline._unpack_audio_latents(
+            audio, state.audio_frames, self.audio_config["mel_bins"] // 4
+        )
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
 
 
 class SequenceParallelAttention:
-    """diffusers' LTX2AudioVideoAttnProcessor (and LTX-2.3's LTX2PerturbedAttnProcessor, whose STG passes the
-    values of this rank's tokens through; no masks) step for step, with this rank's slice of the video tokens as keys and
-    values: video self-attention (the queries the same slice) or the video-to-audio cross-attention (the
-    queries the whole audio, replicated). Keys and values, with the video's queries, go through one all-to-all
-    to the whole video with 1/sp of the heads, the audio's queries are cut to the same heads; the output goes
-    back to the sequence split (video) or is gathered across the heads (audio)."""
+    """diffusers' LTX2AudioVideoAttnProcessor (and LTX-2.3's LTX2PerturbedAttnProcessor, whose STG
+    passes the values of this rank's tokens through; no masks) step for step, with this rank's slice
+    of the video tokens as keys and values: video self-attention (the queries the same slice) or the
+    video-to-audio cross-attention (the queries the whole audio, replicated). Keys and values, with
+    the video's queries, go through one all-to-all to the whole video with 1/sp of the heads, the
+    audio's queries are cut to the same heads; the output goes back to the sequence split (video) or
+    is gathered across the heads (audio)."""
 
     def __init__(self, split: SequenceSplit):
         self.split = split
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
-                 key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        query_rotary_emb=None,
+        key_rotary_emb=None,
+        perturbation_mask=None,
+        all_perturbed=None,
+    ):
         video_queries = encoder_hidden_states is None
         keys = hidden_states if video_queries else encoder_hidden_states
-        if all_perturbed:  # STG (LTX-2.3's video self-attention): the values of this rank's tokens, no attention
+        # STG (LTX-2.3's video self-attention): the values of this rank's tokens, no attention
+        if all_perturbed:
             out = attn.to_v(keys)
         else:
             out = self.attention(attn, hidden_states, keys, video_queries, query_rotary_emb, key_rotary_emb)
-        if attn.to_gate_logits is not None:  # LTX-2.3: a gate per query token and head, from the query's input
+        # LTX-2.3: a gate per query token and head, from the query's input
+        if attn.to_gate_logits is not None:
             gates = 2.0 * torch.sigmoid(attn.to_gate_logits(hidden_states))
             out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
         return attn.to_out[1](attn.to_out[0](out))
@@ -766,6 +1017,8 @@ class SequenceParallelAttention:
         else:
             key, value = self.split.seq_to_heads(torch.stack([key.to(value.dtype), value]), 2, 3).unbind(0)
             query = self.split.heads(query, 2)
-        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query, key, value))).transpose(1, 2)
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query, key, value))).transpose(
+            1, 2
+        )
         out = self.split.heads_to_seq(out, 1, 2) if video_queries else self.split.gather_heads(out, 2)
         return out.flatten(2, 3).to(query.dtype)

@@ -1,7 +1,7 @@
 """Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.1 FLF2V (first and last
-frame: two images' CLIP tokens, pos_embed_seq_len), 2.1 VACE (context blocks reading a control video, its
-mask and reference images: families/wan_vace.py), 2.2 TI2V-5B (expand_timesteps) and 2.2 A14B (two
-experts split at boundary_ratio).
+frame: two images' CLIP tokens, pos_embed_seq_len), 2.1 VACE (context blocks reading a control
+video, its mask and reference images: families/wan_vace.py), 2.2 TI2V-5B (expand_timesteps) and 2.2
+A14B (two experts split at boundary_ratio).
 
 Flow matching: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32; u uniform from the keyed
 generator (within the trained expert's range), s = shift u / (1 + (shift - 1) u), model timestep
@@ -31,28 +31,49 @@ from sequence import SequenceSplit, split_blocks, stack_qkv
 from transformer_loading import resolved_config
 from weights import rename_key, rename_module
 
-TEXT_LENGTH = 512  # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
+# the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
+TEXT_LENGTH = 512
 # diffusers module names -> the original checkpoint's (ComfyUI's), inside a block.
-COMFY_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
-               "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
-               "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img",
-               "attn2.add_v_proj": "cross_attn.v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
-# The rest of the state dict in the original checkpoint's names (single files, model.transformer_file): the
-# inverse of diffusers' convert_wan_transformer_to_diffusers, which reads them (docs/models/wan.md).
+COMFY_NAMES = {
+    "attn1.to_q": "self_attn.q",
+    "attn1.to_k": "self_attn.k",
+    "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q",
+    "attn2.to_k": "cross_attn.k",
+    "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o",
+    "attn2.add_k_proj": "cross_attn.k_img",
+    "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
+}
+# The rest of the state dict in the original checkpoint's names (single files,
+# model.transformer_file): the inverse of diffusers' convert_wan_transformer_to_diffusers, which
+# reads them (docs/models/wan.md).
 ORIGINAL_BLOCK = COMFY_NAMES | {
-    "attn1.norm_q": "self_attn.norm_q", "attn1.norm_k": "self_attn.norm_k", "attn2.norm_q": "cross_attn.norm_q",
-    "attn2.norm_k": "cross_attn.norm_k", "attn2.norm_added_k": "cross_attn.norm_k_img", "norm2": "norm3",
-    "scale_shift_table": "modulation"}
+    "attn1.norm_q": "self_attn.norm_q",
+    "attn1.norm_k": "self_attn.norm_k",
+    "attn2.norm_q": "cross_attn.norm_q",
+    "attn2.norm_k": "cross_attn.norm_k",
+    "attn2.norm_added_k": "cross_attn.norm_k_img",
+    "norm2": "norm3",
+    "scale_shift_table": "modulation",
+}
 ORIGINAL_OTHER = {
-    "patch_embedding": "patch_embedding", "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "patch_embedding": "patch_embedding",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
     "condition_embedder.text_embedder.linear_2": "text_embedding.2",
     "condition_embedder.time_embedder.linear_1": "time_embedding.0",
-    "condition_embedder.time_embedder.linear_2": "time_embedding.2", "condition_embedder.time_proj": "time_projection.1",
-    "proj_out": "head.head", "scale_shift_table": "head.modulation",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.time_proj": "time_projection.1",
+    "proj_out": "head.head",
+    "scale_shift_table": "head.modulation",
     "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
     "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
     "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
-    "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+}
 EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 
@@ -60,12 +81,16 @@ class WanAdapter(Adapter):
     FAMILY = "wan"
     OWN_KEYS = dict.fromkeys(
         ("model.expert", "train.flow_shift"),
-        "model.expert and train.flow_shift are for Wan (model.family = \"wan\"): remove them")
-    ENCODERS = {"video": ("vae",), "image": ("vae", "image_encoder", "image_processor"),
-                "text": ("text_encoder", "tokenizer")}
+        'model.expert and train.flow_shift are for Wan (model.family = "wan"): remove them',
+    )
+    ENCODERS = {
+        "video": ("vae",),
+        "image": ("vae", "image_encoder", "image_processor"),
+        "text": ("text_encoder", "tokenizer"),
+    }
     TRANSFORMER, VAE, TEXT_ENCODER = WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel
-    # As the original code and diffusers' examples run it: in bf16 the tiny VAE's latents move by 1% (L2),
-    # BENCHMARKS.md; the real one is deeper.
+    # As the original code and diffusers' examples run it: in bf16 the tiny VAE's latents move by 1%
+    # (L2), BENCHMARKS.md; the real one is deeper.
     VAE_DTYPE = torch.float32
     COMFY = True
     TYPES = ("t2v", "i2v", "vace")
@@ -76,39 +101,57 @@ class WanAdapter(Adapter):
         pipeline = resolved_config(WanPipeline, self.path, None)
         self.boundary, self.expand = pipeline["boundary_ratio"], pipeline["expand_timesteps"]
         if (self.boundary is None) != (not cfg.expert):
-            raise ConfigError(f"model.expert = \"{cfg.expert}\", but {cfg.path} " + (
-                f"has two experts (boundary_ratio {self.boundary}): set model.expert to \"high_noise\" or \"low_noise\""
-                if self.boundary is not None else "has one transformer: remove model.expert"))
+            raise ConfigError(
+                f'model.expert = "{cfg.expert}", but {cfg.path} '
+                + (
+                    f'has two experts (boundary_ratio {self.boundary}): set model.expert to "high_noise" or "low_noise"'
+                    if self.boundary is not None
+                    else "has one transformer: remove model.expert"
+                )
+            )
         self.transformer_folder = EXPERTS.get(cfg.expert, "transformer")
-        # VACE: the folder's transformer is WanVACETransformer3DModel (its config names its context layers).
+        # VACE: the folder's transformer is WanVACETransformer3DModel (its config names its context
+        # layers).
         saved = WanTransformer3DModel.load_config(self.path, subfolder=self.transformer_folder)
         self.vace = "vace_layers" in saved
         if self.vace != (cfg.type == "vace"):
-            fix = (" is a VACE model (its transformer has vace_layers): set model.type = \"vace\""
-                   if self.vace else " is not a VACE model (its transformer has no vace_layers): set "
-                   "model.type = \"t2v\" or \"i2v\"")
-            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path}" + fix)
+            fix = (
+                ' is a VACE model (its transformer has vace_layers): set model.type = "vace"'
+                if self.vace
+                else " is not a VACE model (its transformer has no vace_layers): set "
+                'model.type = "t2v" or "i2v"'
+            )
+            raise ConfigError(f'model.type = "{cfg.type}", but {cfg.path}' + fix)
         if self.vace:
             self.TRANSFORMER = WanVACETransformer3DModel
-            self.takes_control = True  # each clip's control entry: its VACE condition (encode_control)
+            # each clip's control entry: its VACE condition (encode_control)
+            self.takes_control = True
         self.transformer_config = resolved_config(self.TRANSFORMER, self.path, self.transformer_folder)
         self.vae_config = resolved_config(AutoencoderKLWan, self.path, "vae")
         z, in_channels = self.vae_config["z_dim"], self.transformer_config["in_channels"]
-        takes_image = in_channels == 2 * z + self.vae_config["scale_factor_temporal"]  # noisy, mask, image latents
+        # noisy, mask, image latents
+        takes_image = in_channels == 2 * z + self.vae_config["scale_factor_temporal"]
         if not self.expand and takes_image != (cfg.type == "i2v"):
             kind = "an image-to-video" if takes_image else "a text-to-video"
-            raise ConfigError(f"model.type = \"{cfg.type}\", but {cfg.path} is {kind} model (its transformer takes "
-                              f"{in_channels} input channels): set model.type = \"{'i2v' if takes_image else 't2v'}\"")
-        # The class the folder names (2.1-T2V-14B's copies differ: FlowMatchEuler or UniPC), never a fixed one.
-        self.scheduler_class = getattr(diffusers, json.loads((self.path / "scheduler" / "scheduler_config.json")
-                                                            .read_text())["_class_name"])
+            raise ConfigError(
+                f'model.type = "{cfg.type}", but {cfg.path} is {kind} model (its transformer takes '
+                f'{in_channels} input channels): set model.type = "{"i2v" if takes_image else "t2v"}"'
+            )
+        # The class the folder names (2.1-T2V-14B's copies differ: FlowMatchEuler or UniPC), never a
+        # fixed one.
+        self.scheduler_class = getattr(
+            diffusers,
+            json.loads((self.path / "scheduler" / "scheduler_config.json").read_text())["_class_name"],
+        )
         scheduler = resolved_config(self.scheduler_class, self.path, "scheduler")
         # train.flow_shift replaces it for training; sampling keeps the folder's.
         self.shift = run.flow_shift or scheduler.get("flow_shift") or scheduler.get("shift") or 1.0
-        # On the device once: every micro-step normalises with them, and a copy from the host would wait.
+        # On the device once: every micro-step normalises with them, and a copy from the host would
+        # wait.
         self.latents_mean = torch.tensor(self.vae_config["latents_mean"], device=device).view(1, z, 1, 1, 1)
         self.latents_std = torch.tensor(self.vae_config["latents_std"], device=device).view(1, z, 1, 1, 1)
-        # FLF2V: the image embedder's position table spans two images' CLIP tokens (first, then last frame).
+        # FLF2V: the image embedder's position table spans two images' CLIP tokens (first, then last
+        # frame).
         self.first_last = self.transformer_config.get("pos_embed_seq_len") is not None and takes_image
         self._image_encoder = None
 
@@ -116,16 +159,21 @@ class WanAdapter(Adapter):
     def check_config(cls, cfg: Config) -> None:
         """Weights in bf16 or fp16 need autocast; VACE's context tokens are not split by sp."""
         super().check_config(cfg)
-        if cfg.model.type == "vace" and cfg.parallel.sp_size > 1:  # the context's tokens (docs/control.md)
-            raise ConfigError("parallel.sp_size > 1 does not split Wan VACE's context tokens yet: set "
-                              "parallel.sp_size = 1 (FSDP shards the VACE blocks as the others)")
+        # the context's tokens (docs/control.md)
+        if cfg.model.type == "vace" and cfg.parallel.sp_size > 1:
+            raise ConfigError(
+                "parallel.sp_size > 1 does not split Wan VACE's context tokens yet: set "
+                "parallel.sp_size = 1 (FSDP shards the VACE blocks as the others)"
+            )
         dtype = cfg.model.dtype
         if dtype != "fp32" and cfg.train.mixed_precision == "no":
             # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and
             # stops with a dtype mismatch, after the cache pass: refused before it.
-            raise ConfigError(f"model.dtype = \"{dtype}\" with train.mixed_precision = \"no\": Wan's "
-                              "forward needs autocast to run weights in that dtype; set "
-                              f"train.mixed_precision = \"{dtype}\", or model.dtype = \"fp32\"")
+            raise ConfigError(
+                f'model.dtype = "{dtype}" with train.mixed_precision = "no": Wan\'s '
+                "forward needs autocast to run weights in that dtype; set "
+                f'train.mixed_precision = "{dtype}", or model.dtype = "fp32"'
+            )
 
     # Shape rules read from the model's own config.
     @property
@@ -142,7 +190,8 @@ class WanAdapter(Adapter):
 
     @property
     def frame_multiple(self) -> int:
-        return self.vae_config["scale_factor_temporal"]  # 4k+1 frames: the VAE encodes [0], [1:5], [5:9], ...
+        # 4k+1 frames: the VAE encodes [0], [1:5], [5:9], ...
+        return self.vae_config["scale_factor_temporal"]
 
     @property
     def size_multiple(self) -> int:
@@ -157,28 +206,38 @@ class WanAdapter(Adapter):
         return 24 if self.expand else 16  # TI2V-5B: 24 fps; the others 16 (docs/models/wan.md)
 
     def other_experts(self) -> list[str]:
-        return [folder for folder in EXPERTS.values() if folder != self.transformer_folder] if self.boundary else []
+        return (
+            [folder for folder in EXPERTS.values() if folder != self.transformer_folder]
+            if self.boundary
+            else []
+        )
 
     def comfy_key(self, module: str) -> str | None:
-        """blocks.N.attn1.to_q -> blocks.N.self_attn.q (diffusers' converter's inverse); None outside the
-        blocks, where the converter takes no alpha."""
-        return (rename_module(module, "blocks", "blocks", COMFY_NAMES, {})
-                or wan_vace.comfy_key(module, COMFY_NAMES))
+        """blocks.N.attn1.to_q -> blocks.N.self_attn.q (diffusers' converter's inverse); None
+        outside the blocks, where the converter takes no alpha."""
+        return rename_module(module, "blocks", "blocks", COMFY_NAMES, {}) or wan_vace.comfy_key(
+            module, COMFY_NAMES
+        )
 
     def diffusers_key(self, original: str) -> str | None:
         inverse = {v: k for k, v in (COMFY_NAMES | wan_vace.PROJECTIONS).items()}
-        return rename_module(original, "blocks", "blocks", inverse, {}) or \
-            rename_module(original, "vace_blocks", "vace_blocks", inverse, {})
+        return rename_module(original, "blocks", "blocks", inverse, {}) or rename_module(
+            original, "vace_blocks", "vace_blocks", inverse, {}
+        )
 
     @staticmethod
     def single_file_key(key: str) -> str | None:
-        """A state-dict key's name in the original checkpoint: blocks.N.attn1.to_q.weight -> blocks.N.self_attn.q.weight."""
+        """A state-dict key's name in the original checkpoint: blocks.N.attn1.to_q.weight ->
+        blocks.N.self_attn.q.weight."""
         return rename_key(key, "blocks", "blocks", ORIGINAL_BLOCK, ORIGINAL_OTHER)
 
     @staticmethod
     def diffusers_names(keys: list[str]) -> dict[str, str]:
         """A single file's keys (the original names) -> diffusers', by diffusers' own converter."""
-        return {original: key for key, original in convert_wan_transformer_to_diffusers({k: k for k in keys}).items()}
+        return {
+            original: key
+            for key, original in convert_wan_transformer_to_diffusers({k: k for k in keys}).items()
+        }
 
     # Encoding.
     def _normalise(self, latents: torch.Tensor) -> torch.Tensor:
@@ -187,15 +246,17 @@ class WanAdapter(Adapter):
 
     @torch.no_grad()
     def encode_video(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 [B, F, H, W, 3] -> posterior mean and log-variance [B, C, F', h, w] (not normalised)."""
+        """uint8 [B, F, H, W, 3] -> posterior mean and log-variance [B, C, F', h, w] (not
+        normalised)."""
         posterior = self._load_vae().encode(self._pixels(video)).latent_dist
         return posterior.mean, posterior.logvar
 
     def _image_tower(self):
         if self._image_encoder is None:
             log.info("loading image encoder from %s", self.path)
-            self._image_encoder = CLIPVisionModel.from_pretrained(self.path, subfolder="image_encoder",
-                                                                  dtype=self.dtype).eval()
+            self._image_encoder = CLIPVisionModel.from_pretrained(
+                self.path, subfolder="image_encoder", dtype=self.dtype
+            ).eval()
             self._image_processor = AutoImageProcessor.from_pretrained(self.path, subfolder="image_processor")
         return self._image_encoder.to(self.device), self._image_processor
 
@@ -210,91 +271,133 @@ class WanAdapter(Adapter):
         super().release_encoders()
 
     @torch.no_grad()
-    def _condition(self, pixels: torch.Tensor, frames: int, images, last_pixels=None, last_images=None) -> dict:
-        """Image pixels [B, 3, H, W] in [-1, 1] (fp32) -> what conditions the transformer, as the I2V
-        pipeline's prepare_latents and encode_image build it: the VAE's mode of the image (TI2V) or of
-        the image followed by frames - 1 grey frames, normalised; 2.1 I2V also the CLIP image tokens.
-        FLF2V (last_pixels): frames - 2 grey frames, then the last image; the CLIP tokens of both images,
-        [B, 2 x tokens, D] (first image's, then the last's)."""
+    def _condition(
+        self, pixels: torch.Tensor, frames: int, images, last_pixels=None, last_images=None
+    ) -> dict:
+        """Image pixels [B, 3, H, W] in [-1, 1] (fp32) -> what conditions the transformer, as the
+        I2V pipeline's prepare_latents and encode_image build it: the VAE's mode of the image (TI2V)
+        or of the image followed by frames - 1 grey frames, normalised; 2.1 I2V also the CLIP image
+        tokens. FLF2V (last_pixels): frames - 2 grey frames, then the last image; the CLIP tokens of
+        both images, [B, 2 x tokens, D] (first image's, then the last's)."""
         video = pixels[:, :, None]
         if last_pixels is not None:
             grey = video.new_zeros(*pixels.shape[:2], frames - 2, *pixels.shape[2:])
             video = torch.cat([video, grey, last_pixels[:, :, None]], dim=2)
         elif not self.expand:
-            video = torch.cat([video, video.new_zeros(*pixels.shape[:2], frames - 1, *pixels.shape[2:])], dim=2)
+            video = torch.cat(
+                [video, video.new_zeros(*pixels.shape[:2], frames - 1, *pixels.shape[2:])], dim=2
+            )
         latents = self._load_vae().encode(video.to(self.vae_dtype)).latent_dist.mode().float()
         condition = {"image_latents": self._normalise(latents)}
         if self.transformer_config["image_dim"] is not None:
             encoder, processor = self._image_tower()
-            pairs = list(images) if last_images is None else [x for pair in zip(images, last_images) for x in pair]
+            pairs = (
+                list(images)
+                if last_images is None
+                else [x for pair in zip(images, last_images) for x in pair]
+            )
             inputs = processor(images=pairs, return_tensors="pt").to(self.device)
             embeds = encoder(**inputs, output_hidden_states=True).hidden_states[-2]
-            condition["image_embeds"] = embeds.reshape(len(pixels), -1, embeds.shape[-1])  # pairs side by side
+            # pairs side by side
+            condition["image_embeds"] = embeds.reshape(len(pixels), -1, embeds.shape[-1])
         return condition
 
-    def encode_image(self, images: torch.Tensor, generators, frames: int,
-                     last_images: torch.Tensor | None = None) -> dict:
-        """I2V conditioning images, uint8 [B, H, W, 3] (and FLF2V's last images) -> the cached condition (no
-        noise augmentation: the pipelines add none)."""
-        pixels, last_pixels, last = images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0, None, None
+    def encode_image(
+        self, images: torch.Tensor, generators, frames: int, last_images: torch.Tensor | None = None
+    ) -> dict:
+        """I2V conditioning images, uint8 [B, H, W, 3] (and FLF2V's last images) -> the cached
+        condition (no noise augmentation: the pipelines add none)."""
+        pixels, last_pixels, last = (
+            images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0,
+            None,
+            None,
+        )
         if last_images is not None:
             last_pixels = last_images.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
             last = [np.asarray(image.cpu()) for image in last_images]
-        return self._condition(pixels, frames, [np.asarray(image.cpu()) for image in images], last_pixels, last)
+        return self._condition(
+            pixels, frames, [np.asarray(image.cpu()) for image in images], last_pixels, last
+        )
 
     def _vae_mode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixels [B, 3, F, H, W] in [-1, 1] -> the VAE's mode, normalised: how the VACE pipeline encodes."""
+        """Pixels [B, 3, F, H, W] in [-1, 1] -> the VAE's mode, normalised: how the VACE pipeline
+        encodes."""
         latents = self._load_vae().encode(pixels.to(self.device, self.vae_dtype)).latent_dist.mode()
         return self._normalise(latents)
 
-    def vace_condition(self, control: torch.Tensor | None, mask: torch.Tensor | None,
-                       references: torch.Tensor | None, frames: int, height: int, width: int) -> dict:
-        """VACE's condition of one or more clips, as WanVACEPipeline encodes it: `control_latents` [B, 96,
-        F', h, w] and, with references, `reference_latents` [B, C, R, h, w] (wan_vace.py). control: float
-        pixels [B, 3, F, H, W] in [-1, 1] (None: zeros, the pipeline's without a video); mask [B, 3, F, H,
-        W] in [0, 1] (None: all ones, the pipeline's default); references: canvases [B, R, 3, H, W]."""
+    def vace_condition(
+        self,
+        control: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        references: torch.Tensor | None,
+        frames: int,
+        height: int,
+        width: int,
+    ) -> dict:
+        """VACE's condition of one or more clips, as WanVACEPipeline encodes it: `control_latents`
+        [B, 96, F', h, w] and, with references, `reference_latents` [B, C, R, h, w] (wan_vace.py).
+        control: float pixels [B, 3, F, H, W] in [-1, 1] (None: zeros, the pipeline's without a
+        video); mask [B, 3, F, H, W] in [0, 1] (None: all ones, the pipeline's default); references:
+        canvases [B, R, 3, H, W]."""
         if control is None:
             control = torch.zeros(1, 3, frames, height, width, device=self.device)
         control = control.to(self.device, torch.float32)
         mask = torch.ones_like(control) if mask is None else mask.to(self.device, torch.float32)
         patch = self.transformer_config["patch_size"][1]
-        condition = {"control_latents": wan_vace.control_latents(
-            self._vae_mode, control, mask, self.temporal_ratio, self.spatial_ratio, patch)}
+        condition = {
+            "control_latents": wan_vace.control_latents(
+                self._vae_mode, control, mask, self.temporal_ratio, self.spatial_ratio, patch
+            )
+        }
         if references is not None and references.shape[1]:
-            condition["reference_latents"] = wan_vace.reference_latents(self._vae_mode,
-                                                                        references.to(self.device))
+            condition["reference_latents"] = wan_vace.reference_latents(
+                self._vae_mode, references.to(self.device)
+            )
         return condition
 
     def encode_control(self, video: torch.Tensor, masks=None, references=None) -> dict[str, torch.Tensor]:
-        """VACE: the control entries of a batch of clips: control frames uint8 [B, F, H, W, 3], each clip's
-        mask frames (uint8 [F, H, W, 3], or None: all white) and reference image (uint8 [H, W, 3], or None),
-        encoded as the pipeline encodes them (vace_condition)."""
+        """VACE: the control entries of a batch of clips: control frames uint8 [B, F, H, W, 3], each
+        clip's mask frames (uint8 [F, H, W, 3], or None: all white) and reference image (uint8 [H,
+        W, 3], or None), encoded as the pipeline encodes them (vace_condition)."""
         frames, height, width = video.shape[1:4]
         pixels = video.to(self.device).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
         white = torch.full_like(video[0], 255)
         masks = torch.stack([white if m is None else m for m in masks or [None] * len(video)])
         masks = masks.to(self.device).permute(0, 4, 1, 2, 3).float() / 255.0
         canvases = None
-        if references and references[0] is not None:  # every clip has one, or none (cache.check_controls)
-            canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio)[None]
-                                    for r in references])
+        # every clip has one, or none (cache.check_controls)
+        if references and references[0] is not None:
+            canvases = torch.stack(
+                [wan_vace.reference_canvas(r, height, width, self.spatial_ratio)[None] for r in references]
+            )
         return self.vace_condition(pixels, masks, canvases, frames, height, width)
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """UMT5 embeddings [B, 512, D] as WanPipeline computes them: its prompt cleaning, the rows past the
-        attention mask zeroed (the cache stores the rows before them)."""
+        """UMT5 embeddings [B, 512, D] as WanPipeline computes them: its prompt cleaning, the rows
+        past the attention mask zeroed (the cache stores the rows before them)."""
         text_encoder, tokenizer = self._text()
-        inputs = tokenizer([prompt_clean(p) for p in prompts], padding="max_length", max_length=TEXT_LENGTH,
-                           truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
-        embeds = text_encoder(inputs.input_ids.to(self.device), inputs.attention_mask.to(self.device)).last_hidden_state
+        inputs = tokenizer(
+            [prompt_clean(p) for p in prompts],
+            padding="max_length",
+            max_length=TEXT_LENGTH,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        embeds = text_encoder(
+            inputs.input_ids.to(self.device), inputs.attention_mask.to(self.device)
+        ).last_hidden_state
         return embeds * inputs.attention_mask.to(self.device)[:, :, None].to(embeds.dtype)
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents [B, C, F', h, w] -> pixels [B, C, F, H, W] in [-1, 1], as the pipeline decodes."""
-        latents = latents.to(self.vae_dtype) / (1.0 / self.latents_std.to(self.vae_dtype)) + \
-            self.latents_mean.to(self.vae_dtype)
+        """Normalised latents [B, C, F', h, w] -> pixels [B, C, F, H, W] in [-1, 1], as the pipeline
+        decodes."""
+        latents = latents.to(self.vae_dtype) / (
+            1.0 / self.latents_std.to(self.vae_dtype)
+        ) + self.latents_mean.to(self.vae_dtype)
         vae = self._load_vae()
         return torch.cat([vae.decode(clip, return_dict=False)[0] for clip in latents.split(1)])
 
@@ -302,7 +405,8 @@ class WanAdapter(Adapter):
     def _sigmas(self, generators) -> torch.Tensor:
         """s per sample: u uniform over the trained expert's share of [0, 1), then shifted."""
         low, high = 0.0, 1.0
-        if self.boundary is not None:  # s >= boundary is the high-noise expert's: invert the shift there
+        # s >= boundary is the high-noise expert's: invert the shift there
+        if self.boundary is not None:
             u_boundary = self.boundary / (self.shift - (self.shift - 1) * self.boundary)
             low, high = (u_boundary, 1.0) if self.expert == "high_noise" else (0.0, u_boundary)
         u = torch.stack([low + (high - low) * torch.rand((), generator=g) for g in generators])
@@ -315,39 +419,45 @@ class WanAdapter(Adapter):
         return [t for t in timesteps if (t >= self.boundary * 1000) == high]
 
     def _inputs(self, x_t, t, batch, n):
-        """The transformer's input, timesteps, image tokens, VACE context and the loss mask for noisy latents
-        x_t (n rows) at model timesteps t [n] of a cached batch or a sampling state's condition."""
+        """The transformer's input, timesteps, image tokens, VACE context and the loss mask for
+        noisy latents x_t (n rows) at model timesteps t [n] of a cached batch or a sampling state's
+        condition."""
         mask = torch.ones_like(x_t[:, :1])
         image_embeds = control = None
         if self.vace:  # the reference frames in front are not the clip's: outside the loss
             references = batch.get("reference_latents")
-            control = wan_vace.context(batch["control_latents"].to(self.device).float(),
-                                       None if references is None else references.to(self.device).float())
+            control = wan_vace.context(
+                batch["control_latents"].to(self.device).float(),
+                None if references is None else references.to(self.device).float(),
+            )
             control = control.expand(n, *control.shape[1:])
-            mask[:, :, :control.shape[2] - batch["control_latents"].shape[2]] = 0
+            mask[:, :, : control.shape[2] - batch["control_latents"].shape[2]] = 0
         if self.type == "i2v":
             condition = batch["image_latents"].to(self.device).float().expand(n, -1, -1, -1, -1)
-            if self.expand:  # TI2V: the first latent frame is the image's, at timestep 0, and not in the loss
+            # TI2V: the first latent frame is the image's, at timestep 0, and not in the loss
+            if self.expand:
                 mask[:, :, 0] = 0
                 x_t = (1 - mask) * condition + mask * x_t
             else:
                 x_t = torch.cat([x_t, self._frame_mask(condition), condition], dim=1)
             if "image_embeds" in batch:
                 image_embeds = batch["image_embeds"].to(self.device).expand(n, -1, -1)
-                if self.first_last:  # [n, 2 x tokens, D] -> [2n, tokens, D]: the image embedder pairs them again
+                # [n, 2 x tokens, D] -> [2n, tokens, D]: the image embedder pairs them again
+                if self.first_last:
                     image_embeds = image_embeds.reshape(2 * n, -1, image_embeds.shape[-1])
         if self.expand:
             t = (mask[:, 0, :, ::2, ::2] * t.view(-1, 1, 1, 1)).flatten(1)
         return x_t, t, image_embeds, control, mask
 
     def _frame_mask(self, condition: torch.Tensor) -> torch.Tensor:
-        """The pipeline's mask of known frames [B, temporal ratio, F', h, w], built as its prepare_latents
-        builds it: per pixel frame 1 for the first (and FLF2V's last) frame, the first repeated to fill its
-        latent frame, folded into channels."""
+        """The pipeline's mask of known frames [B, temporal ratio, F', h, w], built as its
+        prepare_latents builds it: per pixel frame 1 for the first (and FLF2V's last) frame, the
+        first repeated to fill its latent frame, folded into channels."""
         ratio, latent_frames = self.vae_config["scale_factor_temporal"], condition.shape[2]
         frames = (latent_frames - 1) * ratio + 1
         known = torch.zeros(frames, device=condition.device, dtype=condition.dtype)
-        known[:1] = 1  # slices fill on the device; an element assignment copies a host scalar (a wait)
+        # slices fill on the device; an element assignment copies a host scalar (a wait)
+        known[:1] = 1
         if self.first_last:
             known[-1:] = 1
         per_frame = torch.cat([known[:1].repeat(ratio), known[1:]]).view(latent_frames, ratio).T
@@ -355,10 +465,16 @@ class WanAdapter(Adapter):
 
     def _predict(self, transformer, x, t, embeds, image_embeds, control=None):
         dtype = next(transformer.parameters()).dtype
-        vace = {} if control is None else {"control_hidden_states": control.to(dtype)}  # conditioning scale 1
-        return transformer(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=embeds.to(dtype),
-                           encoder_hidden_states_image=None if image_embeds is None else image_embeds.to(dtype),
-                           return_dict=False, **vace)[0].float()
+        # conditioning scale 1
+        vace = {} if control is None else {"control_hidden_states": control.to(dtype)}
+        return transformer(
+            hidden_states=x.to(dtype),
+            timestep=t,
+            encoder_hidden_states=embeds.to(dtype),
+            encoder_hidden_states_image=None if image_embeds is None else image_embeds.to(dtype),
+            return_dict=False,
+            **vace,
+        )[0].float()
 
     def _loss(self, transformer, x0, noise, sigmas, batch, embeds):
         s = sigmas.view(-1, 1, 1, 1, 1)
@@ -368,26 +484,40 @@ class WanAdapter(Adapter):
         return error.sum(dim=(1, 2, 3, 4)) / (mask.sum(dim=(1, 2, 3, 4)) * x0.shape[1])
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
-        """Per-sample loss of a cached batch; the latent sample, u and the noise come from each sample's
-        own generator, keyed by (seed, step, position in the global batch)."""
-        x0 = self._with_references(self._normalise(sample_posterior(
-            batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators)), batch)
+        """Per-sample loss of a cached batch; the latent sample, u and the noise come from each
+        sample's own generator, keyed by (seed, step, position in the global batch)."""
+        x0 = self._with_references(
+            self._normalise(
+                sample_posterior(
+                    batch["latent_mean"].to(self.device), batch["latent_logvar"].to(self.device), generators
+                )
+            ),
+            batch,
+        )
         sigmas = to_device(self._sigmas(generators), self.device)
-        noise = to_device(torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device)
+        noise = to_device(
+            torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device
+        )
         return self._loss(transformer, x0, noise, sigmas, batch, batch["prompt_embeds"].to(self.device))
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
-        """The loss of one cached clip (its posterior mean) at each of `timesteps`, with the same noise."""
+        """The loss of one cached clip (its posterior mean) at each of `timesteps`, with the same
+        noise."""
         x0 = self._with_references(self._normalise(batch["latent_mean"].to(self.device).float()), batch)
         noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
         n = len(timesteps)
-        return self._loss(transformer, x0.expand(n, -1, -1, -1, -1), noise.expand(n, *noise.shape),
-                          torch.tensor(timesteps, device=self.device) / 1000, batch,
-                          batch["prompt_embeds"].to(self.device).expand(n, -1, -1))
+        return self._loss(
+            transformer,
+            x0.expand(n, -1, -1, -1, -1),
+            noise.expand(n, *noise.shape),
+            torch.tensor(timesteps, device=self.device) / 1000,
+            batch,
+            batch["prompt_embeds"].to(self.device).expand(n, -1, -1),
+        )
 
     def _with_references(self, x0: torch.Tensor, batch) -> torch.Tensor:
-        """VACE: the reference images' latents in front of the clip's, the sequence the pipeline denoises
-        (their noise is drawn with the clip's; _inputs keeps them out of the loss)."""
+        """VACE: the reference images' latents in front of the clip's, the sequence the pipeline
+        denoises (their noise is drawn with the clip's; _inputs keeps them out of the loss)."""
         if "reference_latents" not in batch:
             return x0
         references = batch["reference_latents"].to(self.device).float()
@@ -399,9 +529,10 @@ class WanAdapter(Adapter):
         return list(getattr(transformer, "vace_blocks", [])) + list(transformer.blocks)
 
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
-        """Sequence parallelism: the video tokens, their rotary embeddings and (TI2V) their per-token
-        timestep embeddings split at the first block; self-attention through an all-to-all, the
-        cross-attention to the text (and image) local."""
+        """Sequence parallelism: the video tokens, their rotary embeddings and (TI2V) their
+        per-token timestep embeddings split at the first block; self-attention through an
+        all-to-all, the cross-attention to the text (and image) local."""
+
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             # temb [B, tokens, 6, D] with expand_timesteps (TI2V), [B, 6, D] otherwise
             return {"rotary_emb": 1} | ({"temb": 1} if arguments["temb"].ndim == 4 else {})
@@ -415,33 +546,59 @@ class WanAdapter(Adapter):
     def sampler(self, name: str):
         return self.scheduler_class.from_pretrained(self.path, subfolder="scheduler")
 
-    def sampling_start(self, scheduler, steps: int, resolution, generator: torch.Generator, image=None,
-                       last_image=None, control=None, mask=None, references=()):
-        """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's (FLF2V: and the last
-        image's) condition, as the pipelines' prepare_latents. VACE: the control video's and mask's frames
-        (lists of PIL images, or None) and the reference images (PIL), encoded as WanVACEPipeline does;
-        a latent frame per reference in front of the clip's."""
+    def sampling_start(
+        self,
+        scheduler,
+        steps: int,
+        resolution,
+        generator: torch.Generator,
+        image=None,
+        last_image=None,
+        control=None,
+        mask=None,
+        references=(),
+    ):
+        """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's (FLF2V: and the
+        last image's) condition, as the pipelines' prepare_latents. VACE: the control video's and
+        mask's frames (lists of PIL images, or None) and the reference images (PIL), encoded as
+        WanVACEPipeline does; a latent frame per reference in front of the clip's."""
         frames, height, width = resolution
         ratio = self.vae_config["scale_factor_spatial"]
         scheduler.set_timesteps(steps, device=self.device)
         condition = self._vace_sampling_condition(control, mask, references, resolution) if self.vace else {}
-        shape = (1, self.vae_config["z_dim"], (frames - 1) // self.frame_multiple + 1 + len(references),
-                 height // ratio, width // ratio)
+        shape = (
+            1,
+            self.vae_config["z_dim"],
+            (frames - 1) // self.frame_multiple + 1 + len(references),
+            height // ratio,
+            width // ratio,
+        )
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         if image is not None:
             processor = VideoProcessor(vae_scale_factor=ratio)
             pixels = processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
-            last_pixels = None if last_image is None else \
-                processor.preprocess(last_image, height=height, width=width).to(self.device, torch.float32)
-            condition = self._condition(pixels, frames, [image], last_pixels,
-                                        None if last_image is None else [last_image])
+            last_pixels = (
+                None
+                if last_image is None
+                else processor.preprocess(last_image, height=height, width=width).to(
+                    self.device, torch.float32
+                )
+            )
+            condition = self._condition(
+                pixels, frames, [image], last_pixels, None if last_image is None else [last_image]
+            )
         boundary = None if self.boundary is None else self.boundary * scheduler.config.num_train_timesteps
-        return SimpleNamespace(scheduler=scheduler, latents=latents, condition=condition, boundary=boundary,
-                               references=len(references))
+        return SimpleNamespace(
+            scheduler=scheduler,
+            latents=latents,
+            condition=condition,
+            boundary=boundary,
+            references=len(references),
+        )
 
     def _vace_sampling_condition(self, control, mask, references, resolution) -> dict:
-        """The pipeline's preprocess_conditions on validation's inputs: frames to [-1, 1] at the clip's size,
-        the mask to [0, 1], each reference centred on a white canvas."""
+        """The pipeline's preprocess_conditions on validation's inputs: frames to [-1, 1] at the
+        clip's size, the mask to [0, 1], each reference centred on a white canvas."""
         frames, height, width = resolution
         processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
         if control is not None:
@@ -451,22 +608,32 @@ class WanAdapter(Adapter):
             mask = torch.clamp((mask + 1) / 2, min=0, max=1)
         canvases = None
         if references:
-            canvases = torch.stack([wan_vace.reference_canvas(r, height, width, self.spatial_ratio)
-                                    for r in references])[None]
+            canvases = torch.stack(
+                [wan_vace.reference_canvas(r, height, width, self.spatial_ratio) for r in references]
+            )[None]
         return self.vace_condition(control, mask, canvases, frames, height, width)
 
-    def denoise(self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool) -> torch.Tensor:
-        """The flow prediction at step t, by the expert whose range holds t; with guidance, of the latents
-        twice (uncond, cond) in one forward."""
+    def denoise(
+        self, models: dict, state, t: torch.Tensor, embeds: torch.Tensor, guided: bool
+    ) -> torch.Tensor:
+        """The flow prediction at step t, by the expert whose range holds t; with guidance, of the
+        latents twice (uncond, cond) in one forward."""
         folder = "transformer" if state.boundary is None or t >= state.boundary else "transformer_2"
         n = 2 if guided else 1
         x, timesteps, image_embeds, control, _ = self._inputs(state.latents, t.view(1), state.condition, 1)
-        return self._predict(models[folder], x.expand(n, *x.shape[1:]), timesteps.expand(n, *timesteps.shape[1:]),
-                             embeds, None if image_embeds is None else image_embeds.repeat(n, 1, 1),  # FLF2V
-                             None if control is None else control.expand(n, *control.shape[1:]))
+        return self._predict(
+            models[folder],
+            x.expand(n, *x.shape[1:]),
+            timesteps.expand(n, *timesteps.shape[1:]),
+            # FLF2V
+            embeds,
+            None if image_embeds is None else image_embeds.repeat(n, 1, 1),
+            None if control is None else control.expand(n, *control.shape[1:]),
+        )
 
     def guidance_scale(self, cfg, state, t: torch.Tensor) -> float:
-        """A14B: the low-noise expert's steps (t < boundary) take guidance_scale_2, as the pipeline's."""
+        """A14B: the low-noise expert's steps (t < boundary) take guidance_scale_2, as the
+        pipeline's."""
         if state.boundary is not None and t < state.boundary:
             return cfg.guidance_scale_2 or cfg.guidance_scale
         return cfg.guidance_scale
@@ -475,18 +642,20 @@ class WanAdapter(Adapter):
         state.latents = state.scheduler.step(prediction, t, state.latents, return_dict=False)[0]
 
     def sampled(self, state) -> torch.Tensor:
-        if self.expand and self.type == "i2v":  # the image's latent frame, as the pipeline restores it
+        # the image's latent frame, as the pipeline restores it
+        if self.expand and self.type == "i2v":
             return torch.cat([state.condition["image_latents"], state.latents[:, :, 1:]], dim=2)
-        return state.latents[:, :, state.references:]  # VACE: without the reference frames, as the pipeline
+        # VACE: without the reference frames, as the pipeline
+        return state.latents[:, :, state.references :]
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
 
 
 class SequenceParallelSelfAttention:
-    """diffusers' WanAttnProcessor for self-attention (attn1), step for step, with this rank's slice of
-    the video tokens: Q, K and V (normalised and rotated per token) go through one all-to-all to the
-    whole sequence with 1/sp of the heads, and the attention's output back."""
+    """diffusers' WanAttnProcessor for self-attention (attn1), step for step, with this rank's slice
+    of the video tokens: Q, K and V (normalised and rotated per token) go through one all-to-all to
+    the whole sequence with 1/sp of the heads, and the attention's output back."""
 
     def __init__(self, split: SequenceSplit):
         self.split = split
@@ -496,7 +665,8 @@ class SequenceParallelSelfAttention:
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
         query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        qkv = self.split.seq_to_heads(stack_qkv(query, key, value), 2, 3)  # [3, B, tokens, heads, D]
+        # [3, B, tokens, heads, D]
+        qkv = self.split.seq_to_heads(stack_qkv(query, key, value), 2, 3)
         query, key, value = qkv.transpose(2, 3).unbind(0)
         out = F.scaled_dot_product_attention(query, key, value).transpose(1, 2)
         out = self.split.heads_to_seq(out, 1, 2).flatten(2, 3).type_as(query)

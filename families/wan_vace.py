@@ -29,9 +29,7 @@ def reference_canvas(image, height: int, width: int, spatial: int) -> torch.Tens
     img_height, img_width = pixels.shape[-2:]
     scale = min(height / img_height, width / img_width)
     new_height, new_width = int(img_height * scale), int(img_width * scale)
-    resized = F.interpolate(
-        pixels, size=(new_height, new_width), mode="bilinear", align_corners=False
-    )[0]
+    resized = F.interpolate(pixels, size=(new_height, new_width), mode="bilinear", align_corners=False)[0]
     top, left = (height - new_height) // 2, (width - new_width) // 2
     canvas = torch.ones(3, height, width)
     canvas[:, top : top + new_height, left : left + new_width] = resized
@@ -45,9 +43,7 @@ def pack_mask(mask: torch.Tensor, temporal: int, spatial: int, patch: int) -> to
     batch, frames, height, width = mask.shape
     latent_frames = (frames + temporal - 1) // temporal
     h, w = height // (spatial * patch) * patch, width // (spatial * patch) * patch
-    folded = (
-        mask.reshape(batch, frames, h, spatial, w, spatial).permute(0, 3, 5, 1, 2, 4).flatten(1, 2)
-    )
+    folded = mask.reshape(batch, frames, h, spatial, w, spatial).permute(0, 3, 5, 1, 2, 4).flatten(1, 2)
     return F.interpolate(folded, size=(latent_frames, h, w), mode="nearest-exact")
 
 

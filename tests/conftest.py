@@ -1,4 +1,5 @@
-"""Shared test harness: the tiny model, the synthetic dataset and its cache are built once per session.
+"""Shared test harness: the tiny model, the synthetic dataset and its cache are built once per
+session.
 
 Tests run the real commands (`python trainer.py`, `torchrun ... trainer.py`) as subprocesses, so the
 configs, the loading code and the process-group setup under test are the ones users run.
@@ -16,8 +17,8 @@ import sys
 from pathlib import Path
 
 import av
-import pytest
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from diffusers.models import modeling_utils
@@ -28,10 +29,10 @@ sys.path.insert(0, str(REPO))
 import cache  # noqa: E402
 import ranks  # noqa: E402
 import trainer  # noqa: E402
-from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from config import load_config, toml_value  # noqa: E402
 from model import setup_adapter  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
+from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from tools.make_tiny_model import make_tiny_ltx2, make_tiny_model, make_tiny_wan  # noqa: E402
 
 
@@ -68,8 +69,8 @@ def ltx2_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ltx2_data(tmp_path_factory):
-    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24 would
-    dominate."""
+    """Six clips: Gemma 3 reads 1024 tokens per prompt, so the cache pass over the session's 24
+    would dominate."""
     path = tmp_path_factory.mktemp("ltx2_data") / "shapes"
     make_synthetic_dataset(str(path), num_videos=6, frames=17, height=40, width=48, seed=0)
     return path
@@ -124,7 +125,8 @@ def base_settings(tiny_model, tiny_data, tmp_path_factory) -> dict:
 
 @pytest.fixture
 def write_config(base_settings, tmp_path):
-    """write_config(name, **{"section.key": value}) -> path of a TOML file; output_dir under tmp_path."""
+    """write_config(name, **{"section.key": value}) -> path of a TOML file; output_dir under
+    tmp_path."""
 
     def write(name: str = "run", **settings) -> Path:
         settings = {"run.output_dir": str(tmp_path / name), **base_settings, **settings}
@@ -140,37 +142,62 @@ def free_port() -> int:
 
 
 def command(args: list[str], nproc: int, env: dict | None, script: str) -> tuple[list[str], dict]:
-    """One of our commands: in one process, through torchrun, or through launch.sh (NPROC processes; its
-    arguments are the config file, then overrides)."""
+    """One of our commands: in one process, through torchrun, or through launch.sh (NPROC processes;
+    its arguments are the config file, then overrides)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     if script == "launch.sh":
         return ["bash", str(REPO / script), *args], {**full_env, "NPROC": str(nproc)}
     if nproc == 1:
         return [sys.executable, str(REPO / script), *args], full_env
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-            str(REPO / script), *args], full_env
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        str(REPO / script),
+        *args,
+    ], full_env
 
 
 def default_sigint() -> None:
-    """A job started in the background by a non-interactive shell (as CI may be) ignores SIGINT, and so
-    would the trainer it starts: the child gets the default disposition, as under a terminal."""
+    """A job started in the background by a non-interactive shell (as CI may be) ignores SIGINT, and
+    so would the trainer it starts: the child gets the default disposition, as under a terminal."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_cmd(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 300, script: str = "trainer.py"):
+def run_cmd(
+    args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 300, script: str = "trainer.py"
+):
     """Run one of our commands, in one process or through torchrun; return the CompletedProcess."""
     cmd, full_env = command(args, nproc, env, script)
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=default_sigint)
+    return subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=default_sigint,
+    )
 
 
 def start_paused(args: list[str], fault: str, nproc: int = 1, script: str = "trainer.py"):
-    """Start a command with a `pause` fault (faults.pause) in a session of its own, as a terminal or a
-    scheduler starts a job; return the process, the pid of the paused rank and the output so far, once
-    it has paused. Signal the whole job with os.killpg(process.pid, ...), then finish(process, output)."""
+    """Start a command with a `pause` fault (faults.pause) in a session of its own, as a terminal or
+    a scheduler starts a job; return the process, the pid of the paused rank and the output so far,
+    once it has paused. Signal the whole job with os.killpg(process.pid, ...), then finish(process,
+    output)."""
     cmd, full_env = command(args, nproc, {"VIDTRAIN_FAULT": fault}, script)
-    process = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True, preexec_fn=default_sigint)
+    process = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_sigint,
+    )
     output = []
     for line in process.stdout:
         output.append(line)
@@ -186,9 +213,12 @@ def finish(process, output: list[str], timeout: int = 300) -> tuple[int, str]:
     return process.returncode, "".join(output)
 
 
-def run_read_only(folders: list[Path], args: list[str], nproc: int = 1, script: str = "trainer.py", timeout: int = 300):
-    """Run one of our commands with `folders` read-only: for root, whom permissions do not stop, as a read-only
-    bind mount in a mount namespace of the command's own (unshare); for other users by their permissions."""
+def run_read_only(
+    folders: list[Path], args: list[str], nproc: int = 1, script: str = "trainer.py", timeout: int = 300
+):
+    """Run one of our commands with `folders` read-only: for root, whom permissions do not stop, as
+    a read-only bind mount in a mount namespace of the command's own (unshare); for other users by
+    their permissions."""
     cmd, env = command(args, nproc, None, script)
     if os.geteuid() != 0:
         modes = {folder: folder.stat().st_mode for folder in folders}
@@ -199,19 +229,31 @@ def run_read_only(folders: list[Path], args: list[str], nproc: int = 1, script: 
         finally:
             for folder, mode in modes.items():
                 folder.chmod(mode)
-    mounts = " && ".join(f"mount --bind {f} {f} && mount -o remount,bind,ro {f}" for f in map(shlex.quote, map(str, folders)))
-    return subprocess.run(["unshare", "--mount", "bash", "-c", f'{mounts} && exec "$@"', "bash", *cmd], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    mounts = " && ".join(
+        f"mount --bind {f} {f} && mount -o remount,bind,ro {f}" for f in map(shlex.quote, map(str, folders))
+    )
+    return subprocess.run(
+        ["unshare", "--mount", "bash", "-c", f'{mounts} && exec "$@"', "bash", *cmd],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_ok(*args, **kwargs):
     result = run_cmd(*args, **kwargs)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    )
     return result
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (Path(output_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def train_losses(output_dir: Path) -> dict[int, float]:
@@ -219,10 +261,10 @@ def train_losses(output_dir: Path) -> dict[int, float]:
 
 
 def assert_loads_lean(adapter, monkeypatch, folder: str = "") -> None:
-    """adapter.load_transformer with accelerate hidden (requirements.txt does not list it; without it
-    from_pretrained allocates every weight for real, and refuses Wan): every parameter is registered on
-    the meta device (so no initialisation touches memory), and the result equals from_pretrained's (with
-    accelerate) tensor for tensor, dtypes, buffers and eval mode included."""
+    """adapter.load_transformer with accelerate hidden (requirements.txt does not list it; without
+    it from_pretrained allocates every weight for real, and refuses Wan): every parameter is
+    registered on the meta device (so no initialisation touches memory), and the result equals
+    from_pretrained's (with accelerate) tensor for tensor, dtypes, buffers and eval mode included."""
     folder = folder or adapter.transformer_folder
     reference = adapter.TRANSFORMER.from_pretrained(adapter.path, subfolder=folder, dtype=adapter.dtype)
     on_meta, register = [], torch.nn.Module.register_parameter
@@ -263,11 +305,16 @@ def prepare_run(cfg, d: ranks.Dist):
 
 
 def lora_and_sft_runs(settings: dict, tmp_path):
-    """Two steps of LoRA with `settings` (under tmp_path/lora) and two of sft beside it (tmp_path/sft): the
-    exported LoRA file, the LoRA run's config and its adapter (the family template's runs)."""
+    """Two steps of LoRA with `settings` (under tmp_path/lora) and two of sft beside it
+    (tmp_path/sft): the exported LoRA file, the LoRA run's config and its adapter (the family
+    template's runs)."""
     trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
-    sft = {**settings, "run.output_dir": str(tmp_path / "sft"), "train.training_type": "sft",
-           "train.learning_rate": 1e-3}
+    sft = {
+        **settings,
+        "run.output_dir": str(tmp_path / "sft"),
+        "train.training_type": "sft",
+        "train.learning_rate": 1e-3,
+    }
     trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
     cfg = load_config(str(tmp_path / "lora.toml"))
     lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
@@ -278,32 +325,49 @@ def decode_mp4(path):
     """PyAV's frames [F, H, W, 3] (uint8) of an mp4 and its stream's average rate."""
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
-        frames = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(stream)])
+        frames = torch.stack(
+            [torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(stream)]
+        )
         return frames, stream.average_rate
 
 
 def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
-    """The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a diffusers
-    transformer config, written from comfy/ldm/cogvideo/model.py (CogVideoXBlock, CogVideoXPatchEmbed,
-    CogVideoXLayerNormZero, CogVideoXAdaLayerNorm, CogVideoXTransformer3DModel.__init__) as read at
-    comfyanonymous/ComfyUI 955ce480e27210cc7c0ea007f017077a2c539b81 (the same in yzkee/ComfyUI, a copy of
-    upstream to Aug 2026, at 783545f689a0af730065994b46b382ae24844c99). ComfyUI converts no diffusers keys for CogVideoX
-    (comfy/model_detection.py detects it by blocks.0.norm1.linear.weight), and its LoRA loader
-    (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` from
+    """The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a
+    diffusers transformer config, written from comfy/ldm/cogvideo/model.py (CogVideoXBlock,
+    CogVideoXPatchEmbed, CogVideoXLayerNormZero, CogVideoXAdaLayerNorm,
+    CogVideoXTransformer3DModel.__init__) as read at comfyanonymous/ComfyUI
+    955ce480e27210cc7c0ea007f017077a2c539b81 (the same in yzkee/ComfyUI, a copy of upstream to Aug
+    2026, at 783545f689a0af730065994b46b382ae24844c99). ComfyUI converts no diffusers keys for
+    CogVideoX (comfy/model_detection.py detects it by blocks.0.norm1.linear.weight), and its LoRA
+    loader (comfy/lora.py model_lora_keys_unet) patches `diffusion_model.<module>.weight` from
     `diffusion_model.<module>.lora_A/lora_B.weight` with `.alpha` (comfy/weight_adapter/lora.py)."""
     dim, time = c["num_attention_heads"] * c["attention_head_dim"], c["time_embed_dim"]
     p, pt = c["patch_size"], c["patch_size_t"]
-    block = {"norm1.linear": (time, 6 * dim), "q": (dim, dim), "k": (dim, dim), "v": (dim, dim), "attn_out": (dim, dim),
-             "norm2.linear": (time, 6 * dim), "ff_proj": (dim, 4 * dim), "ff_out": (4 * dim, dim)}
+    block = {
+        "norm1.linear": (time, 6 * dim),
+        "q": (dim, dim),
+        "k": (dim, dim),
+        "v": (dim, dim),
+        "attn_out": (dim, dim),
+        "norm2.linear": (time, 6 * dim),
+        "ff_proj": (dim, 4 * dim),
+        "ff_out": (4 * dim, dim),
+    }
     linears = {f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()}
-    linears |= {"patch_embed.text_proj": (c["text_embed_dim"], dim), "time_embedding_linear_1": (dim, time),
-                "time_embedding_linear_2": (time, time), "norm_out.linear": (time, 2 * dim),
-                "proj_out": (dim, p * p * (pt or 1) * c["out_channels"])}
+    linears |= {
+        "patch_embed.text_proj": (c["text_embed_dim"], dim),
+        "time_embedding_linear_1": (dim, time),
+        "time_embedding_linear_2": (time, time),
+        "norm_out.linear": (time, 2 * dim),
+        "proj_out": (dim, p * p * (pt or 1) * c["out_channels"]),
+    }
     if pt:  # 1.5: the patch embedding is a Linear (a Conv2d in 1.0)
         linears["patch_embed.proj"] = (c["in_channels"] * p * p * pt, dim)
     if c["ofs_embed_dim"]:
-        linears |= {"ofs_embedding_linear_1": (c["ofs_embed_dim"],) * 2,
-                    "ofs_embedding_linear_2": (c["ofs_embed_dim"],) * 2}
+        linears |= {
+            "ofs_embedding_linear_1": (c["ofs_embed_dim"],) * 2,
+            "ofs_embedding_linear_2": (c["ofs_embed_dim"],) * 2,
+        }
     return linears
 
 
@@ -317,36 +381,56 @@ def ltx2_settings(variant, ltx2_models, base_settings, tiny_data, output_dir, **
     """Two video-only steps of LTX-2 `variant` ("2.0", "2.3-i2v": 2.3's model for image-to-video)."""
     model_type = "i2v" if variant.endswith("i2v") else "t2v"
     model = ltx2_models(variant.split("-")[0])
-    settings = {**base_settings, "run.output_dir": str(output_dir), "model.path": str(model), "model.family": "ltx2",
-                "model.type": model_type, "data.data_root": str(tiny_data),
-                "data.held_out": 2, "data.audio": False,  # video only: these clips have no sound
-                "train.steps": 2, "train.learning_rate": 1e-2, "train.lr_warmup_steps": 1,
-                "validation.do_validation": False, "validation.prompts": LTX2_PROMPTS,
-                "validation.num_inference_steps": 2, "validation.gen_fps": 24}
+    settings = {
+        **base_settings,
+        "run.output_dir": str(output_dir),
+        "model.path": str(model),
+        "model.family": "ltx2",
+        "model.type": model_type,
+        "data.data_root": str(tiny_data),
+        "data.held_out": 2,
+        "data.audio": False,  # video only: these clips have no sound
+        "train.steps": 2,
+        "train.learning_rate": 1e-2,
+        "train.lr_warmup_steps": 1,
+        "validation.do_validation": False,
+        "validation.prompts": LTX2_PROMPTS,
+        "validation.num_inference_steps": 2,
+        "validation.gen_fps": 24,
+    }
     if model_type == "i2v":
-        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png")
-                                         for i in range(len(LTX2_PROMPTS))]
+        settings["validation.images"] = [
+            str(tiny_data / "images" / f"0000{i}.png") for i in range(len(LTX2_PROMPTS))
+        ]
     return {**settings, **extra}
 
 
 def pipeline_guidance(cfg) -> dict:
-    """The pipelines' guidance arguments for validation's settings (each term on both streams, as ours)."""
-    return dict(guidance_scale=cfg.guidance_scale, audio_guidance_scale=cfg.audio_guidance_scale or cfg.guidance_scale,
-                stg_scale=cfg.stg_scale, audio_stg_scale=cfg.stg_scale, spatio_temporal_guidance_blocks=cfg.stg_blocks,
-                modality_scale=cfg.modality_scale, audio_modality_scale=cfg.modality_scale,
-                guidance_rescale=cfg.guidance_rescale, audio_guidance_rescale=cfg.guidance_rescale)
+    """The pipelines' guidance arguments for validation's settings (each term on both streams, as
+    ours)."""
+    return dict(
+        guidance_scale=cfg.guidance_scale,
+        audio_guidance_scale=cfg.audio_guidance_scale or cfg.guidance_scale,
+        stg_scale=cfg.stg_scale,
+        audio_stg_scale=cfg.stg_scale,
+        spatio_temporal_guidance_blocks=cfg.stg_blocks,
+        modality_scale=cfg.modality_scale,
+        audio_modality_scale=cfg.modality_scale,
+        guidance_rescale=cfg.guidance_rescale,
+        audio_guidance_rescale=cfg.guidance_rescale,
+    )
 
 
 def ltx_core_cross_inputs(model, video_t, video_sigma, audio_t, audio_sigma) -> dict[str, torch.Tensor]:
     """The four audio-video cross-attention AdaLN inputs as Lightricks/LTX-2's packages/ltx-core
     model/transformer/transformer_args.py computes them (MultiModalTransformerArgsPreprocessor.
     _prepare_cross_attention_timestep, called per modality with the other as cross_modality):
-    scale/shift = cross_scale_shift_adaln(modality.timesteps x timestep_scale_multiplier), per token;
-    gate = cross_gate_adaln(cross_modality.sigma x timestep_scale_multiplier x av_ca_factor),
-    av_ca_factor = av_ca_timestep_scale_multiplier / timestep_scale_multiplier. The arguments here are what
-    diffusers' transformer takes (timestep_scale_multiplier already applied: 1000 s). ltx-core's modules
-    (model/transformer/model.py) are diffusers' av_cross_attn_*: video_scale_shift, video_a2v_gate,
-    audio_scale_shift, audio_v2a_gate."""
+    scale/shift = cross_scale_shift_adaln(modality.timesteps x timestep_scale_multiplier), per
+    token; gate = cross_gate_adaln(cross_modality.sigma x timestep_scale_multiplier x av_ca_factor),
+    av_ca_factor = av_ca_timestep_scale_multiplier / timestep_scale_multiplier. The arguments here
+    are what diffusers' transformer takes (timestep_scale_multiplier already applied: 1000 s).
+    ltx-core's modules (model/transformer/model.py) are diffusers' av_cross_attn_*:
+    video_scale_shift, video_a2v_gate, audio_scale_shift, audio_v2a_gate."""
     factor = model.config.cross_attn_timestep_scale_multiplier / model.config.timestep_scale_multiplier
     batch, dtype = len(video_sigma), model.proj_in.weight.dtype
 
@@ -354,16 +438,19 @@ def ltx_core_cross_inputs(model, video_t, video_sigma, audio_t, audio_sigma) -> 
         out = module(t.flatten(), batch_size=batch, hidden_dtype=dtype)[0]
         return out.view(batch, -1, out.shape[-1])
 
-    return {"temb_ca_scale_shift": adaln(model.av_cross_attn_video_scale_shift, video_t),
-            "temb_ca_audio_scale_shift": adaln(model.av_cross_attn_audio_scale_shift, audio_t),
-            "temb_ca_gate": adaln(model.av_cross_attn_video_a2v_gate, audio_sigma * factor),
-            "temb_ca_audio_gate": adaln(model.av_cross_attn_audio_v2a_gate, video_sigma * factor)}
+    return {
+        "temb_ca_scale_shift": adaln(model.av_cross_attn_video_scale_shift, video_t),
+        "temb_ca_audio_scale_shift": adaln(model.av_cross_attn_audio_scale_shift, audio_t),
+        "temb_ca_gate": adaln(model.av_cross_attn_video_a2v_gate, audio_sigma * factor),
+        "temb_ca_audio_gate": adaln(model.av_cross_attn_audio_v2a_gate, video_sigma * factor),
+    }
 
 
 @contextlib.contextmanager
 def ltx_core_cross_modulation(model):
-    """diffusers' transformer `model` with ltx-core's cross-attention modulation: each call's four inputs
-    (ltx_core_cross_inputs, from the call's timesteps and sigmas) replace what every block is given."""
+    """diffusers' transformer `model` with ltx-core's cross-attention modulation: each call's four
+    inputs (ltx_core_cross_inputs, from the call's timesteps and sigmas) replace what every block is
+    given."""
     inputs = {}
 
     def on_call(module, args, kwargs):
@@ -371,14 +458,19 @@ def ltx_core_cross_modulation(model):
         audio_t = kwargs.get("audio_timestep")
         audio_t = timestep if audio_t is None else audio_t
         audio_sigma = kwargs.get("audio_sigma")
-        inputs.update(ltx_core_cross_inputs(module, timestep, sigma, audio_t, sigma if audio_sigma is None
-                                            else audio_sigma))
+        inputs.update(
+            ltx_core_cross_inputs(
+                module, timestep, sigma, audio_t, sigma if audio_sigma is None else audio_sigma
+            )
+        )
 
     def on_block(module, args, kwargs):
         return args, {**kwargs, **inputs}
 
     hooks = [model.register_forward_pre_hook(on_call, with_kwargs=True)]
-    hooks += [block.register_forward_pre_hook(on_block, with_kwargs=True) for block in model.transformer_blocks]
+    hooks += [
+        block.register_forward_pre_hook(on_block, with_kwargs=True) for block in model.transformer_blocks
+    ]
     try:
         yield
     finally:
@@ -387,8 +479,8 @@ def ltx_core_cross_modulation(model):
 
 
 def ramp_clip(path: Path, frames: int, height: int = 32, width: int = 32, kind: str = "mp4") -> None:
-    """Frame k is flat grey 10 + 12k (the decoded value tells which frame was picked), with a white top-left
-    corner (it tells which way up the frame is)."""
+    """Frame k is flat grey 10 + 12k (the decoded value tells which frame was picked), with a white
+    top-left corner (it tells which way up the frame is)."""
     video = np.stack([np.full((height, width, 3), 10 + 12 * k, np.uint8) for k in range(frames)])
     video[:, : height // 4, : width // 4] = 255
     write_clip(path, video, 8, kind)
@@ -404,9 +496,7 @@ def ramp_video(path, frames: int, height: int, width: int, fps: int, step: float
     """Frame k is flat grey 10 + step x k (the decoded grey tells which frame was picked), with a
     white top-left corner (it tells how the frame was resized and cropped) and a top-right one of
     grey `mark` (clips of other content: other windows and crops)."""
-    video = np.stack(
-        [np.full((height, width, 3), round(10 + step * k), np.uint8) for k in range(frames)]
-    )
+    video = np.stack([np.full((height, width, 3), round(10 + step * k), np.uint8) for k in range(frames)])
     video[:, : height // 4, : width // 4] = 255
     video[:, : height // 4, -width // 4 :] = mark
     write_clip(path, video, fps)

@@ -8,17 +8,18 @@ turn deterministic in that mode) and refuses cuDNN attention, which has no deter
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import read_metrics
 
 import parallel
-
 import ranks
 import trainer
 from config import ConfigError, ModelConfig, load_config
-from conftest import read_metrics
 from model_adapter import load_adapter
 
-KERNELS = {"flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
-           "math": "aten::_scaled_dot_product_attention_math"}
+KERNELS = {
+    "flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "math": "aten::_scaled_dot_product_attention_math",
+}
 
 
 def kernels_of_a_step(model_path, backend: str) -> dict[str, int]:
@@ -27,9 +28,13 @@ def kernels_of_a_step(model_path, backend: str) -> dict[str, int]:
     transformer = adapter.load_transformer().train().requires_grad_(True)
     transformer.enable_gradient_checkpointing()
     c = adapter.transformer_config
-    latent = (1, adapter.latent_channels, 3, 32 // adapter.spatial_ratio, 32 // adapter.spatial_ratio)  # [B, C, F, h, w]
-    batch = {"latent_mean": torch.randn(latent), "latent_logvar": torch.full(latent, -5.0),
-             "prompt_embeds": torch.randn(1, adapter.text_length, c["text_embed_dim"])}
+    # [B, C, F, h, w]
+    latent = (1, adapter.latent_channels, 3, 32 // adapter.spatial_ratio, 32 // adapter.spatial_ratio)
+    batch = {
+        "latent_mean": torch.randn(latent),
+        "latent_logvar": torch.full(latent, -5.0),
+        "prompt_embeds": torch.randn(1, adapter.text_length, c["text_embed_dim"]),
+    }
     compute = parallel.Compute(torch.device("cpu"), "no", backend)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         with compute:
@@ -54,8 +59,13 @@ def test_a_backend_the_device_lacks_stops_the_first_step(write_config):
 
     The trainer applies it: memory-efficient attention has no CPU kernel, so SDPA refuses the first
     training step (CUDA words it "No available kernel")."""
-    cfg = load_config(str(write_config("efficient", **{"train.attention_backend": "efficient",
-                                                       "validation.do_validation": False})))
+    cfg = load_config(
+        str(
+            write_config(
+                "efficient", **{"train.attention_backend": "efficient", "validation.do_validation": False}
+            )
+        )
+    )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention"):
@@ -70,7 +80,8 @@ def test_deterministic_keeps_the_fused_attention_kernels(monkeypatch, write_conf
 
     The flags would otherwise force the math backend (56.5 GiB of scores for CogVideoX-5B); cuDNN
     attention, which has no deterministic backward, is a config error with run.deterministic."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU path of make_deterministic
+    # the GPU path of make_deterministic
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     benchmark = torch.backends.cudnn.benchmark
     try:
@@ -80,8 +91,13 @@ def test_deterministic_keeps_the_fused_attention_kernels(monkeypatch, write_conf
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark = benchmark
-        for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
-                       torch.backends.cuda.enable_cudnn_sdp):
+        for enable in (
+            torch.backends.cuda.enable_flash_sdp,
+            torch.backends.cuda.enable_mem_efficient_sdp,
+            torch.backends.cuda.enable_cudnn_sdp,
+        ):
             enable(True)
     with pytest.raises(ConfigError, match='attention_backend = "cudnn" has no deterministic backward'):
-        load_config(str(write_config("cudnn", **{"run.deterministic": True, "train.attention_backend": "cudnn"})))
+        load_config(
+            str(write_config("cudnn", **{"run.deterministic": True, "train.attention_backend": "cudnn"}))
+        )

@@ -17,6 +17,7 @@ import av
 import numpy as np
 import pytest
 import torch
+from conftest import one_rank_group, prepare_run, write_toml
 from diffusers import AutoencoderKLLTX2Audio
 from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
@@ -24,26 +25,35 @@ from transformers.audio_utils import mel_filter_bank, spectrogram, window_functi
 import data
 import decode
 from config import DataConfig, load_config
-from conftest import one_rank_group, prepare_run, write_toml
 from families.cogvideox import CogVideoXAdapter
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
 
 FPS, RATE = 8, 16000
 # On or off per pair of frames (so a 4 fps window sees whole pairs): no shift of it matches itself.
 PATTERN = [1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 1, 1, 0, 0, 1, 0]
-CONTAINERS = {"mp4": ("mp4", "aac", 44100), "mkv": ("matroska", "libopus", 48000),
-              "mka": ("matroska", "aac", 44100), "ts": ("mpegts", "mp2", 44100),
-              "m2ts": ("mpegts", "aac", 48000)}
+CONTAINERS = {
+    "mp4": ("mp4", "aac", 44100),
+    "mkv": ("matroska", "libopus", 48000),
+    "mka": ("matroska", "aac", 44100),
+    "ts": ("mpegts", "mp2", 44100),
+    "m2ts": ("mpegts", "aac", 48000),
+}
 LAYOUTS = {1: "mono", 2: "stereo", 8: "7.1"}
 SUFFIXES = {"mp4": "mp4", "matroska": "mkv", "mpegts": "ts"}
 
 
-def write_flashes(path: Path, kind: str, video_start: float = 0.0, channels: int = 2, early_noise: bool = False,
-                  steady: bool = False) -> None:
-    """40 frames at 8 fps, frame k white while PATTERN[k // 2] (else black; `steady`: always white), and
-    a 440 Hz tone exactly while a white frame is shown. The video's first frame is shown at `video_start`
-    seconds on the container's clock, the sound starts at 0 (`early_noise`: loud noise before the first
-    frame)."""
+def write_flashes(
+    path: Path,
+    kind: str,
+    video_start: float = 0.0,
+    channels: int = 2,
+    early_noise: bool = False,
+    steady: bool = False,
+) -> None:
+    """40 frames at 8 fps, frame k white while PATTERN[k // 2] (else black; `steady`: always white),
+    and a 440 Hz tone exactly while a white frame is shown. The video's first frame is shown at
+    `video_start` seconds on the container's clock, the sound starts at 0 (`early_noise`: loud noise
+    before the first frame)."""
     form, codec, rate = CONTAINERS[kind]
     bits = np.repeat([1] * len(PATTERN) if steady else PATTERN, 2)
     t = np.arange(round((video_start + len(bits) / FPS) * rate)) / rate
@@ -67,23 +77,32 @@ def write_flashes(path: Path, kind: str, video_start: float = 0.0, channels: int
 
 def planned(path: Path, frames: int, target_fps: float = 0.0, seed: int = 0) -> data.Item:
     cfg = DataConfig(data_root=str(path.parent), train_resolution=[frames, 32, 32], target_fps=target_fps)
-    item = data.plan_clip(data.Clip(path, "flashes", 1, "videos.txt"), decode.probe(path), f"{path}", [(frames, 32, 32)],
-                          cfg, seed)
+    item = data.plan_clip(
+        data.Clip(path, "flashes", 1, "videos.txt"),
+        decode.probe(path),
+        f"{path}",
+        [(frames, 32, 32)],
+        cfg,
+        seed,
+    )
     assert isinstance(item, data.Item), item
     return item
 
 
 def assert_in_step(item: data.Item) -> None:
-    """The window's sound is loud in each frame's seconds exactly when that frame is white, and lasts
-    as long as the frames."""
+    """The window's sound is loud in each frame's seconds exactly when that frame is white, and
+    lasts as long as the frames."""
     frames, rate = item.resolution[0], item.rate
     video = data.decode_clip(item)
     sound = data.decode_audio(item, RATE, 2)
     assert sound.shape == (2, round(frames / rate * RATE))
     white = [bool(v > 128) for v in video.float().mean(dim=(1, 2, 3))]
-    slot, edge = RATE / rate, round(0.02 * RATE)  # away from each slot's edges: codecs smear a switch over ms
-    loud = [bool(sound[:, round(j * slot) + edge : round((j + 1) * slot) - edge].pow(2).mean().sqrt() > 0.05)
-            for j in range(frames)]
+    # away from each slot's edges: codecs smear a switch over ms
+    slot, edge = RATE / rate, round(0.02 * RATE)
+    loud = [
+        bool(sound[:, round(j * slot) + edge : round((j + 1) * slot) - edge].pow(2).mean().sqrt() > 0.05)
+        for j in range(frames)
+    ]
     assert loud == white, f"start {item.start} at {rate} fps"
     assert any(white) and not all(white)
 
@@ -126,7 +145,8 @@ def test_frames_stamped_in_milliseconds_join_without_gaps(tmp_path):
     write_flashes(path, "mka", steady=True)
     sound = data.decode_audio(planned(path, 17), RATE, 2)
     spectrum = torch.stft(sound[0], 1024, 160, window=torch.hann_window(1024), return_complex=True).abs()
-    assert spectrum[128:].mean() < 1e-4 * spectrum.max()  # bins from 2 kHz up; clicks put 1e-3 there
+    # bins from 2 kHz up; clicks put 1e-3 there
+    assert spectrum[128:].mean() < 1e-4 * spectrum.max()
 
 
 def test_no_sound(tmp_path):
@@ -150,7 +170,9 @@ def write_garbage_sound(path: Path) -> None:
         stream.pix_fmt = "yuv420p"
         audio = container.add_stream("aac", rate=44100, layout="stereo")
         for _ in range(16):
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")))
+            container.mux(
+                stream.encode(av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24"))
+            )
         container.mux(stream.encode())
         noise = np.random.default_rng(0)
         for k in range(40):
@@ -187,11 +209,21 @@ def write_tone(path: Path, form: str, codec: str, channels: int, frames: int = 9
         write_sound(container, audio, (levels[:, None] * tone[None]).astype(np.float32))
 
 
-# Codecs in containers that users' clips carry: 7.1 in mp4 and Matroska (PyAV 18.1 segfaulted reading planar
-# 8-channel frames); lossless codecs in Matroska and MP2 in MPEG-TS, whose timestamps do not count samples.
-SOUNDS = [("mp4", "aac", 8), ("mp4", "flac", 8), ("mp4", "pcm_s16le", 8), ("matroska", "aac", 8),
-          ("matroska", "flac", 8), ("matroska", "pcm_s16le", 8), ("matroska", "flac", 2),
-          ("matroska", "pcm_s16le", 2), ("matroska", "alac", 2), ("mpegts", "mp2", 2)]
+# Codecs in containers that users' clips carry: 7.1 in mp4 and Matroska (PyAV 18.1 segfaulted
+# reading planar 8-channel frames); lossless codecs in Matroska and MP2 in MPEG-TS, whose timestamps
+# do not count samples.
+SOUNDS = [
+    ("mp4", "aac", 8),
+    ("mp4", "flac", 8),
+    ("mp4", "pcm_s16le", 8),
+    ("matroska", "aac", 8),
+    ("matroska", "flac", 8),
+    ("matroska", "pcm_s16le", 8),
+    ("matroska", "flac", 2),
+    ("matroska", "pcm_s16le", 2),
+    ("matroska", "alac", 2),
+    ("mpegts", "mp2", 2),
+]
 
 
 @pytest.mark.parametrize("form, codec, channels", SOUNDS, ids=[f"{c}-{n}ch-{f}" for f, c, n in SOUNDS])
@@ -204,8 +236,9 @@ def test_a_steady_tone_sounds_in_every_slot(tmp_path, form, codec, channels):
     write_tone(path, form, codec, channels)
     sound = decode.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
     slot, edge = RATE // FPS, round(0.02 * RATE)
-    levels = [float(sound[:, j * slot + edge : (j + 1) * slot - edge].pow(2).mean().sqrt())
-              for j in range(FPS)]
+    levels = [
+        float(sound[:, j * slot + edge : (j + 1) * slot - edge].pow(2).mean().sqrt()) for j in range(FPS)
+    ]
     assert levels == pytest.approx([0.3 / 2**0.5] * FPS, rel=0.05)
 
 
@@ -221,8 +254,10 @@ def test_surround_folds_each_side_from_its_own_channels(tmp_path):
     write_tone(path, "matroska", "pcm_s16le", 8, levels=levels)
     sound = decode.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
     amplitude = sound[:, 1000:-1000].pow(2).mean(1).sqrt() * 2**0.5
-    expected = [(levels[front] + 0.707 * levels[[2, *surrounds]].sum()) / 3.121
-                for front, surrounds in ((0, [4, 6]), (1, [5, 7]))]
+    expected = [
+        (levels[front] + 0.707 * levels[[2, *surrounds]].sum()) / 3.121
+        for front, surrounds in ((0, [4, 6]), (1, [5, 7]))
+    ]
     torch.testing.assert_close(amplitude, torch.tensor(expected, dtype=torch.float32), rtol=0.01, atol=0)
 
 
@@ -303,16 +338,40 @@ def test_mel_equals_the_reference():
     silence in it and on noise: equal in float64; float32 (what training uses) within its rounding
     near the floor."""
     t = torch.arange(RATE, dtype=torch.float64) / RATE
-    waveform = torch.stack([0.4 * torch.sin(2 * torch.pi * (100 + 3000 * t) * t), 0.2 * torch.randn(RATE).double()])
+    waveform = torch.stack(
+        [0.4 * torch.sin(2 * torch.pi * (100 + 3000 * t) * t), 0.2 * torch.randn(RATE).double()]
+    )
     waveform[:, 4000:6000] = 0
-    exact, rounded = decode.log_mel(waveform, RATE, 1024, 160, 64), decode.log_mel(waveform.float(), RATE, 1024, 160, 64)
+    exact, rounded = (
+        decode.log_mel(waveform, RATE, 1024, 160, 64),
+        decode.log_mel(waveform.float(), RATE, 1024, 160, 64),
+    )
     assert exact.shape == rounded.shape == (2, RATE // 160 + 1, 64) and rounded.dtype == torch.float32
-    filters = mel_filter_bank(num_frequency_bins=513, num_mel_filters=64, min_frequency=0.0, max_frequency=RATE / 2,
-                              sampling_rate=RATE, norm="slaney", mel_scale="slaney")
+    filters = mel_filter_bank(
+        num_frequency_bins=513,
+        num_mel_filters=64,
+        min_frequency=0.0,
+        max_frequency=RATE / 2,
+        sampling_rate=RATE,
+        norm="slaney",
+        mel_scale="slaney",
+    )
     for channel in range(2):
-        reference = torch.from_numpy(spectrogram(
-            waveform[channel].numpy(), window_function(1024, "hann", periodic=True), 1024, 160, power=1.0, center=True,
-            pad_mode="reflect", mel_filters=filters, mel_floor=1e-5, log_mel="log", dtype=np.float64).T)
+        reference = torch.from_numpy(
+            spectrogram(
+                waveform[channel].numpy(),
+                window_function(1024, "hann", periodic=True),
+                1024,
+                160,
+                power=1.0,
+                center=True,
+                pad_mode="reflect",
+                mel_filters=filters,
+                mel_floor=1e-5,
+                log_mel="log",
+                dtype=np.float64,
+            ).T
+        )
         torch.testing.assert_close(exact[channel], reference, rtol=0, atol=1e-6)
         torch.testing.assert_close(rounded[channel], reference.float(), rtol=0, atol=1e-2)
 
@@ -327,7 +386,9 @@ def test_resampling_keeps_time_and_pitch():
         out = decode.resample(sine.float(), rate, RATE)
         expected = torch.sin(2 * torch.pi * 1000 * torch.arange(RATE) / RATE)[None]
         assert out.shape == (1, RATE)
-        torch.testing.assert_close(out[:, 100:-100], expected[:, 100:-100], rtol=0, atol=2e-3 if rate > RATE else 1e-2)
+        torch.testing.assert_close(
+            out[:, 100:-100], expected[:, 100:-100], rtol=0, atol=2e-3 if rate > RATE else 1e-2
+        )
 
 
 def test_channels_mix_as_the_official_trainer_does():
@@ -346,7 +407,8 @@ def test_channels_mix_as_the_official_trainer_does():
 
 class Sounding(CogVideoXAdapter):
     """The tiny CogVideoX with an audio VAE beside it: what the cache needs of a family with sound
-    (LTX-2's adapter provides the same members; AUDIO_DTYPE, the audio VAE's, keys the audio entries)."""
+    (LTX-2's adapter provides the same members; AUDIO_DTYPE, the audio VAE's, keys the audio
+    entries)."""
 
     ENCODERS = {**CogVideoXAdapter.ENCODERS, "audio": ("audio_vae",)}
     AUDIO_DTYPE = "fp32"  # encode_audio runs the VAE as from_pretrained loads it
@@ -362,8 +424,9 @@ def sounding_model(tiny_model: Path, tmp_path: Path) -> Path:
     """The tiny CogVideoX with a tiny audio VAE beside it (what Sounding loads)."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
-    AutoencoderKLLTX2Audio(base_channels=8, ch_mult=(1, 2), num_res_blocks=1, latent_channels=4).save_pretrained(
-        model / "audio_vae")
+    AutoencoderKLLTX2Audio(
+        base_channels=8, ch_mult=(1, 2), num_res_blocks=1, latent_channels=4
+    ).save_pretrained(model / "audio_vae")
     return model
 
 
@@ -383,22 +446,36 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
     (root / "prompts.txt").write_text("flashes\nsilent\ngarbage\n")
     (root / "videos.txt").write_text("videos/flashes.mp4\nvideos/silent.mp4\nvideos/garbage.mp4\n")
     monkeypatch.setattr("model.load_adapter", Sounding)  # the adapter model.setup_adapter builds
-    settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(model), "model.dtype": "fp32",
-                "data.data_root": str(root), "data.train_resolution": [9, 32, 32], "data.skip_bad": True}
+    settings = {
+        "run.output_dir": str(tmp_path / "run"),
+        "model.path": str(model),
+        "model.dtype": "fp32",
+        "data.data_root": str(root),
+        "data.train_resolution": [9, 32, 32],
+        "data.skip_bad": True,
+    }
     for audio in (False, True):
         cfg = load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.audio": audio})))
         with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
             adapter, entries, items, _ = prepare_run(cfg, d)
-        assert [item.clip.video.name for item in items] == ["flashes.mp4", "silent.mp4", "garbage.mp4"][: 3 - audio]
+        assert [item.clip.video.name for item in items] == ["flashes.mp4", "silent.mp4", "garbage.mp4"][
+            : 3 - audio
+        ]
         assert ("audio" in entries.kinds) == audio
-    # The second pass added the sound alone: the video entries were complete, the video VAE stayed unloaded.
+    # The second pass added the sound alone: the video entries were complete, the video VAE stayed
+    # unloaded.
     assert caplog.text.count("loading VAE") == 1 and "2 clips encoded, 0 reused, 1 skipped" in caplog.text
-    assert (tmp_path / "run/skipped.txt").read_text().startswith(f"{root / 'videos/garbage.mp4'}\tcannot decode its audio stream")
+    assert (
+        (tmp_path / "run/skipped.txt")
+        .read_text()
+        .startswith(f"{root / 'videos/garbage.mp4'}\tcannot decode its audio stream")
+    )
     flashes, silent = items
     assert flashes.start > 0  # a window inside a longer clip
     cached = load_file(entries.path(flashes, "audio"))
     mean, logvar = adapter.encode_audio(data.decode_audio(flashes, RATE, 2)[None])
-    # 9 frames at 8 fps: 18,000 samples, 113 mel frames; the tiny VAE's one downsampling halves time and mel bins.
+    # 9 frames at 8 fps: 18,000 samples, 113 mel frames; the tiny VAE's one downsampling halves time
+    # and mel bins.
     assert cached["audio_latent_mean"].shape == (4, 57, 32)
     torch.testing.assert_close(cached["audio_latent_mean"], mean[0])
     torch.testing.assert_close(cached["audio_latent_logvar"], logvar[0])
@@ -406,13 +483,15 @@ def test_the_cache_holds_each_windows_sound(tiny_model, tmp_path, monkeypatch, c
     assert entries.path(other, "audio") != entries.path(flashes, "audio")
     assert load_file(entries.path(silent, "audio")) == {}
     assert "audio_latent_mean" in entries.load_batch([flashes, flashes])
-    mixed = entries.load_batch([flashes, silent])  # zeros for the silent clip's sound, which the mask leaves out
+    # zeros for the silent clip's sound, which the mask leaves out
+    mixed = entries.load_batch([flashes, silent])
     assert mixed["audio_mask"].tolist() == [True, False] and not mixed["audio_latent_mean"][1].any()
     assert "audio_mask" not in entries.load_batch([flashes, flashes])
 
 
-def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tiny_model, tmp_path,
-                                                                              monkeypatch, caplog):
+def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(
+    tiny_model, tmp_path, monkeypatch, caplog
+):
     """The cache pass skips a clip whose sound decoder crashes, and says when nothing sounds.
 
     A 7.1 soundtrack (AAC in mp4) is encoded; a clip whose sound decoder crashes (the sound_segv
@@ -428,19 +507,39 @@ def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(tin
     (root / "videos.txt").write_text("videos/surround.mp4\nvideos/crash.mp4\nvideos/silent.mp4\n")
     monkeypatch.setattr("model.load_adapter", Sounding)  # the adapter model.setup_adapter builds
     monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{decode._sounds + 2}")
-    settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(model), "model.dtype": "fp32",
-                "data.data_root": str(root), "data.train_resolution": [9, 32, 32], "data.skip_bad": True,
-                "data.audio": True, "data.decode_workers": 1}
+    settings = {
+        "run.output_dir": str(tmp_path / "run"),
+        "model.path": str(model),
+        "model.dtype": "fp32",
+        "data.data_root": str(root),
+        "data.train_resolution": [9, 32, 32],
+        "data.skip_bad": True,
+        "data.audio": True,
+        "data.decode_workers": 1,
+    }
     with one_rank_group() as d, caplog.at_level(logging.INFO, logger="vidtrain"):
         _, entries, items, _ = prepare_run(load_config(str(write_toml(tmp_path / "run.toml", settings))), d)
         assert [item.clip.video.name for item in items] == ["surround.mp4", "silent.mp4"]
-        assert (tmp_path / "run/skipped.txt").read_text().startswith(
-            f"{root / 'videos/crash.mp4'}\tcrashed the audio decoder (SIGSEGV)")
+        assert (
+            (tmp_path / "run/skipped.txt")
+            .read_text()
+            .startswith(f"{root / 'videos/crash.mp4'}\tcrashed the audio decoder (SIGSEGV)")
+        )
         assert "audio_latent_mean" in load_file(entries.path(items[0], "audio"))
         assert "has an audio stream" not in caplog.text
         (root / "videos.txt").write_text("videos/silent.mp4\n")
         (root / "prompts.txt").write_text("silent\n")
-        prepare_run(load_config(str(write_toml(tmp_path / "run.toml", {**settings, "data.cache_dir": str(
-            tmp_path / "other")}))), d)
-    assert caplog.text.count("data.audio is on, but none of the 1 clip(s) whose sound this pass read has an "
-                             "audio stream") == 1
+        prepare_run(
+            load_config(
+                str(
+                    write_toml(tmp_path / "run.toml", {**settings, "data.cache_dir": str(tmp_path / "other")})
+                )
+            ),
+            d,
+        )
+    assert (
+        caplog.text.count(
+            "data.audio is on, but none of the 1 clip(s) whose sound this pass read has an audio stream"
+        )
+        == 1
+    )

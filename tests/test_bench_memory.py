@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import bench_memory  # noqa: E402
 import one_gpu  # noqa: E402
 import published  # noqa: E402
+
 import ranks  # noqa: E402
 from config import load_config  # noqa: E402
 from model import build_model, build_optimizer  # noqa: E402
@@ -30,12 +31,25 @@ def test_estimate_matches_a_measured_step(tiny_models, tmp_path):
     within 15% of what a fresh process measures (resident growth, VmHWM)."""
     model = shutil.copytree(tiny_models("5b"), tmp_path / "model")
     config = json.loads((model / "transformer" / "config.json").read_text())
-    config.update(num_attention_heads=8, attention_head_dim=64, text_embed_dim=512, time_embed_dim=256,
-                  max_text_seq_length=64)
+    config.update(
+        num_attention_heads=8,
+        attention_head_dim=64,
+        text_embed_dim=512,
+        time_embed_dim=256,
+        max_text_seq_length=64,
+    )
     (model / "transformer" / "config.json").write_text(json.dumps(config))
-    cfg_file = write_toml(tmp_path / "sft.toml", {
-        "run.output_dir": str(tmp_path / "run"), "model.path": str(model), "data.data_root": str(tmp_path),
-        "data.train_resolution": [17, 96, 160], "train.training_type": "sft", "train.ema_decay": 0.99})
+    cfg_file = write_toml(
+        tmp_path / "sft.toml",
+        {
+            "run.output_dir": str(tmp_path / "run"),
+            "model.path": str(model),
+            "data.data_root": str(tmp_path),
+            "data.train_resolution": [17, 96, 160],
+            "train.training_type": "sft",
+            "train.ema_decay": 0.99,
+        },
+    )
     cfg = load_config(str(cfg_file))
     family, adapter = bench_memory.make_adapter(cfg, None, tmp_path, bench_memory.torch.device("cpu"))
     ratios = bench_memory.check(cfg, family, adapter, ["--cfg", str(cfg_file)])
@@ -47,11 +61,20 @@ def test_sharding_and_sequence_parallel(tmp_path):
 
     One full-width Wan 2.1 14B block: FSDP divides the state by the shards and adds what is in
     flight; sp 2 halves the video tokens and about halves the activations."""
-    cfg_file = write_toml(tmp_path / "wan.toml", {
-        "run.output_dir": str(tmp_path / "run"), "model.path": str(tmp_path), "data.data_root": str(tmp_path),
-        "data.train_resolution": [81, 720, 1280], "lora.rank": 16})
+    cfg_file = write_toml(
+        tmp_path / "wan.toml",
+        {
+            "run.output_dir": str(tmp_path / "run"),
+            "model.path": str(tmp_path),
+            "data.data_root": str(tmp_path),
+            "data.train_resolution": [81, 720, 1280],
+            "lora.rank": 16,
+        },
+    )
     cfg = load_config(str(cfg_file))
-    family, adapter = bench_memory.make_adapter(cfg, "wan2.1-t2v-14b", tmp_path, bench_memory.torch.device("cpu"))
+    family, adapter = bench_memory.make_adapter(
+        cfg, "wan2.1-t2v-14b", tmp_path, bench_memory.torch.device("cpu")
+    )
     adapter.transformer_config["num_layers"] = 1
     ddp, ddp_sp2 = (bench_memory.estimate(cfg, family, adapter, sp, world=8) for sp in (1, 2))
     cfg.parallel.strategy = "fsdp"
@@ -65,14 +88,27 @@ def test_sharding_and_sequence_parallel(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_gpu_parts(tmp_path_factory):
-    """What bench/one_gpu.py adds up, on fake tensors: 4 of Wan 2.1 14B's published blocks at 17x480x832,
-    LoRA r32 with validation, and a small VAE and UMT5 (the published ones, 10.6 GiB for UMT5-XXL, would
-    hide the training phase below 12 GiB; their figures are in BENCHMARKS.md)."""
+    """What bench/one_gpu.py adds up, on fake tensors: 4 of Wan 2.1 14B's published blocks at
+    17x480x832, LoRA r32 with validation, and a small VAE and UMT5 (the published ones, 10.6 GiB for
+    UMT5-XXL, would hide the training phase below 12 GiB; their figures are in BENCHMARKS.md)."""
     tmp = tmp_path_factory.mktemp("one_gpu")
-    overrides = ["--data.train_resolution", "[17, 480, 832]", "--data.cache_batch_size", "1", "--model.path", str(tmp)]
+    overrides = [
+        "--data.train_resolution",
+        "[17, 480, 832]",
+        "--data.cache_batch_size",
+        "1",
+        "--model.path",
+        str(tmp),
+    ]
     cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
     published.make_adapter(cfg, "wan2.1-t2v-14b", tmp, bench_memory.torch.device("cpu"))
-    small_umt5 = {**published.TEXT_ENCODERS["wan"], "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 2}
+    small_umt5 = {
+        **published.TEXT_ENCODERS["wan"],
+        "d_model": 64,
+        "d_ff": 128,
+        "num_layers": 2,
+        "num_heads": 2,
+    }
     (tmp / "text_encoder" / "config.json").write_text(json.dumps(small_umt5))
     (tmp / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", "base_dim": 8}))
     family, adapter = published.make_adapter(cfg, None, tmp, bench_memory.torch.device("cpu"))
@@ -90,7 +126,8 @@ def test_one_gpu_parts(one_gpu_parts):
     block shares (the first block call copies them with its tokens); with them on the host the step
     needs less, but no less than the step without them."""
     p, width, ffn = one_gpu_parts, 5120, 13824
-    linears, rows = 8 * width * width + 2 * width * ffn, 9 * width + ffn  # attention's q, k, v, out (x2); the FFN
+    # attention's q, k, v, out (x2); the FFN
+    linears, rows = 8 * width * width + 2 * width * ffn, 9 * width + ffn
     assert p["layers"] == 4 and 0 < p["block"] - 2 * linears < 0.01 * p["block"]
     assert p["block_fp8"] == p["block"] - linears + 4 * rows
     tokens, shared = 7800 * width * 2, (512 + 6) * width * 2
@@ -121,8 +158,9 @@ def test_fit_is_monotone_and_fastest(one_gpu_parts):
                 assert not any(one_gpu.fits(p, faster, gb, ram) for faster in order[: order.index(s)])
                 chosen.add(s)
     assert {s.streamed for s in chosen} == {0, 3, 4}
-    assert {(s.fp8, s.activation_offload) for s in chosen} == {(fp8, offload) for fp8 in (False, True)
-                                                               for offload in (False, True)}
+    assert {(s.fp8, s.activation_offload) for s in chosen} == {
+        (fp8, offload) for fp8 in (False, True) for offload in (False, True)
+    }
 
 
 def test_none_fits_names_why(one_gpu_parts, capsys):
@@ -134,16 +172,21 @@ def test_none_fits_names_why(one_gpu_parts, capsys):
     gb = (leanest + one_gpu.MARGIN) / one_gpu.GIB - 0.01
     assert one_gpu.fit(one_gpu_parts, gb) is None and one_gpu.report(one_gpu_parts, gb, "") is None
     assert f"none fits {gb:g} GiB: the setting that needs the least" in capsys.readouterr().out
-    assert "in the training: the trainable state and one step's gradients and activations need" in \
-        one_gpu.why_none(one_gpu_parts, gb)
+    assert (
+        "in the training: the trainable state and one step's gradients and activations need"
+        in one_gpu.why_none(one_gpu_parts, gb)
+    )
     ram = one_gpu_parts["process"] / one_gpu.GIB
     assert one_gpu.fit(one_gpu_parts, 12, ram) is None
-    assert one_gpu.why_none(one_gpu_parts, 12, ram).startswith(f"none fits 12 GiB with {ram:g} GiB of host RAM")
+    assert one_gpu.why_none(one_gpu_parts, 12, ram).startswith(
+        f"none fits 12 GiB with {ram:g} GiB of host RAM"
+    )
     big_text_encoder = one_gpu_parts | {"text_encoder": 11 * one_gpu.GIB}
     assert one_gpu.fit(big_text_encoder, 12) is None
     assert one_gpu.why_none(big_text_encoder, 12).startswith(
         "none fits 12 GiB: the cache pass needs 11.0 GiB + 2.5 GiB margin whatever the setting: "
-        "the text encoder's pass")
+        "the text encoder's pass"
+    )
 
 
 def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
@@ -152,15 +195,25 @@ def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
     The estimate's block in fp8 against the tiny Wan as the trainer loads it with
     model.storage_dtype = "fp8" (storage.py's weights and scales, counted on the real tensors), and
     the same in model.dtype."""
-    cfg_file = write_toml(tmp_path / "fp8.toml", {
-        "run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("t2v")), "model.family": "wan",
-        "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32], "model.storage_dtype": "fp8"})
+    cfg_file = write_toml(
+        tmp_path / "fp8.toml",
+        {
+            "run.output_dir": str(tmp_path / "run"),
+            "model.path": str(wan_models("t2v")),
+            "model.family": "wan",
+            "data.data_root": str(tmp_path),
+            "data.train_resolution": [9, 32, 32],
+            "model.storage_dtype": "fp8",
+        },
+    )
     cfg = load_config(str(cfg_file))
     family, adapter = published.make_adapter(cfg, None, tmp_path, bench_memory.torch.device("cpu"))
     parts = bench_memory.estimate(cfg, family, adapter)
     stored = adapter.load_transformer()
-    frozen = [sum(t.numel() * t.element_size() for t in [*block.parameters(), *block.buffers()])
-              for block in adapter.blocks(stored)]
+    frozen = [
+        sum(t.numel() * t.element_size() for t in [*block.parameters(), *block.buffers()])
+        for block in adapter.blocks(stored)
+    ]
     assert parts["block_fp8"] == max(frozen) < parts["block"]
 
 
@@ -175,8 +228,10 @@ def test_ltx2_block_and_its_audio(tmp_path):
     video's, 16 x 2 x 3 latents in 1x1 patches, and the step needs more than without (the audio
     stream then runs on one zero token); activation offload copies those and what every block
     shares."""
-    cfg = load_config(str(REPO / "configs" / "ltx2-19b.toml"), ["--data.train_resolution", "[121, 64, 96]",
-                                                                 "--data.audio", "true", "--data.target_fps", "24"])
+    cfg = load_config(
+        str(REPO / "configs" / "ltx2-19b.toml"),
+        ["--data.train_resolution", "[121, 64, 96]", "--data.audio", "true", "--data.target_fps", "24"],
+    )
     family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
     adapter.transformer_config["num_layers"] = 1
     with_audio = bench_memory.estimate(cfg, family, adapter)
@@ -187,8 +242,8 @@ def test_ltx2_block_and_its_audio(tmp_path):
     assert 0 < with_audio["block"] - 2 * linears < 0.01 * with_audio["block"]
     assert (with_audio["audio_tokens"], with_audio["video_tokens"], without["audio_tokens"]) == (126, 96, 0)
     assert with_audio["inputs"] == (96 * d + 126 * a) * 2 and without["inputs"] == (96 * d + a) * 2
-    # What activation offload copies from the first block call: also the 1024 text tokens of each stream and
-    # the timestep embeddings every block shares (6 + 4 + 1 rows of each stream's width).
+    # What activation offload copies from the first block call: also the 1024 text tokens of each
+    # stream and the timestep embeddings every block shares (6 + 4 + 1 rows of each stream's width).
     assert with_audio["block_input"] == with_audio["inputs"] + (1024 + 11) * (d + a) * 2
     assert with_audio["activations"] > without["activations"]
 
@@ -197,10 +252,12 @@ def handed_out(nbytes: int) -> int:
     """The bytes torch 2.13's pinned allocator hands out for a request of nbytes, under the settings
     ranks.ALLOCATOR_SETTINGS gives it (aten/src/ATen/core/CachingHostAllocator.h,
     CachingHostAllocatorImpl::allocate: `size <= pinned_max_round_threshold() && size <=
-    pinned_max_cached_size()` rounds to c10::llvm::PowerOf2Ceil(size), else the size itself; both keys in
-    MiB, c10/core/AllocatorConfig.h)."""
-    limits = [int(ranks.ALLOCATOR_SETTINGS[k]) * 2**20
-              for k in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")]
+    pinned_max_cached_size()` rounds to c10::llvm::PowerOf2Ceil(size), else the size itself; both
+    keys in MiB, c10/core/AllocatorConfig.h)."""
+    limits = [
+        int(ranks.ALLOCATOR_SETTINGS[k]) * 2**20
+        for k in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+    ]
     return 2 ** math.ceil(math.log2(nbytes)) if all(nbytes <= limit for limit in limits) else nbytes
 
 
@@ -218,15 +275,23 @@ def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
     width = config["num_attention_heads"] * config["attention_head_dim"]
     with torch.device("meta"):
         transformer = WanTransformer3DModel.from_config({**config, "num_layers": 1})
-    fp32 = set(WanTransformer3DModel._keep_in_fp32_modules)  # bf16 loading keeps these in fp32 (diffusers)
+    # bf16 loading keeps these in fp32 (diffusers)
+    fp32 = set(WanTransformer3DModel._keep_in_fp32_modules)
     sizes = {id(p): 4 if set(name.split(".")) & fp32 else 2 for name, p in transformer.named_parameters()}
     block = transformer.blocks[0]
     linears = {id(m.weight) for m in block.modules() if isinstance(m, torch.nn.Linear)}
     bf16 = sum(handed_out(p.numel() * sizes[id(p)]) for p in block.parameters())
-    fp8 = sum(handed_out(p.numel()) + handed_out(2 * p.shape[0]) if id(p) in linears
-              else handed_out(p.numel() * sizes[id(p)]) for p in block.parameters())
-    root = sum(handed_out(p.numel() * sizes[id(p)]) for name, p in transformer.named_parameters()
-               if not name.startswith("blocks."))
+    fp8 = sum(
+        handed_out(p.numel()) + handed_out(2 * p.shape[0])
+        if id(p) in linears
+        else handed_out(p.numel() * sizes[id(p)])
+        for p in block.parameters()
+    )
+    root = sum(
+        handed_out(p.numel() * sizes[id(p)])
+        for name, p in transformer.named_parameters()
+        if not name.startswith("blocks.")
+    )
     activations = 4 * handed_out(7800 * width * 2) + handed_out(512 * width * 2) + handed_out(6 * width * 2)
     assert one_gpu_parts["block_pinned"] == bf16 and one_gpu_parts["block_fp8_pinned"] == fp8
     for s in (one_gpu.Setting(False, True, 3), one_gpu.Setting(True, True, 3)):
@@ -240,8 +305,12 @@ def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
     assert one_gpu.report(one_gpu_parts, card, "", ram) == setting
     total = 3 * bf16 + activations + one_gpu_parts["process"] + one_gpu_parts["vae"]
     out = capsys.readouterr().out
-    assert f"host RAM: pinned weights {3 * bf16 / one_gpu.GIB:.1f}, offloaded activations " \
-           f"{activations / one_gpu.GIB:.1f}" in out and f"= {total / one_gpu.GIB:.1f} GiB in training" in out
+    assert (
+        f"host RAM: pinned weights {3 * bf16 / one_gpu.GIB:.1f}, offloaded activations "
+        f"{activations / one_gpu.GIB:.1f}"
+        in out
+        and f"= {total / one_gpu.GIB:.1f} GiB in training" in out
+    )
     assert ",".join(f"{k}:{v}" for k, v in ranks.ALLOCATOR_SETTINGS.items()) in out
 
 
@@ -253,11 +322,19 @@ def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
     projection), into buffers it makes in the first step and reuses in the second; those are the
     copies the fake-tensor estimate counts, and the trained weights are those of the run without
     offload."""
-    cfg_file = write_toml(tmp_path / "offload.toml", {
-        "run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("t2v")), "model.family": "wan",
-        "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32], "model.dtype": "fp32",
-        "train.mixed_precision": "no",
-        "train.activation_offload": True})
+    cfg_file = write_toml(
+        tmp_path / "offload.toml",
+        {
+            "run.output_dir": str(tmp_path / "run"),
+            "model.path": str(wan_models("t2v")),
+            "model.family": "wan",
+            "data.data_root": str(tmp_path),
+            "data.train_resolution": [9, 32, 32],
+            "model.dtype": "fp32",
+            "train.mixed_precision": "no",
+            "train.activation_offload": True,
+        },
+    )
     cfg = load_config(str(cfg_file))
     family, adapter = published.make_adapter(cfg, None, tmp_path, torch.device("cpu"))
     parts = bench_memory.estimate(cfg, family, adapter)
@@ -280,8 +357,9 @@ def test_activation_offload_pins_what_the_estimate_counts(wan_models, tmp_path):
 
 
 def test_ic_lora_counts_the_reference_tokens(tmp_path):
-    """configs/ltx2-ic-lora.toml at 121x64x96 on one published block: the control clip's tokens double the video
-    sequence every checkpointed block input holds, and the step's activations grow with them."""
+    """configs/ltx2-ic-lora.toml at 121x64x96 on one published block: the control clip's tokens
+    double the video sequence every checkpointed block input holds, and the step's activations grow
+    with them."""
     overrides = ["--data.train_resolution", "[121, 64, 96]"]
     cfg = load_config(str(REPO / "configs" / "ltx2-ic-lora.toml"), overrides)
     family, adapter = published.make_adapter(cfg, "ltx2-19b", tmp_path, bench_memory.torch.device("cpu"))
@@ -296,13 +374,19 @@ def test_ic_lora_counts_the_reference_tokens(tmp_path):
 
 
 def test_vace_counts_its_context_blocks(wan_models, tmp_path):
-    """Wan VACE: the estimate builds the VACE transformer (its frozen weights are all the loaded model's,
-    the context blocks and their patch embedding included) and runs its step with the context, which the
-    VACE blocks make larger than the same base's without them."""
-    settings = {"run.output_dir": str(tmp_path / "run"), "model.path": str(wan_models("vace")),
-                "model.family": "wan", "model.type": "vace", "model.dtype": "fp32",
-                "train.mixed_precision": "no",
-                "data.data_root": str(tmp_path), "data.train_resolution": [9, 32, 32]}
+    """Wan VACE: the estimate builds the VACE transformer (its frozen weights are all the loaded
+    model's, the context blocks and their patch embedding included) and runs its step with the
+    context, which the VACE blocks make larger than the same base's without them."""
+    settings = {
+        "run.output_dir": str(tmp_path / "run"),
+        "model.path": str(wan_models("vace")),
+        "model.family": "wan",
+        "model.type": "vace",
+        "model.dtype": "fp32",
+        "train.mixed_precision": "no",
+        "data.data_root": str(tmp_path),
+        "data.train_resolution": [9, 32, 32],
+    }
     cfg = load_config(str(write_toml(tmp_path / "vace.toml", settings)))
     family, adapter = published.make_adapter(cfg, None, tmp_path, bench_memory.torch.device("cpu"))
     parts = bench_memory.estimate(cfg, family, adapter)
@@ -312,7 +396,8 @@ def test_vace_counts_its_context_blocks(wan_models, tmp_path):
     assert parts["frozen"] == sum(t.numel() * t.element_size() for t in tensors)
     without = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, type="t2v"))
     base = {**adapter.transformer_config}
-    adapter.vace, adapter.TRANSFORMER = False, WanTransformer3DModel  # the same base blocks, no context
+    # the same base blocks, no context
+    adapter.vace, adapter.TRANSFORMER = False, WanTransformer3DModel
     adapter.transformer_config = {k: v for k, v in base.items() if not k.startswith("vace_")}
     plain = bench_memory.estimate(without, family, adapter)
     assert plain["frozen"] < parts["frozen"] and plain["activations"] < parts["activations"]

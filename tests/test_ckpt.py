@@ -16,7 +16,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import finish, read_metrics, run_cmd, run_ok, run_read_only, start_paused, train_losses, write_toml
+from conftest import (
+    finish,
+    read_metrics,
+    run_cmd,
+    run_ok,
+    run_read_only,
+    start_paused,
+    train_losses,
+    write_toml,
+)
+from diffusers import CogVideoXPipeline
 from safetensors.torch import load_file, save_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader
@@ -29,7 +39,6 @@ import data
 import lora
 import ranks
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
-from diffusers import CogVideoXPipeline
 from model_adapter import load_adapter
 
 STEPS = 14
@@ -38,9 +47,17 @@ VARIANTS = {
     "one": ({"train.batch_size": 2}, 1),
     "ddp": ({"train.batch_size": 1, "parallel.strategy": "ddp"}, 2),
     # With validation (held-out loss and one clip), which must not change training.
-    "fsdp": ({"train.batch_size": 1, "parallel.strategy": "fsdp", "validation.do_validation": True,
-              "validation.validation_steps": 4, "validation.prompts": ["a red ball"],
-              "validation.num_inference_steps": 2}, 2),
+    "fsdp": (
+        {
+            "train.batch_size": 1,
+            "parallel.strategy": "fsdp",
+            "validation.do_validation": True,
+            "validation.validation_steps": 4,
+            "validation.prompts": ["a red ball"],
+            "validation.num_inference_steps": 2,
+        },
+        2,
+    ),
 }
 
 
@@ -49,10 +66,18 @@ def make_config(base_settings, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
 
     def make(name: str, variant: str, **settings):
-        merged = {**base_settings, "run.output_dir": str(root / name), "train.steps": STEPS,
-                  "train.gradient_accumulation_steps": 2, "train.ema_decay": 0.9,
-                  "checkpoint.checkpointing_steps": 2, "checkpoint.checkpointing_limit": 0,
-                  "validation.do_validation": False, **VARIANTS[variant][0], **settings}
+        merged = {
+            **base_settings,
+            "run.output_dir": str(root / name),
+            "train.steps": STEPS,
+            "train.gradient_accumulation_steps": 2,
+            "train.ema_decay": 0.9,
+            "checkpoint.checkpointing_steps": 2,
+            "checkpoint.checkpointing_limit": 0,
+            "validation.do_validation": False,
+            **VARIANTS[variant][0],
+            **settings,
+        }
         return write_toml(root / f"{name}.toml", merged), root / name, VARIANTS[variant][1]
 
     return make
@@ -96,13 +121,16 @@ def test_killed_run_resumes_bitwise(references, make_config, variant):
     assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
     assert (out / "config-resume-4.toml").is_file()
     assert_bitwise_equal_runs(references[variant], out)
-    if variant == "one":  # TensorBoard shows each step once: the resumed run purged what followed step 4
+    # TensorBoard shows each step once: the resumed run purged what followed step 4
+    if variant == "one":
         events = EventAccumulator(str(out / "logs")).Reload()
         assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source, target", [("fsdp", "one"), ("one", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp")])
+@pytest.mark.parametrize(
+    "source, target", [("fsdp", "one"), ("one", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp")]
+)
 def test_reshard_between_world_sizes_and_strategies(references, make_config, source, target):
     """A checkpoint reshards between world sizes and strategies.
 
@@ -114,8 +142,12 @@ def test_reshard_between_world_sizes_and_strategies(references, make_config, sou
     run_ok(["--cfg", str(cfg)], nproc=nproc)
     reference, resumed = train_losses(references[source]), train_losses(out)
     assert sorted(resumed) == list(range(5, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([resumed[s] for s in sorted(resumed)]),
-                               torch.tensor([reference[s] for s in sorted(resumed)]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([resumed[s] for s in sorted(resumed)]),
+        torch.tensor([reference[s] for s in sorted(resumed)]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.slow
@@ -145,10 +177,13 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
     assert "stopped by a signal: after step 4, checkpoint written" in stopped.stderr
     assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert not (out / "lora").exists()
-    # Each validation takes 2 sampling steps of each rank: steps 4, 8 and 12 take 1-6, step 14 starts at 7.
+    # Each validation takes 2 sampling steps of each rank: steps 4, 8 and 12 take 1-6, step 14
+    # starts at 7.
     last = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "render_sigterm:7:1"})
-    assert "stopped by a signal: after the last step (14), before its validation completed; checkpoint " \
-           "written; launch again to run the validation and export" in last.stderr
+    assert (
+        "stopped by a signal: after the last step (14), before its validation completed; checkpoint "
+        "written; launch again to run the validation and export" in last.stderr
+    )
     assert (out / f"checkpoint-{STEPS}").is_dir() and not (out / "lora").exists()
     run_ok(["--cfg", str(cfg)], nproc=2)
     assert_bitwise_equal_runs(references["fsdp"], out)
@@ -157,7 +192,9 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
     events = EventAccumulator(str(out / "logs"), size_guidance={"images": 0}).Reload()
     assert [e.step for e in events.Scalars("val/loss")] == validated
     assert [e.step for e in events.Images("val/clip_0")] == validated
-    assert sorted(p.name for p in (out / "validation_res").iterdir()) == sorted(f"step_{s}_prompt_0.mp4" for s in validated)
+    assert sorted(p.name for p in (out / "validation_res").iterdir()) == sorted(
+        f"step_{s}_prompt_0.mp4" for s in validated
+    )
 
 
 @pytest.mark.slow
@@ -173,14 +210,23 @@ def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
     exits 1 after a signal); the next launch continues bitwise."""
     cfg, out, nproc = make_config("sigterm_step", "ddp")
     process, pid, output = start_paused([str(cfg)], "step_pause:4:0", nproc=nproc, script="launch.sh")
-    with pytest.raises(ConfigError, match=re.escape(f"run.output_dir = {out} is in use by another run: pid {pid} on "
-                                                    f"host {socket.gethostname()} (its run.lock)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"run.output_dir = {out} is in use by another run: pid {pid} on "
+            f"host {socket.gethostname()} (its run.lock)"
+        ),
+    ):
         command.take_lock(out / "run.lock").close()
     os.killpg(process.pid, signal.SIGTERM)
     code, output = finish(process, output)
     assert code == 0, output[-4000:]
     assert "stopped by a signal: after step 5, checkpoint written" in output
-    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-5",
+    ]
     run_ok(["--cfg", str(cfg)], nproc=nproc)
     assert_bitwise_equal_runs(references["ddp"], out)
 
@@ -216,7 +262,9 @@ def test_async_save_commits_and_resumes_bitwise(references, make_config):
     resumed = run_ok(["--cfg", str(cfg)], nproc=2)
     assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
     assert_bitwise_equal_runs(references["fsdp"], out)
-    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(2, STEPS + 1, 2)]
+    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == [
+        f"checkpoint-{s}" for s in range(2, STEPS + 1, 2)
+    ]
     for path in ckpt_files.complete_checkpoints(out):
         assert_intact(path)
 
@@ -226,7 +274,10 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
     cfg, out, nproc = make_config("disk_full", "ddp")
     result = run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_fail:4:1"}, timeout=150)
     assert result.returncode != 0
-    assert f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: OSError: [Errno 28] No space left" in result.stderr
+    assert (
+        f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: OSError: [Errno 28] No space left"
+        in result.stderr
+    )
     assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2"]
     assert_intact(out / "checkpoint-2")
 
@@ -250,10 +301,16 @@ def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_con
     (out / "checkpoint-8" / "meta.json").unlink()
     (out / "checkpoint-6" / ".metadata").unlink()
     result = run_ok(["--cfg", str(cfg)])
-    for problem in (f"checkpoint-{STEPS}: __0_0.distcp does not match its size or sha256",
-                    "checkpoint-12: meta.json is damaged (Unterminated string", "checkpoint-10: meta.json is damaged (Expecting value",
-                    "checkpoint-8 has no meta.json", "checkpoint-6 is missing .metadata"):
-        assert f"{problem}" in result.stderr and "; falling back to the previous checkpoint" in result.stderr, problem
+    for problem in (
+        f"checkpoint-{STEPS}: __0_0.distcp does not match its size or sha256",
+        "checkpoint-12: meta.json is damaged (Unterminated string",
+        "checkpoint-10: meta.json is damaged (Expecting value",
+        "checkpoint-8 has no meta.json",
+        "checkpoint-6 is missing .metadata",
+    ):
+        assert (
+            f"{problem}" in result.stderr and "; falling back to the previous checkpoint" in result.stderr
+        ), problem
     assert "resumed from step 4" in result.stderr
     for meta in out.glob("checkpoint-*/meta.json"):  # none passes: refuse rather than start over
         meta.unlink()
@@ -281,7 +338,11 @@ def test_what_a_checkpoint_holds(references):
     assert {k.split(".")[0] for k in metadata} == {"model", "optimizer", "sampler", "train", "ema"}
     meta = json.loads((path / "meta.json").read_text())
     assert meta["step"] == 4 and meta["world_size"] == 2
-    assert meta["identity"]["lora"] == {"rank": 4, "lora_alpha": 2.0, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+    assert meta["identity"]["lora"] == {
+        "rank": 4,
+        "lora_alpha": 2.0,
+        "target_modules": ["to_q", "to_k", "to_v", "to_out.0"],
+    }
     assert set(meta["files"]) == {p.name for p in path.iterdir() if p.name != "meta.json"}
 
 
@@ -290,13 +351,17 @@ def test_resume_refusals(references, make_config, tiny_model, tmp_path):
     other = tmp_path / "fine-tuned"  # the same model but for its transformer's weights
     shutil.copytree(tiny_model, other)
     weights_file = other / "transformer" / "diffusion_pytorch_model.safetensors"
-    save_file({k: v + 0.01 for k, v in load_file(weights_file).items()}, weights_file, metadata={"format": "pt"})
+    save_file(
+        {k: v + 0.01 for k, v in load_file(weights_file).items()}, weights_file, metadata={"format": "pt"}
+    )
     cfg, out, _ = make_config("refusals", "one", **{"model.path": str(other)})
     shutil.copytree(references["one"], out)
     result = run_cmd(["--cfg", str(cfg)])
     assert result.returncode == 1, result.stderr[-3000:]
-    assert (f"was trained on other base weights: ['{tiny_model / 'transformer' / weights_file.name}'] there, "
-            f"['{weights_file}'] here (model.path, model.transformer_file)") in result.stderr
+    assert (
+        f"was trained on other base weights: ['{tiny_model / 'transformer' / weights_file.name}'] there, "
+        f"['{weights_file}'] here (model.path, model.transformer_file)"
+    ) in result.stderr
     cfg, out, _ = make_config("refusals", "one", **{"checkpoint.resume": "none"})
     result = run_cmd(["--cfg", str(cfg)])
     assert result.returncode == 1 and f"already holds checkpoint-{STEPS}" in result.stderr
@@ -305,7 +370,10 @@ def test_resume_refusals(references, make_config, tiny_model, tmp_path):
     assert result.returncode == 1 and "was trained with lora = {'rank': 4" in result.stderr
     cfg, _, _ = make_config("refusals", "one", **{"train.batch_size": 1})
     result = run_cmd(["--cfg", str(cfg)])
-    assert result.returncode == 1 and "train.batch_size x train.gradient_accumulation_steps x world size" in result.stderr
+    assert (
+        result.returncode == 1
+        and "train.batch_size x train.gradient_accumulation_steps x world size" in result.stderr
+    )
 
 
 @pytest.mark.slow
@@ -321,11 +389,24 @@ def test_resume_on_other_data_is_refused(references):
     ckpt_files.check_data(path, meta, meta["data"])
 
     def clips(count: int, content: str) -> list:
-        return [SimpleNamespace(resolution=(9, 32, 32), content=f"{content}{i}", image_content=None, bucket=0,
-                                clip=SimpleNamespace(prompt="a prompt")) for i in range(count)]
+        return [
+            SimpleNamespace(
+                resolution=(9, 32, 32),
+                content=f"{content}{i}",
+                image_content=None,
+                bucket=0,
+                clip=SimpleNamespace(prompt="a prompt"),
+            )
+            for i in range(count)
+        ]
 
-    with pytest.raises(ConfigError, match=re.escape(f"checkpoint {path} was trained on other data: clips per bucket "
-                                                    "{'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"checkpoint {path} was trained on other data: clips per bucket "
+            "{'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here"
+        ),
+    ):
         ckpt_files.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
     with pytest.raises(ConfigError, match="as many clips per bucket, but other ones"):
         ckpt_files.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
@@ -336,9 +417,21 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
 
     A checkpoint records its base weights by content (model.path moved elsewhere still resumes);
     another model.dtype or model.storage_dtype is named with a warning, not refused."""
+
     def identity(path, dtype="fp32"):
-        cfg = load_config(None, ["--run.output_dir", str(tmp_path / "run"), "--data.data_root", str(tmp_path),
-                                 "--model.path", str(path), "--model.dtype", dtype])
+        cfg = load_config(
+            None,
+            [
+                "--run.output_dir",
+                str(tmp_path / "run"),
+                "--data.data_root",
+                str(tmp_path),
+                "--model.path",
+                str(path),
+                "--model.dtype",
+                dtype,
+            ],
+        )
         return ckpt.run_identity(cfg, load_adapter(cfg.model, torch.device("cpu")))
 
     saved = {"identity": identity(tiny_model)}
@@ -347,8 +440,10 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
     ckpt_files.check_identity(tmp_path, saved, identity(moved), resuming=True)
     assert "precision" not in caplog.text
     ckpt_files.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
-    assert ("was trained with the base in {'model.dtype': 'fp32', 'model.storage_dtype': ''}, this run has "
-            "{'model.dtype': 'bf16', 'model.storage_dtype': ''}: training continues in this run's precision") in caplog.text
+    assert (
+        "was trained with the base in {'model.dtype': 'fp32', 'model.storage_dtype': ''}, this run has "
+        "{'model.dtype': 'bf16', 'model.storage_dtype': ''}: training continues in this run's precision"
+    ) in caplog.text
 
 
 def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
@@ -360,8 +455,13 @@ def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
         (tmp_path / f"checkpoint-{step}").mkdir()
         for name in (".metadata", "meta.json"):
             (tmp_path / f"checkpoint-{step}" / name).write_text("")
-    checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path),
-                                    ranks.Dist(0, 1, 0, torch.device("cpu")), {"training_type": "lora"}, {})
+    checkpoints = ckpt.Checkpointer(
+        CheckpointConfig(checkpointing_limit=1),
+        str(tmp_path),
+        ranks.Dist(0, 1, 0, torch.device("cpu")),
+        {"training_type": "lora"},
+        {},
+    )
     with ckpt_files.exporting(tmp_path / "checkpoint-2"):
         checkpoints._rotate(ckpt_files.complete_checkpoints(tmp_path))
         assert [p.name for p in ckpt_files.checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-6"]
@@ -411,7 +511,9 @@ def test_finished_run_exports_and_exits_zero(references, make_config):
     cfg, _, _ = make_config("finished", "one", **{"train.steps": STEPS - 2})
     lowered = run_cmd(["--cfg", str(cfg)])
     assert lowered.returncode == 1
-    assert f"{out / f'checkpoint-{STEPS}'} is at step {STEPS}, past train.steps = {STEPS - 2}" in lowered.stderr
+    assert (
+        f"{out / f'checkpoint-{STEPS}'} is at step {STEPS}, past train.steps = {STEPS - 2}" in lowered.stderr
+    )
 
 
 @pytest.mark.slow
@@ -427,17 +529,31 @@ def test_export_command(references, make_config, tmp_path):
     exported = weights(out / "exports" / "checkpoint-8")
     assert not (out / "checkpoint-8" / "export").exists()
     assert exported.keys() == weights(out).keys()
-    assert not all(torch.equal(exported[k], weights(out)[k]) for k in exported)  # step 8, not the end
+    # step 8, not the end
+    assert not all(torch.equal(exported[k], weights(out)[k]) for k in exported)
     assert (out / "lora" / "pytorch_lora_weights.safetensors").read_bytes() == final
-    run_ok(["export", "--cfg", str(cfg), "--checkpoint", str(out / f"checkpoint-{STEPS}"), "--out", str(tmp_path)],
-           script="ckpt.py")
+    run_ok(
+        [
+            "export",
+            "--cfg",
+            str(cfg),
+            "--checkpoint",
+            str(out / f"checkpoint-{STEPS}"),
+            "--out",
+            str(tmp_path),
+        ],
+        script="ckpt.py",
+    )
     for folder in ("lora", "lora_ema"):
         assert all(torch.equal(weights(tmp_path, folder)[k], weights(out, folder)[k]) for k in exported)
-    read_only = run_read_only([out], ["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-6")],
-                              script="ckpt.py")
+    read_only = run_read_only(
+        [out], ["export", "--cfg", str(cfg), "--checkpoint", str(out / "checkpoint-6")], script="ckpt.py"
+    )
     assert read_only.returncode == 1 and "Traceback" not in read_only.stderr
-    assert (f"error: the export cannot be written to {out / 'exports' / 'checkpoint-6'} (Read-only file system): "
-            "pass --out DIR, a folder you can write") in read_only.stderr
+    assert (
+        f"error: the export cannot be written to {out / 'exports' / 'checkpoint-6'} (Read-only file system): "
+        "pass --out DIR, a folder you can write"
+    ) in read_only.stderr
 
 
 @pytest.mark.slow
@@ -455,14 +571,18 @@ def test_export_loads_in_the_pipeline(references, tiny_model):
     pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
     pipe.load_lora_weights(lora_file)
     gen = torch.Generator().manual_seed(0)
-    x_t, embeds = torch.randn(2, 3, 4, 8, 8, generator=gen), torch.randn(2, adapter.text_length, 32, generator=gen)
+    x_t, embeds = (
+        torch.randn(2, 3, 4, 8, 8, generator=gen),
+        torch.randn(2, adapter.text_length, 32, generator=gen),
+    )
     with torch.no_grad():
         ours = adapter.predict_v(transformer, x_t, torch.tensor([10, 900]), embeds, None)
         theirs = adapter.predict_v(pipe.transformer, x_t, torch.tensor([10, 900]), embeds, None)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: as intended
+# one process, no group: as intended
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_rank_checks_only_the_files_it_reads(tmp_path):
     """A rank checks only the checkpoint files it reads.
 
@@ -471,9 +591,19 @@ def test_a_rank_checks_only_the_files_it_reads(tmp_path):
     state = {"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
     files = sorted(p.name for p in tmp_path.iterdir())
-    (tmp_path / "meta.json").write_text(json.dumps({"files": {
-        n: {"size": (tmp_path / n).stat().st_size, "sha256": hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}
-        for n in files}}))
+    (tmp_path / "meta.json").write_text(
+        json.dumps(
+            {
+                "files": {
+                    n: {
+                        "size": (tmp_path / n).stat().st_size,
+                        "sha256": hashlib.sha256((tmp_path / n).read_bytes()).hexdigest(),
+                    }
+                    for n in files
+                }
+            }
+        )
+    )
     metadata = dcp.FileSystemReader(tmp_path).read_metadata()
     file_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
     assert file_of["a"] != file_of["b"]
@@ -482,7 +612,9 @@ def test_a_rank_checks_only_the_files_it_reads(tmp_path):
     shard = tmp_path / file_of["b"]
     shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes
     assert ckpt_files.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
-    problem = ckpt_files.check_reads(tmp_path, {"b": torch.zeros(1000)}, dcp.DefaultLoadPlanner(allow_partial_load=True))
+    problem = ckpt_files.check_reads(
+        tmp_path, {"b": torch.zeros(1000)}, dcp.DefaultLoadPlanner(allow_partial_load=True)
+    )
     assert problem == f"checkpoint {tmp_path}: {file_of['b']} does not match its size or sha256 in meta.json"
 
 
@@ -496,8 +628,10 @@ def test_save_views_follow_the_live_tensors(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters())
     objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
     one = ranks.Dist(0, 1, 0, torch.device("cpu"))
-    checkpoints, reference = (ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"}, {})
-                              for _ in range(2))
+    checkpoints, reference = (
+        ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"}, {})
+        for _ in range(2)
+    )
 
     def step():
         model(torch.randn(3, 4)).sum().backward()
@@ -515,11 +649,13 @@ def test_save_views_follow_the_live_tensors(tmp_path):
     second = checkpoints._state(objects, reuse=True)
     assert second["model"] is first["model"] and second["optimizer"] is first["optimizer"]
     assert_fresh(second)
-    optimizer.state[model[1].weight]["exp_avg"] = optimizer.state[model[1].weight]["exp_avg"] + 1  # replaced
+    # replaced
+    optimizer.state[model[1].weight]["exp_avg"] = optimizer.state[model[1].weight]["exp_avg"] + 1
     assert_fresh(checkpoints._state(objects, reuse=True))
     model[0].bias.data = model[0].bias.data + 1  # same Parameter, other storage
     assert_fresh(checkpoints._state(objects, reuse=True))
-    model[0].weight.requires_grad_(False)  # only the key changes here: an sft state holds frozen weights too
+    # only the key changes here: an sft state holds frozen weights too
+    model[0].weight.requires_grad_(False)
     third = checkpoints._state(objects, reuse=True)
     assert third["model"] is not second["model"]
     assert_fresh(third)

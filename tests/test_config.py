@@ -22,47 +22,99 @@ def write(tmp_path, text: str):
 
 
 def test_overrides_are_toml_literals_or_strings():
-    parsed = parse_overrides(["--train.steps", "3", "--train.learning_rate=1e-4", "--train.gradient_checkpointing",
-                              "false", "--data.train_resolution", "[9, 32, 32]", "--model.dtype", "bf16",
-                              "--lora.target_modules", '["to_q", "to_k"]', "--run.output_dir", "/a/b c"])
-    assert parsed == {"train.steps": 3, "train.learning_rate": 1e-4, "train.gradient_checkpointing": False,
-                      "data.train_resolution": [9, 32, 32], "model.dtype": "bf16",
-                      "lora.target_modules": ["to_q", "to_k"], "run.output_dir": "/a/b c"}
+    parsed = parse_overrides(
+        [
+            "--train.steps",
+            "3",
+            "--train.learning_rate=1e-4",
+            "--train.gradient_checkpointing",
+            "false",
+            "--data.train_resolution",
+            "[9, 32, 32]",
+            "--model.dtype",
+            "bf16",
+            "--lora.target_modules",
+            '["to_q", "to_k"]',
+            "--run.output_dir",
+            "/a/b c",
+        ]
+    )
+    assert parsed == {
+        "train.steps": 3,
+        "train.learning_rate": 1e-4,
+        "train.gradient_checkpointing": False,
+        "data.train_resolution": [9, 32, 32],
+        "model.dtype": "bf16",
+        "lora.target_modules": ["to_q", "to_k"],
+        "run.output_dir": "/a/b c",
+    }
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--train.lerning_rate", "1e-4"], "did you mean 'train.learning_rate'"),
-    (["--trian.steps", "3"], "did you mean 'train'"),
-    (["--train.steps", "ten"], "train.steps must be int"),
-    (["--train.steps", "true"], "train.steps must be int"),
-    (["--train.gradient_checkpointing", "False"], "train.gradient_checkpointing must be bool"),
-    (["--train.gradient_checkpointing", "1"], "train.gradient_checkpointing must be bool"),
-    (["--train.steps", "3", "--train.steps=4"], "given twice"),
-    (["--train.mixed_precision", "bf32"], '"bf16" | "fp16" | "no"'),
-    (["--data.train_resolution", "[9, 32]"], "[frames, height, width]"),
-    (["--lora.target_modules", "to_q"], "lora.target_modules must be a list"),
-    (["--train.steps", "0"], "train.steps must be at least 1"),
-    (["--parallel.cpu_offload", "true"], 'parallel.cpu_offload offloads FSDP\'s shards: set parallel.strategy = "fsdp"'),
-    (["--parallel.cpu_offload", "true", "--parallel.strategy", "fsdp", "--train.mixed_precision", "fp16"],
-     'parallel.cpu_offload does not support train.mixed_precision = "fp16" yet'),
-    (["--model.type", "i2v", "--data.train_resolution", "[1, 32, 32]"],
-     "data.train_resolution = [1, 32, 32] has 1 frame, but image-to-video trains the frames after"),
-    (["--model.type", "i2v", "--data.buckets", "[[9, 32, 32], [1, 32, 32]]"], "data.buckets[1] = [1, 32, 32] has 1 frame"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train.lerning_rate", "1e-4"], "did you mean 'train.learning_rate'"),
+        (["--trian.steps", "3"], "did you mean 'train'"),
+        (["--train.steps", "ten"], "train.steps must be int"),
+        (["--train.steps", "true"], "train.steps must be int"),
+        (["--train.gradient_checkpointing", "False"], "train.gradient_checkpointing must be bool"),
+        (["--train.gradient_checkpointing", "1"], "train.gradient_checkpointing must be bool"),
+        (["--train.steps", "3", "--train.steps=4"], "given twice"),
+        (["--train.mixed_precision", "bf32"], '"bf16" | "fp16" | "no"'),
+        (["--data.train_resolution", "[9, 32]"], "[frames, height, width]"),
+        (["--lora.target_modules", "to_q"], "lora.target_modules must be a list"),
+        (["--train.steps", "0"], "train.steps must be at least 1"),
+        (
+            ["--parallel.cpu_offload", "true"],
+            'parallel.cpu_offload offloads FSDP\'s shards: set parallel.strategy = "fsdp"',
+        ),
+        (
+            [
+                "--parallel.cpu_offload",
+                "true",
+                "--parallel.strategy",
+                "fsdp",
+                "--train.mixed_precision",
+                "fp16",
+            ],
+            'parallel.cpu_offload does not support train.mixed_precision = "fp16" yet',
+        ),
+        (
+            ["--model.type", "i2v", "--data.train_resolution", "[1, 32, 32]"],
+            "data.train_resolution = [1, 32, 32] has 1 frame, but image-to-video trains the frames after",
+        ),
+        (
+            ["--model.type", "i2v", "--data.buckets", "[[9, 32, 32], [1, 32, 32]]"],
+            "data.buckets[1] = [1, 32, 32] has 1 frame",
+        ),
+    ],
+)
 def test_mistakes_name_the_key(args, message):
     with pytest.raises(ConfigError, match=None) as error:
         load_config(None, REQUIRED + args)
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--train.max_grad_norm", "-1"], "train.max_grad_norm must be 0 (no clipping) or positive, got -1.0"),
-    (["--lora.lora_alpha", "0"], "lora.lora_alpha must be positive (the scale is lora_alpha / lora.rank), got 0.0"),
-    (["--train.lr_warmup_steps", "-5"], "train.lr_warmup_steps must be 0 or more, got -5"),
-    (["--train.learning_rate", "-1e-4"], "train.learning_rate must be positive, got -0.0001"),
-    (["--lora.target_modules", "[]"], "lora.target_modules is empty, so no layer would get an adapter"),
-    (["--checkpoint.resume", "/nowhere/checkpoint-4"], "checkpoint.resume = /nowhere/checkpoint-4 does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--train.max_grad_norm", "-1"],
+            "train.max_grad_norm must be 0 (no clipping) or positive, got -1.0",
+        ),
+        (
+            ["--lora.lora_alpha", "0"],
+            "lora.lora_alpha must be positive (the scale is lora_alpha / lora.rank), got 0.0",
+        ),
+        (["--train.lr_warmup_steps", "-5"], "train.lr_warmup_steps must be 0 or more, got -5"),
+        (["--train.learning_rate", "-1e-4"], "train.learning_rate must be positive, got -0.0001"),
+        (["--lora.target_modules", "[]"], "lora.target_modules is empty, so no layer would get an adapter"),
+        (
+            ["--checkpoint.resume", "/nowhere/checkpoint-4"],
+            "checkpoint.resume = /nowhere/checkpoint-4 does not exist",
+        ),
+    ],
+)
 def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
     """Values that would train nothing or crash late are refused by the config check.
 
@@ -74,12 +126,15 @@ def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
 
 
 def test_a_family_rule_is_its_adapters():
-    """Wan's forward without autocast (crashed after the cache pass): refused by WanAdapter.check_config,
-    from the config alone (model.path = /m does not exist), and not for fp32 weights."""
+    """Wan's forward without autocast (crashed after the cache pass): refused by
+    WanAdapter.check_config, from the config alone (model.path = /m does not exist), and not for
+    fp32 weights."""
     wan = ["--model.family", "wan", "--train.mixed_precision", "no"]
     with pytest.raises(ConfigError) as error:
         check_config(load_config(None, REQUIRED + wan))
-    assert 'model.dtype = "bf16" with train.mixed_precision = "no": Wan\'s forward needs autocast' in str(error.value)
+    assert 'model.dtype = "bf16" with train.mixed_precision = "no": Wan\'s forward needs autocast' in str(
+        error.value
+    )
     check_config(load_config(None, REQUIRED + wan + ["--model.dtype", "fp32"]))
 
 
@@ -93,13 +148,22 @@ def test_max_grad_norm_zero_does_not_clip():
     for max_grad_norm in (0.0, math.inf):
         cfg.train.max_grad_norm = max_grad_norm
         weight = torch.nn.Parameter(torch.zeros(3))
-        optimizer = torch.optim.AdamW([weight], lr=1.0, weight_decay=0.0, fused=True)  # reads found_inf
+        # reads found_inf
+        optimizer = torch.optim.AdamW([weight], lr=1.0, weight_decay=0.0, fused=True)
         weight.grad = torch.tensor([3.0, 4.0, 0.0])
-        norm, skipped = clip_and_step([weight], optimizer, LossScaler(torch.device("cpu"), False), cfg.train,
-                                      TrainState(torch.device("cpu")), 1, torch.zeros(()))
+        norm, skipped = clip_and_step(
+            [weight],
+            optimizer,
+            LossScaler(torch.device("cpu"), False),
+            cfg.train,
+            TrainState(torch.device("cpu")),
+            1,
+            torch.zeros(()),
+        )
         assert norm.item() == 5.0 and not skipped
         updated.append(weight.detach().clone())
-    assert torch.equal(updated[0], updated[1]) and updated[0][:2].abs().min() > 0.5  # Adam's first step: about lr
+    # Adam's first step: about lr
+    assert torch.equal(updated[0], updated[1]) and updated[0][:2].abs().min() > 0.5
 
 
 def test_missing_required_key_says_how_to_set_it():
@@ -119,8 +183,10 @@ def test_file_errors(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(write(tmp_path, "[train]\nsteps = 7\n[lora]\ntarget_modules = [\"to_q\"]\n"),
-                      REQUIRED + ["--train.learning_rate", "3e-5"])
+    cfg = load_config(
+        write(tmp_path, '[train]\nsteps = 7\n[lora]\ntarget_modules = ["to_q"]\n'),
+        REQUIRED + ["--train.learning_rate", "3e-5"],
+    )
     again = load_config(write(tmp_path, to_toml(cfg)))
     assert again == cfg and again.train.steps == 7 and again.train.learning_rate == 3e-5
 
@@ -147,14 +213,15 @@ def test_lr_schedules():
 
 
 def test_configuration_page_is_config_output():
-    """docs/configuration.md is what `python config.py` prints: config.py's comments, key for key.
-    """
+    """docs/configuration.md is what `python config.py` prints: config.py's comments, key for key."""
     import subprocess
     import sys
 
     from conftest import REPO
 
-    printed = subprocess.run([sys.executable, "config.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    printed = subprocess.run(
+        [sys.executable, "config.py"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     page = (REPO / "docs/configuration.md").read_text()
     assert page == printed.stdout, "docs/configuration.md is stale: python config.py > docs/configuration.md"
 

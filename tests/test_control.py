@@ -30,9 +30,7 @@ def ramp_data(root, count: int = 3):
     for i in range(count):
         ramp_video(root / "videos" / f"{i}.mp4", 17, 40, 48, 8, 12, 40 * i)
         ramp_video(root / "controls" / f"{i}.mp4", 49, 80, 96, 24, 4, 40 * i)
-        rows.append(
-            f'{{"video": "videos/{i}.mp4", "prompt": "ramp {i}", "control": "controls/{i}.mp4"}}\n'
-        )
+        rows.append(f'{{"video": "videos/{i}.mp4", "prompt": "ramp {i}", "control": "controls/{i}.mp4"}}\n')
     (root / "metadata.jsonl").write_text("".join(rows))
     return root
 
@@ -64,9 +62,7 @@ def control_model(adapter, seen: list):
     return adapter
 
 
-def test_cached_controls_are_the_target_windows_frames(
-    control_settings, tmp_path, caplog
-):
+def test_cached_controls_are_the_target_windows_frames(control_settings, tmp_path, caplog):
     """The frames encode_control receives are, frame by frame, the target window's (the same grey:
     the same time; the same white corner: the same resize and crop), though the control has 3x the
     rate and 2x the size; the entry is their VAE posterior; a changed control re-encodes that clip's
@@ -84,17 +80,12 @@ def test_cached_controls_are_the_target_windows_frames(
         means, logvars = adapter.encode_video(frames)
         for item, control, mean, logvar in zip(items, frames, means, logvars):
             target = data.decode_clip(item)
-            assert (
-                picked_frames(control)
-                == picked_frames(target)
-                == list(range(item.start, item.start + 9))
-            )
+            assert picked_frames(control) == picked_frames(target) == list(range(item.start, item.start + 9))
             # the corner's edge falls alike
             assert (control.float() - target.float()).abs().mean() < 3
             corner = (control.float().mean(dim=(0, 3)) > 200).nonzero()
             assert (
-                corner.amax(0).tolist()
-                == (target.float().mean(dim=(0, 3)) > 200).nonzero().amax(0).tolist()
+                corner.amax(0).tolist() == (target.float().mean(dim=(0, 3)) > 200).nonzero().amax(0).tolist()
             )
             cached = load_file(entries.path(item, "control"))
             torch.testing.assert_close(cached["control_latent_mean"], mean, rtol=0, atol=1e-6)
@@ -110,9 +101,7 @@ def test_cached_controls_are_the_target_windows_frames(
     after = [entries.path(item, kind) for item in items for kind in ("video", "control")]
     assert [b == a for b, a in zip(before, after)] == [True, True, True, False, True, True]
     assert len(seen) == 2 and seen[1].shape[0] == 1  # only the changed control went to the encoder
-    assert any("cache: 1 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), (
-        caplog.text
-    )
+    assert any("cache: 1 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_control_shorter_than_the_window_is_named(tmp_path):
@@ -150,9 +139,7 @@ def test_a_control_shorter_than_the_window_is_named(tmp_path):
     assert item.start == 0 and picked_frames(data.decode_control(item)) == list(range(9))
 
 
-def test_control_refusals_name_the_key_or_the_clip(
-    control_settings, base_settings, tmp_path
-):
+def test_control_refusals_name_the_key_or_the_clip(control_settings, base_settings, tmp_path):
     """data.control_column for a model that follows no control names the key; a control model's clip
     without a control names the clip, the line and the column; an unreadable control its file."""
     with one_rank_group() as d:
@@ -193,9 +180,7 @@ def test_synthetic_controls_are_each_clips_edge_map(tmp_path):
     make_synthetic_dataset(str(tmp_path), num_videos=2, frames=9, control=True)
     lines = (tmp_path / "controls.txt").read_text().splitlines()
     assert lines == ["controls/00000.mp4", "controls/00001.mp4"]
-    clip = data.Clip(
-        tmp_path / "videos/00001.mp4", "x", 2, "videos.txt", control=tmp_path / lines[1]
-    )
+    clip = data.Clip(tmp_path / "videos/00001.mp4", "x", 2, "videos.txt", control=tmp_path / lines[1])
     media = decode.probe(clip.video)
     item = data.plan_clip(
         clip, media, "c", [(9, 40, 48)], DataConfig(), 0, control=(decode.probe(clip.control), "c")

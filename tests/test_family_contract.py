@@ -1,7 +1,7 @@
-"""The family contract (model_adapter.Adapter): a family that leaves out part of it is named, with what it
-lacks, when it is loaded, not by an AttributeError mid-run; the three families fill it. And the families
-own their options: config.py names none, each family declares the keys only it accepts (OWN_KEYS), and a
-run of another family refuses them before anything is read."""
+"""The family contract (model_adapter.Adapter): a family that leaves out part of it is named, with
+what it lacks, when it is loaded, not by an AttributeError mid-run; the three families fill it. And
+the families own their options: config.py names none, each family declares the keys only it accepts
+(OWN_KEYS), and a run of another family refuses them before anything is read."""
 
 import dataclasses
 import logging
@@ -11,11 +11,11 @@ import typing
 
 import pytest
 import torch
+from conftest import REPO
 
 import model_adapter
 import trainer
 from config import Config, ConfigError, ModelConfig, load_config
-from conftest import REPO
 from families.cogvideox import CogVideoXAdapter
 from families.ltx2 import LTX2Adapter
 from families.wan import WanAdapter
@@ -31,12 +31,17 @@ def without(family: type[Adapter], *names: str) -> type[Adapter]:
     return type(f"Forgetful{family.__name__}", (Adapter,), {**namespace, "__module__": __name__})
 
 
-ForgetfulWanAdapter = without(WanAdapter, "sampling_step")  # module-level: ADAPTERS names classes by module
-# A fourth family with no keys of its own (CogVideoX's methods, Adapter's empty OWN_KEYS), and one that
-# also accepts CogVideoX's validation.use_dynamic_cfg: each is its class plus one registry line.
+# module-level: ADAPTERS names classes by module
+ForgetfulWanAdapter = without(WanAdapter, "sampling_step")
+# A fourth family with no keys of its own (CogVideoX's methods, Adapter's empty OWN_KEYS), and one
+# that also accepts CogVideoX's validation.use_dynamic_cfg: each is its class plus one registry
+# line.
 PlainAdapter = without(CogVideoXAdapter, "OWN_KEYS", "FAMILY")
-DynamicAdapter = type("DynamicAdapter", (PlainAdapter,), {
-    "OWN_KEYS": {"validation.use_dynamic_cfg": "unused: CogVideoX's message is the one shown"}})
+DynamicAdapter = type(
+    "DynamicAdapter",
+    (PlainAdapter,),
+    {"OWN_KEYS": {"validation.use_dynamic_cfg": "unused: CogVideoX's message is the one shown"}},
+)
 
 
 def other_value(key: str):
@@ -66,9 +71,11 @@ def test_a_family_that_forgets_a_required_method_is_named_at_load(monkeypatch):
     monkeypatch.setitem(ADAPTERS, "wan", (__name__, "ForgetfulWanAdapter"))
     with pytest.raises(TypeError) as error:
         load_adapter(ModelConfig(family="wan", path="/nowhere"), torch.device("cpu"))
-    assert str(error.value) == (f"the family adapter {__name__}.ForgetfulWanAdapter does not provide "
-                                "sampling_step: every family defines them (model_adapter.Adapter declares "
-                                "each, docs/adding-a-family.md lists them)")
+    assert str(error.value) == (
+        f"the family adapter {__name__}.ForgetfulWanAdapter does not provide "
+        "sampling_step: every family defines them (model_adapter.Adapter declares "
+        "each, docs/adding-a-family.md lists them)"
+    )
 
 
 def test_the_sound_group_and_the_init_attributes_are_checked():
@@ -84,9 +91,13 @@ def test_the_sound_group_and_the_init_attributes_are_checked():
 
 
 def test_every_registered_family_fills_the_contract():
-    """And each key a family declares its own is a config key, named on the family's page in docs/models/."""
-    keys = {f"{field.name}.{name}" for field in dataclasses.fields(Config)
-            for name in typing.get_type_hints(field.type)}
+    """And each key a family declares its own is a config key, named on the family's page in
+    docs/models/."""
+    keys = {
+        f"{field.name}.{name}"
+        for field in dataclasses.fields(Config)
+        for name in typing.get_type_hints(field.type)
+    }
     for family in ADAPTERS:
         cls = adapter_class(family)
         assert model_adapter.missing_members(cls) == [] and cls.FAMILY == family
@@ -95,36 +106,43 @@ def test_every_registered_family_fills_the_contract():
 
 
 def test_config_names_no_family():
-    """A family is its file plus one registry line: config.py, the schema and the checks every family
-    shares, names none of them (nor LTX, Wan, CogVideo), in code or comments."""
+    """A family is its file plus one registry line: config.py, the schema and the checks every
+    family shares, names none of them (nor LTX, Wan, CogVideo), in code or comments."""
     text = (REPO / "config.py").read_text().lower()
     named = {word for word in [*ADAPTERS, "ltx", "wan", "cogvideo"] if re.search(re.escape(word), text)}
     assert named == set(), f"config.py names {sorted(named)}: move the rule into the family's check_config"
 
 
 def test_a_key_only_another_family_accepts_is_refused():
-    """Every key a family owns, set in a run of each other family: refused by the family check, from the
-    config alone (model.path does not exist), in a message naming the key and the owning family; the
-    owner accepts it."""
+    """Every key a family owns, set in a run of each other family: refused by the family check, from
+    the config alone (model.path does not exist), in a message naming the key and the owning family;
+    the owner accepts it."""
     for owner in ADAPTERS:
         for key in adapter_class(owner).OWN_KEYS:
             value = other_value(key)
             for family in ADAPTERS:
                 cfg = with_key(family, key, value)
                 if family == owner:
-                    if owner == "ltx2":  # STG and the added terms need their partners: the owner's own rules
+                    # STG and the added terms need their partners: the owner's own rules
+                    if owner == "ltx2":
                         cfg.validation.stg_scale, cfg.data.target_fps = 1.0, 24.0
                     check_config(cfg)
                     continue
                 with pytest.raises(ConfigError) as refused:
                     check_config(cfg)
                 message = re.sub(r"[^a-z0-9]", "", str(refused.value).lower())
-                assert key in str(refused.value) and owner in message, (owner, key, family, str(refused.value))
+                assert key in str(refused.value) and owner in message, (
+                    owner,
+                    key,
+                    family,
+                    str(refused.value),
+                )
 
 
 def test_a_new_family_is_its_class_and_a_registry_line(monkeypatch):
-    """A registered family without keys of its own refuses every family's keys, with the owner's message;
-    one that declares a key accepts it; model.family is checked against the registry, every name listed."""
+    """A registered family without keys of its own refuses every family's keys, with the owner's
+    message; one that declares a key accepts it; model.family is checked against the registry, every
+    name listed."""
     monkeypatch.setitem(ADAPTERS, "plain", (__name__, "PlainAdapter"))
     monkeypatch.setitem(ADAPTERS, "dynamic", (__name__, "DynamicAdapter"))
     assert check_config(load_config(None, REQUIRED + ["--model.family", "plain"])) is PlainAdapter
@@ -136,17 +154,23 @@ def test_a_new_family_is_its_class_and_a_registry_line(monkeypatch):
     assert check_config(with_key("dynamic", "validation.use_dynamic_cfg", True)) is DynamicAdapter
     with pytest.raises(ConfigError) as unknown:
         check_config(load_config(None, REQUIRED + ["--model.family", "hunyuan"]))
-    assert str(unknown.value) == ('model.family = "hunyuan" is no family vidtrain trains: set one of "cogvideox", '
-                                  '"wan", "ltx2", "plain", "dynamic", or "" for the family of model.path\'s pipeline')
+    assert str(unknown.value) == (
+        'model.family = "hunyuan" is no family vidtrain trains: set one of "cogvideox", '
+        '"wan", "ltx2", "plain", "dynamic", or "" for the family of model.path\'s pipeline'
+    )
 
 
 def test_the_command_refuses_another_familys_key_before_the_cache_pass(write_config, tmp_path, caplog):
     """trainer.py's frame runs the family check on the config it read: nothing is read or written."""
-    config = write_config("foreign", **{"validation.stg_scale": 1.0, "data.cache_dir": str(tmp_path / "cache")})
+    config = write_config(
+        "foreign", **{"validation.stg_scale": 1.0, "data.cache_dir": str(tmp_path / "cache")}
+    )
     with pytest.raises(SystemExit), caplog.at_level(logging.ERROR, logger="vidtrain"):
         trainer.main(["--cfg", str(config)])
-    assert ("validation.stg_scale is an option of LTX-2's pipelines; cogvideox's pipeline has no such guidance "
-            "term: remove it") in caplog.text
+    assert (
+        "validation.stg_scale is an option of LTX-2's pipelines; cogvideox's pipeline has no such guidance "
+        "term: remove it"
+    ) in caplog.text
     assert not (tmp_path / "cache").exists() and not (tmp_path / "foreign").exists()
 
 

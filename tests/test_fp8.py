@@ -21,8 +21,9 @@ import trainer
 from config import ConfigError, ModelConfig, load_config
 from model_adapter import load_adapter
 
-# Relative L2 error of the tiny models' output against bf16's (measured: CogVideoX 0.006, Wan 0.009; bf16's
-# own against fp32 is 0.005-0.007). bench/bench_fp8.py measures it at full size (BENCHMARKS.md).
+# Relative L2 error of the tiny models' output against bf16's (measured: CogVideoX 0.006, Wan 0.009;
+# bf16's own against fp32 is 0.005-0.007). bench/bench_fp8.py measures it at full size
+# (BENCHMARKS.md).
 TOLERANCE = 0.02
 
 
@@ -35,12 +36,15 @@ def transformer_output(adapter, transformer) -> torch.Tensor:
     c, g = adapter.transformer_config, torch.Generator().manual_seed(0)
     latent = (1, 3, adapter.latent_channels, 8, 8)  # [B, F, C, h, w]: CogVideoX's order
     x = torch.randn(latent, generator=g).to(adapter.dtype)
-    text = torch.randn(1, adapter.text_length, c.get("text_embed_dim") or c["text_dim"], generator=g).to(adapter.dtype)
+    text = torch.randn(1, adapter.text_length, c.get("text_embed_dim") or c["text_dim"], generator=g).to(
+        adapter.dtype
+    )
     if adapter.FAMILY == "wan":
         x = x.transpose(1, 2)  # [B, C, F, h, w]
     with torch.no_grad():
-        return transformer(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]),
-                           return_dict=False)[0].float()
+        return transformer(
+            hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]), return_dict=False
+        )[0].float()
 
 
 @pytest.mark.parametrize("family", ["cogvideox", "wan"])
@@ -52,12 +56,20 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
     take half the bytes; the output is bf16's within TOLERANCE. An Fp8Linear built from the same fp8
     weight with a per-tensor scale (ComfyUI's scaled fp8) spreads the scale to every row."""
     path = str(tiny_model if family == "cogvideox" else wan_models("t2v"))
-    adapters = {s: load_adapter(ModelConfig(path=path, family=family, dtype="bf16", storage_dtype=s), torch.device("cpu"))
-                for s in ("", "fp8")}
+    adapters = {
+        s: load_adapter(
+            ModelConfig(path=path, family=family, dtype="bf16", storage_dtype=s), torch.device("cpu")
+        )
+        for s in ("", "fp8")
+    }
     plain, fp8 = (adapters[s].load_transformer() for s in ("", "fp8"))
     block_linears = {f"{name}.weight" for name, m in fp8.named_modules() if isinstance(m, storage.Fp8Linear)}
-    in_blocks = {f"{name}.weight" for block in adapters[""].blocks(plain) for name, m in plain.named_modules()
-                 if isinstance(m, torch.nn.Linear) and any(m is b for b in block.modules())}
+    in_blocks = {
+        f"{name}.weight"
+        for block in adapters[""].blocks(plain)
+        for name, m in plain.named_modules()
+        if isinstance(m, torch.nn.Linear) and any(m is b for b in block.modules())
+    }
     assert block_linears == in_blocks and block_linears
     params = dict(fp8.named_parameters())
     for name, param in plain.named_parameters():
@@ -68,18 +80,22 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
             assert params[name].nbytes * 2 == param.nbytes
         else:
             assert torch.equal(params[name], param), name  # bitwise the bf16 model's
-    assert params.keys() - dict(plain.named_parameters()).keys() == {f"{name}_scale" for name in block_linears}
+    assert params.keys() - dict(plain.named_parameters()).keys() == {
+        f"{name}_scale" for name in block_linears
+    }
 
     expected = transformer_output(adapters[""], plain)
     error = ((transformer_output(adapters["fp8"], fp8) - expected).norm() / expected.norm()).item()
     assert 0 < error < TOLERANCE
 
     module = fp8.get_submodule(sorted(block_linears)[0].removesuffix(".weight"))
-    per_tensor = storage.Fp8Linear(module.weight.data, module.weight_scale[:1, 0].clone(), module.bias,
-                                   torch.bfloat16)
+    per_tensor = storage.Fp8Linear(
+        module.weight.data, module.weight_scale[:1, 0].clone(), module.bias, torch.bfloat16
+    )
     assert per_tensor.weight_scale.shape == module.weight_scale.shape
-    assert torch.equal(storage.weight(per_tensor),
-                       (module.weight.float() * module.weight_scale[0]).to(torch.bfloat16))
+    assert torch.equal(
+        storage.weight(per_tensor), (module.weight.float() * module.weight_scale[0]).to(torch.bfloat16)
+    )
 
 
 def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
@@ -102,7 +118,8 @@ def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
     upcast = storage.weight(model.get_submodule(name.removesuffix(".weight")))
     assert upcast.dtype == torch.float16 and torch.isfinite(upcast).all()
     assert torch.equal(upcast[0], torch.zeros_like(upcast[0]))
-    # e4m3's 3 mantissa bits: a relative error of at most 2^-4, down to fp16's own spacing of 6e-8 there
+    # e4m3's 3 mantissa bits: a relative error of at most 2^-4, down to fp16's own spacing of 6e-8
+    # there
     torch.testing.assert_close(upcast[1].float(), weights[name][1].float(), rtol=2**-4, atol=6e-8)
     assert torch.isfinite(transformer_output(adapter, model)).all()
 
@@ -134,7 +151,9 @@ def test_fp8_linear_computes_as_its_upcast_weight():
 
 
 def test_sft_with_fp8_storage_stops_before_any_work(write_config):
-    with pytest.raises(ConfigError, match='model.storage_dtype = "fp8" stores a frozen base, but train.training_type'):
+    with pytest.raises(
+        ConfigError, match='model.storage_dtype = "fp8" stores a frozen base, but train.training_type'
+    ):
         load_config(str(write_config("sft", **{"model.storage_dtype": "fp8", "train.training_type": "sft"})))
 
 
@@ -146,8 +165,9 @@ def one_process_group():
 
 
 @pytest.mark.slow
-def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(base_settings, tiny_model, tmp_path,
-                                                                      one_process_group):
+def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(
+    base_settings, tiny_model, tmp_path, one_process_group
+):
     """A LoRA trains on the fp8 base as on model.dtype's and exports for the original model.
 
     20 steps (one-process FSDP, activation checkpointing, EMA, a validation render): the held-out
@@ -156,14 +176,34 @@ def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(bas
     computes what our model computes with it. In fp32 (the session's cache), where the tiny model
     steps far faster than in bf16 on CPUs (docs/testing.md): fp8 storage upcasts to model.dtype,
     whichever it is, and the test above holds its output to bf16's."""
-    settings = {**base_settings, "train.steps": 20, "train.learning_rate": 3e-3, "train.gradient_checkpointing": True, "train.ema_decay": 0.9,
-                "parallel.strategy": "fsdp", "lora.rank": 8, "lora.lora_alpha": 4, "checkpoint.checkpointing_steps": 20,
-                "validation.validation_steps": 20, "validation.prompts": ["a red ball"],
-                "validation.num_inference_steps": 2}
+    settings = {
+        **base_settings,
+        "train.steps": 20,
+        "train.learning_rate": 3e-3,
+        "train.gradient_checkpointing": True,
+        "train.ema_decay": 0.9,
+        "parallel.strategy": "fsdp",
+        "lora.rank": 8,
+        "lora.lora_alpha": 4,
+        "checkpoint.checkpointing_steps": 20,
+        "validation.validation_steps": 20,
+        "validation.prompts": ["a red ball"],
+        "validation.num_inference_steps": 2,
+    }
     losses, configs = {}, {}
     for name in ("plain", "fp8"):
-        configs[name] = load_config(str(write_toml(tmp_path / f"{name}.toml", {
-            **settings, "run.output_dir": str(tmp_path / name), "model.storage_dtype": "fp8" if name == "fp8" else ""})))
+        configs[name] = load_config(
+            str(
+                write_toml(
+                    tmp_path / f"{name}.toml",
+                    {
+                        **settings,
+                        "run.output_dir": str(tmp_path / name),
+                        "model.storage_dtype": "fp8" if name == "fp8" else "",
+                    },
+                )
+            )
+        )
         trainer.train(configs[name], one_process_group)
         losses[name] = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / name) if "val/loss" in m}
     drops = {name: held_out[0] - held_out[20] for name, held_out in losses.items()}
@@ -172,7 +212,10 @@ def test_lora_on_fp8_trains_as_without_it_and_exports_for_the_original_model(bas
 
     exported = tmp_path / "fp8" / "lora" / "pytorch_lora_weights.safetensors"
     weights, info = lora.load_lora(str(exported))
-    assert weights.keys() == lora.load_lora(str(tmp_path / "plain" / "lora" / "pytorch_lora_weights.safetensors"))[0].keys()
+    assert (
+        weights.keys()
+        == lora.load_lora(str(tmp_path / "plain" / "lora" / "pytorch_lora_weights.safetensors"))[0].keys()
+    )
     pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
     pipe.load_lora_weights(str(exported))
     adapter = load_adapter(configs["plain"].model, torch.device("cpu"))

@@ -68,18 +68,35 @@ command.shutdown()  # FSDP2 models collected before the group goes, as the train
 def test_bf16_fsdp_computes_what_ddp_computes(tiny_models, wan_models, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--master_port={free_port()}", str(script), str(REPO), str(tiny_models("5b")),
-                             str(wan_models("t2v")), str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            str(script),
+            str(REPO),
+            str(tiny_models("5b")),
+            str(wan_models("t2v")),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for family in ("cogvideox", "wan"):  # CogVideoX-5B's rotary tables; Wan's too, and its fp32 modules
+        # CogVideoX-5B's rotary tables; Wan's too, and its fp32 modules
+        for family in ("cogvideox", "wan"):
             (ddp_loss, ddp_norm), (fsdp_loss, fsdp_norm) = report[family]["ddp"], report[family]["fsdp"]
             assert abs(fsdp_loss - ddp_loss) <= 1e-5 * abs(ddp_loss), (family, rank, ddp_loss, fsdp_loss)
             assert abs(fsdp_norm - ddp_norm) <= 1e-5 * abs(ddp_norm), (family, rank, ddp_norm, fsdp_norm)
         sft = report["wan_sft"]
         assert {dtype for dtype, fp32 in sft.values() if fp32} == {"torch.float32"}, sft
         assert {dtype for dtype, fp32 in sft.values() if not fp32} == {"torch.bfloat16"}, sft
-        assert any(name.endswith("scale_shift_table") for name in sft) and any("time_embedder" in n for n in sft)
+        assert any(name.endswith("scale_shift_table") for name in sft) and any(
+            "time_embedder" in n for n in sft
+        )

@@ -28,10 +28,10 @@ from families.cogvideox import CogVideoXAdapter
 # Host reads allowed on a step that does not log, keyed by (root module, function), with the reason.
 ALLOWED = {
     ("ranks.py", "agreed_a_step_late"): "the preemption flag: a CPU tensor all-reduced over gloo a step "
-                                           "earlier, so reading it waits neither for the device nor for a peer",
+    "earlier, so reading it waits neither for the device nor for a peer",
 }
-# Counted: from step 2's first loss to step 6's, so steps 2..5's backward passes, updates and boundaries:
-# step 1 sets up lazily, step 6 is the last (log, save, export).
+# Counted: from step 2's first loss to step 6's, so steps 2..5's backward passes, updates and
+# boundaries: step 1 sets up lazily, step 6 is the last (log, save, export).
 STEPS = 6
 VARIANTS = {
     # accumulation, EMA and a NaN loss (a skipped update) inside the counted steps
@@ -47,8 +47,11 @@ FAULTS = {"one_process": "nan_loss:3", "fp16": "overflow:3", "fsdp": "nan_loss:3
 def caller() -> tuple[str, str, int]:
     """The innermost function of our own modules (the root's and the families') in the current stack
     (comprehensions are frames of their own: their function is the one around them)."""
-    ours = [f for f in traceback.extract_stack()
-            if Path(f.filename).parent in (REPO, REPO / "families") and not f.name.startswith("<")]
+    ours = [
+        f
+        for f in traceback.extract_stack()
+        if Path(f.filename).parent in (REPO, REPO / "families") and not f.name.startswith("<")
+    ]
     return (Path(ours[-1].filename).name, ours[-1].name, ours[-1].lineno) if ours else ("?", "?", 0)
 
 
@@ -70,8 +73,14 @@ class HostReads(TorchDispatchMode):
 def run_counting(write_config, monkeypatch, variant: str, device: torch.device, on_window, **family):
     """Train STEPS steps in this process, calling on_window(True) at step 2's first loss and
     on_window(False) at step STEPS's (the loop's fault hook, faults.on_loss, marks the steps)."""
-    settings = {"train.steps": STEPS, "train.log_every": 100, "checkpoint.checkpointing_steps": 100,
-                "validation.do_validation": False, **VARIANTS[variant], **family}
+    settings = {
+        "train.steps": STEPS,
+        "train.log_every": 100,
+        "checkpoint.checkpointing_steps": 100,
+        "validation.do_validation": False,
+        **VARIANTS[variant],
+        **family,
+    }
     cfg = load_config(str(write_config(variant, **settings)))
     monkeypatch.setenv("VIDTRAIN_FAULT", FAULTS[variant])
     original = faults.fault
@@ -95,8 +104,9 @@ def run_counting(write_config, monkeypatch, variant: str, device: torch.device, 
 def test_no_host_reads_on_steps_that_do_not_log(write_config, monkeypatch, variant):
     mode = HostReads()
     with mode:
-        run_counting(write_config, monkeypatch, variant, torch.device("cpu"),
-                     lambda on: setattr(mode, "counting", on))
+        run_counting(
+            write_config, monkeypatch, variant, torch.device("cpu"), lambda on: setattr(mode, "counting", on)
+        )
     assert mode.ops > 1000  # the counted steps ran under the mode
     unexpected = [read for read in mode.reads if read[:2] not in ALLOWED]
     assert unexpected == [], f"host reads of tensors on steps that do not log: {unexpected}"
@@ -138,7 +148,9 @@ def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
     prepared, trained, reads = [], [], []
     prepare, train_loss, read = cache.prepare, CogVideoXAdapter.train_loss, cache_files.Prefetch.host
     monkeypatch.setattr(cache, "prepare", lambda *args: prepared.append(prepare(*args)) or prepared[0])
-    monkeypatch.setattr(cache_files.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items))
+    monkeypatch.setattr(
+        cache_files.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items)
+    )
 
     def recorded(adapter, model, batch, generators):
         trained.append({k: v.clone() for k, v in batch.items()})
@@ -151,10 +163,15 @@ def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
     expected = []
     for _ in range(STEPS):
         batch_ids = sampler.next_batch()
-        expected += [entries.load_batch([clips[batch_ids[p]] for p in data.micro_slice(micro, 0, 1, 2)])
-                     for micro in range(2)]
+        expected += [
+            entries.load_batch([clips[batch_ids[p]] for p in data.micro_slice(micro, 0, 1, 2)])
+            for micro in range(2)
+        ]
     assert sampler.epoch == 1 and len(trained) == len(expected) == 2 * STEPS
-    # Each read once: the first when the run starts, every other one while the micro-step before it computed.
+    # Each read once: the first when the run starts, every other one while the micro-step before it
+    # computed.
     assert len(reads) == 2 * STEPS, f"{len(reads)} reads"
     for step, (ours, theirs) in enumerate(zip(trained, expected)):
-        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), step // 2 + 1
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), (
+            step // 2 + 1
+        )

@@ -1,31 +1,57 @@
 """The import rule of docs/design.md, and the tests' own, read from the source.
 
-docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> ranks -> config, no
-cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in families/
-(and tools/). And the tests' own: no test module imports another (shared helpers and fixtures live
-in conftest.py), and the fast subset reaches every module but the demo's."""
+docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> ranks ->
+config, no cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in
+families/ (and tools/). And the tests' own: no test module imports another (shared helpers and
+fixtures live in conftest.py), and the fast subset reaches every module but the demo's."""
 
 import ast
-import tomllib
 
+import tomllib
 from conftest import REPO
 
-FAMILIES = {"cogvideox": "cogvideo", "wan": "wan", "ltx2": "ltx2"}  # families/<name>.py, and the word in its classes' names
+# families/<name>.py, and the word in its classes' names
+FAMILIES = {"cogvideox": "cogvideo", "wan": "wan", "ltx2": "ltx2"}
 LAYERS = {
     **dict.fromkeys(["trainer", "render"], 4),
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 3),
-    **dict.fromkeys(["model", "model_adapter", "lora", "data", "decode", "manifest", "parallel",
-                     "ckpt_files", "cache_files", "command", "metrics", "faults", "sequence", "memory", "weights",
-                     "activations", "storage", "sound_decoder", "transformer_loading",
-                     "families.wan_vace", *(f"families.{family}" for family in FAMILIES)], 2),
-    "ranks": 1,  # the process group and agreement: below parallel.py, which spreads the model over it
+    **dict.fromkeys(
+        [
+            "model",
+            "model_adapter",
+            "lora",
+            "data",
+            "decode",
+            "manifest",
+            "parallel",
+            "ckpt_files",
+            "cache_files",
+            "command",
+            "metrics",
+            "faults",
+            "sequence",
+            "memory",
+            "weights",
+            "activations",
+            "storage",
+            "sound_decoder",
+            "transformer_loading",
+            "families.wan_vace",
+            *(f"families.{family}" for family in FAMILIES),
+        ],
+        2,
+    ),
+    # the process group and agreement: below parallel.py, which spreads the model over it
+    "ranks": 1,
     "config": 0,
 }
 
 
 def modules() -> dict:
     """Every module by its import name: the root's, and the families'."""
-    return {p.stem: p for p in REPO.glob("*.py")} | {f"families.{p.stem}": p for p in REPO.glob("families/*.py")}
+    return {p.stem: p for p in REPO.glob("*.py")} | {
+        f"families.{p.stem}": p for p in REPO.glob("families/*.py")
+    }
 
 
 def is_main_block(node) -> bool:
@@ -49,7 +75,9 @@ def our_imports(path) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     found = modules()
-    assert found.keys() == LAYERS.keys(), "place every module in a layer (docs/design.md, Files and import layers)"
+    assert found.keys() == LAYERS.keys(), (
+        "place every module in a layer (docs/design.md, Files and import layers)"
+    )
     return {name: our_imports(path) for name, path in found.items()}
 
 
@@ -61,8 +89,9 @@ def test_imports_go_one_way():
 
 
 def test_validation_reads_no_checkpoint():
-    """validate.py samples and measures what it is handed (the trainer's model): reading checkpoints and
-    LoRA files to render is the render command's (render.py), so validate.py imports no other job."""
+    """validate.py samples and measures what it is handed (the trainer's model): reading checkpoints
+    and LoRA files to render is the render command's (render.py), so validate.py imports no other
+    job."""
     assert import_graph()["validate"] & {"ckpt", "ckpt_files", "cache", "export", "command"} == set()
 
 
@@ -70,7 +99,7 @@ def test_no_import_cycles():
     graph, done, path = import_graph(), set(), []
 
     def visit(module):
-        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module) :] + [module])}"
         if module in done:
             return
         path.append(module)
@@ -90,7 +119,10 @@ def test_family_classes_stay_in_their_adapters():
     pipelines and modules), so a fork adds a family in one file."""
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("diffusers", "transformers"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+                "diffusers",
+                "transformers",
+            ):
                 names = [alias.name for alias in node.names] + [node.module]
                 for family, word in FAMILIES.items():
                     if name != f"families.{family}":
@@ -113,21 +145,33 @@ def test_no_test_module_imports_another():
                 names = [node.module or ""]
             else:
                 continue
-            found += [(path.name, node.lineno, name) for name in names if name.split(".")[0] in tests
-                      or name.startswith("tests.")]
+            found += [
+                (path.name, node.lineno, name)
+                for name in names
+                if name.split(".")[0] in tests or name.startswith("tests.")
+            ]
     assert found == [], f"move what these import into tests/conftest.py: {found}"
 
 
 def fast_tests(path) -> list[str]:
-    """The tests of a test module that `pytest -m "not slow"` runs: those not marked slow, by decorator or
-    by the module's pytestmark."""
+    """The tests of a test module that `pytest -m "not slow"` runs: those not marked slow, by
+    decorator or by the module's pytestmark."""
     tree = ast.parse(path.read_text())
-    module_marks = [ast.unparse(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                    and any(getattr(target, "id", "") == "pytestmark" for target in node.targets)]
+    module_marks = [
+        ast.unparse(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(target, "id", "") == "pytestmark" for target in node.targets)
+    ]
     if any("pytest.mark.slow" in marks for marks in module_marks):
         return []
-    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-            and node.name.startswith("test_") and "pytest.mark.slow" not in map(ast.unparse, node.decorator_list)]
+    return [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and node.name.startswith("test_")
+        and "pytest.mark.slow" not in map(ast.unparse, node.decorator_list)
+    ]
 
 
 def test_the_fast_subset_keeps_every_module_but_the_demo():
@@ -143,28 +187,51 @@ def test_the_fast_subset_keeps_every_module_but_the_demo():
 
 
 def test_the_run_is_set_up_before_the_cache_pass():
-    """trainer.py takes its adapter from the setup step (model.setup_adapter), not from the cache pass:
-    it imports no prepare from cache.py, and cache.py loads no adapter itself (its command takes the setup
-    step's) and checks nothing of the model but the clips' shapes against it."""
-    trainer_imports = [alias.name for node in ast.walk(ast.parse((REPO / "trainer.py").read_text()))
-                       if isinstance(node, ast.ImportFrom) and node.module == "cache" for alias in node.names]
+    """trainer.py takes its adapter from the setup step (model.setup_adapter), not from the cache
+    pass: it imports no prepare from cache.py, and cache.py loads no adapter itself (its command
+    takes the setup step's) and checks nothing of the model but the clips' shapes against it."""
+    trainer_imports = [
+        alias.name
+        for node in ast.walk(ast.parse((REPO / "trainer.py").read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "cache"
+        for alias in node.names
+    ]
     assert trainer_imports == []
-    cache_names = {node.id if isinstance(node, ast.Name) else node.attr
-                   for node in ast.walk(ast.parse((REPO / "cache.py").read_text()))
-                   if isinstance(node, (ast.Name, ast.Attribute))}
-    model_checks = {"load_adapter", "check_heads", "check_offload_blocks", "check_guidance",
-                    "check_lora_targets", "clip_rate", "Weights"}
+    cache_names = {
+        node.id if isinstance(node, ast.Name) else node.attr
+        for node in ast.walk(ast.parse((REPO / "cache.py").read_text()))
+        if isinstance(node, (ast.Name, ast.Attribute))
+    }
+    model_checks = {
+        "load_adapter",
+        "check_heads",
+        "check_offload_blocks",
+        "check_guidance",
+        "check_lora_targets",
+        "clip_rate",
+        "Weights",
+    }
     assert cache_names & model_checks == set()
 
 
 def test_run_settings_reach_the_adapter_through_its_constructor():
-    """No module, benchmark, tool or test sets a run setting on a built adapter (model_adapter.RunSettings
-    hands them to the family's constructor): no assignment to these attributes but on self."""
+    """No module, benchmark, tool or test sets a run setting on a built adapter
+    (model_adapter.RunSettings hands them to the family's constructor): no assignment to these
+    attributes but on self."""
     settings = {"shift", "audio_loss_weight", "trains_sound", "frame_rate"}
-    paths = [path for folder in ("", "families/", "bench/", "tools/", "tests/") for path in REPO.glob(f"{folder}*.py")]
-    pokes = [(path.name, node.lineno) for path in paths for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, (ast.Assign, ast.AugAssign))
-             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-             if isinstance(target, ast.Attribute) and target.attr in settings
-             and not (isinstance(target.value, ast.Name) and target.value.id == "self")]
+    paths = [
+        path
+        for folder in ("", "families/", "bench/", "tools/", "tests/")
+        for path in REPO.glob(f"{folder}*.py")
+    ]
+    pokes = [
+        (path.name, node.lineno)
+        for path in paths
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Assign, ast.AugAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+        and target.attr in settings
+        and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+    ]
     assert pokes == []

@@ -63,7 +63,9 @@ def transformer_inputs(transformer):
     gen = torch.Generator().manual_seed(123)
     frames = (cfg.sample_frames - 1) // cfg.temporal_compression_ratio + 1
     return dict(
-        hidden_states=torch.randn(1, frames, cfg.in_channels, cfg.sample_height, cfg.sample_width, generator=gen),
+        hidden_states=torch.randn(
+            1, frames, cfg.in_channels, cfg.sample_height, cfg.sample_width, generator=gen
+        ),
         encoder_hidden_states=torch.randn(1, cfg.max_text_seq_length, cfg.text_embed_dim, generator=gen),
         timestep=torch.tensor([500]),
         return_dict=False,
@@ -89,7 +91,9 @@ def test_matches_peft_outputs_and_grads():
     names = lora.inject_lora(ours, ["to_q", "to_out.0"], RANK, ALPHA, dropout=0.0, seed=0)
     assert names == ["to_out.0", "to_q"]
     randomize_lora_B(ours)
-    theirs = inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "to_out.0"]), theirs)
+    theirs = inject_adapter_in_model(
+        LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "to_out.0"]), theirs
+    )
     with torch.no_grad():
         for name in names:
             layer = theirs.get_submodule(name)
@@ -152,7 +156,8 @@ def test_file_is_what_diffusers_writes(lora_transformer, tmp_path):
     CogVideoXPipeline.save_lora_weights(
         str(tmp_path / "diffusers"), transformer_lora_layers=sd, transformer_lora_adapter_metadata=config
     )
-    # Not byte for byte: safetensors writes the metadata map in hash order, which varies per process.
+    # Not byte for byte: safetensors writes the metadata map in hash order, which varies per
+    # process.
     with safe_open(tmp_path / "diffusers" / "pytorch_lora_weights.safetensors", framework="pt") as f:
         assert f.metadata() == header
         theirs = {k: f.get_tensor(k) for k in f.keys()}
@@ -185,7 +190,8 @@ def test_round_trip_and_errors(tmp_path):
     assert all(v.dtype == torch.float32 and not v.requires_grad for v in sd.values())
     path = str(tmp_path / "sub" / "pytorch_lora_weights.safetensors")
     lora.save_lora(path, sd, RANK, ALPHA, ["to_q", "to_out.0"])
-    assert os.listdir(tmp_path / "sub") == ["pytorch_lora_weights.safetensors"]  # no .tmp left behind
+    # no .tmp left behind
+    assert os.listdir(tmp_path / "sub") == ["pytorch_lora_weights.safetensors"]
 
     loaded, info = lora.load_lora(path)
     assert info == {"rank": RANK, "alpha": ALPHA, "target_modules": ["to_out.0", "to_q"]}
@@ -216,7 +222,9 @@ def test_round_trip_and_errors(tmp_path):
     dora = str(tmp_path / "dora.safetensors")
     meta = {"transformer.r": RANK, "transformer.lora_alpha": ALPHA, "transformer.target_modules": ["to_q"]}
     meta["transformer.use_dora"] = True
-    save_file({"transformer." + k: v for k, v in sd.items()}, dora, {"lora_adapter_metadata": json.dumps(meta)})
+    save_file(
+        {"transformer." + k: v for k, v in sd.items()}, dora, {"lora_adapter_metadata": json.dumps(meta)}
+    )
     with pytest.raises(ValueError, match=r"\['use_dora'\]"):
         lora.load_lora(dora)
 
@@ -236,7 +244,8 @@ def test_init_is_seeded_and_leaves_global_rng_alone():
     for k in sa:
         if "lora_A" in k:
             assert not torch.equal(sa[k], sc[k])
-            bound = 1 / sa[k].shape[1] ** 0.5  # kaiming_uniform(a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+            # kaiming_uniform(a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+            bound = 1 / sa[k].shape[1] ** 0.5
             assert sa[k].abs().max() <= bound and sa[k].std() > bound / 3
         else:
             assert not sa[k].any()

@@ -12,6 +12,21 @@ import shutil
 
 import pytest
 import torch
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (
+    PIPELINE_GUIDANCE,
+    assert_loads_lean,
+    lora_and_sft_runs,
+    ltx2_settings,
+    ltx_core_cross_modulation,
+    one_rank_group,
+    pipeline_guidance,
+    prepare_run,
+    run_cmd,
+    run_ok,
+    train_losses,
+    write_toml,
+)
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
 from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
@@ -24,21 +39,23 @@ import lora
 import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from conftest import LTX2_PROMPTS as PROMPTS
-from conftest import (PIPELINE_GUIDANCE, assert_loads_lean, lora_and_sft_runs, ltx2_settings, ltx_core_cross_modulation,
-                      one_rank_group, pipeline_guidance, prepare_run, run_cmd, run_ok, train_losses, write_toml)
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream
 from model_adapter import RunSettings, check_config, load_adapter
 from ranks import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 
 # variant: (model.type, pipeline)
-VARIANTS = {"2.0": ("t2v", LTX2Pipeline), "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline), "2.5": ("t2v", LTX2Pipeline)}
-# 2.5's run also trains LoRAs outside the blocks (the video patch embedding and timestep modulation), which the
-# ComfyUI file names as the original checkpoint does (patchify_proj, adaln_single.linear).
+VARIANTS = {
+    "2.0": ("t2v", LTX2Pipeline),
+    "2.3-i2v": ("i2v", LTX2ImageToVideoPipeline),
+    "2.5": ("t2v", LTX2Pipeline),
+}
+# 2.5's run also trains LoRAs outside the blocks (the video patch embedding and timestep
+# modulation), which the ComfyUI file names as the original checkpoint does (patchify_proj,
+# adaln_single.linear).
 EXTRA = {"2.5": {"lora.target_modules": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "time_embed.linear"]}}
-# STG on 2.3 only (2.0 has no perturbed attention), at the tiny model's last block (the published models' 28 is
-# past its 2).
+# STG on 2.3 only (2.0 has no perturbed attention), at the tiny model's last block (the published
+# models' 28 is past its 2).
 STG = {"stg_scale": 1.0, "stg_blocks": [1]}
 
 
@@ -54,7 +71,10 @@ def test_tiny_models_carry_the_published_key_sets(ltx2_models):
     hidden size and layer count, the duration head among the components."""
     for variant in ("2.0", "2.3", "2.5"):
         path = ltx2_models(variant)
-        keys = set(json.loads((path / "transformer" / "config.json").read_text())) - {"_class_name", "_diffusers_version"}
+        keys = set(json.loads((path / "transformer" / "config.json").read_text())) - {
+            "_class_name",
+            "_diffusers_version",
+        }
         assert keys == (LTX25_KEYS if variant == "2.5" else LTX2_KEYS)
         index = json.loads((path / "model_index.json").read_text())
         assert {"duration_head"} & set(index) == ({"duration_head"} if variant == "2.5" else set())
@@ -62,8 +82,10 @@ def test_tiny_models_carry_the_published_key_sets(ltx2_models):
         text = json.loads((path / "text_encoder" / "config.json").read_text())
         assert text["model_type"] == ("gemma4_unified" if variant == "2.5" else "gemma3")
         connectors = json.loads((path / "connectors" / "config.json").read_text())
-        assert (connectors["caption_channels"], connectors["text_proj_in_factor"]) == \
-            (text["text_config"]["hidden_size"], text["text_config"]["num_hidden_layers"] + 1)
+        assert (connectors["caption_channels"], connectors["text_proj_in_factor"]) == (
+            text["text_config"]["hidden_size"],
+            text["text_config"]["num_hidden_layers"] + 1,
+        )
 
 
 @pytest.mark.parametrize("variant", ["2.0", "2.3", "2.5"])
@@ -72,34 +94,48 @@ def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models,
 
     The transformer as from_pretrained builds it; the text encoder of model_index.json, and the
     image CRF the I2V pipeline picks for it (33 for Gemma 3, 18 for 2.5's Gemma 4)."""
-    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="bf16"), torch.device("cpu"))
+    adapter = load_adapter(
+        ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="bf16"), torch.device("cpu")
+    )
     assert_loads_lean(adapter, monkeypatch)
-    text_encoder = LTX2Pipeline.from_pretrained(adapter.path, transformer=None, vae=None, audio_vae=None, vocoder=None,
-                                                connectors=None).text_encoder
+    text_encoder = LTX2Pipeline.from_pretrained(
+        adapter.path, transformer=None, vae=None, audio_vae=None, vocoder=None, connectors=None
+    ).text_encoder
     assert isinstance(text_encoder, adapter.TEXT_ENCODER)
     assert adapter.image_crf == resolve_default_image_crf(text_encoder) == (18 if variant == "2.5" else 33)
 
 
 def original_top_level_linears(c: dict) -> set[str]:
-    """The nn.Linear modules outside the blocks of the original LTX-2 transformer, whose names Lightricks'
-    checkpoints and ComfyUI's native model (which loads those checkpoints' keys as they are) share, for a diffusers
-    transformer config. Written from Lightricks/LTX-2 400fd31054597515f47125691032c04b1c3ee24e,
+    """The nn.Linear modules outside the blocks of the original LTX-2 transformer, whose names
+    Lightricks' checkpoints and ComfyUI's native model (which loads those checkpoints' keys as they
+    are) share, for a diffusers transformer config. Written from Lightricks/LTX-2
+    400fd31054597515f47125691032c04b1c3ee24e,
     packages/ltx-core/src/ltx_core/model/transformer/model.py (LTXModel._init_video, _init_audio,
-    _init_audio_video: prompt_adaln_single only with cross_attention_adaln, 2.3's cross_attn_mod; the caption
-    projections only where the transformer projects the text, 2.0's use_prompt_embeddings), adaln.py
-    (AdaLayerNormSingle: emb, linear), timestep_embedding.py (emb.timestep_embedder.linear_1/_2),
-    text_projection.py (linear_1, linear_2); the same names in comfyanonymous/ComfyUI
-    b321b7a28d7c62626f728db1c67555637d080a76, comfy/ldm/lightricks/av_model.py (LTXAVModel)."""
+    _init_audio_video: prompt_adaln_single only with cross_attention_adaln, 2.3's cross_attn_mod;
+    the caption projections only where the transformer projects the text, 2.0's
+    use_prompt_embeddings), adaln.py (AdaLayerNormSingle: emb, linear), timestep_embedding.py
+    (emb.timestep_embedder.linear_1/_2), text_projection.py (linear_1, linear_2); the same names in
+    comfyanonymous/ComfyUI b321b7a28d7c62626f728db1c67555637d080a76,
+    comfy/ldm/lightricks/av_model.py (LTXAVModel)."""
     adaln = ("emb.timestep_embedder.linear_1", "emb.timestep_embedder.linear_2", "linear")
-    modulations = ["adaln_single", "audio_adaln_single", "av_ca_video_scale_shift_adaln_single",
-                   "av_ca_audio_scale_shift_adaln_single", "av_ca_a2v_gate_adaln_single", "av_ca_v2a_gate_adaln_single"]
+    modulations = [
+        "adaln_single",
+        "audio_adaln_single",
+        "av_ca_video_scale_shift_adaln_single",
+        "av_ca_audio_scale_shift_adaln_single",
+        "av_ca_a2v_gate_adaln_single",
+        "av_ca_v2a_gate_adaln_single",
+    ]
     if c["cross_attn_mod"]:
         modulations += ["prompt_adaln_single", "audio_prompt_adaln_single"]
     names = {f"{m}.{part}" for m in modulations for part in adaln}
     names |= {"patchify_proj", "audio_patchify_proj", "proj_out", "audio_proj_out"}
     if c["use_prompt_embeddings"]:
-        names |= {f"{p}.{layer}" for p in ("caption_projection", "audio_caption_projection")
-                  for layer in ("linear_1", "linear_2")}
+        names |= {
+            f"{p}.{layer}"
+            for p in ("caption_projection", "audio_caption_projection")
+            for layer in ("linear_1", "linear_2")
+        }
     return names
 
 
@@ -117,15 +153,20 @@ def test_comfy_names_outside_the_blocks_are_the_original_checkpoints(variant, lt
     adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant))), torch.device("cpu"))
     with torch.device("meta"):
         transformer = LTX2VideoTransformer3DModel.from_config(adapter.transformer_config)
-    outside = [n for n, m in transformer.named_modules()
-               if isinstance(m, torch.nn.Linear) and not n.startswith("transformer_blocks.")]
+    outside = [
+        n
+        for n, m in transformer.named_modules()
+        if isinstance(m, torch.nn.Linear) and not n.startswith("transformer_blocks.")
+    ]
     names = lora.inject_lora(transformer, outside, 2, 3.0, 0.0, 0, torch.device("cpu"))
     assert {adapter.comfy_key(n) for n in names} == original_top_level_linears(adapter.transformer_config)
     weights = {k: torch.randn(v.shape) for k, v in lora.lora_state_dict(transformer).items()}
     export._export_comfy(weights, 2.0, adapter, tmp_path / "lora", "run")
     comfy = load_file(tmp_path / "lora" / "comfy" / "run.safetensors")
-    comfyui_model = {f"diffusion_model.{name}.weight" for name in original_top_level_linears(adapter.transformer_config)}
-    comfyui_key_map = {weight[:-len(".weight")]: weight for weight in comfyui_model}
+    comfyui_model = {
+        f"diffusion_model.{name}.weight" for name in original_top_level_linears(adapter.transformer_config)
+    }
+    comfyui_key_map = {weight[: -len(".weight")]: weight for weight in comfyui_model}
     assert {k.rsplit(".lora_", 1)[0] for k in comfy} <= comfyui_key_map.keys()
     converted = _convert_non_diffusers_ltx2_lora_to_diffusers(comfy)
     assert converted.keys() == {f"transformer.{k}" for k in weights}
@@ -139,9 +180,14 @@ def test_a_folder_with_another_text_encoder_is_refused(ltx2_models, tmp_path):
     LTX2Pipeline takes Gemma 3 (2.0, 2.3) or Gemma 4 (2.5)."""
     folder = shutil.copytree(ltx2_models("2.5"), tmp_path / "model")
     index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "T5EncoderModel"]}))
-    with pytest.raises(ConfigError, match=r"model_index.json: text_encoder is T5EncoderModel, which LTX2Pipeline does "
-                                          r"not load: .* Gemma3ForConditionalGeneration or Gemma4Unified"):
+    (folder / "model_index.json").write_text(
+        json.dumps({**index, "text_encoder": ["transformers", "T5EncoderModel"]})
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"model_index.json: text_encoder is T5EncoderModel, which LTX2Pipeline does "
+        r"not load: .* Gemma3ForConditionalGeneration or Gemma4Unified",
+    ):
         load_adapter(ModelConfig(family="ltx2", path=str(folder)), torch.device("cpu"))
 
 
@@ -150,10 +196,22 @@ def pipeline_frames(pipe, cfg):
     frames = []
     for i, prompt in enumerate(cfg.prompts):
         extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
-        frames.append(pipe(prompt=prompt, negative_prompt=cfg.negative_prompt, num_frames=9, height=32, width=32,
-                           num_inference_steps=cfg.num_inference_steps, **pipeline_guidance(cfg),
-                           generator=data.keyed_generator(cfg.seed, i), output_type="pt",
-                           **extra).frames[0].permute(0, 2, 3, 1))
+        frames.append(
+            pipe(
+                prompt=prompt,
+                negative_prompt=cfg.negative_prompt,
+                num_frames=9,
+                height=32,
+                width=32,
+                num_inference_steps=cfg.num_inference_steps,
+                **pipeline_guidance(cfg),
+                generator=data.keyed_generator(cfg.seed, i),
+                output_type="pt",
+                **extra,
+            )
+            .frames[0]
+            .permute(0, 2, 3, 1)
+        )
     return frames
 
 
@@ -165,14 +223,18 @@ def transformer_output(transformer, adapter):
     embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
     t = torch.tensor([10.0, 900.0])
     with torch.no_grad():
-        outputs = adapter._predict(transformer, VideoStream(video, t, t, (2, 4, 4)), AudioStream(audio, t, 9), embeds)
+        outputs = adapter._predict(
+            transformer, VideoStream(video, t, t, (2, 4, 4)), AudioStream(audio, t, 9), embeds
+        )
         return torch.cat([x.flatten(1) for x in outputs], 1)
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models, base_settings, ltx2_data, tmp_path):
+def test_variant_trains_exports_and_samples_as_its_pipeline(
+    variant, ltx2_models, base_settings, ltx2_data, tmp_path
+):
     """Every variant trains, exports, and samples as its pipeline does.
 
     Two video-only LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4
@@ -184,18 +246,27 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     cross-attention modulation (the image tokens' scale/shift at their own timestep 0, as ours;
     diffusers' use_cross_timestep gives them the audio's sigma: test_ltx2_training)."""
     path = ltx2_models(model_of(variant))
-    lora_file, cfg, adapter = lora_and_sft_runs(ltx2_settings(variant, ltx2_models, base_settings, ltx2_data,
-                                                              tmp_path / "lora", **EXTRA.get(variant, {})), tmp_path)
-    # lora.init_from (and validate.py --lora) read the ComfyUI file back: its alpha / rank is baked into lora_B.
+    lora_file, cfg, adapter = lora_and_sft_runs(
+        ltx2_settings(
+            variant, ltx2_models, base_settings, ltx2_data, tmp_path / "lora", **EXTRA.get(variant, {})
+        ),
+        tmp_path,
+    )
+    # lora.init_from (and validate.py --lora) read the ComfyUI file back: its alpha / rank is baked
+    # into lora_B.
     comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
     comfy_weights, comfy_info = lora.load_lora(str(comfy_file), adapter.diffusers_key)
     weights, info = lora.load_lora(str(lora_file))
-    assert comfy_weights.keys() == weights.keys() and comfy_info["alpha"] == comfy_info["rank"] == info["rank"]
+    assert (
+        comfy_weights.keys() == weights.keys() and comfy_info["alpha"] == comfy_info["rank"] == info["rank"]
+    )
     scale = info["alpha"] / info["rank"]
     assert all(torch.equal(comfy_weights[k], weights[k] * (scale if ".lora_B." in k else 1)) for k in weights)
     if variant in EXTRA:  # outside the blocks, the original checkpoint's names
-        assert {"diffusion_model.patchify_proj.lora_A.weight", "diffusion_model.adaln_single.linear.lora_B.weight"} \
-            <= set(load_file(comfy_file))
+        assert {
+            "diffusion_model.patchify_proj.lora_A.weight",
+            "diffusion_model.adaln_single.linear.lora_B.weight",
+        } <= set(load_file(comfy_file))
 
     pipe = VARIANTS[variant][1].from_pretrained(str(path))
     pipe.set_progress_bar_config(disable=True)
@@ -203,9 +274,13 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
     modulation = ltx_core_cross_modulation if i2v else lambda transformer: contextlib.nullcontext()
     with one_rank_group() as d, modulation(pipe.transformer):
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        base = None  # the base model's frames, from the first pass
         for source in (None, lora_file):
             model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
-            ours = [renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext()) for i in range(len(PROMPTS))]
+            ours = [
+                renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext())
+                for i in range(len(PROMPTS))
+            ]
             if source:
                 pipe.load_lora_weights(str(source))
             for a, b in zip(ours, pipeline_frames(pipe, cfg.validation)):
@@ -217,11 +292,15 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
         # With the LoRA, the pipelines' own guidance terms: ours equal theirs, and the terms show.
         guided = dataclasses.replace(cfg.validation, **PIPELINE_GUIDANCE, **(STG if variant != "2.0" else {}))
         renderer = validate.ClipRenderer(adapter, guided, cfg.data, str(tmp_path), d)
-        ours = [renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext()) for i in range(len(PROMPTS))]
+        ours = [
+            renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext())
+            for i in range(len(PROMPTS))
+        ]
         for a, b, plain in zip(ours, pipeline_frames(pipe, guided), base):
             assert (a - b).abs().max() <= 1e-4, (variant, "guided", (a - b).abs().max())
             assert (a - plain).abs().max() > 1e-3
-        # The ComfyUI file through the loader's conversion of diffusion_model. keys: the same transformer.
+        # The ComfyUI file through the loader's conversion of diffusion_model. keys: the same
+        # transformer.
         ours = transformer_output(pipe.transformer, adapter)
         pipe.unload_lora_weights()
         pipe.load_lora_weights(str(comfy_file))
@@ -230,36 +309,52 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(variant, ltx2_models
         sft_cfg = load_config(str(tmp_path / "sft.toml"))
         ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = LTX2VideoTransformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
-    torch.testing.assert_close(transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5
+    )
 
 
 def test_audio_latents_add_their_own_loss(ltx2_models):
-    """The hook the soundtrack's cache entries plug into: the audio VAE's posterior of a mel spectrogram
-    (encode_audio) in the batch adds audio_loss_weight x the audio loss, from its own timestep draw; without
-    it the video trains alone, its stream cut off from the audio (the audio latents change nothing)."""
+    """The hook the soundtrack's cache entries plug into: the audio VAE's posterior of a mel
+    spectrogram (encode_audio) in the batch adds audio_loss_weight x the audio loss, from its own
+    timestep draw; without it the video trains alone, its stream cut off from the audio (the audio
+    latents change nothing)."""
     model_cfg = ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32")
     # train.audio_loss_weight as a run hands it over: one adapter per weight
-    weighted = {weight: load_adapter(model_cfg, torch.device("cpu"), RunSettings(audio_loss_weight=weight))
-                for weight in (0.5, 1.0)}
+    weighted = {
+        weight: load_adapter(model_cfg, torch.device("cpu"), RunSettings(audio_loss_weight=weight))
+        for weight in (0.5, 1.0)
+    }
     adapter = weighted[1.0]
     transformer = adapter.load_transformer().eval()
     gen = torch.Generator().manual_seed(0)
     mel = torch.randn(2, 2, 36, adapter.audio_config["mel_bins"], generator=gen)
     audio_mean, audio_logvar = adapter.encode_mel(mel)
-    assert audio_mean.shape == (2, adapter.audio_config["latent_channels"], 9, adapter.audio_config["mel_bins"] // 4)
-    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen), "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
-             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    assert audio_mean.shape == (
+        2,
+        adapter.audio_config["latent_channels"],
+        9,
+        adapter.audio_config["mel_bins"] // 4,
+    )
+    batch = {
+        "latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
+        "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
+        "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen),
+    }
     sound = {**batch, "audio_latent_mean": audio_mean, "audio_latent_logvar": audio_logvar}
 
     def losses(batch, weight):
         with torch.no_grad():
-            total = weighted[weight].train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
+            total = weighted[weight].train_loss(
+                transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)]
+            )
         sums, counts = weighted[weight].losses.T
         return total, {"loss_video": sums[0] / counts[0], "loss_audio": sums[1] / counts[1].clamp(min=1)}
 
     silent, parts = losses(batch, 1.0)
     assert torch.equal(silent.mean(), parts["loss_video"]) and parts["loss_audio"] == 0
-    # Without sound the video stream sees nothing of the audio one: every audio weight changed, the same loss.
+    # Without sound the video stream sees nothing of the audio one: every audio weight changed, the
+    # same loss.
     with torch.no_grad():
         for name, param in transformer.named_parameters():
             if "audio" in name:
@@ -270,54 +365,115 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
     assert full_parts["loss_audio"] > 0 and torch.equal(full_parts["loss_video"], half_parts["loss_video"])
     torch.testing.assert_close((full - half).mean() * 2, full_parts["loss_audio"])
     torch.testing.assert_close(full.mean(), full_parts["loss_video"] + full_parts["loss_audio"])
-    assert not torch.allclose(full_parts["loss_video"], parts["loss_video"])  # the video attends to the sound
+    # the video attends to the sound
+    assert not torch.allclose(full_parts["loss_video"], parts["loss_video"])
 
 
-@pytest.mark.parametrize("setting, message", [
-    ({"train.flow_shift": 3.0}, r"model.expert and train.flow_shift are for Wan"),
-    ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
-    ({}, r"data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"train.flow_shift": 3.0}, r"model.expert and train.flow_shift are for Wan"),
+        ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
+        ({}, r"data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate"),
+    ],
+)
 def test_options_ltx2_cannot_serve_are_refused(setting, message, tmp_path):
     """Named by the family's config check, before anything loads (model.path is an empty folder; the
     adapter ignores a flow shift: its timestep sampler sets its own)."""
-    cfg = load_config(str(write_toml(tmp_path / "c.toml", {"model.family": "ltx2", "model.path": str(tmp_path),
-                                                           "run.output_dir": str(tmp_path),
-                                                           "data.data_root": str(tmp_path),
-                                                           "parallel.strategy": "fsdp", **setting})))
+    cfg = load_config(
+        str(
+            write_toml(
+                tmp_path / "c.toml",
+                {
+                    "model.family": "ltx2",
+                    "model.path": str(tmp_path),
+                    "run.output_dir": str(tmp_path),
+                    "data.data_root": str(tmp_path),
+                    "parallel.strategy": "fsdp",
+                    **setting,
+                },
+            )
+        )
+    )
     with pytest.raises(ConfigError, match=message):
         check_config(cfg)
 
 
-@pytest.mark.parametrize("family, setting, message", [
-    ("wan", {"validation.stg_scale": 1.0}, r"validation.stg_scale is an option of LTX-2's pipelines; wan's pipeline"),
-    ("cogvideox", {"validation.audio_guidance_scale": 7.0}, r"validation.audio_guidance_scale is an option of LTX-2's"),
-    ("ltx2", {"validation.guidance_rescale": 1.5}, r"validation.guidance_rescale must be between 0 and 1, got 1.5"),
-    ("ltx2", {"validation.stg_blocks": [3]}, r"validation.stg_blocks names the blocks STG skips, but validation.stg_scale = 0"),
-    ("ltx2", {"validation.modality_scale": 3.0, "validation.guidance_scale": 1.0},
-     r"validation.modality_scale adds to classifier-free guidance, which is off \(validation.guidance_scale = 1.0\)"),
-])
+@pytest.mark.parametrize(
+    "family, setting, message",
+    [
+        (
+            "wan",
+            {"validation.stg_scale": 1.0},
+            r"validation.stg_scale is an option of LTX-2's pipelines; wan's pipeline",
+        ),
+        (
+            "cogvideox",
+            {"validation.audio_guidance_scale": 7.0},
+            r"validation.audio_guidance_scale is an option of LTX-2's",
+        ),
+        (
+            "ltx2",
+            {"validation.guidance_rescale": 1.5},
+            r"validation.guidance_rescale must be between 0 and 1, got 1.5",
+        ),
+        (
+            "ltx2",
+            {"validation.stg_blocks": [3]},
+            r"validation.stg_blocks names the blocks STG skips, but validation.stg_scale = 0",
+        ),
+        (
+            "ltx2",
+            {"validation.modality_scale": 3.0, "validation.guidance_scale": 1.0},
+            r"validation.modality_scale adds to classifier-free guidance, which is off \(validation.guidance_scale = 1.0\)",
+        ),
+    ],
+)
 def test_guidance_terms_are_checked_before_anything_loads(family, setting, message, tmp_path):
-    cfg = load_config(str(write_toml(tmp_path / "c.toml", {"model.family": family, "model.path": str(tmp_path),
-                                                           "run.output_dir": str(tmp_path),
-                                                           "data.data_root": str(tmp_path), **setting})))
+    cfg = load_config(
+        str(
+            write_toml(
+                tmp_path / "c.toml",
+                {
+                    "model.family": family,
+                    "model.path": str(tmp_path),
+                    "run.output_dir": str(tmp_path),
+                    "data.data_root": str(tmp_path),
+                    **setting,
+                },
+            )
+        )
+    )
     with pytest.raises(ConfigError, match=message):
         check_config(cfg)
 
 
-def test_stg_needs_perturbed_attention_and_blocks_the_model_has(ltx2_models, base_settings, ltx2_data, tmp_path):
+def test_stg_needs_perturbed_attention_and_blocks_the_model_has(
+    ltx2_models, base_settings, ltx2_data, tmp_path
+):
     """STG needs perturbed attention and blocks the model has.
 
     LTX-2.0's blocks ignore STG (diffusers passes its perturbation to LTX-2.3's only): refused
     before the cache pass, not a wasted forward; a block past the model's would perturb nothing."""
-    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path, **{"validation.stg_scale": 1.0})
+    settings = ltx2_settings(
+        "2.0", ltx2_models, base_settings, ltx2_data, tmp_path, **{"validation.stg_scale": 1.0}
+    )
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
-    with one_rank_group() as d, pytest.raises(StopRun, match=r"transformer has no perturbed attention \(LTX-2.0; "
-                                                             r"perturbed_attn = false\)"):
+    with (
+        one_rank_group() as d,
+        pytest.raises(
+            StopRun,
+            match=r"transformer has no perturbed attention \(LTX-2.0; "
+            r"perturbed_attn = false\)",
+        ),
+    ):
         prepare_run(cfg, d)
     v = ValidationConfig(stg_scale=1.0)
     adapter = load_adapter(ModelConfig(path=str(ltx2_models("2.3")), family="ltx2"), torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"validation.stg_blocks = \[28\] names a block the transformer of .* lacks \(it has 2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"validation.stg_blocks = \[28\] names a block the transformer of .* lacks \(it has 2\)",
+    ):
         adapter.check_guidance(v)
     adapter.check_guidance(dataclasses.replace(v, stg_blocks=[1]))
 
@@ -329,20 +485,39 @@ def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
     2 FSDP ranks with validation: SIGKILL after step 3, the next launch resumes from step 2 and ends
     bitwise equal to the run never stopped, clips included; the export loads in LTX2Pipeline and
     computes what our model with it computes."""
-    lifecycle = {"parallel.strategy": "fsdp", "train.batch_size": 1, "train.steps": 4, "checkpoint.checkpointing_steps": 2,
-                 "validation.do_validation": True, "validation.validation_steps": 2, "validation.save_frames": True}
-    configs = {name: write_toml(tmp_path / f"{name}.toml", ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data,
-                                                                           tmp_path / name, **lifecycle))
-               for name in ("reference", "killed")}
+    lifecycle = {
+        "parallel.strategy": "fsdp",
+        "train.batch_size": 1,
+        "train.steps": 4,
+        "checkpoint.checkpointing_steps": 2,
+        "validation.do_validation": True,
+        "validation.validation_steps": 2,
+        "validation.save_frames": True,
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path / name, **lifecycle),
+        )
+        for name in ("reference", "killed")
+    }
     run_ok(["--cfg", str(configs["reference"])], nproc=2)
-    assert run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}).returncode != 0
+    assert (
+        run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}).returncode
+        != 0
+    )
     resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
     assert f"resumed from step 2 ({tmp_path / 'killed' / 'checkpoint-2'})" in resumed.stderr
     assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "reference")
-    ours, theirs = (load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors") for name in ("killed", "reference"))
+    ours, theirs = (
+        load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors")
+        for name in ("killed", "reference")
+    )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     clip = "validation_res/step_4_prompt_0.safetensors"
-    assert torch.equal(load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"])
+    assert torch.equal(
+        load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"]
+    )
     lora_file = tmp_path / "reference" / "lora" / "pytorch_lora_weights.safetensors"
     cfg = load_config(str(configs["reference"]))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
@@ -350,5 +525,6 @@ def test_full_lifecycle(ltx2_models, base_settings, ltx2_data, tmp_path):
         model = render.load_model(cfg, adapter, d, None, str(lora_file)).eval()
     pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
     pipe.load_lora_weights(str(lora_file))
-    torch.testing.assert_close(transformer_output(pipe.transformer, adapter), transformer_output(model, adapter),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        transformer_output(pipe.transformer, adapter), transformer_output(model, adapter), rtol=0, atol=1e-5
+    )

@@ -17,6 +17,17 @@ from pathlib import Path
 import av
 import pytest
 import torch
+from conftest import LTX2_PROMPTS as PROMPTS
+from conftest import (
+    PIPELINE_GUIDANCE,
+    ltx2_settings,
+    one_rank_group,
+    pipeline_guidance,
+    prepare_run,
+    read_metrics,
+    run_ok,
+    write_toml,
+)
 from diffusers import LTX2Pipeline
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -24,13 +35,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import data
 import decode
 import lora
-import trainer
 import render
+import trainer
 import validate
 from config import ModelConfig, load_config
-from conftest import LTX2_PROMPTS as PROMPTS
-from conftest import (PIPELINE_GUIDANCE, ltx2_settings, one_rank_group, pipeline_guidance, prepare_run, read_metrics,
-                      run_ok, write_toml)
 from families.ltx2 import TEXT_LENGTH
 from model_adapter import RunSettings, load_adapter
 from ranks import StopRun
@@ -42,7 +50,8 @@ SOUND = {"data.audio": True, "data.target_fps": 24}
 
 @pytest.fixture(scope="module")
 def sound_data(tmp_path_factory):
-    """Six clips with a tone following the shape (mp4/AAC and mkv/Opus), the first replaced by one without sound."""
+    """Six clips with a tone following the shape (mp4/AAC and mkv/Opus), the first replaced by one
+    without sound."""
     root = tmp_path_factory.mktemp("ltx2_sound") / "shapes"
     make_synthetic_dataset(str(root), num_videos=6, frames=17, height=40, width=48, seed=0, audio=True)
     silent = root.parent / "silent"
@@ -53,12 +62,26 @@ def sound_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):
-    """LoRA on LTX-2.0 with sound: validation (held-out loss and one clip) before step 1 and at the end."""
+    """LoRA on LTX-2.0 with sound: validation (held-out loss and one clip) before step 1 and at the
+    end."""
     out = tmp_path_factory.mktemp("ltx2_sound_run")
-    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, out / "run", **SOUND, **{
-        "train.steps": STEPS, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
-        "checkpoint.checkpointing_steps": STEPS, "validation.do_validation": True,
-        "validation.validation_steps": STEPS})
+    settings = ltx2_settings(
+        "2.0",
+        ltx2_models,
+        base_settings,
+        sound_data,
+        out / "run",
+        **SOUND,
+        **{
+            "train.steps": STEPS,
+            "train.learning_rate": 3e-3,
+            "lora.rank": 8,
+            "lora.lora_alpha": 4,
+            "checkpoint.checkpointing_steps": STEPS,
+            "validation.do_validation": True,
+            "validation.validation_steps": STEPS,
+        },
+    )
     trainer.main(["--cfg", str(write_toml(out / "run.toml", settings))])
     return out / "run", load_config(str(out / "run.toml"))
 
@@ -115,11 +138,13 @@ def test_validation_clip_carries_its_sound(sound_run):
         assert stream.codec_context.name == "aac" and stream.codec_context.channels == 2
         samples = sum(frame.samples for frame in container.decode(stream))
     assert stream.sample_rate == adapter.sound_rate
-    # The pipeline's latent frames for 9 frames at 24 fps; the audio VAE's mel frames; the vocoder's samples.
+    # The pipeline's latent frames for 9 frames at 24 fps; the audio VAE's mel frames; the vocoder's
+    # samples.
     latents = round(9 / 24 * adapter.audio_latents_per_second)
     vocoder = json.loads((adapter.path / "vocoder" / "config.json").read_text())
     rendered = (4 * (latents - 1) + 1) * math.prod(vocoder["upsample_factors"])
-    assert rendered <= samples < rendered + 1024, (samples, rendered)  # AAC ends on a whole 1024-sample frame
+    # AAC ends on a whole 1024-sample frame
+    assert rendered <= samples < rendered + 1024, (samples, rendered)
     events = EventAccumulator(str(run / "logs"), size_guidance={"audio": 0}).Reload()
     assert {"val/audio_0", "val/clip_0"} <= set(events.Tags()["audio"] + events.Tags()["images"])
     (first, *_), last = events.Audio("val/audio_0"), events.Audio("val/audio_0")[-1]
@@ -127,22 +152,26 @@ def test_validation_clip_carries_its_sound(sound_run):
 
 
 def test_audio_loss_reaches_the_audio_stream(ltx2_models):
-    """With sound, the loss's gradient reaches the audio stream's LoRA; without, none of it does (the video
-    trains alone); a clip without sound in a batch with sound adds no audio loss."""
+    """With sound, the loss's gradient reaches the audio stream's LoRA; without, none of it does
+    (the video trains alone); a clip without sound in a batch with sound adds no audio loss."""
     adapter_cfg = ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32")
     adapter = load_adapter(adapter_cfg, torch.device("cpu"))
     transformer = adapter.load_transformer()
     lora.inject_lora(transformer, ["to_q", "to_k", "to_v", "to_out.0"], 4, 4, 0.0, 0)
     gen = torch.Generator().manual_seed(0)
     mean, logvar = adapter.encode_audio(0.1 * torch.randn(2, 2, 6000, generator=gen))
-    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
-             "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
-             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    batch = {
+        "latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
+        "latent_logvar": torch.full((2, 8, 2, 4, 4), -4.0),
+        "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen),
+    }
     sound = {**batch, "audio_latent_mean": mean, "audio_latent_logvar": logvar}
 
     def audio_grads(batch):
         transformer.zero_grad(set_to_none=True)
-        adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)]).sum().backward()
+        adapter.train_loss(
+            transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)]
+        ).sum().backward()
         return [p.grad for n, p in transformer.named_parameters() if "lora_B" in n and "audio_attn1" in n]
 
     grads = audio_grads(sound)
@@ -156,7 +185,8 @@ def test_audio_loss_reaches_the_audio_stream(ltx2_models):
         assert adapter.losses[1, 1] == 1  # the clip with sound's audio loss alone
         video_alone = load_adapter(adapter_cfg, torch.device("cpu"), RunSettings(audio_loss_weight=0.0))
         video = video_alone.train_loss(transformer, mixed, [data.keyed_generator(0, 1, i) for i in range(2)])
-    assert total[0] > video[0] and total[1] == video[1]  # the clip without sound: its video loss alone
+    # the clip without sound: its video loss alone
+    assert total[0] > video[0] and total[1] == video[1]
 
 
 @pytest.mark.slow
@@ -172,8 +202,11 @@ def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, 
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     lora_file = sound_run[0] / "lora" / "pytorch_lora_weights.safetensors"
     sounds = []
-    for trained, v in ((None, cfg.validation), (lora_file, cfg.validation),
-                       (lora_file, dataclasses.replace(cfg.validation, **PIPELINE_GUIDANCE))):
+    for trained, v in (
+        (None, cfg.validation),
+        (lora_file, cfg.validation),
+        (lora_file, dataclasses.replace(cfg.validation, **PIPELINE_GUIDANCE)),
+    ):
         pipe = LTX2Pipeline.from_pretrained(str(ltx2_models("2.0")))
         pipe.set_progress_bar_config(disable=True)
         if trained:
@@ -182,9 +215,17 @@ def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, 
             renderer = validate.ClipRenderer(adapter, v, cfg.data, str(tmp_path), d)
             model = render.load_model(cfg, adapter, d, None, str(trained) if trained else None).eval()
             _, ours = renderer.clip(model, 0, adapter.sampler(""), contextlib.nullcontext())
-        theirs = pipe(prompt=PROMPTS[0], negative_prompt=v.negative_prompt, num_frames=9, height=32, width=32,
-                      num_inference_steps=v.num_inference_steps, **pipeline_guidance(v),
-                      generator=data.keyed_generator(v.seed, 0), output_type="pt").audio[0]
+        theirs = pipe(
+            prompt=PROMPTS[0],
+            negative_prompt=v.negative_prompt,
+            num_frames=9,
+            height=32,
+            width=32,
+            num_inference_steps=v.num_inference_steps,
+            **pipeline_guidance(v),
+            generator=data.keyed_generator(v.seed, 0),
+            output_type="pt",
+        ).audio[0]
         assert ours.shape == theirs.shape and ours.shape[0] == 2
         assert (ours - theirs.float()).abs().max() <= 1e-4, (trained, v, (ours - theirs).abs().max())
         assert theirs.abs().max() > 1e-3  # a sound, not silence
@@ -196,11 +237,24 @@ def test_our_sound_equals_the_pipelines(ltx2_models, base_settings, sound_data, 
 @pytest.fixture(scope="module")
 def ddp_sound_run(ltx2_models, base_settings, sound_data, tmp_path_factory):
     """3 steps of LoRA (the default targets: every attention, the audio stream's and the audio-video
-    cross-attentions too) on 2 DDP ranks of one clip each, over the clips with sound and the one without."""
+    cross-attentions too) on 2 DDP ranks of one clip each, over the clips with sound and the one
+    without."""
     out = tmp_path_factory.mktemp("ltx2_sound_ddp")
-    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, out / "ddp", **SOUND, **{
-        "parallel.strategy": "ddp", "train.batch_size": 1, "train.steps": 3, "train.log_every": 1,
-        "checkpoint.checkpointing_steps": 3})
+    settings = ltx2_settings(
+        "2.0",
+        ltx2_models,
+        base_settings,
+        sound_data,
+        out / "ddp",
+        **SOUND,
+        **{
+            "parallel.strategy": "ddp",
+            "train.batch_size": 1,
+            "train.steps": 3,
+            "train.log_every": 1,
+            "checkpoint.checkpointing_steps": 3,
+        },
+    )
     run_ok(["--cfg", str(write_toml(out / "ddp.toml", settings))], nproc=2)
     return out, settings
 
@@ -236,23 +290,42 @@ def test_fsdp_trains_batches_with_and_without_sound(ddp_sound_run, tmp_path):
     parallelism on 2 x 2 ranks (each pair shares a clip) as one process does with the same global
     batch (accumulation 2 x 1)."""
     out, ddp = ddp_sound_run
-    settings = {**ddp, "run.output_dir": str(tmp_path / "lora"), "parallel.strategy": "fsdp",
-                "parallel.cpu_offload": True}  # LoRA streams from the host with its block
+    settings = {
+        **ddp,
+        "run.output_dir": str(tmp_path / "lora"),
+        "parallel.strategy": "fsdp",
+        "parallel.cpu_offload": True,
+    }  # LoRA streams from the host with its block
     run_ok(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))], nproc=2)
     assert_same_steps(tmp_path / "lora", out / "ddp")
-    ours, theirs = (load_file(run / "lora" / "pytorch_lora_weights.safetensors")
-                    for run in (tmp_path / "lora", out / "ddp"))
+    ours, theirs = (
+        load_file(run / "lora" / "pytorch_lora_weights.safetensors")
+        for run in (tmp_path / "lora", out / "ddp")
+    )
     assert {"audio_attn1", "audio_to_video_attn", "video_to_audio_attn"} <= {k.split(".")[3] for k in ours}
     assert ours.keys() == theirs.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
 
     sft = {**ddp, "train.training_type": "sft", "train.steps": 2, "checkpoint.checkpointing_steps": 2}
-    split = {**sft, "run.output_dir": str(tmp_path / "sft_sp"), "parallel.strategy": "fsdp",
-             "parallel.sp_size": 2}
+    split = {
+        **sft,
+        "run.output_dir": str(tmp_path / "sft_sp"),
+        "parallel.strategy": "fsdp",
+        "parallel.sp_size": 2,
+    }
     run_ok(["--cfg", str(write_toml(tmp_path / "sft_sp.toml", split))], nproc=4)
-    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", {
-        **sft, "run.output_dir": str(tmp_path / "sft"), "train.gradient_accumulation_steps": 2}))])
+    trainer.main(
+        [
+            "--cfg",
+            str(
+                write_toml(
+                    tmp_path / "sft.toml",
+                    {**sft, "run.output_dir": str(tmp_path / "sft"), "train.gradient_accumulation_steps": 2},
+                )
+            ),
+        ]
+    )
     assert_same_steps(tmp_path / "sft_sp", tmp_path / "sft")
 
 
@@ -262,8 +335,15 @@ def test_offload_blocks_with_sound_is_refused(ltx2_models, base_settings, sound_
     With sound LoRA streams with its block (above): only some blocks on the host would split LoRA's
     weights and AdamW state between host and GPU, so parallel.offload_blocks is refused before the
     cache pass."""
-    settings = ltx2_settings("2.0", ltx2_models, base_settings, sound_data, tmp_path / "run", **SOUND, **{
-        "parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 1})
+    settings = ltx2_settings(
+        "2.0",
+        ltx2_models,
+        base_settings,
+        sound_data,
+        tmp_path / "run",
+        **SOUND,
+        **{"parallel.strategy": "fsdp", "parallel.cpu_offload": True, "parallel.offload_blocks": 1},
+    )
     cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))
     with one_rank_group() as d, pytest.raises(StopRun, match="offload_blocks = 1 with data.audio = true"):
         prepare_run(cfg, d)

@@ -16,8 +16,8 @@ from conftest import (
     ltx_core_cross_modulation,
     one_rank_group,
     picked_frames,
-    ramp_video,
     pipeline_guidance,
+    ramp_video,
     run_cmd,
     run_ok,
     train_losses,
@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import data
+import render
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
@@ -39,9 +40,7 @@ from model_adapter import load_adapter
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 
-def ltx_trainer_positions(
-    frames: int, height: int, width: int, scale: tuple[int, int, int], fps: float
-):
+def ltx_trainer_positions(frames: int, height: int, width: int, scale: tuple[int, int, int], fps: float):
     """Video positions [1, 3, tokens, 2] as Lightricks/LTX-2's ltx-trainer computes them for a
     reference or a target
     (packages/ltx-trainer/src/ltx_trainer/training_strategies/base_strategy.py,
@@ -50,9 +49,7 @@ def ltx_trainer_positions(
     with causal_fix (times the VAE's scale factors, then the time axis shifted by 1 - time scale and
     clamped at 0), the time axis divided by fps. video_to_video.py concatenates the reference's and
     the target's; a reference of the target's size keeps its positions."""
-    grid = torch.meshgrid(
-        torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij"
-    )
+    grid = torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij")
     starts = torch.stack(grid)
     bounds = torch.stack((starts, starts + 1), dim=-1).reshape(3, -1, 2)[None]
     pixels = (bounds * torch.tensor(scale).view(1, 3, 1, 1)).float()
@@ -96,12 +93,10 @@ def test_reference_tokens_are_clean_at_timestep_0_at_ltx_trainers_positions_outs
     hook = transformer.register_forward_hook(record, with_kwargs=True)
     try:
         with torch.no_grad():
-            losses = adapter.train_loss(
-                transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)]
-            )
+            losses = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 1, i) for i in range(2)])
     finally:
         hook.remove()
-    pack = lambda x: adapter._pack(adapter._normalise(x))  # noqa: E731
+    pack = lambda x: adapter._pack(adapter._normalise(x))
     x0, reference = pack(batch["latent_mean"]), pack(batch["control_latent_mean"])
     tokens = x0.shape[1]
     assert seen["hidden_states"].shape == (2, 2 * tokens, 8)
@@ -112,9 +107,7 @@ def test_reference_tokens_are_clean_at_timestep_0_at_ltx_trainers_positions_outs
     [shifted_logit_normal(1, g) for g in draws]
     noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws])
     s = sigmas.view(-1, 1, 1)
-    torch.testing.assert_close(
-        seen["hidden_states"][:, :tokens], (1 - s) * x0 + s * noise, rtol=0, atol=1e-6
-    )
+    torch.testing.assert_close(seen["hidden_states"][:, :tokens], (1 - s) * x0 + s * noise, rtol=0, atol=1e-6)
     assert torch.equal(seen["timestep"][:, tokens:], torch.zeros(2, tokens))
     assert torch.equal(seen["timestep"][:, :tokens], (1000 * sigmas)[:, None].expand(2, tokens))
     position = ltx_trainer_positions(
@@ -132,13 +125,11 @@ def test_reference_tokens_are_clean_at_timestep_0_at_ltx_trainers_positions_outs
     )
     # ltx-trainer's VideoToVideoStrategy.compute_loss: the prediction's target tokens against noise
     # - x0 (no first frame conditioned: every target token in the mask), the reference's left out.
-    expected = (
-        (seen["output"].float().view(2, -1, 8)[:, :tokens] - (noise - x0)).pow(2).mean(dim=(1, 2))
-    )
+    expected = (seen["output"].float().view(2, -1, 8)[:, :tokens] - (noise - x0)).pow(2).mean(dim=(1, 2))
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=0)
-    with_reference = (
-        seen["output"].float().view(2, -1, 8) - torch.cat([noise - x0, reference * 0], 1)
-    ).pow(2)
+    with_reference = (seen["output"].float().view(2, -1, 8) - torch.cat([noise - x0, reference * 0], 1)).pow(
+        2
+    )
     assert not torch.allclose(losses, with_reference.mean(dim=(1, 2)))
 
 
@@ -160,16 +151,12 @@ def test_in_context_is_ltx2s(tiny_models, write_config):
 def ic_data(tmp_path_factory):
     """Four clips with their edge maps as control videos (two train, two held out)."""
     path = tmp_path_factory.mktemp("ic_data") / "shapes"
-    make_synthetic_dataset(
-        str(path), num_videos=4, frames=17, height=40, width=48, seed=0, control=True
-    )
+    make_synthetic_dataset(str(path), num_videos=4, frames=17, height=40, width=48, seed=0, control=True)
     return path
 
 
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
-def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(
-    ltx2_models, base_settings, ic_data, tmp_path
-):
+def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base_settings, ic_data, tmp_path):
     """Two IC-LoRA steps on clips with control videos; our loop with the control as its reference
     renders what LTX2InContextPipeline renders with it as an LTX2ReferenceCondition, within 1e-4 in
     fp32, with the base model and with our exported LoRA loaded by load_lora_weights (the pipelines'
@@ -200,14 +187,10 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         frames = renderer.controls[0]
         assert frames.shape == (9, 32, 32, 3)
-        reference = LTX2ReferenceCondition(
-            frames=[Image.fromarray(frame) for frame in frames.numpy()]
-        )
+        reference = LTX2ReferenceCondition(frames=[Image.fromarray(frame) for frame in frames.numpy()])
         rendered = []
         for source in (None, lora_file):
-            model = validate.load_model(
-                cfg, adapter, d, None, str(source) if source else None
-            ).eval()
+            model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
             ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
             if source:
                 pipe.load_lora_weights(str(source))
@@ -264,9 +247,7 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
             match=r"follows a control video \(model.type = \"ic\"\): each validation "
             r"prompt renders from one; set validation.control_videos",
         ):
-            validate.ClipRenderer(
-                adapter, cfg, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
-            )
+            validate.ClipRenderer(adapter, cfg, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d)
         videos = dataclasses.replace(cfg, control_videos=[str(ic_data / "controls" / "00000.mp4")])
         plain = load_adapter(
             ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"),
@@ -277,9 +258,7 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
             match=r"validation.control_videos conditions control models, and .* is not "
             r"one here: remove them \(and --control\)",
         ):
-            validate.ClipRenderer(
-                plain, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
-            )
+            validate.ClipRenderer(plain, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d)
         renderer = validate.ClipRenderer(
             adapter, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
         )
@@ -330,9 +309,7 @@ def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
     }
     run_ok(["--cfg", str(configs["reference"])], nproc=2)
     assert (
-        run_cmd(
-            ["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}
-        ).returncode
+        run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:3"}).returncode
         != 0
     )
     resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
@@ -366,21 +343,17 @@ def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
     assert (first[:, 32:] - control[0].float()).abs().mean() > 40
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
-        model = validate.load_model(cfg, adapter, d, None, str(lora_file)).eval()
+        model = render.load_model(cfg, adapter, d, None, str(lora_file)).eval()
     pipe = LTX2InContextPipeline.from_pretrained(str(ltx2_models("2.0")))
     pipe.load_lora_weights(str(lora_file))
     expected = in_context_output(model, adapter)
-    torch.testing.assert_close(
-        in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5
-    )
+    torch.testing.assert_close(in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5)
     comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
     converted = _convert_non_diffusers_ltx2_lora_to_diffusers(load_file(comfy_file))
     assert converted.keys() == load_file(lora_file).keys()  # no key lost
     pipe.unload_lora_weights()
     pipe.load_lora_weights(str(comfy_file))
-    torch.testing.assert_close(
-        in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5
-    )
+    torch.testing.assert_close(in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5)
 
 
 def in_context_output(transformer, adapter):

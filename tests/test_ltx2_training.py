@@ -9,21 +9,29 @@ which test_ltx2.py's pipeline runs use too)."""
 
 import pytest
 import torch
+from conftest import (
+    decode_mp4,
+    ltx2_settings,
+    ltx_core_cross_modulation,
+    one_rank_group,
+    prepare_run,
+    write_toml,
+)
 from diffusers import AutoencoderKLLTX2Audio
 
 import data
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
-from conftest import decode_mp4, ltx2_settings, ltx_core_cross_modulation, one_rank_group, prepare_run, write_toml
-from families.ltx2 import FRAME_RATE, TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
+from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
 from model_adapter import RunSettings, load_adapter
 from ranks import StopRun
 
 
 def ltx_trainer_sigma(seq_length: int, generator: torch.Generator) -> torch.Tensor:
-    """packages/ltx-trainer/src/ltx_trainer/timestep_samplers.py, ShiftedLogitNormalTimestepSampler.sample
-    (std 1, eps 1e-3, uniform_prob 0.1) for a batch of one, its draws in its order (normal, uniform, choice),
-    with _get_shift_for_sequence_length's line through (1024, 0.95) and (4096, 2.05), unclamped."""
+    """packages/ltx-trainer/src/ltx_trainer/timestep_samplers.py,
+    ShiftedLogitNormalTimestepSampler.sample (std 1, eps 1e-3, uniform_prob 0.1) for a batch of one,
+    its draws in its order (normal, uniform, choice), with _get_shift_for_sequence_length's line
+    through (1024, 0.95) and (4096, 2.05), unclamped."""
     m = (2.05 - 0.95) / (4096 - 1024)
     mu = m * seq_length + (0.95 - m * 1024)
     logitnormal = torch.sigmoid(torch.randn((1,), generator=generator) + mu)
@@ -57,8 +65,9 @@ def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):
     scale/shift their own 0, not the audio's sigma); with one sigma for both it still equals the
     call LTX2Pipeline makes (use_cross_timestep), while with a sigma per stream that call differs.
     """
-    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="fp32"),
-                           torch.device("cpu"))
+    adapter = load_adapter(
+        ModelConfig(family="ltx2", path=str(ltx2_models(variant)), dtype="fp32"), torch.device("cpu")
+    )
     transformer = adapter.load_transformer().eval()
     c = adapter.transformer_config
     gen = torch.Generator().manual_seed(0)
@@ -67,24 +76,53 @@ def test_cross_attention_modulation_is_ltx_cores(variant, ltx2_models):
     embeds = torch.randn(2, TEXT_LENGTH, 16 + (8 if not c["use_prompt_embeddings"] else 16), generator=gen)
     video_text, audio_text = adapter._split_text(embeds)
     sigma, audio_sigma = torch.tensor([300.0, 800.0]), torch.tensor([900.0, 100.0])
-    image_t = torch.cat([torch.zeros(2, 16), sigma[:, None].expand(2, 16)], dim=1)  # I2V: the first frame's
+    # I2V: the first frame's
+    image_t = torch.cat([torch.zeros(2, 16), sigma[:, None].expand(2, 16)], dim=1)
 
     def diffusers_call(video_t, sigma, audio_sigma, cross_timestep=True):
-        out = transformer(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=video_text,
-                          audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=audio_sigma,
-                          sigma=sigma, audio_sigma=audio_sigma, num_frames=2, height=4, width=4,
-                          fps=adapter.frame_rate, audio_num_frames=9, use_cross_timestep=cross_timestep,
-                          return_dict=False)
+        out = transformer(
+            hidden_states=video,
+            audio_hidden_states=audio,
+            encoder_hidden_states=video_text,
+            audio_encoder_hidden_states=audio_text,
+            timestep=video_t,
+            audio_timestep=audio_sigma,
+            sigma=sigma,
+            audio_sigma=audio_sigma,
+            num_frames=2,
+            height=4,
+            width=4,
+            fps=adapter.frame_rate,
+            audio_num_frames=9,
+            use_cross_timestep=cross_timestep,
+            return_dict=False,
+        )
         return torch.cat([x.flatten(1) for x in out], 1)
 
     with torch.no_grad():
-        for video_t, audio_t in ((sigma, audio_sigma), (image_t, audio_sigma), (image_t, sigma), (sigma, sigma)):
-            ours = torch.cat([x.flatten(1) for x in adapter._predict(
-                transformer, VideoStream(video, video_t, sigma, (2, 4, 4)), AudioStream(audio, audio_t, 9), embeds)], 1)
+        for video_t, audio_t in (
+            (sigma, audio_sigma),
+            (image_t, audio_sigma),
+            (image_t, sigma),
+            (sigma, sigma),
+        ):
+            ours = torch.cat(
+                [
+                    x.flatten(1)
+                    for x in adapter._predict(
+                        transformer,
+                        VideoStream(video, video_t, sigma, (2, 4, 4)),
+                        AudioStream(audio, audio_t, 9),
+                        embeds,
+                    )
+                ],
+                1,
+            )
             with ltx_core_cross_modulation(transformer):
                 theirs = diffusers_call(video_t, sigma, audio_t)
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
-            pipelines = diffusers_call(video_t, sigma, audio_t)  # scale/shift from the other stream's sigma
+            # scale/shift from the other stream's sigma
+            pipelines = diffusers_call(video_t, sigma, audio_t)
             if video_t is sigma and audio_t is sigma:
                 torch.testing.assert_close(ours, pipelines, rtol=0, atol=1e-5)
             else:
@@ -114,43 +152,74 @@ def test_training_takes_the_encoders_means(ltx2_models):
 
     The clean latents are the cached posteriors' means (ltx-trainer's, from ltx-core's encoders):
     the loss does not depend on the cached log-variances, of the video or of the sound."""
-    adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"),
-                           torch.device("cpu"))
+    adapter = load_adapter(
+        ModelConfig(family="ltx2", path=str(ltx2_models("2.0")), dtype="fp32"), torch.device("cpu")
+    )
     transformer = adapter.load_transformer().eval()
     gen = torch.Generator().manual_seed(0)
-    batch = {"latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
-             "audio_latent_mean": torch.randn(2, 2, 9, 4, generator=gen),
-             "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen)}
+    batch = {
+        "latent_mean": torch.randn(2, 8, 2, 4, 4, generator=gen),
+        "audio_latent_mean": torch.randn(2, 2, 9, 4, generator=gen),
+        "prompt_embeds": torch.randn(2, TEXT_LENGTH, 32, generator=gen),
+    }
     losses = []
     with torch.no_grad():
         for logvar in (-8.0, 1.0):
-            variances = {"latent_logvar": torch.full((2, 8, 2, 4, 4), logvar),
-                         "audio_latent_logvar": torch.full((2, 2, 9, 4), logvar)}
-            losses.append(adapter.train_loss(transformer, {**batch, **variances},
-                                             [data.keyed_generator(0, 1, i) for i in range(2)]))
+            variances = {
+                "latent_logvar": torch.full((2, 8, 2, 4, 4), logvar),
+                "audio_latent_logvar": torch.full((2, 2, 9, 4), logvar),
+            }
+            losses.append(
+                adapter.train_loss(
+                    transformer, {**batch, **variances}, [data.keyed_generator(0, 1, i) for i in range(2)]
+                )
+            )
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
 
 
 def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_settings, ltx2_data, tmp_path):
-    """validation.gen_fps = 0 (the default): the mp4 is written at the rate the sound was generated for
-    (data.target_fps, else 24), so the frames last as long as their sound; another gen_fps is refused before
-    the cache pass, and by validate.py's renderer (renders without training)."""
+    """validation.gen_fps = 0 (the default): the mp4 is written at the rate the sound was generated
+    for (data.target_fps, else 24), so the frames last as long as their sound; another gen_fps is
+    refused before the cache pass, and by validate.py's renderer (renders without training)."""
     clip = torch.zeros(17, 32, 32, 3, dtype=torch.uint8)
-    for target_fps in (0, 30):  # data.target_fps, as training and validate.py's render command hand it over
-        adapter = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))), torch.device("cpu"),
-                               RunSettings(frame_rate=target_fps))
+    # data.target_fps, as training and validate.py's render command hand it over
+    for target_fps in (0, 30):
+        adapter = load_adapter(
+            ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))),
+            torch.device("cpu"),
+            RunSettings(frame_rate=target_fps),
+        )
         with one_rank_group() as d:
-            renderer = validate.ClipRenderer(adapter, ValidationConfig(resolution=[17, 32, 32]), DataConfig(),
-                                             str(tmp_path / str(target_fps)), d)
+            renderer = validate.ClipRenderer(
+                adapter,
+                ValidationConfig(resolution=[17, 32, 32]),
+                DataConfig(),
+                str(tmp_path / str(target_fps)),
+                d,
+            )
             _, rate = decode_mp4(renderer.save([clip], ["step_1_prompt_0"])[0])
         assert rate == (target_fps or 24)
         state = adapter.sampling_start(adapter.sampler(""), 2, (17, 32, 32), torch.Generator().manual_seed(0))
-        assert abs(state.audio_frames / adapter.audio_latents_per_second - 17 / rate) <= 0.5 / 25  # one latent
-        with pytest.raises(ConfigError, match=r"validation.gen_fps = 15, but LTX-2 generates each clip's sound"):
-            validate.ClipRenderer(adapter, ValidationConfig(gen_fps=15, resolution=[17, 32, 32]), DataConfig(),
-                                  str(tmp_path), None)
-    settings = ltx2_settings("2.0", ltx2_models, base_settings, ltx2_data, tmp_path, **{
-        "data.target_fps": 24, "validation.gen_fps": 15, "validation.do_validation": True})
+        # one latent
+        assert abs(state.audio_frames / adapter.audio_latents_per_second - 17 / rate) <= 0.5 / 25
+        with pytest.raises(
+            ConfigError, match=r"validation.gen_fps = 15, but LTX-2 generates each clip's sound"
+        ):
+            validate.ClipRenderer(
+                adapter,
+                ValidationConfig(gen_fps=15, resolution=[17, 32, 32]),
+                DataConfig(),
+                str(tmp_path),
+                None,
+            )
+    settings = ltx2_settings(
+        "2.0",
+        ltx2_models,
+        base_settings,
+        ltx2_data,
+        tmp_path,
+        **{"data.target_fps": 24, "validation.gen_fps": 15, "validation.do_validation": True},
+    )
     cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     with one_rank_group() as d, pytest.raises(StopRun, match=r"validation.gen_fps = 15, but LTX-2 generates"):
         prepare_run(cfg, d)

@@ -31,7 +31,8 @@ def code_patterns() -> list[list]:
 def literal_match(piece: str, pattern: list) -> int:
     """The most characters of `piece` matched by literal characters of one stretch of `pattern`, the
     rest taken by its WILDs; -1 when no stretch of it fits."""
-    best = [-1] * (len(piece) + 1)  # best[i]: piece[:i] consumed, ending at the current pattern position
+    # best[i]: piece[:i] consumed, ending at the current pattern position
+    best = [-1] * (len(piece) + 1)
     result = -1
     for token in pattern + [WILD]:
         best[0] = max(best[0], 0)  # a match may start at any position of the pattern
@@ -40,8 +41,10 @@ def literal_match(piece: str, pattern: list) -> int:
                 best[i] = max(best[i], best[i - 1])  # the placeholder takes piece[i - 1]
         result = max(result, best[len(piece)])
         if token is not WILD:
-            best = [-1] + [best[i - 1] + 1 if best[i - 1] >= 0 and piece[i - 1] == token else -1
-                           for i in range(1, len(piece) + 1)]
+            best = [-1] + [
+                best[i - 1] + 1 if best[i - 1] >= 0 and piece[i - 1] == token else -1
+                for i in range(1, len(piece) + 1)
+            ]
         result = max(result, best[len(piece)])
     return result
 
@@ -52,8 +55,11 @@ DOCUMENTS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted(REPO.glob("docs
 def troubleshooting_rows() -> list[str]:
     """The rows of every table on the troubleshooting page (its header and rule rows left out)."""
     page = (REPO / "docs/troubleshooting.md").read_text()
-    return [line for line in page.splitlines()
-            if line.startswith("| ") and not line.startswith(("| message", "| ---"))]
+    return [
+        line
+        for line in page.splitlines()
+        if line.startswith("| ") and not line.startswith(("| message", "| ---"))
+    ]
 
 
 def quoted_messages() -> list[str]:
@@ -64,10 +70,13 @@ def quoted_messages() -> list[str]:
 def found_in_code(piece: str, patterns: list[list]) -> bool:
     """Wholly literal, or a quarter of it literal with the rest taken by placeholders (an example
     value, or a helper's clause such as " (did you mean ...?)"); a stale message scores far below."""
-    n = min(4, len(piece))  # candidates share a few characters with the piece: the search stays quick
-    grams = {piece[i:i + n] for i in range(len(piece) - n + 1)}
+    # candidates share a few characters with the piece: the search stays quick
+    n = min(4, len(piece))
+    grams = {piece[i : i + n] for i in range(len(piece) - n + 1)}
     texts = ["".join(c or "\0" for c in p) for p in patterns]
-    best = max([literal_match(piece, p) for p, text in zip(patterns, texts) if any(g in text for g in grams)] + [-1])
+    best = max(
+        [literal_match(piece, p) for p, text in zip(patterns, texts) if any(g in text for g in grams)] + [-1]
+    )
     return best == len(piece) or (best >= 8 and best >= 0.25 * len(piece))
 
 
@@ -120,14 +129,24 @@ def test_what_the_code_and_documents_cite_lives_in_the_repository():
     A clone has nothing beside it: no file points at the project's shared folder, and every document
     named in the code, the tests, the configs or the documents (a path ending in .md) is a file of
     the repository, named from the repository's root (or, in a document, from its own folder)."""
-    patterns = ("*.py", "families/*.py", "tools/*.py", "bench/*.py", "bench/*.sh", "tests/*.py", "configs/*.toml",
-                "*.sh", "requirements*.txt")
+    patterns = (
+        "*.py",
+        "families/*.py",
+        "tools/*.py",
+        "bench/*.py",
+        "bench/*.sh",
+        "tests/*.py",
+        "configs/*.toml",
+        "*.sh",
+        "requirements*.txt",
+    )
     code = [path for pattern in patterns for path in REPO.glob(pattern)]
     assert [path.name for path in code + DOCUMENTS if re.search(r"\.\./shared", path.read_text())] == []
     missing = []
     for path in code + DOCUMENTS:
         text = path.read_text()
-        # A markdown link's text and target are checked by the link test (config.py writes one page's).
+        # A markdown link's text and target are checked by the link test (config.py writes one
+        # page's).
         text = re.sub(r"\[[^\]]*\](\([^)]*\)|\[[^\]]*\])", "", text)
         text = re.sub(r"^\[[^\]]+\]: \S+$", "", text, flags=re.M)
         bases = [REPO] + ([path.parent] if path.suffix == ".md" else [])

@@ -31,15 +31,23 @@ RUNS = {
     "sp2": ({"train.batch_size": 4, "parallel.sp_size": 2}, 2),
     "dp2_sp2_fsdp": ({"train.batch_size": 2, "parallel.sp_size": 2, "parallel.strategy": "fsdp"}, 4),
 }
-FAMILIES = {  # CogVideoX-5b's key set at 3 x 5 x 5 = 75 tokens; TI2V-5B at 3 tokens: both split unevenly
-    "cogvideox": lambda tiny_models, wan_models: {"model.path": str(tiny_models("5b")),
-                                                  "data.train_resolution": [9, 40, 40]},
-    # Adam divides each gradient element by its own magnitude: an element at rounding level (the tiny
-    # Wan's cross-attention Q and K) becomes a full step whose sign is the rounding's, which one process
-    # and a split sum differently. An epsilon above those elements keeps the update smooth in the gradient.
-    "wan": lambda tiny_models, wan_models: {"model.path": str(wan_models("ti2v-5b")), "model.family": "wan",
-                                            "model.type": "i2v", "train.learning_rate": 1e-2,
-                                            "train.adam_epsilon": 1e-4},
+# CogVideoX-5b's key set at 3 x 5 x 5 = 75 tokens; TI2V-5B at 3 tokens: both split unevenly
+FAMILIES = {
+    "cogvideox": lambda tiny_models, wan_models: {
+        "model.path": str(tiny_models("5b")),
+        "data.train_resolution": [9, 40, 40],
+    },
+    # Adam divides each gradient element by its own magnitude: an element at rounding level (the
+    # tiny Wan's cross-attention Q and K) becomes a full step whose sign is the rounding's, which
+    # one process and a split sum differently. An epsilon above those elements keeps the update
+    # smooth in the gradient.
+    "wan": lambda tiny_models, wan_models: {
+        "model.path": str(wan_models("ti2v-5b")),
+        "model.family": "wan",
+        "model.type": "i2v",
+        "train.learning_rate": 1e-2,
+        "train.adam_epsilon": 1e-4,
+    },
 }
 
 
@@ -48,17 +56,26 @@ def sp_runs(tmp_path_factory, base_settings, tiny_models, wan_models, tiny_data)
     root = tmp_path_factory.mktemp("sequence")
     outputs = {}
     for family, settings_of in FAMILIES.items():
-        family_settings = {**base_settings, **settings_of(tiny_models, wan_models), "train.steps": 4,
-                           "train.gradient_checkpointing": True, "train.max_grad_norm": MAX_GRAD_NORM,
-                           "checkpoint.checkpointing_steps": 4, "validation.validation_steps": 4,
-                           "validation.prompts": ["a red circle moves right"], "validation.num_inference_steps": 2,
-                           "validation.save_frames": True}
+        family_settings = {
+            **base_settings,
+            **settings_of(tiny_models, wan_models),
+            "train.steps": 4,
+            "train.gradient_checkpointing": True,
+            "train.max_grad_norm": MAX_GRAD_NORM,
+            "checkpoint.checkpointing_steps": 4,
+            "validation.validation_steps": 4,
+            "validation.prompts": ["a red circle moves right"],
+            "validation.num_inference_steps": 2,
+            "validation.save_frames": True,
+        }
         if family == "wan":
             family_settings["validation.images"] = [str(tiny_data / "images" / "00000.png")]
         for name, (settings, nproc) in RUNS.items():
             outputs[family, name] = root / family / name
-            cfg = write_toml(root / f"{family}-{name}.toml", {**family_settings, "run.output_dir": str(outputs[family, name]),
-                                                              **settings})
+            cfg = write_toml(
+                root / f"{family}-{name}.toml",
+                {**family_settings, "run.output_dir": str(outputs[family, name]), **settings},
+            )
             run_ok(["--cfg", str(cfg)], nproc=nproc)
     return outputs
 
@@ -76,8 +93,9 @@ def test_same_weights_as_one_process(sp_runs, family, name):
     for tag in ("train/loss", "train/grad_norm", "val/loss"):
         a, b = logged(one, tag), logged(split, tag)
         assert a.keys() == b.keys() and a
-        torch.testing.assert_close(torch.tensor(list(b.values())), torch.tensor(list(a.values())), rtol=RTOL, atol=ATOL,
-                                   msg=tag)
+        torch.testing.assert_close(
+            torch.tensor(list(b.values())), torch.tensor(list(a.values())), rtol=RTOL, atol=ATOL, msg=tag
+        )
     ours, theirs = (load_file(run / "lora" / "pytorch_lora_weights.safetensors") for run in (split, one))
     assert ours.keys() == theirs.keys()
     for key in ours:
@@ -89,7 +107,7 @@ def test_same_weights_as_one_process(sp_runs, family, name):
         assert (frames[0] - frames[1]).abs().max() <= 1
 
 
-WORKER = r'''
+WORKER = r"""
 import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import sequence
@@ -236,17 +254,32 @@ for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", Fal
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.slow
 def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--master_port={free_port()}", str(script), str(REPO), str(tiny_models("5b")), str(tmp_path),
-                             str(ltx2_models("2.0")), str(ltx2_models("2.3"))],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            str(script),
+            str(REPO),
+            str(tiny_models("5b")),
+            str(tmp_path),
+            str(ltx2_models("2.0")),
+            str(ltx2_models("2.3")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, report in enumerate(reports):
@@ -256,7 +289,10 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
         assert report["forward_equal"]
         assert report["exchanged"] == ["torch.bfloat16"], report["exchanged"]
         dynamo = report["dynamo"]
-        assert dynamo["graph_breaks"] == dynamo["unsupported"] == 0 and dynamo["frames"]["ok"] == dynamo["frames"]["total"], dynamo
+        assert (
+            dynamo["graph_breaks"] == dynamo["unsupported"] == 0
+            and dynamo["frames"]["ok"] == dynamo["frames"]["total"]
+        ), dynamo
         assert report["compiled_equal"]
         assert report["ltx2"].keys() == {"t2v_audio", "t2v", "i2v_audio", "ic_audio"}
         assert report["ltx2_stg"]["equal"] and report["ltx2_stg"]["perturbs"] > 1e-3, report["ltx2_stg"]
@@ -266,16 +302,24 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
             assert one["loss_video"] == pytest.approx(split["loss_video"], rel=1e-5)
             assert one["loss_audio"] == pytest.approx(split["loss_audio"], rel=1e-5, abs=1e-6)
             assert (one["loss_audio"] > 0) == audio
-            # each rank's video attention sees its 14 or 13 tokens (IC-LoRA: 27 of 54, the clip's and the
-            # reference's split together), and the audio attention all 5 (1: video-only)
+            # each rank's video attention sees its 14 or 13 tokens (IC-LoRA: 27 of 54, the clip's
+            # and the reference's split together), and the audio attention all 5 (1: video-only)
             tokens, sound = [27, 27][rank] if case.startswith("ic") else [14, 13][rank], 5 if audio else 1
-            expected = {"attn1": [tokens, None], "audio_attn1": [sound, None], "audio_to_video_attn": [tokens, sound],
-                        "video_to_audio_attn": [sound, tokens]}
-            assert ltx2["seen"] == (expected if audio else {k: v for k, v in expected.items() if "_to_" not in k}), case
+            expected = {
+                "attn1": [tokens, None],
+                "audio_attn1": [sound, None],
+                "audio_to_video_attn": [tokens, sound],
+                "video_to_audio_attn": [sound, tokens],
+            }
+            assert ltx2["seen"] == (
+                expected if audio else {k: v for k, v in expected.items() if "_to_" not in k}
+            ), case
 
 
 def test_errors_name_the_valid_sizes(write_config):
-    with pytest.raises(ConfigError, match=r"does not divide this model's 30 attention heads: use one of \[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ConfigError, match=r"does not divide this model's 30 attention heads: use one of \[1, 2, 3, 6\]"
+    ):
         sequence.check_heads(4, 30, 12)
     with pytest.raises(ConfigError, match="lora.dropout > 0 needs parallel.sp_size = 1"):
         load_config(str(write_config("dropout", **{"lora.dropout": 0.1, "parallel.sp_size": 2})))
@@ -288,10 +332,25 @@ def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
 
     The config accepts LTX-2 with sp (it refused it before the split was built); the video-to-audio
     attention splits the audio heads, so their count is checked as the video's is."""
-    cfg = load_config(str(write_config("ltx2", **{"model.family": "ltx2", "model.path": str(ltx2_models("2.0")),
-                                                  "parallel.sp_size": 2, "parallel.strategy": "fsdp",
-                                                  "data.audio": True, "data.target_fps": 24})))
+    cfg = load_config(
+        str(
+            write_config(
+                "ltx2",
+                **{
+                    "model.family": "ltx2",
+                    "model.path": str(ltx2_models("2.0")),
+                    "parallel.sp_size": 2,
+                    "parallel.strategy": "fsdp",
+                    "data.audio": True,
+                    "data.target_fps": 24,
+                },
+            )
+        )
+    )
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     adapter.transformer_config["audio_num_attention_heads"] = 3
-    with one_rank_group(), pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"):
+    with (
+        one_rank_group(),
+        pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"),
+    ):
         adapter.split_sequence(adapter.load_transformer(), sequence.SequenceSplit(None, 2, 0))

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import comfyui_linears, one_rank_group, write_toml
 from diffusers import WanTransformer3DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -23,15 +24,15 @@ import parallel
 import ranks
 import storage
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from conftest import comfyui_linears, one_rank_group, write_toml
 from model import build_model, setup_adapter
 from model_adapter import load_adapter
 from tools.to_single_file import to_single_file
 
-# family: (tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding, 1.5's rotary grid.
+# family: (tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding, 1.5's
+# rotary grid.
 MODELS = {"wan": ("t2v", "t2v"), "cogvideox": ("1.5-5b-i2v", "i2v")}
-# Relative difference of the first-step loss, fp8 file against the folder, both read into bf16: at most
-# 8.5e-4 measured on these models (Wan, scaled fp8; docs/models/wan.md, "Single files").
+# Relative difference of the first-step loss, fp8 file against the folder, both read into bf16: at
+# most 8.5e-4 measured on these models (Wan, scaled fp8; docs/models/wan.md, "Single files").
 FP8_LOSS_RTOL = 2e-3
 
 
@@ -41,8 +42,16 @@ def folders(tiny_models, wan_models):
 
 
 def adapter_for(family, folder, transformer_file="", dtype="bf16"):
-    return load_adapter(ModelConfig(path=str(folder), family=family, type=MODELS[family][1], dtype=dtype,
-                                    transformer_file=transformer_file), torch.device("cpu"))
+    return load_adapter(
+        ModelConfig(
+            path=str(folder),
+            family=family,
+            type=MODELS[family][1],
+            dtype=dtype,
+            transformer_file=transformer_file,
+        ),
+        torch.device("cpu"),
+    )
 
 
 def tensors(transformer) -> dict[str, torch.Tensor]:
@@ -55,22 +64,28 @@ def differing(got: dict, expected: dict) -> list[str]:
 
 
 def first_step_loss(adapter, transformer) -> torch.Tensor:
-    """The per-sample loss of step 1 on a batch of two clips (9x32x32) with the trainer's keyed draws, in
-    the trainer's bf16 autocast."""
+    """The per-sample loss of step 1 on a batch of two clips (9x32x32) with the trainer's keyed
+    draws, in the trainer's bf16 autocast."""
     shape = (2, adapter.latent_channels, 3, 32 // adapter.spatial_ratio, 32 // adapter.spatial_ratio)
     draw = data.keyed_generator(0, "batch")
-    batch = {"latent_mean": torch.randn(shape, generator=draw), "latent_logvar": torch.full(shape, -4.0),
-             "prompt_embeds": torch.randn(2, adapter.text_length, 32, generator=draw)}
+    batch = {
+        "latent_mean": torch.randn(shape, generator=draw),
+        "latent_logvar": torch.full(shape, -4.0),
+        "prompt_embeds": torch.randn(2, adapter.text_length, 32, generator=draw),
+    }
     if adapter.type == "i2v":
-        batch |= {"image_mean": torch.randn(2, shape[1], 1, *shape[3:], generator=draw),
-                  "image_logvar": torch.full((2, shape[1], 1, *shape[3:]), -4.0)}
+        batch |= {
+            "image_mean": torch.randn(2, shape[1], 1, *shape[3:], generator=draw),
+            "image_logvar": torch.full((2, shape[1], 1, *shape[3:]), -4.0),
+        }
     with torch.no_grad(), parallel.Compute(torch.device("cpu"), "bf16", ""):
         return adapter.train_loss(transformer, batch, [data.keyed_generator(42, 1, p) for p in range(2)])
 
 
 def to_metadata_form(path, out, comfy_quant_tensors: bool):
     """The same scaled fp8 file in ComfyUI's newer form: X.weight_scale, the layers listed in the
-    `_quantization_metadata` header entry (or in a X.comfy_quant tensor each), no `scaled_fp8` marker."""
+    `_quantization_metadata` header entry (or in a X.comfy_quant tensor each), no `scaled_fp8`
+    marker."""
     tensors_, layers = {}, {}
     for key, tensor in load_file(path).items():
         if key.endswith(".scale_weight"):
@@ -79,12 +94,17 @@ def to_metadata_form(path, out, comfy_quant_tensors: bool):
         elif not key.endswith("scaled_fp8"):
             tensors_[key] = tensor
     if comfy_quant_tensors:
-        tensors_ |= {f"{layer}.comfy_quant": torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
-                     for layer, conf in layers.items()}
+        tensors_ |= {
+            f"{layer}.comfy_quant": torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+            for layer, conf in layers.items()
+        }
         save_file(tensors_, out)
     else:
-        save_file(tensors_, out, metadata={"_quantization_metadata": json.dumps({"format_version": "1.0",
-                                                                                  "layers": layers})})
+        save_file(
+            tensors_,
+            out,
+            metadata={"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})},
+        )
 
 
 @pytest.mark.parametrize("family", MODELS)
@@ -104,11 +124,16 @@ def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
         save_file({k: weights[k] for k in keys[i::2]}, shard)
     configs_only = shutil.copytree(folders[family], tmp_path / "model")
     (configs_only / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
-    folder_adapter, file_adapter = adapter_for(family, folders[family]), adapter_for(family, configs_only, shards)
+    folder_adapter, file_adapter = (
+        adapter_for(family, folders[family]),
+        adapter_for(family, configs_only, shards),
+    )
     theirs, ours = folder_adapter.load_transformer(), file_adapter.load_transformer()
     expected, got = tensors(theirs), tensors(ours)
     assert got.keys() == expected.keys()
-    assert [k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])] == []
+    assert [
+        k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])
+    ] == []
     assert torch.equal(first_step_loss(file_adapter, ours), first_step_loss(folder_adapter, theirs))
 
 
@@ -122,11 +147,15 @@ def test_an_fp8_file_dequantizes_as_comfyui_does(family, form, folders, tmp_path
     FP8_LOSS_RTOL."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders[family]), str(path), fp8=True, scaled=form == "scaled")
-    folder_adapter, file_adapter = adapter_for(family, folders[family]), adapter_for(family, folders[family], str(path))
+    folder_adapter, file_adapter = (
+        adapter_for(family, folders[family]),
+        adapter_for(family, folders[family], str(path)),
+    )
     ours = file_adapter.load_transformer()
     stored = load_file(path)
     fp8 = {k: v for k, v in stored.items() if v.dtype == torch.float8_e4m3fn and v.numel()}
-    assert fp8 and fp8.keys() == {k for k, v in stored.items() if k.startswith("blocks.") and v.ndim == 2}  # the blocks' linears
+    # the blocks' linears
+    assert fp8 and fp8.keys() == {k for k, v in stored.items() if k.startswith("blocks.") and v.ndim == 2}
     assert ("scaled_fp8" in stored) == (form == "scaled")
     params = tensors(ours)
     for key, name in file_adapter.single_file.file_keys.items():
@@ -168,7 +197,11 @@ def test_fsdp_reads_each_ranks_rows_of_a_scaled_fp8_file(folders, tmp_path):
     train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
     with one_rank_group() as d:
         model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
-        sharded = {k: v.full_tensor() for k, v in model.named_parameters() if isinstance(v, torch.distributed.tensor.DTensor)}
+        sharded = {
+            k: v.full_tensor()
+            for k, v in model.named_parameters()
+            if isinstance(v, torch.distributed.tensor.DTensor)
+        }
         del model
     frozen = {k: v for k, v in sharded.items() if "lora_" not in k}
     assert frozen.keys() == {k for k, v in plain.items() if isinstance(v, torch.nn.Parameter)}
@@ -187,16 +220,24 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=form == "scaled")
     if form == "e5m2":
-        save_file({k: v.to(torch.float8_e5m2) if v.dtype == torch.float8_e4m3fn else v
-                   for k, v in load_file(path).items()}, path)
+        save_file(
+            {
+                k: v.to(torch.float8_e5m2) if v.dtype == torch.float8_e4m3fn else v
+                for k, v in load_file(path).items()
+            },
+            path,
+        )
     cfg = ModelConfig(path=str(folders["wan"]), family="wan", storage_dtype="fp8", transformer_file=str(path))
     adapter = load_adapter(cfg, torch.device("cpu"))
     whole = dict(adapter.load_transformer().named_parameters())
     train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
     with one_rank_group() as d:
         model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
-        sharded = {k: v.full_tensor() for k, v in model.named_parameters()
-                   if isinstance(v, torch.distributed.tensor.DTensor)}
+        sharded = {
+            k: v.full_tensor()
+            for k, v in model.named_parameters()
+            if isinstance(v, torch.distributed.tensor.DTensor)
+        }
         del model
     stored = load_file(path)
     fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].itemsize == 1}
@@ -221,35 +262,45 @@ def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
     file to the folder's weights, rounded to bf16 where the file stores bf16."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), prefix=True)
-    theirs = WanTransformer3DModel.from_single_file(str(path), config=str(folders["wan"]), subfolder="transformer",
-                                                    torch_dtype=torch.float32).state_dict()
+    theirs = WanTransformer3DModel.from_single_file(
+        str(path), config=str(folders["wan"]), subfolder="transformer", torch_dtype=torch.float32
+    ).state_dict()
     folder = WanTransformer3DModel.from_pretrained(folders["wan"], subfolder="transformer").state_dict()
     with safe_open(path, "pt") as f:
         stored = {k.removeprefix("model.diffusion_model."): f.get_slice(k).get_dtype() for k in f.keys()}
     assert theirs.keys() == folder.keys() and "BF16" in stored.values() and "F32" in stored.values()
-    assert all(torch.equal(theirs[k], folder[k].to(torch.bfloat16).float()) or torch.equal(theirs[k], folder[k])
-               for k in folder)
+    assert all(
+        torch.equal(theirs[k], folder[k].to(torch.bfloat16).float()) or torch.equal(theirs[k], folder[k])
+        for k in folder
+    )
 
 
 def comfyui_detection(keys) -> dict:
-    """What ComfyUI's model detection makes of a CogVideoX file's positions (comfy/model_detection.py,
-    detect_unet_config's CogVideoX branch, at comfyanonymous/ComfyUI
-    3e4d15a4f70f5de24f426d9681d8505d42bf19d7): with patch_embed.pos_embedding, learned positions and no
-    rotary embeddings; without it, rotary ones. Its model (comfy/ldm/cogvideo/model.py there) adds sincos
-    positions whenever it has no rotary embeddings."""
+    """What ComfyUI's model detection makes of a CogVideoX file's positions
+    (comfy/model_detection.py, detect_unet_config's CogVideoX branch, at comfyanonymous/ComfyUI
+    3e4d15a4f70f5de24f426d9681d8505d42bf19d7): with patch_embed.pos_embedding, learned positions and
+    no rotary embeddings; without it, rotary ones. Its model (comfy/ldm/cogvideo/model.py there)
+    adds sincos positions whenever it has no rotary embeddings."""
     learned = "patch_embed.pos_embedding" in keys
     return {"use_learned_positional_embeddings": learned, "use_rotary_positional_embeddings": not learned}
 
 
 def comfyui_keys(config: dict) -> set[str]:
-    """The state dict of ComfyUI's native CogVideoX (comfy/ldm/cogvideo/model.py, as test_variants reads it):
-    weight and bias of every Linear (1.5's patch linear too: patch_bias concerns 1.0's Conv2d), the affine
-    LayerNorms (norm1.norm, norm2.norm, norm_q, norm_k in each block; norm_final, norm_out.norm), a Conv2d
-    patch embedding on 1.0 and the positions, a persistent buffer with learned ones."""
+    """The state dict of ComfyUI's native CogVideoX (comfy/ldm/cogvideo/model.py, as test_variants
+    reads it): weight and bias of every Linear (1.5's patch linear too: patch_bias concerns 1.0's
+    Conv2d), the affine LayerNorms (norm1.norm, norm2.norm, norm_q, norm_k in each block;
+    norm_final, norm_out.norm), a Conv2d patch embedding on 1.0 and the positions, a persistent
+    buffer with learned ones."""
     linears = comfyui_linears(config)
     keys = {f"{name}.{leaf}" for name in linears for leaf in ("weight", "bias")}
-    norms = [f"blocks.{i}.{n}" for i in range(config["num_layers"]) for n in ("norm1.norm", "norm2.norm", "norm_q", "norm_k")]
-    keys |= {f"{name}.{leaf}" for name in norms + ["norm_final", "norm_out.norm"] for leaf in ("weight", "bias")}
+    norms = [
+        f"blocks.{i}.{n}"
+        for i in range(config["num_layers"])
+        for n in ("norm1.norm", "norm2.norm", "norm_q", "norm_k")
+    ]
+    keys |= {
+        f"{name}.{leaf}" for name in norms + ["norm_final", "norm_out.norm"] for leaf in ("weight", "bias")
+    }
     if not config["patch_size_t"]:
         keys |= {"patch_embed.proj.weight", "patch_embed.proj.bias"}
     return keys | ({"patch_embed.pos_embedding"} if config["use_learned_positional_embeddings"] else set())
@@ -276,15 +327,21 @@ def test_cogvideox_files_hold_comfyuis_state_dict(variant, tiny_models, tmp_path
     assert read.keys() == folder.keys()
     assert differing(read, folder) == []
     if variant == "2b":  # diffusers' own table, the one its non-persistent buffer holds
-        torch.testing.assert_close(stored["patch_embed.pos_embedding"].float(),
-                                   folder["patch_embed.pos_embedding"].float(), rtol=2**-8, atol=0)
+        torch.testing.assert_close(
+            stored["patch_embed.pos_embedding"].float(),
+            folder["patch_embed.pos_embedding"].float(),
+            rtol=2**-8,
+            atol=0,
+        )
 
 
 def other_size(folder, out):
     """The same model with twice the attention heads: what a 14B file is to a 1.3B folder."""
     shutil.copytree(folder, out)
     config = WanTransformer3DModel.load_config(out / "transformer")
-    WanTransformer3DModel.from_config({**config, "num_attention_heads": 4}).save_pretrained(out / "transformer")
+    WanTransformer3DModel.from_config({**config, "num_attention_heads": 4}).save_pretrained(
+        out / "transformer"
+    )
     return out
 
 
@@ -297,14 +354,28 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
     wan, cog = tmp_path / "wan.safetensors", tmp_path / "cog.safetensors"
     to_single_file(str(folders["wan"]), str(wan), fp8=True, scaled=True)
     to_single_file(str(folders["cogvideox"]), str(cog))
-    cases = {"other family": ("cogvideox", cog, wan, f"model.transformer_file = {wan} holds a wan transformer (it holds "
-                              "head.modulation), not a cogvideox one"),
-             "other size": ("wan", wan, tmp_path / "big.safetensors", "head.modulation is [1, 2, 64] there, but "
-                            f"{folders['wan']}/transformer/config.json makes it [1, 2, 32] (scale_shift_table)"),
-             "missing": ("wan", wan, tmp_path / "missing.safetensors", "lacks 1 weights of WanTransformer3DModel"),
-             "truncated": ("wan", wan, tmp_path / "cut.safetensors", "is truncated:")}
+    cases = {
+        "other family": (
+            "cogvideox",
+            cog,
+            wan,
+            f"model.transformer_file = {wan} holds a wan transformer (it holds "
+            "head.modulation), not a cogvideox one",
+        ),
+        "other size": (
+            "wan",
+            wan,
+            tmp_path / "big.safetensors",
+            "head.modulation is [1, 2, 64] there, but "
+            f"{folders['wan']}/transformer/config.json makes it [1, 2, 32] (scale_shift_table)",
+        ),
+        "missing": ("wan", wan, tmp_path / "missing.safetensors", "lacks 1 weights of WanTransformer3DModel"),
+        "truncated": ("wan", wan, tmp_path / "cut.safetensors", "is truncated:"),
+    }
     to_single_file(str(other_size(folders["wan"], tmp_path / "big")), str(tmp_path / "big.safetensors"))
-    save_file({k: v for k, v in load_file(wan).items() if k != "head.head.bias"}, tmp_path / "missing.safetensors")
+    save_file(
+        {k: v for k, v in load_file(wan).items() if k != "head.head.bias"}, tmp_path / "missing.safetensors"
+    )
     (tmp_path / "cut.safetensors").write_bytes(wan.read_bytes()[:-100])
     for name, (family, _, path, message) in cases.items():
         with pytest.raises(ConfigError) as refused:
@@ -313,10 +384,23 @@ def test_wrong_files_are_named_before_the_cache_pass(folders, base_settings, tmp
     # The trainer's setup step (the session's CogVideoX-2b): stopped before the cache pass.
     to_single_file(base_settings["model.path"], str(tmp_path / "2b.safetensors"))
     (tmp_path / "2b-cut.safetensors").write_bytes((tmp_path / "2b.safetensors").read_bytes()[:-100])
-    cfg = load_config(str(write_toml(tmp_path / "cut.toml", {
-        **base_settings, "run.output_dir": str(tmp_path / "run"), "data.cache_dir": str(tmp_path / "cache"),
-        "model.transformer_file": str(tmp_path / "2b-cut.safetensors")})))
-    with one_rank_group() as d, pytest.raises(ranks.StopRun, match=f"{tmp_path / '2b-cut.safetensors'} is truncated:"):
+    cfg = load_config(
+        str(
+            write_toml(
+                tmp_path / "cut.toml",
+                {
+                    **base_settings,
+                    "run.output_dir": str(tmp_path / "run"),
+                    "data.cache_dir": str(tmp_path / "cache"),
+                    "model.transformer_file": str(tmp_path / "2b-cut.safetensors"),
+                },
+            )
+        )
+    )
+    with (
+        one_rank_group() as d,
+        pytest.raises(ranks.StopRun, match=f"{tmp_path / '2b-cut.safetensors'} is truncated:"),
+    ):
         setup_adapter(cfg, d)
     assert not (tmp_path / "cache").exists()
 
@@ -339,13 +423,18 @@ def test_scaled_fp8_files_missing_a_scale_or_their_marker_are_refused(folders, t
     with safe_open(tmp_path / "new.safetensors", "pt") as f:
         listed = json.loads(f.metadata()["_quantization_metadata"])
     del listed["layers"][layer]
-    save_file(load_file(tmp_path / "new.safetensors"), tmp_path / "unlisted.safetensors",
-              metadata={"_quantization_metadata": json.dumps(listed)})
-    cases = {"one-scale-missing": f"layer {layer} is quantized as float8_e4m3fn but the file lacks its "
-                                  f"scale, {scale}",
-             "no-marker": "holds fp8 scales (blocks.0.cross_attn.k.scale_weight, ...) that neither ComfyUI's "
-                          "scaled_fp8 key nor its quantization metadata",
-             "unlisted": f"holds fp8 scales ({layer}.weight_scale, ...) that neither"}
+    save_file(
+        load_file(tmp_path / "new.safetensors"),
+        tmp_path / "unlisted.safetensors",
+        metadata={"_quantization_metadata": json.dumps(listed)},
+    )
+    cases = {
+        "one-scale-missing": f"layer {layer} is quantized as float8_e4m3fn but the file lacks its "
+        f"scale, {scale}",
+        "no-marker": "holds fp8 scales (blocks.0.cross_attn.k.scale_weight, ...) that neither ComfyUI's "
+        "scaled_fp8 key nor its quantization metadata",
+        "unlisted": f"holds fp8 scales ({layer}.weight_scale, ...) that neither",
+    }
     for name, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             adapter_for("wan", folders["wan"], str(tmp_path / f"{name}.safetensors"))
@@ -360,19 +449,23 @@ def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_mo
     says which it is."""
     wan = folders["wan"]
     diffusers_file = wan / "transformer" / "diffusion_pytorch_model.safetensors"
-    shutil.copy(ltx2_models("2.0") / "transformer" / "diffusion_pytorch_model.safetensors",
-                tmp_path / "ltx2.safetensors")
+    shutil.copy(
+        ltx2_models("2.0") / "transformer" / "diffusion_pytorch_model.safetensors",
+        tmp_path / "ltx2.safetensors",
+    )
     torch.save(load_file(diffusers_file), tmp_path / "model.ckpt")
     (tmp_path / "model.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
     header = json.dumps({"weight": {"dtype": "BF16", "shape": [2]}}).encode()
     (tmp_path / "odd.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     layout = "is in diffusers' layout (a diffusers folder's transformer/diffusion_pytorch_model.safetensors)"
-    cases = [("wan", wan, wan / "transformer", "is a folder; it takes a single .safetensors file"),
-             ("wan", wan, diffusers_file, layout),
-             ("ltx2", ltx2_models("2.0"), tmp_path / "ltx2.safetensors", layout),
-             ("wan", wan, tmp_path / "model.ckpt", "is a PyTorch pickle (torch.save's format"),
-             ("wan", wan, tmp_path / "model.gguf", "is a GGUF file (llama.cpp's format"),
-             ("wan", wan, tmp_path / "odd.safetensors", "its header's entry 'weight' is not a tensor's")]
+    cases = [
+        ("wan", wan, wan / "transformer", "is a folder; it takes a single .safetensors file"),
+        ("wan", wan, diffusers_file, layout),
+        ("ltx2", ltx2_models("2.0"), tmp_path / "ltx2.safetensors", layout),
+        ("wan", wan, tmp_path / "model.ckpt", "is a PyTorch pickle (torch.save's format"),
+        ("wan", wan, tmp_path / "model.gguf", "is a GGUF file (llama.cpp's format"),
+        ("wan", wan, tmp_path / "odd.safetensors", "its header's entry 'weight' is not a tensor's"),
+    ]
     for family, folder, path, message in cases:
         with pytest.raises(ConfigError, match=re.escape(f"model.transformer_file = {path}")) as refused:
             cfg = ModelConfig(path=str(folder), family=family, transformer_file=str(path))
@@ -381,31 +474,50 @@ def test_files_vidtrain_cannot_read_are_named_for_what_they_are(folders, ltx2_mo
 
 
 # How diffusers' scripts/convert_ltx2_to_diffusers.py (huggingface/diffusers
-# 58eb52c0803ea9af3abec60841c2a093bdf1f951) reads Lightricks' files (ltx-2-19b-dev.safetensors, LTX-2.3's):
-# get_model_state_dict_from_combined_ckpt takes the keys under model.diffusion_model.,
-# split_transformer_and_connector_state_dict sets the connectors apart, convert_ltx2_transformer replaces
-# LTX_2_0_ (2.3: LTX_2_3_) TRANSFORMER_KEYS_RENAME_DICT's substrings in order, then
+# 58eb52c0803ea9af3abec60841c2a093bdf1f951) reads Lightricks' files (ltx-2-19b-dev.safetensors,
+# LTX-2.3's): get_model_state_dict_from_combined_ckpt takes the keys under model.diffusion_model.,
+# split_transformer_and_connector_state_dict sets the connectors apart, convert_ltx2_transformer
+# replaces LTX_2_0_ (2.3: LTX_2_3_) TRANSFORMER_KEYS_RENAME_DICT's substrings in order, then
 # convert_ltx2_transformer_adaln_single renames a leading adaln_single. / audio_adaln_single.
-LTX2_RENAMES = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
-                "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
-                "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
-                "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
-                "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
-                "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
-                "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
-                "q_norm": "norm_q", "k_norm": "norm_k"}
-LTX2_3_RENAMES = {**LTX2_RENAMES, "audio_prompt_adaln_single": "audio_prompt_adaln",
-                  "prompt_adaln_single": "prompt_adaln"}
-LTX2_CONNECTOR_PREFIXES = ("video_embeddings_connector", "audio_embeddings_connector",
-                           "transformer_1d_blocks", "text_embedding_projection", "connectors.",
-                           "video_connector", "audio_connector", "text_proj_in")
-# LTX_2_0_ / LTX_2_3_CONNECTORS_KEYS_RENAME_DICT read backwards: the connectors' names in Lightricks' files.
-LTX2_CONNECTOR_NAMES = {"video_text_proj_in": "text_embedding_projection.video_aggregate_embed",
-                        "audio_text_proj_in": "text_embedding_projection.audio_aggregate_embed",
-                        "text_proj_in": "text_embedding_projection.aggregate_embed",
-                        "video_connector": "video_embeddings_connector",
-                        "audio_connector": "audio_embeddings_connector",
-                        "transformer_blocks": "transformer_1d_blocks", "norm_q": "q_norm", "norm_k": "k_norm"}
+LTX2_RENAMES = {
+    "patchify_proj": "proj_in",
+    "audio_patchify_proj": "audio_proj_in",
+    "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
+    "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
+    "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
+    "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate",
+    "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
+    "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table",
+    "q_norm": "norm_q",
+    "k_norm": "norm_k",
+}
+LTX2_3_RENAMES = {
+    **LTX2_RENAMES,
+    "audio_prompt_adaln_single": "audio_prompt_adaln",
+    "prompt_adaln_single": "prompt_adaln",
+}
+LTX2_CONNECTOR_PREFIXES = (
+    "video_embeddings_connector",
+    "audio_embeddings_connector",
+    "transformer_1d_blocks",
+    "text_embedding_projection",
+    "connectors.",
+    "video_connector",
+    "audio_connector",
+    "text_proj_in",
+)
+# LTX_2_0_ / LTX_2_3_CONNECTORS_KEYS_RENAME_DICT read backwards: the connectors' names in
+# Lightricks' files.
+LTX2_CONNECTOR_NAMES = {
+    "video_text_proj_in": "text_embedding_projection.video_aggregate_embed",
+    "audio_text_proj_in": "text_embedding_projection.audio_aggregate_embed",
+    "text_proj_in": "text_embedding_projection.aggregate_embed",
+    "video_connector": "video_embeddings_connector",
+    "audio_connector": "audio_embeddings_connector",
+    "transformer_blocks": "transformer_1d_blocks",
+    "norm_q": "q_norm",
+    "norm_k": "k_norm",
+}
 
 
 def diffusers_ltx2_transformer(combined: dict, version: str) -> dict:
@@ -426,10 +538,10 @@ def diffusers_ltx2_transformer(combined: dict, version: str) -> dict:
 
 
 def lightricks_file(folder, out):
-    """The tiny model as Lightricks lay theirs out: the transformer under model.diffusion_model. in ltx-core's
-    names (tools/to_single_file.py), the text connectors beside it in theirs, the text projection outside the
-    prefix (as some of their files have it), the VAEs and the vocoder under vae., audio_vae. and vocoder.
-    (their own names there do not matter: nothing reads them)."""
+    """The tiny model as Lightricks lay theirs out: the transformer under model.diffusion_model. in
+    ltx-core's names (tools/to_single_file.py), the text connectors beside it in theirs, the text
+    projection outside the prefix (as some of their files have it), the VAEs and the vocoder under
+    vae., audio_vae. and vocoder. (their own names there do not matter: nothing reads them)."""
     to_single_file(str(folder), str(out), prefix=True)
     combined = load_file(out)
     for key, tensor in load_file(folder / "connectors" / "diffusion_pytorch_model.safetensors").items():

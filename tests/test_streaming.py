@@ -27,11 +27,17 @@ STREAMING = {"parallel.strategy": "fsdp", "parallel.cpu_offload": True}
 RUNS = {
     "plain": {},
     "streamed": STREAMING,
-    # Block 0 on the host, block 1 and the rest resident; with checkpointing and its inputs offloaded.
-    "one_block": {**STREAMING, "parallel.offload_blocks": 1, "train.gradient_checkpointing": True,
-                  "train.activation_offload": True},
+    # Block 0 on the host, block 1 and the rest resident; with checkpointing and its inputs
+    # offloaded.
+    "one_block": {
+        **STREAMING,
+        "parallel.offload_blocks": 1,
+        "train.gradient_checkpointing": True,
+        "train.activation_offload": True,
+    },
 }
-VALIDATED = ("plain", "streamed")  # validation costs about as much as training here: two runs render
+# validation costs about as much as training here: two runs render
+VALIDATED = ("plain", "streamed")
 STEPS, BLOCKS = 4, 2  # the tiny CogVideoX-2b has 2 blocks
 
 
@@ -40,11 +46,25 @@ def settings(base_settings, tmp_path_factory):
     root = tmp_path_factory.mktemp("streaming")
 
     def make(name: str, run: str) -> tuple:
-        validation = {"validation.do_validation": True, "validation.validation_steps": STEPS,
-                      "validation.prompts": ["a red ball"], "validation.num_inference_steps": 2,
-                      "validation.save_frames": True} if name in VALIDATED else {}
-        merged = {**base_settings, "run.output_dir": str(root / name), "train.steps": STEPS,
-                  "checkpoint.checkpointing_steps": 2, **validation, **RUNS[run]}
+        validation = (
+            {
+                "validation.do_validation": True,
+                "validation.validation_steps": STEPS,
+                "validation.prompts": ["a red ball"],
+                "validation.num_inference_steps": 2,
+                "validation.save_frames": True,
+            }
+            if name in VALIDATED
+            else {}
+        )
+        merged = {
+            **base_settings,
+            "run.output_dir": str(root / name),
+            "train.steps": STEPS,
+            "checkpoint.checkpointing_steps": 2,
+            **validation,
+            **RUNS[run],
+        }
         return write_toml(root / f"{name}.toml", merged), root / name
 
     return make
@@ -52,17 +72,27 @@ def settings(base_settings, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(settings):
-    """Each run in this process, 4 steps in fp32; the tensors that activation offload packed, copied to
-    the host and unpacked."""
+    """Each run in this process, 4 steps in fp32; the tensors that activation offload packed, copied
+    to the host and unpacked."""
     outputs, packed, copied, unpacked = {}, [], [], []
     pack, unpack = activations.HostActivations.pack, activations.HostActivations.unpack
     host_like = activations.HostActivations.host_like
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(activations.HostActivations, "pack",
-                  lambda self, kept, tensor: packed.append(tuple(tensor.shape)) or pack(self, kept, tensor))
-        m.setattr(activations.HostActivations, "host_like", lambda self, kept, tensor:
-                  copied.append(tuple(tensor.shape)) or host_like(self, kept, tensor))
-        m.setattr(activations.HostActivations, "unpack", lambda self, handle: unpacked.append(1) or unpack(self, handle))
+        m.setattr(
+            activations.HostActivations,
+            "pack",
+            lambda self, kept, tensor: packed.append(tuple(tensor.shape)) or pack(self, kept, tensor),
+        )
+        m.setattr(
+            activations.HostActivations,
+            "host_like",
+            lambda self, kept, tensor: copied.append(tuple(tensor.shape)) or host_like(self, kept, tensor),
+        )
+        m.setattr(
+            activations.HostActivations,
+            "unpack",
+            lambda self, handle: unpacked.append(1) or unpack(self, handle),
+        )
         for run in RUNS:
             config, outputs[run] = settings(run, run)
             trainer.main(["--cfg", str(config)])
@@ -92,7 +122,8 @@ def test_activation_offload_moves_what_checkpointing_keeps(runs):
     host once: CogVideoX's blocks each make new video and text tokens, but share the timestep
     embedding, which the first block copies and the second keeps on the device."""
     assert runs["unpacked"] == len(runs["packed"])
-    # The tiny CogVideoX-2b at 9x32x32: 3 latent frames of 4x4 patches (48 video tokens), 16 text tokens, width 32.
+    # The tiny CogVideoX-2b at 9x32x32: 3 latent frames of 4x4 patches (48 video tokens), 16 text
+    # tokens, width 32.
     assert runs["packed"] == [(2, 48, 32), (2, 16, 32), (2, 32)] * (STEPS * BLOCKS)
     assert runs["copied"] == [(2, 48, 32), (2, 16, 32), (2, 32), (2, 48, 32), (2, 16, 32)] * STEPS
 
@@ -139,31 +170,54 @@ def test_what_lives_on_the_host_and_what_prefetches(tiny_model, offload_blocks):
     try:
         d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         adapter = load_adapter(ModelConfig(path=str(tiny_model), dtype="fp32"), d.device)
-        model = build_model(adapter, TrainConfig(mixed_precision="no"), LoraConfig(rank=4),
-                            ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=offload_blocks), 0, d)
+        model = build_model(
+            adapter,
+            TrainConfig(mixed_precision="no"),
+            LoraConfig(rank=4),
+            ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=offload_blocks),
+            0,
+            d,
+        )
     finally:
         dist.destroy_process_group()
     host = parallel.offloaded(model)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     assert {name for name, p in model.named_parameters() if id(p) in host} == (
-        frozen if offload_blocks == 0 else {name for name in frozen if name.startswith("transformer_blocks.0.")})
+        frozen
+        if offload_blocks == 0
+        else {name for name in frozen if name.startswith("transformer_blocks.0.")}
+    )
     units = [model, *adapter.blocks(model)]
-    assert [unit._get_fsdp_state()._states_to_forward_prefetch for unit in units[:-1]] == \
-        [[block._get_fsdp_state()] for block in units[1:]]
+    assert [unit._get_fsdp_state()._states_to_forward_prefetch for unit in units[:-1]] == [
+        [block._get_fsdp_state()] for block in units[1:]
+    ]
 
 
 REQUIRED = ["--run.output_dir", "/tmp/out", "--model.path", "/m", "--data.data_root", "/d"]
 STREAM = ["--parallel.strategy", "fsdp", "--parallel.cpu_offload", "true"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--parallel.offload_blocks", "-1"], "parallel.offload_blocks must be 0 (every block) or a number of blocks"),
-    (["--parallel.offload_blocks", "2"], "parallel.offload_blocks chooses how many blocks parallel.cpu_offload keeps"),
-    ([*STREAM, "--parallel.offload_blocks", "2", "--train.training_type", "sft"],
-     "parallel.offload_blocks is for LoRA"),
-    (["--train.activation_offload", "true", "--train.gradient_checkpointing", "false"],
-     "train.activation_offload moves the block inputs that activation checkpointing keeps"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--parallel.offload_blocks", "-1"],
+            "parallel.offload_blocks must be 0 (every block) or a number of blocks",
+        ),
+        (
+            ["--parallel.offload_blocks", "2"],
+            "parallel.offload_blocks chooses how many blocks parallel.cpu_offload keeps",
+        ),
+        (
+            [*STREAM, "--parallel.offload_blocks", "2", "--train.training_type", "sft"],
+            "parallel.offload_blocks is for LoRA",
+        ),
+        (
+            ["--train.activation_offload", "true", "--train.gradient_checkpointing", "false"],
+            "train.activation_offload moves the block inputs that activation checkpointing keeps",
+        ),
+    ],
+)
 def test_mistakes_name_the_key(args, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, REQUIRED + args)
@@ -173,7 +227,9 @@ def test_mistakes_name_the_key(args, message):
 def test_more_blocks_than_the_model_has_stop_before_the_cache_pass(settings, caplog):
     config, out = settings("too_many", "streamed")
     with pytest.raises(SystemExit), caplog.at_level(logging.ERROR, logger="vidtrain"):
-        trainer.main(["--cfg", str(config), "--parallel.offload_blocks", "3", "--data.cache_dir", str(out / "cache")])
+        trainer.main(
+            ["--cfg", str(config), "--parallel.offload_blocks", "3", "--data.cache_dir", str(out / "cache")]
+        )
     assert "parallel.offload_blocks = 3, but the model has 2 transformer blocks: set at most 2" in caplog.text
     assert not (out / "cache").exists()
 

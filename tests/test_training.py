@@ -30,9 +30,19 @@ def lora_file(output_dir):
 def learned(base_settings, tmp_path_factory):
     """60 steps at a learning rate that moves the held-out loss; (output folder, trainer stderr)."""
     root = tmp_path_factory.mktemp("learn")
-    cfg = write_toml(root / "learn.toml", {**base_settings, "run.output_dir": str(root / "learn"), "train.steps": 60,
-                                           "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
-                                           "checkpoint.checkpointing_steps": 60, "validation.validation_steps": 30})
+    cfg = write_toml(
+        root / "learn.toml",
+        {
+            **base_settings,
+            "run.output_dir": str(root / "learn"),
+            "train.steps": 60,
+            "train.learning_rate": 3e-3,
+            "lora.rank": 8,
+            "lora.lora_alpha": 4,
+            "checkpoint.checkpointing_steps": 60,
+            "validation.validation_steps": 30,
+        },
+    )
     return root / "learn", run_ok(["--cfg", str(cfg)]).stderr
 
 
@@ -41,27 +51,42 @@ def test_training_lowers_the_held_out_loss(learned):
     losses = held_out(out)
     assert sorted(losses) == [0, 30, 60]
     assert losses[60] < 0.9 * losses[0], losses
-    assert "parameters: " in log and "global batch 2 = 2 per rank x 1 accumulation x 1 data-parallel ranks" in log
+    assert (
+        "parameters: " in log
+        and "global batch 2 = 2 per rank x 1 accumulation x 1 data-parallel ranks" in log
+    )
     assert f"step 60/60  held-out loss {losses[60]:.4f}" in log  # where the terminal shows it
     metrics = read_metrics(out)
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/peak_mem_gb"} <= set(metrics[1])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/peak_mem_gb"} <= set(
+        metrics[1]
+    )
     assert (out / "config.toml").is_file()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["lora/pytorch_lora_weights.safetensors", "lora/adapter_model.safetensors"])
+@pytest.mark.parametrize(
+    "layout", ["lora/pytorch_lora_weights.safetensors", "lora/adapter_model.safetensors"]
+)
 def test_init_from_continues_an_exported_lora(learned, write_config, tmp_path, layout):
     """lora.init_from continues an exported LoRA and refuses one of another rank.
 
     Started from a run's export (diffusers' or PEFT's layout), the step-0 held-out loss is that
     run's last one; a file of another rank is refused before any compute, naming the difference."""
     out, _ = learned
-    settings = {"lora.rank": 8, "lora.lora_alpha": 4, "lora.init_from": str(out / layout), "train.steps": 1,
-                "validation.validation_steps": 1}
+    settings = {
+        "lora.rank": 8,
+        "lora.lora_alpha": 4,
+        "lora.init_from": str(out / layout),
+        "train.steps": 1,
+        "validation.validation_steps": 1,
+    }
     run_ok(["--cfg", str(write_config("continued", **settings))])
     assert held_out(tmp_path / "continued")[0] == held_out(out)[60]
     refused = run_cmd(["--cfg", str(write_config("refused", **{**settings, "lora.rank": 4}))])
-    assert refused.returncode == 1 and f"lora.init_from = {out / layout} has rank 8, but lora.rank = 4" in refused.stderr
+    assert (
+        refused.returncode == 1
+        and f"lora.init_from = {out / layout} has rank 8, but lora.rank = 4" in refused.stderr
+    )
     assert "cache:" not in refused.stderr
 
 
@@ -79,7 +104,8 @@ def test_same_seed_same_run(write_config, tmp_path):
         assert first.read_bytes() == second.read_bytes()
     run_ok(["--cfg", str(write_config("other_seed", **{"run.seed": 7}))])
     assert train_losses(tmp_path / "other_seed") != train_losses(tmp_path / "first")
-    run_ok(["--cfg", str(write_config("dropout", **{"lora.dropout": 0.5}))])  # masks from keyed generators
+    # masks from keyed generators
+    run_ok(["--cfg", str(write_config("dropout", **{"lora.dropout": 0.5}))])
     assert train_losses(tmp_path / "dropout") != train_losses(tmp_path / "first")
 
 
@@ -95,14 +121,32 @@ def test_compile_trains_as_eager(write_config, tmp_path):
     (docs/distributed.md). docs/testing.md has the compile's cost."""
     settings = {"train.steps": 4, "checkpoint.checkpointing_steps": 4, "validation.do_validation": False}
     run_ok(["--cfg", str(write_config("eager", **settings))])
-    compiled = run_ok(["--cfg", str(write_config("compiled", **{
-        **settings, "train.compile": True, "train.gradient_checkpointing": True, "validation.do_validation": True,
-        "validation.validation_steps": 2, "validation.prompts": ["a red ball"], "validation.num_inference_steps": 1}))],
-        env={"TORCH_LOGS": "recompiles"}).stderr
+    compiled = run_ok(
+        [
+            "--cfg",
+            str(
+                write_config(
+                    "compiled",
+                    **{
+                        **settings,
+                        "train.compile": True,
+                        "train.gradient_checkpointing": True,
+                        "validation.do_validation": True,
+                        "validation.validation_steps": 2,
+                        "validation.prompts": ["a red ball"],
+                        "validation.num_inference_steps": 1,
+                    },
+                )
+            ),
+        ],
+        env={"TORCH_LOGS": "recompiles"},
+    ).stderr
     eager, compiled_losses = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert eager.keys() == compiled_losses.keys() == {1, 2, 3, 4}
     torch.testing.assert_close(list(compiled_losses.values()), list(eager.values()), rtol=1e-4, atol=0)
-    weights, reference = (lora.load_lora(str(lora_file(tmp_path / name)))[0] for name in ("compiled", "eager"))
+    weights, reference = (
+        lora.load_lora(str(lora_file(tmp_path / name)))[0] for name in ("compiled", "eager")
+    )
     assert weights.keys() == reference.keys()
     for key in weights:
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-4, atol=1e-7, msg=key)
@@ -136,15 +180,30 @@ def test_peak_memory_is_measured_per_phase(write_config, tmp_path):
     own peak, and training's next log step does not inherit it: the peak is reset before and after
     each validation and at each log step (on CPUs through /proc/self/clear_refs, after glibc returns
     the validation's freed blocks)."""
-    run_ok(["--cfg", str(write_config("peaks", **{
-        "train.steps": 3, "validation.validation_steps": 1, "validation.prompts": ["a red ball"],
-        "validation.num_inference_steps": 1, "validation.resolution": [9, 128, 128]}))])
+    run_ok(
+        [
+            "--cfg",
+            str(
+                write_config(
+                    "peaks",
+                    **{
+                        "train.steps": 3,
+                        "validation.validation_steps": 1,
+                        "validation.prompts": ["a red ball"],
+                        "validation.num_inference_steps": 1,
+                        "validation.resolution": [9, 128, 128],
+                    },
+                )
+            ),
+        ]
+    )
     metrics = read_metrics(tmp_path / "peaks")
     train = {m["step"]: m["train/peak_mem_gb"] for m in metrics if "train/peak_mem_gb" in m}
     val = {m["step"]: m["val/peak_mem_gb"] for m in metrics if "val/peak_mem_gb" in m}
     assert sorted(train) == [1, 2, 3] and sorted(val) == [0, 1, 2, 3]
     assert max(train.values()) < min(val.values()) - 0.1, (train, val)
-    assert max(train.values()) - min(train.values()) < 0.03, train  # each step after a validation as the first
+    # each step after a validation as the first
+    assert max(train.values()) - min(train.values()) < 0.03, train
 
 
 def corrupt_dataset(tiny_data, tmp_path, how: str):
@@ -160,13 +219,16 @@ def corrupt_dataset(tiny_data, tmp_path, how: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("settings, message", [
-    ({"train.stepz": 3}, "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
-    ({"train.steps": "many"}, "train.steps must be int"),
-    ({"data.train_resolution": [8, 32, 32]}, "frames = 8, but this model needs 8k+1 frames"),
-    ({"model.path": "/nowhere/model"}, "model.path = /nowhere/model is not a diffusers model folder"),
-    ({"data.train_resolution": [9, 36, 32]}, "height = 36 must be a positive multiple of 8"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"train.stepz": 3}, "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+        ({"train.steps": "many"}, "train.steps must be int"),
+        ({"data.train_resolution": [8, 32, 32]}, "frames = 8, but this model needs 8k+1 frames"),
+        ({"model.path": "/nowhere/model"}, "model.path = /nowhere/model is not a diffusers model folder"),
+        ({"data.train_resolution": [9, 36, 32]}, "height = 36 must be a positive multiple of 8"),
+    ],
+)
 def test_bad_settings_stop_before_training(write_config, tmp_path, settings, message):
     result = run_cmd(["--cfg", str(write_config("bad", **settings))])
     assert result.returncode == 1
@@ -195,9 +257,19 @@ def test_cogvideox_15_lowers_the_held_out_loss(variant, tiny_models, write_confi
 
     1.5's latents are padded to patch_size_t as the pipeline pads them, I2V's image condition rides
     along; both learn as 1.0 does."""
-    cfg = write_config("v15", **{"model.path": str(tiny_models(variant)), "model.type": "i2v" if variant.endswith("i2v") else "t2v",
-                                 "train.steps": 60, "train.learning_rate": 3e-3, "lora.rank": 8, "lora.lora_alpha": 4,
-                                 "checkpoint.checkpointing_steps": 60, "validation.validation_steps": 60})
+    cfg = write_config(
+        "v15",
+        **{
+            "model.path": str(tiny_models(variant)),
+            "model.type": "i2v" if variant.endswith("i2v") else "t2v",
+            "train.steps": 60,
+            "train.learning_rate": 3e-3,
+            "lora.rank": 8,
+            "lora.lora_alpha": 4,
+            "checkpoint.checkpointing_steps": 60,
+            "validation.validation_steps": 60,
+        },
+    )
     run_ok(["--cfg", str(cfg)])
     losses = held_out(tmp_path / "v15")
     assert sorted(losses) == [0, 60] and losses[60] < 0.9 * losses[0], losses
@@ -226,7 +298,8 @@ def test_a_weight_no_batch_reached_steps_on_a_zero_gradient():
     model = torch.nn.ModuleDict({"video": torch.nn.Linear(4, 4), "audio": torch.nn.Linear(4, 4)})
     params, optimizer = build_optimizer(model, t)
     scaler, state = LossScaler(torch.device("cpu"), enabled=False), trainer.TrainState(torch.device("cpu"))
-    for step, streams in enumerate([("video", "audio"), ("video",)], start=1):  # step 2 has no sound
+    # step 2 has no sound
+    for step, streams in enumerate([("video", "audio"), ("video",)], start=1):
         before = model["audio"].weight.detach().clone()
         loss = sum(model[s](torch.ones(1, 4)).square().sum() for s in streams)
         loss.backward()
@@ -236,12 +309,16 @@ def test_a_weight_no_batch_reached_steps_on_a_zero_gradient():
 
 
 def test_the_loop_has_one_fault_hook(monkeypatch):
-    """trainer.py's loop reaches faults.py through on_loss alone. nan_loss makes that step's loss NaN;
-    overflow keeps the loss's value and starts its backward from 1e30 times the gradient, as autograd's
-    backward from the loss times 1e30 does; a step fault fires at the step's first micro-step only."""
+    """trainer.py's loop reaches faults.py through on_loss alone. nan_loss makes that step's loss
+    NaN; overflow keeps the loss's value and starts its backward from 1e30 times the gradient, as
+    autograd's backward from the loss times 1e30 does; a step fault fires at the step's first
+    micro-step only."""
     loop = ast.parse(inspect.getsource(trainer.train))
-    calls = [ast.unparse(node.func) for node in ast.walk(loop) if isinstance(node, ast.Call)
-             and ast.unparse(node.func).startswith("faults.")]
+    calls = [
+        ast.unparse(node.func)
+        for node in ast.walk(loop)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).startswith("faults.")
+    ]
     assert calls == ["faults.on_loss"]
     monkeypatch.setattr(faults, "_step_seen", 0)
     monkeypatch.setenv(faults.FAULT_ENV, "nan_loss:2,overflow:3,step_fail:4")
@@ -265,9 +342,13 @@ def test_the_loop_has_one_fault_hook(monkeypatch):
 
 
 def test_validation_is_a_closure_over_the_run():
-    """train() validates through a closure over what a run does not change (model, cache, EMA, renderer,
-    metrics): its one parameter is the step, and no module-level function takes the eleven."""
+    """train() validates through a closure over what a run does not change (model, cache, EMA,
+    renderer, metrics): its one parameter is the step, and no module-level function takes the
+    eleven."""
     assert not hasattr(trainer, "run_validation")
-    closures = [node for node in ast.walk(ast.parse(inspect.getsource(trainer.train)))
-                if isinstance(node, ast.FunctionDef) and node.name == "run_validation"]
+    closures = [
+        node
+        for node in ast.walk(ast.parse(inspect.getsource(trainer.train)))
+        if isinstance(node, ast.FunctionDef) and node.name == "run_validation"
+    ]
     assert [[arg.arg for arg in node.args.args] for node in closures] == [["step"]]

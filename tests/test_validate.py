@@ -9,21 +9,20 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import decode_mp4, read_metrics, run_cmd, run_ok, train_losses, write_toml
 from diffusers import AutoencoderKLCogVideoX, CogVideoXPipeline
-from transformers import T5EncoderModel
 from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from conftest import decode_mp4, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from transformers import T5EncoderModel
 
 import cache
 import ckpt_files
 import data
 import lora
 import ranks
-import trainer
 import render
+import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from model_adapter import load_adapter
@@ -41,15 +40,15 @@ RUN = {
     "validation.gen_fps": FPS,
     "validation.save_frames": True,
 }
-# FSDP keeping gathered weights after forward: the setting in which validation's EMA swap once leaked
-# into training.
+# FSDP keeping gathered weights after forward: the setting in which validation's EMA swap once
+# leaked into training.
 FSDP = {"parallel.strategy": "fsdp", "train.batch_size": 1, "parallel.reshard_after_forward": False}
 
 
 @pytest.fixture(scope="module")
 def runs(base_settings, tmp_path_factory):
-    """Four short LoRA runs with EMA and one global batch of 2: validated every 2 steps and not at all,
-    in one process and on 2 FSDP ranks."""
+    """Four short LoRA runs with EMA and one global batch of 2: validated every 2 steps and not at
+    all, in one process and on 2 FSDP ranks."""
     root = tmp_path_factory.mktemp("validate_runs")
     variants = {
         "one": ({}, 1),
@@ -58,7 +57,9 @@ def runs(base_settings, tmp_path_factory):
         "fsdp_plain": ({**FSDP, "validation.do_validation": False}, 2),
     }
     for name, (settings, nproc) in variants.items():
-        cfg = write_toml(root / f"{name}.toml", {**base_settings, **RUN, "run.output_dir": str(root / name), **settings})
+        cfg = write_toml(
+            root / f"{name}.toml", {**base_settings, **RUN, "run.output_dir": str(root / name), **settings}
+        )
         run_ok(["--cfg", str(cfg)], nproc=nproc)
     return root
 
@@ -70,7 +71,8 @@ def frames_of(path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def one_process_group():
-    """validate's rendering gathers to rank 0: a one-rank group, as trainer.py makes without torchrun."""
+    """validate's rendering gathers to rank 0: a one-rank group, as trainer.py makes without
+    torchrun."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     dist.destroy_process_group()
@@ -96,7 +98,11 @@ def test_training_is_not_disturbed(runs, validated, plain):
     for folder in ("lora", "lora_ema"):
         ours, theirs = lora_files(runs / validated, folder), lora_files(runs / plain, folder)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), folder
-    assert all(m["val/peak_mem_gb"] > 0 and m["val/time_s"] > 0 for m in read_metrics(runs / validated) if "val/time_s" in m)
+    assert all(
+        m["val/peak_mem_gb"] > 0 and m["val/time_s"] > 0
+        for m in read_metrics(runs / validated)
+        if "val/time_s" in m
+    )
 
 
 @pytest.mark.slow
@@ -110,7 +116,12 @@ def test_clips_in_mp4_and_tensorboard(runs, name):
     out = runs / name
     steps = validation_steps(out)
     assert {2, 4} <= set(steps)
-    expected = {f"step_{s}_prompt_{i}.{ext}" for s in steps for i in range(len(PROMPTS)) for ext in ("mp4", "safetensors")}
+    expected = {
+        f"step_{s}_prompt_{i}.{ext}"
+        for s in steps
+        for i in range(len(PROMPTS))
+        for ext in ("mp4", "safetensors")
+    }
     assert {p.name for p in (out / "validation_res").iterdir()} == expected
     for file in (f for f in expected if f.endswith(".mp4")):
         frames, rate = decode_mp4(out / "validation_res" / file)
@@ -122,7 +133,8 @@ def test_clips_in_mp4_and_tensorboard(runs, name):
         clips = events.Images(f"val/clip_{i}")
         assert sorted(c.step for c in clips) == sorted(steps)
         with Image.open(io.BytesIO(clips[-1].encoded_image_string)) as gif:
-            assert gif.format == "GIF" and gif.n_frames == 9 and abs(gif.info["duration"] - 1000 / FPS) < 10  # GIF counts in 10 ms
+            # GIF counts in 10 ms
+            assert gif.format == "GIF" and gif.n_frames == 9 and abs(gif.info["duration"] - 1000 / FPS) < 10
         texts = events.Tensors(f"val/prompt_{i}/text_summary")
         assert [t.step for t in texts] == [c.step for c in clips]
         assert texts[0].tensor_proto.string_val[0].decode() == prompt
@@ -151,7 +163,10 @@ def test_fsdp_clips_equal_one_process(runs):
     within a few levels, where another prompt's clip differs by tens."""
     for step in validation_steps(runs / "one"):
         for i in range(len(PROMPTS)):
-            one, two = clip_of(runs / "one", f"step_{step}_prompt_{i}"), clip_of(runs / "fsdp", f"step_{step}_prompt_{i}")
+            one, two = (
+                clip_of(runs / "one", f"step_{step}_prompt_{i}"),
+                clip_of(runs / "fsdp", f"step_{step}_prompt_{i}"),
+            )
             other = clip_of(runs / "one", f"step_{step}_prompt_{(i + 1) % 3}")
             assert (one.float() - two.float()).abs().mean() < 2
             assert (one.float() - other.float()).abs().mean() > 10
@@ -161,21 +176,27 @@ def test_fsdp_clips_equal_one_process(runs):
 def test_render_command_reproduces_training_clips(runs):
     """The render command reproduces the training clips.
 
-    `validate.py --checkpoint` (render.py's command) renders the training clip exactly (with the EMA weights, as
-    validation does); `--online` and the exported LoRA, in one process or on 2 FSDP ranks, render
-    the online weights."""
+    `validate.py --checkpoint` (render.py's command) renders the training clip exactly (with the EMA
+    weights, as validation does); `--online` and the exported LoRA, in one process or on 2 FSDP
+    ranks, render the online weights."""
     out, cfg = runs / "one", str(runs / "one.toml")
     lora_file = out / "lora" / "pytorch_lora_weights.safetensors"
-    for extra, script in (([], "validate.py"), (["--online"], "render.py")):  # one command, two names
-        run_ok(["--cfg", cfg, "--checkpoint", str(out / "checkpoint-4"), "--prompt", PROMPTS[0], *extra],
-               script=script)
+    # one command, two names
+    for extra, script in (([], "validate.py"), (["--online"], "render.py")):
+        run_ok(
+            ["--cfg", cfg, "--checkpoint", str(out / "checkpoint-4"), "--prompt", PROMPTS[0], *extra],
+            script=script,
+        )
     training = clip_of(out, "step_4_prompt_0")
     assert torch.equal(frames_of(render_of(out, "render_checkpoint-4_prompt_0")), training)
     online = frames_of(render_of(out, "render_checkpoint-4_online_prompt_0"))
     assert not torch.equal(online, training)  # EMA and online weights differ
     for overrides, nproc in (([], 1), (FSDP_OVERRIDES, 2)):
-        run_ok(["--cfg", cfg, "--lora", str(lora_file), "--prompt", PROMPTS[0], *overrides], nproc=nproc,
-               script="validate.py")
+        run_ok(
+            ["--cfg", cfg, "--lora", str(lora_file), "--prompt", PROMPTS[0], *overrides],
+            nproc=nproc,
+            script="validate.py",
+        )
         assert torch.equal(frames_of(render_of(out, "render_pytorch_lora_weights_prompt_0")), online)
     _, rate = decode_mp4(render_of(out, "render_checkpoint-4_prompt_0"))
     assert rate == FPS
@@ -191,7 +212,9 @@ def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tm
     SIGTERM at sampling step 30 of the process (step 2's validation: step 0's took 3 clips x 8
     steps) stops every rank there with step 2's checkpoint, exit 0; the next launch ends exactly as
     the run that was never stopped, clips included."""
-    cfg = write_toml(tmp_path / "stopped.toml", {**base_settings, **RUN, "run.output_dir": str(tmp_path / "stopped")})
+    cfg = write_toml(
+        tmp_path / "stopped.toml", {**base_settings, **RUN, "run.output_dir": str(tmp_path / "stopped")}
+    )
     stopped = run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "render_sigterm:30"})
     assert "stopped by a signal: after step 2, checkpoint written" in stopped.stderr
     assert [p.name for p in ckpt_files.complete_checkpoints(tmp_path / "stopped")] == ["checkpoint-2"]
@@ -201,7 +224,9 @@ def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tm
         ours, theirs = lora_files(tmp_path / "stopped", folder), lora_files(runs / "one", folder)
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs), folder
     for i in range(len(PROMPTS)):
-        assert torch.equal(clip_of(tmp_path / "stopped", f"step_4_prompt_{i}"), clip_of(runs / "one", f"step_4_prompt_{i}"))
+        assert torch.equal(
+            clip_of(tmp_path / "stopped", f"step_4_prompt_{i}"), clip_of(runs / "one", f"step_4_prompt_{i}")
+        )
 
 
 @pytest.mark.slow
@@ -210,18 +235,30 @@ def test_encoders_load_once_per_run(write_config, tmp_path, monkeypatch):
 
     Four validations, one VAE load: it is parked on the CPU between them; T5 encodes the prompts
     once."""
-    config = write_config("loads", **{"train.steps": 3, "validation.validation_steps": 1, "validation.prompts": PROMPTS[:1],
-                                      "validation.num_inference_steps": 2, "checkpoint.checkpointing_steps": 3})
-    cache.main(["--cfg", str(config)])  # the cache complete: what follows loads encoders for validation only
+    config = write_config(
+        "loads",
+        **{
+            "train.steps": 3,
+            "validation.validation_steps": 1,
+            "validation.prompts": PROMPTS[:1],
+            "validation.num_inference_steps": 2,
+            "checkpoint.checkpointing_steps": 3,
+        },
+    )
+    # the cache complete: what follows loads encoders for validation only
+    cache.main(["--cfg", str(config)])
     loads = {"vae": 0, "t5": 0}
 
     def counting(name, original):
         def load(*args, **kwargs):
             loads[name] += 1
             return original(*args, **kwargs)
+
         return load
 
-    monkeypatch.setattr(AutoencoderKLCogVideoX, "from_pretrained", counting("vae", AutoencoderKLCogVideoX.from_pretrained))
+    monkeypatch.setattr(
+        AutoencoderKLCogVideoX, "from_pretrained", counting("vae", AutoencoderKLCogVideoX.from_pretrained)
+    )
     monkeypatch.setattr(T5EncoderModel, "from_pretrained", counting("t5", T5EncoderModel.from_pretrained))
     trainer.main(["--cfg", str(config)])
     assert validation_steps(tmp_path / "loads") == [0, 1, 2, 3] and loads == {"vae": 1, "t5": 1}
@@ -233,32 +270,54 @@ def adapter(tiny_model):
 
 
 def pipeline_frames(tiny_model, adapter, cfg: ValidationConfig, lora_file=None) -> list[torch.Tensor]:
-    """CogVideoXPipeline called once per prompt with clip i's keyed generator: float frames [F, H, W, 3]."""
+    """CogVideoXPipeline called once per prompt with clip i's keyed generator: float frames [F, H,
+    W, 3]."""
     pipe = CogVideoXPipeline.from_pretrained(str(tiny_model))
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler = adapter.sampler(cfg.scheduler)
     if lora_file:
         pipe.load_lora_weights(str(lora_file))
     return [
-        pipe(prompt, num_frames=9, height=32, width=32, num_inference_steps=cfg.num_inference_steps,
-             guidance_scale=cfg.guidance_scale, use_dynamic_cfg=cfg.use_dynamic_cfg,
-             generator=data.keyed_generator(cfg.seed, i), output_type="pt",
-             max_sequence_length=adapter.text_length).frames[0].permute(0, 2, 3, 1)
+        pipe(
+            prompt,
+            num_frames=9,
+            height=32,
+            width=32,
+            num_inference_steps=cfg.num_inference_steps,
+            guidance_scale=cfg.guidance_scale,
+            use_dynamic_cfg=cfg.use_dynamic_cfg,
+            generator=data.keyed_generator(cfg.seed, i),
+            output_type="pt",
+            max_sequence_length=adapter.text_length,
+        )
+        .frames[0]
+        .permute(0, 2, 3, 1)
         for i, prompt in enumerate(cfg.prompts)
     ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheduler,dynamic", [("dpm", True), ("ddim", False)])
-def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process_group, tmp_path, scheduler, dynamic):
+def test_frames_equal_pipeline(
+    runs, tiny_model, tiny_data, adapter, one_process_group, tmp_path, scheduler, dynamic
+):
     """Our loop gives the pipeline's frames, with the base model and with our LoRA.
 
     Our loop (fused attention, keyed noise, batched CFG) gives the pipeline's frames, with the base
     model and with the trained LoRA loaded into the pipeline from our export."""
-    cfg = ValidationConfig(prompts=PROMPTS[:2], num_inference_steps=12, scheduler=scheduler, use_dynamic_cfg=dynamic)
-    settings = {"run.output_dir": str(tmp_path), "model.path": str(tiny_model), "model.dtype": "fp32",
-                "data.data_root": str(tiny_data), "data.train_resolution": [9, 32, 32], "train.mixed_precision": "no",
-                "lora.rank": 4, "lora.lora_alpha": 2}
+    cfg = ValidationConfig(
+        prompts=PROMPTS[:2], num_inference_steps=12, scheduler=scheduler, use_dynamic_cfg=dynamic
+    )
+    settings = {
+        "run.output_dir": str(tmp_path),
+        "model.path": str(tiny_model),
+        "model.dtype": "fp32",
+        "data.data_root": str(tiny_data),
+        "data.train_resolution": [9, 32, 32],
+        "train.mixed_precision": "no",
+        "lora.rank": 4,
+        "lora.lora_alpha": 2,
+    }
     run_cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
     renderer = validate.ClipRenderer(adapter, cfg, run_cfg.data, str(tmp_path), one_process_group)
     lora_file = runs / "one" / "lora" / "pytorch_lora_weights.safetensors"
@@ -266,18 +325,23 @@ def test_frames_equal_pipeline(runs, tiny_model, tiny_data, adapter, one_process
     for source in (None, lora_file):
         model = render.load_model(run_cfg, adapter, one_process_group, None, source)
         with adapter.sampling_attention(model):
-            ours = [renderer.frames(model, i, adapter.sampler(scheduler), contextlib.nullcontext())
-                    for i in range(len(cfg.prompts))]
+            ours = [
+                renderer.frames(model, i, adapter.sampler(scheduler), contextlib.nullcontext())
+                for i in range(len(cfg.prompts))
+            ]
         theirs = pipeline_frames(tiny_model, adapter, cfg, source)
         for a, b in zip(ours, theirs):
             assert a.shape == b.shape == (9, 32, 32, 3)
             assert (a - b).abs().max() <= 1e-4
         results[source] = ours
-    assert (results[None][0] - results[lora_file][0]).abs().max() > 1e-2  # the LoRA shows in the frames
+    # the LoRA shows in the frames
+    assert (results[None][0] - results[lora_file][0]).abs().max() > 1e-2
 
 
 @pytest.mark.slow
-def test_fused_attention_and_render_leave_the_model_alone(runs, tiny_model, adapter, one_process_group, tmp_path):
+def test_fused_attention_and_render_leave_the_model_alone(
+    runs, tiny_model, adapter, one_process_group, tmp_path
+):
     """Fused attention matches diffusers', and rendering leaves the model as it was.
 
     The fused processor matches diffusers' on a LoRA model; rendering restores the processors and
@@ -300,13 +364,31 @@ def test_fused_attention_and_render_leave_the_model_alone(runs, tiny_model, adap
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
     transformer.train()
     cfg = ValidationConfig(prompts=PROMPTS[:1], num_inference_steps=2)
-    renderer = validate.ClipRenderer(adapter, cfg, load_config(None, [
-        "--run.output_dir", str(tmp_path), "--model.path", str(tiny_model), "--data.data_root", str(tmp_path),
-        "--data.train_resolution", "[9, 32, 32]"]).data, str(tmp_path), one_process_group)
+    renderer = validate.ClipRenderer(
+        adapter,
+        cfg,
+        load_config(
+            None,
+            [
+                "--run.output_dir",
+                str(tmp_path),
+                "--model.path",
+                str(tiny_model),
+                "--data.data_root",
+                str(tmp_path),
+                "--data.train_resolution",
+                "[9, 32, 32]",
+            ],
+        ).data,
+        str(tmp_path),
+        one_process_group,
+    )
     (clip,) = renderer.render(transformer, contextlib.nullcontext())
     assert clip.dtype == torch.uint8 and clip.shape == (9, 32, 32, 3)
     assert all(m.training for m in transformer.modules())
-    assert {name: m.processor for name, m in transformer.named_modules() if hasattr(m, "processor")} == processors
+    assert {
+        name: m.processor for name, m in transformer.named_modules() if hasattr(m, "processor")
+    } == processors
     assert all(torch.equal(before[k], v) for k, v in transformer.state_dict().items())
 
 
@@ -320,7 +402,10 @@ def test_fused_attention_applies_lora_as_training_does(tiny_model):
     transformer = adapter.load_transformer().eval()
     lora.inject_lora(transformer, ["to_q", "to_k", "to_v", "to_out.0"], 4, 2, 0.0, 0)
     gen = torch.Generator().manual_seed(0)
-    x, text = torch.randn(2, 3, 4, 8, 8, generator=gen), torch.randn(2, adapter.text_length, 32, generator=gen)
+    x, text = (
+        torch.randn(2, 3, 4, 8, 8, generator=gen),
+        torch.randn(2, adapter.text_length, 32, generator=gen),
+    )
     rotary = adapter.rotary_embeddings(3, 8, 8)
 
     def outputs():
@@ -340,7 +425,14 @@ def test_fused_attention_applies_lora_as_training_does(tiny_model):
 
 
 def test_config_errors(tiny_model, adapter, one_process_group, tmp_path):
-    required = ["--run.output_dir", str(tmp_path), "--model.path", str(tiny_model), "--data.data_root", str(tmp_path)]
+    required = [
+        "--run.output_dir",
+        str(tmp_path),
+        "--model.path",
+        str(tiny_model),
+        "--data.data_root",
+        str(tmp_path),
+    ]
     with pytest.raises(ConfigError, match=r"validation.resolution must be \[\] or"):
         load_config(None, [*required, "--validation.resolution", "[9, 32]"])
     with pytest.raises(ConfigError, match="validation.num_inference_steps must be at least 1"):
@@ -348,10 +440,14 @@ def test_config_errors(tiny_model, adapter, one_process_group, tmp_path):
     i2v = [*required, "--model.type", "i2v", "--validation.prompts", '["a ball"]']
     with pytest.raises(ConfigError, match="validation.images has 0 for 1 validation.prompts"):
         load_config(None, i2v)
-    off = load_config(None, [*i2v, "--validation.do_validation", "false"])  # no clips in training: no images needed
-    with pytest.raises(ConfigError, match="validation.images has 0 for 1 validation.prompts"):  # but to render
+    # no clips in training: no images needed
+    off = load_config(None, [*i2v, "--validation.do_validation", "false"])
+    # but to render
+    with pytest.raises(ConfigError, match="validation.images has 0 for 1 validation.prompts"):
         render.render_command(off, [], [], None, None, False, one_process_group)
-    with pytest.raises(ConfigError, match=r"validation.gen_fps must be 0 \(the family's published rate\) or positive"):
+    with pytest.raises(
+        ConfigError, match=r"validation.gen_fps must be 0 \(the family's published rate\) or positive"
+    ):
         load_config(None, [*required, "--validation.gen_fps", "-1"])
     with pytest.raises(ConfigError, match="validation.scheduler"):
         load_config(None, [*required, "--validation.scheduler", "euler"])
@@ -367,17 +463,32 @@ def test_gen_fps_zero_is_the_familys_published_rate(tiny_models, wan_models, one
     published rate, a set value wins; validation.guidance_scale_2 without a second expert is refused
     before any compute."""
     clip = torch.zeros(9, 32, 32, 3, dtype=torch.uint8)
-    for family, path, published in [("cogvideox", tiny_models("2b"), 8), ("cogvideox", tiny_models("1.5-5b"), 16),
-                                    ("wan", wan_models("t2v"), 16), ("wan", wan_models("ti2v-5b"), 24)]:
+    for family, path, published in [
+        ("cogvideox", tiny_models("2b"), 8),
+        ("cogvideox", tiny_models("1.5-5b"), 16),
+        ("wan", wan_models("t2v"), 16),
+        ("wan", wan_models("ti2v-5b"), 24),
+    ]:
         adapter = load_adapter(ModelConfig(family=family, path=str(path)), torch.device("cpu"))
         for gen_fps, expected in ((0, published), (FPS, FPS)):
             cfg = ValidationConfig(gen_fps=gen_fps, resolution=[9, 32, 32])
-            renderer = validate.ClipRenderer(adapter, cfg, DataConfig(), str(tmp_path / f"{path.name}_{gen_fps}"),
-                                             one_process_group)
-            assert decode_mp4(renderer.save([clip], ["step_1_prompt_0"])[0])[1] == expected, (path.name, gen_fps)
-        with pytest.raises(ConfigError, match="validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert"):
-            validate.ClipRenderer(adapter, ValidationConfig(guidance_scale_2=3.0, resolution=[9, 32, 32]), DataConfig(),
-                                  str(tmp_path), one_process_group)
+            renderer = validate.ClipRenderer(
+                adapter, cfg, DataConfig(), str(tmp_path / f"{path.name}_{gen_fps}"), one_process_group
+            )
+            assert decode_mp4(renderer.save([clip], ["step_1_prompt_0"])[0])[1] == expected, (
+                path.name,
+                gen_fps,
+            )
+        with pytest.raises(
+            ConfigError, match="validation.guidance_scale_2 guides Wan 2.2 A14B's low-noise expert"
+        ):
+            validate.ClipRenderer(
+                adapter,
+                ValidationConfig(guidance_scale_2=3.0, resolution=[9, 32, 32]),
+                DataConfig(),
+                str(tmp_path),
+                one_process_group,
+            )
 
 
 @pytest.mark.slow
@@ -387,14 +498,37 @@ def test_render_command_errors(runs):
     No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the
     message; a stop signal during the render: exit 1."""
     out = runs / "one"
-    no_prompt = run_cmd(["--cfg", str(runs / "plain.toml"), "--validation.prompts", "[]"], script="validate.py")
-    assert no_prompt.returncode == 1 and "nothing to render: pass --prompt" in no_prompt.stderr + no_prompt.stdout
-    wrong = run_cmd(["--cfg", str(runs / "one.toml"), "--checkpoint", str(out / "checkpoint-4"), "--prompt", "a",
-                     "--lora.rank", "8"], script="validate.py")
-    assert wrong.returncode == 1 and "was trained with lora = {" in wrong.stderr and "(the run's config.toml)" in wrong.stderr
+    no_prompt = run_cmd(
+        ["--cfg", str(runs / "plain.toml"), "--validation.prompts", "[]"], script="validate.py"
+    )
+    assert (
+        no_prompt.returncode == 1
+        and "nothing to render: pass --prompt" in no_prompt.stderr + no_prompt.stdout
+    )
+    wrong = run_cmd(
+        [
+            "--cfg",
+            str(runs / "one.toml"),
+            "--checkpoint",
+            str(out / "checkpoint-4"),
+            "--prompt",
+            "a",
+            "--lora.rank",
+            "8",
+        ],
+        script="validate.py",
+    )
+    assert (
+        wrong.returncode == 1
+        and "was trained with lora = {" in wrong.stderr
+        and "(the run's config.toml)" in wrong.stderr
+    )
     # Stopped by a signal, it has written nothing for a relaunch to continue: not a success.
-    stopped = run_cmd(["--cfg", str(runs / "one.toml"), "--prompt", "a", "--validation.num_inference_steps", "2"],
-                      script="validate.py", env={"VIDTRAIN_FAULT": "render_sigterm:2"})
+    stopped = run_cmd(
+        ["--cfg", str(runs / "one.toml"), "--prompt", "a", "--validation.num_inference_steps", "2"],
+        script="validate.py",
+        env={"VIDTRAIN_FAULT": "render_sigterm:2"},
+    )
     assert stopped.returncode == 1 and "stopped by a signal before the clips were written" in stopped.stderr
 
 
@@ -409,7 +543,9 @@ def test_clips_come_from_data_parallel_leaders_only(monkeypatch):
     world, sp = 6, 2
     clips = {rank: torch.full((1, 2, 2, 3), rank, dtype=torch.uint8) for rank in range(world)}
     sent, received = {}, []
-    monkeypatch.setattr(dist, "send", lambda tensor, dst: sent.setdefault(rank, []).append((dst, tensor.clone())))
+    monkeypatch.setattr(
+        dist, "send", lambda tensor, dst: sent.setdefault(rank, []).append((dst, tensor.clone()))
+    )
 
     def recv(tensor, src):
         received.append(src)

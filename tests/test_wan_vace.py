@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import cache
 import data
 import lora
+import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
@@ -62,8 +63,7 @@ def conditions(seed: int = 0):
         for _ in range(9)
     ]
     references = [
-        Image.fromarray(g.integers(0, 256, size, dtype=np.uint8))
-        for size in ((24, 40, 3), (40, 16, 3))
+        Image.fromarray(g.integers(0, 256, size, dtype=np.uint8)) for size in ((24, 40, 3), (40, 16, 3))
     ]
     return control, mask, references
 
@@ -99,12 +99,8 @@ def test_the_tiny_model_carries_the_published_key_set_and_the_type_is_checked(wa
         match=r'is a VACE model \(its transformer has vace_layers\): set model.type = "vace"',
     ):
         load_adapter(ModelConfig(family="wan", path=str(path), type="t2v"), torch.device("cpu"))
-    with pytest.raises(
-        ConfigError, match=r'is not a VACE model .*: set model.type = "t2v" or "i2v"'
-    ):
-        load_adapter(
-            ModelConfig(family="wan", path=str(wan_models("t2v")), type="vace"), torch.device("cpu")
-        )
+    with pytest.raises(ConfigError, match=r'is not a VACE model .*: set model.type = "t2v" or "i2v"'):
+        load_adapter(ModelConfig(family="wan", path=str(wan_models("t2v")), type="vace"), torch.device("cpu"))
     adapter = vace_adapter(wan_models)
     # The context blocks are FSDP and checkpointing units too, in the order the forward runs them.
     transformer = adapter.load_transformer()
@@ -140,9 +136,7 @@ def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_referen
 
     pixels = as_uint8(control).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
     mask_pixels = as_uint8(mask).permute(3, 0, 1, 2)[None].float() / 255.0
-    canvases = torch.stack(
-        [wan_vace.reference_canvas(np.asarray(r), 32, 32, 8) for r in references]
-    )[None]
+    canvases = torch.stack([wan_vace.reference_canvas(np.asarray(r), 32, 32, 8) for r in references])[None]
     condition = adapter.vace_condition(pixels, mask_pixels, canvases, 9, 32, 32)
     assert condition["reference_latents"].shape == (1, 16, 2, 4, 4)
     torch.testing.assert_close(
@@ -154,9 +148,7 @@ def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_referen
 
     transformer = adapter.load_transformer().train()
     seen = {}
-    transformer.register_forward_hook(
-        lambda m, a, kw, out: seen.update(kw, out=out[0]), with_kwargs=True
-    )
+    transformer.register_forward_hook(lambda m, a, kw, out: seen.update(kw, out=out[0]), with_kwargs=True)
     gen = torch.Generator().manual_seed(1)
     mean = torch.randn(2, 16, 3, 4, 4, generator=gen)
     batch = {
@@ -179,9 +171,7 @@ def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_referen
     expected = (seen["out"] - target)[:, :, 2:].pow(2).mean(dim=(1, 2, 3, 4))
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
     everything = (seen["out"] - target).pow(2).mean(dim=(1, 2, 3, 4))
-    assert (
-        everything - expected
-    ).abs().min() > 1e-3  # the reference frames would show if they were counted
+    assert (everything - expected).abs().min() > 1e-3  # the reference frames would show if they were counted
 
 
 def random_lora(adapter, path) -> tuple[list[str], dict]:
@@ -191,8 +181,7 @@ def random_lora(adapter, path) -> tuple[list[str], dict]:
     names = lora.inject_lora(transformer, TARGETS, 4, 4.0, 0.0, seed=0)
     gen = torch.Generator().manual_seed(3)
     weights = {
-        k: 0.3 * torch.randn(v.shape, generator=gen)
-        for k, v in lora.lora_state_dict(transformer).items()
+        k: 0.3 * torch.randn(v.shape, generator=gen) for k, v in lora.lora_state_dict(transformer).items()
     }
     lora.save_lora(str(path), weights, 4, 4.0, TARGETS)
     return names, weights
@@ -210,13 +199,10 @@ def comfyui_vace_linears(c: dict) -> dict[str, tuple[int, int]]:
     dim, ffn = c["num_attention_heads"] * c["attention_head_dim"], c["ffn_dim"]
     block = {f"{attn}.{x}": (dim, dim) for attn in ("self_attn", "cross_attn") for x in "qkvo"}
     block |= {"ffn.0": (dim, ffn), "ffn.2": (ffn, dim)}
-    linears = {
-        f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()
-    }
+    linears = {f"blocks.{i}.{name}": shape for i in range(c["num_layers"]) for name, shape in block.items()}
     for i in range(len(c["vace_layers"])):
         linears |= {
-            f"vace_blocks.{i}.{name}": shape
-            for name, shape in (block | {"after_proj": (dim, dim)}).items()
+            f"vace_blocks.{i}.{name}": shape for name, shape in (block | {"after_proj": (dim, dim)}).items()
         }
     return linears | {"vace_blocks.0.before_proj": (dim, dim)}
 
@@ -227,14 +213,10 @@ def test_the_comfyui_file_loses_no_vace_key(wan_models, tmp_path):
     adapter = vace_adapter(wan_models)
     names, weights = random_lora(adapter, tmp_path / "ours.safetensors")
     comfy = tmp_path / "comfy.safetensors"
-    lora.save_comfy(
-        str(comfy), weights, 4.0, adapter.comfy_key, adapter.COMFY_ALPHA
-    )  # as export writes it
+    lora.save_comfy(str(comfy), weights, 4.0, adapter.comfy_key, adapter.COMFY_ALPHA)  # as export writes it
     linears = comfyui_vace_linears(adapter.transformer_config)
     tensors = load_file(comfy)
-    modules = {
-        k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k
-    }
+    modules = {k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k}
     assert len(modules) == len(names) and modules <= linears.keys(), modules - linears.keys()
     assert {m.split(".")[0] for m in modules} == {
         "blocks",
@@ -272,9 +254,7 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
     renders = []
     with one_rank_group() as d:
         for source in (None, lora_file):
-            model = validate.load_model(
-                config, adapter, d, None, str(source) if source else None
-            ).eval()
+            model = render.load_model(config, adapter, d, None, str(source) if source else None).eval()
             state = validate.sample_latents(
                 adapter,
                 {"transformer": model},
@@ -344,7 +324,7 @@ def test_validation_renders_each_prompt_with_its_reference_image(
     adapter = vace_adapter(wan_models)
     with one_rank_group() as d:
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
-        model = validate.load_model(cfg, adapter, d, None, None).eval()
+        model = render.load_model(cfg, adapter, d, None, None).eval()
         ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
     pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
     pipe.set_progress_bar_config(disable=True)
@@ -373,9 +353,7 @@ def test_validation_renders_each_prompt_with_its_reference_image(
                 )
             )
         )
-    with pytest.raises(
-        ConfigError, match="validation.reference_images has 1 for 2 validation.prompts"
-    ):
+    with pytest.raises(ConfigError, match="validation.reference_images has 1 for 2 validation.prompts"):
         load_config(
             str(
                 write_toml(
@@ -442,17 +420,18 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
         adapter, entries, items, _ = prepare_run(cfg, d)
         item = items[1]
         mask = data.decode_mask(item)
-        assert (
-            mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255
-        )  # the left edge survives the crop
+        assert mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255  # the left edge survives the crop
         expected = adapter.encode_control(
             data.decode_control(item)[None], [mask], [data.load_reference(item)]
         )
         cached = load_file(entries.path(item, "control"))
         assert cached.keys() == {"control_latents", "reference_latents"}
-        assert cached["control_latents"].shape == (96, 3, 4, 4) and cached[
-            "reference_latents"
-        ].shape == (16, 1, 4, 4)
+        assert cached["control_latents"].shape == (96, 3, 4, 4) and cached["reference_latents"].shape == (
+            16,
+            1,
+            4,
+            4,
+        )
         for key in cached:
             torch.testing.assert_close(cached[key], expected[key][0], rtol=0, atol=1e-5)
         before = {kind: [entries.path(i, kind) for i in items] for kind in ("video", "control")}
@@ -472,9 +451,7 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
             True,
             False,
         ]
-        assert any("cache: 2 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), (
-            caplog.text
-        )
+        assert any("cache: 2 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), caplog.text
         t2v = {
             **settings,
             "model.path": str(wan_models("t2v")),
@@ -486,15 +463,12 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
                 ConfigError, match=f"data.{key} = x.txt conditions Wan VACE models, and model.path"
             ):
                 prepare_run(
-                    load_config(
-                        str(write_toml(tmp_path / "t.toml", {**t2v, f"data.{key}": "x.txt"}))
-                    ),
+                    load_config(str(write_toml(tmp_path / "t.toml", {**t2v, f"data.{key}": "x.txt"}))),
                     d,
                 )
         rows = (root / "metadata.jsonl").read_text().splitlines()
         (root / "metadata.jsonl").write_text(
-            "\n".join([*rows[:3], rows[3].replace(', "reference": "references/00000.png"', "")])
-            + "\n"
+            "\n".join([*rows[:3], rows[3].replace(', "reference": "references/00000.png"', "")]) + "\n"
         )
         with pytest.raises(
             ConfigError,
@@ -537,9 +511,7 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
     }
     run_ok(["--cfg", str(configs["reference"])], nproc=2)
     assert (
-        run_cmd(
-            ["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}
-        ).returncode
+        run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}).returncode
         != 0
     )
     resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
@@ -566,32 +538,22 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
     assert [c.step for c in shown] == [0, 3, 6]
     with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
         pixels = torch.from_numpy(np.array(gif.convert("RGB"))).float()
-    expected = torch.from_numpy(
-        np.array(Image.open(reference).convert("RGB").resize((32, 32)))
-    ).float()
+    expected = torch.from_numpy(np.array(Image.open(reference).convert("RGB").resize((32, 32)))).float()
     assert pixels.shape == (32, 32, 3) and (pixels - expected).abs().mean() < 4
     comfy = load_file(next((lora_dir / "comfy").glob("*.safetensors")))
     assert "diffusion_model.vace_blocks.0.before_proj.lora_A.weight" in comfy
-    assert len([k for k in comfy if k.endswith("lora_A.weight")]) == len(
-        [k for k in ours if "lora_A" in k]
-    )
+    assert len([k for k in comfy if k.endswith("lora_A.weight")]) == len([k for k in ours if "lora_A" in k])
 
     cfg = load_config(str(configs["reference"]))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
-        model = validate.load_model(
+        model = render.load_model(
             cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")
         ).eval()
     pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
     pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
-    loaded = {
-        n.rsplit(".lora_A", 1)[0]
-        for n, _ in pipe.transformer.named_modules()
-        if n.endswith(".lora_A")
-    }
-    assert loaded == {
-        k.removeprefix("transformer.").rsplit(".lora_A", 1)[0] for k in ours if "lora_A" in k
-    }
+    loaded = {n.rsplit(".lora_A", 1)[0] for n, _ in pipe.transformer.named_modules() if n.endswith(".lora_A")}
+    assert loaded == {k.removeprefix("transformer.").rsplit(".lora_A", 1)[0] for k in ours if "lora_A" in k}
     gen = torch.Generator().manual_seed(0)
     x, embeds = torch.randn(2, 16, 3, 4, 4, generator=gen), torch.randn(2, 512, 32, generator=gen)
     control = torch.randn(2, 96, 3, 4, 4, generator=gen)
@@ -606,14 +568,14 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
 
 
 def test_validate_renders_with_a_reference(wan_models, base_settings, tiny_data, tmp_path):
-    """validate.py --reference renders the base model's clip of each prompt with its reference image, under
-    a name that tells references apart (another reference writes another clip)."""
+    """validate.py --reference renders the base model's clip of each prompt with its reference
+    image, under a name that tells references apart (another reference writes another clip)."""
     settings = vace_settings(
         wan_models, base_settings, tmp_path / "out", **{"validation.num_inference_steps": 2}
     )
     config = str(write_toml(tmp_path / "c.toml", settings))
     for reference in ("00000.png", "00001.png"):
-        validate.main(
+        render.main(
             [
                 "--cfg",
                 config,

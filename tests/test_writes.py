@@ -42,12 +42,17 @@ def leftovers(folder) -> list[str]:
 
 
 def test_full_disk_while_writing_a_cache_entry(tmp_path, disk_full):
-    entries = cache_files.Cache(DataConfig(data_root=str(tmp_path), cache_dir=str(tmp_path)), {"text": {}}, 4, "fp32", None)
+    entries = cache_files.Cache(
+        DataConfig(data_root=str(tmp_path), cache_dir=str(tmp_path)), {"text": {}}, 4, "fp32", None
+    )
     item = SimpleNamespace(clip=SimpleNamespace(prompt="a red ball"))
     path = entries.path(item, "text")
     disk_full()
-    with pytest.raises(faults.WriteFailed, match=re.escape(f"writing {path} ") + DISK_FULL + "free space there, or set "
-                       "data.cache_dir to a disk with room"):
+    with pytest.raises(
+        faults.WriteFailed,
+        match=re.escape(f"writing {path} ") + DISK_FULL + "free space there, or set "
+        "data.cache_dir to a disk with room",
+    ):
         entries.write(item, "text", {"prompt_embeds": torch.ones(2, 3)})
     assert leftovers(tmp_path) == [] and not (tmp_path / path).exists()
     entries.write(item, "text", {"prompt_embeds": torch.ones(2, 3)})  # the next write succeeds
@@ -56,20 +61,31 @@ def test_full_disk_while_writing_a_cache_entry(tmp_path, disk_full):
 
 def test_full_disk_while_writing_a_clip(tmp_path, disk_full):
     disk_full()
-    with pytest.raises(faults.WriteFailed, match=re.escape(f"writing {tmp_path / 'clip.mp4'} ") + DISK_FULL +
-                       re.escape("free space (or move run.output_dir) and launch again")):
+    with pytest.raises(
+        faults.WriteFailed,
+        match=re.escape(f"writing {tmp_path / 'clip.mp4'} ")
+        + DISK_FULL
+        + re.escape("free space (or move run.output_dir) and launch again"),
+    ):
         validate.write_mp4(tmp_path / "clip.mp4", torch.zeros(9, 8, 8, 3, dtype=torch.uint8), 8)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_full_disk_during_the_export(tmp_path, disk_full):
     """The LoRA files, and (sft) the transformer folder, which an earlier export keeps intact."""
-    weights = {"blocks.0.to_q.lora_A.weight": torch.ones(2, 4), "blocks.0.to_q.lora_B.weight": torch.zeros(4, 2)}
-    for write in (lambda: lora.save_lora(str(tmp_path / "lora.safetensors"), weights, 2, 2.0, ["to_q"]),
-                  lambda: lora.save_peft_adapter(str(tmp_path / "peft"), weights, 2, 2.0, ["to_q"])):
+    weights = {
+        "blocks.0.to_q.lora_A.weight": torch.ones(2, 4),
+        "blocks.0.to_q.lora_B.weight": torch.zeros(4, 2),
+    }
+    for write in (
+        lambda: lora.save_lora(str(tmp_path / "lora.safetensors"), weights, 2, 2.0, ["to_q"]),
+        lambda: lora.save_peft_adapter(str(tmp_path / "peft"), weights, 2, 2.0, ["to_q"]),
+    ):
         disk_full()
-        with pytest.raises(faults.WriteFailed, match=DISK_FULL + re.escape("free space (or write elsewhere: python "
-                                                                             "ckpt.py export --out DIR)")):
+        with pytest.raises(
+            faults.WriteFailed,
+            match=DISK_FULL + re.escape("free space (or write elsewhere: python ckpt.py export --out DIR)"),
+        ):
             write()
         assert leftovers(tmp_path) == []
     (tmp_path / "transformer").mkdir()
@@ -82,7 +98,10 @@ def test_full_disk_during_the_export(tmp_path, disk_full):
                 tmp.mkdir()
                 (tmp / "config.json").write_text("new")
         assert (tmp_path / "transformer" / "config.json").read_text() == ("earlier" if fault else "new")
-        assert leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["peft", "transformer"]
+        assert leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == [
+            "peft",
+            "transformer",
+        ]
 
 
 def test_a_write_failure_is_one_line(caplog):
@@ -112,10 +131,15 @@ def test_render_names(base_settings, tmp_path):
 
     online = render.render_names(cfg, run, None, True)
     assert changed(online) == [True, True] and online[0].startswith("render_checkpoint-4_online_prompt_0_")
-    assert changed(render.render_names(cfg, str(tmp_path / "other" / "checkpoint-4"), None, False)) == [True, True]
+    assert changed(render.render_names(cfg, str(tmp_path / "other" / "checkpoint-4"), None, False)) == [
+        True,
+        True,
+    ]
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
     lora_file.write_bytes(b"0")
-    assert render.render_names(cfg, None, str(lora_file), False)[0].startswith("render_pytorch_lora_weights_prompt_0_")
+    assert render.render_names(cfg, None, str(lora_file), False)[0].startswith(
+        "render_pytorch_lora_weights_prompt_0_"
+    )
     images[1].write_bytes(images[0].read_bytes())
     assert changed(render.render_names(cfg, run, None, False)) == [False, True]
     names = render.render_names(cfg, run, None, False)
@@ -141,7 +165,8 @@ def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
         assert str(refused.value) == (
             f"--lora {given} is part of the checkpoint {checkpoint}, not a LoRA file: render it with --checkpoint "
             f"{checkpoint}, or export it (python ckpt.py export --cfg FILE.toml --checkpoint {checkpoint}) and pass "
-            f"--lora {checkpoint / 'export' / 'lora' / 'pytorch_lora_weights.safetensors'}")
+            f"--lora {checkpoint / 'export' / 'lora' / 'pytorch_lora_weights.safetensors'}"
+        )
         (checkpoint / ".metadata").write_bytes(b"0")
 
 
@@ -157,7 +182,9 @@ def test_async_saves_reuse_one_staged_copy(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters())
         objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
         d = ranks.Dist(0, 1, 0, torch.device("cpu"))
-        checkpoints = ckpt.Checkpointer(CheckpointConfig(async_save=True), str(tmp_path), d, {"training_type": "sft"}, {})
+        checkpoints = ckpt.Checkpointer(
+            CheckpointConfig(async_save=True), str(tmp_path), d, {"training_type": "sft"}, {}
+        )
         staged, expected = [], []
         for step in (1, 2):
             model(torch.randn(3, 4)).sum().backward()
@@ -196,7 +223,9 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
         model = torch.nn.Linear(4, 2)
         objects = {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
         d = ranks.Dist(0, 1, 0, torch.device("cpu"))
-        checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=1), str(tmp_path), d, {"training_type": "sft"}, {})
+        checkpoints = ckpt.Checkpointer(
+            CheckpointConfig(checkpointing_limit=1), str(tmp_path), d, {"training_type": "sft"}, {}
+        )
         kept = []
         for step in (1, 2, 3):
             checkpoints.save(step, objects, final=step == 3)
@@ -206,7 +235,8 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
         dist.destroy_process_group()
     assert kept == [["checkpoint-1"], ["checkpoint-1", "checkpoint-2"], ["checkpoint-3"]]
     assert sorted(p.name for p in synced if p.parent.name == "checkpoint-3") == sorted(
-        p.name for p in (tmp_path / "checkpoint-3").iterdir())
+        p.name for p in (tmp_path / "checkpoint-3").iterdir()
+    )
     assert {p.parent.name for p in synced} == {"checkpoint-1", "checkpoint-2", "checkpoint-3"}
 
 
@@ -223,27 +253,44 @@ def test_read_only_places_are_named(write_config, base_settings, tmp_path):
     assert "cache: 0 clips encoded, 24 reused" in complete.stderr
     empty = tmp_path / "empty_cache"
     empty.mkdir()
-    refused = run_read_only([empty], ["--cfg", str(write_config("cache_only", **{"data.cache_dir": str(empty)}))],
-                            script="cache.py")
+    refused = run_read_only(
+        [empty],
+        ["--cfg", str(write_config("cache_only", **{"data.cache_dir": str(empty)}))],
+        script="cache.py",
+    )
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
-    assert (f"error: data.cache_dir = {empty} cannot be written (Read-only file system) and lacks entries of 24 of "
-            "24 clips") in refused.stderr
+    assert (
+        f"error: data.cache_dir = {empty} cannot be written (Read-only file system) and lacks entries of 24 of "
+        "24 clips"
+    ) in refused.stderr
     assert list(empty.iterdir()) == []
     out = tmp_path / "read_only_run"
     out.mkdir()
     refused = run_read_only([out], ["--cfg", str(write_config("read_only_run"))])
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
-    assert (f"error: run.output_dir = {out} cannot be written (Read-only file system): choose a folder this user "
-            "can write for run.output_dir") in refused.stderr
+    assert (
+        f"error: run.output_dir = {out} cannot be written (Read-only file system): choose a folder this user "
+        "can write for run.output_dir"
+    ) in refused.stderr
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"lora.target_modules": ["to_qq"]}, "lora.target_modules: ['to_qq'] match no nn.Linear in CogVideoXTransformer3DModel"),
-    ({"validation.resolution": [0, 32, 32]}, "validation.resolution frames = 0, but this model needs 8k+1 frames "
-                                             "(the VAE decodes latents in pairs): use 1 or 9"),
-])
-def test_model_checks_come_before_the_cache_pass_and_leave_no_run_lock(write_config, tmp_path, caplog, settings,
-                                                                       message):
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"lora.target_modules": ["to_qq"]},
+            "lora.target_modules: ['to_qq'] match no nn.Linear in CogVideoXTransformer3DModel",
+        ),
+        (
+            {"validation.resolution": [0, 32, 32]},
+            "validation.resolution frames = 0, but this model needs 8k+1 frames "
+            "(the VAE decodes latents in pairs): use 1 or 9",
+        ),
+    ],
+)
+def test_model_checks_come_before_the_cache_pass_and_leave_no_run_lock(
+    write_config, tmp_path, caplog, settings, message
+):
     """Model checks come before the cache pass and leave no run.lock.
 
     Targets that match no layer and a validation resolution the model cannot render stop the launch

@@ -39,7 +39,9 @@ def adapter_class(model_dir: Path):
 
     As model_adapter.load_adapter tells it."""
     pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
-    return model_adapter.adapter_class(next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f)))
+    return model_adapter.adapter_class(
+        next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f))
+    )
 
 
 def quantized(key: str, shape: tuple) -> bool:
@@ -51,17 +53,26 @@ def raw_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def to_single_file(model_dir: str, out: str, fp8: bool = False, scaled: bool = False, prefix: bool = False,
-                   folder: str = "transformer") -> None:
+def to_single_file(
+    model_dir: str,
+    out: str,
+    fp8: bool = False,
+    scaled: bool = False,
+    prefix: bool = False,
+    folder: str = "transformer",
+) -> None:
     cls = adapter_class(Path(model_dir))
     weights = Weights(Path(model_dir) / folder)
     tables = cls.single_file_tables(resolved_config(cls.TRANSFORMER, Path(model_dir), folder))
     stored = {key: entry[1:3] for key, entry in weights.entries.items()} | {
-        key: (table.dtype, tuple(table.shape)) for key, table in tables.items()}
+        key: (table.dtype, tuple(table.shape)) for key, table in tables.items()
+    }
     names = {key: cls.single_file_key(key) for key in stored}
     unnamed = [key for key, name in names.items() if name is None]
     if unnamed or cls.diffusers_names(list(names.values())) != {v: k for k, v in names.items()}:
-        raise SystemExit(f"{model_dir}/{folder}: no single-file name for {unnamed[:3]}, or the names do not read back")
+        raise SystemExit(
+            f"{model_dir}/{folder}: no single-file name for {unnamed[:3]}, or the names do not read back"
+        )
     # key -> (its name in the file, the dtype written); scaled layers' scales follow their weights.
     plan = {}
     for key, (dtype, shape) in stored.items():
@@ -70,21 +81,31 @@ def to_single_file(model_dir: str, out: str, fp8: bool = False, scaled: bool = F
         plan[key] = (names[key], dtype, shape)
     header, offset = {}, 0
     for name, dtype, shape in plan.values():
-        entries = [(name, dtype, shape)] + ([(name.removesuffix("weight") + "scale_weight", torch.float32, ())]
-                                            if scaled and dtype == FP8 else [])
+        entries = [(name, dtype, shape)] + (
+            [(name.removesuffix("weight") + "scale_weight", torch.float32, ())]
+            if scaled and dtype == FP8
+            else []
+        )
         for entry_name, entry_dtype, entry_shape in entries:
             size = entry_dtype.itemsize * int(torch.Size(entry_shape).numel())
-            header[(PREFIX if prefix else "") + entry_name] = {"dtype": FILE_NAMES[entry_dtype], "shape": list(entry_shape),
-                                                               "data_offsets": [offset, offset + size]}
+            header[(PREFIX if prefix else "") + entry_name] = {
+                "dtype": FILE_NAMES[entry_dtype],
+                "shape": list(entry_shape),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
     if scaled:
-        header[(PREFIX if prefix else "") + "scaled_fp8"] = {"dtype": "F8_E4M3", "shape": [0], "data_offsets": [offset] * 2}
+        header[(PREFIX if prefix else "") + "scaled_fp8"] = {
+            "dtype": "F8_E4M3",
+            "shape": [0],
+            "data_offsets": [offset] * 2,
+        }
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
     with open(out, "wb") as f, weights.opened():
         f.write(len(text).to_bytes(8, "little") + text)
-        for key, (name, dtype, shape) in plan.items():
+        for key, (_name, dtype, _shape) in plan.items():
             if key in tables:
                 tensor = tables[key].float()
             else:
@@ -99,13 +120,19 @@ def to_single_file(model_dir: str, out: str, fp8: bool = False, scaled: bool = F
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model_dir", help="a diffusers model folder (model_index.json, transformer/, ...)")
     parser.add_argument("out", help="the .safetensors file to write")
     parser.add_argument("--fp8", action="store_true", help="the blocks' linear weights as float8_e4m3fn")
-    parser.add_argument("--scaled", action="store_true", help="with --fp8: ComfyUI's scaled fp8, a scale per tensor")
+    parser.add_argument(
+        "--scaled", action="store_true", help="with --fp8: ComfyUI's scaled fp8, a scale per tensor"
+    )
     parser.add_argument("--prefix", action="store_true", help=f"every key under {PREFIX}")
-    parser.add_argument("--folder", default="transformer", help="the transformer's subfolder (Wan 2.2 A14B: transformer_2)")
+    parser.add_argument(
+        "--folder", default="transformer", help="the transformer's subfolder (Wan 2.2 A14B: transformer_2)"
+    )
     args = parser.parse_args()
     if args.scaled and not args.fp8:
         parser.error("--scaled scales fp8 weights: add --fp8")
