@@ -19,10 +19,10 @@ Five kinds of entry, one safetensors file each, named by a hash of what produced
 - control (models that follow a control video, data.control_column): what the adapter's
   encode_control makes of the control frames aligned with the clip's window (data.decode_control),
   keyed by the clip's video key and the control file's content: a changed control video is
-  re-encoded, the clip's latents kept. So recaptioning encodes prompts and no video, a per-node copy
-  of a model or of the clips reuses what its twin encoded, and a fine-tuned VAE or T5 never reuses
-  stale entries. Entries are written atomically: an interrupted pass resumes where it was.
-  manifest.py keeps the headers and hashes.
+  re-encoded, the clip's latents kept.
+So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
+its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
+atomically: an interrupted pass resumes where it was. manifest.py keeps the headers and hashes.
 """
 
 import hashlib

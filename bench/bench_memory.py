@@ -30,10 +30,10 @@ torch.cuda.max_memory_allocated where CUDA is).
 - control (LTX-2 IC-LoRA, model.type = "ic"): the batch holds the control clip's latents, which the
   adapter appends as tokens: twice the video tokens in training and in the validation render.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
-  parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py). Not
-  counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
-  buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation
-  and the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
+  parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
+Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
+buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
+the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
 """
 
 import argparse
