@@ -1,4 +1,6 @@
-"""The latent, text and audio cache, and the pass that completes it: batched, spread over ranks,
+"""The cache of latents, text embeddings and sound, and the pass that completes it.
+
+The latent, text and audio cache, and the pass that completes it: batched, spread over ranks,
 resumable.
 
     python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
@@ -263,7 +265,9 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
 def encode_videos(
     todo: dict[data.Item, set[str]], adapter, cache: Cache, cfg: DataConfig, seed: int, d: ranks.Dist
 ):
-    """The missing video (and image, audio, control) entries, `todo` naming each clip's; returns the
+    """Encode the clips' missing video, image, audio and control entries.
+
+    The missing video (and image, audio, control) entries, `todo` naming each clip's; returns the
     problems met while decoding.
 
     The k-th clip goes to rank k % world (sorted by bucket, so a batch shares a shape),

@@ -273,7 +273,9 @@ def plan_clip(
     mask: tuple[decode.Media, str] | None = None,
     reference_content: str | None = None,
 ) -> Item | Problem:
-    """Decide bucket, frames and crop from the header alone; decoding comes later (cache pass). The
+    """Plan a clip's bucket, frames and crop from its header alone.
+
+    Decide bucket, frames and crop from the header alone; decoding comes later (cache pass). The
     window starts at a keyed random frame, or at frame 0 for a clip with an image-to-video image
     (`image_content`); without one, image-to-video conditions on the window's own first frame. A
     clip with a last image (`last_image_content`, first-last-frame) ends its window at its last

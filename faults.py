@@ -95,7 +95,9 @@ _step_seen = 0  # the last step on_loss saw: the step point fires at a step's fi
 
 
 def on_loss(loss: torch.Tensor, step: int) -> torch.Tensor:
-    """The training loop's one fault hook: a micro-step's loss of optimizer step `step`, before its
+    """The training loop's one fault hook, on a micro-step's loss before its backward.
+
+    The training loop's one fault hook: a micro-step's loss of optimizer step `step`, before its
     backward.
 
     `nan_loss` makes the loss NaN; `overflow` keeps its value (the loop logs it finite) and

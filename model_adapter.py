@@ -1,4 +1,6 @@
-"""The family contract as code: Adapter declares everything a model family provides, and the
+"""The family contract as code, and the registry of families.
+
+The family contract as code: Adapter declares everything a model family provides, and the
 registry of families (ADAPTERS) with load_adapter, which checks a family against the contract before
 it runs.
 
@@ -76,7 +78,9 @@ class RunSettings:
 
 
 class Adapter(TransformerLoading, abc.ABC):
-    """One model family: its diffusers classes, read through the shared machinery below. The
+    """One model family: its diffusers classes, read through the shared machinery below.
+
+    One model family: its diffusers classes, read through the shared machinery below. The
     contract a family fills comes first: its class attributes, the attributes its __init__ sets, the
     methods it must provide (abstract: load_adapter names any a family lacks) and the optional hooks
     with their default behaviour. A family with sound (ENCODERS has "audio") provides SOUND too; one

@@ -69,7 +69,9 @@ def wrap(
     resident: frozenset[str] = frozenset(),
     graph_varies: bool = False,
 ):
-    """DDP (none for one process), or FSDP2: fully_shard each block, then the root; one process too
+    """Spread the model over the ranks: DDP, or FSDP2 over each block and then the root.
+
+    DDP (none for one process), or FSDP2: fully_shard each block, then the root; one process too
     (a 1-rank mesh), which is what streaming needs.
 
     FSDP gathers every parameter in its own dtype (the frozen base in model.dtype, LoRA and the

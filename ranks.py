@@ -1,4 +1,6 @@
-"""The processes of a run: the process group and device, torch's allocator and determinism settings
+"""The processes of a run: its group, its settings, agreement across ranks, preemption.
+
+The processes of a run: the process group and device, torch's allocator and determinism settings
 (set before the first CUDA work), agreement across ranks on errors and values, and preemption.
 
 Every run has a process group, one process included (a HashStore, so it needs no free port): the
@@ -231,7 +233,9 @@ class Preemption:
         return bool(max_over_ranks(torch.tensor(float(self.requested), device=device)))
 
     def agreed_a_step_late(self, start_next: bool) -> bool:
-        """Whether any rank had the flag at the previous call, from an all-reduce started then;
+        """Whether any rank had the stop flag at the previous call, read without waiting.
+
+        Whether any rank had the flag at the previous call, from an all-reduce started then;
         starts the next one (unless `start_next` is False, or the answer is yes). The flag is a CPU
         tensor, reduced over gloo in the background (a process group with nccl sends CPU tensors to
         gloo too): reading it a step later neither waits for the other ranks nor synchronises the

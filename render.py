@@ -1,4 +1,6 @@
-"""The render command: validation clips of a checkpoint, an exported LoRA or the base model, without
+"""The render command: validation clips of a checkpoint, a LoRA file or the base model.
+
+The render command: validation clips of a checkpoint, an exported LoRA or the base model, without
 training. `python validate.py ...` runs it too (its documented name).
 
     python render.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT

@@ -371,7 +371,9 @@ def clip_and_step(
     step_loss: torch.Tensor,
     zero_missing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unscale (fp16), clip once per optimizer step by the global norm (sharded gradients included),
+    """Clip and step the optimizer without the host reading a device value.
+
+    Unscale (fp16), clip once per optimizer step by the global norm (sharded gradients included),
     and step, all without the host reading a device value. A step whose norm is not finite is
     skipped by the fused AdamW kernel itself (`found_inf`, as torch.amp.GradScaler hands it over),
     but still counts and consumes its data. The norm is global, so every rank skips the same steps.

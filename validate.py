@@ -102,7 +102,9 @@ def sample_latents(
     last_image=None,
     **conditions,
 ):
-    """The final sampling state of one prompt (and, image-to-video, its conditioning image;
+    """Run the family's sampling loop for one prompt; return its final state.
+
+    The final sampling state of one prompt (and, image-to-video, its conditioning image;
     first-last-frame, its last image too): adapter.sampled gives its latents (sampled_audio its
     sound, LTX-2). The family's pipeline loop, step for step, with every draw from `generator` (a
     CPU generator, as the pipelines use it); the adapter builds the denoiser's input (condition,

@@ -1,4 +1,6 @@
-"""LTX-2, LTX-2.3 and LTX-2.5 (docs/models/ltx2.md): one transformer with a video and an audio
+"""LTX-2, LTX-2.3 and LTX-2.5: one transformer with a video and an audio stream.
+
+LTX-2, LTX-2.3 and LTX-2.5 (docs/models/ltx2.md): one transformer with a video and an audio
 stream, text- and image-to-video from the same folder.
 
 Flow matching per stream: x_t = (1 - s) x0 + s e, the target e - x0, the loss in fp32. Each stream
@@ -420,7 +422,9 @@ class LTX2Adapter(Adapter):
         return mel.unflatten(0, waveforms.shape[:2])
 
     def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A window's sound, [B, audio_channels, samples] at audio_sample_rate (data.decode_audio)
+        """A window's sound -> the audio VAE's posterior of its mel spectrogram.
+
+        A window's sound, [B, audio_channels, samples] at audio_sample_rate (data.decode_audio)
         -> the audio VAE's posterior mean and log-variance of its mel spectrogram, [B, C', L, M']
         (not normalised): the cache's audio_latent_mean and audio_latent_logvar. L is what the VAE
         gives (1 + (mel frames - 1) // 4: 127 for 121 frames at 24 fps, where the pipeline generates
@@ -588,7 +592,9 @@ class LTX2Adapter(Adapter):
 
     @contextlib.contextmanager
     def _cross_gates(self, transformer, sigma: torch.Tensor, audio_sigma: torch.Tensor):
-        """The audio-video cross-attention's AdaLN inputs as ltx-core computes them
+        """Feed the audio-video cross-attention's AdaLN as ltx-core does, for one call.
+
+        The audio-video cross-attention's AdaLN inputs as ltx-core computes them
         (transformer_args.py, _prepare_cross_attention_timestep): each stream's scale/shift from its
         own timesteps (per token: I2V's image tokens at 0), its gate from the other stream's sigma.
         diffusers takes both from one timestep, the other stream's sigma (use_cross_timestep) or the
@@ -612,7 +618,9 @@ class LTX2Adapter(Adapter):
                 hook.remove()
 
     def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
-        """Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at
+        """Per-sample fp32 losses (total, video, audio) of clean latents at their noise levels.
+
+        Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at
         sigmas [B], and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas
         [B]; sound [B] says which samples have sound (the others have no audio loss). I2V: the first
         latent frame's tokens are the image's, clean, at timestep 0 and outside the loss, as
@@ -677,7 +685,9 @@ class LTX2Adapter(Adapter):
         return x0, a0, sound, tuple(mean.shape[2:])
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
-        """Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and
+        """Per-sample loss of a cached batch, every draw from the samples' keyed generators.
+
+        Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and
         position in the global batch) draws, in order: the video s, the audio s, the video noise,
         the audio noise. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
         [B, C', L, M'], the audio VAE's posterior) add audio_loss_weight x the audio loss. A clip
@@ -738,7 +748,9 @@ class LTX2Adapter(Adapter):
         return list(transformer.transformer_blocks)
 
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
-        """Sequence parallelism: the video tokens split at the first block, with every per-token
+        """Split the video tokens over the sequence-parallel ranks at the first block.
+
+        Sequence parallelism: the video tokens split at the first block, with every per-token
         video input (the rotary embeddings of self-attention and of the audio-video cross-attention;
         I2V's per-token timestep embeddings); the audio tokens and both texts replicated. Video
         self-attention and the video-to-audio cross-attention (audio queries, video keys) exchange
@@ -970,7 +982,9 @@ class LTX2Adapter(Adapter):
 
 
 class SequenceParallelAttention:
-    """diffusers' LTX2AudioVideoAttnProcessor (and LTX-2.3's LTX2PerturbedAttnProcessor, whose STG
+    """LTX-2's attention over this rank's slice of the video tokens (sequence parallelism).
+
+    diffusers' LTX2AudioVideoAttnProcessor (and LTX-2.3's LTX2PerturbedAttnProcessor, whose STG
     passes the values of this rank's tokens through; no masks) step for step, with this rank's slice
     of the video tokens as keys and values: video self-attention (the queries the same slice) or the
     video-to-audio cross-attention (the queries the whole audio, replicated). Keys and values, with

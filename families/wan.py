@@ -1,4 +1,6 @@
-"""Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.1 FLF2V (first and last
+"""Wan 2.1 and 2.2: text-, image-, first-last-frame- and control-to-video.
+
+Wan 2.1 and 2.2 (docs/models/wan.md): T2V, 2.1 I2V (CLIP image tokens), 2.1 FLF2V (first and last
 frame: two images' CLIP tokens, pos_embed_seq_len), 2.1 VACE (context blocks reading a control
 video, its mask and reference images: families/wan_vace.py), 2.2 TI2V-5B (expand_timesteps) and 2.2
 A14B (two experts split at boundary_ratio).

@@ -1,4 +1,6 @@
-"""Wan VACE's conditioning (docs/models/wan.md, VACE): the control video, its mask and the reference
+"""Wan VACE's conditioning, packed as diffusers' WanVACEPipeline packs it.
+
+Wan VACE's conditioning (docs/models/wan.md, VACE): the control video, its mask and the reference
 images packed into the context the VACE blocks read, exactly as diffusers' WanVACEPipeline builds it
 (preprocess_conditions, prepare_video_latents, prepare_masks), for the cache and for sampling alike.
 
@@ -51,7 +53,9 @@ def pack_mask(mask: torch.Tensor, temporal: int, spatial: int, patch: int) -> to
 def control_latents(
     encode, video: torch.Tensor, mask: torch.Tensor, temporal: int, spatial: int, patch: int
 ) -> torch.Tensor:
-    """The context of the video's own frames [B, 96, latent frames, h, w] (fp32), without
+    """The VACE context of the video's own frames, without references.
+
+    The context of the video's own frames [B, 96, latent frames, h, w] (fp32), without
     references.
 
     video [B, 3, F, H, W] in [-1, 1] (zeros where there is no control video), mask [B, 3, F, H, W]

@@ -332,7 +332,9 @@ def decode_mp4(path):
 
 
 def comfyui_linears(c: dict) -> dict[str, tuple[int, int]]:
-    """The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a
+    """ComfyUI's native CogVideoX model's linear layers, as (in, out) features.
+
+    The nn.Linear modules, as (in, out) features, of ComfyUI's native CogVideoX model for a
     diffusers transformer config, written from comfy/ldm/cogvideo/model.py (CogVideoXBlock,
     CogVideoXPatchEmbed, CogVideoXLayerNormZero, CogVideoXAdaLayerNorm,
     CogVideoXTransformer3DModel.__init__) as read at comfyanonymous/ComfyUI
@@ -422,7 +424,9 @@ def pipeline_guidance(cfg) -> dict:
 
 
 def ltx_core_cross_inputs(model, video_t, video_sigma, audio_t, audio_sigma) -> dict[str, torch.Tensor]:
-    """The four audio-video cross-attention AdaLN inputs as Lightricks/LTX-2's packages/ltx-core
+    """The audio-video cross-attention's AdaLN inputs as ltx-core computes them.
+
+    The four audio-video cross-attention AdaLN inputs as Lightricks/LTX-2's packages/ltx-core
     model/transformer/transformer_args.py computes them (MultiModalTransformerArgsPreprocessor.
     _prepare_cross_attention_timestep, called per modality with the other as cross_modality):
     scale/shift = cross_scale_shift_adaln(modality.timesteps x timestep_scale_multiplier), per

@@ -252,8 +252,8 @@ def test_fsdp_shards_sft_state(write_config, tmp_path):
     [
         # one rank raises: it reports, the other is quiet
         ("step_fail:3:1", "OSError: injected fault step_fail at 3"),
-        # One rank hangs: whichever rank times out first reports it, the other is quiet. (Rank 0's own
-        # timeout once read as a lost peer, and in 4 runs of 16 neither rank reported it.)
+        # One rank hangs: whichever rank times out first reports it, the other is quiet. (Rank 0's
+        # own timeout once read as a lost peer, and in 4 runs of 16 neither rank reported it.)
         ("step_deadlock:3:1", "TimeoutError: rank"),
     ],
 )

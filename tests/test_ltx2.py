@@ -106,7 +106,9 @@ def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models,
 
 
 def original_top_level_linears(c: dict) -> set[str]:
-    """The nn.Linear modules outside the blocks of the original LTX-2 transformer, whose names
+    """The original LTX-2 transformer's linear layers outside the blocks.
+
+    The nn.Linear modules outside the blocks of the original LTX-2 transformer, whose names
     Lightricks' checkpoints and ComfyUI's native model (which loads those checkpoints' keys as they
     are) share, for a diffusers transformer config. Written from Lightricks/LTX-2
     400fd31054597515f47125691032c04b1c3ee24e,

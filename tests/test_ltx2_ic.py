@@ -41,7 +41,9 @@ from tools.make_synthetic_dataset import make_synthetic_dataset
 
 
 def ltx_trainer_positions(frames: int, height: int, width: int, scale: tuple[int, int, int], fps: float):
-    """Video positions [1, 3, tokens, 2] as Lightricks/LTX-2's ltx-trainer computes them for a
+    """Video positions as ltx-trainer computes them for a reference or a target.
+
+    Video positions [1, 3, tokens, 2] as Lightricks/LTX-2's ltx-trainer computes them for a
     reference or a target
     (packages/ltx-trainer/src/ltx_trainer/training_strategies/base_strategy.py,
     _get_video_positions): ltx-core's VideoLatentPatchifier(patch_size=1).get_patch_grid_bounds
@@ -157,7 +159,9 @@ def ic_data(tmp_path_factory):
 
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base_settings, ic_data, tmp_path):
-    """Two IC-LoRA steps on clips with control videos; our loop with the control as its reference
+    """Our IC-LoRA training and sampling equal LTX2InContextPipeline's.
+
+    Two IC-LoRA steps on clips with control videos; our loop with the control as its reference
     renders what LTX2InContextPipeline renders with it as an LTX2ReferenceCondition, within 1e-4 in
     fp32, with the base model and with our exported LoRA loaded by load_lora_weights (the pipelines'
     guidance terms on). The pipeline's transformer takes ltx-core's audio-video cross-attention

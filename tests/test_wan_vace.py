@@ -171,7 +171,8 @@ def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_referen
     expected = (seen["out"] - target)[:, :, 2:].pow(2).mean(dim=(1, 2, 3, 4))
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
     everything = (seen["out"] - target).pow(2).mean(dim=(1, 2, 3, 4))
-    assert (everything - expected).abs().min() > 1e-3  # the reference frames would show if they were counted
+    # the reference frames would show if they were counted
+    assert (everything - expected).abs().min() > 1e-3
 
 
 def random_lora(adapter, path) -> tuple[list[str], dict]:
@@ -188,7 +189,9 @@ def random_lora(adapter, path) -> tuple[list[str], dict]:
 
 
 def comfyui_vace_linears(c: dict) -> dict[str, tuple[int, int]]:
-    """The nn.Linear modules, as (in, out) features, of ComfyUI's native Wan VACE model for a
+    """ComfyUI's native Wan VACE model's linear layers, as (in, out) features.
+
+    The nn.Linear modules, as (in, out) features, of ComfyUI's native Wan VACE model for a
     diffusers transformer config, written from comfy/ldm/wan/model.py (WanModel's WanAttentionBlock
     with t2v cross- attention: self_attn and cross_attn q, k, v, o, ffn.0 and ffn.2; VaceWanModel's
     vace_blocks, each a VaceWanAttentionBlock: the same, with after_proj, and before_proj on block
@@ -213,7 +216,8 @@ def test_the_comfyui_file_loses_no_vace_key(wan_models, tmp_path):
     adapter = vace_adapter(wan_models)
     names, weights = random_lora(adapter, tmp_path / "ours.safetensors")
     comfy = tmp_path / "comfy.safetensors"
-    lora.save_comfy(str(comfy), weights, 4.0, adapter.comfy_key, adapter.COMFY_ALPHA)  # as export writes it
+    # as export writes it
+    lora.save_comfy(str(comfy), weights, 4.0, adapter.comfy_key, adapter.COMFY_ALPHA)
     linears = comfyui_vace_linears(adapter.transformer_config)
     tensors = load_file(comfy)
     modules = {k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k}
@@ -420,7 +424,8 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
         adapter, entries, items, _ = prepare_run(cfg, d)
         item = items[1]
         mask = data.decode_mask(item)
-        assert mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255  # the left edge survives the crop
+        # the left edge survives the crop
+        assert mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255
         expected = adapter.encode_control(
             data.decode_control(item)[None], [mask], [data.load_reference(item)]
         )

@@ -1,4 +1,6 @@
-"""Write a tiny random video model in the exact diffusers layout, with the published config key
+"""Write a tiny random video model in the exact diffusers layout.
+
+Write a tiny random video model in the exact diffusers layout, with the published config key
 sets.
 
 tokenizer/ text_encoder/ transformer/ vae/ scheduler/ model_index.json, loadable by the family's
