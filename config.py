@@ -302,9 +302,9 @@ class ValidationConfig:
     images: list[str] = field(default_factory=list)
     # First-last-frame models: one last-frame image per prompt, beside validation.images.
     last_images: list[str] = field(default_factory=list)
-    # Models that follow a control video (model.type = "ic"): one per prompt, read at the rendered
-    # clip's rate from its first frame, resized to cover and centre-cropped to its size; TensorBoard
-    # shows it beside the output.
+    # Models that follow a control video (model.type = "ic" or "vace"): one per prompt, read at the
+    # rendered clip's rate from its first frame, resized to cover and centre-cropped to its size;
+    # TensorBoard shows it beside the output.
     control_videos: list[str] = field(default_factory=list)
     # VACE models (model.type = "vace"): one reference image per prompt, which the clip is to show
     # (a subject, a style); [] renders without.

@@ -271,11 +271,10 @@ class ClipRenderer:
                 f'{adapter.path} follows a control video (model.type = "ic"): each validation prompt '
                 "renders from one; set validation.control_videos (validate.py: --control), one per prompt"
             )
-        # VACE renders without its control video yet
-        if cfg.control_videos and adapter.type != "ic":
+        if cfg.control_videos and not adapter.takes_control:
             raise ConfigError(
                 f"validation.control_videos conditions control models, and {adapter.path} is not one "
-                'here: remove them (and --control), or set model.type = "ic" (LTX-2)'
+                'here: remove them (and --control), or set model.type = "ic" or "vace"'
             )
         self.controls = [
             load_control(path, self.resolution, float(self.fps)) for path in cfg.control_videos

@@ -24,6 +24,7 @@ from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel, WanV
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
+from PIL import Image
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import Config, ConfigError, ModelConfig
@@ -603,8 +604,9 @@ class WanAdapter(Adapter):
         clip's size, the mask to [0, 1], each reference centred on a white canvas."""
         frames, height, width = resolution
         processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
-        if control is not None:
-            control = processor.preprocess_video(control, height, width).float()
+        if control is not None:  # validate.load_control's uint8 frames, as the pipeline's PIL images
+            frames_in = [Image.fromarray(frame) for frame in control.numpy()]
+            control = processor.preprocess_video(frames_in, height, width).float()
         if mask is not None:
             mask = processor.preprocess_video(mask, height, width).float()
             mask = torch.clamp((mask + 1) / 2, min=0, max=1)

@@ -12,7 +12,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import one_rank_group, prepare_run, read_metrics, run_cmd, run_ok, train_losses, write_toml
+from conftest import (
+    one_rank_group,
+    prepare_run,
+    ramp_video,
+    read_metrics,
+    run_cmd,
+    run_ok,
+    train_losses,
+    write_toml,
+)
 from diffusers import WanVACEPipeline
 from PIL import Image
 from safetensors.torch import load_file
@@ -348,6 +357,34 @@ def test_validation_renders_each_prompt_with_its_reference_image(
         .permute(0, 2, 3, 1)
     )
     assert (ours - theirs).abs().max() <= 1e-4
+    # With a control video too (validation.control_videos): the pipeline given the same frames.
+    control_path = tmp_path / "control.mp4"
+    ramp_video(control_path, 20, 32, 32, 16, 10)
+    with_control = load_config(
+        str(write_toml(tmp_path / "c.toml", {**settings, "validation.control_videos": [str(control_path)]}))
+    )
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, with_control.validation, cfg.data, str(tmp_path), d)
+        controlled = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
+    control = validate.load_control(str(control_path), [9, 32, 32], float(renderer.fps))
+    theirs = (
+        pipe(
+            prompt=PROMPT,
+            video=[Image.fromarray(frame) for frame in control.numpy()],
+            reference_images=[Image.open(reference).convert("RGB")],
+            num_frames=9,
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            guidance_scale=cfg.validation.guidance_scale,
+            generator=data.keyed_generator(cfg.validation.seed, 0),
+            output_type="pt",
+        )
+        .frames[0]
+        .permute(0, 2, 3, 1)
+    )
+    assert (controlled - theirs).abs().max() <= 1e-4
+    assert (controlled - ours).abs().max() > 1e-3  # the control shows
     with pytest.raises(ConfigError, match="validation.reference_images conditions VACE models"):
         load_config(
             str(
