@@ -32,6 +32,7 @@ from cache_files import Prefetch
 from config import Config, ConfigError, TrainConfig, to_toml
 from metrics import Metrics
 from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, setup_adapter
+from sampler import Sampler, micro_slice
 
 log = logging.getLogger("vidtrain")
 
@@ -56,7 +57,7 @@ def train(cfg: Config, d: ranks.Dist) -> None:
         else None
     )
     global_batch = t.batch_size * t.gradient_accumulation_steps * d.dp_world
-    sampler = data.Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
+    sampler = Sampler([item.bucket for item in train_clips], global_batch, cfg.run.seed)
 
     # The model and its optimizer.
     model = build_model(adapter, t, cfg.lora, cfg.parallel, cfg.run.seed, d)
@@ -136,7 +137,7 @@ def train(cfg: Config, d: ranks.Dist) -> None:
             group["lr"] = t.learning_rate * lr_factor(step, t)
         step_loss = torch.zeros((), device=d.device)
         for micro in range(t.gradient_accumulation_steps):
-            positions = data.micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)
+            positions = micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)
             batch = prefetch.batch(
                 [train_clips[batch_ids[p]] for p in positions],
                 following_clips(train_clips, sampler, batch_ids, step, micro, t, d),
@@ -342,7 +343,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def following_clips(
     clips: list,
-    sampler: data.Sampler,
+    sampler: Sampler,
     batch_ids: list[int],
     step: int,
     micro: int,
@@ -358,7 +359,7 @@ def following_clips(
         batch_ids, micro = sampler.peek(), 0
     else:
         return None
-    return [clips[batch_ids[p]] for p in data.micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)]
+    return [clips[batch_ids[p]] for p in micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)]
 
 
 def clip_and_step(

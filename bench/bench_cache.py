@@ -259,6 +259,7 @@ def prefetch(root: Path, args) -> None:
     import ranks
     from config import load_config
     from model import setup_adapter
+    from sampler import Sampler
 
     torch.set_num_threads(1)
     make_synthetic_dataset(str(root / "pf"), 24, 17, 40, 48, seed=0)
@@ -281,7 +282,7 @@ def prefetch(root: Path, args) -> None:
         entries.read = lambda item, kind: time.sleep(args.read_latency_ms / 1000) or read(item, kind)
     model = adapter.load_transformer()
     lora.inject_lora(model, cfg.lora.target_modules, 4, 2, 0.0, 0)
-    sampler = data.Sampler([clip.bucket for clip in clips], 2, 0)
+    sampler = Sampler([clip.bucket for clip in clips], 2, 0)
     batches = [[clips[i] for i in sampler.next_batch()] for _ in range(args.prefetch_steps)]
 
     def micro_steps(fetch) -> tuple[float, float]:

@@ -46,9 +46,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt  # noqa: E402
 import ckpt_files  # noqa: E402
-import data  # noqa: E402
 import ranks  # noqa: E402
 from config import CheckpointConfig  # noqa: E402
+from sampler import Sampler
 
 ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 
@@ -131,7 +131,7 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
     objects = {
         "model": model,
         "optimizer": optimizer,
-        "sampler": data.Sampler([0] * 24, 8, 0),
+        "sampler": Sampler([0] * 24, 8, 0),
         "train": TrainState(),
     }
     identity = {"family": "cogvideox", "training_type": "lora", "lora": {"rank": rank}}

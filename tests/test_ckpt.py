@@ -35,11 +35,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import ckpt
 import ckpt_files
 import command
-import data
 import lora
 import ranks
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
 from model_adapter import load_adapter
+from sampler import Sampler
 
 STEPS = 14
 # Global batch 4 everywhere, with accumulation and EMA on.
@@ -626,7 +626,7 @@ def test_save_views_follow_the_live_tensors(tmp_path):
     save hands DCP what a fresh build would."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters())
-    objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
+    objects = {"model": model, "optimizer": optimizer, "sampler": Sampler([0] * 4, 2, 0)}
     one = ranks.Dist(0, 1, 0, torch.device("cpu"))
     checkpoints, reference = (
         ckpt.Checkpointer(CheckpointConfig(), str(tmp_path), one, {"training_type": "sft"}, {})

@@ -23,6 +23,7 @@ import decode
 import manifest
 import trainer
 from config import ConfigError, DataConfig
+from sampler import Sampler, micro_slice
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 TWO_BUCKETS = [[9, 48, 40], [17, 40, 48]]
@@ -284,7 +285,7 @@ def test_sampler_batches_hold_one_bucket_and_resume_exactly():
     buckets = [0] * 10 + [1] * 7 + [2] * 3
     for world, batch_size, accumulation in ((1, 4, 1), (2, 1, 2)):
         global_batch = world * batch_size * accumulation
-        straight = data.Sampler(buckets, global_batch, seed=5)
+        straight = Sampler(buckets, global_batch, seed=5)
         sequence = [straight.next_batch() for _ in range(12)]
         per_epoch = 10 // 4 + 7 // 4
         for epoch in range(2):
@@ -292,23 +293,21 @@ def test_sampler_batches_hold_one_bucket_and_resume_exactly():
             assert len({i for b in batches for i in b}) == per_epoch * global_batch
         for batch in sequence:
             assert len({buckets[i] for i in batch}) == 1
-            slices = [
-                data.micro_slice(m, r, world, batch_size) for m in range(accumulation) for r in range(world)
-            ]
+            slices = [micro_slice(m, r, world, batch_size) for m in range(accumulation) for r in range(world)]
             assert sorted(p for s in slices for p in s) == list(range(global_batch))
-        first = data.Sampler(buckets, global_batch, seed=5)
+        first = Sampler(buckets, global_batch, seed=5)
         head = [first.next_batch() for _ in range(5)]
         state = first.state_dict()
         assert all(isinstance(v, torch.Tensor) for v in state.values())
-        resumed = data.Sampler(buckets, global_batch, seed=5)
+        resumed = Sampler(buckets, global_batch, seed=5)
         resumed.load_state_dict(state)
         assert head + [resumed.next_batch() for _ in range(7)] == sequence
     with pytest.raises(
         ConfigError, match="train.batch_size x train.gradient_accumulation_steps x world size"
     ):
-        data.Sampler(buckets, 8, seed=5).load_state_dict(state)
+        Sampler(buckets, 8, seed=5).load_state_dict(state)
     with pytest.raises(ConfigError, match="no bucket holds a full global batch of 11"):
-        data.Sampler(buckets, 11, seed=5)
+        Sampler(buckets, 11, seed=5)
 
 
 # The cache pass and training.

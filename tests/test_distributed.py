@@ -32,6 +32,7 @@ import ranks
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from model import build_model
 from model_adapter import load_adapter
+from sampler import Sampler, micro_slice
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
@@ -126,7 +127,7 @@ def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
         d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         adapter, cache, clips, _ = prepare_run(cfg, d)
         model = build_model(adapter, cfg.train, cfg.lora, cfg.parallel, cfg.run.seed, d)
-        batch_ids = data.Sampler([c.bucket for c in clips], 4, cfg.run.seed).next_batch()
+        batch_ids = Sampler([c.bucket for c in clips], 4, cfg.run.seed).next_batch()
         with torch.no_grad():
             per_rank = [
                 adapter.train_loss(
@@ -134,7 +135,7 @@ def test_logged_loss_is_the_global_mean(variant_runs, base_settings, tmp_path):
                     cache.load_batch([clips[batch_ids[p]] for p in positions]),
                     [data.keyed_generator(cfg.run.seed, 1, p) for p in positions],
                 ).mean()
-                for positions in (data.micro_slice(0, r, 2, 2) for r in range(2))
+                for positions in (micro_slice(0, r, 2, 2) for r in range(2))
             ]
     finally:
         dist.destroy_process_group()

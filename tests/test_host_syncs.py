@@ -18,12 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cache
 import cache_files
-import data
 import faults
 import ranks
 import trainer
 from config import RunConfig, load_config
 from families.cogvideox import CogVideoXAdapter
+from sampler import Sampler, micro_slice
 
 # Host reads allowed on a step that does not log, keyed by (root module, function), with the reason.
 ALLOWED = {
@@ -159,12 +159,12 @@ def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
     monkeypatch.setattr(CogVideoXAdapter, "train_loss", recorded)
     run_counting(write_config, monkeypatch, "one_process", torch.device("cpu"), lambda on: None)
     entries, clips, _ = prepared[0]
-    sampler = data.Sampler([item.bucket for item in clips], 4, RunConfig().seed)
+    sampler = Sampler([item.bucket for item in clips], 4, RunConfig().seed)
     expected = []
     for _ in range(STEPS):
         batch_ids = sampler.next_batch()
         expected += [
-            entries.load_batch([clips[batch_ids[p]] for p in data.micro_slice(micro, 0, 1, 2)])
+            entries.load_batch([clips[batch_ids[p]] for p in micro_slice(micro, 0, 1, 2)])
             for micro in range(2)
         ]
     assert sampler.epoch == 1 and len(trained) == len(expected) == 2 * STEPS

@@ -26,6 +26,8 @@ LAYERS = {
             "parallel",
             "ckpt_files",
             "cache_files",
+            "encoding",
+            "sampler",
             "command",
             "metrics",
             "faults",

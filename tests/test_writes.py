@@ -20,13 +20,13 @@ import cache_files
 import ckpt
 import ckpt_files
 import command
-import data
 import faults
 import lora
 import ranks
 import render
 import validate
 from config import CheckpointConfig, ConfigError, DataConfig, load_config
+from sampler import Sampler
 
 DISK_FULL = r"failed \(\[Errno 28\] No space left on device \(injected disk_full\)\): "
 
@@ -180,7 +180,7 @@ def test_async_saves_reuse_one_staged_copy(tmp_path):
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
         optimizer = torch.optim.AdamW(model.parameters())
-        objects = {"model": model, "optimizer": optimizer, "sampler": data.Sampler([0] * 4, 2, 0)}
+        objects = {"model": model, "optimizer": optimizer, "sampler": Sampler([0] * 4, 2, 0)}
         d = ranks.Dist(0, 1, 0, torch.device("cpu"))
         checkpoints = ckpt.Checkpointer(
             CheckpointConfig(async_save=True), str(tmp_path), d, {"training_type": "sft"}, {}
