@@ -562,9 +562,10 @@ class WanAdapter(Adapter):
         references=(),
     ):
         """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's (FLF2V: and the
-        last image's) condition, as the pipelines' prepare_latents. VACE: the control video's and
-        mask's frames (lists of PIL images, or None) and the reference images (PIL), encoded as
-        WanVACEPipeline does; a latent frame per reference in front of the clip's."""
+        last image's) condition, as the pipelines' prepare_latents. VACE: the control video's frames
+        (PIL images, or validation's uint8 [F, H, W, 3]) and the mask's (PIL images), or None, and the
+        reference images (PIL), encoded as WanVACEPipeline does; a latent frame per reference in front
+        of the clip's."""
         frames, height, width = resolution
         ratio = self.vae_config["scale_factor_spatial"]
         scheduler.set_timesteps(steps, device=self.device)
@@ -604,9 +605,10 @@ class WanAdapter(Adapter):
         clip's size, the mask to [0, 1], each reference centred on a white canvas."""
         frames, height, width = resolution
         processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
-        if control is not None:  # validate.load_control's uint8 frames, as the pipeline's PIL images
-            frames_in = [Image.fromarray(frame) for frame in control.numpy()]
-            control = processor.preprocess_video(frames_in, height, width).float()
+        if isinstance(control, torch.Tensor):  # validate.load_control's uint8 frames: the pipeline's images
+            control = [Image.fromarray(frame) for frame in control.numpy()]
+        if control is not None:
+            control = processor.preprocess_video(control, height, width).float()
         if mask is not None:
             mask = processor.preprocess_video(mask, height, width).float()
             mask = torch.clamp((mask + 1) / 2, min=0, max=1)
