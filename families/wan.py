@@ -160,14 +160,8 @@ class WanAdapter(Adapter):
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        """Weights in bf16 or fp16 need autocast; VACE's context tokens are not split by sp."""
+        """Weights in bf16 or fp16 need autocast."""
         super().check_config(cfg)
-        # the context's tokens (docs/control.md)
-        if cfg.model.type == "vace" and cfg.parallel.sp_size > 1:
-            raise ConfigError(
-                "parallel.sp_size > 1 does not split Wan VACE's context tokens yet: set "
-                "parallel.sp_size = 1 (FSDP shards the VACE blocks as the others)"
-            )
         dtype = cfg.model.dtype
         if dtype != "fp32" and cfg.train.mixed_precision == "no":
             # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and
@@ -534,14 +528,26 @@ class WanAdapter(Adapter):
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
         """Sequence parallelism: the video tokens, their rotary embeddings and (TI2V) their
         per-token timestep embeddings split at the first block; self-attention through an
-        all-to-all, the cross-attention to the text (and image) local."""
+        all-to-all, the cross-attention to the text (and image) local.
+
+        VACE: the context tokens (the VACE patch embedding's, padded to the video's length as the
+        forward pads them, reference frames included) split with the video's, in the same slices,
+        at the first context block, as does the video that block adds to them; each context block's
+        hint stays split and is added to the base blocks' split tokens, and the sequence is gathered
+        where it leaves the blocks, at the output norm (a hint may follow the last base block)."""
 
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             # temb [B, tokens, 6, D] with expand_timesteps (TI2V), [B, 6, D] otherwise
             return {"rotary_emb": 1} | ({"temb": 1} if arguments["temb"].ndim == 4 else {})
 
         self.sequence = split
-        split_blocks(self.blocks(transformer), split, per_token_inputs)
+        if self.vace:
+            first = ("hidden_states", "control_hidden_states")
+            split_blocks(list(transformer.vace_blocks), split, per_token_inputs, first, gather=False)
+            split_blocks(list(transformer.blocks), split, per_token_inputs, gather=False)
+            transformer.norm_out.register_forward_pre_hook(lambda module, args: (split.gather(args[0], 1),))
+        else:
+            split_blocks(self.blocks(transformer), split, per_token_inputs)
         for block in self.blocks(transformer):
             block.attn1.set_processor(SequenceParallelSelfAttention(split))
 
