@@ -525,6 +525,13 @@ class WanAdapter(Adapter):
         """VACE's context blocks first: the forward runs them all before the base blocks."""
         return list(getattr(transformer, "vace_blocks", [])) + list(transformer.blocks)
 
+    @property
+    def block_count(self) -> int:
+        """VACE: the context blocks with the base blocks (parallel.offload_blocks counts both)."""
+        return self.transformer_config["num_layers"] + (
+            len(self.transformer_config["vace_layers"]) if self.vace else 0
+        )
+
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
         """Sequence parallelism: the video tokens, their rotary embeddings and (TI2V) their
         per-token timestep embeddings split at the first block; self-attention through an
