@@ -65,6 +65,7 @@ ORIGINAL_BLOCK = COMFY_NAMES | {
 }
 ORIGINAL_OTHER = {
     "patch_embedding": "patch_embedding",
+    "vace_patch_embedding": "vace_patch_embedding",
     "condition_embedder.text_embedder.linear_1": "text_embedding.0",
     "condition_embedder.text_embedder.linear_2": "text_embedding.2",
     "condition_embedder.time_embedder.linear_1": "time_embedding.0",
@@ -225,8 +226,11 @@ class WanAdapter(Adapter):
     @staticmethod
     def single_file_key(key: str) -> str | None:
         """A state-dict key's name in the original checkpoint: blocks.N.attn1.to_q.weight ->
-        blocks.N.self_attn.q.weight."""
-        return rename_key(key, "blocks", "blocks", ORIGINAL_BLOCK, ORIGINAL_OTHER)
+        blocks.N.self_attn.q.weight; VACE's context blocks as the base blocks, their proj_in and
+        proj_out as before_proj and after_proj (vace_blocks.N.before_proj.weight)."""
+        return rename_key(key, "blocks", "blocks", ORIGINAL_BLOCK, ORIGINAL_OTHER) or rename_key(
+            key, "vace_blocks", "vace_blocks", ORIGINAL_BLOCK | wan_vace.PROJECTIONS, {}
+        )
 
     @staticmethod
     def diffusers_names(keys: list[str]) -> dict[str, str]:
