@@ -543,9 +543,11 @@ class WanAdapter(Adapter):
 
         VACE: the context tokens (the VACE patch embedding's, padded to the video's length as the
         forward pads them, reference frames included) split with the video's, in the same slices,
-        at the first context block, as does the video that block adds to them; each context block's
-        hint stays split and is added to the base blocks' split tokens, and the sequence is gathered
-        where it leaves the blocks, at the output norm (a hint may follow the last base block)."""
+        at the first context block; the video, which the forward hands every context block whole
+        (the first adds it to the context), is sliced at each: a view, and what checkpointing keeps
+        (activation offload copies) per block is this rank's slice. Each context block's hint stays split and is added to the base blocks'
+        split tokens, and the sequence is gathered where it leaves the blocks, at the output norm
+        (a hint may follow the last base block)."""
 
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             # temb [B, tokens, 6, D] with expand_timesteps (TI2V), [B, 6, D] otherwise
@@ -553,8 +555,13 @@ class WanAdapter(Adapter):
 
         self.sequence = split
         if self.vace:
-            first = ("hidden_states", "control_hidden_states")
-            split_blocks(list(transformer.vace_blocks), split, per_token_inputs, first, gather=False)
+            split_blocks(
+                list(transformer.vace_blocks),
+                split,
+                lambda arguments: per_token_inputs(arguments) | {"hidden_states": 1},
+                first=("control_hidden_states",),
+                gather=False,
+            )
             split_blocks(list(transformer.blocks), split, per_token_inputs, gather=False)
             transformer.norm_out.register_forward_pre_hook(lambda module, args: (split.gather(args[0], 1),))
         else:
