@@ -54,8 +54,7 @@ def _export_weights(
         lora.save_lora(
             str(folder / "pytorch_lora_weights.safetensors"),
             *args,
-            expert=adapter.expert,
-            metadata=adapter.lora_metadata(),
+            metadata=({"expert": adapter.expert} if adapter.expert else {}) | adapter.lora_metadata(),
         )
         lora.save_peft_adapter(str(folder), *args)
         log.info(

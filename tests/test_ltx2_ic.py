@@ -30,7 +30,7 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_
 from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
 from PIL import Image
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import data
@@ -345,6 +345,15 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
         renderer = validate.ClipRenderer(
             adapter, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
         )
+        # a LoRA trained with another reference_downscale_factor (its metadata) is named
+        lora_file = tmp_path / "halved.safetensors"
+        save_file({"w": torch.zeros(1)}, str(lora_file), metadata={"reference_downscale_factor": "2"})
+        with pytest.raises(
+            ConfigError,
+            match=r"--lora .*halved.safetensors was trained with reference_downscale_factor = 2 \(its "
+            r"metadata\), and model.reference_downscale_factor is 1: set model.reference_downscale_factor = 2",
+        ):
+            render.load_model(None, adapter, d, None, str(lora_file))  # refused before the config counts
         clip = torch.full((9, 32, 32, 3), 7, dtype=torch.uint8)
         renderer.render = lambda model, autocast: [clip]
         shown = {}
