@@ -700,7 +700,7 @@ class LTX2Adapter(Adapter):
         sound,
         batch,
         embeds,
-        clean_first=None,
+        keep=None,
     ):
         """Per-sample fp32 losses (total, video, audio) of clean latents at their noise levels.
 
@@ -711,19 +711,15 @@ class LTX2Adapter(Adapter):
         ltx-trainer's first-frame condition and the I2V pipeline have them. IC-LoRA: the control
         clip's latents (control_latent_mean) follow the clip's tokens, clean, at timestep 0, at the
         clip's positions and outside the loss, as ltx-trainer's video_to_video strategy has its
-        reference (a downscaled one at its own grid's positions, scaled to the clip's); clean_first
-        [B] (IC-LoRA's first-frame conditioning) gives those samples' first latent frame clean, at
-        timestep 0 and outside their loss, as ltx-trainer's first_frame_conditioning_p. Sets
+        reference (a downscaled one at its own grid's positions, scaled to the clip's); keep [B,
+        tokens] (IC-LoRA's first-frame conditioning, train_loss's) gives the tokens at 0 clean, at
+        timestep 0 and outside their sample's loss, as ltx-trainer's first_frame_conditioning_p. Sets
         self.losses."""
         n, shape = len(x0), batch["shape"]
         s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
         x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
         video_t, first = 1000 * sigmas, 0  # first: the tokens of the conditioning frame
-        keep = None  # IC-LoRA's first-frame conditioning: [B, tokens], 0 on the clean frames
-        # (a clip of one latent frame keeps it: VideoToVideoStrategy's first_frame_end_idx rule)
-        if clean_first is not None and shape[0] > 1 and bool(clean_first.any()):
-            keep = torch.ones(n, x0.shape[1], device=x0.device)
-            keep[clean_first.to(x0.device), : x0.shape[1] // shape[0]] = 0
+        if keep is not None:
             x_t = torch.where(keep[..., None] > 0, x_t, x0)
             video_t = video_t[:, None] * keep
         if self.type == "i2v":
@@ -816,9 +812,15 @@ class LTX2Adapter(Adapter):
         audio_noise = to_device(
             torch.stack([torch.randn(a.shape, generator=g) for a, g in zip(a0, generators)]), self.device
         )
-        clean_first = None
+        # IC-LoRA's first-frame conditioning: [B, tokens], 0 on the clean frames, built on the host
+        # (no device sync); a clip of one latent frame keeps its frame (VideoToVideoStrategy's rule)
+        keep = None
         if self.takes_control and self.first_frame_p > 0:
-            clean_first = torch.stack([torch.rand((), generator=g) < self.first_frame_p for g in generators])
+            clean = torch.stack([torch.rand((), generator=g) < self.first_frame_p for g in generators])
+            if shape[0] > 1 and bool(clean.any()):
+                keep = torch.ones(len(x0), x0.shape[1])
+                keep[clean, : x0.shape[1] // shape[0]] = 0
+                keep = to_device(keep, self.device)
         return self._loss(
             transformer,
             x0,
@@ -830,7 +832,7 @@ class LTX2Adapter(Adapter):
             sound,
             {**batch, "shape": shape},
             batch["prompt_embeds"].to(self.device),
-            clean_first,
+            keep,
         )[0]
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
