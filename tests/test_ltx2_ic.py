@@ -39,7 +39,7 @@ import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
-from model_adapter import load_adapter
+from model_adapter import check_config, load_adapter
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 
@@ -162,6 +162,12 @@ def test_a_downscaled_reference_and_a_clean_first_frame_as_ltx_trainer(ic_adapte
     hook = transformer.register_forward_hook(record, with_kwargs=True)
     adapter.reference_downscale, adapter.first_frame_p = 2, 0.5
     try:
+        with pytest.raises(
+            ConfigError,
+            match="data.train_resolution height = 40, but model.reference_downscale_factor = 2 reads the "
+            "control at 1/2 of it, which must be a multiple of 8 too: use a multiple of 16, or another factor",
+        ):
+            adapter.check_resolution([9, 40, 32], "data.train_resolution")
         with torch.no_grad():
             losses = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 3, i) for i in range(n)])
     finally:
@@ -206,7 +212,8 @@ def test_a_downscaled_reference_and_a_clean_first_frame_as_ltx_trainer(ic_adapte
 
 def test_in_context_is_ltx2s(tiny_models, write_config):
     """model.type = "ic" on another family names the key; its condition is a control video, not an
-    image (validation.images is refused as for text-to-video)."""
+    image (validation.images is refused as for text-to-video); IC-LoRA's own keys are refused out of
+    range or for another type, each naming the key."""
     with pytest.raises(
         ConfigError,
         match='model.type = "ic" trains a model in context with a control clip, which '
@@ -216,6 +223,24 @@ def test_in_context_is_ltx2s(tiny_models, write_config):
     images = {"model.type": "ic", "validation.prompts": ["x"], "validation.images": ["x.png"]}
     with pytest.raises(ConfigError, match="validation.images conditions image-to-video models"):
         load_config(str(write_config("ic", **images)))
+    ltx2 = {"model.family": "ltx2", "model.type": "ic", "model.path": "/nowhere"}  # the config alone
+    for settings, message in (
+        (
+            {**ltx2, "model.type": "t2v", "model.reference_downscale_factor": 2},
+            r'model.reference_downscale_factor = 2 shapes IC-LoRA training \(model.type = "ic"\), and '
+            r'model.type is "t2v": remove it, or set model.type = "ic"',
+        ),
+        (
+            {**ltx2, "model.reference_downscale_factor": 0},
+            "model.reference_downscale_factor = 0 is out of range: a whole factor, 1 or more",
+        ),
+        (
+            {**ltx2, "train.first_frame_conditioning_p": 1.5},
+            "train.first_frame_conditioning_p = 1.5 is out of range: a probability, 0 to 1",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_config(load_config(str(write_config("keys", **settings))))
 
 
 @pytest.fixture(scope="module")
