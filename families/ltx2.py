@@ -126,9 +126,9 @@ class VideoStream(NamedTuple):
     # [B]: its noise level (LTX-2.3's prompt modulation; the audio's cross gate)
     sigma: torch.Tensor
     shape: tuple[int, int, int]  # the latent (frames, height, width)
-    # IC-LoRA: the tokens after the clip's prod(shape) are the reference clip's, of latent shape
-    # (frames, height / k, width / k), at the clip's positions
-    # the reference's spatial downscale factor k (model.reference_downscale_factor); 0: none
+    # IC-LoRA: the reference's spatial downscale factor k (model.reference_downscale_factor; 0
+    # without one): the tokens after the clip's are a reference clip of latent shape (frames,
+    # height / k, width / k)
     reference: int = 0
 
 
@@ -792,8 +792,9 @@ class LTX2Adapter(Adapter):
         Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and
         position in the global batch) draws, in order: the video s, the audio s, the video noise,
         the audio noise, and (IC-LoRA with train.first_frame_conditioning_p > 0) one uniform number,
-        below p for a sample whose first latent frame is given clean. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
-        [B, C', L, M'], the audio VAE's posterior) add audio_loss_weight x the audio loss. A clip
+        below p for a sample whose first latent frame is given clean. Audio entries (the audio
+        cache's audio_latent_mean and audio_latent_logvar, [B, C', L, M'], the audio VAE's
+        posterior) add audio_loss_weight x the audio loss. A clip
         without sound in a batch with sound (audio_mask false) has an audio stream of pure noise at
         s = 1, where generation starts, and no audio loss; a batch without sound runs the video
         stream alone."""
