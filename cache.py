@@ -172,6 +172,7 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
         cfg.run.seed if cfg.model.type == "i2v" else None,
         adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
         adapter.takes_control,
+        adapter.control_key(),
     )
     check_last_images(adapter, clips, cfg.data)
     check_controls(adapter, cfg.data, clips)

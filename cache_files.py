@@ -63,9 +63,11 @@ class Cache:
         image_seed: int | None,
         audio_dtype: str | None = None,
         control: bool = False,
+        control_key: dict | None = None,
     ):
         """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound
-        entries. control: whether each clip has a control entry."""
+        entries. control: whether each clip has a control entry; control_key: what else its key
+        holds (the adapter's control_key)."""
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
         self.encoders, self.text_length, self.dtype, self.image_seed = (
             encoders,
@@ -76,6 +78,7 @@ class Cache:
         self.audio_dtype, sound = audio_dtype, audio_dtype is not None
         self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * sound
         self.kinds += ("control",) * control
+        self.control_key = control_key or {}
 
     def path(self, item: data.Item, kind: str) -> str:
         if kind == "text":
@@ -104,7 +107,11 @@ class Cache:
                 if content
             }
             key = _key(
-                video=video, control=item.control_content, encoder=self.encoders.get("control"), **vace
+                video=video,
+                control=item.control_content,
+                encoder=self.encoders.get("control"),
+                **vace,
+                **self.control_key,
             )
         else:
             key = _key(

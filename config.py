@@ -65,6 +65,12 @@ class ModelConfig:
     # per output row (half of bf16's bytes), upcast to model.dtype per layer as it runs (LoRA only);
     # "" keeps them in model.dtype.
     storage_dtype: Literal["", "fp8"] = ""
+    # One family's key (docs/models/), for in-context models (model.type = "ic"): each control
+    # video is read at 1/k of its clip's height and width (the reference has k^2 times fewer tokens;
+    # its positions are scaled by k to the clip's), as Lightricks' trainer's
+    # reference_downscale_factor; written into the exported LoRA's metadata. Each bucket's height and width must then be
+    # multiples of k times the model's size multiple.
+    reference_downscale_factor: int = 1
 
 
 @dataclass
@@ -124,6 +130,10 @@ class TrainConfig:
     flow_shift: float = 0.0
     # Families with sound: the loss is the video loss plus this times the audio loss.
     audio_loss_weight: float = 1.0
+    # One family's key (docs/models/), for in-context models (model.type = "ic"): the probability
+    # that a training sample's first latent frame is given clean (timestep 0, outside the loss), as
+    # in Lightricks' trainer; drawn per sample from its keyed generator.
+    first_frame_conditioning_p: float = 0.0
     # Exponential moving average of the trainable weights (0 = off, e.g. 0.999), used for validation
     # and exported beside the online weights.
     ema_decay: float = 0.0

@@ -51,7 +51,11 @@ def _export_weights(
         folder.mkdir(parents=True, exist_ok=True)
         weights = {k: v.float() for k, v in state.items()}
         args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
-        lora.save_lora(str(folder / "pytorch_lora_weights.safetensors"), *args, expert=adapter.expert)
+        lora.save_lora(
+            str(folder / "pytorch_lora_weights.safetensors"),
+            *args,
+            metadata=({"expert": adapter.expert} if adapter.expert else {}) | adapter.lora_metadata(),
+        )
         lora.save_peft_adapter(str(folder), *args)
         log.info(
             "LoRA written to %s%s",
@@ -81,6 +85,11 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str)
         return
     name += f"_{adapter.expert}" if adapter.expert else ""
     lora.save_comfy(
-        str(folder / "comfy" / f"{name}.safetensors"), weights, alpha, adapter.comfy_key, adapter.COMFY_ALPHA
+        str(folder / "comfy" / f"{name}.safetensors"),
+        weights,
+        alpha,
+        adapter.comfy_key,
+        adapter.COMFY_ALPHA,
+        adapter.lora_metadata(),
     )
     log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")

@@ -222,18 +222,20 @@ def save_lora(
     alpha: float,
     target_modules: list[str],
     dropout: float = 0.0,
-    expert: str = "",
+    metadata: dict[str, str] | None = None,
 ) -> None:
     """Write diffusers' pytorch_lora_weights.safetensors as the pipeline's save_lora_weights does.
 
     The tensors and header that `CogVideoXPipeline.save_lora_weights(...,
-    transformer_lora_adapter_metadata=config)` writes; a Wan 2.2 A14B expert's file names its expert
-    in the header too."""
+    transformer_lora_adapter_metadata=config)` writes, with `metadata` (a Wan 2.2 A14B expert's
+    name, an IC-LoRA's reference_downscale_factor) in the header too."""
     config = _adapter_config(rank, alpha, target_modules, dropout)
     packed = {DIFFUSERS_PREFIX + k: v for k, v in config.items()}
-    metadata = {"format": "pt", METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
-    if expert:
-        metadata["expert"] = expert
+    metadata = {
+        **(metadata or {}),
+        "format": "pt",
+        METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True),
+    }
     _save_safetensors(path, {DIFFUSERS_PREFIX + k: v for k, v in lora_sd.items()}, metadata)
 
 
@@ -357,7 +359,7 @@ def _from_comfy(
 
 
 def save_comfy(
-    path: str, lora_sd: dict[str, torch.Tensor], alpha: float, to_comfy, alpha_keys: bool = True
+    path: str, lora_sd: dict, alpha: float, to_comfy, alpha_keys: bool = True, metadata=None
 ) -> None:
     """Write a LoRA in ComfyUI's native layout.
 
@@ -366,7 +368,7 @@ def save_comfy(
     converter of such files bakes alpha in, and would apply it twice with the metadata). `to_comfy`
     maps our module names. Without alpha_keys (a family whose diffusers loader refuses them,
     LTX-2's) alpha / rank is baked into lora_B instead, which ComfyUI, reading no .alpha, applies at
-    scale 1."""
+    scale 1. `metadata`: the family's strings (Adapter.lora_metadata)."""
     tensors = {}
     for key, value in lora_sd.items():
         module, part = key.rsplit(".lora_", 1)
@@ -375,7 +377,7 @@ def save_comfy(
         elif part.startswith("B"):
             value = value * (alpha / value.shape[1])
         tensors[f"{COMFY_PREFIX}{to_comfy(module)}.lora_{part}"] = value
-    _save_safetensors(path, tensors, {"format": "pt"})
+    _save_safetensors(path, tensors, {**(metadata or {}), "format": "pt"})
 
 
 @torch.no_grad()

@@ -69,12 +69,16 @@ class RunSettings:
     sound: bool = False
     # data.target_fps: every clip's frame rate, where positions count seconds; 0: the family's.
     frame_rate: float = 0.0
+    # train.first_frame_conditioning_p: an in-context sample's chance of a clean first frame.
+    first_frame_p: float = 0.0
 
     @classmethod
     def of(cls, cfg: Config) -> "RunSettings":
         """The settings a run's config gives."""
         t, data = cfg.train, cfg.data
-        return cls(t.flow_shift, t.audio_loss_weight, data.audio, data.target_fps)
+        return cls(
+            t.flow_shift, t.audio_loss_weight, data.audio, data.target_fps, t.first_frame_conditioning_p
+        )
 
 
 class Adapter(TransformerLoading, abc.ABC):
@@ -168,6 +172,16 @@ class Adapter(TransformerLoading, abc.ABC):
     @abc.abstractmethod
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
         """Image-to-video: uint8 [B, H, W, 3] -> the tensors of the clip's image entry."""
+
+    def control_key(self) -> dict:
+        """What the control entries' cache key holds besides the clip's and the control file's (a
+        family's setting that changes the entry); {} by default."""
+        return {}
+
+    def lora_metadata(self) -> dict[str, str]:
+        """Strings the exported LoRA files carry in their safetensors metadata for the tools that
+        load them (a family's setting they need); {} by default."""
+        return {}
 
     def encode_control(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
         """Control frames uint8 [B, F, H, W, 3] -> the tensors of each clip's control entry (the VAE

@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from safetensors import safe_open
+
 import ckpt
 import ckpt_files
 import command
@@ -41,6 +43,8 @@ def load_model(
     a checkpoint (its EMA weights when it has them, as in-training validation, unless `online`), of
     an exported LoRA file, or the base model's."""
     # a checkpoint or --lora decides the weights
+    if lora_file:
+        check_lora_metadata(lora_file, adapter.lora_metadata())
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d, lora_file or "")
     if checkpoint:
@@ -50,6 +54,23 @@ def load_model(
             ema.swap_in()
             log.info("rendering with the checkpoint's EMA weights (--online renders the others)")
     return model
+
+
+def check_lora_metadata(path: str, expected: dict[str, str]) -> None:
+    """A LoRA file whose metadata gives one of the family's settings (Adapter.lora_metadata: an
+    IC-LoRA's reference_downscale_factor) another value than this run's model.<key>: named before
+    anything renders."""
+    file = Path(path) / "pytorch_lora_weights.safetensors" if Path(path).is_dir() else Path(path)
+    if not expected or not file.is_file():
+        return
+    with safe_open(str(file), framework="pt") as f:
+        header = f.metadata() or {}
+    for key, value in expected.items():
+        if header.get(key, value) != value:
+            raise ConfigError(
+                f"--lora {path} was trained with {key} = {header[key]} (its metadata), and "
+                f"model.{key} is {value}: set model.{key} = {header[key]}"
+            )
 
 
 def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, online: bool) -> list[str]:

@@ -28,7 +28,8 @@ torch.cuda.max_memory_allocated where CUDA is).
   adapter's audio rate at its published frame rate: 126 frames for 121 at 24 fps), every rank all of
   them.
 - control (LTX-2 IC-LoRA, model.type = "ic"): the batch holds the control clip's latents, which the
-  adapter appends as tokens: twice the video tokens in training and in the validation render.
+  adapter appends as tokens: twice the video tokens in training and in the validation render, or
+  1 + 1/k^2 times with model.reference_downscale_factor = k.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
   parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
@@ -153,9 +154,15 @@ def shapes(cfg, adapter, sp: int) -> dict:
         "rank_tokens": grid * (w_rank // patch),
         "audio_tokens": 0,
     }
-    # IC-LoRA: the control's tokens beside the clip's, as many (cached_batch)
+    # IC-LoRA: the control's tokens beside the clip's, as many, or 1/k^2 as many at 1/k of its
+    # height and width (model.reference_downscale_factor; cached_batch)
+    # (each rank's: 1/k of its latent width, as the adapter expects beside the rank's clip latents)
     if adapter.takes_control:
-        s["video_tokens"], s["rank_tokens"] = 2 * s["video_tokens"], 2 * s["rank_tokens"]
+        k = getattr(adapter, "reference_downscale", 1)
+        ref_grid = -(-f // (c.get("patch_size_t") or 1)) * (h // k // patch)
+        s["control"] = (cfg.train.batch_size, adapter.latent_channels, f, h // k, w_rank // k)
+        s["video_tokens"] += ref_grid * (w // k // patch)
+        s["rank_tokens"] += ref_grid * (w_rank // k // patch)
     if hasattr(adapter, "audio_latents_per_second") and cfg.data.audio:
         # The clip's soundtrack, as the audio cache holds it: [B, C', L, M'] for the frames' seconds
         # (every rank's whole: sp replicates the audio tokens).
@@ -192,7 +199,7 @@ def cached_batch(adapter, s: dict, new) -> dict:
         batch["control_latents"] = new((s["latent"][0], c["vace_in_channels"], *s["latent"][2:]))
     # its control entry: the adapter appends its tokens, in training and sampling alike
     elif adapter.takes_control:
-        batch["control_latent_mean"], batch["control_latent_logvar"] = new(s["latent"]), new(s["latent"])
+        batch["control_latent_mean"], batch["control_latent_logvar"] = new(s["control"]), new(s["control"])
     if "audio" in s:
         batch["audio_latent_mean"], batch["audio_latent_logvar"] = new(s["audio"]), new(s["audio"])
     return batch

@@ -126,8 +126,10 @@ class VideoStream(NamedTuple):
     # [B]: its noise level (LTX-2.3's prompt modulation; the audio's cross gate)
     sigma: torch.Tensor
     shape: tuple[int, int, int]  # the latent (frames, height, width)
-    # IC-LoRA: the second half of the tokens are the reference clip's, at the clip's positions
-    reference: bool = False
+    # IC-LoRA: the reference's spatial downscale factor k (model.reference_downscale_factor; 0
+    # without one): the tokens after the clip's are a reference clip of latent shape (frames,
+    # height / k, width / k)
+    reference: int = 0
 
 
 class AudioStream(NamedTuple):
@@ -169,6 +171,10 @@ class LTX2Adapter(Adapter):
             "validation.guidance_rescale",
         ),
         "{key} is an option of LTX-2's pipelines; {family}'s pipeline has no such guidance term: remove it",
+    ) | dict.fromkeys(
+        ("model.reference_downscale_factor", "train.first_frame_conditioning_p"),
+        '{key} is an option of LTX-2\'s IC-LoRA (model.family = "ltx2", model.type = "ic"); '
+        "{family} has no in-context reference: remove it",
     )
     # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio
     # VAE's files.
@@ -231,6 +237,10 @@ class LTX2Adapter(Adapter):
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = run.audio_loss_weight
         self.takes_control = cfg.type == "ic"
+        # IC-LoRA: the control read at 1/k of the clip's size, and a sample's chance of a clean
+        # first frame (ltx-trainer's reference_downscale_factor and first_frame_conditioning_p)
+        self.reference_downscale = cfg.reference_downscale_factor
+        self.first_frame_p = run.first_frame_p
         # The rate the video's rotary positions count seconds in: data.target_fps (every clip's
         # rate) when set.
         self.frame_rate = run.frame_rate or FRAME_RATE
@@ -272,6 +282,18 @@ class LTX2Adapter(Adapter):
                 f"(validation.guidance_scale = {v.guidance_scale}): set "
                 f"validation.guidance_scale above 1, or remove {added[0]}"
             )
+        k, p = cfg.model.reference_downscale_factor, cfg.train.first_frame_conditioning_p
+        for key, value, valid, what in (
+            ("model.reference_downscale_factor", k, k >= 1, "a whole factor, 1 or more"),
+            ("train.first_frame_conditioning_p", p, 0 <= p <= 1, "a probability, 0 to 1"),
+        ):
+            if not valid:
+                raise ConfigError(f"{key} = {value} is out of range: {what}")
+            if cfg.model.type != "ic" and config_sets(cfg, key):
+                raise ConfigError(
+                    f'{key} = {value} shapes IC-LoRA training (model.type = "ic"), and model.type is '
+                    f'"{cfg.model.type}": remove it, or set model.type = "ic"'
+                )
         if cfg.data.audio and not cfg.data.target_fps:
             raise ConfigError(
                 "data.audio = true with data.target_fps = 0: LTX-2's sound needs every "
@@ -280,6 +302,32 @@ class LTX2Adapter(Adapter):
                 "data.target_fps (24, as LTX-2 was published), or data.audio = false to "
                 "train video only"
             )
+
+    def check_resolution(self, resolution, key: str) -> None:
+        """IC-LoRA with a downscaled reference: the reference's height and width, 1/k of the clip's,
+        are whole multiples of the model's size multiple too (ltx-trainer's
+        compute_scaled_resolution_buckets' rule)."""
+        super().check_resolution(resolution, key)
+        k = self.reference_downscale if self.takes_control else 1
+        for name, value in zip(("height", "width"), resolution[1:]):
+            if value % (k * self.size_multiple):
+                raise ConfigError(
+                    f"{key} {name} = {value}, but model.reference_downscale_factor = {k} reads the "
+                    f"control at 1/{k} of it, which must be a multiple of {self.size_multiple} too: "
+                    f"use a multiple of {k * self.size_multiple}, or another factor"
+                )
+
+    def lora_metadata(self) -> dict[str, str]:
+        """IC-LoRA: the exported files' reference_downscale_factor, as ltx-trainer writes it
+        (VideoToVideoStrategy.get_checkpoint_metadata) and ComfyUI-LTXVideo's IC-LoRA loader and
+        ltx-pipelines read it."""
+        return {"reference_downscale_factor": str(self.reference_downscale)} if self.takes_control else {}
+
+    def control_key(self) -> dict:
+        """The control entry's key beyond the clip's and the control's: a downscaled reference's
+        factor (none at 1, so those entries keep their keys)."""
+        k = self.reference_downscale
+        return {"reference_downscale_factor": k} if self.takes_control and k != 1 else {}
 
     # Shape rules read from the model's own config.
     @property
@@ -401,6 +449,24 @@ class LTX2Adapter(Adapter):
         as the I2V pipeline's prepare_latents does (without the scaling factor), [B, C, 1, h, w]."""
         latents = self._load_vae().encode(pixels[:, :, None].to(self.vae_dtype)).latent_dist.mode().float()
         return (latents - self.latents_mean.to(latents)) / self.latents_std.to(latents)
+
+    def reference_frames(self, video: torch.Tensor) -> torch.Tensor:
+        """IC-LoRA: control frames uint8 [B, F, H, W, 3] at the clip's size -> the reference's, at
+        1/k of it (model.reference_downscale_factor): each frame resized as LTX2InContextPipeline
+        resizes a reference condition's frames (VideoProcessor: PIL's bilinear filter)."""
+        k = self.reference_downscale
+        if k == 1:
+            return video
+        height, width = video.shape[2] // k, video.shape[3] // k
+        frames = [
+            np.asarray(PIL.Image.fromarray(frame).resize((width, height), PIL.Image.BILINEAR))
+            for frame in video.flatten(0, 1).cpu().numpy()
+        ]
+        return torch.from_numpy(np.stack(frames)).unflatten(0, video.shape[:2])
+
+    def encode_control(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
+        """IC-LoRA's control entry: the VAE posterior of the reference frames (reference_frames)."""
+        return super().encode_control(self.reference_frames(video))
 
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
         """I2V conditioning images, uint8 [B, H, W, 3] -> their latent frame, compressed first as
@@ -547,8 +613,9 @@ class LTX2Adapter(Adapter):
         isolate turns off the audio-video cross-attention (the pipelines' modality guidance),
         stg_blocks skips those blocks' self-attention (their STG). No audio tokens: the video stream
         alone, isolated (the audio stream, which the video then never sees, runs on one zero token:
-        the rotary tables refuse none). video.reference: the second half of the video tokens are an
-        IC-LoRA reference clip of the same latent shape, at the same positions."""
+        the rotary tables refuse none). video.reference = k: the video tokens after the clip's are an
+        IC-LoRA reference clip of 1/k of its latent height and width, at the positions ltx-trainer
+        gives it."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
         frames, height, width = video.shape
@@ -557,13 +624,17 @@ class LTX2Adapter(Adapter):
             audio_latents, audio_frames = audio_latents.new_zeros(n, 1, audio_latents.shape[2]), 1
             isolate = True
         coords = None
-        # the positions ltx-trainer's video_to_video gives a same-size reference: the target's
+        # the positions ltx-trainer's video_to_video (and the pipeline) give a reference of 1/k of
+        # the clip's size: its own grid's, the spatial ones times k (a same-size one's: the clip's)
         if video.reference:
             model = getattr(transformer, "module", transformer)  # DDP's wrapper
-            coords = model.rope.prepare_video_coords(
-                n, *video.shape, video.latents.device, fps=self.frame_rate
+            k, device = video.reference, video.latents.device
+            coords = model.rope.prepare_video_coords(n, *video.shape, device, fps=self.frame_rate)
+            reference = model.rope.prepare_video_coords(
+                n, frames, height // k, width // k, device, fps=self.frame_rate
             )
-            coords = torch.cat([coords, coords], dim=2)
+            reference[:, 1:3] = reference[:, 1:3] * k
+            coords = torch.cat([coords, reference], dim=2)
         with self._cross_gates(transformer, video.sigma, audio.timesteps):
             out = transformer(
                 hidden_states=video.latents.to(dtype),
@@ -617,7 +688,20 @@ class LTX2Adapter(Adapter):
             for hook in hooks:
                 hook.remove()
 
-    def _loss(self, transformer, x0, noise, sigmas, a0, audio_noise, audio_sigmas, sound, batch, embeds):
+    def _loss(
+        self,
+        transformer,
+        x0,
+        noise,
+        sigmas,
+        a0,
+        audio_noise,
+        audio_sigmas,
+        sound,
+        batch,
+        embeds,
+        keep=None,
+    ):
         """Per-sample fp32 losses (total, video, audio) of clean latents at their noise levels.
 
         Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at
@@ -627,11 +711,17 @@ class LTX2Adapter(Adapter):
         ltx-trainer's first-frame condition and the I2V pipeline have them. IC-LoRA: the control
         clip's latents (control_latent_mean) follow the clip's tokens, clean, at timestep 0, at the
         clip's positions and outside the loss, as ltx-trainer's video_to_video strategy has its
-        reference. Sets self.losses."""
+        reference (a downscaled one at its own grid's positions, scaled to the clip's); keep [B,
+        tokens] (IC-LoRA's first-frame conditioning, train_loss's) gives the tokens at 0 clean, at
+        timestep 0 and outside their sample's loss, as ltx-trainer's first_frame_conditioning_p. Sets
+        self.losses."""
         n, shape = len(x0), batch["shape"]
         s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
         x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
         video_t, first = 1000 * sigmas, 0  # first: the tokens of the conditioning frame
+        if keep is not None:
+            x_t = torch.where(keep[..., None] > 0, x_t, x0)
+            video_t = video_t[:, None] * keep
         if self.type == "i2v":
             image = self._pack(batch["image_latents"].to(self.device).float()).expand(n, -1, -1)
             first = image.shape[1]
@@ -640,22 +730,34 @@ class LTX2Adapter(Adapter):
                 [video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1
             )
         tokens = x0.shape[1]
+        downscale = 0
         if self.takes_control:  # model.type = "ic"
-            reference = self._pack(
-                self._normalise(batch["control_latent_mean"].to(self.device).float())
-            ).expand(n, -1, -1)
+            control = self._normalise(batch["control_latent_mean"].to(self.device).float())
+            downscale = self.reference_downscale
+            if control.shape[2:] != (shape[0], shape[1] // downscale, shape[2] // downscale):
+                raise ValueError(
+                    f"control latents {tuple(control.shape[2:])} are not 1/{downscale} of the clip's "
+                    f"{shape} (model.reference_downscale_factor)"
+                )
+            reference = self._pack(control).expand(n, -1, -1)
             x_t = torch.cat([x_t, reference], dim=1)
             video_t = torch.cat(
-                [video_t[:, None].expand(n, tokens), video_t.new_zeros(n, reference.shape[1])], dim=1
+                [video_t if keep is not None else video_t[:, None].expand(n, tokens)]
+                + [video_t.new_zeros(n, reference.shape[1])],
+                dim=1,
             )
         video, audio = self._predict(
             transformer,
-            VideoStream(x_t, video_t, 1000 * sigmas, shape, self.takes_control),
+            VideoStream(x_t, video_t, 1000 * sigmas, shape, downscale),
             AudioStream(a_t, 1000 * audio_sigmas, a0.shape[1]),
             embeds,
         )
         video = video[:, :tokens]
-        video_loss = (video[:, first:] - (noise - x0)[:, first:]).pow(2).mean(dim=(1, 2))
+        errors = (video[:, first:] - (noise - x0)[:, first:]).pow(2)
+        if keep is None:
+            video_loss = errors.mean(dim=(1, 2))
+        else:  # ltx-trainer's masked mean: over the tokens in the loss
+            video_loss = (errors.mean(dim=2) * keep).sum(dim=1) / keep.sum(dim=1)
         audio_loss = torch.zeros_like(video_loss)
         if a0.shape[1]:
             audio_loss = (audio - (audio_noise - a0)).pow(2).mean(dim=(1, 2)) * sound
@@ -689,8 +791,10 @@ class LTX2Adapter(Adapter):
 
         Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and
         position in the global batch) draws, in order: the video s, the audio s, the video noise,
-        the audio noise. Audio entries (the audio cache's audio_latent_mean and audio_latent_logvar,
-        [B, C', L, M'], the audio VAE's posterior) add audio_loss_weight x the audio loss. A clip
+        the audio noise, and (IC-LoRA with train.first_frame_conditioning_p > 0) one uniform number,
+        below p for a sample whose first latent frame is given clean. Audio entries (the audio
+        cache's audio_latent_mean and audio_latent_logvar, [B, C', L, M'], the audio VAE's
+        posterior) add audio_loss_weight x the audio loss. A clip
         without sound in a batch with sound (audio_mask false) has an audio stream of pure noise at
         s = 1, where generation starts, and no audio loss; a batch without sound runs the video
         stream alone."""
@@ -709,6 +813,15 @@ class LTX2Adapter(Adapter):
         audio_noise = to_device(
             torch.stack([torch.randn(a.shape, generator=g) for a, g in zip(a0, generators)]), self.device
         )
+        # IC-LoRA's first-frame conditioning: [B, tokens], 0 on the clean frames, built on the host
+        # (no device sync); a clip of one latent frame keeps its frame (VideoToVideoStrategy's rule)
+        keep = None
+        if self.takes_control and self.first_frame_p > 0:
+            clean = torch.stack([torch.rand((), generator=g) < self.first_frame_p for g in generators])
+            if shape[0] > 1 and bool(clean.any()):
+                keep = torch.ones(len(x0), x0.shape[1])
+                keep[clean, : x0.shape[1] // shape[0]] = 0
+                keep = to_device(keep, self.device)
         return self._loss(
             transformer,
             x0,
@@ -720,6 +833,7 @@ class LTX2Adapter(Adapter):
             sound,
             {**batch, "shape": shape},
             batch["prompt_embeds"].to(self.device),
+            keep,
         )[0]
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
@@ -824,15 +938,20 @@ class LTX2Adapter(Adapter):
         )
 
     def _in_context_start(self, scheduler, steps: int, frames: int, shape, generator, control):
-        """LTX2InContextPipeline's prepare_latents with one reference of full strength: the
-        control's VAE mean, normalised and packed, after the clip's tokens; the noise drawn over
-        both (packed), the reference's kept clean."""
-        reference = self._pack(self._normalise(self.encode_video(control[None])[0].float()))
+        """LTX2InContextPipeline's prepare_latents with one reference of full strength (and its
+        reference_downscale_factor, model.reference_downscale_factor): the control's reference
+        frames' VAE mean, normalised and packed, after the clip's tokens; the noise drawn over both
+        (packed), the reference's kept clean."""
+        reference = self._normalise(self.encode_video(self.reference_frames(control[None]))[0].float())
+        reference = self._pack(reference)
+        tokens = self._pack(reference.new_zeros(1, 1, *shape)).shape[1]
         noise = torch.randn(
-            (1, 2 * reference.shape[1], self.latent_channels), generator=generator, dtype=torch.float32
+            (1, tokens + reference.shape[1], self.latent_channels), generator=generator, dtype=torch.float32
         ).to(self.device)
-        latents = torch.cat([noise[:, : reference.shape[1]], reference], dim=1)
-        return self._start(scheduler, steps, frames, shape, generator, latents, 0, reference.shape[1])
+        latents = torch.cat([noise[:, :tokens], reference], dim=1)
+        state = self._start(scheduler, steps, frames, shape, generator, latents, 0, reference.shape[1])
+        state.downscale = self.reference_downscale
+        return state
 
     def _start(
         self, scheduler, steps: int, frames: int, shape, generator, latents, first: int, reference: int = 0
@@ -872,6 +991,7 @@ class LTX2Adapter(Adapter):
             audio_frames=audio_frames,
             first=first,
             reference=reference,
+            downscale=0,  # IC-LoRA's reference_downscale_factor (_in_context_start)
         )
 
     def denoise(
@@ -890,7 +1010,11 @@ class LTX2Adapter(Adapter):
         video, audio = self._predict(
             models["transformer"],
             VideoStream(
-                state.latents.expand(n, -1, -1), video_t, t.expand(n), state.shape, state.reference > 0
+                state.latents.expand(n, -1, -1),
+                video_t,
+                t.expand(n),
+                state.shape,
+                state.downscale,
             ),
             AudioStream(state.audio.expand(n, -1, -1), t.expand(n), state.audio_frames),
             embeds,

@@ -371,6 +371,20 @@ def test_ic_lora_counts_the_reference_tokens(tmp_path):
     assert (ic["video_tokens"], plain["video_tokens"]) == (192, 96)
     assert ic["inputs"] == (192 * d + a) * 2 and plain["inputs"] == (96 * d + a) * 2
     assert ic["activations"] > plain["activations"]
+    # model.reference_downscale_factor = 2: the control's latents at half the height and width, a
+    # quarter of the clip's tokens beside them (16 x 2 x 3 latents: 96 + 16), in the step too
+    adapter.takes_control, adapter.reference_downscale = True, 2
+    small = bench_memory.estimate(cfg, family, adapter)
+    assert small["video_tokens"] == 96 + 16 and small["inputs"] == (112 * d + a) * 2
+    assert plain["activations"] < small["activations"] < ic["activations"]
+    # 121 x 128 x 192 (16 x 4 x 6 latents) with sp 2: each rank's half of the width, its control's
+    # half of that
+    big = load_config(
+        str(REPO / "configs" / "ltx2-ic-lora.toml"), ["--data.train_resolution", "[121, 128, 192]"]
+    )
+    s = bench_memory.shapes(big, adapter, 2)
+    assert s["control"] == (1, 128, 16, 2, 1)
+    assert (s["video_tokens"], s["rank_tokens"]) == (384 + 96, 192 + 32)
 
 
 def test_vace_counts_its_context_blocks(wan_models, tmp_path):

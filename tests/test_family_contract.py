@@ -126,6 +126,7 @@ def test_a_key_only_another_family_accepts_is_refused():
                     # STG and the added terms need their partners: the owner's own rules
                     if owner == "ltx2":
                         cfg.validation.stg_scale, cfg.data.target_fps = 1.0, 24.0
+                        cfg.model.type = "ic"  # IC-LoRA's keys: the type they shape
                     check_config(cfg)
                     continue
                 with pytest.raises(ConfigError) as refused:

@@ -20,6 +20,7 @@ from conftest import (
     ltx2_settings,
     ltx_core_cross_modulation,
     one_rank_group,
+    original_top_level_linears,
     pipeline_guidance,
     prepare_run,
     run_cmd,
@@ -103,42 +104,6 @@ def test_loading_builds_on_meta_and_equals_from_pretrained(variant, ltx2_models,
     ).text_encoder
     assert isinstance(text_encoder, adapter.TEXT_ENCODER)
     assert adapter.image_crf == resolve_default_image_crf(text_encoder) == (18 if variant == "2.5" else 33)
-
-
-def original_top_level_linears(c: dict) -> set[str]:
-    """The original LTX-2 transformer's linear layers outside the blocks.
-
-    The nn.Linear modules outside the blocks of the original LTX-2 transformer, whose names
-    Lightricks' checkpoints and ComfyUI's native model (which loads those checkpoints' keys as they
-    are) share, for a diffusers transformer config. Written from Lightricks/LTX-2
-    400fd31054597515f47125691032c04b1c3ee24e,
-    packages/ltx-core/src/ltx_core/model/transformer/model.py (LTXModel._init_video, _init_audio,
-    _init_audio_video: prompt_adaln_single only with cross_attention_adaln, 2.3's cross_attn_mod;
-    the caption projections only where the transformer projects the text, 2.0's
-    use_prompt_embeddings), adaln.py (AdaLayerNormSingle: emb, linear), timestep_embedding.py
-    (emb.timestep_embedder.linear_1/_2), text_projection.py (linear_1, linear_2); the same names in
-    comfyanonymous/ComfyUI b321b7a28d7c62626f728db1c67555637d080a76,
-    comfy/ldm/lightricks/av_model.py (LTXAVModel)."""
-    adaln = ("emb.timestep_embedder.linear_1", "emb.timestep_embedder.linear_2", "linear")
-    modulations = [
-        "adaln_single",
-        "audio_adaln_single",
-        "av_ca_video_scale_shift_adaln_single",
-        "av_ca_audio_scale_shift_adaln_single",
-        "av_ca_a2v_gate_adaln_single",
-        "av_ca_v2a_gate_adaln_single",
-    ]
-    if c["cross_attn_mod"]:
-        modulations += ["prompt_adaln_single", "audio_prompt_adaln_single"]
-    names = {f"{m}.{part}" for m in modulations for part in adaln}
-    names |= {"patchify_proj", "audio_patchify_proj", "proj_out", "audio_proj_out"}
-    if c["use_prompt_embeddings"]:
-        names |= {
-            f"{p}.{layer}"
-            for p in ("caption_projection", "audio_caption_projection")
-            for layer in ("linear_1", "linear_2")
-        }
-    return names
 
 
 @pytest.mark.parametrize("variant", ["2.0", "2.5"])

@@ -4,6 +4,7 @@ tokens at timestep 0, at the positions ltx-trainer gives them, outside the loss.
 import contextlib
 import dataclasses
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from conftest import (
     ltx2_settings,
     ltx_core_cross_modulation,
     one_rank_group,
+    original_top_level_linears,
     picked_frames,
     pipeline_guidance,
     ramp_video,
@@ -27,7 +29,8 @@ from diffusers import LTX2InContextPipeline
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
 from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import data
@@ -36,7 +39,7 @@ import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
-from model_adapter import load_adapter
+from model_adapter import check_config, load_adapter
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 
@@ -135,9 +138,82 @@ def test_reference_tokens_are_clean_at_timestep_0_at_ltx_trainers_positions_outs
     assert not torch.allclose(losses, with_reference.mean(dim=(1, 2)))
 
 
+def test_a_downscaled_reference_and_a_clean_first_frame_as_ltx_trainer(ic_adapter):
+    """model.reference_downscale_factor = 2 and train.first_frame_conditioning_p = 0.5, one forward
+    of four clips: the reference's tokens are its own 1/2-size grid's, at ltx-trainer's positions
+    for it (its grid's, the spatial ones times 2: FlexibleStrategy._apply_reference_condition); the
+    samples whose keyed draw after the noise falls below p have their first latent frame clean, at
+    timestep 0 and outside their loss (ltx-trainer's masked mean), the others none."""
+    adapter, transformer = ic_adapter
+    gen = torch.Generator().manual_seed(1)
+    shape, n = (4, 8, 2, 4, 4), 4
+    batch = {
+        "latent_mean": torch.randn(shape, generator=gen),
+        "latent_logvar": torch.full(shape, -4.0),
+        "control_latent_mean": torch.randn((4, 8, 2, 2, 2), generator=gen),
+        "control_latent_logvar": torch.full((4, 8, 2, 2, 2), -4.0),
+        "prompt_embeds": torch.randn(n, TEXT_LENGTH, 32, generator=gen),
+    }
+    seen = {}
+
+    def record(module, args, kwargs, output):
+        seen.update(kwargs, output=output[0])
+
+    hook = transformer.register_forward_hook(record, with_kwargs=True)
+    adapter.reference_downscale, adapter.first_frame_p = 2, 0.5
+    try:
+        with pytest.raises(
+            ConfigError,
+            match="data.train_resolution height = 40, but model.reference_downscale_factor = 2 reads the "
+            "control at 1/2 of it, which must be a multiple of 8 too: use a multiple of 16, or another factor",
+        ):
+            adapter.check_resolution([9, 40, 32], "data.train_resolution")
+        with torch.no_grad():
+            losses = adapter.train_loss(transformer, batch, [data.keyed_generator(0, 3, i) for i in range(n)])
+    finally:
+        hook.remove()
+        adapter.reference_downscale, adapter.first_frame_p = 1, 0.0
+    pack = lambda x: adapter._pack(adapter._normalise(x))
+    x0, reference = pack(batch["latent_mean"]), pack(batch["control_latent_mean"])
+    tokens, frame = x0.shape[1], 16  # a latent frame: 4 x 4 tokens
+    assert reference.shape[1] == 8 and seen["hidden_states"].shape == (n, tokens + 8, 8)
+    assert torch.equal(seen["hidden_states"][:, tokens:], reference)
+    draws = [data.keyed_generator(0, 3, i) for i in range(n)]
+    sigmas = torch.stack([shifted_logit_normal(tokens, g) for g in draws])
+    [shifted_logit_normal(1, g) for g in draws]
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws])
+    [torch.randn((0, 128), generator=g) for g in draws]  # the audio's noise: no tokens
+    clean = torch.stack([torch.rand((), generator=g) < 0.5 for g in draws])
+    assert 0 < clean.sum() < n, clean  # both kinds in the batch
+    # ltx-trainer: the conditioning mask's tokens clean at timestep 0, the others noised at s
+    mask = torch.zeros(n, tokens, dtype=torch.bool)
+    mask[clean, :frame] = True
+    s = sigmas.view(-1, 1, 1)
+    expected = torch.where(mask[..., None], x0, (1 - s) * x0 + s * noise)
+    torch.testing.assert_close(seen["hidden_states"][:, :tokens], expected, rtol=0, atol=1e-6)
+    timesteps = torch.where(mask, 0.0, 1000 * sigmas[:, None].expand(n, tokens))
+    torch.testing.assert_close(
+        seen["timestep"], torch.cat([timesteps, torch.zeros(n, 8)], 1), rtol=0, atol=1e-4
+    )
+    scale = (adapter.temporal_ratio, adapter.spatial_ratio, adapter.spatial_ratio)
+    target = ltx_trainer_positions(2, 4, 4, scale, adapter.frame_rate)
+    ref = ltx_trainer_positions(2, 2, 2, scale, adapter.frame_rate)
+    ref[:, 1:] *= 2
+    torch.testing.assert_close(
+        seen["video_coords"], torch.cat([target, ref], dim=2).expand(n, -1, -1, -1), rtol=0, atol=1e-6
+    )
+    # _compute_modality_loss: the squared error's masked mean, normalised by the mask's mean
+    keep = (~mask).unsqueeze(-1).float()
+    errors = (seen["output"].float().view(n, -1, 8)[:, :tokens] - (noise - x0)).pow(2)
+    masked = (errors * keep).mean(dim=(1, 2)) / keep.mean(dim=(1, 2)).clamp(min=1e-8)
+    torch.testing.assert_close(losses, masked, rtol=1e-6, atol=0)
+    assert not torch.allclose(losses[clean], errors.mean(dim=(1, 2))[clean])
+
+
 def test_in_context_is_ltx2s(tiny_models, write_config):
     """model.type = "ic" on another family names the key; its condition is a control video, not an
-    image (validation.images is refused as for text-to-video)."""
+    image (validation.images is refused as for text-to-video); IC-LoRA's own keys are refused out of
+    range or for another type, each naming the key."""
     with pytest.raises(
         ConfigError,
         match='model.type = "ic" trains a model in context with a control clip, which '
@@ -147,6 +223,24 @@ def test_in_context_is_ltx2s(tiny_models, write_config):
     images = {"model.type": "ic", "validation.prompts": ["x"], "validation.images": ["x.png"]}
     with pytest.raises(ConfigError, match="validation.images conditions image-to-video models"):
         load_config(str(write_config("ic", **images)))
+    ltx2 = {"model.family": "ltx2", "model.type": "ic", "model.path": "/nowhere"}  # the config alone
+    for settings, message in (
+        (
+            {**ltx2, "model.type": "t2v", "model.reference_downscale_factor": 2},
+            r'model.reference_downscale_factor = 2 shapes IC-LoRA training \(model.type = "ic"\), and '
+            r'model.type is "t2v": remove it, or set model.type = "ic"',
+        ),
+        (
+            {**ltx2, "model.reference_downscale_factor": 0},
+            "model.reference_downscale_factor = 0 is out of range: a whole factor, 1 or more",
+        ),
+        (
+            {**ltx2, "train.first_frame_conditioning_p": 1.5},
+            "train.first_frame_conditioning_p = 1.5 is out of range: a probability, 0 to 1",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_config(load_config(str(write_config("keys", **settings))))
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +255,14 @@ def ic_data(tmp_path_factory):
 def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base_settings, ic_data, tmp_path):
     """Our IC-LoRA training and sampling equal LTX2InContextPipeline's.
 
-    Two IC-LoRA steps on clips with control videos; our loop with the control as its reference
-    renders what LTX2InContextPipeline renders with it as an LTX2ReferenceCondition, within 1e-4 in
-    fp32, with the base model and with our exported LoRA loaded by load_lora_weights (the pipelines'
-    guidance terms on). The pipeline's transformer takes ltx-core's audio-video cross-attention
-    modulation, as ours (the reference's tokens at their own timestep 0, as I2V's image tokens:
-    test_ltx2_training)."""
+    Two IC-LoRA steps with model.reference_downscale_factor = 2 on clips with control videos: the
+    cache holds each control at half the clip's size, the exports carry the factor in their metadata
+    as ltx-trainer writes it. Our loop with the control as its reference renders what
+    LTX2InContextPipeline renders with it as an LTX2ReferenceCondition, within 1e-4 in fp32: the
+    base model with a full-size reference, and our exported LoRA loaded by load_lora_weights with
+    the pipeline's reference_downscale_factor = 2 (the pipelines' guidance terms on). The
+    pipeline's transformer takes ltx-core's audio-video cross-attention modulation, as ours (the
+    reference's tokens at their own timestep 0, as I2V's image tokens: test_ltx2_training)."""
     control = ic_data / "controls" / "00000.mp4"
     settings = ltx2_settings(
         "2.0",
@@ -176,6 +272,7 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
         tmp_path / "lora",
         **{
             "model.type": "ic",
+            "model.reference_downscale_factor": 2,
             "data.control_column": "controls.txt",
             "validation.control_videos": [str(control)],
             **{f"validation.{k}": v for k, v in PIPELINE_GUIDANCE.items()},
@@ -183,8 +280,16 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
     )
     trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
     cfg = load_config(str(tmp_path / "lora.toml"))
+    # each clip's control entry at 1/2 of its 9 x 32 x 32 (latents 2 x 4 x 4), keyed apart from
+    # the full-size ones
+    entries = [load_file(f) for f in (Path(cfg.data.cache_dir) / "control").rglob("*.safetensors")]
+    shapes = [tuple(e["control_latent_mean"].shape) for e in entries if "control_latent_mean" in e]
+    assert shapes.count((8, 2, 2, 2)) == 4, shapes
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     lora_file = tmp_path / "lora" / "lora" / "pytorch_lora_weights.safetensors"
+    for exported in (lora_file, next((lora_file.parent / "comfy").glob("*.safetensors"))):
+        with safe_open(exported, framework="pt") as f:
+            assert f.metadata()["reference_downscale_factor"] == "2"
     pipe = LTX2InContextPipeline.from_pretrained(str(ltx2_models("2.0")))
     pipe.set_progress_bar_config(disable=True)
     with one_rank_group() as d, ltx_core_cross_modulation(pipe.transformer):
@@ -192,8 +297,8 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
         frames = renderer.controls[0]
         assert frames.shape == (9, 32, 32, 3)
         reference = LTX2ReferenceCondition(frames=[Image.fromarray(frame) for frame in frames.numpy()])
-        rendered = []
-        for source in (None, lora_file):
+        for source, factor in ((None, 1), (lora_file, 2)):
+            adapter.reference_downscale = factor
             model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
             ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
             if source:
@@ -203,6 +308,7 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
                     prompt=PROMPTS[0],
                     negative_prompt=cfg.validation.negative_prompt,
                     reference_conditions=[reference],
+                    reference_downscale_factor=factor,
                     num_frames=9,
                     height=32,
                     width=32,
@@ -216,8 +322,6 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
             )
             assert ours.shape == theirs.shape == (9, 32, 32, 3)
             assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
-            rendered.append(ours)
-        assert (rendered[0] - rendered[1]).abs().max() > 1e-3  # the LoRA shows
 
 
 def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_fit(
@@ -266,6 +370,15 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
         renderer = validate.ClipRenderer(
             adapter, videos, DataConfig(train_resolution=[9, 32, 32]), str(tmp_path), d
         )
+        # a LoRA trained with another reference_downscale_factor (its metadata) is named
+        lora_file = tmp_path / "halved.safetensors"
+        save_file({"w": torch.zeros(1)}, str(lora_file), metadata={"reference_downscale_factor": "2"})
+        with pytest.raises(
+            ConfigError,
+            match=r"--lora .*halved.safetensors was trained with reference_downscale_factor = 2 \(its "
+            r"metadata\), and model.reference_downscale_factor is 1: set model.reference_downscale_factor = 2",
+        ):
+            render.load_model(None, adapter, d, None, str(lora_file))  # refused before the config counts
         clip = torch.full((9, 32, 32, 3), 7, dtype=torch.uint8)
         renderer.render = lambda model, autocast: [clip]
         shown = {}
@@ -287,13 +400,16 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
 
 @pytest.mark.slow
 def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
-    """2 FSDP ranks training IC-LoRA with validation: SIGKILL after step 3, the next launch resumes
-    from step 2 and ends bitwise equal to the run never stopped, clips included; TensorBoard shows
-    each clip beside its control; the export loads in LTX2InContextPipeline and computes, reference
-    appended, what our model computes, and so does its ComfyUI file through the pipeline's loader,
-    every key converted back."""
+    """2 FSDP ranks training IC-LoRA with validation and ltx-trainer's random first-frame
+    conditioning (its keyed draws): SIGKILL after step 3, the next launch resumes from step 2 and
+    ends bitwise equal to the run never stopped, clips included; TensorBoard shows each clip beside
+    its control; the export loads in LTX2InContextPipeline and computes, reference appended, what our
+    model computes, and so does its ComfyUI file through the pipeline's loader, every key converted
+    back; the ComfyUI file names only weights of ComfyUI's LTX-2 model, every module of the export
+    once; both carry reference_downscale_factor = "1" as ltx-trainer writes it."""
     lifecycle = {
         "model.type": "ic",
+        "train.first_frame_conditioning_p": 0.5,
         "data.control_column": "controls.txt",
         "parallel.strategy": "fsdp",
         "train.batch_size": 1,
@@ -353,11 +469,46 @@ def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
     expected = in_context_output(model, adapter)
     torch.testing.assert_close(in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5)
     comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
-    converted = _convert_non_diffusers_ltx2_lora_to_diffusers(load_file(comfy_file))
+    comfy = load_file(comfy_file)
+    # ComfyUI's loader patches diffusion_model.<module>.weight of its model (test_ltx2's helper for
+    # the modules outside the blocks, comfyui_block_linears for the blocks')
+    c = adapter.transformer_config
+    comfyui_model = original_top_level_linears(c) | comfyui_block_linears(c)
+    modules = {k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in comfy}
+    assert all(k.startswith("diffusion_model.") for k in comfy) and modules <= comfyui_model
+    # lora.target_modules (to_q, to_k, to_v, to_out.0): every attention projection of every block
+    assert modules == {
+        m for m in comfyui_block_linears(c) if m.endswith(("to_q", "to_k", "to_v", "to_out.0"))
+    }
+    for exported in (lora_file, comfy_file):
+        with safe_open(exported, framework="pt") as f:
+            assert f.metadata()["reference_downscale_factor"] == "1"
+    converted = _convert_non_diffusers_ltx2_lora_to_diffusers(comfy)
     assert converted.keys() == load_file(lora_file).keys()  # no key lost
     pipe.unload_lora_weights()
     pipe.load_lora_weights(str(comfy_file))
     torch.testing.assert_close(in_context_output(pipe.transformer, adapter), expected, rtol=0, atol=1e-5)
+
+
+def comfyui_block_linears(c: dict) -> set[str]:
+    """The linear layers of ComfyUI's native LTX-2 (LTX-2.0, no attention gates) blocks.
+
+    Written from comfyanonymous/ComfyUI 2fb2e7567fc2a6a2752c7055e47f8f9f24976134,
+    comfy/ldm/lightricks/av_model.py (BasicAVTransformerBlock: attn1, audio_attn1, attn2, audio_attn2,
+    audio_to_video_attn, video_to_audio_attn, ff, audio_ff) and c4a6b389de1014471a75a46ee57d2fdac4f8df93,
+    comfy/ldm/lightricks/model.py (CrossAttention: to_q, to_k, to_v, to_out.0; FeedForward: net.0.proj,
+    GELU_approx's, and net.2), under LTXAVModel's transformer_blocks."""
+    attentions = (
+        "attn1",
+        "audio_attn1",
+        "attn2",
+        "audio_attn2",
+        "audio_to_video_attn",
+        "video_to_audio_attn",
+    )
+    block = {f"{a}.{p}" for a in attentions for p in ("to_q", "to_k", "to_v", "to_out.0")}
+    block |= {f"{ff}.net.{p}" for ff in ("ff", "audio_ff") for p in ("0.proj", "2")}
+    return {f"transformer_blocks.{i}.{name}" for i in range(c["num_layers"]) for name in block}
 
 
 def in_context_output(transformer, adapter):
@@ -376,7 +527,7 @@ def in_context_output(transformer, adapter):
                 x.flatten(1)
                 for x in adapter._predict(
                     transformer,
-                    VideoStream(video, video_t, t, (2, 4, 4), reference=True),
+                    VideoStream(video, video_t, t, (2, 4, 4), reference=1),
                     AudioStream(audio, t, 9),
                     embeds,
                 )

@@ -230,7 +230,9 @@ report["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
 # and so does 2.3's STG forward (validation's guidance), which the perturbation changes.
 # T2V with the audio latents (both streams, the audio-video cross-attentions both ways), T2V video-only
 # (no audio tokens: isolate_modalities), I2V with audio (per-token timestep embeddings) and IC-LoRA with audio
-# (27 reference tokens after the clip's: 54 split 27 + 27, the reference's with the rest).
+# (a reference at 1/3 of the clip's height and width, model.reference_downscale_factor = 3: its 3 tokens after
+# the clip's 27, 30 split 15 + 15, the reference's with the rest; every sample's first frame clean,
+# train.first_frame_conditioning_p = 1).
 def ltx2_batch(adapter, audio):
     c, g = adapter.transformer_config, torch.Generator().manual_seed(4)
     text = 2 * c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"] + c["audio_cross_attention_dim"]
@@ -242,14 +244,17 @@ def ltx2_batch(adapter, audio):
         features = adapter.audio_config["latent_channels"], 5, adapter.audio_config["mel_bins"] // 4
         batch |= {"audio_latent_mean": torch.randn(2, *features, generator=g),
                   "audio_latent_logvar": torch.randn(2, *features, generator=g) - 3}
-    if adapter.takes_control:  # the control clip's latents: IC-LoRA's reference
-        batch["control_latent_mean"] = torch.randn(2, adapter.latent_channels, 3, 3, 3, generator=g)
+    if adapter.takes_control:  # the control clip's latents at 1/3 of its size: IC-LoRA's reference
+        batch["control_latent_mean"] = torch.randn(2, adapter.latent_channels, 3, 1, 1, generator=g)
     return batch
 
 report["ltx2"] = {}
 for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", False), (sys.argv[5], "i2v", True),
                             (sys.argv[4], "ic", True)):
-    adapter = load_adapter(ModelConfig(path=folder, family="ltx2", type=kind, dtype="fp32"), torch.device("cpu"))
+    downscale = 3 if kind == "ic" else 1
+    adapter = load_adapter(ModelConfig(path=folder, family="ltx2", type=kind, dtype="fp32",
+                                       reference_downscale_factor=downscale), torch.device("cpu"))
+    adapter.first_frame_p = 1.0 if kind == "ic" else 0.0
     batch, results, seen, stg = ltx2_batch(adapter, audio), [], {}, []
     for split_it in (False, True):
         model = adapter.load_transformer().requires_grad_(True)
@@ -381,9 +386,9 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, wan_models, tmp_pa
             assert one["loss_video"] == pytest.approx(split["loss_video"], rel=1e-5)
             assert one["loss_audio"] == pytest.approx(split["loss_audio"], rel=1e-5, abs=1e-6)
             assert (one["loss_audio"] > 0) == audio
-            # each rank's video attention sees its 14 or 13 tokens (IC-LoRA: 27 of 54, the clip's
+            # each rank's video attention sees its 14 or 13 tokens (IC-LoRA: 15 of 30, the clip's
             # and the reference's split together), and the audio attention all 5 (1: video-only)
-            tokens, sound = [27, 27][rank] if case.startswith("ic") else [14, 13][rank], 5 if audio else 1
+            tokens, sound = [15, 15][rank] if case.startswith("ic") else [14, 13][rank], 5 if audio else 1
             expected = {
                 "attn1": [tokens, None],
                 "audio_attn1": [sound, None],
