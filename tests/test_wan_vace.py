@@ -34,6 +34,7 @@ import render
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
+from families.wan import WanAdapter
 from model_adapter import load_adapter
 
 WAN_VACE_KEYS = {
@@ -708,23 +709,36 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
         )
 
 
-def test_validate_renders_with_a_reference(wan_models, base_settings, tiny_data, tmp_path):
+def test_validate_renders_with_a_reference(
+    wan_models, base_settings, tiny_data, tmp_path, caplog, monkeypatch
+):
     """validate.py --reference renders the base model's clip of each prompt with its reference
-    image, under a name that tells references apart (another reference writes another clip)."""
+    image, under a name that tells references apart (another reference writes another clip: here two
+    references, "|" between them, with --control and --mask); --mask without --control is refused
+    before any model is read."""
     settings = vace_settings(
         wan_models, base_settings, tmp_path / "out", **{"validation.num_inference_steps": 2}
     )
     config = str(write_toml(tmp_path / "c.toml", settings))
-    for reference in ("00000.png", "00001.png"):
-        render.main(
-            [
-                "--cfg",
-                config,
-                "--prompt",
-                PROMPT,
-                "--reference",
-                str(tiny_data / "images" / reference),
-            ]
-        )
+    control, mask = tmp_path / "control.mp4", tiny_data / "images" / "00003.png"
+    ramp_video(control, 20, 32, 32, 16, 10)
+    images = [str(tiny_data / "images" / name) for name in ("00000.png", "00001.png", "00002.png")]
+    given, condition = [], WanAdapter._vace_sampling_condition  # what each render conditions on
+    monkeypatch.setattr(
+        WanAdapter,
+        "_vace_sampling_condition",
+        lambda self, control, mask, references, resolution: (
+            given.append((control is not None, mask is not None and mask.shape, len(references)))
+            or condition(self, control, mask, references, resolution)
+        ),
+    )
+    for arguments in (
+        ["--reference", images[0]],
+        ["--reference", "|".join(images[1:]), "--control", str(control), "--mask", str(mask)],
+    ):
+        render.main(["--cfg", config, "--prompt", PROMPT, *arguments])
     clips = sorted((tmp_path / "out" / "validation_res").glob("render_base_prompt_0_*.mp4"))
-    assert len(clips) == 2
+    assert len(clips) == 2 and given == [(False, False, 1), (True, (9, 32, 32, 3), 2)]
+    with caplog.at_level(logging.ERROR, logger="vidtrain"), pytest.raises(SystemExit):
+        render.main(["--cfg", config, "--prompt", PROMPT, "--mask", str(mask)])
+    assert "validation.masks has 1 for 0 validation.control_videos" in caplog.text
