@@ -742,3 +742,96 @@ def test_validate_renders_with_a_reference(
     with caplog.at_level(logging.ERROR, logger="vidtrain"), pytest.raises(SystemExit):
         render.main(["--cfg", config, "--prompt", PROMPT, "--mask", str(mask)])
     assert "validation.masks has 1 for 0 validation.control_videos" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_vace_fun_a14b_trains_each_expert_on_its_range_and_samples_as_the_pipeline(wan_models):
+    """Wan2.2-VACE-Fun-A14B's layout (two VACE experts, boundary_ratio 0.875): each expert trains
+    only on its timesteps, as the other A14B models; our loop samples with both experts what
+    WanVACEPipeline (transformer_2, boundary_ratio) samples from a control video, its mask and two
+    references, within 1e-4 in fp32, each step by the same expert (2 steps: one each)."""
+    path = wan_models("a14b-vace")
+    for folder in ("transformer", "transformer_2"):
+        config = json.loads((path / folder / "config.json").read_text())
+        assert set(config) - {"_class_name", "_diffusers_version"} == WAN_VACE_KEYS
+        assert config["_class_name"] == "WanVACETransformer3DModel"
+    index = json.loads((path / "model_index.json").read_text())
+    assert (index["_class_name"], index["boundary_ratio"]) == ("WanVACEPipeline", 0.875)
+    control, mask, references = conditions()
+    experts, drawn = {}, {}
+    for expert in ("high_noise", "low_noise"):
+        adapter = load_adapter(
+            ModelConfig(family="wan", path=str(path), dtype="fp32", type="vace", expert=expert),
+            torch.device("cpu"),
+        )
+        transformer = adapter.load_transformer().train()
+        experts[adapter.transformer_folder] = transformer.eval()
+        seen = []
+        hook = transformer.register_forward_pre_hook(
+            lambda m, a, kw: seen.extend(kw["timestep"].flatten().tolist()), with_kwargs=True
+        )
+        mean = torch.zeros(2, 16, 3, 4, 4)
+        batch = {
+            "latent_mean": mean,
+            "latent_logvar": torch.full_like(mean, -30.0),
+            "prompt_embeds": torch.zeros(2, 512, 32),
+            "control_latents": torch.zeros(2, 96, 3, 4, 4),
+        }
+        with torch.no_grad():
+            for step in range(2):
+                adapter.train_loss(transformer, batch, [data.keyed_generator(step, i) for i in range(2)])
+        hook.remove()
+        drawn[expert] = seen
+    assert all(t >= 875 for t in drawn["high_noise"]) and all(t < 875 for t in drawn["low_noise"]), drawn
+    assert len(drawn["high_noise"]) == len(drawn["low_noise"]) == 4
+    calls = []
+    for folder, module in experts.items():
+        module.register_forward_pre_hook(
+            lambda m, a, kw, folder=folder: calls.append((folder, float(kw["timestep"].flatten()[0]))),
+            with_kwargs=True,
+        )
+    cfg = ValidationConfig(prompts=[PROMPT], num_inference_steps=2, guidance_scale=5.0)
+    embeds = adapter.encode_text(["", PROMPT])
+    state = validate.sample_latents(
+        adapter,
+        experts,
+        adapter.sampler(""),
+        embeds[1:],
+        embeds[:1],
+        data.keyed_generator(cfg.seed, 0),
+        cfg,
+        [9, 32, 32],
+        contextlib.nullcontext(),
+        control=control,
+        mask=mask,
+        references=references,
+    )
+    ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+    pipe = WanVACEPipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    theirs_calls = []
+    for folder in ("transformer", "transformer_2"):
+        getattr(pipe, folder).register_forward_pre_hook(
+            lambda m, a, kw, folder=folder: theirs_calls.append((folder, float(kw["timestep"].flatten()[0]))),
+            with_kwargs=True,
+        )
+    theirs = (
+        pipe(
+            prompt=PROMPT,
+            video=control,
+            mask=mask,
+            reference_images=references,
+            num_frames=9,
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            guidance_scale=5.0,
+            generator=data.keyed_generator(cfg.seed, 0),
+            output_type="pt",
+        )
+        .frames[0]
+        .permute(0, 2, 3, 1)
+    )
+    assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
+    # one forward per step (cond and uncond batched) against the pipeline's two
+    assert calls == theirs_calls[::2] and {folder for folder, _ in calls} == {"transformer", "transformer_2"}
