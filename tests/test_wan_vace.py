@@ -250,8 +250,9 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
     wan_models, base_settings, tmp_path
 ):
     """Control video, mask and two reference images; 4 steps with guidance: our frames equal
-    WanVACEPipeline's within 1e-4 in fp32, with the base model and with our LoRA file (on the base
-    blocks and the VACE blocks) loaded by load_lora_weights, every module of it."""
+    WanVACEPipeline's within 1e-4 in fp32 with our LoRA file (on the base blocks and the VACE
+    blocks) loaded by load_lora_weights, every module of it, and differ from the base model's (whose
+    parity the A14B and validation tests hold: one pipeline render less here)."""
     adapter = vace_adapter(wan_models)
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
     names, _ = random_lora(adapter, lora_file)
@@ -284,16 +285,18 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
                 references=references,
             )
             ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+            renders.append(ours)
+            if not source:  # the base model's parity: the A14B and validation tests below
+                continue
             pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
             pipe.set_progress_bar_config(disable=True)
-            if source:
-                pipe.load_lora_weights(str(source))
-                loaded = {
-                    n.removesuffix(".lora_A.default_0").removesuffix(".lora_A.default")
-                    for n, _ in pipe.transformer.named_modules()
-                    if ".lora_A." in n
-                }
-                assert loaded == set(names)
+            pipe.load_lora_weights(str(source))
+            loaded = {
+                n.removesuffix(".lora_A.default_0").removesuffix(".lora_A.default")
+                for n, _ in pipe.transformer.named_modules()
+                if ".lora_A." in n
+            }
+            assert loaded == set(names)
             theirs = (
                 pipe(
                     prompt=PROMPT,
@@ -313,7 +316,6 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
             )
             assert ours.shape == theirs.shape == (9, 32, 32, 3)
             assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
-            renders.append(ours)
     assert (renders[0] - renders[1]).abs().max() > 1e-3  # the LoRA shows
 
 
