@@ -13,7 +13,7 @@ Five kinds of entry, one safetensors file each, named by a hash of what produced
   content and the text length;
 - audio (families with sound, data.audio): the audio VAE posterior (audio_latent_mean,
   audio_latent_logvar) of the sound of a clip's window (data.decode_audio), keyed by the clip's
-  content, the window, the audio VAE's content and decode.SOUND; an empty entry for a clip without
+  content, the window, the audio VAE's content and sound.SOUND; an empty entry for a clip without
   sound. Such a family's adapter has audio_sample_rate, audio_channels and encode_audio(waveforms
   [1, channels, samples]).
 - control (models that follow a control video, data.control_column): what the adapter's
@@ -37,8 +37,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import data
-import decode
 import faults
+import sound
 from config import DataConfig
 
 CACHE_FIX = (
@@ -90,7 +90,7 @@ class Cache:
             key = _key(
                 content=item.content,
                 window=[item.rate, item.start, item.resolution[0]],
-                sound=decode.SOUND,
+                sound=sound.SOUND,
                 encoder=self.encoders["audio"],
                 dtype=self.audio_dtype,
             )

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import decode
+import sound
 from config import ConfigError, DataConfig
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
@@ -483,12 +484,12 @@ def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | 
     """The sound of the planned frames' seconds, start / rate to (start + frames) / rate after the
     clip's first frame, mixed to `channels` at `sample_rate`: float32 [channels, round(frames / rate
     * sample_rate)]; zeros past the end of the stream (a padded clip's repeated frames). None for an
-    image or a file without sound (decode.read_audio); BadClip when its sound cannot be decoded."""
+    image or a file without sound (sound.read_audio); BadClip when its sound cannot be decoded."""
     if item.media.image:
         return None
     frames = item.resolution[0]
     try:
-        return decode.read_audio(
+        return sound.read_audio(
             item.clip.video, item.media, item.start / item.rate, frames / item.rate, sample_rate, channels
         )
     except decode.MediaError as e:

@@ -53,7 +53,7 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
             # read after the pass: missing files are named now
             Weights(adapter.path / adapter.transformer_folder)
         sequence.check_heads(cfg.parallel.sp_size, config["num_attention_heads"], d.world)
-        parallel.check_offload_blocks(cfg.parallel, config["num_layers"])
+        parallel.check_offload_blocks(cfg.parallel, adapter.block_count)
         check_streaming_with_sound(cfg.parallel, adapter)
         adapter.check_guidance(cfg.validation)
         if cfg.validation.do_validation:

@@ -223,6 +223,12 @@ class Adapter(TransformerLoading, abc.ABC):
     def blocks(transformer) -> list[torch.nn.Module]:
         """The transformer's blocks: the FSDP, activation-checkpointing and offload units."""
 
+    @property
+    def block_count(self) -> int:
+        """len(blocks(transformer)), from the config (parallel.offload_blocks is checked against it
+        before the model is built)."""
+        return self.transformer_config["num_layers"]
+
     @abc.abstractmethod
     def split_sequence(self, transformer, split) -> None:
         """Install sequence parallelism (a sequence.SequenceSplit) in attention; keep it as

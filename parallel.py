@@ -166,7 +166,8 @@ def streamed(
 
 
 def check_offload_blocks(cfg: ParallelConfig, num_blocks: int) -> None:
-    """parallel.offload_blocks against the model's blocks (its config's num_layers)."""
+    """parallel.offload_blocks against the model's blocks (Adapter.block_count: Wan VACE's context
+    blocks count with the base blocks)."""
     if cfg.offload_blocks > num_blocks:
         raise ConfigError(
             f"parallel.offload_blocks = {cfg.offload_blocks}, but the model has {num_blocks} transformer "

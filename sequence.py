@@ -96,20 +96,29 @@ def new_split(size: int, rank: int) -> SequenceSplit:
     return SequenceSplit(group, size, rank % size)
 
 
-def split_blocks(blocks: list[torch.nn.Module], split: SequenceSplit, per_token_inputs) -> None:
+def split_blocks(
+    blocks: list[torch.nn.Module],
+    split: SequenceSplit,
+    per_token_inputs,
+    first: tuple[str, ...] = ("hidden_states",),
+    gather: bool = True,
+) -> None:
     """Hook the blocks so that they run on this rank's slice of the sequence.
 
-    Hooks: the first block's hidden_states are sliced along dim 1, and every block's other per-token
-    inputs (the model computes them once, whole, and hands them to each block) by per_token_inputs(
-    arguments) -> {argument: dim} (a tuple argument: each element); the last block's output (its
-    first element if a tuple) is gathered along dim 1. They stay through activation checkpointing's
-    recomputation, which calls the block as a module too; every rank of a group recomputes alike."""
+    Hooks: the first block's `first` inputs (hidden_states) are sliced along dim 1, and every
+    block's other per-token inputs (the model computes them once, whole, and hands them to each
+    block) by per_token_inputs(arguments) -> {argument: dim} (a tuple argument: each element); the
+    last block's output (its first element if a tuple) is gathered along dim 1, unless `gather` is
+    False (the caller gathers where the sequence leaves the blocks: Wan VACE adds a split hint after
+    the last block). They stay through activation checkpointing's recomputation, which calls the
+    block as a module too; every rank of a group recomputes alike."""
     signature = inspect.signature(blocks[0].forward)
 
     def before(module, args, kwargs):
         arguments = signature.bind(*args, **kwargs).arguments
         if module is blocks[0]:
-            arguments["hidden_states"] = split.local(arguments["hidden_states"], 1)
+            for name in first:
+                arguments[name] = split.local(arguments[name], 1)
         for name, dim in per_token_inputs(arguments).items():
             value = arguments[name]
             arguments[name] = (
@@ -126,7 +135,8 @@ def split_blocks(blocks: list[torch.nn.Module], split: SequenceSplit, per_token_
 
     for block in blocks:
         block.register_forward_pre_hook(before, with_kwargs=True)
-    blocks[-1].register_forward_hook(after)
+    if gather:
+        blocks[-1].register_forward_hook(after)
 
 
 def check_heads(sp_size: int, heads: int, world: int) -> None:

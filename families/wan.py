@@ -65,6 +65,7 @@ ORIGINAL_BLOCK = COMFY_NAMES | {
 }
 ORIGINAL_OTHER = {
     "patch_embedding": "patch_embedding",
+    "vace_patch_embedding": "vace_patch_embedding",
     "condition_embedder.text_embedder.linear_1": "text_embedding.0",
     "condition_embedder.text_embedder.linear_2": "text_embedding.2",
     "condition_embedder.time_embedder.linear_1": "time_embedding.0",
@@ -160,14 +161,8 @@ class WanAdapter(Adapter):
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        """Weights in bf16 or fp16 need autocast; VACE's context tokens are not split by sp."""
+        """Weights in bf16 or fp16 need autocast."""
         super().check_config(cfg)
-        # the context's tokens (docs/control.md)
-        if cfg.model.type == "vace" and cfg.parallel.sp_size > 1:
-            raise ConfigError(
-                "parallel.sp_size > 1 does not split Wan VACE's context tokens yet: set "
-                "parallel.sp_size = 1 (FSDP shards the VACE blocks as the others)"
-            )
         dtype = cfg.model.dtype
         if dtype != "fp32" and cfg.train.mixed_precision == "no":
             # Without autocast Wan's first forward meets fp32 inputs with model.dtype's weights and
@@ -231,8 +226,11 @@ class WanAdapter(Adapter):
     @staticmethod
     def single_file_key(key: str) -> str | None:
         """A state-dict key's name in the original checkpoint: blocks.N.attn1.to_q.weight ->
-        blocks.N.self_attn.q.weight."""
-        return rename_key(key, "blocks", "blocks", ORIGINAL_BLOCK, ORIGINAL_OTHER)
+        blocks.N.self_attn.q.weight; VACE's context blocks as the base blocks, their proj_in and
+        proj_out as before_proj and after_proj (vace_blocks.N.before_proj.weight)."""
+        return rename_key(key, "blocks", "blocks", ORIGINAL_BLOCK, ORIGINAL_OTHER) or rename_key(
+            key, "vace_blocks", "vace_blocks", ORIGINAL_BLOCK | wan_vace.PROJECTIONS, {}
+        )
 
     @staticmethod
     def diffusers_names(keys: list[str]) -> dict[str, str]:
@@ -546,17 +544,43 @@ class WanAdapter(Adapter):
         """VACE's context blocks first: the forward runs them all before the base blocks."""
         return list(getattr(transformer, "vace_blocks", [])) + list(transformer.blocks)
 
+    @property
+    def block_count(self) -> int:
+        """VACE: the context blocks with the base blocks (parallel.offload_blocks counts both)."""
+        return self.transformer_config["num_layers"] + (
+            len(self.transformer_config["vace_layers"]) if self.vace else 0
+        )
+
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
         """Sequence parallelism: the video tokens, their rotary embeddings and (TI2V) their
         per-token timestep embeddings split at the first block; self-attention through an
-        all-to-all, the cross-attention to the text (and image) local."""
+        all-to-all, the cross-attention to the text (and image) local.
+
+        VACE: the context tokens (the VACE patch embedding's, padded to the video's length as the
+        forward pads them, reference frames included) split with the video's, in the same slices,
+        at the first context block; the video, which the forward hands every context block whole
+        (the first adds it to the context), is sliced at each: a view, and what checkpointing keeps
+        (activation offload copies) per block is this rank's slice. Each context block's hint stays split and is added to the base blocks'
+        split tokens, and the sequence is gathered where it leaves the blocks, at the output norm
+        (a hint may follow the last base block)."""
 
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             # temb [B, tokens, 6, D] with expand_timesteps (TI2V), [B, 6, D] otherwise
             return {"rotary_emb": 1} | ({"temb": 1} if arguments["temb"].ndim == 4 else {})
 
         self.sequence = split
-        split_blocks(self.blocks(transformer), split, per_token_inputs)
+        if self.vace:
+            split_blocks(
+                list(transformer.vace_blocks),
+                split,
+                lambda arguments: per_token_inputs(arguments) | {"hidden_states": 1},
+                first=("control_hidden_states",),
+                gather=False,
+            )
+            split_blocks(list(transformer.blocks), split, per_token_inputs, gather=False)
+            transformer.norm_out.register_forward_pre_hook(lambda module, args: (split.gather(args[0], 1),))
+        else:
+            split_blocks(self.blocks(transformer), split, per_token_inputs)
         for block in self.blocks(transformer):
             block.attn1.set_processor(SequenceParallelSelfAttention(split))
 

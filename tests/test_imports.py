@@ -22,6 +22,7 @@ LAYERS = {
             "lora",
             "data",
             "decode",
+            "sound",
             "manifest",
             "parallel",
             "ckpt_files",

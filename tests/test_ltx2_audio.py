@@ -33,7 +33,6 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import data
-import decode
 import lora
 import render
 import trainer
@@ -106,7 +105,7 @@ def test_sound_trains_and_both_held_out_losses_fall(sound_run):
 def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     """A clip's cached sound is its window's log-mel through the audio VAE.
 
-    Each clip's audio entry is encode_mel of its window's log-mel (decode.log_mel with the VAE's
+    Each clip's audio entry is encode_mel of its window's log-mel (sound.log_mel with the VAE's
     settings), every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without
     sound has none."""
     _, cfg = sound_run
@@ -118,7 +117,7 @@ def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     cached = load_file(entries.path(sounding, "audio"))
     sound = data.decode_audio(sounding, adapter.audio_sample_rate, adapter.audio_channels)
     c = adapter.audio_config
-    mel = decode.log_mel(sound, c["sample_rate"], 1024, c["mel_hop_length"], c["mel_bins"])
+    mel = sound.log_mel(sound, c["sample_rate"], 1024, c["mel_hop_length"], c["mel_bins"])
     mean, logvar = adapter.encode_mel(mel[None])
     assert mean.shape[2] == 1 + (mel.shape[1] - 1) // 4
     torch.testing.assert_close(cached["audio_latent_mean"], mean[0], rtol=0, atol=1e-6)

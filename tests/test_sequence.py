@@ -3,11 +3,13 @@
 Sequence parallelism (parallel.sp_size): 2 ranks sharing each sample, and 4 ranks as 2 data-parallel
 groups of 2 under FSDP, train to the same weights as one process, for CogVideoX (rotary embeddings,
 joint attention) and Wan (TI2V: per-token timesteps, an uneven split), with clipping engaged; their
-held-out loss and rendered frames agree too. LTX-2's split (video tokens split, audio and text
+held-out loss and rendered frames agree too; so does Wan VACE on 2 ranks (its context tokens, a
+reference frame's included, split with the video's). LTX-2's split (video tokens split, audio and text
 replicated, the audio-video cross-attentions both ways) is held to one process inside the same 2
 ranks: its losses and every weight's gradient. The split itself is checked inside the ranks: each
 attends over its own slice of the tokens, the collectives' gradients are exact, Q, K and V travel in
-V's dtype, and under torch.compile the exchanges compile with the blocks."""
+V's dtype, under torch.compile the exchanges compile with the blocks, and Wan VACE's split gives
+one process's loss and gradients."""
 
 import json
 import os
@@ -48,7 +50,38 @@ FAMILIES = {
         "train.learning_rate": 1e-2,
         "train.adam_epsilon": 1e-4,
     },
+    # VACE: the context tokens (the control's, a reference image's frame in front) split with the
+    # video's, 4 latent frames of 2 x 2 tokens (8 + 8); LoRA on the base and the VACE blocks,
+    # validation with a reference image and a control video.
+    "wan_vace": lambda tiny_models, wan_models: {
+        "model.path": str(wan_models("vace")),
+        "model.family": "wan",
+        "model.type": "vace",
+        "data.control_column": "controls.txt",
+        "data.reference_column": "references.txt",
+        "lora.target_modules": ["to_q", "to_k", "to_v", "to_out.0", "proj_in"],
+        "train.learning_rate": 1e-2,
+        "train.adam_epsilon": 1e-4,
+    },
 }
+# The runs each family makes (VACE: the split on one group, two runs)
+FAMILY_RUNS = {"wan_vace": ("one_process", "sp2")}
+SPLIT_RUNS = [
+    (family, name) for family in FAMILIES for name in FAMILY_RUNS.get(family, RUNS) if name != "one_process"
+]
+
+
+def vace_data_root(root, tiny_data, clips: int = 8):
+    """8 of the session's clips, each with a control video (another clip) and a reference image
+    (another clip's first frame), as list files beside the session's."""
+    root.mkdir(parents=True)
+    for name in ("videos", "images"):
+        (root / name).symlink_to(tiny_data / name)
+    for name in ("prompts.txt", "videos.txt"):
+        (root / name).write_text("".join((tiny_data / name).read_text().splitlines(True)[:clips]))
+    (root / "controls.txt").write_text("".join(f"videos/{(i + 8):05d}.mp4\n" for i in range(clips)))
+    (root / "references.txt").write_text("".join(f"images/{(i + 1) % clips:05d}.png\n" for i in range(clips)))
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +103,14 @@ def sp_runs(tmp_path_factory, base_settings, tiny_models, wan_models, tiny_data)
         }
         if family == "wan":
             family_settings["validation.images"] = [str(tiny_data / "images" / "00000.png")]
-        for name, (settings, nproc) in RUNS.items():
+        if family == "wan_vace":
+            family_settings |= {
+                "data.data_root": str(vace_data_root(root / "vace_data", tiny_data)),
+                "validation.reference_images": [str(tiny_data / "images" / "00003.png")],
+                "validation.control_videos": [str(tiny_data / "videos" / "00010.mp4")],
+            }
+        for name in FAMILY_RUNS.get(family, RUNS):
+            settings, nproc = RUNS[name]
             outputs[family, name] = root / family / name
             cfg = write_toml(
                 root / f"{family}-{name}.toml",
@@ -85,8 +125,7 @@ def logged(output_dir, tag: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("name", ["sp2", "dp2_sp2_fsdp"])
+@pytest.mark.parametrize(("family", "name"), SPLIT_RUNS)
 def test_same_weights_as_one_process(sp_runs, family, name):
     one, split = sp_runs[family, "one_process"], sp_runs[family, name]
     assert all(norm > MAX_GRAD_NORM for norm in logged(one, "train/grad_norm").values())
@@ -251,6 +290,39 @@ for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", Fal
         "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
         "seen": seen}
 
+# Wan VACE (sys.argv[6]): train_loss and every weight's gradient, the VACE patch embedding's
+# included, equal one process's with the context split with the video: 3 latent frames and 2
+# reference frames of 3 x 3 tokens, 45 split 23 + 22, in the context blocks as in the base blocks.
+adapter = load_adapter(ModelConfig(path=sys.argv[6], family="wan", type="vace", dtype="fp32"), torch.device("cpu"))
+g = torch.Generator().manual_seed(7)
+batch = {"latent_mean": torch.randn(2, 16, 3, 6, 6, generator=g),
+         "latent_logvar": torch.randn(2, 16, 3, 6, 6, generator=g) - 3,
+         "prompt_embeds": torch.randn(2, 512, 32, generator=g),
+         "control_latents": torch.randn(2, 96, 3, 6, 6, generator=g),
+         "reference_latents": torch.randn(2, 16, 2, 6, 6, generator=g)}
+results, seen = [], {}
+for split_it in (False, True):
+    model = adapter.load_transformer().requires_grad_(True)
+    if split_it:
+        for kind in ("vace_blocks", "blocks"):
+            for block in getattr(model, kind):
+                block.attn1.register_forward_pre_hook(
+                    lambda m, args, kwargs, kind=kind: seen.setdefault(kind, set()).add(args[0].shape[1]), with_kwargs=True)
+        adapter.split_sequence(model, split)
+    loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(5 + i) for i in range(2)])
+    loss.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if split_it:
+        for grad in grads.values():  # the group's sum: sp times the sample's
+            dist.all_reduce(grad)
+            grad /= 2
+    results.append((loss.detach(), grads))
+(loss, grads), (split_loss, split_grads) = results
+report["vace"] = {"loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6),
+                  "grads": sorted(grads), "same_grads": grads.keys() == split_grads.keys(),
+                  "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
+                  "seen": {kind: sorted(lengths) for kind, lengths in seen.items()}}
+
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
@@ -258,7 +330,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
+def test_the_split_inside_the_ranks(tiny_models, ltx2_models, wan_models, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     result = subprocess.run(
@@ -274,6 +346,7 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
             str(tmp_path),
             str(ltx2_models("2.0")),
             str(ltx2_models("2.3")),
+            str(wan_models("vace")),
         ],
         capture_output=True,
         text=True,
@@ -294,6 +367,12 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, tmp_path):
             and dynamo["frames"]["ok"] == dynamo["frames"]["total"]
         ), dynamo
         assert report["compiled_equal"]
+        vace = report["vace"]
+        assert vace["loss_equal"] and vace["same_grads"] and not vace["grads_differ"], vace
+        assert (
+            "vace_patch_embedding.weight" in vace["grads"] and "vace_blocks.0.proj_in.weight" in vace["grads"]
+        )
+        assert vace["seen"] == {"vace_blocks": [[23, 22][rank]], "blocks": [[23, 22][rank]]}
         assert report["ltx2"].keys() == {"t2v_audio", "t2v", "i2v_audio", "ic_audio"}
         assert report["ltx2_stg"]["equal"] and report["ltx2_stg"]["perturbs"] > 1e-3, report["ltx2_stg"]
         for case, ltx2 in report["ltx2"].items():

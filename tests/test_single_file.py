@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 from conftest import comfyui_linears, one_rank_group, write_toml
-from diffusers import WanTransformer3DModel
+from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -273,6 +273,97 @@ def test_wan_files_load_in_diffusers_single_file_loader(folders, tmp_path):
         torch.equal(theirs[k], folder[k].to(torch.bfloat16).float()) or torch.equal(theirs[k], folder[k])
         for k in folder
     )
+
+
+def comfyui_wan_vace_state_dict(c: dict) -> dict[str, tuple[int, ...]]:
+    """The state dict (key: shape) of ComfyUI's native Wan VACE model for a diffusers VACE config.
+
+    Written from comfy/ldm/wan/model.py at comfyanonymous/ComfyUI
+    01c4fa4c746a16712ccabac3ce7ff71c48340214: VaceWanModel is a t2v WanModel (patch_embedding
+    Conv3d, text_embedding.0 and .2, time_embedding.0 and .2, time_projection.1, `blocks` of
+    WanAttentionBlock, head.head and head.modulation [1, 2, dim]) with vace_patch_embedding (Conv3d)
+    and `vace_blocks` of VaceWanAttentionBlock: a WanAttentionBlock with after_proj, and before_proj
+    on block 0. A WanAttentionBlock, with qk_norm and cross_attn_norm as comfy/model_detection.py
+    sets them for every Wan: self_attn and cross_attn q, k, v, o (Linear) and norm_q, norm_k
+    (RMSNorm: weight), norm3 (affine LayerNorm), ffn.0 and ffn.2, modulation [1, 6, dim]; norm1 and
+    norm2 have no weights. model_detection tells VACE by vace_patch_embedding.weight and counts the
+    vace_blocks."""
+    dim, ffn, patch = c["num_attention_heads"] * c["attention_head_dim"], c["ffn_dim"], tuple(c["patch_size"])
+
+    def linear(name, fan_in, fan_out):
+        return {f"{name}.weight": (fan_out, fan_in), f"{name}.bias": (fan_out,)}
+
+    block = {"modulation": (1, 6, dim), "norm3.weight": (dim,), "norm3.bias": (dim,)}
+    for attention in ("self_attn", "cross_attn"):
+        for x in "qkvo":
+            block |= linear(f"{attention}.{x}", dim, dim)
+        block |= {f"{attention}.norm_q.weight": (dim,), f"{attention}.norm_k.weight": (dim,)}
+    block |= linear("ffn.0", dim, ffn) | linear("ffn.2", ffn, dim)
+    keys = {f"blocks.{i}.{k}": shape for i in range(c["num_layers"]) for k, shape in block.items()}
+    for i in range(len(c["vace_layers"])):
+        vace = block | linear("after_proj", dim, dim) | (linear("before_proj", dim, dim) if i == 0 else {})
+        keys |= {f"vace_blocks.{i}.{k}": shape for k, shape in vace.items()}
+    for name, channels in (
+        ("patch_embedding", c["in_channels"]),
+        ("vace_patch_embedding", c["vace_in_channels"]),
+    ):
+        keys |= {f"{name}.weight": (dim, channels, *patch), f"{name}.bias": (dim,)}
+    keys |= linear("text_embedding.0", c["text_dim"], dim) | linear("text_embedding.2", dim, dim)
+    keys |= linear("time_embedding.0", c["freq_dim"], dim) | linear("time_embedding.2", dim, dim)
+    keys |= linear("time_projection.1", dim, 6 * dim)
+    out = c["out_channels"] * patch[0] * patch[1] * patch[2]
+    return keys | linear("head.head", dim, out) | {"head.modulation": (1, 2, dim)}
+
+
+def test_a_wan_vace_file_holds_comfyuis_keys_and_loads_as_the_folder(wan_models, tmp_path):
+    """A Wan VACE single file: ComfyUI's key set, read as the folder by us and by diffusers.
+
+    tools/to_single_file.py writes a VACE folder's transformer with exactly the keys and shapes of
+    ComfyUI's native VACE model (the layout of its wan2.1_vace_*.safetensors files:
+    vace_patch_embedding, vace_blocks.N.before_proj/after_proj beside the blocks' original names);
+    model.transformer_file reads it to the folder's weights rounded to bf16 (fp32 where the file
+    keeps fp32), and diffusers' single-file loader (its Wan converter) to the same tensors. Its fp8
+    form stores the context blocks' linears in fp8 too, read back as ComfyUI dequantizes them."""
+    folder = wan_models("vace")
+    path, fp8_path = tmp_path / "vace.safetensors", tmp_path / "vace_fp8.safetensors"
+    to_single_file(str(folder), str(path))
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    with safe_open(path, "pt") as f:
+        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert stored == comfyui_wan_vace_state_dict(config)
+
+    def vace_adapter(transformer_file="", dtype="fp32"):
+        return load_adapter(
+            ModelConfig(
+                path=str(folder), family="wan", type="vace", dtype=dtype, transformer_file=transformer_file
+            ),
+            torch.device("cpu"),
+        )
+
+    ours = tensors(vace_adapter(str(path)).load_transformer())
+    theirs = WanVACETransformer3DModel.from_single_file(
+        str(path), config=str(folder), subfolder="transformer", torch_dtype=torch.float32
+    ).state_dict()
+    folder_weights = tensors(vace_adapter().load_transformer())
+    assert theirs.keys() <= ours.keys() and differing(ours, theirs) == []
+    assert all(
+        torch.equal(ours[k], folder_weights[k].to(torch.bfloat16).float())
+        or torch.equal(ours[k], folder_weights[k])
+        for k in folder_weights
+    )
+    assert not all(torch.equal(ours[k], folder_weights[k]) for k in folder_weights)  # bf16 rounded
+
+    to_single_file(str(folder), str(fp8_path), fp8=True, scaled=True)
+    fp8 = {k: v for k, v in load_file(fp8_path).items() if v.dtype == torch.float8_e4m3fn and v.numel()}
+    assert {k for k in fp8 if k.startswith("vace_blocks.")} == {
+        k for k, shape in stored.items() if k.startswith("vace_blocks.") and len(shape) == 2
+    }
+    stored_fp8 = load_file(fp8_path)
+    read = tensors(vace_adapter(str(fp8_path)).load_transformer())
+    for name in ("vace_blocks.0.before_proj.weight", "vace_blocks.1.self_attn.q.weight"):
+        key = name.replace("before_proj", "proj_in").replace("self_attn.q", "attn1.to_q")
+        scale = stored_fp8[name.removesuffix("weight") + "scale_weight"].float()
+        assert torch.equal(read[key], fp8[name].float() * scale), key
 
 
 def comfyui_detection(keys) -> dict:

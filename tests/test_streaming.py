@@ -248,3 +248,71 @@ def test_allocator_settings_keep_the_users_keys():
     assert ranks.allocator_settings(user) == f"{user},{ours}"
     user = "expandable_segments:False,pinned_max_cached_size_mb:64"
     assert ranks.allocator_settings(user) == user
+
+
+def test_vace_blocks_stream_and_store_fp8(wan_models):
+    """Wan VACE's context blocks are blocks to streaming and fp8 storage.
+
+    Streaming (a 1-rank FSDP mesh) and fp8 storage reach Wan VACE's context blocks, the first
+    units in forward order: parallel.offload_blocks counts them with the base blocks (4 of the tiny
+    model's 2 + 3, above its 3 base blocks); those 4 keep their frozen weights on the host, their
+    linears in fp8; the root prefetches the first context block, each block the next, across into
+    the base blocks; the streamed model's loss and LoRA gradients (base and context blocks) equal
+    the resident model's, with a reference frame in front of the clip's."""
+    adapter = load_adapter(
+        ModelConfig(
+            path=str(wan_models("vace")), family="wan", type="vace", dtype="fp32", storage_dtype="fp8"
+        ),
+        torch.device("cpu"),
+    )
+    assert adapter.block_count == 5
+    with pytest.raises(ConfigError, match="offload_blocks = 6, but the model has 5 transformer blocks"):
+        parallel.check_offload_blocks(ParallelConfig(cpu_offload=True, offload_blocks=6), adapter.block_count)
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "latent_mean": torch.randn(1, 16, 3, 4, 4, generator=g),
+        "latent_logvar": torch.randn(1, 16, 3, 4, 4, generator=g) - 3,
+        "prompt_embeds": torch.randn(1, 512, 32, generator=g),
+        "control_latents": torch.randn(1, 96, 3, 4, 4, generator=g),
+        "reference_latents": torch.randn(1, 16, 1, 4, 4, generator=g),
+    }
+    results = {}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
+        for name, strategy in (
+            ("resident", ParallelConfig()),
+            ("streamed", ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=4)),
+        ):
+            model = build_model(
+                adapter, TrainConfig(mixed_precision="no"), LoraConfig(rank=4), strategy, 0, d
+            )
+            loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(1)])
+            loss.sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            results[name] = (
+                loss.detach(),
+                {n: getattr(grad, "full_tensor", lambda g=grad: g)() for n, grad in grads.items()},
+            )
+    finally:
+        dist.destroy_process_group()
+    blocks = adapter.blocks(model)
+    host = parallel.offloaded(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    streamed = ("vace_blocks.0.", "vace_blocks.1.", "blocks.0.", "blocks.1.")
+    assert {name for name, p in model.named_parameters() if id(p) in host} == {
+        name for name in frozen if name.startswith(streamed)
+    }
+    assert {"vace_blocks.0.proj_in.weight", "vace_blocks.1.attn1.to_q.weight"} <= {
+        name for name, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn
+    }
+    units = [model, *blocks]
+    assert blocks[:2] == list(model.vace_blocks)
+    assert [unit._get_fsdp_state()._states_to_forward_prefetch for unit in units[:-1]] == [
+        [block._get_fsdp_state()] for block in units[1:]
+    ]
+    (loss, grads), (streamed_loss, streamed_grads) = results["resident"], results["streamed"]
+    assert any(n.startswith("vace_blocks.") for n in grads) and grads.keys() == streamed_grads.keys()
+    torch.testing.assert_close(streamed_loss, loss, rtol=1e-6, atol=0)
+    for n in grads:
+        torch.testing.assert_close(streamed_grads[n], grads[n], rtol=1e-5, atol=1e-7, msg=n)

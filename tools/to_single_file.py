@@ -10,7 +10,7 @@ in Lightricks' (ltx-core's) (docs/models/*.md, "Single files").
 
 Every floating tensor is written in bf16, but for those the diffusers class keeps in fp32 (Wan's
 norms, time embedder and modulation, as the folder stores them). --fp8 stores the 2-D weights of the
-transformer blocks' linear layers as float8_e4m3fn: a plain cast, or with --scaled ComfyUI's scaled
+transformer blocks' linear layers (Wan VACE's context blocks' too) as float8_e4m3fn: a plain cast, or with --scaled ComfyUI's scaled
 fp8 (per tensor: scale = max|w| / 448, the stored value w / scale, its `.scale_weight` beside it and
 the `scaled_fp8` marker key, as comfy/utils.py convert_old_quants reads them). --prefix puts every
 key under `model.diffusion_model.`, as ComfyUI's own checkpoints have them. The file is written one
@@ -45,8 +45,9 @@ def adapter_class(model_dir: Path):
 
 
 def quantized(key: str, shape: tuple) -> bool:
-    """A linear layer's weight inside a transformer block: what ComfyUI's fp8 files store in fp8."""
-    return key.startswith("blocks.") and key.endswith(".weight") and len(shape) == 2
+    """A linear layer's weight inside a transformer block (Wan VACE's context blocks too, which
+    model.storage_dtype = "fp8" stores in fp8 alike): what ComfyUI's fp8 files store in fp8."""
+    return key.startswith(("blocks.", "vace_blocks.")) and key.endswith(".weight") and len(shape) == 2
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:
