@@ -421,47 +421,24 @@ def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
         raise BadClip(str(e)) from None
 
 
-def decode_control(item: Item, threads: int = 0) -> torch.Tensor:
-    """The control video's frames of the planned window: those shown at the clip's frame times
-    (whatever the control's own rate), resized to the clip's resized size (whatever the control's
-    own) and cropped as the clip's frames are: uint8 [F, H, W, 3], frame k aligned with
-    decode_clip's frame k."""
+def decode_control(item: Item, threads: int = 0, mask: bool = False) -> torch.Tensor:
+    """The control video's frames of the planned window (with `mask`, Wan VACE's mask's, an image
+    mask for every frame): those shown at the clip's frame times (whatever the control's own rate),
+    resized to the clip's resized size (whatever the control's own) and cropped as the clip's frames
+    are: uint8 [F, H, W, 3], frame k aligned with decode_clip's frame k."""
     frames, height, width = item.resolution
-    times = window_times(item)
+    kind, path, media = (
+        ("mask", item.clip.mask, item.mask_media)
+        if mask
+        else ("control", item.clip.control, item.control_media)
+    )
     try:
+        crop = (item.top, item.left, height, width)
         return torch.from_numpy(
-            decode.read_frames(
-                item.clip.control,
-                item.control_media,
-                times,
-                item.resized,
-                (item.top, item.left, height, width),
-                item.pad,
-                threads,
-            )
+            decode.read_frames(path, media, window_times(item), item.resized, crop, item.pad, threads)
         )
     except decode.MediaError as e:
-        raise BadClip(f"control {item.clip.control}: {e}") from None
-
-
-def decode_mask(item: Item, threads: int = 0) -> torch.Tensor:
-    """Wan VACE: the mask of the planned window, read as decode_control reads the control video (an
-    image mask for every frame): uint8 [F, H, W, 3]."""
-    frames, height, width = item.resolution
-    try:
-        return torch.from_numpy(
-            decode.read_frames(
-                item.clip.mask,
-                item.mask_media,
-                window_times(item),
-                item.resized,
-                (item.top, item.left, height, width),
-                item.pad,
-                threads,
-            )
-        )
-    except decode.MediaError as e:
-        raise BadClip(f"mask {item.clip.mask}: {e}") from None
+        raise BadClip(f"{kind} {path}: {e}") from None
 
 
 def load_references(item: Item) -> list[torch.Tensor]:

@@ -207,7 +207,7 @@ class VideoEncoding:
             if self.adapter.vace:
                 control = (
                     control,
-                    data.decode_mask(item, self.threads) if item.mask_content else None,
+                    data.decode_control(item, self.threads, mask=True) if item.mask_content else None,
                     data.load_references(item),
                 )
         if not self.todo[item] & {"video", "image"}:
