@@ -43,6 +43,7 @@ def plan_all(
     d: ranks.Dist,
     first_last: bool = False,
     control: bool = False,
+    vace: bool = False,
 ):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
     check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
@@ -57,16 +58,16 @@ def plan_all(
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
                 try:
                     video, image, last, controls, new = manifest.clip_entries(
-                        clips[i], cfg.model.type == "i2v", first_last, control
+                        clips[i], cfg.model.type == "i2v", first_last, control, vace
                     )
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
-                vace = {}
-                if controls:  # Wan VACE: the mask's header and hash, the reference's hash
-                    mask = controls["mask"] and (media_of(controls["mask"]), controls["mask"]["content"])
-                    vace = {"mask": mask, "reference_content": controls["reference"]}
-                    controls = (media_of(controls), controls["content"])
+                extra = {}
+                if controls:  # Wan VACE: the mask's header and hash, the references' hashes
+                    header = lambda e: e and (media_of(e), e["content"])  # noqa: E731
+                    extra = {"mask": header(controls["mask"]), "reference_content": controls["reference"]}
+                    controls = header(controls["video"])
                 planned = data.plan_clip(
                     clips[i],
                     media_of(video),
@@ -77,7 +78,7 @@ def plan_all(
                     image,
                     last,
                     controls,
-                    **vace,
+                    **extra,
                 )
                 missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
                 # Sent without the clip, which every rank holds: unpickling paths is most of the
@@ -134,14 +135,15 @@ def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip] = ()) -> Non
                 f"model.path = {adapter.path} is not one: remove it, or train a VACE model "
                 '(model.type = "vace")'
             )
-    with_reference = [clip for clip in clips if clip.reference is not None]
     # a batch's clips stack their references
-    if adapter.vace and 0 < len(with_reference) < len(clips):
-        without = next(clip for clip in clips if clip.reference is None)
+    counts = sorted({len(clip.reference) for clip in clips})
+    if adapter.vace and len(counts) > 1:
+        odd = next(clip for clip in clips if len(clip.reference) == counts[0])
+        many = sum(len(clip.reference) != counts[0] for clip in clips)
         raise ConfigError(
-            f"{without.source} line {without.line} has no reference image, but "
-            f"{len(with_reference)} other clip(s) have one: give every clip a reference image "
-            "(data.reference_column), or none"
+            f"{odd.source} line {odd.line} has {counts[0]} reference image(s), but {many} other "
+            f"clip(s) have {' or '.join(map(str, counts[1:]))}: give every clip the same number of "
+            "reference images (data.reference_column), or none"
         )
 
 
@@ -176,7 +178,9 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
     )
     check_last_images(adapter, clips, cfg.data)
     check_controls(adapter, cfg.data, clips)
-    planned = plan_all(clips, shapes, cfg, cache, manifest, d, adapter.first_last, adapter.takes_control)
+    planned = plan_all(
+        clips, shapes, cfg, cache, manifest, d, adapter.first_last, adapter.takes_control, adapter.vace
+    )
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()
     # A clip whose file is gone trains from complete entries; without them it is bad input.

@@ -18,8 +18,9 @@ Five kinds of entry, one safetensors file each, named by a hash of what produced
   [1, channels, samples]).
 - control (models that follow a control video, data.control_column): what the adapter's
   encode_control makes of the control frames aligned with the clip's window (data.decode_control),
-  keyed by the clip's video key and the control file's content: a changed control video is
-  re-encoded, the clip's latents kept.
+  keyed by the clip's video key and the control file's content (Wan VACE: and its mask's and
+  reference images', its control video possibly none): a changed control video is re-encoded, the
+  clip's latents kept.
 So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
 its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
 atomically: an interrupted pass resumes where it was. manifest.py keeps the headers and hashes.
@@ -99,11 +100,15 @@ class Cache:
         # the window's frames of another file, by the VAE unless the family says otherwise
         elif kind == "control":
             video = os.path.basename(self.path(item, "video"))  # its key, wherever the cache lies
-            # Wan VACE's mask and reference image shape the entry too (named only when given: other
-            # keys stay what they were).
+            # Wan VACE's mask and reference images shape the entry too (named only when given, one
+            # reference by its hash: other keys stay what they were); its control video may be none.
+            references = item.reference_content
             vace = {
                 kind: content
-                for kind, content in (("mask", item.mask_content), ("reference", item.reference_content))
+                for kind, content in (
+                    ("mask", item.mask_content),
+                    ("reference", references[0] if len(references) == 1 else list(references)),
+                )
                 if content
             }
             key = _key(

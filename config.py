@@ -200,16 +200,17 @@ class DataConfig:
     # File under data_root with one control video per line (metadata files: a control column), for
     # models that follow a control clip (a depth or pose video, edges, a clip to restyle): each is
     # read at its clip's window's timestamps, resized to the clip's size and cropped as it is
-    # (docs/control.md).
+    # (docs/control.md). VACE models: optional, an empty line (or entry) gives a clip none.
     control_column: str = ""
     # VACE models (model.type = "vace"): file under data_root with one mask per line (metadata
     # files: a mask column), a video read as the control video is or an image for every frame; white
-    # marks what to generate, black what to keep. "" masks nothing (all white, the pipeline's
-    # default).
+    # marks what to generate, black what to keep. "" (or a clip's empty line) masks nothing (all
+    # white, the pipeline's default).
     mask_column: str = ""
-    # VACE models: file under data_root with one reference image per line (metadata files: a
-    # reference column), a subject or style the clip shows; it is fitted into the frame on white, as
-    # the pipeline does.
+    # VACE models: file under data_root with each clip's reference images on its line, separated by
+    # "|" (metadata files: a reference column; metadata.jsonl may give a JSON list), subjects or
+    # styles the clip shows, each fitted into the frame on white as the pipeline does; an empty
+    # line: none. Every clip has as many.
     reference_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
@@ -316,9 +317,14 @@ class ValidationConfig:
     # rendered clip's rate from its first frame, resized to cover and centre-cropped to its size;
     # TensorBoard shows it beside the output.
     control_videos: list[str] = field(default_factory=list)
-    # VACE models (model.type = "vace"): one reference image per prompt, which the clip is to show
-    # (a subject, a style); [] renders without.
-    reference_images: list[str] = field(default_factory=list)
+    # VACE models (model.type = "vace"): one mask per prompt (a video, read as its control video
+    # is, or an image for every frame; white: generate, black: keep), beside
+    # validation.control_videos (the pipeline takes a mask only with a video); [] renders with the
+    # pipeline's all-white mask. TensorBoard shows it between the control video and the output.
+    masks: list[str] = field(default_factory=list)
+    # VACE models (model.type = "vace"): the reference images of each prompt, which the clip is to
+    # show (a subject, a style): a path, or a list of paths for several; [] renders without.
+    reference_images: list[str | list[str]] = field(default_factory=list)
     # Also write each clip's uint8 frames, exactly as they went into the mp4 encoder, as
     # validation_res/*.safetensors (for metrics, or exact comparisons between runs).
     save_frames: bool = False
@@ -626,6 +632,13 @@ def check_validation_images(cfg: Config) -> None:
         raise ConfigError(
             f"validation.reference_images has {len(references)} for {len(prompts)} "
             "validation.prompts: give one per prompt"
+        )
+    masks = cfg.validation.masks
+    if masks and (cfg.model.type != "vace" or len(masks) != len(controls)):
+        raise ConfigError(
+            f"validation.masks has {len(masks)} for {len(controls)} validation.control_videos: a "
+            'mask goes with a control video (model.type = "vace"), one per prompt; give both (or '
+            "--mask with --control), or remove the masks"
         )
 
 

@@ -2,7 +2,8 @@
 
 Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
 paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
-`video`, `prompt` and optional `image`, `last_image` and `control` columns. A `video` may be an
+`video`, `prompt` and optional `image`, `last_image`, `control`, `mask` and `reference` columns (an
+empty entry: none; several references separated by REFERENCES, or a JSON list in metadata.jsonl). A `video` may be an
 image (.png, .jpg, .webp): a one-frame clip. Every clip is planned from its header (decode.py reads
 it): its bucket, its first frame and its crop offsets, drawn from a generator keyed by (run.seed,
 the clip's content). Its sound covers the seconds its frames do; its control video
@@ -25,6 +26,11 @@ import sound
 from config import ConfigError, DataConfig
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+# Wan VACE: what separates a clip's reference images on one line of a list file or a CSV cell (a
+# path with it is listed in metadata.jsonl's JSON list); and the columns whose entry may be empty
+# (none: Wan VACE's control video, mask, references).
+REFERENCES = "|"
+OPTIONAL = ("control", "mask", "reference")
 
 
 def keyed_generator(*keys, device: torch.device | str = "cpu") -> torch.Generator:
@@ -47,7 +53,7 @@ class Clip:
     last_image: Path | None = None
     control: Path | None = None  # a control video aligned with the clip (data.control_column)
     mask: Path | None = None  # Wan VACE: the control's mask, a video or an image (data.mask_column)
-    reference: Path | None = None  # Wan VACE: a reference image (data.reference_column)
+    reference: tuple[Path, ...] = ()  # Wan VACE: its reference images (data.reference_column)
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,8 @@ class Item:
     control_content: str | None = None  # and the hash of its bytes
     mask_media: decode.Media | None = None  # Wan VACE: the mask's header (data.mask_column)
     mask_content: str | None = None  # and the hash of its bytes
-    # Wan VACE: the hash of the reference image (data.reference_column)
-    reference_content: str | None = None
+    # Wan VACE: the hashes of the reference images (data.reference_column), in order
+    reference_content: tuple[str, ...] = ()
 
     def preprocessing(self) -> dict:
         """Everything besides the content and the encoder that shapes the clip's latents."""
@@ -135,13 +141,15 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
-def _list_file(path: Path) -> list[str]:
-    """Stripped lines; blank lines at the end are tolerated, a blank line inside is an error."""
+def _list_file(path: Path, blanks: int = 0) -> list[str]:
+    """Stripped lines; blank lines at the end are tolerated, a blank line inside is an error. With
+    `blanks` (the clips' count, for a column whose entries may be empty) blank lines are entries,
+    those past that count dropped."""
     lines = [line.strip() for line in _read_text(path).splitlines()]
-    while lines and not lines[-1]:
+    while len(lines) > blanks and not lines[-1]:
         lines.pop()
     for number, line in enumerate(lines, start=1):
-        if not line:
+        if not line and not blanks:
             raise ConfigError(f"{path} line {number} is empty: every line must hold one entry")
     return lines
 
@@ -156,7 +164,10 @@ def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, di
         "mask": cfg.mask_column,
         "reference": cfg.reference_column,
     }
-    values = {key: _list_file(root / name) for key, name in columns.items() if name}
+    values = {key: _list_file(root / name) for key, name in columns.items() if name and key not in OPTIONAL}
+    for key in OPTIONAL:  # an empty line: the clip has none
+        if columns[key]:
+            values[key] = _list_file(root / columns[key], len(values["prompt"]))
     for key in ("video", "image", "last_image", "control", "mask", "reference"):
         if key in values and len(values[key]) != len(values["prompt"]):
             raise ConfigError(
@@ -210,6 +221,8 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
             )
         source = str(present[0])
         rows = _jsonl_rows(present[0]) if present[0].suffix == ".jsonl" else _csv_rows(present[0])
+    # where a clip's references are listed, for messages
+    listed = str(root / cfg.reference_column) if source == str(root / cfg.video_column) else source
     clips = []
     for line, row in rows:
         for key in ("video", "prompt"):
@@ -217,7 +230,7 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
                 raise ConfigError(
                     f"{source} line {line}: empty or missing {key}: every clip needs a video and a prompt"
                 )
-        paths = (row.get(key) for key in ("image", "last_image", "control", "mask", "reference"))
+        paths = (row.get(key) for key in ("image", "last_image", "control", "mask"))
         clips.append(
             Clip(
                 root / row["video"].strip(),
@@ -225,11 +238,27 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
                 line,
                 source,
                 *(root / path.strip() if isinstance(path, str) and path.strip() else None for path in paths),
+                _references(root, row.get("reference"), listed, line),
             )
         )
     if not clips:
         raise ConfigError(f"{source} lists no clips")
     return clips
+
+
+def _references(root: Path, entry, source: str, line: int) -> tuple[Path, ...]:
+    """Wan VACE: a clip's reference images: paths separated by REFERENCES (a list file's line, a CSV
+    cell, a metadata.jsonl string), or a JSON list of paths (metadata.jsonl); empty: none."""
+    entry = entry.split(REFERENCES) if isinstance(entry, str) else [] if entry is None else entry
+    if not isinstance(entry, list) or not all(isinstance(path, str) for path in entry):
+        raise ConfigError(f"{source} line {line}: reference must be a path or a list of paths, got {entry!r}")
+    paths = [path.strip() for path in entry]
+    if len(paths) > 1 and not all(paths):
+        raise ConfigError(
+            f"{source} line {line}: an empty reference image among {paths}: list each clip's reference "
+            f"images separated by {REFERENCES!r}, none empty"
+        )
+    return tuple(root / path for path in paths if path)
 
 
 # Buckets and planning.
@@ -286,7 +315,7 @@ def plan_clip(
     last_image_content: str | None = None,
     control: tuple[decode.Media, str] | None = None,
     mask: tuple[decode.Media, str] | None = None,
-    reference_content: str | None = None,
+    reference_content: tuple[str, ...] = (),
 ) -> Item | Problem:
     """Plan a clip's bucket, frames and crop from its header alone.
 
@@ -392,61 +421,40 @@ def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
         raise BadClip(str(e)) from None
 
 
-def decode_control(item: Item, threads: int = 0) -> torch.Tensor:
-    """The control video's frames of the planned window: those shown at the clip's frame times
-    (whatever the control's own rate), resized to the clip's resized size (whatever the control's
-    own) and cropped as the clip's frames are: uint8 [F, H, W, 3], frame k aligned with
-    decode_clip's frame k."""
+def decode_control(item: Item, threads: int = 0, mask: bool = False) -> torch.Tensor:
+    """The control video's frames of the planned window (with `mask`, Wan VACE's mask's, an image
+    mask for every frame): those shown at the clip's frame times (whatever the control's own rate),
+    resized to the clip's resized size (whatever the control's own) and cropped as the clip's frames
+    are: uint8 [F, H, W, 3], frame k aligned with decode_clip's frame k."""
     frames, height, width = item.resolution
-    times = window_times(item)
+    kind, path, media = (
+        ("mask", item.clip.mask, item.mask_media)
+        if mask
+        else ("control", item.clip.control, item.control_media)
+    )
     try:
+        crop = (item.top, item.left, height, width)
         return torch.from_numpy(
-            decode.read_frames(
-                item.clip.control,
-                item.control_media,
-                times,
-                item.resized,
-                (item.top, item.left, height, width),
-                item.pad,
-                threads,
-            )
+            decode.read_frames(path, media, window_times(item), item.resized, crop, item.pad, threads)
         )
     except decode.MediaError as e:
-        raise BadClip(f"control {item.clip.control}: {e}") from None
+        raise BadClip(f"{kind} {path}: {e}") from None
 
 
-def decode_mask(item: Item, threads: int = 0) -> torch.Tensor:
-    """Wan VACE: the mask of the planned window, read as decode_control reads the control video (an
-    image mask for every frame): uint8 [F, H, W, 3]."""
-    frames, height, width = item.resolution
-    try:
-        return torch.from_numpy(
-            decode.read_frames(
-                item.clip.mask,
-                item.mask_media,
-                window_times(item),
-                item.resized,
-                (item.top, item.left, height, width),
-                item.pad,
-                threads,
-            )
-        )
-    except decode.MediaError as e:
-        raise BadClip(f"mask {item.clip.mask}: {e}") from None
-
-
-def load_reference(item: Item) -> torch.Tensor:
-    """Wan VACE: the clip's reference image, upright, at its own size (the family fits it into the
-    frame): uint8 [H, W, 3]."""
-    path = item.clip.reference
-    try:
-        with decode.Image.open(path) as image:
-            size = decode.ImageOps.exif_transpose(image).size
-    except (OSError, SyntaxError) as e:
-        raise BadClip(f"reference {path}: not a readable image ({e})") from None
-    pixels = decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0]))
-    # a writable copy: the uncropped image is PIL's read-only buffer
-    return torch.from_numpy(np.array(pixels))
+def load_references(item: Item) -> list[torch.Tensor]:
+    """Wan VACE: the clip's reference images in order, upright, at their own sizes (the family fits
+    them into the frame): uint8 [H, W, 3] each."""
+    references = []
+    for path in item.clip.reference:
+        try:
+            with decode.Image.open(path) as image:
+                size = decode.ImageOps.exif_transpose(image).size
+        except (OSError, SyntaxError) as e:
+            raise BadClip(f"reference {path}: not a readable image ({e})") from None
+        pixels = decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0]))
+        # a writable copy: the uncropped image is PIL's read-only buffer
+        references.append(torch.from_numpy(np.array(pixels)))
+    return references
 
 
 def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | None:

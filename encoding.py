@@ -202,13 +202,13 @@ class VideoEncoding:
         if "audio" in self.todo[item]:
             audio = data.decode_audio(item, self.adapter.audio_sample_rate, self.adapter.audio_channels)
         if "control" in self.todo[item]:
-            control = data.decode_control(item, self.threads)
-            # Wan VACE: the clip's mask and reference image are encoded with its control
+            # Wan VACE: a clip may have no control video; its mask and references go with it
+            control = data.decode_control(item, self.threads) if item.control_content else None
             if self.adapter.vace:
                 control = (
                     control,
-                    data.decode_mask(item, self.threads) if item.mask_content else None,
-                    data.load_reference(item) if item.reference_content else None,
+                    data.decode_control(item, self.threads, mask=True) if item.mask_content else None,
+                    data.load_references(item),
                 )
         if not self.todo[item] & {"video", "image"}:
             return None, None, 0.0, audio, control
@@ -249,7 +249,7 @@ class VideoEncoding:
             controlled, encoded = zip(*controls)
             if self.adapter.vace:
                 videos, masks, references = zip(*encoded)
-                encoded = self.adapter.encode_control(torch.stack(videos), masks, references)
+                encoded = self.adapter.encode_control(videos, masks, references, controlled[0].resolution)
             else:
                 encoded = self.adapter.encode_control(torch.stack(encoded))
             for j, item in enumerate(controlled):

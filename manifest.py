@@ -92,26 +92,26 @@ class Manifest:
         return ranks.broadcast(identity, d)
 
     def clip_entries(
-        self, clip, with_image: bool, with_last: bool = False, with_control: bool = False
+        self, clip, with_image: bool, with_last: bool = False, with_control: bool = False, vace: bool = False
     ) -> tuple[dict, str | None, str | None, dict | None, list]:
         """The clip's entry, (image-to-video) its image's and (first-last-frame) its last image's
-        content hashes, (a control model) its control video's entry (with Wan VACE's mask entry and
-        reference image hash, or None, under "mask" and "reference"), reading what is not known yet;
-        and the new entries. decode.MediaError names the file that failed, or the missing last image
-        or control video."""
+        content hashes, (a control model) its control video's entry under "video" (None: a Wan VACE
+        clip without one) with Wan VACE's mask entry (or None) under "mask" and its reference images'
+        hashes under "reference", reading what is not known yet; and the new entries.
+        decode.MediaError names the file that failed, or the missing last image or control video."""
         new = []
 
-        def entry(path: Path) -> dict:
-            found, is_new = self.entry(path)
+        def entry(path: Path, kind: str = "") -> dict:
+            try:
+                found, is_new = self.entry(path)
+            except decode.MediaError as e:
+                raise decode.MediaError(f"{kind} {path}: {e}" if kind else str(e)) from None
             new.extend([(path, found)] if is_new else [])
             return found
 
         video, image = entry(clip.video), None
         if with_image and clip.image:
-            try:
-                image = entry(clip.image)["content"]
-            except decode.MediaError as e:
-                raise decode.MediaError(f"image {clip.image}: {e}") from None
+            image = entry(clip.image, "image")["content"]
         last = None
         if with_last:
             if clip.last_image is None:
@@ -120,34 +120,25 @@ class Manifest:
                     "frame (data.last_image_column's line, or the metadata file's "
                     "last_image column)"
                 )
-            try:
-                last = entry(clip.last_image)["content"]
-            except decode.MediaError as e:
-                raise decode.MediaError(f"last image {clip.last_image}: {e}") from None
+            last = entry(clip.last_image, "last image")["content"]
         control = None
         if with_control:
-            if clip.control is None:
+            # Wan VACE: without a control video the pipeline's zeros stand in, and its mask is all
+            # white (the original VACE's too, whatever mask is given): a mask alone is refused.
+            if clip.control is None and not (vace and clip.mask is None):
                 raise decode.MediaError(
-                    "has no control video: a control model needs one per clip "
+                    f"has a mask ({clip.mask}) but no control video: WanVACEPipeline takes a mask only "
+                    "with a video; give the clip a control video or remove its mask"
+                    if vace
+                    else "has no control video: a control model needs one per clip "
                     "(data.control_column's line, or the metadata file's control column)"
                 )
-            try:
-                control = entry(clip.control)
-            except decode.MediaError as e:
-                raise decode.MediaError(f"control {clip.control}: {e}") from None
-            # Wan VACE's mask (its entry) and reference image (its content), beside the control
+            # Wan VACE's mask (its entry) and reference images (their contents), beside the control
             # video's.
-            extra = {"mask": None, "reference": None}
-            for kind in extra:
-                path = getattr(clip, kind)
-                try:
-                    extra[kind] = None if path is None else entry(path)
-                except decode.MediaError as e:
-                    raise decode.MediaError(f"{kind} {path}: {e}") from None
             control = {
-                **control,
-                "mask": extra["mask"],
-                "reference": extra["reference"] and extra["reference"]["content"],
+                "video": clip.control and entry(clip.control, "control"),
+                "mask": clip.mask and entry(clip.mask, "mask"),
+                "reference": tuple(entry(path, "reference")["content"] for path in clip.reference),
             }
         return video, image, last, control, new
 

@@ -4,7 +4,7 @@ The render command: validation clips of a checkpoint, an exported LoRA or the ba
 training. `python validate.py ...` runs it too (its documented name).
 
     python render.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT
-                     [--image FILE] [--last-image FILE] [--control FILE] [--reference FILE]
+                     [--image FILE] [--last-image FILE] [--control FILE [--mask FILE]] [--reference FILE]
                      [--prompt TEXT ...]
     torchrun --nproc_per_node N render.py ...       # the same, prompts spread over the ranks
 
@@ -26,6 +26,7 @@ from safetensors import safe_open
 import ckpt
 import ckpt_files
 import command
+import data
 import parallel
 import ranks
 import validate
@@ -88,7 +89,7 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
         "validation": {
             k: v
             for k, v in dataclasses.asdict(cfg.validation).items()
-            if k not in ("prompts", "images", "last_images", "control_videos", "reference_images")
+            if k not in ("prompts", "images", "last_images", "control_videos", "masks", "reference_images")
         },
     }
     names = []
@@ -103,9 +104,13 @@ def render_names(cfg: Config, checkpoint: str | None, lora_file: str | None, onl
         last = {"last_image": hashlib.sha256(Path(last[i]).read_bytes()).hexdigest()} if last else {}
         controls = cfg.validation.control_videos  # the same: hashed only when given
         last |= {"control": hashlib.sha256(Path(controls[i]).read_bytes()).hexdigest()} if controls else {}
-        references = cfg.validation.reference_images  # the same
+        masks = cfg.validation.masks  # the same
+        last |= {"mask": hashlib.sha256(Path(masks[i]).read_bytes()).hexdigest()} if masks else {}
+        references = cfg.validation.reference_images  # the same (one reference: its hash)
         if references:
-            last["reference"] = hashlib.sha256(Path(references[i]).read_bytes()).hexdigest()
+            paths = [references[i]] if isinstance(references[i], str) else references[i]
+            hashes = [hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in paths]
+            last["reference"] = hashes[0] if len(hashes) == 1 else hashes
         digest = hashlib.sha256(
             json.dumps({**common, "prompt": prompt, "image": image, **last}, sort_keys=True).encode()
         )
@@ -136,13 +141,18 @@ def render_command(
     last_images: list[str] = (),
     controls: list[str] = (),
     references: list[str] = (),
+    masks: list[str] = (),
 ) -> None:
     # the command line's prompts (and images, last images, controls, references) replace the
     # config's
     if prompts:
         cfg.validation.prompts, cfg.validation.images = prompts, images
         cfg.validation.last_images, cfg.validation.control_videos = list(last_images), list(controls)
-        cfg.validation.reference_images = list(references)
+        # several references of one prompt: separated by data.REFERENCES
+        cfg.validation.reference_images = [
+            r.split(data.REFERENCES) if data.REFERENCES in r else r for r in references
+        ]
+        cfg.validation.masks = list(masks)
         check_values(cfg)
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
@@ -210,14 +220,20 @@ def main(argv: list[str] | None = None) -> None:
         "--reference",
         action="append",
         default=[],
-        help="Wan VACE: the reference image of each --prompt, in order",
+        help="Wan VACE: the reference image of each --prompt, in order (several: A.png|B.png)",
+    )
+    parser.add_argument(
+        "--mask",
+        action="append",
+        default=[],
+        help="Wan VACE: the mask (video or image) of each --control, in order",
     )
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.online and not args.checkpoint:
         parser.error("--online chooses between a checkpoint's weights: it needs --checkpoint")
-    if (args.image or args.last_image or args.control or args.reference) and not args.prompt:
+    if (args.image or args.last_image or args.control or args.reference or args.mask) and not args.prompt:
         parser.error(
-            "--image, --last-image, --control and --reference go with --prompt: one of each per prompt"
+            "--image, --last-image, --control, --mask and --reference go with --prompt: one of each per prompt"
         )
     command.run_command(
         lambda cfg, d: render_command(
@@ -231,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             args.last_image,
             args.control,
             args.reference,
+            args.mask,
         ),
         args.cfg,
         overrides,

@@ -196,14 +196,15 @@ def load_image(path: str):
         ) from None
 
 
-def load_control(path: str, resolution, rate: float) -> torch.Tensor:
-    """A validation control video: the frames shown at the clip's frame times from its first frame,
-    resized to cover the clip's size (keeping its aspect) and centre-cropped to it, as
-    LTX2InContextPipeline's crop mode does: uint8 [F, H, W, 3]."""
+def load_control(path: str, resolution, rate: float, mask: bool = False) -> torch.Tensor:
+    """A validation control video (with `mask`, Wan VACE's mask: a video, or an image for every
+    frame): the frames shown at the clip's frame times from its first frame, resized to cover the
+    clip's size (keeping its aspect) and centre-cropped to it, as LTX2InContextPipeline's crop mode
+    does: uint8 [F, H, W, 3]."""
     frames, height, width = resolution
     try:
         media = decode.probe(Path(path))
-        if decode.available_frames(media, rate) < frames:
+        if decode.available_frames(media, rate) < frames and not (mask and media.image):
             raise decode.MediaError(
                 f"has {decode.available_frames(media, rate)} frames at {rate:g} fps, and the "
                 f"clips have {frames}"
@@ -214,8 +215,9 @@ def load_control(path: str, resolution, rate: float) -> torch.Tensor:
         times = [k / rate for k in range(frames)]
         return torch.from_numpy(decode.read_frames(Path(path), media, times, resized, crop, False))
     except decode.MediaError as e:
+        keys = "masks or --mask" if mask else "control_videos or --control"
         raise ConfigError(
-            f"validation control video {path} {e}: fix validation.control_videos or --control"
+            f"validation {'mask' if mask else 'control video'} {path} {e}: fix validation.{keys}"
         ) from None
 
 
@@ -281,7 +283,14 @@ class ClipRenderer:
         ] or [None] * len(self.prompts)
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
         self.last_images = [load_image(path) for path in cfg.last_images] or [None] * len(self.prompts)
-        self.references = [[load_image(path)] for path in cfg.reference_images] or [[]] * len(self.prompts)
+        self.masks = [
+            load_control(path, self.resolution, float(self.fps), mask=True) for path in cfg.masks
+        ] or [None] * len(self.prompts)
+        # Wan VACE: each prompt's reference images (a path, or a list of paths)
+        self.references = [
+            [load_image(p) for p in ([paths] if isinstance(paths, str) else paths)]
+            for paths in cfg.reference_images
+        ] or [[]] * len(self.prompts)
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
             self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
@@ -306,6 +315,7 @@ class ClipRenderer:
         # only VACE takes them
         conditions = {"references": self.references[prompt]} if self.adapter.vace else {}
         conditions |= {} if self.controls[prompt] is None else {"control": self.controls[prompt]}
+        conditions |= {} if self.masks[prompt] is None else {"mask": self.masks[prompt]}
         state = sample_latents(
             self.adapter,
             self.denoisers(model),
@@ -408,8 +418,8 @@ class ClipRenderer:
         clips = self.render(model, autocast)
         self.save(clips, [f"step_{step}_prompt_{i}" for i in range(len(self.prompts))], self.sounds)
         for i, (prompt, clip) in enumerate(zip(self.prompts, clips)):
-            # A control model's clip beside its control video, side by side in one clip.
-            shown = clip if self.controls[i] is None else torch.cat([self.controls[i], clip], dim=2)
+            # A control model's clip beside its control video (and mask), side by side in one clip.
+            shown = torch.cat([c for c in (self.controls[i], self.masks[i], clip) if c is not None], dim=2)
             metrics.clip(step, f"val/clip_{i}", shown, self.fps)
             if self.sounds:
                 metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)

@@ -356,20 +356,35 @@ class WanAdapter(Adapter):
             )
         return condition
 
-    def encode_control(self, video: torch.Tensor, masks=None, references=None) -> dict[str, torch.Tensor]:
-        """VACE: the control entries of a batch of clips: control frames uint8 [B, F, H, W, 3], each
-        clip's mask frames (uint8 [F, H, W, 3], or None: all white) and reference image (uint8 [H,
-        W, 3], or None), encoded as the pipeline encodes them (vace_condition)."""
-        frames, height, width = video.shape[1:4]
-        pixels = video.to(self.device).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
-        white = torch.full_like(video[0], 255)
-        masks = torch.stack([white if m is None else m for m in masks or [None] * len(video)])
-        masks = masks.to(self.device).permute(0, 4, 1, 2, 3).float() / 255.0
+    def encode_control(self, videos, masks, references, resolution) -> dict[str, torch.Tensor]:
+        """VACE: the control entries of a batch of clips of `resolution` (frames, height, width):
+        each clip's control frames (uint8 [F, H, W, 3], or None: the pipeline's zeros without a
+        video), mask frames (uint8 [F, H, W, 3], or None: all white) and reference images (uint8 [H,
+        W, 3] each, as many for every clip: cache.check_controls), encoded as the pipeline encodes
+        them (vace_condition)."""
+        frames, height, width = resolution
+        zeros = torch.zeros(3, frames, height, width, device=self.device)
+        pixels = torch.stack(
+            [
+                zeros if v is None else v.to(self.device).permute(3, 0, 1, 2).float() / 127.5 - 1.0
+                for v in videos
+            ]
+        )
+        masks = torch.stack(
+            [
+                torch.ones_like(zeros) if m is None else m.to(self.device).permute(3, 0, 1, 2) / 255.0
+                for m in masks
+            ]
+        )
         canvases = None
-        # every clip has one, or none (cache.check_controls)
-        if references and references[0] is not None:
+        if references[0]:
             canvases = torch.stack(
-                [wan_vace.reference_canvas(r, height, width, self.spatial_ratio)[None] for r in references]
+                [
+                    torch.stack(
+                        [wan_vace.reference_canvas(r, height, width, self.spatial_ratio) for r in clip]
+                    )
+                    for clip in references
+                ]
             )
         return self.vace_condition(pixels, masks, canvases, frames, height, width)
 
@@ -587,7 +602,7 @@ class WanAdapter(Adapter):
     ):
         """Initial latents [1, C, F', h, w] (fp32) from `generator`, and the image's (FLF2V: and the
         last image's) condition, as the pipelines' prepare_latents. VACE: the control video's frames
-        (PIL images, or validation's uint8 [F, H, W, 3]) and the mask's (PIL images), or None, and the
+        and the mask's (PIL images, or validation's uint8 [F, H, W, 3]), or None, and the
         reference images (PIL), encoded as WanVACEPipeline does; a latent frame per reference in front
         of the clip's."""
         frames, height, width = resolution
@@ -629,8 +644,11 @@ class WanAdapter(Adapter):
         clip's size, the mask to [0, 1], each reference centred on a white canvas."""
         frames, height, width = resolution
         processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
-        if isinstance(control, torch.Tensor):  # validate.load_control's uint8 frames: the pipeline's images
-            control = [Image.fromarray(frame) for frame in control.numpy()]
+        # validate.load_control's uint8 frames (the control's, the mask's): the pipeline's images
+        control, mask = (
+            [Image.fromarray(frame) for frame in x.numpy()] if isinstance(x, torch.Tensor) else x
+            for x in (control, mask)
+        )
         if control is not None:
             control = processor.preprocess_video(control, height, width).float()
         if mask is not None:

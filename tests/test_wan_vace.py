@@ -32,8 +32,9 @@ import data
 import lora
 import render
 import validate
-from config import ConfigError, ModelConfig, ValidationConfig, load_config
+from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
+from families.wan import WanAdapter
 from model_adapter import load_adapter
 
 WAN_VACE_KEYS = {
@@ -249,8 +250,9 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
     wan_models, base_settings, tmp_path
 ):
     """Control video, mask and two reference images; 4 steps with guidance: our frames equal
-    WanVACEPipeline's within 1e-4 in fp32, with the base model and with our LoRA file (on the base
-    blocks and the VACE blocks) loaded by load_lora_weights, every module of it."""
+    WanVACEPipeline's within 1e-4 in fp32 with our LoRA file (on the base blocks and the VACE
+    blocks) loaded by load_lora_weights, every module of it, and differ from the base model's (whose
+    parity the A14B and validation tests hold: one pipeline render less here)."""
     adapter = vace_adapter(wan_models)
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
     names, _ = random_lora(adapter, lora_file)
@@ -283,16 +285,18 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
                 references=references,
             )
             ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+            renders.append(ours)
+            if not source:  # the base model's parity: the A14B and validation tests below
+                continue
             pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
             pipe.set_progress_bar_config(disable=True)
-            if source:
-                pipe.load_lora_weights(str(source))
-                loaded = {
-                    n.removesuffix(".lora_A.default_0").removesuffix(".lora_A.default")
-                    for n, _ in pipe.transformer.named_modules()
-                    if ".lora_A." in n
-                }
-                assert loaded == set(names)
+            pipe.load_lora_weights(str(source))
+            loaded = {
+                n.removesuffix(".lora_A.default_0").removesuffix(".lora_A.default")
+                for n, _ in pipe.transformer.named_modules()
+                if ".lora_A." in n
+            }
+            assert loaded == set(names)
             theirs = (
                 pipe(
                     prompt=PROMPT,
@@ -312,7 +316,6 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
             )
             assert ours.shape == theirs.shape == (9, 32, 32, 3)
             assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
-            renders.append(ours)
     assert (renders[0] - renders[1]).abs().max() > 1e-3  # the LoRA shows
 
 
@@ -320,8 +323,10 @@ def test_validation_renders_each_prompt_with_its_reference_image(
     wan_models, base_settings, tiny_data, tmp_path
 ):
     """validation.reference_images, one per prompt, through the renderer the training run uses: the
-    pipeline's frames for that reference (no control video: its zeros and all-ones mask); refused
-    for other models and in another count than the prompts."""
+    pipeline's frames for that reference (no control video: its zeros and all-ones mask); with a
+    control video, its mask and two references, the pipeline's frames for those, shown side by side
+    in TensorBoard; refused for other models, in another count than the prompts, and a mask
+    without a control video (as the pipeline refuses it)."""
     reference = tiny_data / "images" / "00001.png"
     settings = vace_settings(
         wan_models,
@@ -357,21 +362,45 @@ def test_validation_renders_each_prompt_with_its_reference_image(
         .permute(0, 2, 3, 1)
     )
     assert (ours - theirs).abs().max() <= 1e-4
-    # With a control video too (validation.control_videos): the pipeline given the same frames.
-    control_path = tmp_path / "control.mp4"
+    # With a control video, its mask (an image for every frame: left half generated) and two
+    # reference images (validation.control_videos, .masks, .reference_images): the pipeline given
+    # the same frames; TensorBoard's clip shows control, mask and output side by side.
+    control_path, mask_path = tmp_path / "control.mp4", tmp_path / "mask.png"
     ramp_video(control_path, 20, 32, 32, 16, 10)
-    with_control = load_config(
-        str(write_toml(tmp_path / "c.toml", {**settings, "validation.control_videos": [str(control_path)]}))
-    )
+    half = np.zeros((40, 48), np.uint8)
+    half[:, :24] = 255
+    Image.fromarray(half).save(mask_path)
+    second = tiny_data / "images" / "00002.png"
+    conditioned = {
+        "validation.control_videos": [str(control_path)],
+        "validation.masks": [str(mask_path)],
+        "validation.reference_images": [[str(reference), str(second)]],
+    }
+    with_control = load_config(str(write_toml(tmp_path / "c.toml", {**settings, **conditioned})))
+    shown, rendered = {}, []
+
+    class Metrics:  # what run() shows
+        def clip(self, step, name, frames, fps):
+            shown[name] = frames
+
+        def text(self, *args):
+            pass
+
     with one_rank_group() as d:
         renderer = validate.ClipRenderer(adapter, with_control.validation, cfg.data, str(tmp_path), d)
-        controlled = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
+        clip = renderer.clip
+        renderer.clip = lambda *args: rendered.append(clip(*args)) or rendered[-1]
+        renderer.run(model, 0, Metrics(), contextlib.nullcontext())
+    controlled = rendered[0][0]
     control = validate.load_control(str(control_path), [9, 32, 32], float(renderer.fps))
+    mask = validate.load_control(str(mask_path), [9, 32, 32], float(renderer.fps), mask=True)
+    assert mask[:, :, :8].min() == 255 and mask[:, :, -8:].max() == 0  # centre-cropped from 48 wide
     theirs = (
         pipe(
             prompt=PROMPT,
             video=[Image.fromarray(frame) for frame in control.numpy()],
-            reference_images=[Image.open(reference).convert("RGB")],
+            mask=[Image.fromarray(frame) for frame in mask.numpy()],
+            reference_images=[Image.open(path).convert("RGB") for path in (reference, second)],
             num_frames=9,
             height=32,
             width=32,
@@ -385,6 +414,17 @@ def test_validation_renders_each_prompt_with_its_reference_image(
     )
     assert (controlled - theirs).abs().max() <= 1e-4
     assert (controlled - ours).abs().max() > 1e-3  # the control shows
+    assert torch.equal(shown["val/clip_0"], torch.cat([control, mask, validate.to_uint8(controlled)], dim=2))
+    assert shown["val/conditions_0"].shape == (1, 32, 64, 3)  # both references, side by side
+    with pytest.raises(ConfigError, match="validation.masks has 1 for 0 validation.control_videos"):
+        load_config(
+            str(
+                write_toml(
+                    tmp_path / "m.toml",
+                    {**settings, "validation.masks": [str(mask_path)], "validation.do_validation": True},
+                )
+            )
+        )
     with pytest.raises(ConfigError, match="validation.reference_images conditions VACE models"):
         load_config(
             str(
@@ -438,6 +478,39 @@ def vace_data(root, tiny_data, count: int = 4):
     return root
 
 
+def test_vace_list_files_may_leave_a_condition_empty_and_list_several_references(tmp_path):
+    """references.txt lists a clip's references separated by "|" (metadata.csv alike), an empty
+    line of controls.txt, masks.txt or references.txt gives the clip none (the last line's too);
+    an empty path among several is named."""
+    (tmp_path / "prompts.txt").write_text("a\nb\nc\n")
+    (tmp_path / "videos.txt").write_text("v0.mp4\nv1.mp4\nv2.mp4\n")
+    (tmp_path / "controls.txt").write_text("\nc1.mp4\n\n")
+    (tmp_path / "masks.txt").write_text("\nm1.png\n\n")
+    (tmp_path / "references.txt").write_text("r0.png | r1.png\nr2.png\n\n")
+    cfg = DataConfig(
+        data_root=str(tmp_path),
+        control_column="controls.txt",
+        mask_column="masks.txt",
+        reference_column="references.txt",
+    )
+    clips = data.read_clips(cfg)
+    assert [c.control and c.control.name for c in clips] == [None, "c1.mp4", None]
+    assert [c.mask and c.mask.name for c in clips] == [None, "m1.png", None]
+    assert [[r.name for r in c.reference] for c in clips] == [["r0.png", "r1.png"], ["r2.png"], []]
+    (tmp_path / "masks.txt").write_text("\nm1.png\n\n\n\n")  # blanks past the clips: dropped
+    assert [c.mask and c.mask.name for c in data.read_clips(cfg)] == [None, "m1.png", None]
+    (tmp_path / "references.txt").write_text("r0.png|\n\n\n")
+    with pytest.raises(ConfigError, match=r"references.txt line 1: an empty reference image among"):
+        data.read_clips(cfg)
+    for name in ("prompts.txt", "videos.txt"):
+        (tmp_path / name).unlink()
+    (tmp_path / "metadata.csv").write_text("video,prompt,reference\nv0.mp4,a,r0.png|r1.png\nv1.mp4,b,\n")
+    assert [[r.name for r in c.reference] for c in data.read_clips(DataConfig(data_root=str(tmp_path)))] == [
+        ["r0.png", "r1.png"],
+        [],
+    ]
+
+
 def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
     wan_models, base_settings, tiny_data, tmp_path, caplog
 ):
@@ -460,11 +533,11 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
     with one_rank_group() as d:
         adapter, entries, items, _ = prepare_run(cfg, d)
         item = items[1]
-        mask = data.decode_mask(item)
+        mask = data.decode_control(item, mask=True)
         # the left edge survives the crop
         assert mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255
         expected = adapter.encode_control(
-            data.decode_control(item)[None], [mask], [data.load_reference(item)]
+            [data.decode_control(item)], [mask], [data.load_references(item)], item.resolution
         )
         cached = load_file(entries.path(item, "control"))
         assert cached.keys() == {"control_latents", "reference_latents"}
@@ -494,6 +567,36 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
             False,
         ]
         assert any("cache: 2 clips encoded, 2 reused" in r.getMessage() for r in caplog.records), caplog.text
+        # Reference-to-video and several references: clip 0 without a control video or mask (the
+        # pipeline's video=None), every clip with two references (a JSON list; clip 3's separated
+        # by "|"). The references re-key every control entry; the video latents stay.
+        rows = [json.loads(row) for row in (root / "metadata.jsonl").read_text().splitlines()]
+        del rows[0]["control"], rows[0]["mask"]
+        for row in rows:
+            row["reference"] = [row["reference"], "references/00004.png"]
+        rows[3]["reference"] = "|".join(rows[3]["reference"])
+        (root / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        entries, items, _ = cache.prepare(cfg, adapter, d)
+        assert [entries.path(i, "video") for i in items] == after["video"]
+        assert not {entries.path(i, "control") for i in items} & set(after["control"])
+        assert items[3].clip.reference == (
+            root / "references" / "00000.png",
+            root / "references" / "00004.png",
+        )
+        cached = load_file(entries.path(items[0], "control"))
+        pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+        references = [Image.open(path).convert("RGB") for path in items[0].clip.reference]
+        torch.testing.assert_close(
+            wan_vace.context(cached["control_latents"][None], cached["reference_latents"][None]),
+            pipeline_context(pipe, None, None, references),
+            rtol=0,
+            atol=1e-5,
+        )
+        # a mask without a control video: the pipeline refuses it (and VACE's own code drops it)
+        del rows[1]["control"]
+        (root / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        with pytest.raises(ConfigError, match=r"line 2: .*has a mask \(.*1.png\) but no control video"):
+            cache.prepare(cfg, adapter, d)
         t2v = {
             **settings,
             "model.path": str(wan_models("t2v")),
@@ -508,13 +611,12 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
                     load_config(str(write_toml(tmp_path / "t.toml", {**t2v, f"data.{key}": "x.txt"}))),
                     d,
                 )
-        rows = (root / "metadata.jsonl").read_text().splitlines()
-        (root / "metadata.jsonl").write_text(
-            "\n".join([*rows[:3], rows[3].replace(', "reference": "references/00000.png"', "")]) + "\n"
-        )
+        rows[1]["control"] = "videos/00009.mp4"
+        rows[3]["reference"] = "references/00000.png"
+        (root / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         with pytest.raises(
             ConfigError,
-            match=r"metadata.jsonl line 4 has no reference image, but 3 other clip\(s\)",
+            match=r"metadata.jsonl line 4 has 1 reference image\(s\), but 3 other clip\(s\) have 2",
         ):
             prepare_run(cfg, d)
 
@@ -609,23 +711,129 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
         )
 
 
-def test_validate_renders_with_a_reference(wan_models, base_settings, tiny_data, tmp_path):
+def test_validate_renders_with_a_reference(
+    wan_models, base_settings, tiny_data, tmp_path, caplog, monkeypatch
+):
     """validate.py --reference renders the base model's clip of each prompt with its reference
-    image, under a name that tells references apart (another reference writes another clip)."""
+    image, under a name that tells references apart (another reference writes another clip: here two
+    references, "|" between them, with --control and --mask); --mask without --control is refused
+    before any model is read."""
     settings = vace_settings(
         wan_models, base_settings, tmp_path / "out", **{"validation.num_inference_steps": 2}
     )
     config = str(write_toml(tmp_path / "c.toml", settings))
-    for reference in ("00000.png", "00001.png"):
-        render.main(
-            [
-                "--cfg",
-                config,
-                "--prompt",
-                PROMPT,
-                "--reference",
-                str(tiny_data / "images" / reference),
-            ]
-        )
+    control, mask = tmp_path / "control.mp4", tiny_data / "images" / "00003.png"
+    ramp_video(control, 20, 32, 32, 16, 10)
+    images = [str(tiny_data / "images" / name) for name in ("00000.png", "00001.png", "00002.png")]
+    given, condition = [], WanAdapter._vace_sampling_condition  # what each render conditions on
+    monkeypatch.setattr(
+        WanAdapter,
+        "_vace_sampling_condition",
+        lambda self, control, mask, references, resolution: (
+            given.append((control is not None, mask is not None and mask.shape, len(references)))
+            or condition(self, control, mask, references, resolution)
+        ),
+    )
+    for arguments in (
+        ["--reference", images[0]],
+        ["--reference", "|".join(images[1:]), "--control", str(control), "--mask", str(mask)],
+    ):
+        render.main(["--cfg", config, "--prompt", PROMPT, *arguments])
     clips = sorted((tmp_path / "out" / "validation_res").glob("render_base_prompt_0_*.mp4"))
-    assert len(clips) == 2
+    assert len(clips) == 2 and given == [(False, False, 1), (True, (9, 32, 32, 3), 2)]
+    with caplog.at_level(logging.ERROR, logger="vidtrain"), pytest.raises(SystemExit):
+        render.main(["--cfg", config, "--prompt", PROMPT, "--mask", str(mask)])
+    assert "validation.masks has 1 for 0 validation.control_videos" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_vace_fun_a14b_trains_each_expert_on_its_range_and_samples_as_the_pipeline(wan_models):
+    """Wan2.2-VACE-Fun-A14B's layout (two VACE experts, boundary_ratio 0.875): each expert trains
+    only on its timesteps, as the other A14B models; our loop samples with both experts what
+    WanVACEPipeline (transformer_2, boundary_ratio) samples from a control video, its mask and two
+    references, within 1e-4 in fp32, each step by the same expert (2 steps: one each)."""
+    path = wan_models("a14b-vace")
+    for folder in ("transformer", "transformer_2"):
+        config = json.loads((path / folder / "config.json").read_text())
+        assert set(config) - {"_class_name", "_diffusers_version"} == WAN_VACE_KEYS
+        assert config["_class_name"] == "WanVACETransformer3DModel"
+    index = json.loads((path / "model_index.json").read_text())
+    assert (index["_class_name"], index["boundary_ratio"]) == ("WanVACEPipeline", 0.875)
+    control, mask, references = conditions()
+    experts, drawn = {}, {}
+    for expert in ("high_noise", "low_noise"):
+        adapter = load_adapter(
+            ModelConfig(family="wan", path=str(path), dtype="fp32", type="vace", expert=expert),
+            torch.device("cpu"),
+        )
+        transformer = adapter.load_transformer().train()
+        experts[adapter.transformer_folder] = transformer.eval()
+        seen = []
+        hook = transformer.register_forward_pre_hook(
+            lambda m, a, kw: seen.extend(kw["timestep"].flatten().tolist()), with_kwargs=True
+        )
+        mean = torch.zeros(2, 16, 3, 4, 4)
+        batch = {
+            "latent_mean": mean,
+            "latent_logvar": torch.full_like(mean, -30.0),
+            "prompt_embeds": torch.zeros(2, 512, 32),
+            "control_latents": torch.zeros(2, 96, 3, 4, 4),
+        }
+        with torch.no_grad():
+            for step in range(2):
+                adapter.train_loss(transformer, batch, [data.keyed_generator(step, i) for i in range(2)])
+        hook.remove()
+        drawn[expert] = seen
+    assert all(t >= 875 for t in drawn["high_noise"]) and all(t < 875 for t in drawn["low_noise"]), drawn
+    assert len(drawn["high_noise"]) == len(drawn["low_noise"]) == 4
+    calls = []
+    for folder, module in experts.items():
+        module.register_forward_pre_hook(
+            lambda m, a, kw, folder=folder: calls.append((folder, float(kw["timestep"].flatten()[0]))),
+            with_kwargs=True,
+        )
+    cfg = ValidationConfig(prompts=[PROMPT], num_inference_steps=2, guidance_scale=5.0)
+    embeds = adapter.encode_text(["", PROMPT])
+    state = validate.sample_latents(
+        adapter,
+        experts,
+        adapter.sampler(""),
+        embeds[1:],
+        embeds[:1],
+        data.keyed_generator(cfg.seed, 0),
+        cfg,
+        [9, 32, 32],
+        contextlib.nullcontext(),
+        control=control,
+        mask=mask,
+        references=references,
+    )
+    ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+    pipe = WanVACEPipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    theirs_calls = []
+    for folder in ("transformer", "transformer_2"):
+        getattr(pipe, folder).register_forward_pre_hook(
+            lambda m, a, kw, folder=folder: theirs_calls.append((folder, float(kw["timestep"].flatten()[0]))),
+            with_kwargs=True,
+        )
+    theirs = (
+        pipe(
+            prompt=PROMPT,
+            video=control,
+            mask=mask,
+            reference_images=references,
+            num_frames=9,
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            guidance_scale=5.0,
+            generator=data.keyed_generator(cfg.seed, 0),
+            output_type="pt",
+        )
+        .frames[0]
+        .permute(0, 2, 3, 1)
+    )
+    assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
+    # one forward per step (cond and uncond batched) against the pipeline's two
+    assert calls == theirs_calls[::2] and {folder for folder, _ in calls} == {"transformer", "transformer_2"}

@@ -15,7 +15,7 @@ diffusers added later is absent, and the class fills its default, as it does for
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V
 1.3B/14B), i2v (2.1 I2V 14B, with a CLIP image encoder), flf2v (2.1 FLF2V 14B), vace (2.1 VACE
 1.3B/14B: control, mask and reference images through context blocks), ti2v-5b (2.2, its 4x16x16
-VAE), a14b-t2v and a14b-i2v (2.2, two experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B),
+VAE), a14b-t2v and a14b-i2v (2.2, two experts), a14b-vace (2.2 VACE-Fun A14B: two VACE experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B),
 2.5 (LTX-2.5 22B: Gemma 4, a duration head), each text- and image-to-video (the same folder serves
 both pipelines). docs/models/<family>.md list the published key sets.
 """
@@ -413,6 +413,12 @@ WAN_VARIANTS = {
     "ti2v-5b": (WanPipeline, (48, 48), False, True, None, True, 5.0),
     "a14b-t2v": (WanPipeline, (16, 16), False, False, 0.875, False, 3.0),
     "a14b-i2v": (WanImageToVideoPipeline, (36, 16), False, False, 0.9, False, 3.0),
+    # Wan2.2-VACE-Fun-A14B: diffusers' convert_wan_to_diffusers ("Wan2.2-VACE-Fun-14B", from
+    # alibaba-pai/Wan2.2-VACE-Fun-A14B) writes two experts of Wan-VACE-14B's config (40 blocks,
+    # vace_layers every fifth, 96 context channels), the 2.1 VAE, UniPC at shift 3 and
+    # WanVACEPipeline's boundary_ratio 0.875 (its diffusers copy, linoyts/Wan2.2-VACE-Fun-14B-diffusers,
+    # holds the same).
+    "a14b-vace": (WanVACEPipeline, (16, 16), False, False, 0.875, False, 3.0),
 }
 
 
@@ -513,7 +519,7 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
             "tokenizer": tokenizer,
             "text_encoder": text_encoder,
             "vae": make_wan_vae(is_22),
-            "transformer": make_wan_transformer(channels, image, variant == "flf2v", variant == "vace"),
+            "transformer": make_wan_transformer(channels, image, variant == "flf2v", "vace" in variant),
             "scheduler": UniPCMultistepScheduler(
                 prediction_type="flow_prediction",
                 use_flow_sigmas=True,
@@ -523,7 +529,7 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
         }
         # A14B: transformer is the high-noise expert, transformer_2 the low-noise one
         if boundary is not None:
-            components["transformer_2"] = make_wan_transformer(channels, image)
+            components["transformer_2"] = make_wan_transformer(channels, image, vace="vace" in variant)
         if pipeline_cls is WanImageToVideoPipeline:
             # The published 2.1 I2V folders hold a CLIPVisionModel (no projection), the class the
             # pipeline declares; the PIL image processor saves as CLIPImageProcessor, as theirs, and
@@ -557,7 +563,7 @@ def make_tiny_wan(out: str, variant: str = "t2v", seed: int = 0) -> None:
     # (null); VACE's adds its context layers and channels (diffusers' convert_wan_to_diffusers,
     # Wan-VACE-1.3B/14B).
     transformer_keys = WAN21_KEYS if variant in ("t2v", "i2v") else WAN21_KEYS | {"pos_embed_seq_len"}
-    transformer_keys |= WAN_VACE_KEYS if variant == "vace" else set()
+    transformer_keys |= WAN_VACE_KEYS if "vace" in variant else set()
     for folder in ("transformer", "transformer_2"):
         if (root / folder).is_dir():
             keep_keys(root / folder / "config.json", transformer_keys)
