@@ -409,30 +409,39 @@ class ClipRenderer:
                             save_file({"frames": clip.contiguous()}, tmp)
         return paths if self.d.is_main else []
 
+    def beside(self, i: int, clip: torch.Tensor) -> torch.Tensor:
+        """Prompt i's clip [F, H, W, 3] with its conditions side by side in one clip: control video,
+        mask, first image and references to its left, last image to its right; each image held for
+        every frame, at the clip's size."""
+
+        def held(image) -> torch.Tensor:
+            still = np.asarray(image.convert("RGB").resize((clip.shape[2], clip.shape[1])))
+            return torch.from_numpy(still).expand(len(clip), -1, -1, -1)
+
+        left = [self.images[i], *self.references[i]]
+        return torch.cat(
+            [
+                *(c for c in (self.controls[i], self.masks[i]) if c is not None),
+                *(held(image) for image in left if image is not None),
+                clip,
+                *(held(image) for image in (self.last_images[i],) if image is not None),
+            ],
+            dim=2,
+        )
+
     def run(self, model, step: int, metrics, autocast) -> dict[str, float]:
-        """The training-time validation: mp4s, val/clip_{i}, val/prompt_{i} and (image-to-video)
-        val/conditions_{i}; returns time and peak memory."""
+        """The training-time validation: mp4s, val/clip_{i} (the clip beside its conditions) and
+        val/prompt_{i}; returns time and peak memory."""
         if not self.prompts:
             return {}
         start = time.perf_counter()
         clips = self.render(model, autocast)
         self.save(clips, [f"step_{step}_prompt_{i}" for i in range(len(self.prompts))], self.sounds)
         for i, (prompt, clip) in enumerate(zip(self.prompts, clips)):
-            # A control model's clip beside its control video (and mask), side by side in one clip.
-            shown = torch.cat([c for c in (self.controls[i], self.masks[i], clip) if c is not None], dim=2)
-            metrics.clip(step, f"val/clip_{i}", shown, self.fps)
+            metrics.clip(step, f"val/clip_{i}", self.beside(i, clip), self.fps)
             if self.sounds:
                 metrics.audio(step, f"val/audio_{i}", self.sounds[i], self.adapter.sound_rate)
             metrics.text(step, f"val/prompt_{i}", prompt)
-            conditions = [image for image in (self.images[i], self.last_images[i]) if image is not None]
-            conditions += self.references[i]
-            # beside the clip: its image (last image, references) side by side, at its size
-            if conditions:
-                size = (clip.shape[2], clip.shape[1])
-                side_by_side = np.concatenate(
-                    [np.asarray(image.resize(size)) for image in conditions], axis=1
-                )
-                metrics.clip(step, f"val/conditions_{i}", torch.from_numpy(side_by_side)[None], self.fps)
         peak = ranks.max_over_ranks(torch.tensor(memory.peak_memory_gb(self.d.device), device=self.d.device))
         return {"val/time_s": time.perf_counter() - start, "val/peak_mem_gb": peak.item()}
 

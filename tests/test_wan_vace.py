@@ -414,8 +414,13 @@ def test_validation_renders_each_prompt_with_its_reference_image(
     )
     assert (controlled - theirs).abs().max() <= 1e-4
     assert (controlled - ours).abs().max() > 1e-3  # the control shows
-    assert torch.equal(shown["val/clip_0"], torch.cat([control, mask, validate.to_uint8(controlled)], dim=2))
-    assert shown["val/conditions_0"].shape == (1, 32, 64, 3)  # both references, side by side
+    held = [
+        torch.from_numpy(np.asarray(Image.open(path).convert("RGB").resize((32, 32)))).expand(9, -1, -1, -1)
+        for path in (reference, second)
+    ]
+    assert torch.equal(
+        shown["val/clip_0"], torch.cat([control, mask, *held, validate.to_uint8(controlled)], dim=2)
+    )
     with pytest.raises(ConfigError, match="validation.masks has 1 for 0 validation.control_videos"):
         load_config(
             str(
@@ -678,12 +683,13 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
     )
     events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
     events.Reload()
-    shown = events.Images("val/conditions_0")
+    shown = events.Images("val/clip_0")
     assert [c.step for c in shown] == [0, 3, 6]
     with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
         pixels = torch.from_numpy(np.array(gif.convert("RGB"))).float()
     expected = torch.from_numpy(np.array(Image.open(reference).convert("RGB").resize((32, 32)))).float()
-    assert pixels.shape == (32, 32, 3) and (pixels - expected).abs().mean() < 4
+    # the reference at the clip's left, held for every frame
+    assert pixels.shape == (32, 64, 3) and (pixels[:, :32] - expected).abs().mean() < 4
     comfy = load_file(next((lora_dir / "comfy").glob("*.safetensors")))
     assert "diffusion_model.vace_blocks.0.before_proj.lora_A.weight" in comfy
     assert len([k for k in comfy if k.endswith("lora_A.weight")]) == len([k for k in ours if "lora_A" in k])
