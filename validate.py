@@ -415,7 +415,7 @@ class ClipRenderer:
         every frame, at the clip's size."""
 
         def held(image) -> torch.Tensor:
-            still = np.asarray(image.convert("RGB").resize((clip.shape[2], clip.shape[1])))
+            still = np.array(image.convert("RGB").resize((clip.shape[2], clip.shape[1])))
             return torch.from_numpy(still).expand(len(clip), -1, -1, -1)
 
         left = [self.images[i], *self.references[i]]
