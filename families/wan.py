@@ -77,7 +77,12 @@ ORIGINAL_OTHER = {
     "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
     "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
     "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+    # FLF2V: the position table of the two images' CLIP tokens (a parameter, renamed whole)
+    "condition_embedder.image_embedder.pos_embed": "img_emb.emb_pos",
 }
+# Names diffusers 0.42.1's single-file converter leaves as they are, renamed as its conversion
+# script (scripts/convert_wan_to_diffusers.py, TRANSFORMER_KEYS_RENAME_DICT) renames them.
+CONVERTER_MISSES = {"img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed"}
 EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 
@@ -234,9 +239,10 @@ class WanAdapter(Adapter):
 
     @staticmethod
     def diffusers_names(keys: list[str]) -> dict[str, str]:
-        """A single file's keys (the original names) -> diffusers', by diffusers' own converter."""
+        """A single file's keys (the original names) -> diffusers', by diffusers' own converter
+        (and, for FLF2V's img_emb.emb_pos, which it does not rename, by its conversion script)."""
         return {
-            original: key
+            original: CONVERTER_MISSES.get(key, key)
             for key, original in convert_wan_transformer_to_diffusers({k: k for k in keys}).items()
         }
 

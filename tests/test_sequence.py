@@ -6,7 +6,8 @@ joint attention) and Wan (TI2V: per-token timesteps, an uneven split), with clip
 held-out loss and rendered frames agree too; so does Wan VACE on 2 ranks (its context tokens, a
 reference frame's included, split with the video's). LTX-2's split (video tokens split, audio and text
 replicated, the audio-video cross-attentions both ways) is held to one process inside the same 2
-ranks: its losses and every weight's gradient. The split itself is checked inside the ranks: each
+ranks: its losses and every weight's gradient; so is Wan FLF2V's (the two images' CLIP tokens
+replicated with the text's). The split itself is checked inside the ranks: each
 attends over its own slice of the tokens, the collectives' gradients are exact, Q, K and V travel in
 V's dtype, under torch.compile the exchanges compile with the blocks, and Wan VACE's split gives
 one process's loss and gradients."""
@@ -328,6 +329,41 @@ report["vace"] = {"loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol
                   "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
                   "seen": {kind: sorted(lengths) for kind, lengths in seen.items()}}
 
+# Wan FLF2V (sys.argv[7]): the video tokens split (27: 14 + 13); the two images' CLIP tokens (2 x 17) sit
+# with the text's (512) as the cross-attention's keys, whole on every rank. train_loss and every weight's
+# gradient (the image embedder's position table among them) equal one process's.
+adapter = load_adapter(ModelConfig(path=sys.argv[7], family="wan", type="i2v", dtype="fp32"), torch.device("cpu"))
+c, g = adapter.transformer_config, torch.Generator().manual_seed(7)
+latents = (2, adapter.latent_channels, 3, 6, 6)
+batch = {"latent_mean": torch.randn(latents, generator=g), "latent_logvar": torch.randn(latents, generator=g) - 3,
+         "prompt_embeds": torch.randn(2, adapter.text_length, c["text_dim"], generator=g),
+         "image_latents": torch.randn(latents, generator=g),
+         "image_embeds": torch.randn(2, c["pos_embed_seq_len"], c["image_dim"], generator=g)}
+results, seen = [], {}
+for split_it in (False, True):
+    model = adapter.load_transformer().requires_grad_(True)
+    if split_it:
+        for block in adapter.blocks(model):
+            for name in ("attn1", "attn2"):
+                def record(m, args, name=name):
+                    seen[name] = [args[0].shape[1], None if args[1] is None else args[1].shape[1]]
+                getattr(block, name).register_forward_pre_hook(record)
+        adapter.split_sequence(model, split)
+    loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(8 + i) for i in range(2)])
+    loss.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if split_it:
+        for grad in grads.values():  # the group's sum: sp times the sample's
+            dist.all_reduce(grad)
+            grad /= 2
+    results.append((loss.detach(), grads))
+(loss, grads), (split_loss, split_grads) = results
+report["wan_flf2v"] = {
+    "loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6), "same_grads": grads.keys() == split_grads.keys(),
+    "pos_embed_grad": "condition_embedder.image_embedder.pos_embed" in grads,
+    "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
+    "seen": seen}
+
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
@@ -352,6 +388,7 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, wan_models, tmp_pa
             str(ltx2_models("2.0")),
             str(ltx2_models("2.3")),
             str(wan_models("vace")),
+            str(wan_models("flf2v")),
         ],
         capture_output=True,
         text=True,
@@ -398,6 +435,11 @@ def test_the_split_inside_the_ranks(tiny_models, ltx2_models, wan_models, tmp_pa
             assert ltx2["seen"] == (
                 expected if audio else {k: v for k, v in expected.items() if "_to_" not in k}
             ), case
+        flf2v = report["wan_flf2v"]
+        assert flf2v["loss_equal"] and flf2v["same_grads"] and not flf2v["grads_differ"], flf2v
+        assert flf2v["pos_embed_grad"]
+        # this rank's video tokens; every image token (2 x 17) and text token (512) as keys
+        assert flf2v["seen"] == {"attn1": [[14, 13][rank], None], "attn2": [[14, 13][rank], 2 * 17 + 512]}
 
 
 def test_errors_name_the_valid_sizes(write_config):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import comfyui_linears, one_rank_group, write_toml
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -28,9 +29,14 @@ from model import build_model, setup_adapter
 from model_adapter import load_adapter
 from tools.to_single_file import to_single_file
 
-# family: (tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding, 1.5's
-# rotary grid.
-MODELS = {"wan": ("t2v", "t2v"), "cogvideox": ("1.5-5b-i2v", "i2v")}
+# case: (family, tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding,
+# 1.5's rotary grid; Wan FLF2V: the image embedder and its position table (img_emb.emb_pos).
+MODELS = {
+    "wan": ("wan", "t2v", "t2v"),
+    "cogvideox": ("cogvideox", "1.5-5b-i2v", "i2v"),
+    "wan-flf2v": ("wan", "flf2v", "i2v"),
+}
+FP8_CASES = ["wan", "cogvideox"]
 # Relative difference of the first-step loss, fp8 file against the folder, both read into bf16: at
 # most 8.5e-4 measured on these models (Wan, scaled fp8; docs/models/wan.md, "Single files").
 FP8_LOSS_RTOL = 2e-3
@@ -38,15 +44,16 @@ FP8_LOSS_RTOL = 2e-3
 
 @pytest.fixture(scope="module")
 def folders(tiny_models, wan_models):
-    return {"wan": wan_models("t2v"), "cogvideox": tiny_models("1.5-5b-i2v")}
+    models = {"wan": wan_models, "cogvideox": tiny_models}
+    return {case: models[family](variant) for case, (family, variant, _) in MODELS.items()}
 
 
-def adapter_for(family, folder, transformer_file="", dtype="bf16"):
+def adapter_for(case, folder, transformer_file="", dtype="bf16"):
     return load_adapter(
         ModelConfig(
             path=str(folder),
-            family=family,
-            type=MODELS[family][1],
+            family=MODELS[case][0],
+            type=MODELS[case][2],
             dtype=dtype,
             transformer_file=transformer_file,
         ),
@@ -73,7 +80,14 @@ def first_step_loss(adapter, transformer) -> torch.Tensor:
         "latent_logvar": torch.full(shape, -4.0),
         "prompt_embeds": torch.randn(2, adapter.text_length, 32, generator=draw),
     }
-    if adapter.type == "i2v":
+    if adapter.type == "i2v" and adapter.FAMILY == "wan":  # the VAE condition and CLIP tokens
+        config = adapter.transformer_config
+        tokens = config["pos_embed_seq_len"] or 17
+        batch |= {
+            "image_latents": torch.randn(shape, generator=draw),
+            "image_embeds": torch.randn(2, tokens, config["image_dim"], generator=draw),
+        }
+    elif adapter.type == "i2v":
         batch |= {
             "image_mean": torch.randn(2, shape[1], 1, *shape[3:], generator=draw),
             "image_logvar": torch.full((2, shape[1], 1, *shape[3:]), -4.0),
@@ -107,17 +121,87 @@ def to_metadata_form(path, out, comfy_quant_tensors: bool):
         )
 
 
+def comfyui_wan_detection(shapes: dict) -> dict:
+    """What ComfyUI's model detection makes of a Wan file's shapes (comfy/model_detection.py,
+    detect_unet_config's "Wan 2.1" branch, at comfyanonymous/ComfyUI
+    01c4fa4c746a16712ccabac3ce7ff71c48340214): an image-to-video model by img_emb.proj.0.bias, and
+    FLF2V's position table's length from img_emb.emb_pos (flf_pos_embed_token_number)."""
+    return {
+        "dim": shapes["head.modulation"][-1],
+        "out_dim": shapes["head.head.weight"][0] // 4,
+        "ffn_dim": shapes["blocks.0.ffn.0.weight"][0],
+        "num_layers": len({k.split(".")[1] for k in shapes if k.startswith("blocks.")}),
+        "in_dim": shapes["patch_embedding.weight"][1],
+        "model_type": "i2v" if "img_emb.proj.0.bias" in shapes else "t2v",
+        "flf_pos_embed_token_number": shapes["img_emb.emb_pos"][1] if "img_emb.emb_pos" in shapes else None,
+    }
+
+
+def comfyui_wan_state_dict(c: dict, text_dim: int, image_dim: int) -> dict[str, tuple]:
+    """The state dict's shapes of ComfyUI's native Wan (comfy/ldm/wan/model.py WanModel, at the
+    commit above) for a detected config: patch, text and time embeddings, each WanAttentionBlock
+    (self_attn and cross_attn q, k, v, o with RMSNorm norm_q, norm_k; i2v's k_img, v_img,
+    norm_k_img; the affine norm3; ffn.0, ffn.2; modulation), the Head, and for i2v MLPProj img_emb
+    (LayerNorm, Linear, Linear, LayerNorm; emb_pos [1, flf_pos_embed_token_number, in] with it).
+    ComfyUI builds MLPProj for 1280 CLIP features, the published models' image_dim: the tiny
+    model's is image_dim."""
+    dim, ffn, i2v = c["dim"], c["ffn_dim"], c["model_type"] == "i2v"
+    linears = {"text_embedding.0": (dim, text_dim), "text_embedding.2": (dim, dim)}
+    linears |= {"time_embedding.0": (dim, 256), "time_embedding.2": (dim, dim)}
+    linears |= {"time_projection.1": (6 * dim, dim), "head.head": (4 * c["out_dim"], dim)}
+    norms = {}
+    for i in range(c["num_layers"]):
+        block = f"blocks.{i}"
+        for attn in ("self_attn", "cross_attn"):
+            linears |= {f"{block}.{attn}.{x}": (dim, dim) for x in "qkvo"}
+            norms |= {f"{block}.{attn}.norm_q.weight": (dim,), f"{block}.{attn}.norm_k.weight": (dim,)}
+        if i2v:
+            linears |= {f"{block}.cross_attn.k_img": (dim, dim), f"{block}.cross_attn.v_img": (dim, dim)}
+            norms[f"{block}.cross_attn.norm_k_img.weight"] = (dim,)
+        linears |= {f"{block}.ffn.0": (ffn, dim), f"{block}.ffn.2": (dim, ffn)}
+        norms |= {f"{block}.norm3.weight": (dim,), f"{block}.norm3.bias": (dim,)}
+        norms[f"{block}.modulation"] = (1, 6, dim)
+    if i2v:
+        linears |= {"img_emb.proj.1": (image_dim, image_dim), "img_emb.proj.3": (dim, image_dim)}
+        for norm, size in (("img_emb.proj.0", image_dim), ("img_emb.proj.4", dim)):
+            norms |= {f"{norm}.weight": (size,), f"{norm}.bias": (size,)}
+        if c["flf_pos_embed_token_number"] is not None:
+            norms["img_emb.emb_pos"] = (1, c["flf_pos_embed_token_number"], image_dim)
+    shapes = {f"{name}.weight": shape for name, shape in linears.items()}
+    shapes |= {f"{name}.bias": shape[:1] for name, shape in linears.items()}
+    shapes |= {"patch_embedding.weight": (dim, c["in_dim"], 1, 2, 2), "patch_embedding.bias": (dim,)}
+    return shapes | norms | {"head.modulation": (1, 2, dim)}
+
+
 @pytest.mark.parametrize("family", MODELS)
 def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
     """A bf16 file gives the folder's weights bit for bit, and its first-step loss exactly.
 
     Written with the ComfyUI prefix and read as two shards beside a copy of the folder without the
     transformer's weights: every weight and buffer is the folder's, bit for bit and dtype for dtype,
-    so the first-step loss is the folder's exactly."""
+    so the first-step loss is the folder's exactly. A Wan file (T2V; FLF2V with its image embedder
+    and position table) is ComfyUI's model's state dict, shape for shape, detected as its model;
+    FLF2V's position table is the one name diffusers' single-file converter leaves unrenamed."""
     whole = tmp_path / "whole.safetensors"
     to_single_file(str(folders[family]), str(whole), prefix=True)
     weights = load_file(whole)
     assert all(k.startswith("model.diffusion_model.") for k in weights)
+    if MODELS[family][0] == "wan":
+        config = WanTransformer3DModel.load_config(folders[family] / "transformer")
+        shapes = {k.removeprefix("model.diffusion_model."): tuple(v.shape) for k, v in weights.items()}
+        detected = comfyui_wan_detection(shapes)
+        assert (detected["model_type"], detected["flf_pos_embed_token_number"]) == (
+            MODELS[family][2],
+            config.get("pos_embed_seq_len"),
+        )
+        assert shapes == comfyui_wan_state_dict(detected, config["text_dim"], config["image_dim"])
+        converted = convert_wan_transformer_to_diffusers(dict.fromkeys(weights))
+        expected = WanTransformer3DModel.from_config(config).state_dict()
+        assert set(converted) ^ set(expected) == (
+            {"img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"}
+            if config.get("pos_embed_seq_len")
+            else set()
+        )
     shards = [str(tmp_path / f"part-{i}.safetensors") for i in range(2)]
     keys = sorted(weights)
     for i, shard in enumerate(shards):
@@ -138,7 +222,7 @@ def test_a_bf16_file_trains_from_the_folders_weights(family, folders, tmp_path):
 
 
 @pytest.mark.parametrize("form", ["cast", "scaled"])
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", FP8_CASES)
 def test_an_fp8_file_dequantizes_as_comfyui_does(family, form, folders, tmp_path):
     """An fp8 file dequantizes as ComfyUI does.
 

@@ -225,14 +225,16 @@ def pipeline_frames(variant, path, cfg, lora_file=None):
 def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
     """Our ComfyUI file, read by diffusers' converter of non-diffusers Wan LoRAs, gives the
     transformer our diffusers file gives (the converter bakes .alpha in; our file must carry no
-    lora_adapter_metadata)."""
+    lora_adapter_metadata). Returns the trained expert's transformer of the pipeline that loaded our
+    diffusers file."""
     comfy = next((lora_dir / "comfy").glob("*.safetensors"))
     assert expert in comfy.stem
-    outputs = []
+    outputs, transformers = [], []
     for file in (lora_dir / "pytorch_lora_weights.safetensors", comfy):
         pipe = VARIANTS[variant][3].from_pretrained(str(path))
         pipe.load_lora_weights(str(file), load_into_transformer_2=expert == "low_noise")
         transformer = pipe.transformer_2 if expert == "low_noise" else pipe.transformer
+        transformers.append(transformer)
         config = transformer.config
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(2, config.in_channels, 3, 4, 4, generator=gen)
@@ -248,6 +250,7 @@ def assert_comfy_file_equals_ours(variant, path, lora_dir, expert):
                 )[0]
             )
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
+    return transformers[0]
 
 
 # diffusers adds zero image-key LoRAs when it loads a LoRA into a 2.1 I2V transformer: its warning
@@ -414,7 +417,10 @@ def test_wan_lowers_the_held_out_loss(wan_models, base_settings, tiny_data, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, expert", [("t2v", ""), ("a14b-t2v", "high_noise"), ("flf2v", "")])
+# 2.1 T2V has no lifecycle of its own: FLF2V's runs its single transformer through every step with
+# the image condition besides (T2V's blocks, embedders and head, and the image embedder and image
+# keys), and A14B-T2V's runs text-to-video's inputs.
+@pytest.mark.parametrize("variant, expert", [("a14b-t2v", "high_noise"), ("flf2v", "")])
 def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, tmp_path):
     """Wan's whole lifecycle on 2 FSDP ranks: kill, resume bitwise, export to the pipeline.
 
@@ -476,28 +482,29 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
     assert torch.equal(
         load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"]
     )
-    assert_comfy_file_equals_ours(variant, wan_models(variant), lora_dir, expert)
+    # the export, loaded by the pipeline's load_lora_weights
+    theirs = assert_comfy_file_equals_ours(variant, wan_models(variant), lora_dir, expert)
     cfg = load_config(str(configs["reference"]))
-    if variant == "flf2v":  # TensorBoard shows the prompt's first and last image beside its clip
+    if variant == "flf2v":  # TensorBoard shows the clip between the prompt's first and last image
         events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
         events.Reload()
-        shown = events.Images("val/conditions_0")
+        shown = events.Images("val/clip_0")
         assert [c.step for c in shown] == [0, 3, 6]
         with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
             pixels = torch.from_numpy(np.asarray(gif.convert("RGB"))).float()
-        images = [
-            Image.open(path).convert("RGB").resize((32, 32))
+        first, last = (
+            torch.from_numpy(np.asarray(Image.open(path).convert("RGB").resize((32, 32)))).float()
             for path in (cfg.validation.images[0], cfg.validation.last_images[0])
-        ]
-        expected = torch.from_numpy(np.concatenate([np.asarray(image) for image in images], axis=1)).float()
-        assert pixels.shape == (32, 64, 3) and (pixels - expected).abs().mean() < 4
+        )
+        frame = load_file(tmp_path / "reference" / clip)["frames"][0].float()
+        # The GIF's 256-colour palette rounds the noisy tiny-model clip by a few levels.
+        assert pixels.shape == (32, 96, 3) and (pixels[:, :32] - first).abs().mean() < 4
+        assert (pixels[:, 64:] - last).abs().mean() < 4 and (pixels[:, 32:64] - frame).abs().mean() < 10
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
         model = render.load_model(
             cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")
         ).eval()
-    pipe = VARIANTS[variant][3].from_pretrained(str(wan_models(variant)))
-    pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
     gen = torch.Generator().manual_seed(0)
     config = adapter.transformer_config
     x, embeds = (
@@ -508,7 +515,7 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
     with torch.no_grad():
         t = torch.tensor([10, 900])
         torch.testing.assert_close(
-            adapter._predict(pipe.transformer, x, t, embeds, image),
+            adapter._predict(theirs, x, t, embeds, image),
             adapter._predict(model, x, t, embeds, image),
             rtol=0,
             atol=1e-5,

@@ -460,7 +460,15 @@ def make_wan_transformer(
     )
     if vace:
         return WanVACETransformer3DModel(**settings | VACE)
-    return WanTransformer3DModel(**settings)
+    transformer = WanTransformer3DModel(**settings)
+    if first_last:
+        # diffusers starts the table at zeros; the published one is learned: a tiny model whose
+        # table were zeros would read the same with it lost or misplaced (its own generator: the
+        # other weights stay as they were drawn)
+        with torch.no_grad():
+            table = transformer.condition_embedder.image_embedder.pos_embed
+            table.normal_(std=0.5, generator=torch.Generator().manual_seed(1))
+    return transformer
 
 
 def make_wan_vae(is_22: bool) -> AutoencoderKLWan:
