@@ -626,6 +626,7 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
             prepare_run(cfg, d)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
 def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
     """2 FSDP ranks train a LoRA on the base and VACE blocks from control, mask and reference, with
