@@ -258,6 +258,28 @@ for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", Fal
         "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
         "seen": seen}
 
+# train_loss and every weight's gradient of one process against the split's (the group's gradient
+# sum over sp); watch(model) hooks the model that is split. Returns the comparison and the gradients.
+def split_against_one(adapter, batch, seed, watch):
+    results = []
+    for split_it in (False, True):
+        model = adapter.load_transformer().requires_grad_(True)
+        if split_it:
+            watch(model)
+            adapter.split_sequence(model, split)
+        loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(seed + i) for i in range(2)])
+        loss.sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        if split_it:
+            for grad in grads.values():  # the group's sum: sp times the sample's
+                dist.all_reduce(grad)
+                grad /= 2
+        results.append((loss.detach(), grads))
+    (loss, grads), (split_loss, split_grads) = results
+    return {"loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6),
+            "same_grads": grads.keys() == split_grads.keys(),
+            "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)]}, grads
+
 # Wan VACE (sys.argv[6]): train_loss and every weight's gradient, the VACE patch embedding's
 # included, equal one process's with the context split with the video: 3 latent frames and 2
 # reference frames of 3 x 3 tokens, 45 split 23 + 22, in the context blocks as in the base blocks.
@@ -268,28 +290,14 @@ batch = {"latent_mean": torch.randn(2, 16, 3, 6, 6, generator=g),
          "prompt_embeds": torch.randn(2, 512, 32, generator=g),
          "control_latents": torch.randn(2, 96, 3, 6, 6, generator=g),
          "reference_latents": torch.randn(2, 16, 2, 6, 6, generator=g)}
-results, seen = [], {}
-for split_it in (False, True):
-    model = adapter.load_transformer().requires_grad_(True)
-    if split_it:
-        for kind in ("vace_blocks", "blocks"):
-            for block in getattr(model, kind):
-                block.attn1.register_forward_pre_hook(
-                    lambda m, args, kwargs, kind=kind: seen.setdefault(kind, set()).add(args[0].shape[1]), with_kwargs=True)
-        adapter.split_sequence(model, split)
-    loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(5 + i) for i in range(2)])
-    loss.sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    if split_it:
-        for grad in grads.values():  # the group's sum: sp times the sample's
-            dist.all_reduce(grad)
-            grad /= 2
-    results.append((loss.detach(), grads))
-(loss, grads), (split_loss, split_grads) = results
-report["vace"] = {"loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6),
-                  "grads": sorted(grads), "same_grads": grads.keys() == split_grads.keys(),
-                  "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
-                  "seen": {kind: sorted(lengths) for kind, lengths in seen.items()}}
+seen = {}
+def watch_vace(model):
+    for kind in ("vace_blocks", "blocks"):
+        for block in getattr(model, kind):
+            block.attn1.register_forward_pre_hook(
+                lambda m, args, kwargs, kind=kind: seen.setdefault(kind, set()).add(args[0].shape[1]), with_kwargs=True)
+found, grads = split_against_one(adapter, batch, 5, watch_vace)
+report["vace"] = {**found, "grads": sorted(grads), "seen": {kind: sorted(lengths) for kind, lengths in seen.items()}}
 
 # Wan FLF2V (sys.argv[7]): the video tokens split (27: 14 + 13); the two images' CLIP tokens (2 x 17) sit
 # with the text's (512) as the cross-attention's keys, whole on every rank. train_loss and every weight's
@@ -301,30 +309,15 @@ batch = {"latent_mean": torch.randn(latents, generator=g), "latent_logvar": torc
          "prompt_embeds": torch.randn(2, adapter.text_length, c["text_dim"], generator=g),
          "image_latents": torch.randn(latents, generator=g),
          "image_embeds": torch.randn(2, c["pos_embed_seq_len"], c["image_dim"], generator=g)}
-results, seen = [], {}
-for split_it in (False, True):
-    model = adapter.load_transformer().requires_grad_(True)
-    if split_it:
-        for block in adapter.blocks(model):
-            for name in ("attn1", "attn2"):
-                def record(m, args, name=name):
-                    seen[name] = [args[0].shape[1], None if args[1] is None else args[1].shape[1]]
-                getattr(block, name).register_forward_pre_hook(record)
-        adapter.split_sequence(model, split)
-    loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(8 + i) for i in range(2)])
-    loss.sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    if split_it:
-        for grad in grads.values():  # the group's sum: sp times the sample's
-            dist.all_reduce(grad)
-            grad /= 2
-    results.append((loss.detach(), grads))
-(loss, grads), (split_loss, split_grads) = results
-report["wan_flf2v"] = {
-    "loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6), "same_grads": grads.keys() == split_grads.keys(),
-    "pos_embed_grad": "condition_embedder.image_embedder.pos_embed" in grads,
-    "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
-    "seen": seen}
+seen = {}
+def watch_flf2v(model):
+    for block in adapter.blocks(model):
+        for name in ("attn1", "attn2"):
+            def record(m, args, name=name):
+                seen[name] = [args[0].shape[1], None if args[1] is None else args[1].shape[1]]
+            getattr(block, name).register_forward_pre_hook(record)
+found, grads = split_against_one(adapter, batch, 8, watch_flf2v)
+report["wan_flf2v"] = {**found, "pos_embed_grad": "condition_embedder.image_embedder.pos_embed" in grads, "seen": seen}
 
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
     json.dump(report, f)
