@@ -98,6 +98,26 @@ def vace_adapter(wan_models):
     )
 
 
+def pipeline_frames(pipe, cfg: ValidationConfig, **conditions) -> torch.Tensor:
+    """WanVACEPipeline's clip of PROMPT at 9x32x32 with validation's steps, guidance and keyed
+    generator, given these conditions (video, mask, reference_images): [F, H, W, 3] in [0, 1]."""
+    return (
+        pipe(
+            prompt=PROMPT,
+            num_frames=9,
+            height=32,
+            width=32,
+            num_inference_steps=cfg.num_inference_steps,
+            guidance_scale=cfg.guidance_scale,
+            generator=data.keyed_generator(cfg.seed, 0),
+            output_type="pt",
+            **conditions,
+        )
+        .frames[0]
+        .permute(0, 2, 3, 1)
+    )
+
+
 def test_the_tiny_model_carries_the_published_key_set_and_the_type_is_checked(wan_models):
     path = wan_models("vace")
     config = json.loads((path / "transformer" / "config.json").read_text())
@@ -297,23 +317,7 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
                 if ".lora_A." in n
             }
             assert loaded == set(names)
-            theirs = (
-                pipe(
-                    prompt=PROMPT,
-                    video=control,
-                    mask=mask,
-                    reference_images=references,
-                    num_frames=9,
-                    height=32,
-                    width=32,
-                    num_inference_steps=4,
-                    guidance_scale=5.0,
-                    generator=data.keyed_generator(cfg.seed, 0),
-                    output_type="pt",
-                )
-                .frames[0]
-                .permute(0, 2, 3, 1)
-            )
+            theirs = pipeline_frames(pipe, cfg, video=control, mask=mask, reference_images=references)
             assert ours.shape == theirs.shape == (9, 32, 32, 3)
             assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
     assert (renders[0] - renders[1]).abs().max() > 1e-3  # the LoRA shows
@@ -346,21 +350,7 @@ def test_validation_renders_each_prompt_with_its_reference_image(
         ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
     pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
     pipe.set_progress_bar_config(disable=True)
-    theirs = (
-        pipe(
-            prompt=PROMPT,
-            reference_images=[Image.open(reference).convert("RGB")],
-            num_frames=9,
-            height=32,
-            width=32,
-            num_inference_steps=2,
-            guidance_scale=cfg.validation.guidance_scale,
-            generator=data.keyed_generator(cfg.validation.seed, 0),
-            output_type="pt",
-        )
-        .frames[0]
-        .permute(0, 2, 3, 1)
-    )
+    theirs = pipeline_frames(pipe, cfg.validation, reference_images=[Image.open(reference).convert("RGB")])
     assert (ours - theirs).abs().max() <= 1e-4
     # With a control video, its mask (an image for every frame: left half generated) and two
     # reference images (validation.control_videos, .masks, .reference_images): the pipeline given
@@ -395,22 +385,12 @@ def test_validation_renders_each_prompt_with_its_reference_image(
     control = validate.load_control(str(control_path), [9, 32, 32], float(renderer.fps))
     mask = validate.load_control(str(mask_path), [9, 32, 32], float(renderer.fps), mask=True)
     assert mask[:, :, :8].min() == 255 and mask[:, :, -8:].max() == 0  # centre-cropped from 48 wide
-    theirs = (
-        pipe(
-            prompt=PROMPT,
-            video=[Image.fromarray(frame) for frame in control.numpy()],
-            mask=[Image.fromarray(frame) for frame in mask.numpy()],
-            reference_images=[Image.open(path).convert("RGB") for path in (reference, second)],
-            num_frames=9,
-            height=32,
-            width=32,
-            num_inference_steps=2,
-            guidance_scale=cfg.validation.guidance_scale,
-            generator=data.keyed_generator(cfg.validation.seed, 0),
-            output_type="pt",
-        )
-        .frames[0]
-        .permute(0, 2, 3, 1)
+    theirs = pipeline_frames(
+        pipe,
+        cfg.validation,
+        video=[Image.fromarray(frame) for frame in control.numpy()],
+        mask=[Image.fromarray(frame) for frame in mask.numpy()],
+        reference_images=[Image.open(path).convert("RGB") for path in (reference, second)],
     )
     assert (controlled - theirs).abs().max() <= 1e-4
     assert (controlled - ours).abs().max() > 1e-3  # the control shows
@@ -824,23 +804,7 @@ def test_vace_fun_a14b_trains_each_expert_on_its_range_and_samples_as_the_pipeli
             lambda m, a, kw, folder=folder: theirs_calls.append((folder, float(kw["timestep"].flatten()[0]))),
             with_kwargs=True,
         )
-    theirs = (
-        pipe(
-            prompt=PROMPT,
-            video=control,
-            mask=mask,
-            reference_images=references,
-            num_frames=9,
-            height=32,
-            width=32,
-            num_inference_steps=2,
-            guidance_scale=5.0,
-            generator=data.keyed_generator(cfg.seed, 0),
-            output_type="pt",
-        )
-        .frames[0]
-        .permute(0, 2, 3, 1)
-    )
+    theirs = pipeline_frames(pipe, cfg, video=control, mask=mask, reference_images=references)
     assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
     # one forward per step (cond and uncond batched) against the pipeline's two
     assert calls == theirs_calls[::2] and {folder for folder, _ in calls} == {"transformer", "transformer_2"}
