@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-import weights
+import single_file
 from config import Config, ConfigError, ModelConfig, check_resolution
 from transformer_loading import TransformerLoading
 
@@ -299,7 +299,7 @@ class Adapter(TransformerLoading, abc.ABC):
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
-        # model.transformer_file's reader (weights.SingleFile), set by load_adapter
+        # model.transformer_file's reader (single_file.SingleFile), set by load_adapter
         self.single_file = None
         # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V):
         # the cache and validation then need a last image per clip and per prompt.
@@ -560,7 +560,7 @@ def check_config(cfg: Config) -> type[Adapter]:
 def load_adapter(cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()) -> Adapter:
     """model.family's adapter over the folder at model.path, built with the run's settings.
 
-    With model.transformer_file, the file's reader too (weights.SingleFile), checked against the
+    With model.transformer_file, the file's reader too (single_file.SingleFile), checked against the
     folder's transformer config.
     """
     family = family_of(cfg)
@@ -575,5 +575,5 @@ def load_adapter(cfg: ModelConfig, device: torch.device, run: RunSettings = RunS
             )
         marks = {family: adapter_class(family).SINGLE_FILE_KEY for family in ADAPTERS}
         files = [cfg.transformer_file] if isinstance(cfg.transformer_file, str) else cfg.transformer_file
-        adapter.single_file = weights.open_single_file(files, adapter, marks)
+        adapter.single_file = single_file.open_single_file(files, adapter, marks)
     return adapter

@@ -35,6 +35,7 @@ LAYERS = {
             "sequence",
             "memory",
             "weights",
+            "single_file",
             "activations",
             "storage",
             "sound_decoder",
