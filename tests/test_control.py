@@ -3,7 +3,9 @@ times, resized and cropped as its frames are, whatever the control's own rate an
 beside the clip's latents by the adapter's encode_control, keyed by the control's content; bad input
 is named."""
 
+import json
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import data
 import decode
 from config import ConfigError, DataConfig, load_config
 from model import setup_adapter
+from tools.calibrate_tiny_vae import VAES, calibrate, read_clip
 from tools.make_synthetic_dataset import edge_map, make_synthetic_dataset
 
 
@@ -190,3 +193,40 @@ def test_synthetic_controls_are_each_clips_edge_map(tmp_path):
     # H.264 blurs a few edge pixels
     assert (np.abs(control.astype(np.int32) - edges) > 128).mean() < 0.02
     assert (control > 128).mean() > 0.005 and (control > 128).mean() < (video.max(-1) > 60).mean()
+
+
+@pytest.mark.parametrize("family", ["ltx2", "wan"])
+def test_calibrated_tiny_vae_has_a_trained_ones_latent_statistics(family, ltx2_models, wan_models, tmp_path):
+    """tools/calibrate_tiny_vae.py, as bench_control.py runs it: the clips' latents, normalised with
+    the statistics diffusers loads back, have mean 0 and variance 1 per channel (before: nearly
+    constant); Wan's posterior noise is a tenth of each channel's spread."""
+    model = {"ltx2": lambda: ltx2_models("2.0"), "wan": lambda: wan_models("vace")}[family]()
+    shutil.copytree(model / "vae", tmp_path / "model" / "vae")
+    make_synthetic_dataset(str(tmp_path / "data"), num_videos=6, frames=9, height=32, width=32, control=True)
+    clips = [
+        read_clip(tmp_path / "data" / line, 9, (32, 32))
+        for line in (tmp_path / "data" / "videos.txt").read_text().split()
+    ]
+
+    def encoded():
+        vae = VAES[json.loads((tmp_path / "model/vae/config.json").read_text())["_class_name"]]
+        vae = vae.from_pretrained(tmp_path / "model" / "vae").eval()
+        stats = (
+            vae.config
+            if family == "wan"
+            else {"latents_mean": vae.latents_mean, "latents_std": vae.latents_std}
+        )
+        mean, std = (torch.as_tensor(stats[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+        with torch.no_grad():
+            posteriors = [vae.encode(clip).latent_dist for clip in clips]
+        means = torch.cat([p.mean for p in posteriors])
+        return (means - mean) / std, torch.cat([p.std for p in posteriors]) / std
+
+    before, _ = encoded()
+    assert before.std(dim=(0, 2, 3, 4)).max() < 0.2
+    calibrate(str(tmp_path / "model"), str(tmp_path / "data"), frames=9, size=(32, 32))
+    after, noise = encoded()
+    torch.testing.assert_close(after.mean(dim=(0, 2, 3, 4)), torch.zeros(after.shape[1]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(after.std(dim=(0, 2, 3, 4)), torch.ones(after.shape[1]), atol=1e-4, rtol=0)
+    if family == "wan":
+        assert 0.05 < noise.mean() < 0.2

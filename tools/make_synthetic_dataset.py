@@ -12,8 +12,8 @@ the clips through the ways phones and the web store video:
 
 --control writes controls.txt and controls/NNNNN.mp4: each clip's edge map (the shape's outline,
 white on black, moving as the shape does), for control models (data.control_column): a mapping from
-outline to filled shape. The tiny random models do not learn it measurably (their random VAEs leave
-the outlines' latents nearly alike: BENCHMARKS.md, Control).
+outline to filled shape. A tiny random model learns it once its VAE is given a trained one's latent
+statistics (tools/calibrate_tiny_vae.py MODEL_DIR DATA_DIR): BENCHMARKS.md, Control.
 
 --audio gives every video a mono soundtrack: a tone whose pitch follows the shape along its path
 (from 220 Hz to 880 Hz across the frame, rising to the right and upwards), so picture and sound are
