@@ -119,11 +119,11 @@ MEMORY_PROBE = """
 import sys, time
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-import data, decode
+import clip_lists, data, decode
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
 path = Path({clip!r})
-clip = data.Clip(path, "a clip", 1, "videos.txt")
+clip = clip_lists.Clip(path, "a clip", 1, "videos.txt")
 item = data.plan_clip(clip, decode.probe(path), "content", [(49, 480, 720)], data.DataConfig(), 0)
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak to what is resident now
 before, start = status("VmRSS"), time.perf_counter()

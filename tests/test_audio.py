@@ -22,6 +22,7 @@ from diffusers import AutoencoderKLLTX2Audio
 from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
+import clip_lists
 import data
 import decode
 import sound
@@ -79,7 +80,7 @@ def write_flashes(
 def planned(path: Path, frames: int, target_fps: float = 0.0, seed: int = 0) -> data.Item:
     cfg = DataConfig(data_root=str(path.parent), train_resolution=[frames, 32, 32], target_fps=target_fps)
     item = data.plan_clip(
-        data.Clip(path, "flashes", 1, "videos.txt"),
+        clip_lists.Clip(path, "flashes", 1, "videos.txt"),
         decode.probe(path),
         f"{path}",
         [(frames, 32, 32)],
@@ -189,7 +190,7 @@ def test_undecodable_sound_is_a_bad_clip(tmp_path):
     write_garbage_sound(path)
     item = planned(path, 9)
     assert data.decode_clip(item).shape == (9, 32, 32, 3)
-    with pytest.raises(data.BadClip, match="cannot decode its audio stream"):
+    with pytest.raises(clip_lists.BadClip, match="cannot decode its audio stream"):
         data.decode_audio(item, RATE, 2)
 
 
@@ -284,7 +285,9 @@ def test_a_crashing_decoder_names_the_clip(tmp_path, monkeypatch):
     write_tone(path, "matroska", "flac", 2)
     item = planned(path, 9)
     monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{sound._sounds + 1}")
-    with pytest.raises(data.BadClip, match=r"^crashed the audio decoder \(SIGSEGV\), a bug in FFmpeg or "):
+    with pytest.raises(
+        clip_lists.BadClip, match=r"^crashed the audio decoder \(SIGSEGV\), a bug in FFmpeg or "
+    ):
         data.decode_audio(item, RATE, 2)
     assert data.decode_audio(item, RATE, 2).abs().max() > 0.2
 
@@ -310,7 +313,9 @@ def test_a_corrupt_stream_far_past_full_scale_is_a_bad_clip(tmp_path):
             packet.stream, packet.pts, packet.dts, packet.duration = audio, k * 960, k * 960, 960
             packet.time_base = Fraction(1, 48000)
             container.mux(packet)
-    with pytest.raises(data.BadClip, match=r"^its sound decodes to samples up to \d+, far outside \[-1, 1\]"):
+    with pytest.raises(
+        clip_lists.BadClip, match=r"^its sound decodes to samples up to \d+, far outside \[-1, 1\]"
+    ):
         data.decode_audio(planned(path, 9), RATE, 2)
 
 

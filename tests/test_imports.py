@@ -20,6 +20,7 @@ LAYERS = {
             "model",
             "model_adapter",
             "lora",
+            "clip_lists",
             "data",
             "decode",
             "sound",
