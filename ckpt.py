@@ -43,8 +43,8 @@ import export
 import faults
 import ranks
 from config import CheckpointConfig, ConfigError
+from family_registry import load_adapter
 from model import EMA, build_model, model_state
-from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
 

@@ -39,7 +39,7 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family: a name in model_adapter.ADAPTERS, whose adapter (families/<name>.py) knows its
+    # Model family: a name in family_registry.ADAPTERS, whose adapter (families/<name>.py) knows its
     # classes, loss, sampling and the keys only it accepts; "": the family of model.path's pipeline
     # (model_index.json).
     family: str = ""
@@ -446,7 +446,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
 def check_values(cfg: Config) -> None:
     """Checks that need no model and hold for every family; a family's own options are its adapter's
-    (model_adapter.check_config), the model-dependent rules the adapter's check_resolution."""
+    (family_registry.check_config), the model-dependent rules the adapter's check_resolution."""
     for key in ("run.output_dir", "model.path", "data.data_root"):
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):

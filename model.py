@@ -23,7 +23,8 @@ import parallel
 import ranks
 import sequence
 from config import Config, ConfigError, LoraConfig, ParallelConfig, TrainConfig
-from model_adapter import RunSettings, load_adapter
+from family_registry import load_adapter
+from model_adapter import RunSettings
 from weights import Weights
 
 log = logging.getLogger("vidtrain")

@@ -38,7 +38,7 @@ import command
 import lora
 import ranks
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
-from model_adapter import load_adapter
+from family_registry import load_adapter
 from sampler import Sampler
 
 STEPS = 14

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import data
 import ranks
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from family_registry import load_adapter
 from model import build_model
-from model_adapter import load_adapter
 from sampler import Sampler, micro_slice
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -19,6 +19,7 @@ LAYERS = {
         [
             "model",
             "model_adapter",
+            "family_registry",
             "lora",
             "clip_lists",
             "data",

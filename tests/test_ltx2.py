@@ -41,7 +41,8 @@ import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream
-from model_adapter import RunSettings, check_config, load_adapter
+from family_registry import check_config, load_adapter
+from model_adapter import RunSettings
 from ranks import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 

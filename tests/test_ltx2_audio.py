@@ -40,7 +40,8 @@ import trainer
 import validate
 from config import ModelConfig, load_config
 from families.ltx2 import TEXT_LENGTH
-from model_adapter import RunSettings, load_adapter
+from family_registry import load_adapter
+from model_adapter import RunSettings
 from ranks import StopRun
 from tools.make_synthetic_dataset import make_synthetic_dataset
 

@@ -39,7 +39,7 @@ import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
-from model_adapter import check_config, load_adapter
+from family_registry import check_config, load_adapter
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 

@@ -23,7 +23,8 @@ import data
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
-from model_adapter import RunSettings, load_adapter
+from family_registry import load_adapter
+from model_adapter import RunSettings
 from ranks import StopRun
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import sequence
 from config import ConfigError, load_config
-from model_adapter import load_adapter
+from family_registry import load_adapter
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update
@@ -115,7 +115,7 @@ sys.path.insert(0, sys.argv[1])
 import sequence
 from config import ModelConfig
 from families.ltx2 import AudioStream, VideoStream
-from model_adapter import load_adapter
+from family_registry import load_adapter
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -38,7 +38,8 @@ import render
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, load_config
-from model_adapter import RunSettings, load_adapter
+from family_registry import load_adapter
+from model_adapter import RunSettings
 from ranks import StopRun
 
 WAN21 = {

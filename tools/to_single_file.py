@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import model_adapter  # noqa: E402
+import family_registry  # noqa: E402
 from single_file import PREFIX  # noqa: E402
 from transformer_loading import resolved_config  # noqa: E402
 from weights import FILE_DTYPES, Weights  # noqa: E402
@@ -38,10 +38,10 @@ FILE_NAMES = {dtype: name for name, dtype in FILE_DTYPES.items()}
 def adapter_class(model_dir: Path):
     """The family's adapter class, from the folder's model_index.json.
 
-    As model_adapter.load_adapter tells it."""
+    As family_registry.load_adapter tells it."""
     pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
-    return model_adapter.adapter_class(
-        next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f))
+    return family_registry.adapter_class(
+        next(f for f in family_registry.ADAPTERS if pipeline.lower().startswith(f))
     )
 
 
