@@ -650,7 +650,8 @@ class WanAdapter(Adapter):
         clip's size, the mask to [0, 1], each reference centred on a white canvas."""
         frames, height, width = resolution
         processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
-        # validate.load_control's uint8 frames (the control's, the mask's): the pipeline's images
+        # validation_media.load_control's uint8 frames (the control's, the mask's):
+        # the pipeline's images
         control, mask = (
             [Image.fromarray(frame) for frame in x.numpy()] if isinstance(x, torch.Tensor) else x
             for x in (control, mask)

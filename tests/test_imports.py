@@ -25,6 +25,7 @@ LAYERS = {
             "data",
             "decode",
             "sound",
+            "validation_media",
             "manifest",
             "parallel",
             "ckpt_files",

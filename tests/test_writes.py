@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import run_ok, run_read_only, write_toml
+from PIL import Image
 from safetensors.torch import load_file
 
 import cache_files
@@ -24,7 +25,7 @@ import faults
 import lora
 import ranks
 import render
-import validate
+import validation_media
 from config import CheckpointConfig, ConfigError, DataConfig, load_config
 from sampler import Sampler
 
@@ -67,7 +68,7 @@ def test_full_disk_while_writing_a_clip(tmp_path, disk_full):
         + DISK_FULL
         + re.escape("free space (or move run.output_dir) and launch again"),
     ):
-        validate.write_mp4(tmp_path / "clip.mp4", torch.zeros(9, 8, 8, 3, dtype=torch.uint8), 8)
+        validation_media.write_mp4(tmp_path / "clip.mp4", torch.zeros(9, 8, 8, 3, dtype=torch.uint8), 8)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -117,7 +118,7 @@ def test_render_names(base_settings, tmp_path):
     replaces one of other weights, prompts, images or settings; the same render keeps its name."""
     images = [tmp_path / "a.png", tmp_path / "b.png"]
     for image, colour in zip(images, ("red", "blue")):
-        validate.Image.new("RGB", (8, 8), colour).save(image)
+        Image.new("RGB", (8, 8), colour).save(image)
     settings = {**base_settings, "run.output_dir": str(tmp_path), "validation.prompts": ["a", "b"]}
     cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))
     cfg.validation.images = [str(p) for p in images]  # as validate.py's --image sets them (i2v)
