@@ -2,7 +2,7 @@
 
 The trained weights (and EMA's beside them) as diffusers and PEFT load them, a LoRA also in
 ComfyUI's layout where the family has one, or the whole transformer for sft. Written at the end of
-training (trainer.py) and by `python ckpt.py export` for any checkpoint."""
+training (trainer.py) and by `python ckpt.py export` (ckpt_commands.py) for any checkpoint."""
 
 import logging
 from pathlib import Path

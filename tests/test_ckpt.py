@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt
+import ckpt_commands
 import ckpt_files
 import command
 import lora
@@ -320,7 +321,7 @@ def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_con
     assert "to start over, choose another run.output_dir" in refused.stderr
     assert {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/*")} == before
     advice = re.search(r"`python (ckpt\.py rehash [^`]+)`", refused.stderr).group(1)
-    ckpt.main(shlex.split(advice)[1:])
+    ckpt_commands.main(shlex.split(advice)[1:])
     resumed = run_ok(["--cfg", str(cfg)])
     assert f"resumed from step {STEPS + 2}" in resumed.stderr
 
@@ -484,7 +485,7 @@ def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog)
         config = make_config("rehash", "one", **settings)[0]
         caplog.clear()
         with pytest.raises(SystemExit):
-            ckpt.main(["rehash", "--cfg", str(config), "--checkpoint", str(path)])
+            ckpt_commands.main(["rehash", "--cfg", str(config), "--checkpoint", str(path)])
         assert message in caplog.text
 
     refused("was trained with lora = {'rank': 4, 'lora_alpha': 2.0", **{"lora.lora_alpha": 4})

@@ -13,7 +13,7 @@ from conftest import REPO
 # families/<name>.py, and the word in its classes' names
 FAMILIES = {"cogvideox": "cogvideo", "wan": "wan", "ltx2": "ltx2"}
 LAYERS = {
-    **dict.fromkeys(["trainer", "render"], 4),
+    **dict.fromkeys(["trainer", "render", "ckpt_commands"], 4),
     **dict.fromkeys(["ckpt", "validate", "cache", "export"], 3),
     **dict.fromkeys(
         [
