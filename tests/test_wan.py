@@ -493,9 +493,9 @@ def test_full_lifecycle(variant, expert, wan_models, base_settings, tiny_data, t
         shown = events.Images("val/clip_0")
         assert [c.step for c in shown] == [0, 3, 6]
         with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
-            pixels = torch.from_numpy(np.asarray(gif.convert("RGB"))).float()
+            pixels = torch.from_numpy(np.array(gif.convert("RGB"))).float()
         first, last = (
-            torch.from_numpy(np.asarray(Image.open(path).convert("RGB").resize((32, 32)))).float()
+            torch.from_numpy(np.array(Image.open(path).convert("RGB").resize((32, 32)))).float()
             for path in (cfg.validation.images[0], cfg.validation.last_images[0])
         )
         frame = load_file(tmp_path / "reference" / clip)["frames"][0].float()

@@ -397,7 +397,7 @@ def test_validation_renders_each_prompt_with_its_reference_image(
     assert (controlled - theirs).abs().max() <= 1e-4
     assert (controlled - ours).abs().max() > 1e-3  # the control shows
     held = [
-        torch.from_numpy(np.asarray(Image.open(path).convert("RGB").resize((32, 32)))).expand(9, -1, -1, -1)
+        torch.from_numpy(np.array(Image.open(path).convert("RGB").resize((32, 32)))).expand(9, -1, -1, -1)
         for path in (reference, second)
     ]
     assert torch.equal(
