@@ -25,24 +25,26 @@ import json
 import sys
 from pathlib import Path
 
-import av
-import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderKLLTX2Video, AutoencoderKLWan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import decode  # noqa: E402
 
 VAES = {"AutoencoderKLLTX2Video": AutoencoderKLLTX2Video, "AutoencoderKLWan": AutoencoderKLWan}
 POSTERIOR_STD = 0.1  # of each channel's spread across the clips
 
 
 def read_clip(path: Path, frames: int, size: tuple[int, int]) -> torch.Tensor:
-    """The clip's first `frames` frames, resized to `size`, in [-1, 1]: [1, 3, F, H, W]."""
-    with av.open(str(path)) as container:
-        pixels = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)][:frames]
-    if len(pixels) < frames:
-        sys.exit(f"error: {path} has {len(pixels)} frames, --frames asks for {frames}")
-    video = torch.from_numpy(np.stack(pixels)).permute(3, 0, 1, 2).float() / 127.5 - 1
-    return F.interpolate(video, size=size, mode="bilinear", antialias=True)[None]
+    """The clip's first `frames` frames, resized to `size` by the trainer's reader, in [-1, 1]:
+    [1, 3, F, H, W]."""
+    media = decode.probe(path)
+    times = [k / media.fps for k in range(frames)]
+    try:
+        pixels = decode.read_frames(path, media, times, size, (0, 0, *size), pad=False)
+    except decode.MediaError as e:
+        sys.exit(f"error: {path}: {e}")
+    return (torch.from_numpy(pixels).permute(3, 0, 1, 2).float() / 127.5 - 1)[None]
 
 
 def calibrate(model_dir: str, data_dir: str, frames: int = 9, size: tuple[int, int] = (32, 32)) -> None:
