@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import ranks
 import validate
 from cache_files import Prefetch
 from config import Config, ConfigError, TrainConfig, to_toml
-from metrics import Metrics
+from metrics import Metrics, TrainWindow
 from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, setup_adapter
 from sampler import Sampler, micro_slice
 
@@ -251,79 +250,6 @@ class TrainState:
         self.step = int(state["step"])
         self.validation_pending = bool(state["validation_pending"])
         self.nonfinite_in_row = state["nonfinite_in_row"].to(self.nonfinite_in_row.device)
-
-
-class TrainWindow:
-    """Loss (and the family's loss parts: LTX-2's video and audio), throughput and peak memory since
-    the last log step, kept on the device and reduced only when logged. Validations inside the
-    window are left out of its time and its peak memory."""
-
-    def __init__(self, d: ranks.Dist, global_batch: int, start_step: int, parts: tuple[str, ...] = ()):
-        self.d, self.global_batch, self.last_step = d, global_batch, start_step
-        self.loss, self.start, self.first = torch.zeros((), device=d.device), time.perf_counter(), True
-        # Per part: its sum over the samples that have it, and their count (adapter.losses, every
-        # micro-step).
-        self.part_names, self.parts = parts, torch.zeros(len(parts), 2, device=d.device)
-        # steps whose update was skipped
-        self.skipped = torch.zeros((), dtype=torch.int64, device=d.device)
-        self.peak = 0.0  # of the window's training before a validation
-        memory.reset_peak_memory(d.device, trim_heap=True)  # after the validation before step 1
-
-    def add_step(self, loss: torch.Tensor, skipped: torch.Tensor) -> None:
-        self.loss += loss
-        self.skipped += skipped
-
-    def add_parts(self, parts: torch.Tensor) -> None:
-        self.parts += parts
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Around a validation: the training peak so far is kept, and a new one starts after it."""
-        self.peak = max(self.peak, memory.peak_memory_gb(self.d.device))
-        paused_at = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.start += time.perf_counter() - paused_at
-            memory.reset_peak_memory(self.d.device, trim_heap=True)
-
-    def flush(
-        self, step: int, grad_norm: torch.Tensor, model, optimizer, scaler: LossScaler
-    ) -> dict[str, float]:
-        steps = step - self.last_step
-        peak = torch.tensor(max(self.peak, memory.peak_memory_gb(self.d.device)), device=self.d.device)
-        values = {
-            "train/loss": ranks.mean_over_ranks(self.loss).item() / steps,
-            "train/lr": optimizer.param_groups[0]["lr"],
-            "train/grad_norm": grad_norm.item(),
-            "train/samples_per_s": steps * self.global_batch / (time.perf_counter() - self.start),
-            "train/peak_mem_gb": ranks.max_over_ranks(peak).item(),
-        }
-        if scaler.enabled:
-            values["train/loss_scale"] = scaler.scale.item()
-        # Each part's mean over the window's samples that have it (none with sound: no
-        # train/loss_audio).
-        parts = ranks.mean_over_ranks(self.parts).tolist() if self.part_names else []
-        for name, (total, count) in zip(self.part_names, parts):
-            values |= {f"train/{name}": total / count} if count else {}
-        skipped = int(self.skipped)  # the same on every rank: the norm deciding it is global
-        if skipped:
-            log.warning(
-                "steps %d-%d: %d update(s) skipped for a non-finite gradient norm (last norm %s)",
-                self.last_step + 1,
-                step,
-                skipped,
-                values["train/grad_norm"],
-            )
-        values["train/skipped_steps"] = skipped
-        if self.first:  # parameters + optimizer state held by rank 0: shows what FSDP shards away
-            values["train/state_mb"] = memory.local_state_bytes(model, optimizer) / 2**20
-        self.loss.zero_()
-        self.skipped.zero_()
-        self.parts.zero_()
-        self.last_step, self.start, self.first, self.peak = step, time.perf_counter(), False, 0.0
-        memory.reset_peak_memory(self.d.device)
-        return values
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
