@@ -1,4 +1,5 @@
-"""Training metrics: TensorBoard events, logs/metrics.jsonl and the progress line.
+"""Training metrics: TensorBoard events, logs/metrics.jsonl, the progress line, and the window of
+steps each log line reduces (TrainWindow).
 
 They are written on rank 0 only. Every other rank gets a logger whose methods do nothing, so call
 sites need no rank checks (the pattern of DiT's train.py).
