@@ -18,7 +18,7 @@ from safetensors.torch import save
 from torch import nn
 
 import faults
-import storage
+import memory
 
 # diffusers' safetensors header key (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).
 # Without it diffusers assumes alpha = rank and applies the adapter at the wrong strength.
@@ -48,7 +48,7 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         # model.storage_dtype = "fp8": the scale goes with its weight
-        if isinstance(base, storage.Fp8Linear):
+        if isinstance(base, memory.Fp8Linear):
             self.weight_scale, self.compute_dtype = base.weight_scale, base.compute_dtype
         self.rank, self.alpha, self.scale, self.dropout = rank, alpha, alpha / rank, dropout
         # LoRA weights are trainable, hence fp32 whatever the frozen base dtype. skip_init avoids
@@ -80,7 +80,7 @@ class LoRALinear(nn.Linear):
         return x * keep / (1.0 - self.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_delta(storage.linear(self, x), x)
+        return self.add_delta(memory.linear(self, x), x)
 
     def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The base layer's output `base` of input x, plus the adapter's path.
@@ -97,7 +97,7 @@ class LoRALinear(nn.Linear):
         W + scale * B @ A, computed in fp32 and returned as a new tensor in W's dtype (the compute
         dtype of an fp8 W)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
-        weight = storage.weight(self)
+        weight = memory.weight(self)
         return (weight.float() + self.scale * delta).to(weight.dtype)
 
     def extra_repr(self) -> str:

@@ -17,8 +17,8 @@ import logging
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-import activations
 import lora
+import memory
 import parallel
 import ranks
 import sequence
@@ -174,7 +174,7 @@ def build_model(
             adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
         if train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing(
-                activations.HostActivations(d.device).checkpoint if train.activation_offload else None
+                memory.HostActivations(d.device).checkpoint if train.activation_offload else None
             )
         if train.compile:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+import memory
 import parallel
-import storage
 from weights import Weights
 
 log = logging.getLogger("vidtrain")
@@ -96,7 +96,7 @@ class TransformerLoading:
         transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
         weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
         fp8 = set(
-            storage.store_fp8(transformer, self.blocks(transformer), self.keeps_fp32)
+            memory.store_fp8(transformer, self.blocks(transformer), self.keeps_fp32)
             if self.storage_dtype == "fp8"
             else []
         )
@@ -105,9 +105,9 @@ class TransformerLoading:
             for name in weights.keys:
                 if name in fp8 and shard is None:
                     shape = weights.entries[name][2]
-                    weight = torch.empty(shape, dtype=storage.FP8, device=self.device)
+                    weight = torch.empty(shape, dtype=memory.FP8, device=self.device)
                     scale = torch.empty(shape[0], 1, device=self.device)
-                    storage.load_rows(weight, scale, *weights.fp8_source(name, 0, shape[0]))
+                    memory.load_rows(weight, scale, *weights.fp8_source(name, 0, shape[0]))
                     _replace(transformer, name, weight)
                     _replace(transformer, f"{name}_scale", scale)
                 elif shard is None or name in buffers:  # buffers are whole on every rank
@@ -134,7 +134,7 @@ class TransformerLoading:
                         if name in fp8:
                             scale = transformer.get_parameter(f"{name}_scale").to_local()
                             rows = weights.fp8_source(name, *weights.shard_range(name, param))
-                            storage.load_rows(param.to_local(), scale, *rows)
+                            memory.load_rows(param.to_local(), scale, *rows)
                         elif name in weights.keys:
                             weights.read_shard(name, param)
         log.info(

@@ -33,7 +33,7 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, Wan
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import storage  # noqa: E402
+import memory  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from family_registry import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
@@ -48,17 +48,17 @@ WAN_14B = {
 }
 
 
-def fp8_linear(linear: torch.nn.Linear, scales: str) -> storage.Fp8Linear:
+def fp8_linear(linear: torch.nn.Linear, scales: str) -> memory.Fp8Linear:
     """The layer in fp8 storage: per-row scales, one per tensor, or none.
 
     model.dtype is the weight's."""
     weight, dtype = linear.weight.detach(), linear.weight.dtype
     if scales == "cast":
-        return storage.Fp8Linear(weight.to(storage.FP8), torch.ones(()), linear.bias, dtype)
+        return memory.Fp8Linear(weight.to(memory.FP8), torch.ones(()), linear.bias, dtype)
     # per tensor: the whole tensor as one row
     rows = weight if scales == "row" else weight.reshape(1, -1)
-    quantized, scale = storage.quantize(rows)
-    return storage.Fp8Linear(quantized.reshape(weight.shape), scale, linear.bias, dtype)
+    quantized, scale = memory.quantize(rows)
+    return memory.Fp8Linear(quantized.reshape(weight.shape), scale, linear.bias, dtype)
 
 
 def to_fp8(model: torch.nn.Module, blocks: list[torch.nn.Module], scales: str) -> torch.nn.Module:

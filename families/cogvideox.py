@@ -26,7 +26,7 @@ from diffusers.video_processor import VideoProcessor
 from transformers import T5EncoderModel
 
 import lora
-import storage
+import memory
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
 from sequence import SequenceSplit, split_blocks, stack_qkv
@@ -582,7 +582,7 @@ class FusedQKVAttention:
         tokens = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         batch, length, _ = tokens.shape
         projections = (attn.to_q, attn.to_k, attn.to_v)
-        weight = torch.cat([storage.weight(p) for p in projections])  # fp8 storage: upcast
+        weight = torch.cat([memory.weight(p) for p in projections])  # fp8 storage: upcast
         bias = None if attn.to_q.bias is None else torch.cat([p.bias for p in projections])
         outputs = F.linear(tokens, weight, bias).chunk(3, dim=-1)
         outputs = [

@@ -14,9 +14,9 @@ from diffusers import CogVideoXPipeline
 from safetensors.torch import load_file, save_file
 
 import lora
+import memory
 import ranks
 import render
-import storage
 import trainer
 from config import ConfigError, ModelConfig, load_config
 from family_registry import load_adapter
@@ -76,7 +76,7 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
         for s in ("", "fp8")
     }
     plain, fp8 = (adapters[s].load_transformer() for s in ("", "fp8"))
-    block_linears = {f"{name}.weight" for name, m in fp8.named_modules() if isinstance(m, storage.Fp8Linear)}
+    block_linears = {f"{name}.weight" for name, m in fp8.named_modules() if isinstance(m, memory.Fp8Linear)}
     in_blocks = {
         f"{name}.weight"
         for block in adapters[""].blocks(plain)
@@ -108,12 +108,12 @@ def test_fp8_storage_halves_the_block_weights_and_keeps_the_output(family, tiny_
     assert 0 < error < TOLERANCE_PER_BLOCK * adapters["fp8"].block_count
 
     module = fp8.get_submodule(sorted(block_linears)[0].removesuffix(".weight"))
-    per_tensor = storage.Fp8Linear(
+    per_tensor = memory.Fp8Linear(
         module.weight.data, module.weight_scale[:1, 0].clone(), module.bias, torch.bfloat16
     )
     assert per_tensor.weight_scale.shape == module.weight_scale.shape
     assert torch.equal(
-        storage.weight(per_tensor), (module.weight.float() * module.weight_scale[0]).to(torch.bfloat16)
+        memory.weight(per_tensor), (module.weight.float() * module.weight_scale[0]).to(torch.bfloat16)
     )
 
 
@@ -134,7 +134,7 @@ def test_fp16_keeps_rows_of_zeros_and_of_small_weights(tiny_model, tmp_path):
     cfg = ModelConfig(path=str(folder), dtype="fp16", storage_dtype="fp8")
     adapter = load_adapter(cfg, torch.device("cpu"))
     model = adapter.load_transformer()
-    upcast = storage.weight(model.get_submodule(name.removesuffix(".weight")))
+    upcast = memory.weight(model.get_submodule(name.removesuffix(".weight")))
     assert upcast.dtype == torch.float16 and torch.isfinite(upcast).all()
     assert torch.equal(upcast[0], torch.zeros_like(upcast[0]))
     # e4m3's 3 mantissa bits: a relative error of at most 2^-4, down to fp16's own spacing of 6e-8
@@ -150,9 +150,9 @@ def test_fp8_linear_computes_as_its_upcast_weight():
     the upcast weight, under bf16 autocast as in training, and inside a LoRALinear."""
     torch.manual_seed(0)
     reference = torch.nn.Linear(48, 24).to(torch.bfloat16)
-    weight, scale = storage.quantize(reference.weight.detach())
-    reference.weight.data = storage.dequantize(weight, scale, torch.bfloat16)
-    fp8 = storage.Fp8Linear(weight, scale, reference.bias.detach(), torch.bfloat16)
+    weight, scale = memory.quantize(reference.weight.detach())
+    reference.weight.data = memory.dequantize(weight, scale, torch.bfloat16)
+    fp8 = memory.Fp8Linear(weight, scale, reference.bias.detach(), torch.bfloat16)
     layers = [torch.nn.Sequential(module) for module in (reference, fp8)]
     for model in layers:
         lora.inject_lora(model, ["0"], 4, 4, 0.0, seed=0)

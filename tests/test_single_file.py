@@ -21,9 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import data
+import memory
 import parallel
 import ranks
-import storage
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from family_registry import load_adapter
 from model import build_model, setup_adapter
@@ -329,7 +329,7 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
     for params in (whole, sharded):
         for key, name in fp8.items():
             if form == "e5m2":
-                quantized, scale = storage.quantize(stored[name].float())
+                quantized, scale = memory.quantize(stored[name].float())
                 assert torch.equal(params[key].view(torch.uint8), quantized.view(torch.uint8)), key
                 assert torch.equal(params[f"{key}_scale"], scale), key
                 continue

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import train_losses, write_toml
 from safetensors.torch import load_file
 
-import activations
+import memory
 import parallel
 import ranks
 import trainer
@@ -75,21 +75,21 @@ def runs(settings):
     """Each run in this process, 4 steps in fp32; the tensors that activation offload packed, copied
     to the host and unpacked."""
     outputs, packed, copied, unpacked = {}, [], [], []
-    pack, unpack = activations.HostActivations.pack, activations.HostActivations.unpack
-    host_like = activations.HostActivations.host_like
+    pack, unpack = memory.HostActivations.pack, memory.HostActivations.unpack
+    host_like = memory.HostActivations.host_like
     with pytest.MonkeyPatch.context() as m:
         m.setattr(
-            activations.HostActivations,
+            memory.HostActivations,
             "pack",
             lambda self, kept, tensor: packed.append(tuple(tensor.shape)) or pack(self, kept, tensor),
         )
         m.setattr(
-            activations.HostActivations,
+            memory.HostActivations,
             "host_like",
             lambda self, kept, tensor: copied.append(tuple(tensor.shape)) or host_like(self, kept, tensor),
         )
         m.setattr(
-            activations.HostActivations,
+            memory.HostActivations,
             "unpack",
             lambda self, handle: unpacked.append(1) or unpack(self, handle),
         )
