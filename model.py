@@ -21,7 +21,6 @@ import lora
 import memory
 import parallel
 import ranks
-import sequence
 from config import Config, ConfigError, LoraConfig, ParallelConfig, TrainConfig
 from family_registry import load_adapter
 from model_adapter import RunSettings
@@ -53,7 +52,7 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
             # read after the pass: missing files are named now
             Weights(adapter.path / adapter.transformer_folder)
-        sequence.check_heads(cfg.parallel.sp_size, config["num_attention_heads"], d.world)
+        parallel.check_heads(cfg.parallel.sp_size, config["num_attention_heads"], d.world)
         parallel.check_offload_blocks(cfg.parallel, adapter.block_count)
         check_streaming_with_sound(cfg.parallel, adapter)
         adapter.check_guidance(cfg.validation)
@@ -168,10 +167,10 @@ def build_model(
                 check_lora_matches(lora_cfg, info)
                 lora.load_lora_into(transformer, weights)
         if parallel_cfg.sp_size > 1:
-            sequence.check_heads(
+            parallel.check_heads(
                 parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world
             )
-            adapter.split_sequence(transformer, sequence.new_split(d.sp, d.rank))
+            adapter.split_sequence(transformer, parallel.new_split(d.sp, d.rank))
         if train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing(
                 memory.HostActivations(d.device).checkpoint if train.activation_offload else None

@@ -29,7 +29,7 @@ import lora
 import memory
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
-from sequence import SequenceSplit, split_blocks, stack_qkv
+from parallel import SequenceSplit, split_blocks, stack_qkv
 from transformer_loading import parameters_on_meta, resolved_config
 from weights import rename_key, rename_module
 

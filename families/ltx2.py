@@ -57,7 +57,7 @@ from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditi
 import sound
 from config import Config, ConfigError, ModelConfig
 from model_adapter import DTYPES, Adapter, RunSettings, config_sets, log, to_device
-from sequence import SequenceSplit, check_heads, split_blocks, stack_qkv
+from parallel import SequenceSplit, check_heads, split_blocks, stack_qkv
 from transformer_loading import resolved_config
 from weights import Weights
 

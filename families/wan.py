@@ -30,7 +30,7 @@ from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 from config import Config, ConfigError, ModelConfig
 from families import wan_vace
 from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
-from sequence import SequenceSplit, split_blocks, stack_qkv
+from parallel import SequenceSplit, split_blocks, stack_qkv
 from transformer_loading import resolved_config
 from weights import rename_key, rename_module
 

@@ -21,7 +21,7 @@ import torch
 from conftest import REPO, free_port, one_rank_group, read_metrics, run_ok, write_toml
 from safetensors.torch import load_file
 
-import sequence
+import parallel
 from config import ConfigError, load_config
 from family_registry import load_adapter
 
@@ -401,7 +401,7 @@ def test_errors_name_the_valid_sizes(write_config):
     with pytest.raises(
         ConfigError, match=r"does not divide this model's 30 attention heads: use one of \[1, 2, 3, 6\]"
     ):
-        sequence.check_heads(4, 30, 12)
+        parallel.check_heads(4, 30, 12)
     with pytest.raises(ConfigError, match="lora.dropout > 0 needs parallel.sp_size = 1"):
         load_config(str(write_config("dropout", **{"lora.dropout": 0.1, "parallel.sp_size": 2})))
     with pytest.raises(ConfigError, match="parallel.sp_size must be at least 1"):
@@ -434,4 +434,4 @@ def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
         one_rank_group(),
         pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"),
     ):
-        adapter.split_sequence(adapter.load_transformer(), sequence.SequenceSplit(None, 2, 0))
+        adapter.split_sequence(adapter.load_transformer(), parallel.SequenceSplit(None, 2, 0))
