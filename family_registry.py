@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import single_file
+import weights
 from config import Config, ConfigError, ModelConfig
 from model_adapter import Adapter, RunSettings, config_sets, not_a_model_folder
 
@@ -137,5 +137,5 @@ def load_adapter(cfg: ModelConfig, device: torch.device, run: RunSettings = RunS
             )
         marks = {family: adapter_class(family).SINGLE_FILE_KEY for family in ADAPTERS}
         files = [cfg.transformer_file] if isinstance(cfg.transformer_file, str) else cfg.transformer_file
-        adapter.single_file = single_file.open_single_file(files, adapter, marks)
+        adapter.single_file = weights.open_single_file(files, adapter, marks)
     return adapter

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from config import Config, ConfigError, ModelConfig, check_resolution
-from transformer_loading import TransformerLoading
+from weights import TransformerLoading
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 log = logging.getLogger("vidtrain")

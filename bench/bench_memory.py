@@ -65,7 +65,7 @@ import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
 from parallel import AUTOCAST_DTYPES  # noqa: E402
 from ranks import Dist, pinned_bytes  # noqa: E402
-from transformer_loading import resolved_config  # noqa: E402
+from weights import resolved_config  # noqa: E402
 
 GIB = 2**30
 # Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h,

@@ -30,8 +30,7 @@ import memory
 from config import ConfigError, ModelConfig
 from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
 from parallel import SequenceSplit, split_blocks, stack_qkv
-from transformer_loading import parameters_on_meta, resolved_config
-from weights import rename_key, rename_module
+from weights import parameters_on_meta, rename_key, rename_module, resolved_config
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
 # diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py;

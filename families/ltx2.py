@@ -58,8 +58,7 @@ import sound
 from config import Config, ConfigError, ModelConfig
 from model_adapter import DTYPES, Adapter, RunSettings, config_sets, log, to_device
 from parallel import SequenceSplit, check_heads, split_blocks, stack_qkv
-from transformer_loading import resolved_config
-from weights import Weights
+from weights import Weights, resolved_config
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length

@@ -31,8 +31,7 @@ from config import Config, ConfigError, ModelConfig
 from families import wan_vace
 from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
 from parallel import SequenceSplit, split_blocks, stack_qkv
-from transformer_loading import resolved_config
-from weights import rename_key, rename_module
+from weights import rename_key, rename_module, resolved_config
 
 # the pipelines' max_sequence_length; 2.1 I2V's attention assumes exactly 512 text tokens
 TEXT_LENGTH = 512

@@ -26,9 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import family_registry  # noqa: E402
-from single_file import PREFIX  # noqa: E402
-from transformer_loading import resolved_config  # noqa: E402
-from weights import FILE_DTYPES, Weights  # noqa: E402
+from weights import (  # noqa: E402
+    FILE_DTYPES,
+    PREFIX,  # noqa: E402
+    Weights,
+    resolved_config,  # noqa: E402
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: a plain cast of a value past it gives NaN, not 448
