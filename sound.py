@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import decode
 import faults
-import sound_decoder
 from decode import Media, MediaError
 
 # Decoded on each side of the window: a decoder restarted by a seek needs frames to settle
@@ -49,10 +49,10 @@ def read_audio(
         _sounds += 1
         crash = faults.active("sound_segv", _sounds)
     try:
-        found = sound_decoder.decode(
+        found = decode.decode(
             str(path), media.first_pts, start - AUDIO_MARGIN_S, duration + 2 * AUDIO_MARGIN_S, crash
         )
-    except sound_decoder.Failed as e:
+    except decode.Failed as e:
         raise MediaError(str(e)) from None
     if found is None:
         return None
