@@ -20,7 +20,6 @@ import math
 import sys
 from pathlib import Path
 
-import clip_lists
 import command
 import data
 import decode
@@ -36,7 +35,7 @@ HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a 
 
 
 def plan_all(
-    clips: list[clip_lists.Clip],
+    clips: list[data.Clip],
     shapes,
     cfg: Config,
     cache: Cache,
@@ -62,7 +61,7 @@ def plan_all(
                         clips[i], cfg.model.type == "i2v", first_last, control, vace
                     )
                 except decode.MediaError as e:
-                    out.append((i, clip_lists.Problem(None, str(e)), set(), False, []))
+                    out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
                 extra = {}
                 if controls:  # Wan VACE: the mask's header and hash, the references' hashes
@@ -104,7 +103,7 @@ def plan_all(
     return results
 
 
-def check_last_images(adapter, clips: list[clip_lists.Clip], cfg: DataConfig) -> None:
+def check_last_images(adapter, clips: list[data.Clip], cfg: DataConfig) -> None:
     """A first-last-frame model trains on clips with last images; another model takes none."""
     if adapter.first_last and not any(clip.last_image for clip in clips):
         raise ConfigError(
@@ -120,7 +119,7 @@ def check_last_images(adapter, clips: list[clip_lists.Clip], cfg: DataConfig) ->
         )
 
 
-def check_controls(adapter, cfg: DataConfig, clips: list[clip_lists.Clip] = ()) -> None:
+def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip] = ()) -> None:
     """Control videos are for a model that follows them (each clip's is checked as its header is
     read)."""
     if not adapter.takes_control and cfg.control_column:
@@ -156,7 +155,7 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
     """
     with ranks.all_or_none():
         shapes = data.resolutions(cfg.data, adapter.check_resolution)
-        clips = clip_lists.read_clips(cfg.data)
+        clips = data.read_clips(cfg.data)
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.data.data_root) / ".cache")
     unwritable = None  # or why data.cache_dir cannot be written
     with ranks.all_or_none():
@@ -186,13 +185,13 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
         manifest.save()
     # A clip whose file is gone trains from complete entries; without them it is bad input.
     gone = [
-        clip_lists.Problem(p.clip, "does not exist")
+        data.Problem(p.clip, "does not exist")
         for p, missing, present in planned
         if isinstance(p, data.Item) and missing & {"video", "image", "audio", "control"} and not present
     ]
     gone_clips = {problem.clip for problem in gone}
-    problems = [p for p, _, _ in planned if isinstance(p, clip_lists.Problem)] + gone
-    skipped = clip_lists.stop_on_problems(problems, cfg.data)
+    problems = [p for p, _, _ in planned if isinstance(p, data.Problem)] + gone
+    skipped = data.stop_on_problems(problems, cfg.data)
     items = [
         (p, missing) for p, missing, _ in planned if isinstance(p, data.Item) and p.clip not in gone_clips
     ]

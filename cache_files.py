@@ -38,7 +38,6 @@ from safetensors.torch import load_file, save_file
 
 import data
 import faults
-import sound
 from config import DataConfig
 
 CACHE_FIX = (
@@ -93,7 +92,7 @@ class Cache:
             key = _key(
                 content=item.content,
                 window=[item.rate, item.start, item.resolution[0]],
-                sound=sound.SOUND,
+                sound=data.SOUND,
                 encoder=self.encoders["audio"],
                 dtype=self.audio_dtype,
             )

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import clip_lists
 import data
 import faults
 import ranks
@@ -74,7 +73,7 @@ def held_warnings(work, mine, r):
 
 def run_rounds(
     per_rank: list[list[list]], work, what: str, cfg: DataConfig, d: ranks.Dist
-) -> list[clip_lists.Problem]:
+) -> list[data.Problem]:
     """One batch per rank per round, then the ranks agree: counts, problems (a clip that fails to
     decode stops the pass at once, with what was written kept, unless data.skip_bad) and stop
     signals."""
@@ -87,7 +86,7 @@ def run_rounds(
             done, problems = done + count, problems + bad
             for message in held if d.is_main else []:
                 log.warning("%s", message)
-        clip_lists.stop_on_problems(problems, cfg)
+        data.stop_on_problems(problems, cfg)
         ranks.stop_if_preempted(
             d,
             f"in the cache pass, with {done} of {total} {what} encoded and kept; the "
@@ -228,7 +227,7 @@ class VideoEncoding:
             entry = {"audio_latent_mean": mean[0], "audio_latent_logvar": logvar[0]}
         self.cache.write(item, "audio", entry)
 
-    def work(self, mine: list[list[data.Item]], r: int) -> tuple[int, list[clip_lists.Problem]]:
+    def work(self, mine: list[list[data.Item]], r: int) -> tuple[int, list[data.Problem]]:
         """Round r: batch r encoded and written (none past this rank's last), r + 1 decoding."""
         for batch in mine[r : r + 2]:  # this batch, and the next one decoding meanwhile
             for item in batch:
@@ -237,8 +236,8 @@ class VideoEncoding:
         for item in mine[r] if r < len(mine) else []:
             try:
                 video, image, difference, audio, control = self.pending.pop(item).result()
-            except clip_lists.BadClip as e:
-                bad.append(clip_lists.Problem(item.clip, str(e)))
+            except data.BadClip as e:
+                bad.append(data.Problem(item.clip, str(e)))
                 continue
             good.append((item, video, image, audio, control))
             if difference > IMAGE_DIFFERENCE:

@@ -25,8 +25,8 @@ from safetensors import safe_open
 
 import ckpt
 import ckpt_files
-import clip_lists
 import command
+import data
 import parallel
 import ranks
 import validate
@@ -151,7 +151,7 @@ def render_command(
         cfg.validation.last_images, cfg.validation.control_videos = list(last_images), list(controls)
         # several references of one prompt: separated by clip_lists.REFERENCES
         cfg.validation.reference_images = [
-            r.split(clip_lists.REFERENCES) if clip_lists.REFERENCES in r else r for r in references
+            r.split(data.REFERENCES) if data.REFERENCES in r else r for r in references
         ]
         cfg.validation.masks = list(masks)
         check_values(cfg)

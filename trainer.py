@@ -29,9 +29,9 @@ import ranks
 import validate
 from cache_files import Prefetch
 from config import Config, ConfigError, TrainConfig, to_toml
+from data import Sampler, micro_slice
 from metrics import Metrics, TrainWindow
 from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, setup_adapter
-from sampler import Sampler, micro_slice
 
 log = logging.getLogger("vidtrain")
 

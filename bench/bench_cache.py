@@ -258,8 +258,8 @@ def prefetch(root: Path, args) -> None:
     import lora
     import ranks
     from config import load_config
+    from data import Sampler
     from model import setup_adapter
-    from sampler import Sampler
 
     torch.set_num_threads(1)
     make_synthetic_dataset(str(root / "pf"), 24, 17, 40, 48, seed=0)

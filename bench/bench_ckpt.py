@@ -48,7 +48,7 @@ import ckpt  # noqa: E402
 import ckpt_files  # noqa: E402
 import ranks  # noqa: E402
 from config import CheckpointConfig  # noqa: E402
-from sampler import Sampler
+from data import Sampler
 
 ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 

@@ -54,7 +54,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffusers.video_processor import VideoProcessor
 from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
-import sound
+import data
 from config import Config, ConfigError, ModelConfig
 from model_adapter import DTYPES, Adapter, RunSettings, config_sets, log, to_device
 from parallel import SequenceSplit, check_heads, split_blocks, stack_qkv
@@ -481,7 +481,7 @@ class LTX2Adapter(Adapter):
         log-mel spectrogram [B, channels, samples // hop + 1, mel bins] (sound.log_mel: ltx-core's
         AudioProcessor), in fp32."""
         c = self.audio_config
-        mel = sound.log_mel(
+        mel = data.log_mel(
             waveforms.flatten(0, 1).float(), c["sample_rate"], MEL_FFT, c["mel_hop_length"], c["mel_bins"]
         )
         return mel.unflatten(0, waveforms.shape[:2])

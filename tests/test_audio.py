@@ -22,10 +22,8 @@ from diffusers import AutoencoderKLLTX2Audio
 from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
-import clip_lists
 import data
 import decode
-import sound
 from config import DataConfig, load_config
 from families.cogvideox import CogVideoXAdapter
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip, write_sound
@@ -80,7 +78,7 @@ def write_flashes(
 def planned(path: Path, frames: int, target_fps: float = 0.0, seed: int = 0) -> data.Item:
     cfg = DataConfig(data_root=str(path.parent), train_resolution=[frames, 32, 32], target_fps=target_fps)
     item = data.plan_clip(
-        clip_lists.Clip(path, "flashes", 1, "videos.txt"),
+        data.Clip(path, "flashes", 1, "videos.txt"),
         decode.probe(path),
         f"{path}",
         [(frames, 32, 32)],
@@ -190,7 +188,7 @@ def test_undecodable_sound_is_a_bad_clip(tmp_path):
     write_garbage_sound(path)
     item = planned(path, 9)
     assert data.decode_clip(item).shape == (9, 32, 32, 3)
-    with pytest.raises(clip_lists.BadClip, match="cannot decode its audio stream"):
+    with pytest.raises(data.BadClip, match="cannot decode its audio stream"):
         data.decode_audio(item, RATE, 2)
 
 
@@ -236,7 +234,7 @@ def test_a_steady_tone_sounds_in_every_slot(tmp_path, form, codec, channels):
     level (7.1 folds to stereo with weights summing to 1), from each codec in each container."""
     path = tmp_path / f"tone.{SUFFIXES[form]}"
     write_tone(path, form, codec, channels)
-    waveform = sound.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
+    waveform = data.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
     slot, edge = RATE // FPS, round(0.02 * RATE)
     levels = [
         float(waveform[:, j * slot + edge : (j + 1) * slot - edge].pow(2).mean().sqrt()) for j in range(FPS)
@@ -254,7 +252,7 @@ def test_surround_folds_each_side_from_its_own_channels(tmp_path):
     path = tmp_path / "surround.mkv"
     levels = 0.02 * np.arange(1, 9)
     write_tone(path, "matroska", "pcm_s16le", 8, levels=levels)
-    waveform = sound.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
+    waveform = data.read_audio(path, decode.probe(path), 0.0, 1.0, RATE, 2)
     amplitude = waveform[:, 1000:-1000].pow(2).mean(1).sqrt() * 2**0.5
     expected = [
         (levels[front] + 0.707 * levels[[2, *surrounds]].sum()) / 3.121
@@ -284,10 +282,8 @@ def test_a_crashing_decoder_names_the_clip(tmp_path, monkeypatch):
     path = tmp_path / "tone.mkv"
     write_tone(path, "matroska", "flac", 2)
     item = planned(path, 9)
-    monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{sound._sounds + 1}")
-    with pytest.raises(
-        clip_lists.BadClip, match=r"^crashed the audio decoder \(SIGSEGV\), a bug in FFmpeg or "
-    ):
+    monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{data._sounds + 1}")
+    with pytest.raises(data.BadClip, match=r"^crashed the audio decoder \(SIGSEGV\), a bug in FFmpeg or "):
         data.decode_audio(item, RATE, 2)
     assert data.decode_audio(item, RATE, 2).abs().max() > 0.2
 
@@ -313,9 +309,7 @@ def test_a_corrupt_stream_far_past_full_scale_is_a_bad_clip(tmp_path):
             packet.stream, packet.pts, packet.dts, packet.duration = audio, k * 960, k * 960, 960
             packet.time_base = Fraction(1, 48000)
             container.mux(packet)
-    with pytest.raises(
-        clip_lists.BadClip, match=r"^its sound decodes to samples up to \d+, far outside \[-1, 1\]"
-    ):
+    with pytest.raises(data.BadClip, match=r"^its sound decodes to samples up to \d+, far outside \[-1, 1\]"):
         data.decode_audio(planned(path, 9), RATE, 2)
 
 
@@ -326,11 +320,11 @@ def test_rates_without_a_common_factor_resample_pointwise():
     each output's weights are computed where needed. The same filter as the kernels' (44.1 kHz both
     ways), and a 1 kHz sine at 44,101 Hz comes out as that sine at 16 kHz."""
     noise = torch.randn(2, 44100)
-    pointwise = sound._resample_pointwise(noise, 441, 160, RATE)
-    torch.testing.assert_close(pointwise, sound.resample(noise, 44100, RATE), rtol=0, atol=1e-5)
+    pointwise = data._resample_pointwise(noise, 441, 160, RATE)
+    torch.testing.assert_close(pointwise, data.resample(noise, 44100, RATE), rtol=0, atol=1e-5)
     sine = torch.sin(2 * torch.pi * 1000 * torch.arange(44101, dtype=torch.float64) / 44101)[None].float()
     expected = torch.sin(2 * torch.pi * 1000 * torch.arange(RATE) / RATE)[None]
-    out = sound.resample(sine, 44101, RATE)
+    out = data.resample(sine, 44101, RATE)
     assert out.shape == (1, RATE)
     torch.testing.assert_close(out[:, 100:-100], expected[:, 100:-100], rtol=0, atol=2e-3)
 
@@ -349,8 +343,8 @@ def test_mel_equals_the_reference():
     )
     waveform[:, 4000:6000] = 0
     exact, rounded = (
-        sound.log_mel(waveform, RATE, 1024, 160, 64),
-        sound.log_mel(waveform.float(), RATE, 1024, 160, 64),
+        data.log_mel(waveform, RATE, 1024, 160, 64),
+        data.log_mel(waveform.float(), RATE, 1024, 160, 64),
     )
     assert exact.shape == rounded.shape == (2, RATE // 160 + 1, 64) and rounded.dtype == torch.float32
     filters = mel_filter_bank(
@@ -389,7 +383,7 @@ def test_resampling_keeps_time_and_pitch():
     delay, no change of pitch or level (away from the ends, where the signal stops)."""
     for rate in (44100, 48000, 8000):
         sine = torch.sin(2 * torch.pi * 1000 * torch.arange(rate) / rate)[None].double()
-        out = sound.resample(sine.float(), rate, RATE)
+        out = data.resample(sine.float(), rate, RATE)
         expected = torch.sin(2 * torch.pi * 1000 * torch.arange(RATE) / RATE)[None]
         assert out.shape == (1, RATE)
         torch.testing.assert_close(
@@ -403,12 +397,12 @@ def test_channels_mix_as_the_official_trainer_does():
     Mono is copied to both sides; 5.1 keeps each side's front and adds the centre and that side's
     surround at 0.707, the LFE dropped, weights summing to 1; two channels to one average."""
     mono = torch.tensor([[1.0, -2.0]])
-    assert sound.mix(mono, 2).tolist() == [[1.0, -2.0], [1.0, -2.0]]
+    assert data.mix(mono, 2).tolist() == [[1.0, -2.0], [1.0, -2.0]]
     surround = torch.eye(6)  # one sample per channel: the columns are each channel's weights
-    left, right = sound.mix(surround, 2)
+    left, right = data.mix(surround, 2)
     torch.testing.assert_close(left, torch.tensor([1, 0, 0.707, 0, 0.707, 0]) / 2.414)
     torch.testing.assert_close(right, torch.tensor([0, 1, 0.707, 0, 0, 0.707]) / 2.414)
-    assert sound.mix(torch.tensor([[1.0], [3.0]]), 1).tolist() == [[2.0]]
+    assert data.mix(torch.tensor([[1.0], [3.0]]), 1).tolist() == [[2.0]]
 
 
 class Sounding(CogVideoXAdapter):
@@ -422,7 +416,7 @@ class Sounding(CogVideoXAdapter):
 
     def encode_audio(self, waveforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         vae = AutoencoderKLLTX2Audio.from_pretrained(self.path / "audio_vae")
-        posterior = vae.encode(sound.log_mel(waveforms[0], RATE, 1024, 160, 64)[None]).latent_dist
+        posterior = vae.encode(data.log_mel(waveforms[0], RATE, 1024, 160, 64)[None]).latent_dist
         return posterior.mean, posterior.logvar
 
 
@@ -512,7 +506,7 @@ def test_the_cache_pass_names_a_crashed_decoder_and_says_when_nothing_sounds(
     (root / "prompts.txt").write_text("surround\ncrash\nsilent\n")
     (root / "videos.txt").write_text("videos/surround.mp4\nvideos/crash.mp4\nvideos/silent.mp4\n")
     monkeypatch.setattr("model.load_adapter", Sounding)  # the adapter model.setup_adapter builds
-    monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{sound._sounds + 2}")
+    monkeypatch.setenv("VIDTRAIN_FAULT", f"sound_segv:{data._sounds + 2}")
     settings = {
         "run.output_dir": str(tmp_path / "run"),
         "model.path": str(model),

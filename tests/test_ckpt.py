@@ -39,8 +39,8 @@ import command
 import lora
 import ranks
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
+from data import Sampler
 from family_registry import load_adapter
-from sampler import Sampler
 
 STEPS = 14
 # Global batch 4 everywhere, with accumulation and EMA on.

@@ -14,7 +14,6 @@ from conftest import one_rank_group, picked_frames, prepare_run, ramp_video, wri
 from safetensors.torch import load_file
 
 import cache
-import clip_lists
 import data
 import decode
 from config import ConfigError, DataConfig, load_config
@@ -114,7 +113,7 @@ def test_a_control_shorter_than_the_window_is_named(tmp_path):
     root = ramp_data(tmp_path / "data", 1)
     # 27 / 24 s: the target's frames 0 to 8
     ramp_video(root / "controls" / "short.mp4", 27, 80, 96, 24, 4)
-    clip = clip_lists.Clip(
+    clip = data.Clip(
         root / "videos" / "0.mp4",
         "ramp",
         1,
@@ -133,7 +132,7 @@ def test_a_control_shorter_than_the_window_is_named(tmp_path):
     )
     start = data.plan_clip(clip, media, "c", [(9, 32, 32)], DataConfig(), late).start
     problem = plans[late]
-    assert isinstance(problem, clip_lists.Problem) and problem.kind == "bad"
+    assert isinstance(problem, data.Problem) and problem.kind == "bad"
     assert (
         f"control {clip.control} has 9 frames at 8 fps, but the clip's window needs its frames {start} to "
         f"{start + 8}: give each clip a control video as long as the clip" in str(problem)
@@ -165,7 +164,7 @@ def test_control_refusals_name_the_key_or_the_clip(control_settings, base_settin
         cfg = load_config(str(write_toml(tmp_path / "c.toml", control_settings)))
         adapter = control_model(setup_adapter(cfg, d), [])
         with pytest.raises(
-            clip_lists.BadClip,
+            data.BadClip,
             match=r"metadata.jsonl line 2: .*1.mp4: has no control video: a control "
             r"model needs one per clip \(data.control_column's line",
         ):
@@ -173,7 +172,7 @@ def test_control_refusals_name_the_key_or_the_clip(control_settings, base_settin
         (root / "metadata.jsonl").write_text(rows[0] + "\n")
         (root / "controls" / "0.mp4").write_bytes(b"not a video")
         with pytest.raises(
-            clip_lists.BadClip, match=r"line 1: .*0.mp4: control .*controls/0.mp4: not a readable video"
+            data.BadClip, match=r"line 1: .*0.mp4: control .*controls/0.mp4: not a readable video"
         ):
             cache.prepare(cfg, adapter, d)
 
@@ -184,7 +183,7 @@ def test_synthetic_controls_are_each_clips_edge_map(tmp_path):
     make_synthetic_dataset(str(tmp_path), num_videos=2, frames=9, control=True)
     lines = (tmp_path / "controls.txt").read_text().splitlines()
     assert lines == ["controls/00000.mp4", "controls/00001.mp4"]
-    clip = clip_lists.Clip(tmp_path / "videos/00001.mp4", "x", 2, "videos.txt", control=tmp_path / lines[1])
+    clip = data.Clip(tmp_path / "videos/00001.mp4", "x", 2, "videos.txt", control=tmp_path / lines[1])
     media = decode.probe(clip.video)
     item = data.plan_clip(
         clip, media, "c", [(9, 40, 48)], DataConfig(), 0, control=(decode.probe(clip.control), "c")

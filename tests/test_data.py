@@ -18,13 +18,12 @@ from safetensors.torch import load_file
 from transformers import T5EncoderModel
 
 import cache
-import clip_lists
 import data
 import decode
 import manifest
 import trainer
 from config import ConfigError, DataConfig
-from sampler import Sampler, micro_slice
+from data import Sampler, micro_slice
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 TWO_BUCKETS = [[9, 48, 40], [17, 40, 48]]
@@ -66,7 +65,7 @@ def test_three_formats_read_the_same_clips(tmp_path):
         'video,prompt,image\nv/0.mp4,a red square,\nv/1.mp4,"a blue circle",i/1.png\n'
     )
     read = {
-        n: clip_lists.read_clips(DataConfig(data_root=str(r)))
+        n: data.read_clips(DataConfig(data_root=str(r)))
         for n, r in (("cog", cog), ("jsonl", jsonl), ("csv", csv_root))
     }
     for clips in read.values():
@@ -103,7 +102,7 @@ def test_list_mistakes_name_file_and_line(tmp_path, files, expected):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     with pytest.raises(ConfigError, match=expected):
-        clip_lists.read_clips(DataConfig(data_root=str(tmp_path)))
+        data.read_clips(DataConfig(data_root=str(tmp_path)))
 
 
 @pytest.mark.parametrize(
@@ -134,7 +133,7 @@ def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path, files, expected):
     for name, raw in files.items():
         (tmp_path / name).write_bytes(raw)
     with pytest.raises(ConfigError, match=expected):
-        clip_lists.read_clips(
+        data.read_clips(
             DataConfig(data_root=str(tmp_path), image_column="images.txt" if "images.txt" in files else "")
         )
 
@@ -150,7 +149,7 @@ def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path, files, expected):
 def test_a_byte_order_mark_is_not_part_of_the_first_entry(tmp_path, files):
     for name, text in files.items():
         (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
-    [clip] = clip_lists.read_clips(DataConfig(data_root=str(tmp_path), image_column="images.txt"))
+    [clip] = data.read_clips(DataConfig(data_root=str(tmp_path), image_column="images.txt"))
     assert (clip.prompt, clip.video, clip.image) == (
         "a red square",
         tmp_path / "v/0.mp4",
@@ -162,7 +161,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_entry(tmp_path, files):
 
 
 def item_for(path: Path, resolution, start: int, pad: bool = False, rate: float = 0.0) -> data.Item:
-    clip, media = clip_lists.Clip(path, "grey", 1, "videos.txt"), decode.probe(path)
+    clip, media = data.Clip(path, "grey", 1, "videos.txt"), decode.probe(path)
     return data.Item(
         clip,
         media,
@@ -199,7 +198,7 @@ def test_frames_are_chosen_by_timestamp_and_padded(tmp_path, kind):
     ramp_clip(tmp_path / "short", 5, kind=kind)
     padded = data.decode_clip(item_for(tmp_path / "short", [9, 32, 32], 0, pad=True))
     assert picked_frames(padded) == [0, 1, 2, 3, 4, 4, 4, 4, 4]
-    with pytest.raises(clip_lists.BadClip, match="decodes to 5 of the 9 frames"):
+    with pytest.raises(data.BadClip, match="decodes to 5 of the 9 frames"):
         data.decode_clip(item_for(tmp_path / "short", [9, 32, 32], 0))
 
 
@@ -240,7 +239,7 @@ def test_phone_clips_and_photos_come_out_as_displayed(tmp_path):
 def test_plan_keeps_aspect_and_draws_start_and_crop_from_the_seed(tmp_path):
     ramp_clip(tmp_path / "wide.mp4", 17, height=40, width=80)
     clip, media = (
-        clip_lists.Clip(tmp_path / "wide.mp4", "grey", 1, "videos.txt"),
+        data.Clip(tmp_path / "wide.mp4", "grey", 1, "videos.txt"),
         decode.probe(tmp_path / "wide.mp4"),
     )
     shapes = [(9, 32, 32)]
@@ -255,7 +254,7 @@ def test_plan_keeps_aspect_and_draws_start_and_crop_from_the_seed(tmp_path):
     native = {plan(DataConfig(), s).start for s in range(8)}
     assert native <= set(range(9)) and len(native) > 1
     short = data.plan_clip(clip, media, "content", [(25, 32, 32)], DataConfig(), 0)
-    assert isinstance(short, clip_lists.Problem) and short.kind == "short" and "17 frames" in short.reason
+    assert isinstance(short, data.Problem) and short.kind == "short" and "17 frames" in short.reason
     assert data.plan_clip(clip, media, "content", [(25, 32, 32)], DataConfig(short_clips="pad"), 0).pad
 
 
@@ -379,7 +378,7 @@ def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tin
     )
     # A random crop re-encodes exactly the clips whose offsets moved: the entries follow what was
     # encoded.
-    clips, shapes = clip_lists.read_clips(DataConfig(data_root=str(tiny_data))), [(9, 32, 48)]
+    clips, shapes = data.read_clips(DataConfig(data_root=str(tiny_data))), [(9, 32, 48)]
 
     def offsets(clip, crop):
         item = data.plan_clip(

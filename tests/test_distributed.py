@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import data
 import ranks
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from data import Sampler, micro_slice
 from family_registry import load_adapter
 from model import build_model
-from sampler import Sampler, micro_slice
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update

@@ -22,8 +22,8 @@ import faults
 import ranks
 import trainer
 from config import RunConfig, load_config
+from data import Sampler, micro_slice
 from families.cogvideox import CogVideoXAdapter
-from sampler import Sampler, micro_slice
 
 # Host reads allowed on a step that does not log, keyed by (root module, function), with the reason.
 ALLOWED = {

@@ -35,7 +35,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import data
 import lora
 import render
-import sound
 import trainer
 import validate
 from config import ModelConfig, load_config
@@ -119,7 +118,7 @@ def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     cached = load_file(entries.path(sounding, "audio"))
     waveform = data.decode_audio(sounding, adapter.audio_sample_rate, adapter.audio_channels)
     c = adapter.audio_config
-    mel = sound.log_mel(waveform, c["sample_rate"], 1024, c["mel_hop_length"], c["mel_bins"])
+    mel = data.log_mel(waveform, c["sample_rate"], 1024, c["mel_hop_length"], c["mel_bins"])
     mean, logvar = adapter.encode_mel(mel[None])
     assert mean.shape[2] == 1 + (mel.shape[1] - 1) // 4
     torch.testing.assert_close(cached["audio_latent_mean"], mean[0], rtol=0, atol=1e-6)

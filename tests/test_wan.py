@@ -30,7 +30,6 @@ from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import clip_lists
 import data
 import decode
 import lora
@@ -534,7 +533,7 @@ def test_the_window_ends_at_the_clips_last_frame(tmp_path):
     starts anywhere; with both images the clip must be exactly the window."""
     ramp_clip(tmp_path / "ramp.mp4", 17)
     clip, media = (
-        clip_lists.Clip(tmp_path / "ramp.mp4", "grey", 1, "videos.txt"),
+        data.Clip(tmp_path / "ramp.mp4", "grey", 1, "videos.txt"),
         decode.probe(tmp_path / "ramp.mp4"),
     )
     for seed in range(4):
@@ -547,8 +546,7 @@ def test_the_window_ends_at_the_clips_last_frame(tmp_path):
     assert len(starts) > 1
     both = data.plan_clip(clip, media, "content", [(9, 32, 32)], DataConfig(), 0, "first", "last")
     assert (
-        isinstance(both, clip_lists.Problem)
-        and "has 17 frames and both an image and a last image" in both.reason
+        isinstance(both, data.Problem) and "has 17 frames and both an image and a last image" in both.reason
     )
     whole = data.plan_clip(clip, media, "content", [(17, 32, 32)], DataConfig(), 0, "first", "last")
     assert whole.start == 0 and picked_frames(data.decode_clip(whole)) == list(range(17))
@@ -654,7 +652,7 @@ def test_refusals_name_the_key(wan_models, base_settings, tiny_data, tmp_path):
     root = flf2v_data(tmp_path / "data", tiny_data)
     (root / "last_images" / "00002.png").unlink()
     with pytest.raises(
-        clip_lists.BadClip, match=r"line 3: .*00002.mp4: last image .*00002.png: .*fix or remove it"
+        data.BadClip, match=r"line 3: .*00002.mp4: last image .*00002.png: .*fix or remove it"
     ):
         prepare("missing", **{"data.data_root": str(root), "data.last_image_column": "", "data.held_out": 0})
     settings = wan_settings("flf2v", wan_models, base_settings, tiny_data, tmp_path / "count")

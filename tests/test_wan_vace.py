@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import cache
-import clip_lists
 import data
 import lora
 import render
@@ -480,19 +479,19 @@ def test_vace_list_files_may_leave_a_condition_empty_and_list_several_references
         mask_column="masks.txt",
         reference_column="references.txt",
     )
-    clips = clip_lists.read_clips(cfg)
+    clips = data.read_clips(cfg)
     assert [c.control and c.control.name for c in clips] == [None, "c1.mp4", None]
     assert [c.mask and c.mask.name for c in clips] == [None, "m1.png", None]
     assert [[r.name for r in c.reference] for c in clips] == [["r0.png", "r1.png"], ["r2.png"], []]
     (tmp_path / "masks.txt").write_text("\nm1.png\n\n\n\n")  # blanks past the clips: dropped
-    assert [c.mask and c.mask.name for c in clip_lists.read_clips(cfg)] == [None, "m1.png", None]
+    assert [c.mask and c.mask.name for c in data.read_clips(cfg)] == [None, "m1.png", None]
     (tmp_path / "references.txt").write_text("r0.png|\n\n\n")
     with pytest.raises(ConfigError, match=r"references.txt line 1: an empty reference image among"):
-        clip_lists.read_clips(cfg)
+        data.read_clips(cfg)
     for name in ("prompts.txt", "videos.txt"):
         (tmp_path / name).unlink()
     (tmp_path / "metadata.csv").write_text("video,prompt,reference\nv0.mp4,a,r0.png|r1.png\nv1.mp4,b,\n")
-    clips = clip_lists.read_clips(DataConfig(data_root=str(tmp_path)))
+    clips = data.read_clips(DataConfig(data_root=str(tmp_path)))
     assert [[r.name for r in c.reference] for c in clips] == [["r0.png", "r1.png"], []]
 
 

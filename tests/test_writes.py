@@ -27,7 +27,7 @@ import ranks
 import render
 import validation_media
 from config import CheckpointConfig, ConfigError, DataConfig, load_config
-from sampler import Sampler
+from data import Sampler
 
 DISK_FULL = r"failed \(\[Errno 28\] No space left on device \(injected disk_full\)\): "
 
