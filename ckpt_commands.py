@@ -21,8 +21,8 @@ import command
 import export
 import ranks
 from config import ConfigError
-from family_registry import load_adapter
 from model import EMA, build_model
+from model_adapter import load_adapter
 
 log = logging.getLogger("vidtrain")
 

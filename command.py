@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from transformers.utils import logging as transformers_logging
 
-import family_registry
 import faults
+import model_adapter
 import ranks
 from config import ConfigError, load_config
 
@@ -45,7 +45,7 @@ def run_command(work, config_path: str, overrides: list[str], lock_output_dir: b
     previous_handlers = ranks.PREEMPTION.install()
     try:
         cfg = load_config(config_path, overrides)
-        family_registry.check_config(cfg)
+        model_adapter.check_config(cfg)
         if EXIT_CODES in os.environ and rank == 0:  # launch.sh keeps torchrun's log there
             (Path(os.environ[EXIT_CODES]) / "output_dir").write_text(cfg.run.output_dir)
         if cfg.run.deterministic:

@@ -22,8 +22,7 @@ import memory
 import parallel
 import ranks
 from config import Config, ConfigError, LoraConfig, ParallelConfig, TrainConfig
-from family_registry import load_adapter
-from model_adapter import RunSettings
+from model_adapter import RunSettings, load_adapter
 from weights import Weights
 
 log = logging.getLogger("vidtrain")

@@ -31,9 +31,8 @@ import parallel
 import ranks
 import validate
 from config import Config, ConfigError, check_validation_images, check_values
-from family_registry import load_adapter
 from model import EMA, build_frozen, build_model
-from model_adapter import RunSettings
+from model_adapter import RunSettings, load_adapter
 
 log = logging.getLogger("vidtrain")
 

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import memory  # noqa: E402
 from config import ModelConfig  # noqa: E402
-from family_registry import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model, make_tiny_wan  # noqa: E402
 
 WAN_14B = {

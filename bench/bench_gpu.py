@@ -78,8 +78,8 @@ import parallel  # noqa: E402
 import ranks  # noqa: E402
 import validate  # noqa: E402
 from config import Config, ValidationConfig, load_config  # noqa: E402
-from family_registry import load_adapter  # noqa: E402
 from model import build_model, build_optimizer  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_wan  # noqa: E402
 
 CONFIGS = {  # name: (arch, train settings)

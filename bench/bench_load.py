@@ -37,8 +37,8 @@ import command  # noqa: E402
 import memory  # noqa: E402
 import ranks  # noqa: E402
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from family_registry import load_adapter  # noqa: E402
 from model import build_model  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from weights import Weights  # noqa: E402
 
 # CogVideoX-2b's transformer/config.json (the published values; the tiny model writes the same key

@@ -25,7 +25,7 @@ import data  # noqa: E402
 import ranks  # noqa: E402
 import validate  # noqa: E402
 from config import DataConfig, ModelConfig, ValidationConfig  # noqa: E402
-from family_registry import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 PROMPTS = [

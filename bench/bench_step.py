@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 import lora  # noqa: E402
 from config import LoraConfig, ModelConfig  # noqa: E402
-from family_registry import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 
 BATCH, EMBEDS = 2, (16, 32)  # [L, D] of the tiny T5
 # Transformer settings over the tiny ones, and the training resolution (the clips are 17x40x48).

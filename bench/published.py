@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import ConfigError  # noqa: E402
-from family_registry import load_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_tiny_model import make_scheduler  # noqa: E402
 
 TRANSFORMERS = {

@@ -30,8 +30,8 @@ import cache  # noqa: E402
 import ranks  # noqa: E402
 import trainer  # noqa: E402
 from config import load_config, toml_value  # noqa: E402
-from family_registry import load_adapter  # noqa: E402
 from model import setup_adapter  # noqa: E402
+from model_adapter import load_adapter  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from tools.make_tiny_model import make_tiny_ltx2, make_tiny_model, make_tiny_wan  # noqa: E402
 

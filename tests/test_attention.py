@@ -14,7 +14,7 @@ import parallel
 import ranks
 import trainer
 from config import ConfigError, ModelConfig, load_config
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 KERNELS = {
     "flash": "aten::_scaled_dot_product_flash_attention_for_cpu",

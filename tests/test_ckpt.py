@@ -40,7 +40,7 @@ import lora
 import ranks
 from config import CheckpointConfig, ConfigError, ModelConfig, load_config
 from data import Sampler
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 STEPS = 14
 # Global batch 4 everywhere, with accumulation and EMA on.

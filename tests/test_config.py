@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from config import ConfigError, check_resolution, load_config, parse_overrides, to_toml
-from family_registry import check_config
 from model import LossScaler
+from model_adapter import check_config
 from trainer import TrainState, clip_and_step, lr_factor
 
 REQUIRED = ["--run.output_dir", "/tmp/out", "--model.path", "/m", "--data.data_root", "/d"]

@@ -31,8 +31,8 @@ import data
 import ranks
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
 from data import Sampler, micro_slice
-from family_registry import load_adapter
 from model import build_model
+from model_adapter import load_adapter
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update

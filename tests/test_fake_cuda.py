@@ -38,8 +38,8 @@ import parallel
 import ranks
 import weights
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
-from family_registry import load_adapter
 from model import build_frozen, build_model
+from model_adapter import load_adapter
 
 # an index: without one, .to() asks the (absent) CUDA runtime for the current device
 CUDA = torch.device("cuda", 0)

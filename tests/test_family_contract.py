@@ -13,14 +13,13 @@ import pytest
 import torch
 from conftest import REPO
 
-import family_registry
+import model_adapter
 import trainer
 from config import Config, ConfigError, ModelConfig, load_config
 from families.cogvideox import CogVideoXAdapter
 from families.ltx2 import LTX2Adapter
 from families.wan import WanAdapter
-from family_registry import ADAPTERS, adapter_class, check_config, check_family, load_adapter
-from model_adapter import Adapter
+from model_adapter import ADAPTERS, Adapter, adapter_class, check_config, check_family, load_adapter
 
 REQUIRED = ["--run.output_dir", "/tmp/out", "--model.path", "/nowhere", "--data.data_root", "/d"]
 
@@ -101,7 +100,7 @@ def test_every_registered_family_fills_the_contract():
     }
     for family in ADAPTERS:
         cls = adapter_class(family)
-        assert family_registry.missing_members(cls) == [] and cls.FAMILY == family
+        assert model_adapter.missing_members(cls) == [] and cls.FAMILY == family
         page = (REPO / "docs" / "models" / f"{family}.md").read_text()
         assert [key for key in cls.OWN_KEYS if key not in keys or f"`{key}`" not in page] == [], family
 

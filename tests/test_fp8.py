@@ -19,7 +19,7 @@ import ranks
 import render
 import trainer
 from config import ConfigError, ModelConfig, load_config
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 # Relative L2 error of the tiny models' output against bf16's, per block it runs through (measured:
 # CogVideoX 0.006, Wan 0.009 over 2 blocks, Wan VACE 0.022 over 5; bf16's own against fp32 is

@@ -41,8 +41,7 @@ import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream
-from family_registry import check_config, load_adapter
-from model_adapter import RunSettings
+from model_adapter import RunSettings, check_config, load_adapter
 from ranks import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
 

@@ -39,8 +39,7 @@ import trainer
 import validate
 from config import ModelConfig, load_config
 from families.ltx2 import TEXT_LENGTH
-from family_registry import load_adapter
-from model_adapter import RunSettings
+from model_adapter import RunSettings, load_adapter
 from ranks import StopRun
 from tools.make_synthetic_dataset import make_synthetic_dataset
 

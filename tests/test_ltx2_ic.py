@@ -40,7 +40,7 @@ import validate
 import validation_media
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
-from family_registry import check_config, load_adapter
+from model_adapter import check_config, load_adapter
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
 

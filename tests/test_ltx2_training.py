@@ -23,8 +23,7 @@ import data
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
-from family_registry import load_adapter
-from model_adapter import RunSettings
+from model_adapter import RunSettings, load_adapter
 from ranks import StopRun
 
 

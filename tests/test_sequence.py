@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import parallel
 from config import ConfigError, load_config
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_GRAD_NORM = 1e-3  # below every step's gradient norm: clipping changes each update

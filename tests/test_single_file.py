@@ -25,8 +25,8 @@ import memory
 import parallel
 import ranks
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from family_registry import load_adapter
 from model import build_model, setup_adapter
+from model_adapter import load_adapter
 from tools.to_single_file import to_single_file
 
 # case: (family, tiny model variant, model.type). CogVideoX 1.5-I2V: patch linear, ofs embedding,

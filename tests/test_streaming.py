@@ -20,8 +20,8 @@ import parallel
 import ranks
 import trainer
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from family_registry import load_adapter
 from model import build_model
+from model_adapter import load_adapter
 
 STREAMING = {"parallel.strategy": "fsdp", "parallel.cpu_offload": True}
 RUNS = {

@@ -25,7 +25,7 @@ import render
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 PROMPTS = ["a red ball moves left", "a blue square drifts up slowly", "a small green circle bounces"]
 FPS = 12

@@ -33,8 +33,8 @@ import lora
 import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from family_registry import load_adapter
 from model import build_model
+from model_adapter import load_adapter
 
 COMMON = {
     "activation_fn",

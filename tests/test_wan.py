@@ -37,8 +37,7 @@ import render
 import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, load_config
-from family_registry import load_adapter
-from model_adapter import RunSettings
+from model_adapter import RunSettings, load_adapter
 from ranks import StopRun
 
 WAN21 = {

@@ -36,7 +36,7 @@ import validation_media
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
 from families.wan import WanAdapter
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 WAN_VACE_KEYS = {
     "added_kv_proj_dim",

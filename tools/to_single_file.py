@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import family_registry  # noqa: E402
+import model_adapter  # noqa: E402
 from weights import (  # noqa: E402
     FILE_DTYPES,
     PREFIX,  # noqa: E402
@@ -43,8 +43,8 @@ def adapter_class(model_dir: Path):
 
     As family_registry.load_adapter tells it."""
     pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
-    return family_registry.adapter_class(
-        next(f for f in family_registry.ADAPTERS if pipeline.lower().startswith(f))
+    return model_adapter.adapter_class(
+        next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f))
     )
 
 
