@@ -27,7 +27,7 @@ import memory
 import parallel
 import ranks
 import validate
-from cache_files import Prefetch
+from cache import Prefetch
 from config import Config, ConfigError, TrainConfig, to_toml
 from data import Sampler, micro_slice
 from metrics import Metrics, TrainWindow

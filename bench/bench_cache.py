@@ -253,7 +253,6 @@ def prefetch(root: Path, args) -> None:
     import torch.distributed as dist
 
     import cache
-    import cache_files
     import data
     import lora
     import ranks
@@ -310,7 +309,7 @@ def prefetch(root: Path, args) -> None:
 
     measured = {"in the step's thread": [], "cache_files.Prefetch": []}
     for r in range(args.repeats):
-        ahead = cache_files.Prefetch(entries, cpu)
+        ahead = cache.Prefetch(entries, cpu)
         for name, fetch in sorted(
             {"in the step's thread": inline, "cache_files.Prefetch": prefetched}.items(), reverse=r % 2 == 1
         ):  # each first in every other repetition

@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 from transformers import T5EncoderModel
 
 import cache
-import cache_files
 import data
 import decode
 import ranks
@@ -427,7 +426,7 @@ def test_a_transformer_without_weights_is_named_before_the_pass(tiny_model, writ
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
 
 
-class InFolder(cache_files.Cache):
+class InFolder(cache.Cache):
     """A cache whose entries are files in `folder` named by their item (a string) and kind."""
 
     def __init__(self, folder, text_length: int):
@@ -451,7 +450,7 @@ def test_a_damaged_entry_is_named_by_the_step_that_takes_it(tmp_path):
         save_file({"prompt_embeds": torch.ones(3, 8)}, tmp_path / f"{item}-text.safetensors")
     damaged = tmp_path / "b-video.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:-8])
-    prefetch = cache_files.Prefetch(InFolder(tmp_path, 5), torch.device("cpu"))
+    prefetch = cache.Prefetch(InFolder(tmp_path, 5), torch.device("cpu"))
     assert prefetch.batch(["a"], ["b"])["prompt_embeds"].shape == (1, 5, 8)  # b is read meanwhile
     with pytest.raises(OSError) as raised:
         prefetch.batch(["b"], None)

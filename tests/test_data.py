@@ -20,7 +20,6 @@ from transformers import T5EncoderModel
 import cache
 import data
 import decode
-import manifest
 import trainer
 from config import ConfigError, DataConfig
 from data import Sampler, micro_slice
@@ -384,7 +383,7 @@ def test_resolution_change_invalidates_and_killed_pass_resumes(write_config, tin
         item = data.plan_clip(
             clip,
             decode.probe(clip.video),
-            manifest.content_hash(clip.video),
+            cache.content_hash(clip.video),
             shapes,
             DataConfig(crop=crop),
             42,

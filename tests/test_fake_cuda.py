@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import cpp_extension
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import cache_files
+import cache
 import data
 import lora
 import parallel
@@ -153,7 +153,7 @@ def on_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class InMemory(cache_files.Cache):
+class InMemory(cache.Cache):
     """The cache's load_batch over entries held in memory (what its files would hold)."""
 
     def __init__(self, entries: dict[str, dict[str, torch.Tensor]], text_length: int):
@@ -207,23 +207,23 @@ def test_training_loss_on_cuda_neither_mixes_devices_nor_waits(
     entries = cache_entries(on_cpu, type_)
     model = on_cpu.load_transformer()
     lora.inject_lora(model, LoraConfig().target_modules, 4, 2.0, 0.0, seed=0)
-    monkeypatch.setattr(cache_files, "load_file", lambda kind: entries[kind])
+    monkeypatch.setattr(cache, "load_file", lambda kind: entries[kind])
     waits = HostWaits()
-    read = cache_files.Prefetch.host
+    read = cache.Prefetch.host
 
     # dispatch modes are per thread: the read's thread enters its own
     def read_in_mode(prefetch, items):
         with waits:
             return read(prefetch, items)
 
-    monkeypatch.setattr(cache_files.Prefetch, "host", read_in_mode)
+    monkeypatch.setattr(cache.Prefetch, "host", read_in_mode)
     with FakeTensorMode(allow_non_fake_inputs=True):
         adapter = load_adapter(cfg, CUDA)
         model = on_fake_cuda(model)
         with waits, cuda_autocast(torch.bfloat16):
             # The trainer's fetch: a batch read then, and one read ahead while the step before
             # computes.
-            prefetch = cache_files.Prefetch(InMemory(entries, adapter.text_length), CUDA)
+            prefetch = cache.Prefetch(InMemory(entries, adapter.text_length), CUDA)
             prefetch.batch(["a", "b"], ["b", "a"])
             batch = prefetch.batch(["b", "a"], None)
             loss = adapter.train_loss(model, batch, [data.keyed_generator(0, 1, p) for p in range(2)])

@@ -17,7 +17,6 @@ from conftest import REPO
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cache
-import cache_files
 import faults
 import ranks
 import trainer
@@ -146,10 +145,10 @@ def test_read_ahead_batches_are_the_samplers(write_config, monkeypatch):
     accumulation's micro-steps, the steps, the epoch's end (20 clips, 5 global batches of 4 per
     epoch) and the NaN step."""
     prepared, trained, reads = [], [], []
-    prepare, train_loss, read = cache.prepare, CogVideoXAdapter.train_loss, cache_files.Prefetch.host
+    prepare, train_loss, read = cache.prepare, CogVideoXAdapter.train_loss, cache.Prefetch.host
     monkeypatch.setattr(cache, "prepare", lambda *args: prepared.append(prepare(*args)) or prepared[0])
     monkeypatch.setattr(
-        cache_files.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items)
+        cache.Prefetch, "host", lambda prefetch, items: reads.append(items) or read(prefetch, items)
     )
 
     def recorded(adapter, model, batch, generators):

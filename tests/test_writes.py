@@ -17,7 +17,7 @@ from conftest import run_ok, run_read_only, write_toml
 from PIL import Image
 from safetensors.torch import load_file
 
-import cache_files
+import cache
 import ckpt
 import ckpt_files
 import command
@@ -43,7 +43,7 @@ def leftovers(folder) -> list[str]:
 
 
 def test_full_disk_while_writing_a_cache_entry(tmp_path, disk_full):
-    entries = cache_files.Cache(
+    entries = cache.Cache(
         DataConfig(data_root=str(tmp_path), cache_dir=str(tmp_path)), {"text": {}}, 4, "fp32", None
     )
     item = SimpleNamespace(clip=SimpleNamespace(prompt="a red ball"))
