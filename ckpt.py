@@ -1,4 +1,6 @@
-"""Checkpoints of the training state with torch.distributed.checkpoint (DCP).
+"""Checkpoints: the training state in DCP, a checkpoint's files and checks, the exports, their commands.
+
+Checkpoints of the training state with torch.distributed.checkpoint (DCP).
 
 A checkpoint is written by every rank into checkpoint-N.tmp/, then renamed to checkpoint-N/ once all
 ranks are done, then `latest` is replaced. It holds the trainable weights (never the frozen base),
@@ -10,19 +12,29 @@ export` and `python ckpt.py rehash`, this module's `__main__` block) are ckpt_co
 a checkpoint's files and their checks are ckpt_files.py's.
 """
 
+import argparse
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,11 +44,379 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-import ckpt_files
+import command
 import faults
+import lora
 import ranks
-from config import CheckpointConfig, ConfigError
-from model import model_state
+from config import CheckpointConfig, ConfigError, LoraConfig
+from model import EMA, build_model, model_state
+from model_adapter import load_adapter
+from weights import Weights
+
+# --------------------------------------------------------------------------------------------------
+# A checkpoint folder's files: the hashing writer, meta.json, the checks before a load.
+#
+# DCP's writer that hashes every file as it writes it, meta.json (the step, what was trained on what,
+# and each file's size and sha256), and the checks a checkpoint passes before it is loaded: its
+# meta.json, its model, base weights and data, and the bytes of the files this rank reads; the shapes
+# a config builds against a checkpoint's; the lock an export holds against rotation.
+
+
+log = logging.getLogger("vidtrain")
+
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+# in a checkpoint, flocked while `ckpt.py export` reads it; in no meta.json
+EXPORT_LOCK = "export.lock"
+BASE_SAMPLES = 64  # pieces of 64 KiB read from each base weight file for its identity
+# files per rank, each written and hashed by its own thread
+WRITE_THREADS = min(4, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def write_failures_named(tmp: Path):
+    """Turn DCP's every-rank write failure into one message with the first cause and the fix.
+
+    DCP reports a failed write on every rank as a CheckpointException (a BaseException) holding
+    every rank's traceback: turn it into one message naming the first failing rank's cause and the
+    fix."""
+    try:
+        yield
+    except CheckpointException as e:
+        raise ranks.StopRun(
+            f"writing {tmp} failed on {command.first_failure(e)}; earlier checkpoints are "
+            "intact, free space or move run.output_dir and resume"
+        ) from None
+
+
+class HashingStream:
+    """A file being written, hashed as it is written.
+
+    Read back afterwards instead, a checkpoint of GBs would cost a second pass over every byte."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        written = self.file.write(data)
+        self.size += written
+        return written
+
+    def __getattr__(self, name):  # tell, flush, fileno, close: the file's own
+        return getattr(self.file, name)
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's file system, recording the size and sha256 of every file it writes (by final name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as file:
+            stream = HashingStream(file)
+            yield stream
+        self.written[Path(path).name] = {"size": stream.size, "sha256": stream.sha256.hexdigest()}
+
+    def rename(self, path, new_path) -> None:  # DCP writes .metadata under a temporary name
+        super().rename(path, new_path)
+        self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+
+
+class HashingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, hashing every file as it writes it, in several threads per rank.
+
+    DCP's writer, hashing as it writes, in WRITE_THREADS threads (files) per rank: hashing and
+    writing both release the GIL, so the threads hash and write in parallel where one torch.save
+    cannot. No fsync here: the Checkpointer syncs a committed checkpoint in the background (see
+    _commit)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, thread_count=WRITE_THREADS, sync_files=False)
+        self.fs = HashingFileSystem()
+
+
+class FailingWriter(HashingWriter):
+    """A storage writer that fails like a full disk, for the save_fail fault point.
+
+    DCP itself then reports the failure on every rank."""
+
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device (injected save_fail)")
+
+
+@functools.cache  # once per process: each version() parses a package's METADATA file
+def library_versions() -> dict[str, str]:
+    return {p: version(p) for p in ("torch", "diffusers", "transformers")}
+
+
+def fsync_files(paths: list[Path]) -> None:
+    for path in paths:
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_folders(output_dir: Path) -> list[Path]:
+    """Every checkpoint-<int>/ folder, oldest first, complete or not.
+
+    Anything else in the folder (foreign files, .tmp, best.pt) is ignored."""
+    found = []
+    for path in output_dir.glob("checkpoint-*"):
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Committed checkpoints, oldest first.
+
+    A committed one is a checkpoint-<int>/ with DCP's .metadata and our meta.json."""
+    return [
+        p
+        for p in checkpoint_folders(output_dir)
+        if (p / ".metadata").is_file() and (p / "meta.json").is_file()
+    ]
+
+
+def meta_problem(path: Path) -> str | None:
+    """What makes a checkpoint's meta.json unusable (missing, empty, garbled), or None."""
+    if not (path / "meta.json").is_file():
+        return f"checkpoint {path} has no meta.json"
+    try:
+        meta = json.loads((path / "meta.json").read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        return f"checkpoint {path}: meta.json is damaged ({e})"
+    missing = sorted({"step", "identity", "data", "files"} - set(meta if isinstance(meta, dict) else ()))
+    return f"checkpoint {path}: meta.json is damaged (it lacks {missing})" if missing else None
+
+
+def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = False) -> None:
+    """A checkpoint of another model, LoRA shape or training type is refused naming the difference.
+
+    A resume (`resuming`) also refuses other base weights and warns of another precision; an export
+    or a render of it may use any base. Checkpoints written before their base was recorded are not
+    checked for it."""
+    saved = meta["identity"]
+    if resuming and "base" in saved and saved["base"]["weights"] != identity["base"]["weights"]:
+        raise ConfigError(
+            f"checkpoint {path} was trained on other base weights: {saved['base']['files']} "
+            f"there, {identity['base']['files']} here (model.path, model.transformer_file): resume on "
+            "the weights it was trained on, or start over in another run.output_dir (lora.init_from "
+            "carries a LoRA over)"
+        )
+    if resuming and saved.get("precision", identity["precision"]) != identity["precision"]:
+        log.warning(
+            f"checkpoint {path} was trained with the base in {saved['precision']}, this run has "
+            f"{identity['precision']}: training continues in this run's precision"
+        )
+    for key in sorted((set(saved) | set(identity)) - {"base", "precision"}):
+        if saved.get(key) != identity.get(key):
+            raise ConfigError(
+                f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
+                "use the same model and training settings (the run's config.toml), or another run.output_dir"
+            )
+
+
+def base_identity(adapter) -> dict:
+    """The transformer's weight files by content, cheaply: sizes, headers and sampled pieces.
+
+    The files are model.transformer_file's, or model.path's transformer folder's, known as the
+    manifest knows clips: per file its size, its safetensors header (names, dtypes, shapes, offsets)
+    and BASE_SAMPLES pieces spread over its data. A whole-file hash of a 14B model would cost
+    minutes per launch; fine-tuned weights differ in every sampled piece. The key holds no paths: a
+    model moved elsewhere still resumes."""
+    if adapter.single_file is not None:
+        files = adapter.single_file.files
+    else:
+        files = sorted(
+            {entry[0] for entry in Weights(adapter.path / adapter.transformer_folder).entries.values()}
+        )
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            digest.update(f"{size} {length}".encode() + f.read(length))
+            start = 8 + length
+            for i in range(BASE_SAMPLES):
+                f.seek(start + (size - start) * i // BASE_SAMPLES)
+                digest.update(f.read(1 << 16))
+    return {"weights": digest.hexdigest(), "files": [str(p) for p in files]}
+
+
+def check_data(path: Path, meta: dict, data: dict) -> None:
+    """Refuse a checkpoint trained on other clips.
+
+    A checkpoint trained on other clips is refused: its sampler state would index clips that differ.
+    A checkpoint accepted as it is (`ckpt.py rehash` of a damaged meta.json) has no record of them
+    (None)."""
+    saved = meta["data"]
+    if saved is None or saved == data:
+        return
+    if saved["clips_per_bucket"] != data["clips_per_bucket"]:
+        what = f"clips per bucket {saved['clips_per_bucket']} there, {data['clips_per_bucket']} here"
+    else:
+        what = "as many clips per bucket, but other ones (their contents, prompts or order differ)"
+    raise ConfigError(
+        f"checkpoint {path} was trained on other data: {what}; resume with the clips it was trained on "
+        "(data.data_root, its list files, data.held_out, data.buckets), or start over in another "
+        "run.output_dir"
+    )
+
+
+def check_files(path: Path, names: list[str]) -> str | None:
+    """Check a checkpoint's files against its meta.json; return what is wrong, or None.
+
+    Check files of a checkpoint against its meta.json, every size before any sha256; return what is
+    wrong, or None."""
+    expected = json.loads((path / "meta.json").read_text())["files"]
+    for name in names:
+        if name not in expected or not (path / name).is_file():
+            return (
+                f"checkpoint {path} is missing {name}"
+                if name in expected
+                else f"checkpoint {path}: {name} is not in meta.json"
+            )
+        if (path / name).stat().st_size != expected[name]["size"]:
+            return f"checkpoint {path}: {name} does not match its size or sha256 in meta.json"
+    for name in names:
+        if sha256_of(path / name) != expected[name]["sha256"]:
+            return f"checkpoint {path}: {name} does not match its size or sha256 in meta.json"
+    return None
+
+
+def check_reads(path: Path, state: dict, planner) -> str | None:
+    """Check the files this rank's DCP load will read, and only those.
+
+    DCP's .metadata (it is unpickled to plan the reads), then the shards named by this rank's own
+    load plan of `state`, made locally. Every rank checks its share at the same time, outside any
+    collective, so a checkpoint of tens of GB is hashed in the time of one rank's share and no rank
+    waits inside a collective's timeout meanwhile."""
+    problem = check_files(path, [".metadata"])
+    if problem:
+        return problem
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    reads = {
+        metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items
+    }
+    return check_files(path, sorted(reads))
+
+
+def reads_problem(path: Path, state: dict, d: ranks.Dist, **planner_options) -> str | None:
+    """Check on every rank what it will read of `path`; return the first problem found, or None.
+
+    A collective."""
+    problems = ranks.agree(lambda: check_reads(path, state, dcp.DefaultLoadPlanner(**planner_options)), d)
+    return next((p for p in problems if p), None)
+
+
+def other_shapes(cfg, adapter, metadata) -> str | None:
+    """How the trained weights .metadata records differ from what cfg builds, or None.
+
+    Names and shapes, from the config on the meta device: no weight is read."""
+    with torch.device("meta"):
+        skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
+    if cfg.train.training_type == "lora":
+        lora.inject_lora(skeleton, cfg.lora.target_modules, cfg.lora.rank, cfg.lora.lora_alpha, 0.0, 0)
+        built = {name: tuple(p.shape) for name, p in skeleton.named_parameters() if p.requires_grad}
+    else:
+        built = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    saved = {
+        key.removeprefix("model."): tuple(m.size)
+        for key, m in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    for name in sorted(set(saved) | set(built)):
+        if saved.get(name) != built.get(name):
+            return (
+                f"{name}: {list(saved[name]) if name in saved else 'absent'} there, "
+                f"{list(built[name]) if name in built else 'absent'} here"
+            )
+    return None
+
+
+def write_meta(folder: Path, step: int, world_size: int, identity: dict, data: dict, files: dict) -> None:
+    meta = {
+        "step": step,
+        "world_size": world_size,
+        "identity": identity,
+        "data": data,
+        "versions": library_versions(),
+        "files": files,
+    }
+    (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
+    os.replace(folder / "meta.json.tmp", folder / "meta.json")
+
+
+def read_meta(path: Path) -> dict:
+    problem = meta_problem(path)
+    if problem:
+        raise ConfigError(problem)
+    return json.loads((path / "meta.json").read_text())
+
+
+@contextlib.contextmanager
+def exporting(path: Path):
+    """Hold a checkpoint against rotation while `ckpt.py export` reads it.
+
+    Held while `ckpt.py export` reads a checkpoint: a shared flock on its EXPORT_LOCK, which
+    rotation in a running training tries to take exclusively before it deletes the checkpoint (it
+    keeps the checkpoint while an export holds it). A read-only checkpoint is not locked: nothing
+    deletes it."""
+    try:
+        lock = (path / EXPORT_LOCK).open("a")
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        lock = None
+    if lock is None:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # waits while rotation is deleting it
+        if not (path / ".metadata").is_file():
+            raise ConfigError(
+                f"{path} was deleted by rotation (checkpoint.checkpointing_limit) as the export "
+                "started: export a newer checkpoint"
+            )
+        yield
+
+
+def deletable(path: Path):
+    """A checkpoint's EXPORT_LOCK, locked for deletion; None while an export holds it.
+
+    The open EXPORT_LOCK of a checkpoint, flocked exclusively for its deletion; None while an export
+    holds it."""
+    lock = (path / EXPORT_LOCK).open("a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
+def has_ema(path: str) -> bool:
+    """Whether a checkpoint holds EMA weights, from DCP's metadata.
+
+    Its run had train.ema_decay > 0."""
+    read_meta(Path(path))
+    return any(
+        key.startswith("ema.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    )
+
 
 log = logging.getLogger("vidtrain")
 
@@ -51,7 +431,7 @@ def run_identity(cfg, adapter) -> dict:
         "family": adapter.FAMILY,  # model.family as resolved: "" names the folder's
         "transformer_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "training_type": cfg.train.training_type,
-        "base": ckpt_files.base_identity(adapter),
+        "base": base_identity(adapter),
         "precision": {"model.dtype": cfg.model.dtype, "model.storage_dtype": cfg.model.storage_dtype},
     }
     if cfg.train.training_type == "lora":
@@ -178,7 +558,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         failing = faults.active("save_fail", step)
-        writer = (ckpt_files.FailingWriter if failing else ckpt_files.HashingWriter)(tmp)
+        writer = (FailingWriter if failing else HashingWriter)(tmp)
         with ranks.all_or_none():
             state = self._state(objects, reuse=True)
             if self.cfg.async_save and not final:
@@ -195,7 +575,7 @@ class Checkpointer:
                 )
                 self.pending = (step, tmp, final_dir, future, writer)
                 return
-            with ckpt_files.write_failures_named(tmp):
+            with write_failures_named(tmp):
                 dcp.save(state, storage_writer=writer, planner=cached_planner())
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=final)
@@ -206,7 +586,7 @@ class Checkpointer:
             return
         step, tmp, final_dir, future, writer = self.pending
         self.pending = None
-        with ranks.all_or_none(), ckpt_files.write_failures_named(tmp):
+        with ranks.all_or_none(), write_failures_named(tmp):
             future.result()
         faults.fault("save", step)
         self._commit(step, tmp, final_dir, writer.fs.written, last=False)
@@ -226,7 +606,7 @@ class Checkpointer:
         dist.all_gather_object(shares, mine)
         if self.d.is_main:
             files = {k: v for share in shares for k, v in sorted(share.items())}
-            ckpt_files.write_meta(tmp, step, self.d.world, self.identity, self.data, files)
+            write_meta(tmp, step, self.d.world, self.identity, self.data, files)
             # one that failed its check on resume, recomputed since: move it aside first
             if final.exists():
                 stale = final.with_name(f"{final.name}.stale.tmp")
@@ -241,18 +621,18 @@ class Checkpointer:
             log.info("saved %s", final)
         dist.barrier()
         written = [*mine, "meta.json"] if self.d.is_main else list(mine)
-        self.syncing = self.syncer.submit(ckpt_files.fsync_files, [final / name for name in written])
+        self.syncing = self.syncer.submit(fsync_files, [final / name for name in written])
         if last:
             self.syncing.result()
             dist.barrier()
         if self.d.is_main:
-            self._rotate([p for p in ckpt_files.complete_checkpoints(self.dir) if last or p != final])
+            self._rotate([p for p in complete_checkpoints(self.dir) if last or p != final])
 
     def _rotate(self, synced: list[Path]) -> None:
         if self.cfg.checkpointing_limit == 0:
             return
         for path in synced[: -self.cfg.checkpointing_limit]:
-            lock = ckpt_files.deletable(path)
+            lock = deletable(path)
             if lock is None:
                 log.info("keeping %s while `ckpt.py export` reads it: a later rotation deletes it", path)
                 continue
@@ -268,7 +648,7 @@ class Checkpointer:
             if self.d.is_main:
                 for tmp in self.dir.glob("checkpoint-*.tmp"):
                     shutil.rmtree(tmp)
-                found = [str(p) for p in reversed(ckpt_files.checkpoint_folders(self.dir))]
+                found = [str(p) for p in reversed(checkpoint_folders(self.dir))]
         found = ranks.broadcast(found, self.d)
         if self.cfg.resume == "none" and found:
             raise ConfigError(
@@ -276,7 +656,7 @@ class Checkpointer:
                 "to continue it, or choose another run.output_dir"
             )
         if self.cfg.resume not in ("auto", "none"):
-            ckpt_files.read_meta(Path(self.cfg.resume))
+            read_meta(Path(self.cfg.resume))
             return [Path(self.cfg.resume)]
         return [Path(p) for p in found] if self.cfg.resume == "auto" else []
 
@@ -303,14 +683,14 @@ class Checkpointer:
         candidates = self._candidates()
         state, skipped = self._state(objects), []
         for path in candidates:
-            problem = next((p for p in ranks.agree(lambda: ckpt_files.meta_problem(path), self.d) if p), None)
+            problem = next((p for p in ranks.agree(lambda: meta_problem(path), self.d) if p), None)
             if problem is None:
                 # another model, LoRA or dataset: stop, do not fall back
                 with ranks.all_or_none():
-                    meta = ckpt_files.read_meta(path)
-                    ckpt_files.check_identity(path, meta, self.identity, resuming=True)
-                    ckpt_files.check_data(path, meta, self.data)
-                problem = ckpt_files.reads_problem(path, state, self.d)
+                    meta = read_meta(path)
+                    check_identity(path, meta, self.identity, resuming=True)
+                    check_data(path, meta, self.data)
+                problem = reads_problem(path, state, self.d)
             if problem is None:
                 break
             if self.cfg.resume != "auto":
@@ -323,7 +703,7 @@ class Checkpointer:
                 raise ConfigError(self._none_passes(candidates, skipped))
             return None
         with ranks.all_or_none():
-            meta = ckpt_files.read_meta(path)
+            meta = read_meta(path)
             dcp.load(state, checkpoint_id=str(path))
             options = StateDictOptions(strict=not self.frozen_excluded, flatten_optimizer_state_dict=True)
             set_model_state_dict(objects["model"], state["model"], options=options)
@@ -344,19 +724,229 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: ranks.
 
     Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
-    ckpt_files.check_identity(Path(path), ckpt_files.read_meta(Path(path)), identity)
+    check_identity(Path(path), read_meta(Path(path)), identity)
     options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
     state = {"model": model_state(model, training_type)}
     if ema is not None:
         state["ema"] = ema.state_dict()
-    problem = ckpt_files.reads_problem(Path(path), state, d, allow_partial_load=True)
+    problem = reads_problem(Path(path), state, d, allow_partial_load=True)
     if problem:
         raise ConfigError(problem)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(model, state["model"], options=options)
 
 
-if __name__ == "__main__":  # the commands' documented entry point; ckpt_commands.py holds them
-    import ckpt_commands
+# --------------------------------------------------------------------------------------------------
+# The final export: the trained weights in the layouts diffusers, PEFT and ComfyUI load.
+#
+# The trained weights (and EMA's beside them) as diffusers and PEFT load them, a LoRA also in
+# ComfyUI's layout where the family has one, or the whole transformer for sft. Written at the end of
+# training (trainer.py) and by `python ckpt.py export` (ckpt_commands.py) for any checkpoint.
 
-    ckpt_commands.main(sys.argv[1:])
+
+log = logging.getLogger("vidtrain")
+
+
+def export(
+    model,
+    training_type: str,
+    lora_cfg: LoraConfig,
+    adapter,
+    out_dir: str,
+    d: ranks.Dist,
+    ema=None,
+    name: str = "",
+):
+    """Export the final weights, and the EMA weights beside them when EMA is on.
+
+    The final weights, and the EMA weights beside them (lora_ema/, transformer_ema/) when EMA is on.
+    `name` names the ComfyUI file (default: out_dir's name, the run's)."""
+    name = name or Path(out_dir).resolve().name
+    _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "", d, name)
+    if ema is not None:
+        with ema.swapped_in():
+            _export_weights(model, training_type, lora_cfg, adapter, Path(out_dir), "_ema", d, name)
+
+
+def _export_weights(
+    model, training_type, lora_cfg: LoraConfig, adapter, out: Path, suffix: str, d, name: str
+):
+    """Gather only the exported weights to rank 0 and write them.
+
+    The LoRA in diffusers' and PEFT's layouts, or the full transformer with save_pretrained."""
+    state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
+    if not d.is_main:
+        return
+    if training_type == "lora":
+        folder = out / f"lora{suffix}"
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.float() for k, v in state.items()}
+        args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
+        lora.save_lora(
+            str(folder / "pytorch_lora_weights.safetensors"),
+            *args,
+            metadata=({"expert": adapter.expert} if adapter.expert else {}) | adapter.lora_metadata(),
+        )
+        lora.save_peft_adapter(str(folder), *args)
+        log.info(
+            "LoRA written to %s%s",
+            folder / "pytorch_lora_weights.safetensors",
+            f" (the {adapter.expert} expert, {adapter.transformer_folder}/)" if adapter.expert else "",
+        )
+        _export_comfy(weights, lora_cfg.lora_alpha, adapter, folder, name)
+    else:
+        with faults.written(out / f"transformer{suffix}", lora.EXPORT_FIX) as tmp:
+            adapter.transformer_from_state_dict(state).save_pretrained(tmp)
+        log.info("transformer written to %s", out / f"transformer{suffix}")
+
+
+def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str) -> None:
+    """Write the LoRA in the key layout ComfyUI's native loader reads.
+
+    lora/comfy/<name>[_<expert>].safetensors in the key layout ComfyUI's native loader reads: Wan's
+    original checkpoint's, CogVideoX's ComfyUI model's (comfy/ldm/cogvideo/model.py)."""
+    if not adapter.COMFY:
+        return
+    modules = {key.rsplit(".lora_", 1)[0] for key in weights}
+    unmapped = sorted(m for m in modules if adapter.comfy_key(m) is None)
+    if unmapped:
+        log.warning(
+            "no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3]
+        )
+        return
+    name += f"_{adapter.expert}" if adapter.expert else ""
+    lora.save_comfy(
+        str(folder / "comfy" / f"{name}.safetensors"),
+        weights,
+        alpha,
+        adapter.comfy_key,
+        adapter.COMFY_ALPHA,
+        adapter.lora_metadata(),
+    )
+    log.info("ComfyUI LoRA written to %s", folder / "comfy" / f"{name}.safetensors")
+
+
+# --------------------------------------------------------------------------------------------------
+# The checkpoint commands: export any checkpoint's weights, or accept a failing one's files.
+#
+#     python ckpt.py export --cfg FILE.toml --checkpoint DIR [--out DIR]
+#     python ckpt.py rehash --cfg FILE.toml --checkpoint DIR
+#
+# `python ckpt.py` stays their entry point (its `__main__` block runs main here). Export builds the
+# model as training does, loads the checkpoint's trained weights (ckpt.load_weights) and writes them
+# with export.py, by default into RUN/exports/checkpoint-N/; rehash rewrites a checkpoint's meta.json
+# from the files now there (ckpt_files.py holds the files and their checks).
+
+
+log = logging.getLogger("vidtrain")
+
+
+def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> None:
+    """Export a checkpoint's trained weights (and EMA).
+
+    Builds the model as training does and loads the checkpoint's trained weights into it first."""
+    # By default into the run's exports/checkpoint-N/ (its ComfyUI file named <run>_checkpoint-N):
+    # never inside the checkpoint, which rotation deletes, nor over the run's own lora/, which holds
+    # its final weights.
+    where = Path(checkpoint).resolve()
+    target = Path(out) if out else where.parent / "exports" / where.name
+    with ranks.all_or_none():  # before any compute
+        read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
+        problem = command.write_problem(target) if d.is_main else None
+        if problem:
+            raise ConfigError(
+                f"the export cannot be written to {target} ({problem}): "
+                f"{'choose another --out' if out else 'pass --out DIR, a folder you can write'}"
+            )
+        adapter = load_adapter(cfg.model, d.device)
+    lora_cfg = dataclasses.replace(cfg.lora, init_from="")  # the checkpoint holds the weights
+    model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d)
+    ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+    # a training still running keeps this checkpoint until the export is written
+    with exporting(where):
+        with ranks.all_or_none():
+            load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
+        export(
+            model,
+            cfg.train.training_type,
+            cfg.lora,
+            adapter,
+            str(target),
+            d,
+            ema,
+            "" if out else f"{where.parent.name}_{where.name}",
+        )
+
+
+def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
+    """Accept a checkpoint's files as they are by rewriting its meta.json.
+
+    For a checkpoint that fails its check and is wanted anyway: its meta.json is rewritten from the
+    files now there (sizes, sha256) and the step its name holds. Refused when a shard its .metadata
+    names is missing, when this config builds other shapes than .metadata records, or when a
+    readable meta.json names another model or training (each would fail the resume). A readable
+    identity is kept, else this config's is written; the record of its training clips is kept where
+    the old meta.json still has one, else left out (None: not checked on resume). Loading it then
+    reads whatever its shards hold."""
+    path = Path(checkpoint)
+    match = CHECKPOINT_NAME.fullmatch(path.name)
+    if not match or not (path / ".metadata").is_file():
+        raise ConfigError(
+            f"{path} is not a checkpoint-N folder holding DCP's .metadata, so nothing can load it: "
+            "resume from another checkpoint, or start over in another run.output_dir"
+        )
+    with ranks.all_or_none():
+        adapter = load_adapter(cfg.model, d.device)
+    if not d.is_main:
+        return
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in ("meta.json", EXPORT_LOCK))
+    missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(names))
+    if missing:
+        raise ConfigError(
+            f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
+            "resume can read it: resume from another checkpoint, or start over in another run.output_dir"
+        )
+    shapes_differ = other_shapes(cfg, adapter, metadata)
+    if shapes_differ:
+        raise ConfigError(
+            f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
+            "rehash it with the config it was trained with (its run's config.toml)"
+        )
+    identity, data = run_identity(cfg, adapter), None
+    if meta_problem(path) is None:
+        meta = read_meta(path)
+        check_identity(path, meta, identity)
+        identity, data = meta["identity"], meta.get("data")
+    # ranks that wrote shards
+    writers = {name.split("_")[2] for name in names if name.endswith(".distcp")}
+    files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)} for name in names}
+    write_meta(path, int(match.group(1)), len(writers), identity, data, files)
+    log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="ckpt.py",
+        description="Export the weights of any checkpoint, or accept "
+        "the files of a checkpoint that fails its check (rehash).",
+    )
+    parser.add_argument("command", choices=["export", "rehash"])
+    parser.add_argument("--cfg", required=True, help="the run's TOML config")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint-N folder")
+    parser.add_argument(
+        "--out", help="where lora/ or transformer/ go (default: the run's exports/checkpoint-N/)"
+    )
+    args, overrides = parser.parse_known_args(argv)
+    commands = {
+        "export": lambda cfg, d: export_checkpoint(cfg, args.checkpoint, args.out, d),
+        "rehash": lambda cfg, d: rehash(cfg, args.checkpoint, d),
+    }
+    command.run_command(commands[args.command], args.cfg, overrides)
+
+
+# __main__ of ckpt
+if __name__ == "__main__":  # the commands' documented entry point; ckpt_commands.py holds them
+    pass
+
+    main(sys.argv[1:])

@@ -24,7 +24,6 @@ from pathlib import Path
 from safetensors import safe_open
 
 import ckpt
-import ckpt_files
 import command
 import data
 import parallel
@@ -49,7 +48,7 @@ def load_model(
     lora_cfg = dataclasses.replace(cfg.lora, init_from="")
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d, lora_file or "")
     if checkpoint:
-        ema = EMA(model, cfg.train.ema_decay) if ckpt_files.has_ema(checkpoint) and not online else None
+        ema = EMA(model, cfg.train.ema_decay) if ckpt.has_ema(checkpoint) and not online else None
         ckpt.load_weights(model, checkpoint, cfg.train.training_type, ckpt.run_identity(cfg, adapter), d, ema)
         if ema is not None:
             ema.swap_in()

@@ -20,7 +20,6 @@ import cache
 import ckpt
 import command
 import data
-import export
 import faults
 import lora
 import memory
@@ -203,7 +202,7 @@ def train(cfg: Config, d: ranks.Dist) -> None:
         )
     if stop and state.step < t.steps:
         raise ranks.Preempted(f"after step {state.step}, checkpoint written; launch again to continue")
-    export.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
+    ckpt.export(model, t.training_type, cfg.lora, adapter, cfg.run.output_dir, d, ema)
 
 
 class TrainState:

@@ -45,7 +45,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt  # noqa: E402
-import ckpt_files  # noqa: E402
 import ranks  # noqa: E402
 from config import CheckpointConfig  # noqa: E402
 from data import Sampler
@@ -157,7 +156,7 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
             run(i)
             timed[name].append(time.perf_counter() - start)
         os.remove(root / "plain.pt")  # untimed: the disk holds one copy at a time
-    newest = ckpt_files.complete_checkpoints(root / "save-cost")[-1]
+    newest = ckpt.complete_checkpoints(root / "save-cost")[-1]
     pieces = {}
     for name, sync in (("dcp.save, fsync", True), ("dcp.save, no fsync", False)):
         os.sync()
@@ -168,7 +167,7 @@ def save_cost(root: Path, saves: int, rank: int) -> None:
     start = time.perf_counter()
     for path in sorted(newest.iterdir()):
         if path.is_file() and path.name != "meta.json":
-            ckpt_files.sha256_of(path)
+            ckpt.sha256_of(path)
     pieces["sha256 of the files read back (the commit hashed so before hashing while writing)"] = (
         time.perf_counter() - start
     )

@@ -33,8 +33,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt
-import ckpt_commands
-import ckpt_files
 import command
 import lora
 import ranks
@@ -96,7 +94,7 @@ def references(make_config):
 
 
 def assert_intact(path):
-    assert ckpt_files.check_files(path, list(json.loads((path / "meta.json").read_text())["files"])) is None
+    assert ckpt.check_files(path, list(json.loads((path / "meta.json").read_text())["files"])) is None
 
 
 def weights(output_dir, folder="lora"):
@@ -176,7 +174,7 @@ def test_sigterm_during_a_save_completes_it_and_exits_zero(references, make_conf
     cfg, out, nproc = make_config("sigterm", "fsdp")
     stopped = run_ok(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "save_sigterm:4:1"})
     assert "stopped by a signal: after step 4, checkpoint written" in stopped.stderr
-    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert not (out / "lora").exists()
     # Each validation takes 2 sampling steps of each rank: steps 4, 8 and 12 take 1-6, step 14
     # starts at 7.
@@ -223,7 +221,7 @@ def test_sigterm_to_launch_sh_stops_one_step_later(references, make_config):
     code, output = finish(process, output)
     assert code == 0, output[-4000:]
     assert "stopped by a signal: after step 5, checkpoint written" in output
-    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == [
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [
         "checkpoint-2",
         "checkpoint-4",
         "checkpoint-5",
@@ -259,14 +257,14 @@ def test_async_save_commits_and_resumes_bitwise(references, make_config):
     where the next launch resumes, and the run ends bitwise equal to the uninterrupted one."""
     cfg, out, nproc = make_config("async", "fsdp", **{"checkpoint.async_save": True})
     assert run_cmd(["--cfg", str(cfg)], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:7"}).returncode != 0
-    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     resumed = run_ok(["--cfg", str(cfg)], nproc=2)
     assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
     assert_bitwise_equal_runs(references["fsdp"], out)
-    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == [
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [
         f"checkpoint-{s}" for s in range(2, STEPS + 1, 2)
     ]
-    for path in ckpt_files.complete_checkpoints(out):
+    for path in ckpt.complete_checkpoints(out):
         assert_intact(path)
 
 
@@ -279,7 +277,7 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
         f"writing {out / 'checkpoint-4.tmp'} failed on rank 1: OSError: [Errno 28] No space left"
         in result.stderr
     )
-    assert [p.name for p in ckpt_files.complete_checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
     assert_intact(out / "checkpoint-2")
 
 
@@ -321,7 +319,7 @@ def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_con
     assert "to start over, choose another run.output_dir" in refused.stderr
     assert {p: p.stat().st_mtime_ns for p in out.glob("checkpoint-*/*")} == before
     advice = re.search(r"`python (ckpt\.py rehash [^`]+)`", refused.stderr).group(1)
-    ckpt_commands.main(shlex.split(advice)[1:])
+    ckpt.main(shlex.split(advice)[1:])
     resumed = run_ok(["--cfg", str(cfg)])
     assert f"resumed from step {STEPS + 2}" in resumed.stderr
 
@@ -387,7 +385,7 @@ def test_resume_on_other_data_is_refused(references):
     path = references["one"] / f"checkpoint-{STEPS}"
     meta = json.loads((path / "meta.json").read_text())
     assert meta["data"]["clips_per_bucket"] == {"[9, 32, 32]": 20}
-    ckpt_files.check_data(path, meta, meta["data"])
+    ckpt.check_data(path, meta, meta["data"])
 
     def clips(count: int, content: str) -> list:
         return [
@@ -408,9 +406,9 @@ def test_resume_on_other_data_is_refused(references):
             "{'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here"
         ),
     ):
-        ckpt_files.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
+        ckpt.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
     with pytest.raises(ConfigError, match="as many clips per bucket, but other ones"):
-        ckpt_files.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
+        ckpt.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
 
 
 def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, caplog):
@@ -438,9 +436,9 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
     saved = {"identity": identity(tiny_model)}
     moved = tmp_path / "moved"
     shutil.copytree(tiny_model, moved)
-    ckpt_files.check_identity(tmp_path, saved, identity(moved), resuming=True)
+    ckpt.check_identity(tmp_path, saved, identity(moved), resuming=True)
     assert "precision" not in caplog.text
-    ckpt_files.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
+    ckpt.check_identity(tmp_path, saved, identity(moved, "bf16"), resuming=True)
     assert (
         "was trained with the base in {'model.dtype': 'fp32', 'model.storage_dtype': ''}, this run has "
         "{'model.dtype': 'bf16', 'model.storage_dtype': ''}: training continues in this run's precision"
@@ -463,11 +461,11 @@ def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
         {"training_type": "lora"},
         {},
     )
-    with ckpt_files.exporting(tmp_path / "checkpoint-2"):
-        checkpoints._rotate(ckpt_files.complete_checkpoints(tmp_path))
-        assert [p.name for p in ckpt_files.checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-6"]
-    checkpoints._rotate(ckpt_files.complete_checkpoints(tmp_path))
-    assert [p.name for p in ckpt_files.checkpoint_folders(tmp_path)] == ["checkpoint-6"]
+    with ckpt.exporting(tmp_path / "checkpoint-2"):
+        checkpoints._rotate(ckpt.complete_checkpoints(tmp_path))
+        assert [p.name for p in ckpt.checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-6"]
+    checkpoints._rotate(ckpt.complete_checkpoints(tmp_path))
+    assert [p.name for p in ckpt.checkpoint_folders(tmp_path)] == ["checkpoint-6"]
 
 
 def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog):
@@ -485,7 +483,7 @@ def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog)
         config = make_config("rehash", "one", **settings)[0]
         caplog.clear()
         with pytest.raises(SystemExit):
-            ckpt_commands.main(["rehash", "--cfg", str(config), "--checkpoint", str(path)])
+            ckpt.main(["rehash", "--cfg", str(config), "--checkpoint", str(path)])
         assert message in caplog.text
 
     refused("was trained with lora = {'rank': 4, 'lora_alpha': 2.0", **{"lora.lora_alpha": 4})
@@ -609,11 +607,11 @@ def test_a_rank_checks_only_the_files_it_reads(tmp_path):
     file_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
     assert file_of["a"] != file_of["b"]
     wants_a = {"a": torch.zeros(1000)}
-    assert ckpt_files.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
+    assert ckpt.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
     shard = tmp_path / file_of["b"]
     shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes
-    assert ckpt_files.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
-    problem = ckpt_files.check_reads(
+    assert ckpt.check_reads(tmp_path, wants_a, dcp.DefaultLoadPlanner(allow_partial_load=True)) is None
+    problem = ckpt.check_reads(
         tmp_path, {"b": torch.zeros(1000)}, dcp.DefaultLoadPlanner(allow_partial_load=True)
     )
     assert problem == f"checkpoint {tmp_path}: {file_of['b']} does not match its size or sha256 in meta.json"

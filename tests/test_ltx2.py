@@ -34,8 +34,8 @@ from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 from PIL import Image
 from safetensors.torch import load_file
 
+import ckpt
 import data
-import export
 import lora
 import render
 import validate
@@ -128,7 +128,7 @@ def test_comfy_names_outside_the_blocks_are_the_original_checkpoints(variant, lt
     names = lora.inject_lora(transformer, outside, 2, 3.0, 0.0, 0, torch.device("cpu"))
     assert {adapter.comfy_key(n) for n in names} == original_top_level_linears(adapter.transformer_config)
     weights = {k: torch.randn(v.shape) for k, v in lora.lora_state_dict(transformer).items()}
-    export._export_comfy(weights, 2.0, adapter, tmp_path / "lora", "run")
+    ckpt._export_comfy(weights, 2.0, adapter, tmp_path / "lora", "run")
     comfy = load_file(tmp_path / "lora" / "comfy" / "run.safetensors")
     comfyui_model = {
         f"diffusion_model.{name}.weight" for name in original_top_level_linears(adapter.transformer_config)

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import T5EncoderModel
 
 import cache
-import ckpt_files
+import ckpt
 import data
 import lora
 import ranks
@@ -217,7 +217,7 @@ def test_sigterm_during_a_render_stops_with_a_checkpoint(runs, base_settings, tm
     )
     stopped = run_ok(["--cfg", str(cfg)], env={"VIDTRAIN_FAULT": "render_sigterm:30"})
     assert "stopped by a signal: after step 2, checkpoint written" in stopped.stderr
-    assert [p.name for p in ckpt_files.complete_checkpoints(tmp_path / "stopped")] == ["checkpoint-2"]
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "stopped")] == ["checkpoint-2"]
     run_ok(["--cfg", str(cfg)])
     assert train_losses(tmp_path / "stopped") == train_losses(runs / "one")
     for folder in ("lora", "lora_ema"):

@@ -27,8 +27,8 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import cache
+import ckpt
 import data
-import export
 import lora
 import render
 import validate
@@ -274,7 +274,7 @@ def test_comfy_export_names_every_linear_as_comfyui_does(variant, tiny_models, t
         for n in names
     }
     assert shapes == comfyui_linears(adapter.transformer_config)
-    export._export_comfy(weights, 3.0, adapter, tmp_path / "lora", "run")
+    ckpt._export_comfy(weights, 3.0, adapter, tmp_path / "lora", "run")
     assert_comfyui_layout(tmp_path / "lora" / "comfy" / "run.safetensors")
     read, info = lora.load_lora(str(tmp_path / "lora" / "comfy" / "run.safetensors"), adapter.diffusers_key)
     assert read.keys() == weights.keys() and all(torch.equal(read[k], weights[k]) for k in weights)

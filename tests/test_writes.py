@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 import cache
 import ckpt
-import ckpt_files
 import command
 import faults
 import lora
@@ -217,8 +216,8 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
     checkpoints already synced: one more than checkpointing_limit between saves, the limit after the
     last save, which waits for its own."""
     synced = []
-    fsync = ckpt_files.fsync_files
-    monkeypatch.setattr(ckpt_files, "fsync_files", lambda paths: (fsync(paths), synced.extend(paths)))
+    fsync = ckpt.fsync_files
+    monkeypatch.setattr(ckpt, "fsync_files", lambda paths: (fsync(paths), synced.extend(paths)))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Linear(4, 2)
@@ -230,7 +229,7 @@ def test_checkpoints_reach_the_disk_before_rotation_counts_them(tmp_path, monkey
         kept = []
         for step in (1, 2, 3):
             checkpoints.save(step, objects, final=step == 3)
-            kept.append([p.name for p in ckpt_files.complete_checkpoints(tmp_path)])
+            kept.append([p.name for p in ckpt.complete_checkpoints(tmp_path)])
         checkpoints.syncing.result()
     finally:
         dist.destroy_process_group()
