@@ -37,7 +37,6 @@ import data
 import render
 import trainer
 import validate
-import validation_media
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
 from model_adapter import check_config, load_adapter
@@ -335,7 +334,7 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
     control = tmp_path / "ramp.mp4"
     # another size and aspect, 24 fps: the frame at k / 8 s shows 10 + 12k
     ramp_video(control, 33, 80, 60, 24, 4)
-    frames = validation_media.load_control(str(control), [9, 32, 32], 8.0)
+    frames = validate.load_control(str(control), [9, 32, 32], 8.0)
     assert frames.shape == (9, 32, 32, 3) and picked_frames(frames) == list(range(9))
     # Covered (43 x 32) and centre-cropped: the white corner's 11 rows lose their top 5.
     assert frames[:, :5, :7].float().mean() > 240 and frames[:, 7:, :7].float().mean() < 220
@@ -344,7 +343,7 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
         match=r"validation control video .*ramp.mp4 has 11 frames at 8 fps, and the "
         r"clips have 17: fix validation.control_videos or --control",
     ):
-        validation_media.load_control(str(control), [17, 32, 32], 8.0)
+        validate.load_control(str(control), [17, 32, 32], 8.0)
     adapter = load_adapter(
         ModelConfig(family="ltx2", type="ic", path=str(ltx2_models("2.0")), dtype="fp32"),
         torch.device("cpu"),
@@ -449,7 +448,7 @@ def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
         load_file(tmp_path / "killed" / clip)["frames"], frames
     )
     cfg = load_config(str(configs["reference"]))
-    control = validation_media.load_control(cfg.validation.control_videos[0], [9, 32, 32], 24.0)
+    control = validate.load_control(cfg.validation.control_videos[0], [9, 32, 32], 24.0)
     events = EventAccumulator(str(tmp_path / "reference" / "logs"), size_guidance={"images": 0})
     events.Reload()
     shown = events.Images("val/clip_0")

@@ -32,7 +32,6 @@ import data
 import lora
 import render
 import validate
-import validation_media
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
 from families.wan import WanAdapter
@@ -305,7 +304,7 @@ def test_our_loop_renders_as_the_pipeline_with_our_lora_on_both_kinds_of_block(
                 mask=mask,
                 references=references,
             )
-            ours = validation_media.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+            ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
             renders.append(ours)
             if not source:  # the base model's parity: the A14B and validation tests below
                 continue
@@ -383,8 +382,8 @@ def test_validation_renders_each_prompt_with_its_reference_image(
         renderer.clip = lambda *args: rendered.append(clip(*args)) or rendered[-1]
         renderer.run(model, 0, Metrics(), contextlib.nullcontext())
     controlled = rendered[0][0]
-    control = validation_media.load_control(str(control_path), [9, 32, 32], float(renderer.fps))
-    mask = validation_media.load_control(str(mask_path), [9, 32, 32], float(renderer.fps), mask=True)
+    control = validate.load_control(str(control_path), [9, 32, 32], float(renderer.fps))
+    mask = validate.load_control(str(mask_path), [9, 32, 32], float(renderer.fps), mask=True)
     assert mask[:, :, :8].min() == 255 and mask[:, :, -8:].max() == 0  # centre-cropped from 48 wide
     theirs = pipeline_frames(
         pipe,
@@ -400,7 +399,7 @@ def test_validation_renders_each_prompt_with_its_reference_image(
         for path in (reference, second)
     ]
     assert torch.equal(
-        shown["val/clip_0"], torch.cat([control, mask, *held, validation_media.to_uint8(controlled)], dim=2)
+        shown["val/clip_0"], torch.cat([control, mask, *held, validate.to_uint8(controlled)], dim=2)
     )
     with pytest.raises(ConfigError, match="validation.masks has 1 for 0 validation.control_videos"):
         load_config(
@@ -794,7 +793,7 @@ def test_vace_fun_a14b_trains_each_expert_on_its_range_and_samples_as_the_pipeli
         mask=mask,
         references=references,
     )
-    ours = validation_media.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
+    ours = validate.to_frames(adapter.decode_latents(adapter.sampled(state))[0])
     pipe = WanVACEPipeline.from_pretrained(str(path))
     pipe.set_progress_bar_config(disable=True)
     theirs_calls = []

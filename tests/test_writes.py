@@ -24,7 +24,7 @@ import faults
 import lora
 import ranks
 import render
-import validation_media
+import validate
 from config import CheckpointConfig, ConfigError, DataConfig, load_config
 from data import Sampler
 
@@ -67,7 +67,7 @@ def test_full_disk_while_writing_a_clip(tmp_path, disk_full):
         + DISK_FULL
         + re.escape("free space (or move run.output_dir) and launch again"),
     ):
-        validation_media.write_mp4(tmp_path / "clip.mp4", torch.zeros(9, 8, 8, 3, dtype=torch.uint8), 8)
+        validate.write_mp4(tmp_path / "clip.mp4", torch.zeros(9, 8, 8, 3, dtype=torch.uint8), 8)
     assert list(tmp_path.iterdir()) == []
 
 
