@@ -1,15 +1,15 @@
 """The cache of latents, text embeddings and sound: its files, its manifest, and the pass that fills it.
 
-The cache of latents, text embeddings and sound, and the pass that completes it.
-
-The latent, text and audio cache, and the pass that completes it: batched, spread over ranks,
-resumable.
+The pass is batched, spread over ranks and resumable.
 
     python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
 
 Five kinds of entry (video, image, text, audio, control), one safetensors file each, named by a hash
-of what produced it (cache_files.py says what): an interrupted pass resumes where it was, and a
-fine-tuned VAE or T5 never reuses stale entries. manifest.py keeps the headers and hashes.
+of what produced it (Cache.path says what): an interrupted pass resumes where it was, and a
+fine-tuned VAE or T5 never reuses stale entries. The manifest keeps the headers and hashes.
+
+In this order: the entries on disk (Cache) and their read-ahead (Prefetch); the manifest; the
+encoding rounds; the pass (prepare) and its command.
 
 Ranks agree after every round (a header chunk, or one encode batch per rank), so no collective waits
 longer than one round, far below parallel.timeout_s, and an error on one rank stops them all.
@@ -36,6 +36,7 @@ import command
 import data
 import decode
 import faults
+import model_adapter
 import ranks
 from config import Config, ConfigError, DataConfig
 from model import setup_adapter
@@ -56,7 +57,7 @@ from model import setup_adapter
 #   content and the text length;
 # - audio (families with sound, data.audio): the audio VAE posterior (audio_latent_mean,
 #   audio_latent_logvar) of the sound of a clip's window (data.decode_audio), keyed by the clip's
-#   content, the window, the audio VAE's content and sound.SOUND; an empty entry for a clip without
+#   content, the window, the audio VAE's content and data.SOUND; an empty entry for a clip without
 #   sound. Such a family's adapter has audio_sample_rate, audio_channels and encode_audio(waveforms
 #   [1, channels, samples]).
 # - control (models that follow a control video, data.control_column): what the adapter's
@@ -66,7 +67,7 @@ from model import setup_adapter
 #   clip's latents kept.
 # So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
 # its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
-# atomically: an interrupted pass resumes where it was. manifest.py keeps the headers and hashes.
+# atomically: an interrupted pass resumes where it was. cache.py keeps the headers and hashes.
 
 
 CACHE_FIX = (
@@ -87,7 +88,7 @@ class Cache:
         self,
         cfg: DataConfig,
         encoders: dict[str, dict],
-        text_length: int,
+        text_length: int | dict[str, int],
         dtype: str,
         image_seed: int | None,
         audio_dtype: str | None = None,
@@ -177,10 +178,7 @@ class Cache:
         adapter gives the others no audio loss)."""
         entries = [{k: v for kind in self.kinds for k, v in self.read(item, kind).items()} for item in items]
         for entry in entries:
-            text = entry["prompt_embeds"]
-            entry["prompt_embeds"] = torch.cat(
-                [text, text.new_zeros(self.text_length - len(text), text.shape[1])]
-            )
+            entry |= model_adapter.padded_text(entry, self.text_length)
         sound = [e for e in entries if "audio_latent_mean" in e]
         if sound and len(sound) < len(entries):  # the clips of a bucket share their window's length
             for entry in entries:
@@ -491,11 +489,11 @@ def encode_texts(todo: list[data.Item], adapter, cache: Cache, cfg: DataConfig, 
         if r >= len(mine):
             return 0, []
         embeds = adapter.encode_text([item.clip.prompt for item in mine[r]])
-        for item, embed in zip(mine[r], embeds):
-            # Rows of zeros at the end are padding (Wan's pipeline zeroes the rows past the
-            # attention mask): not stored, load_batch puts them back.
-            kept = int(embed.abs().sum(-1).nonzero().max()) + 1
-            cache.write(item, "text", {"prompt_embeds": embed[:kept]})
+        named = embeds if isinstance(embeds, dict) else {"prompt_embeds": embeds}
+        for i, item in enumerate(mine[r]):
+            cache.write(
+                item, "text", {name: model_adapter.unpadded(embed[i]) for name, embed in named.items()}
+            )
         return len(mine[r]), []
 
     run_rounds(batches(list(first_of.values()), cfg.cache_batch_size, d.world), work, "prompts", cfg, d)
@@ -668,7 +666,9 @@ HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a 
 def plan_all(
     clips: list[data.Clip],
     shapes,
-    cfg: Config,
+    cfg: DataConfig,
+    i2v: bool,
+    seed: int,
     cache: Cache,
     manifest: Manifest,
     d: ranks.Dist,
@@ -689,7 +689,7 @@ def plan_all(
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
                 try:
                     video, image, last, controls, new = manifest.clip_entries(
-                        clips[i], cfg.model.type == "i2v", first_last, control, vace
+                        clips[i], i2v, first_last, control, vace
                     )
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
@@ -704,8 +704,8 @@ def plan_all(
                     media_of(video),
                     video["content"],
                     shapes,
-                    cfg.data,
-                    cfg.run.seed,
+                    cfg,
+                    seed,
                     image,
                     last,
                     controls,
@@ -810,7 +810,17 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
     check_last_images(adapter, clips, cfg.data)
     check_controls(adapter, cfg.data, clips)
     planned = plan_all(
-        clips, shapes, cfg, cache, manifest, d, adapter.first_last, adapter.takes_control, adapter.vace
+        clips,
+        shapes,
+        cfg.data,
+        cfg.model.type == "i2v",
+        cfg.run.seed,
+        cache,
+        manifest,
+        d,
+        adapter.first_last,
+        adapter.takes_control,
+        adapter.vace,
     )
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()
@@ -887,6 +897,5 @@ def main(argv: list[str] | None = None) -> None:
     command.run_command(lambda cfg, d: prepare(cfg, setup_adapter(cfg, d), d), args.cfg, overrides)
 
 
-# __main__ of cache
 if __name__ == "__main__":
     main()

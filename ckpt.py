@@ -1,15 +1,16 @@
 """Checkpoints: the training state in DCP, a checkpoint's files and checks, the exports, their commands.
 
-Checkpoints of the training state with torch.distributed.checkpoint (DCP).
-
 A checkpoint is written by every rank into checkpoint-N.tmp/, then renamed to checkpoint-N/ once all
 ranks are done, then `latest` is replaced. It holds the trainable weights (never the frozen base),
 the optimizer's tensors (FQN-keyed, flattened, so they reshard), the sampler and the step, and a
 meta.json with the sizes and sha256 of every file. No RNG state: every draw is keyed by the step.
 Nothing of ours is pickled: non-tensor values are rebuilt from the config. Loading only the trained
-weights (load_weights) serves rendering and export. The commands on a checkpoint (`python ckpt.py
-export` and `python ckpt.py rehash`, this module's `__main__` block) are ckpt_commands.py's;
-a checkpoint's files and their checks are ckpt_files.py's.
+weights (load_weights) serves rendering and export.
+
+In this order: a checkpoint folder's files (the hashing writer, meta.json, the checks before a
+load); the training state's save, commit, rotation and resume; the exported files (the LoRA in the
+layouts diffusers, PEFT and ComfyUI load, or the transformer); the commands on a checkpoint
+(`python ckpt.py export` and `python ckpt.py rehash`, this module's `__main__` block).
 """
 
 import argparse
@@ -48,7 +49,7 @@ import command
 import faults
 import lora
 import ranks
-from config import CheckpointConfig, ConfigError, LoraConfig
+from config import CheckpointConfig, ConfigError, LoraConfig, ModelConfig
 from model import EMA, build_model, model_state
 from model_adapter import load_adapter
 from weights import Weights
@@ -322,14 +323,14 @@ def reads_problem(path: Path, state: dict, d: ranks.Dist, **planner_options) -> 
     return next((p for p in problems if p), None)
 
 
-def other_shapes(cfg, adapter, metadata) -> str | None:
+def other_shapes(adapter, training_type: str, lora_cfg: LoraConfig, metadata) -> str | None:
     """How the trained weights .metadata records differ from what cfg builds, or None.
 
     Names and shapes, from the config on the meta device: no weight is read."""
     with torch.device("meta"):
         skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
-    if cfg.train.training_type == "lora":
-        lora.inject_lora(skeleton, cfg.lora.target_modules, cfg.lora.rank, cfg.lora.lora_alpha, 0.0, 0)
+    if training_type == "lora":
+        lora.inject_lora(skeleton, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha, 0.0, 0)
         built = {name: tuple(p.shape) for name, p in skeleton.named_parameters() if p.requires_grad}
     else:
         built = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
@@ -421,7 +422,7 @@ def has_ema(path: str) -> bool:
 log = logging.getLogger("vidtrain")
 
 
-def run_identity(cfg, adapter) -> dict:
+def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: LoraConfig) -> dict:
     """What a checkpoint must match to be resumed.
 
     The model's architecture, its base weights (a resume on others is refused), their precision (a
@@ -430,15 +431,15 @@ def run_identity(cfg, adapter) -> dict:
     identity = {
         "family": adapter.FAMILY,  # model.family as resolved: "" names the folder's
         "transformer_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-        "training_type": cfg.train.training_type,
+        "training_type": training_type,
         "base": base_identity(adapter),
-        "precision": {"model.dtype": cfg.model.dtype, "model.storage_dtype": cfg.model.storage_dtype},
+        "precision": {"model.dtype": model.dtype, "model.storage_dtype": model.storage_dtype},
     }
-    if cfg.train.training_type == "lora":
+    if training_type == "lora":
         identity["lora"] = {
-            "rank": cfg.lora.rank,
-            "lora_alpha": cfg.lora.lora_alpha,
-            "target_modules": cfg.lora.target_modules,
+            "rank": lora_cfg.rank,
+            "lora_alpha": lora_cfg.lora_alpha,
+            "target_modules": lora_cfg.target_modules,
         }
     return identity
 
@@ -741,7 +742,7 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: ranks.
 #
 # The trained weights (and EMA's beside them) as diffusers and PEFT load them, a LoRA also in
 # ComfyUI's layout where the family has one, or the whole transformer for sft. Written at the end of
-# training (trainer.py) and by `python ckpt.py export` (ckpt_commands.py) for any checkpoint.
+# training (trainer.py) and by `python ckpt.py export` (ckpt.py) for any checkpoint.
 
 
 log = logging.getLogger("vidtrain")
@@ -834,8 +835,8 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str)
 #
 # `python ckpt.py` stays their entry point (its `__main__` block runs main here). Export builds the
 # model as training does, loads the checkpoint's trained weights (ckpt.load_weights) and writes them
-# with export.py, by default into RUN/exports/checkpoint-N/; rehash rewrites a checkpoint's meta.json
-# from the files now there (ckpt_files.py holds the files and their checks).
+# with ckpt.py, by default into RUN/exports/checkpoint-N/; rehash rewrites a checkpoint's meta.json
+# from the files now there (ckpt.py holds the files and their checks).
 
 
 log = logging.getLogger("vidtrain")
@@ -865,7 +866,14 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
     # a training still running keeps this checkpoint until the export is written
     with exporting(where):
         with ranks.all_or_none():
-            load_weights(model, checkpoint, cfg.train.training_type, run_identity(cfg, adapter), d, ema)
+            load_weights(
+                model,
+                checkpoint,
+                cfg.train.training_type,
+                run_identity(adapter, cfg.model, cfg.train.training_type, cfg.lora),
+                d,
+                ema,
+            )
         export(
             model,
             cfg.train.training_type,
@@ -907,13 +915,13 @@ def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
             f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
             "resume can read it: resume from another checkpoint, or start over in another run.output_dir"
         )
-    shapes_differ = other_shapes(cfg, adapter, metadata)
+    shapes_differ = other_shapes(adapter, cfg.train.training_type, cfg.lora, metadata)
     if shapes_differ:
         raise ConfigError(
             f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
             "rehash it with the config it was trained with (its run's config.toml)"
         )
-    identity, data = run_identity(cfg, adapter), None
+    identity, data = run_identity(adapter, cfg.model, cfg.train.training_type, cfg.lora), None
     if meta_problem(path) is None:
         meta = read_meta(path)
         check_identity(path, meta, identity)
@@ -945,8 +953,5 @@ def main(argv: list[str]) -> None:
     command.run_command(commands[args.command], args.cfg, overrides)
 
 
-# __main__ of ckpt
-if __name__ == "__main__":  # the commands' documented entry point; ckpt_commands.py holds them
-    pass
-
+if __name__ == "__main__":
     main(sys.argv[1:])

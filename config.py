@@ -1,5 +1,4 @@
-"""The TOML config as a dataclass tree: schema, command-line overrides, validation, and the resolved
-copy.
+"""The TOML config as a dataclass tree: schema, overrides, the shared checks, the resolved copy.
 
 Every field documents itself with the comment above it. Unknown keys, wrong types and repeated keys
 are errors that name the key and the nearest valid one. Each module receives only its own section.
@@ -39,7 +38,7 @@ class RunConfig:
 class ModelConfig:
     # Local folder in diffusers layout (model_index.json, transformer/, vae/, text_encoder/, ...).
     path: str = ""
-    # Model family: a name in family_registry.ADAPTERS, whose adapter (families/<name>.py) knows its
+    # Model family: a name in model_adapter.ADAPTERS, whose adapter (families/<name>.py) knows its
     # classes, loss, sampling and the keys only it accepts; "": the family of model.path's pipeline
     # (model_index.json).
     family: str = ""
@@ -124,9 +123,9 @@ class TrainConfig:
     # skipped; with fp16, only those whose loss is too). Counted on the device, read on log steps,
     # saves and validations: the stop comes up to log_every - 1 steps later.
     max_nonfinite_steps: int = 3
-    # One family's key (docs/models/): the flow-matching timestep shift, s = shift u / (1 + (shift -
-    # 1) u); 0 takes the scheduler config's flow_shift (diffusers recommends 3.0 at 480p, 5.0 at
-    # 720p).
+    # The flow-matching families that read it (their Adapter.READS, docs/models/): the training
+    # timestep shift, s = shift u / (1 + (shift - 1) u); 0 takes the scheduler config's flow_shift
+    # (diffusers recommends 3.0 at 480p, 5.0 at 720p).
     flow_shift: float = 0.0
     # Families with sound: the loss is the video loss plus this times the audio loss.
     audio_loss_weight: float = 1.0
@@ -446,7 +445,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
 def check_values(cfg: Config) -> None:
     """Checks that need no model and hold for every family; a family's own options are its adapter's
-    (family_registry.check_config), the model-dependent rules the adapter's check_resolution."""
+    (model_adapter.check_config), the model-dependent rules the adapter's check_resolution."""
     for key in ("run.output_dir", "model.path", "data.data_root"):
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
@@ -565,7 +564,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             'validation.images conditions image-to-video models: set model.type = "i2v" or remove it'
         )
-    if cfg.validation.do_validation:  # validate.py checks them whatever do_validation says
+    if cfg.validation.do_validation:  # render.py checks them whatever do_validation says
         check_validation_images(cfg)
     if len(cfg.validation.resolution) not in (0, 3):
         raise ConfigError(

@@ -1,7 +1,8 @@
 """The dataset: its lists, each clip's plan and window (frames, conditions, sound), the clip sampler.
 
-Each clip's plan and window: its bucket, first frame and crop, and the window's frames, control,
-mask, references, images and sound, read from the clip list (clip_lists.py).
+In this order: the dataset's lists (which clips, with which prompts and conditions) and bad clips;
+each clip's plan and window: its bucket, first frame and crop, and the window's frames, control,
+mask, references, images; the window's sound as a model hears it; the clip sampler.
 
 Every clip is planned from its header (decode.py reads it): its bucket, its first frame and its crop
 offsets, drawn from a generator keyed by (run.seed, the clip's content). Its sound covers the
@@ -476,7 +477,7 @@ def decode_audio(item: Item, sample_rate: int, channels: int) -> torch.Tensor | 
     """The sound of the planned frames' seconds, start / rate to (start + frames) / rate after the
     clip's first frame, mixed to `channels` at `sample_rate`: float32 [channels, round(frames / rate
     * sample_rate)]; zeros past the end of the stream (a padded clip's repeated frames). None for an
-    image or a file without sound (sound.read_audio); BadClip when its sound cannot be decoded."""
+    image or a file without sound (data.read_audio); BadClip when its sound cannot be decoded."""
     if item.media.image:
         return None
     frames = item.resolution[0]
@@ -506,7 +507,7 @@ def load_image(item: Item, last: bool = False) -> torch.Tensor:
 #
 # A clip's first audio stream, cut to the seconds its frames cover on the same clock (both
 # streams' timestamps, measured from the first frame's display time: an audio stream may start before
-# or after the video), decoded in a child process (sound_decoder.py: a crashing decoder names the
+# or after the video), decoded in a child process (decode.py: a crashing decoder names the
 # clip), mixed to the channels a model takes and resampled with a windowed sinc (equal to torchaudio's
 # default, which the official LTX-2 trainer uses), then turned into the log-mel spectrogram an audio
 # VAE encodes.
@@ -534,7 +535,7 @@ def read_audio(
     """The clip's sound from `start` seconds after its first frame is shown, for `duration` seconds:
     float32 [channels, round(duration * sample_rate)] at `sample_rate`; zeros where the stream has
     no sound (before it starts, after it ends). None when the file has no audio stream, or one
-    without a single frame. Decoded in a child process (sound_decoder.py): a decoder that crashes
+    without a single frame. Decoded in a child process (decode.py): a decoder that crashes
     names the clip."""
     global _sounds
     with _sounds_lock:

@@ -1,7 +1,5 @@
 """Reading media as a player presents it: headers, frames, images, and sound in a child process.
 
-Reading media: what a clip's header says, and its frames as a player shows them.
-
 Any container PyAV reads. Matroska, WebM and fragmented mp4 carry no frame count in the header, and
 their durations and rates are unreliable (a variable-frame-rate mp4 reports 0.77 s for 1.03 s): the
 count, the first timestamp and the duration come from one pass over the packets, never from decoding
@@ -9,7 +7,8 @@ count, the first timestamp and the duration come from one pass over the packets,
 from the first decoded frame (PyAV has no stream-level getter), applied to every frame, and the
 displayed size is what buckets see. Frames are picked by their timestamps, after a keyframe seek to
 the first one, resized by swscale as each is decoded (antialiased when shrinking) and kept uint8.
-Images (EXIF orientation applied) are one-frame clips.
+Images (EXIF orientation applied) are one-frame clips. Sound is decoded in a child process (last in
+this module); the module imports no torch, so the child starts light.
 """
 
 import atexit
@@ -422,6 +421,6 @@ def serve() -> None:
         replies.flush()
 
 
-# __main__ of sound_decoder
+# the sound child: _Child starts this file as a script
 if __name__ == "__main__":
     serve()

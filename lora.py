@@ -1,4 +1,4 @@
-"""Hand-written LoRA: injection by module name, merge on a copy, export/import.
+"""Hand-written LoRA: injection by module name, merge on a copy, the file layouts read and written.
 
 `LoRALinear` subclasses `nn.Linear` and shares the base layer's `weight` and `bias`
 Parameters, so base checkpoints keep their keys and load unchanged. Numerics follow

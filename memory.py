@@ -1,9 +1,8 @@
 """Fitting one card: fp8 storage of the frozen base, activation offload, the memory measurements.
 
-Memory measurements: each phase's peak and the state a rank holds, read on the host only.
-
-The peak of each phase (training between log steps, a validation) and the state a rank holds;
-host-side reads only, no device synchronisation.
+The measurements: the peak of each phase (training between log steps, a validation) and the state a rank holds;
+host-side reads only, no device synchronisation. Then fp8 storage of the frozen base's linear weights,
+and the activation offload.
 """
 
 import contextlib

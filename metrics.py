@@ -1,5 +1,6 @@
-"""Training metrics: TensorBoard events, logs/metrics.jsonl, the progress line, and the window of
-steps each log line reduces (TrainWindow).
+"""Training metrics: TensorBoard, logs/metrics.jsonl, the progress line, each log line's window.
+
+The window (TrainWindow) is the steps each log line reduces.
 
 They are written on rank 0 only. Every other rank gets a logger whose methods do nothing, so call
 sites need no rank checks (the pattern of DiT's train.py).

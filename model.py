@@ -47,11 +47,11 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
     """
     with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device, RunSettings.of(cfg))
-        config = adapter.transformer_config
         if adapter.single_file is None:  # model.transformer_file's were checked with the adapter
             # read after the pass: missing files are named now
             Weights(adapter.path / adapter.transformer_folder)
-        parallel.check_heads(cfg.parallel.sp_size, config["num_attention_heads"], d.world)
+        for heads in adapter.sequence_heads:
+            parallel.check_heads(cfg.parallel.sp_size, heads, d.world)
         parallel.check_offload_blocks(cfg.parallel, adapter.block_count)
         check_streaming_with_sound(cfg.parallel, adapter)
         adapter.check_guidance(cfg.validation)
@@ -166,9 +166,8 @@ def build_model(
                 check_lora_matches(lora_cfg, info)
                 lora.load_lora_into(transformer, weights)
         if parallel_cfg.sp_size > 1:
-            parallel.check_heads(
-                parallel_cfg.sp_size, adapter.transformer_config["num_attention_heads"], d.world
-            )
+            for heads in adapter.sequence_heads:
+                parallel.check_heads(parallel_cfg.sp_size, heads, d.world)
             adapter.split_sequence(transformer, parallel.new_split(d.sp, d.rank))
         if train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing(

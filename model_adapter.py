@@ -1,15 +1,14 @@
 """The family contract and its registry: what a model family provides, and model.family -> its adapter.
 
-The family contract as code: Adapter declares everything a model family provides.
-
-Beside it, what the families share: DTYPES, the log, to_device, sample_posterior, config_sets (for
-their check_config) and RunSettings (what a run hands their constructor); and not_a_model_folder,
-the message both Adapter.__init__ and the registry give. The registry of families, which checks a
-family against this contract before it runs, is family_registry.py.
+Adapter declares everything a model family provides. Beside it, what the families share: DTYPES,
+the log, to_device, sample_posterior, config_sets (for their check_config), RunSettings (what a run
+hands their constructor), the text cache's padding (unpadded, padded_text) and not_a_model_folder,
+the message both Adapter.__init__ and the registry give. Last, the registry of families (ADAPTERS),
+which checks a family against this contract before it runs.
 
 An adapter knows one family's diffusers classes (families/*.py; nothing else imports them): loading
 the components from a local diffusers folder (the VAE and text encoder lazily: training from a
-complete cache never builds them; the transformer through transformer_loading.py), encoding video,
+complete cache never builds them; the transformer through weights.py), encoding video,
 images, text (and sound) for the cache, the noise and the loss, the pieces of the sampling loop
 (validate.py runs the loop), the transformer blocks (FSDP and checkpointing units), the exported
 LoRA's other layouts. Every config value comes from the model classes' resolved configs: the file's
@@ -109,11 +108,15 @@ class Adapter(TransformerLoading, abc.ABC):
     families/ltx2.py are the three; the tests of each are the template for a fourth
     (docs/adding-a-family.md)."""
 
-    FAMILY = ""  # model.family's value, and the registry's key (family_registry.ADAPTERS)
+    FAMILY = ""  # model.family's value, and the registry's key (model_adapter.ADAPTERS)
     # The config keys only this family accepts, each with the message that a run of another family
     # setting it (to anything but the default) stops with; {key} is the key, {family} that run's
-    # family. family_registry.check_config refuses them there, before any model file is read.
+    # family. model_adapter.check_config refuses them there, before any model file is read.
     OWN_KEYS: dict[str, str] = {}
+    # The shared training keys (config.py's, handed over in RunSettings) this family reads, such as
+    # train.flow_shift for a flow-matching family whose loss takes it. Several families may read one;
+    # a run of a family that does not list a key and sets it stops, naming the families that read it.
+    READS: tuple[str, ...] = ()
     # The model folders whose files shape each kind of cache entry.
     ENCODERS: dict[str, tuple[str, ...]] = {}
     TRANSFORMER = VAE = TEXT_ENCODER = None  # diffusers / transformers classes
@@ -158,6 +161,7 @@ class Adapter(TransformerLoading, abc.ABC):
         "decode_audio",
     )
     SINGLE_FILES = ("single_file_key", "diffusers_names")
+    IMAGE = ("encode_image",)
 
     # Shape rules.
     @property
@@ -173,8 +177,9 @@ class Adapter(TransformerLoading, abc.ABC):
 
     @property
     @abc.abstractmethod
-    def text_length(self) -> int:
-        """The text embedding's length in tokens, as the pipeline pads prompts to it."""
+    def text_length(self) -> int | dict[str, int]:
+        """The text embedding's length in tokens, as the pipeline pads prompts to it; with several
+        text encoders, each named embedding's (as encode_text names them)."""
 
     @property
     @abc.abstractmethod
@@ -186,9 +191,9 @@ class Adapter(TransformerLoading, abc.ABC):
     def encode_video(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 [B, F, H, W, 3] -> the VAE posterior's mean and log-variance."""
 
-    @abc.abstractmethod
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
-        """Image-to-video: uint8 [B, H, W, 3] -> the tensors of the clip's image entry."""
+        """Image-to-video (IMAGE, required once TYPES has "i2v"): uint8 [B, H, W, 3] -> the tensors
+        of the clip's image entry."""
 
     def control_key(self) -> dict:
         """What the control entries' cache key holds besides the clip's and the control file's (a
@@ -207,8 +212,14 @@ class Adapter(TransformerLoading, abc.ABC):
         return {"control_latent_mean": mean, "control_latent_logvar": logvar}
 
     @abc.abstractmethod
-    def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """Embeddings [B, L, D] as the pipeline computes them (padding rows zero)."""
+    def encode_text(self, prompts: list[str]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Embeddings [B, L, D] as the pipeline computes them, padding rows zero; with several text
+        encoders, a dict of them by name ([B, L_name, D_name] each).
+
+        The cache stores each prompt's rows without the padding and gives them back padded to
+        text_length: one encoder's as batch["prompt_embeds"], several encoders' under their names,
+        each with its mask (name_mask [B, L_name], true on the prompt's rows: padded_text).
+        Validation hands the family's denoise encode_text's own output, in the same form."""
 
     @abc.abstractmethod
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
@@ -260,9 +271,16 @@ class Adapter(TransformerLoading, abc.ABC):
         before the model is built)."""
         return self.transformer_config["num_layers"]
 
+    @property
+    def sequence_heads(self) -> list[int]:
+        """Every head count parallel.sp_size must divide, checked by model.setup_adapter before the
+        cache pass: the transformer's num_attention_heads by default. A family that cannot split
+        its sequence at all refuses parallel.sp_size > 1 in its check_config."""
+        return [self.transformer_config["num_attention_heads"]]
+
     @abc.abstractmethod
     def split_sequence(self, transformer, split) -> None:
-        """Install sequence parallelism (a sequence.SequenceSplit) in attention; keep it as
+        """Install sequence parallelism (a parallel.SequenceSplit) in attention; keep it as
         self.sequence."""
 
     # Single files (SINGLE_FILES, required once SINGLE_FILE_KEY is set).
@@ -316,7 +334,7 @@ class Adapter(TransformerLoading, abc.ABC):
         self.storage_dtype = cfg.storage_dtype
         self.vae_dtype = self.VAE_DTYPE or self.dtype
         self.transformer_folder = "transformer"
-        # model.transformer_file's reader (single_file.SingleFile), set by load_adapter
+        # model.transformer_file's reader (weights.SingleFile), set by load_adapter
         self.single_file = None
         # Whether the model also conditions on each clip's last frame (first-last-frame, Wan FLF2V):
         # the cache and validation then need a last image per clip and per prompt.
@@ -337,7 +355,7 @@ class Adapter(TransformerLoading, abc.ABC):
     def check_config(cls, cfg: Config) -> None:
         """The config against this family's rules across keys, before any model file is read.
 
-        None by default: family_registry.check_config runs it once a key only another family accepts
+        None by default: model_adapter.check_config runs it once a key only another family accepts
         (its OWN_KEYS) has been refused with that family's message. A family adds its own rules
         (calling this first).
         """
@@ -459,6 +477,30 @@ class Adapter(TransformerLoading, abc.ABC):
         return None
 
 
+def unpadded(embed: torch.Tensor) -> torch.Tensor:
+    """One prompt's embedding [L, D] without its padding: the rows of zeros at the end (Wan's
+    pipeline zeroes the rows past the attention mask; a family's encode_text gives padding rows
+    zero), which are not stored."""
+    nonzero = embed.abs().sum(-1).nonzero()
+    return embed[: int(nonzero.max()) + 1 if len(nonzero) else 0]
+
+
+def padded_text(entry: dict, text_length: int | dict[str, int]) -> dict[str, torch.Tensor]:
+    """A text entry's embeddings padded back to the family's lengths with rows of zeros.
+
+    One encoder (text_length an int): prompt_embeds [L, D]. Several (a dict, as encode_text named
+    them): each [L_name, D_name], and beside it name_mask [L_name], true on the prompt's own rows, for
+    the family's attention masks."""
+    lengths = text_length if isinstance(text_length, dict) else {"prompt_embeds": text_length}
+    out = {}
+    for name, length in lengths.items():
+        text = entry[name]
+        out[name] = torch.cat([text, text.new_zeros(length - len(text), text.shape[1])])
+        if isinstance(text_length, dict):
+            out[f"{name}_mask"] = torch.arange(length) < len(text)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # The registry of families: model.family -> its adapter class, checked against the contract.
 #
@@ -480,14 +522,15 @@ ADAPTERS = {
 
 def missing_members(family: type[Adapter], adapter: Adapter | None = None) -> list[str]:
     """What the family class (or, given it, its adapter's __init__) leaves out of the contract: the
-    abstract methods, SOUND with sound, SINGLE_FILES with a SINGLE_FILE_KEY, and the attributes
-    __init__ sets."""
+    abstract methods, SOUND with sound, SINGLE_FILES with a SINGLE_FILE_KEY, IMAGE with image-to-video,
+    and the attributes __init__ sets."""
     if adapter is None:
         groups = [
             name
             for name, wanted in (
                 ("SOUND", "audio" in family.ENCODERS),
                 ("SINGLE_FILES", bool(family.SINGLE_FILE_KEY)),
+                ("IMAGE", "i2v" in family.TYPES),
             )
             if wanted
         ]
@@ -567,6 +610,13 @@ def check_config(cfg: Config) -> type[Adapter]:
         for key, message in adapter_class(family).OWN_KEYS.items():
             if key not in cls.OWN_KEYS and config_sets(cfg, key):
                 raise ConfigError(message.format(key=key, family=cls.FAMILY))
+        for key in adapter_class(family).READS:
+            if key not in cls.READS and config_sets(cfg, key):
+                readers = [f for f in ADAPTERS if key in adapter_class(f).READS]
+                raise ConfigError(
+                    f"{key} is read by the {' and '.join(readers)} families' training; "
+                    f"{cls.FAMILY} does not read it: remove it"
+                )
     cls.check_config(cfg)
     return cls
 
@@ -574,7 +624,7 @@ def check_config(cfg: Config) -> type[Adapter]:
 def load_adapter(cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()) -> Adapter:
     """model.family's adapter over the folder at model.path, built with the run's settings.
 
-    With model.transformer_file, the file's reader too (single_file.SingleFile), checked against the
+    With model.transformer_file, the file's reader too (weights.SingleFile), checked against the
     folder's transformer config.
     """
     family = family_of(cfg)

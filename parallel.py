@@ -1,8 +1,9 @@
 """Spreading the work over the ranks: DDP, FSDP2 (HSDP, streaming) and Ulysses sequence parallelism.
 
-Spreading the model over the ranks: DDP, or FSDP2 per block (HSDP, streaming to host memory,
+The model over the ranks: DDP, or FSDP2 per block (HSDP, streaming to host memory,
 LoRA kept resident), gradient-sync control, resharding; and how the model computes there
-(autocast, the attention kernel). ranks.py holds the process group this runs on.
+(autocast, the attention kernel); then the sample over the ranks of a sequence-parallel group.
+ranks.py holds the process group this runs on.
 """
 
 import contextlib

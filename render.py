@@ -1,7 +1,7 @@
 """The render command: validation clips of a checkpoint, a LoRA file or the base model.
 
 The render command: validation clips of a checkpoint, an exported LoRA or the base model, without
-training. `python validate.py ...` runs it too (its documented name).
+training. `python render.py ...` runs it too (its documented name).
 
     python render.py --cfg FILE.toml [--checkpoint DIR [--online] | --lora FILE] --prompt TEXT
                      [--image FILE] [--last-image FILE] [--control FILE [--mask FILE]] [--reference FILE]
@@ -9,7 +9,7 @@ training. `python validate.py ...` runs it too (its documented name).
     torchrun --nproc_per_node N render.py ...       # the same, prompts spread over the ranks
 
 The model is built as the trainer builds it, with the checkpoint's weights (its EMA weights unless
---online) or the LoRA file's; validate.py's renderer samples and writes the clips.
+--online) or the LoRA file's; validate.py's ClipRenderer samples and writes the clips.
 """
 
 import argparse
@@ -49,7 +49,14 @@ def load_model(
     model = build_model(adapter, cfg.train, lora_cfg, cfg.parallel, cfg.run.seed, d, lora_file or "")
     if checkpoint:
         ema = EMA(model, cfg.train.ema_decay) if ckpt.has_ema(checkpoint) and not online else None
-        ckpt.load_weights(model, checkpoint, cfg.train.training_type, ckpt.run_identity(cfg, adapter), d, ema)
+        ckpt.load_weights(
+            model,
+            checkpoint,
+            cfg.train.training_type,
+            ckpt.run_identity(adapter, cfg.model, cfg.train.training_type, cfg.lora),
+            d,
+            ema,
+        )
         if ema is not None:
             ema.swap_in()
             log.info("rendering with the checkpoint's EMA weights (--online renders the others)")
@@ -147,7 +154,7 @@ def render_command(
     if prompts:
         cfg.validation.prompts, cfg.validation.images = prompts, images
         cfg.validation.last_images, cfg.validation.control_videos = list(last_images), list(controls)
-        # several references of one prompt: separated by clip_lists.REFERENCES
+        # several references of one prompt: separated by data.REFERENCES
         cfg.validation.reference_images = [
             r.split(data.REFERENCES) if data.REFERENCES in r else r for r in references
         ]

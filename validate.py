@@ -1,9 +1,7 @@
 """Validation: the held-out loss, clips rendered by our own sampling loop, and the clips' media.
 
-Validation: the held-out loss at fixed timesteps, and clips rendered by our own sampling loop.
-
-`python validate.py ...` runs the render command (render.py): clips of a checkpoint, a LoRA file or
-the base model without training.
+`python render.py ...` is the render command: clips of a checkpoint, a LoRA file or the base model
+without training, through this module's renderer.
 
 The training loss of uniform-t v-prediction is dominated by which t were drawn and looks flat; the
 held-out loss measures every held-out clip at the same timesteps with the same noise every time, so
@@ -13,12 +11,13 @@ The sampling loop is CogVideoXPipeline's, step for step: the same T5 embeddings,
 guidance (cond and uncond in one forward), and, given the same generator, the same initial and
 per-step noise, so its clips match the pipeline's. Clip i draws all its noise from a generator keyed
 by (validation.seed, i): it does not depend on the step, the rank that renders it or the number of
-ranks. Attention runs through FusedQKVAttention for the duration of sampling only. The clips' media
-(their conditions read, the mp4s written) are validation_media.py's.
+ranks. Attention runs through FusedQKVAttention for the duration of sampling only. Last, the clips'
+media: their conditions read, the mp4s written.
 """
 
 import contextlib
 import math
+import sys
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -34,6 +33,7 @@ import data
 import decode
 import faults
 import memory
+import model_adapter
 import ranks
 from config import ConfigError, DataConfig, ValidationConfig
 
@@ -89,6 +89,24 @@ def held_out_loss(
     return values
 
 
+def prompt_text(embeds, i: int, text_length):
+    """Prompt i's text [1, ...] as the family's denoise takes it: encode_text's row (one encoder),
+    or (several) its named rows with their masks, as a cached batch holds them."""
+    if not isinstance(embeds, dict):
+        return embeds[i : i + 1]
+    entry = model_adapter.padded_text(
+        {n: model_adapter.unpadded(e[i]) for n, e in embeds.items()}, text_length
+    )
+    return {name: tensor[None] for name, tensor in entry.items()}
+
+
+def both_texts(negative, prompt):
+    """The negative prompt's text and the prompt's in one batch (cond and uncond in one forward)."""
+    if isinstance(prompt, dict):
+        return {name: torch.cat([negative[name], prompt[name]]) for name in prompt}
+    return torch.cat([negative, prompt])
+
+
 @torch.no_grad()
 def sample_latents(
     adapter,
@@ -121,7 +139,7 @@ def sample_latents(
         scheduler, cfg.num_inference_steps, resolution, generator, image, **last, **conditions
     )
     guided = cfg.guidance_scale > 1.0 or cfg.audio_guidance_scale > 1.0
-    embeds = torch.cat([negative_embeds, prompt_embeds]) if guided else prompt_embeds
+    embeds = both_texts(negative_embeds, prompt_embeds) if guided else prompt_embeds
     for i, t in enumerate(scheduler.timesteps):
         on_step(i + 1)
         with autocast:
@@ -172,7 +190,7 @@ class ClipRenderer:
         if adapter.first_last and self.prompts and not cfg.last_images:
             raise ConfigError(
                 f"{adapter.path} is a first-last-frame model (Wan FLF2V): each validation prompt "
-                "renders between its image and its last image; set validation.last_images (validate.py: "
+                "renders between its image and its last image; set validation.last_images (render.py: "
                 "--last-image), one per prompt"
             )
         if cfg.last_images and not adapter.first_last:
@@ -183,7 +201,7 @@ class ClipRenderer:
         if adapter.type == "ic" and self.prompts and not cfg.control_videos:
             raise ConfigError(
                 f'{adapter.path} follows a control video (model.type = "ic"): each validation prompt '
-                "renders from one; set validation.control_videos (validate.py: --control), one per prompt"
+                "renders from one; set validation.control_videos (render.py: --control), one per prompt"
             )
         if cfg.control_videos and not adapter.takes_control:
             raise ConfigError(
@@ -205,7 +223,8 @@ class ClipRenderer:
         ] or [[]] * len(self.prompts)
         if self.prompts:
             embeds = adapter.encode_text([cfg.negative_prompt, *self.prompts])
-            self.negative_embeds, self.prompt_embeds = embeds[:1], embeds[1:]
+            texts = [prompt_text(embeds, i, adapter.text_length) for i in range(1 + len(self.prompts))]
+            self.negative_embeds, self.prompt_embeds = texts[0], texts[1:]
             adapter.release_text_encoder()  # not needed again
 
     def denoisers(self, model) -> dict:
@@ -232,7 +251,7 @@ class ClipRenderer:
             self.adapter,
             self.denoisers(model),
             scheduler,
-            self.prompt_embeds[prompt : prompt + 1],
+            self.prompt_embeds[prompt],
             self.negative_embeds,
             data.keyed_generator(self.cfg.seed, index),
             self.cfg,
@@ -365,7 +384,7 @@ class ClipRenderer:
 # clip's frame times, covering its size and centre-cropped to it, as the pipelines take them; a bad
 # file is a ConfigError naming the key or flag that gave it. The clips: the VAE's output as frames
 # rounded as diffusers rounds them, written as H.264 mp4 with the soundtrack as AAC beside it, under a
-# temporary name (faults.written: a full disk names the file). validate.py's renderer uses them.
+# temporary name (faults.written: a full disk names the file). ClipRenderer uses them.
 
 
 def to_frames(pixels: torch.Tensor) -> torch.Tensor:
@@ -459,8 +478,5 @@ def load_control(path: str, resolution, rate: float, mask: bool = False) -> torc
         ) from None
 
 
-# __main__ of validate
-if __name__ == "__main__":  # the render command's documented name; render.py is the command itself
-    import render
-
-    render.main()
+if __name__ == "__main__":  # the render command's old name
+    sys.exit("the render command is `python render.py` (same arguments); validate.py renders nothing")

@@ -1,10 +1,9 @@
 """Reading the transformer's weights: folders row by row, single files, the model built lean on meta.
 
-The transformer's safetensors weights, read one tensor (or one rank's rows of one) at a time.
-
 A diffusers folder's files (Weights), read lean: the headers first, then each tensor (under FSDP each
-rank's rows) when the model asks for it. model.transformer_file's single files are single_file.py's
-(SingleFile, a Weights). rename_module and rename_key map module names between layouts.
+rank's rows) when the model asks for it. Then model.transformer_file's single files (SingleFile, a
+Weights), and the transformer as from_pretrained builds it, made on the meta device and filled
+(TransformerLoading). rename_module and rename_key map module names between layouts.
 """
 
 import contextlib
@@ -448,7 +447,7 @@ class SingleFile(Weights):
     def fp8_source(self, key: str, start: int, count: int) -> tuple[torch.Tensor, float | None]:
         """A weight's rows for fp8 storage, and the file's scale for them (None: to quantize).
 
-        For model.storage_dtype = "fp8": a weight the file stores as storage.py keeps one
+        For model.storage_dtype = "fp8": a weight the file stores as memory.py keeps one
         (float8_e4m3fn, one scale for its rows; 1 for a plain cast) as it is stored, rounded once,
         by the file's maker; any other (float8_e5m2 too) at full precision, an fp8 one dequantized,
         to be quantized once."""

@@ -20,7 +20,7 @@ in the same run:
   minutes).
 - prefetch: training's batch fetch in this process, one thread, the tiny CogVideoX with LoRA rank 4:
   --prefetch-steps micro-steps (fetch, loss, backward) with each batch read in the step's thread
-  (Cache.load_batch, the baseline) against cache_files.Prefetch (read while the step before
+  (Cache.load_batch, the baseline) against cache.Prefetch (read while the step before
   computes), interleaved --repeats times (each first in every other one); the step thread's wait for
   its batch and the whole micro-step, medians. --read-latency-ms sleeps before each file read, a
   stand-in for a network filesystem (an emulation, not a measurement of one).
@@ -119,11 +119,11 @@ MEMORY_PROBE = """
 import sys, time
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-import clip_lists, data, decode
+import data, decode
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
 path = Path({clip!r})
-clip = clip_lists.Clip(path, "a clip", 1, "videos.txt")
+clip = data.Clip(path, "a clip", 1, "videos.txt")
 item = data.plan_clip(clip, decode.probe(path), "content", [(49, 480, 720)], data.DataConfig(), 0)
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak to what is resident now
 before, start = status("VmRSS"), time.perf_counter()
@@ -307,11 +307,11 @@ def prefetch(root: Path, args) -> None:
     def prefetched(k):
         return ahead.batch(batches[k], batches[k + 1] if k + 1 < len(batches) else None)
 
-    measured = {"in the step's thread": [], "cache_files.Prefetch": []}
+    measured = {"in the step's thread": [], "cache.Prefetch": []}
     for r in range(args.repeats):
         ahead = cache.Prefetch(entries, cpu)
         for name, fetch in sorted(
-            {"in the step's thread": inline, "cache_files.Prefetch": prefetched}.items(), reverse=r % 2 == 1
+            {"in the step's thread": inline, "cache.Prefetch": prefetched}.items(), reverse=r % 2 == 1
         ):  # each first in every other repetition
             measured[name].append(micro_steps(fetch))
         ahead.close()

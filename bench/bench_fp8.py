@@ -1,11 +1,11 @@
 """fp8 storage of the frozen base (model.storage_dtype = "fp8"): its error and its memory.
 
-The storage is storage.py's; two parts measure it:
+The storage is memory.py's; two parts measure it:
 
 1. Error. The output of one full-size Wan 2.1 14B block (dim 5120, ffn 13824, 40 heads; random
    weights with the published init: Wan's init_weights, Xavier-uniform linears and zero biases, and
    diffusers' own, nn.Linear's default) with its linear weights stored as fp8 against the same block
-   in bf16 and in fp32: per-row scales (what storage.py keeps), one scale per tensor, and a plain
+   in bf16 and in fp32: per-row scales (what memory.py keeps), one scale per tensor, and a plain
    cast without a scale (what diffusers' layerwise casting does). Also with rows of unequal size
    (each row of the Xavier weights scaled by a log-normal factor, sigma 1), as trained weights have
    them and random ones do not. The error is the relative L2 norm of the difference in the block's

@@ -19,9 +19,9 @@ torch.cuda.max_memory_allocated where CUDA is).
   dp_replicate); in flight the root's weights, 3 blocks gathered in the compute dtype (computing,
   prefetched, its all-gather buffer) and one block's unsharded gradients with an fp32 reduce-scatter
   buffer; activations without autocast's weight copies; optimizer temporaries / shards.
-- sp, modelled (no fake collectives here) rather than run through sequence.py: each rank holds 1/sp
+- sp, modelled (no fake collectives here) rather than run through parallel.py: each rank holds 1/sp
   of a sample's video tokens (the latent width split, rounded up to whole patches) and all text
-  tokens, as Ulysses attention does; sequence.py splits the tokens at the first block and gathers
+  tokens, as Ulysses attention does; parallel.py splits the tokens at the first block and gathers
   the last block's output, so the patch embedding, the output layers and the loss on the whole
   sample are undercounted.
 - sound (LTX-2, data.audio): the batch holds the audio VAE's latents of the clip's seconds (the
@@ -256,7 +256,7 @@ class Tracker(TorchDispatchMode):
         )
         self.grads_at_peak = dict.fromkeys(self.SUMS, 0)
         self.inputs = []  # bytes of each block's inputs, in call order
-        # What activations.HostActivations copies to the host: each block call's tensor arguments, a
+        # What memory.HostActivations copies to the host: each block call's tensor arguments, a
         # tensor once (a later call keeps the device tensor); per call, the bytes of those copies.
         self.copied, self.copies = set(), []
 
@@ -429,7 +429,7 @@ def block_parts(cfg, adapter, model, tracker: Tracker) -> dict:
     """One process's parts of memory for bench/one_gpu.py.
 
     The frozen bytes outside the blocks and of the largest block (in model.dtype, and with its
-    frozen linear weights in fp8 plus an fp32 scale per row, as storage.py keeps them), and what
+    frozen linear weights in fp8 plus an fp32 scale per row, as memory.py keeps them), and what
     streaming pins of them; those linears in the compute dtype, a block's gradient buffer, the step
     without the block inputs, and what activation offload copies."""
     blocks, compute = adapter.blocks(model), AUTOCAST_DTYPES[cfg.train.mixed_precision] or adapter.dtype
@@ -468,7 +468,7 @@ def pinned_weights(adapter, model, blocks) -> dict:
     What streaming pins, by torch's pinned allocator's rule (ranks.pinned_bytes): FSDP2 pins each
     frozen parameter of a streamed unit on its own (FSDPParam, CPUOffloadPolicy(pin_memory=True));
     its buffers stay on the GPU. The largest block in model.dtype and in fp8 (each linear weight and
-    its row scales two parameters, storage.py), and the parameters outside the blocks (streamed with
+    its row scales two parameters, memory.py), and the parameters outside the blocks (streamed with
     every block)."""
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
 
@@ -694,7 +694,7 @@ def table(cfg, adapter, world: int, results: dict[int, dict]) -> None:
     print(f"{describe(cfg, adapter, first)}\n{how}{sharded}")
     if list(results) != [1]:
         print(
-            "sp is modelled, not run: each sample's video tokens split sp ways from the input on (sequence.py "
+            "sp is modelled, not run: each sample's video tokens split sp ways from the input on (parallel.py "
             "splits them inside the blocks only)"
         )
     print(f"  {'GiB per rank':28}" + "".join(f"{f'sp {sp}':>9}" for sp in results))

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import numpy as np
 import PIL.Image
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers import (
     AutoencoderKLLTX2Audio,
@@ -57,7 +56,7 @@ from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditi
 import data
 from config import Config, ConfigError, ModelConfig
 from model_adapter import DTYPES, Adapter, RunSettings, config_sets, log, to_device
-from parallel import SequenceSplit, check_heads, split_blocks, stack_qkv
+from parallel import SequenceSplit, split_blocks, stack_qkv
 from weights import Weights, resolved_config
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
@@ -478,7 +477,7 @@ class LTX2Adapter(Adapter):
 
     def mel(self, waveforms: torch.Tensor) -> torch.Tensor:
         """Waveforms [B, channels, samples] at audio_sample_rate -> the audio VAE's input, the
-        log-mel spectrogram [B, channels, samples // hop + 1, mel bins] (sound.log_mel: ltx-core's
+        log-mel spectrogram [B, channels, samples // hop + 1, mel bins] (data.log_mel: ltx-core's
         AudioProcessor), in fp32."""
         c = self.audio_config
         mel = data.log_mel(
@@ -860,6 +859,11 @@ class LTX2Adapter(Adapter):
     def blocks(transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
+    @property
+    def sequence_heads(self) -> list[int]:
+        """The video's heads and the audio's: the video-to-audio attention splits both."""
+        return [self.transformer_config[key] for key in ("num_attention_heads", "audio_num_attention_heads")]
+
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
         """Split the video tokens over the sequence-parallel ranks at the first block.
 
@@ -870,8 +874,7 @@ class LTX2Adapter(Adapter):
         through all-to-alls (SequenceParallelAttention); the text cross-attentions, audio
         self-attention and the audio-to-video cross-attention (video queries, the whole audio's
         keys) stay local. The video-to-audio attention splits the audio heads too: sp must divide
-        both counts (model.py and cache.py check the video's)."""
-        check_heads(split.size, self.transformer_config["audio_num_attention_heads"], dist.get_world_size())
+        both counts (sequence_heads, checked by model.setup_adapter)."""
 
         def per_token_inputs(arguments: dict) -> dict[str, int]:
             # rotary (cos, sin): [B, tokens, D] interleaved, [B, heads, tokens, D / 2] split

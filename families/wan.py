@@ -87,10 +87,8 @@ EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 class WanAdapter(Adapter):
     FAMILY = "wan"
-    OWN_KEYS = dict.fromkeys(
-        ("model.expert", "train.flow_shift"),
-        'model.expert and train.flow_shift are for Wan (model.family = "wan"): remove them',
-    )
+    OWN_KEYS = {"model.expert": 'model.expert is for Wan 2.2 A14B (model.family = "wan"): remove it'}
+    READS = ("train.flow_shift",)
     ENCODERS = {
         "video": ("vae",),
         "image": ("vae", "image_encoder", "image_processor"),
@@ -649,7 +647,7 @@ class WanAdapter(Adapter):
         clip's size, the mask to [0, 1], each reference centred on a white canvas."""
         frames, height, width = resolution
         processor = VideoProcessor(vae_scale_factor=self.spatial_ratio)
-        # validation_media.load_control's uint8 frames (the control's, the mask's):
+        # validate.load_control's uint8 frames (the control's, the mask's):
         # the pipeline's images
         control, mask = (
             [Image.fromarray(frame) for frame in x.numpy()] if isinstance(x, torch.Tensor) else x

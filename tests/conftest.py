@@ -33,7 +33,7 @@ from config import load_config, toml_value  # noqa: E402
 from model import setup_adapter  # noqa: E402
 from model_adapter import load_adapter  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
-from tools.make_tiny_model import make_tiny_ltx2, make_tiny_model, make_tiny_wan  # noqa: E402
+from tools.make_tiny_model import TINY  # noqa: E402
 
 
 def written_on_first_use(root: Path, make):
@@ -50,21 +50,30 @@ def written_on_first_use(root: Path, make):
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
+def family_models(tmp_path_factory):
+    """family_models(family)(variant): a registered family's tiny model (tools/make_tiny_model.TINY),
+    written on first use, so a new family's tests need no fixture of their own."""
+    root = tmp_path_factory.mktemp("families")
+    makers = {family: written_on_first_use(root / family, make) for family, (_, _, make) in TINY.items()}
+    return makers.__getitem__
+
+
+@pytest.fixture(scope="session")
+def tiny_models(family_models):
     """Every published CogVideoX variant's tiny model, written on first use."""
-    return written_on_first_use(tmp_path_factory.mktemp("models"), make_tiny_model)
+    return family_models("cogvideox")
 
 
 @pytest.fixture(scope="session")
-def wan_models(tmp_path_factory):
+def wan_models(family_models):
     """Every Wan variant's tiny model, written on first use."""
-    return written_on_first_use(tmp_path_factory.mktemp("wan"), make_tiny_wan)
+    return family_models("wan")
 
 
 @pytest.fixture(scope="session")
-def ltx2_models(tmp_path_factory):
+def ltx2_models(family_models):
     """Each LTX-2 variant's tiny model, written on first use."""
-    return written_on_first_use(tmp_path_factory.mktemp("ltx2"), make_tiny_ltx2)
+    return family_models("ltx2")
 
 
 @pytest.fixture(scope="session")

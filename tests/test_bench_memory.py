@@ -193,7 +193,7 @@ def test_fp8_block_bytes_are_what_the_loader_stores(wan_models, tmp_path):
     """The estimate's fp8 block bytes are what the loader stores.
 
     The estimate's block in fp8 against the tiny Wan as the trainer loads it with
-    model.storage_dtype = "fp8" (storage.py's weights and scales, counted on the real tensors), and
+    model.storage_dtype = "fp8" (memory.py's weights and scales, counted on the real tensors), and
     the same in model.dtype."""
     cfg_file = write_toml(
         tmp_path / "fp8.toml",
@@ -267,7 +267,7 @@ def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
     --fit's host RAM for a pick with blocks streamed and activations offloaded: each frozen
     parameter of a published Wan 14B block (diffusers' own, on the meta device) is pinned on its
     own, as FSDP2 pins a streamed unit's parameters (every block streamed: the root's too), in bf16
-    and with storage.py's fp8 (each linear weight at one byte, its bf16 row scales a second
+    and with memory.py's fp8 (each linear weight at one byte, its bf16 row scales a second
     parameter); activation offload pins each block's 7800 video tokens and, once, the 512 text
     tokens and the 6 x 5120 timestep projection. Each request as torch hands it out; the printed
     host RAM is their sum with the process and the parked VAE."""

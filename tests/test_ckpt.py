@@ -431,7 +431,9 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
                 dtype,
             ],
         )
-        return ckpt.run_identity(cfg, load_adapter(cfg.model, torch.device("cpu")))
+        return ckpt.run_identity(
+            load_adapter(cfg.model, torch.device("cpu")), cfg.model, cfg.train.training_type, cfg.lora
+        )
 
     saved = {"identity": identity(tiny_model)}
     moved = tmp_path / "moved"

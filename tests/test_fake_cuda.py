@@ -6,7 +6,7 @@ policy, where a CPU tensor mixed into a CUDA op raises as it does on a GPU and e
 copy that would make the host wait is recorded (a blocking one, or a non-blocking one from pageable
 memory), its batch encoded first by the family's encoders, which are all gone after the cache pass
 releases them (2.1 I2V's CLIP image encoder included), and fetched as the trainer fetches it
-(cache_files.Prefetch: read into pinned memory by a thread, then copied); and the lean loader's fill
+(cache.Prefetch: read into pinned memory by a thread, then copied); and the lean loader's fill
 under parallel.cpu_offload (every unit on the host, or the first parallel.offload_blocks blocks), on
 a CUDA mesh over a fake process group.
 

@@ -102,14 +102,18 @@ def test_every_registered_family_fills_the_contract():
         cls = adapter_class(family)
         assert model_adapter.missing_members(cls) == [] and cls.FAMILY == family
         page = (REPO / "docs" / "models" / f"{family}.md").read_text()
-        assert [key for key in cls.OWN_KEYS if key not in keys or f"`{key}`" not in page] == [], family
+        own = [*cls.OWN_KEYS, *cls.READS]
+        assert [key for key in own if key not in keys or f"`{key}`" not in page] == [], family
 
 
 def test_config_names_no_family():
     """A family is its file plus one registry line: config.py, the schema and the checks every
     family shares, names none of them (nor LTX, Wan, CogVideo), in code or comments."""
     text = (REPO / "config.py").read_text().lower()
-    named = {word for word in [*ADAPTERS, "ltx", "wan", "cogvideo"] if re.search(re.escape(word), text)}
+    words = {*ADAPTERS, "ltx", "wan", "cogvideo"} | {
+        name.removesuffix("Adapter").lower() for _, name in ADAPTERS.values()
+    }
+    named = {word for word in words if re.search(re.escape(word), text)}
     assert named == set(), f"config.py names {sorted(named)}: move the rule into the family's check_config"
 
 
@@ -118,11 +122,11 @@ def test_a_key_only_another_family_accepts_is_refused():
     the config alone (model.path does not exist), in a message naming the key and the owning family;
     the owner accepts it."""
     for owner in ADAPTERS:
-        for key in adapter_class(owner).OWN_KEYS:
+        for key in [*adapter_class(owner).OWN_KEYS, *adapter_class(owner).READS]:
             value = other_value(key)
             for family in ADAPTERS:
                 cfg = with_key(family, key, value)
-                if family == owner:
+                if key in adapter_class(family).OWN_KEYS or key in adapter_class(family).READS:
                     # STG and the added terms need their partners: the owner's own rules
                     if owner == "ltx2":
                         cfg.validation.stg_scale, cfg.data.target_fps = 1.0, 24.0
@@ -155,10 +159,12 @@ def test_a_new_family_is_its_class_and_a_registry_line(monkeypatch):
     assert check_config(with_key("dynamic", "validation.use_dynamic_cfg", True)) is DynamicAdapter
     with pytest.raises(ConfigError) as unknown:
         check_config(load_config(None, REQUIRED + ["--model.family", "hunyuan"]))
+    registered = ", ".join(f'"{family}"' for family in ADAPTERS)
     assert str(unknown.value) == (
-        'model.family = "hunyuan" is no family vidtrain trains: set one of "cogvideox", '
-        '"wan", "ltx2", "plain", "dynamic", or "" for the family of model.path\'s pipeline'
+        f'model.family = "hunyuan" is no family vidtrain trains: set one of {registered}, '
+        'or "" for the family of model.path\'s pipeline'
     )
+    assert '"plain", "dynamic"' in registered
 
 
 def test_the_command_refuses_another_familys_key_before_the_cache_pass(write_config, tmp_path, caplog):
@@ -177,3 +183,47 @@ def test_the_command_refuses_another_familys_key_before_the_cache_pass(write_con
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_text_to_video_family_needs_no_image_encoder():
+    """encode_image is required of a family that trains image-to-video (IMAGE, with "i2v" in
+    TYPES), not of a text-only one."""
+    text_only = type("TextOnly", (without(CogVideoXAdapter, "encode_image"),), {"TYPES": ("t2v",)})
+    assert model_adapter.missing_members(text_only) == []
+    assert model_adapter.missing_members(without(CogVideoXAdapter, "encode_image")) == ["encode_image"]
+
+
+def test_several_text_encoders_are_cached_without_padding_and_given_back_with_masks():
+    """encode_text may name several encoders' embeddings (HunyuanVideo 1.5: Qwen2.5-VL and ByT5):
+    the cache keeps each prompt's rows without the padding and gives them back padded to the
+    family's lengths, each with its mask; validation hands the family the same form. One encoder's
+    text keeps its one tensor and no mask."""
+    from validate import both_texts, prompt_text
+
+    lengths = {"prompt_embeds": 6, "prompt_embeds_2": 4}
+    embeds = {"prompt_embeds": torch.zeros(2, 6, 3), "prompt_embeds_2": torch.zeros(2, 4, 5)}
+    embeds["prompt_embeds"][0, :2], embeds["prompt_embeds"][1, :5] = 1.0, 2.0
+    embeds["prompt_embeds_2"][0, :3], embeds["prompt_embeds_2"][1, :1] = 3.0, 4.0
+    stored = {name: model_adapter.unpadded(embed[1]) for name, embed in embeds.items()}
+    assert {name: len(rows) for name, rows in stored.items()} == {"prompt_embeds": 5, "prompt_embeds_2": 1}
+    batch = model_adapter.padded_text(stored, lengths)
+    assert torch.equal(batch["prompt_embeds"], embeds["prompt_embeds"][1])
+    assert torch.equal(batch["prompt_embeds_2"], embeds["prompt_embeds_2"][1])
+    assert batch["prompt_embeds_mask"].tolist() == [True] * 5 + [False]
+    assert batch["prompt_embeds_2_mask"].tolist() == [True, False, False, False]
+    first = prompt_text(embeds, 0, lengths)
+    assert first["prompt_embeds_mask"].tolist() == [[True, True, False, False, False, False]]
+    assert torch.equal(first["prompt_embeds_2"], embeds["prompt_embeds_2"][:1])
+    guided = both_texts(first, prompt_text(embeds, 1, lengths))
+    assert {name: tuple(t.shape) for name, t in guided.items()} == {
+        "prompt_embeds": (2, 6, 3),
+        "prompt_embeds_mask": (2, 6),
+        "prompt_embeds_2": (2, 4, 5),
+        "prompt_embeds_2_mask": (2, 4),
+    }
+    one = torch.zeros(2, 6, 3)
+    one[0, :2] = 1.0
+    assert model_adapter.padded_text({"prompt_embeds": model_adapter.unpadded(one[0])}, 6).keys() == {
+        "prompt_embeds"
+    }
+    assert torch.equal(prompt_text(one, 0, 6), one[:1])

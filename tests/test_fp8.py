@@ -1,7 +1,7 @@
 """model.storage_dtype = "fp8": the blocks' frozen linears in float8_e4m3fn, upcast per layer.
 
 The frozen linears of the transformer blocks stored in float8_e4m3fn with a scale per output row,
-upcast per layer (storage.py). The model computes what the bf16 one does within fp8's rounding, a
+upcast per layer (memory.py). The model computes what the bf16 one does within fp8's rounding, a
 LoRA trains on it as on bf16, and its export is a LoRA of the original model."""
 
 import shutil

@@ -18,7 +18,7 @@ sys.path.insert(0, sys.argv[1])
 import command, data, ranks
 from config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from model import build_model
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

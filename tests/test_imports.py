@@ -1,8 +1,8 @@
 """The import rule of docs/design.md, and the tests' own, read from the source.
 
-docs/design.md's import rule, read from the source: entry points -> jobs -> parts -> ranks ->
-config, no cycles, nothing imports trainer.py; a family's diffusers classes only in its adapter in
-families/ (and tools/). And the tests' own: no test module imports another (shared helpers and
+docs/design.md's import floors, read from the source: entry points -> jobs -> model and frame ->
+families -> contract -> parts -> config, no cycles, nothing imports trainer.py, at most 18 modules
+on 8 floors; a family's diffusers classes only in its adapter in families/ (and tools/). And the tests' own: no test module imports another (shared helpers and
 fixtures live in conftest.py), and the fast subset reaches every module but the demo's."""
 
 import ast
@@ -10,46 +10,21 @@ import ast
 import tomllib
 from conftest import REPO
 
-# families/<name>.py, and the word in its classes' names
-FAMILIES = {"cogvideox": "cogvideo", "wan": "wan", "ltx2": "ltx2"}
+from model_adapter import ADAPTERS
+
+# The word in each family's class names (CogVideoXAdapter: cogvideox, as in CogVideoXTransformer3DModel),
+# read from the registry, so a new family is held by its registry line alone.
+FAMILIES = {family: name.removesuffix("Adapter").lower() for family, (_, name) in ADAPTERS.items()}
+# docs/design.md's floors: a module imports only from its own floor or below.
 LAYERS = {
-    **dict.fromkeys(["trainer", "render", "ckpt_commands"], 4),
-    **dict.fromkeys(["ckpt", "validate", "cache", "export"], 3),
+    **dict.fromkeys(["trainer", "render"], 6),  # the entry points
+    **dict.fromkeys(["ckpt", "cache", "validate"], 5),  # the jobs a run does beside the loop
+    **dict.fromkeys(["model", "command"], 4),  # the model as training builds it; every command's frame
+    **{f"families.{p.stem}": 3 for p in REPO.glob("families/*.py")},
+    "model_adapter": 2,  # the contract and the registry
     **dict.fromkeys(
-        [
-            "model",
-            "model_adapter",
-            "family_registry",
-            "lora",
-            "clip_lists",
-            "data",
-            "decode",
-            "sound",
-            "validation_media",
-            "manifest",
-            "parallel",
-            "ckpt_files",
-            "cache_files",
-            "encoding",
-            "sampler",
-            "command",
-            "metrics",
-            "faults",
-            "sequence",
-            "memory",
-            "weights",
-            "single_file",
-            "activations",
-            "storage",
-            "sound_decoder",
-            "transformer_loading",
-            "families.wan_vace",
-            *(f"families.{family}" for family in FAMILIES),
-        ],
-        2,
+        ["weights", "lora", "data", "decode", "parallel", "metrics", "faults", "memory", "ranks"], 1
     ),
-    # the process group and agreement: below parallel.py, which spreads the model over it
-    "ranks": 1,
     "config": 0,
 }
 
@@ -99,7 +74,7 @@ def test_validation_reads_no_checkpoint():
     """validate.py samples and measures what it is handed (the trainer's model): reading checkpoints
     and LoRA files to render is the render command's (render.py), so validate.py imports no other
     job."""
-    assert import_graph()["validate"] & {"ckpt", "ckpt_files", "cache", "export", "command"} == set()
+    assert import_graph()["validate"] & {"ckpt", "cache", "command", "render"} == set()
 
 
 def test_no_import_cycles():
@@ -203,7 +178,7 @@ def test_the_run_is_set_up_before_the_cache_pass():
         if isinstance(node, ast.ImportFrom) and node.module == "cache"
         for alias in node.names
     ]
-    assert trainer_imports == []
+    assert "prepare" not in trainer_imports
     cache_names = {
         node.id if isinstance(node, ast.Name) else node.attr
         for node in ast.walk(ast.parse((REPO / "cache.py").read_text()))
@@ -242,3 +217,78 @@ def test_run_settings_reach_the_adapter_through_its_constructor():
         and not (isinstance(target.value, ast.Name) and target.value.id == "self")
     ]
     assert pokes == []
+
+
+def test_the_house_is_small():
+    """One job per module: at most 18 modules at the root, each opening with one line that names its
+    job, on at most 8 import floors (the longest chain of imports, entry point to config.py)."""
+    roots = sorted(REPO.glob("*.py"))
+    assert len(roots) <= 18, [p.name for p in roots]
+    for path in roots:
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = docstring.split("\n\n")[0]
+        assert first and "\n" not in first and first.endswith("."), (path.name, first)
+    graph = import_graph()
+
+    def chain(module) -> int:
+        return 1 + max((chain(m) for m in graph[module] if m != module), default=0)
+
+    assert max(chain(m) for m in graph) <= 8
+
+
+# The functions besides the frame, the commands' own and the families' check_config that read a whole
+# config (docs/design.md: each function receives the section, or the values, it uses).
+WHOLE_CONFIG_READERS = {
+    ("model", "setup_adapter"),
+    ("model_adapter", "of"),
+    ("model_adapter", "config_sets"),
+    ("model_adapter", "check_config"),
+}
+FRAME = {"trainer", "render", "command", "config"}
+COMMANDS = {("cache", "prepare"), ("ckpt", "export_checkpoint"), ("ckpt", "rehash")}
+
+
+def test_functions_receive_their_sections():
+    """A function outside the frame that reads a whole config (a parameter annotated Config, or a
+    `cfg` whose sections it reads) is one of the few docs/design.md lists."""
+    import dataclasses
+
+    from config import Config
+
+    sections = {field.name for field in dataclasses.fields(Config)}
+    readers = set()
+    for name, path in modules().items():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for arg in fn.args.args + fn.args.kwonlyargs:
+                annotated = (
+                    arg.annotation is not None and ast.unparse(arg.annotation).strip("\"'") == "Config"
+                )
+                read = arg.arg == "cfg" and any(
+                    isinstance(x, ast.Attribute)
+                    and isinstance(x.value, ast.Name)
+                    and x.value.id == "cfg"
+                    and x.attr in sections
+                    for x in ast.walk(fn)
+                )
+                if annotated or read:
+                    readers.add((name, fn.name))
+    others = {
+        (module, fn)
+        for module, fn in readers
+        if module not in FRAME and (module, fn) not in COMMANDS and fn != "check_config"
+    }
+    assert others <= WHOLE_CONFIG_READERS, sorted(others - WHOLE_CONFIG_READERS)
+    assert len(WHOLE_CONFIG_READERS - {("model_adapter", "check_config")}) <= 4
+
+
+def test_the_old_render_name_says_where_the_command_went():
+    """`python validate.py`, the render command's old name, renders nothing and names render.py."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(REPO / "validate.py"), "--cfg", "x.toml"], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "python render.py" in done.stderr

@@ -219,7 +219,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
         ),
         tmp_path,
     )
-    # lora.init_from (and validate.py --lora) read the ComfyUI file back: its alpha / rank is baked
+    # lora.init_from (and render.py --lora) read the ComfyUI file back: its alpha / rank is baked
     # into lora_B.
     comfy_file = next((lora_file.parent / "comfy").glob("*.safetensors"))
     comfy_weights, comfy_info = lora.load_lora(str(comfy_file), adapter.diffusers_key)
@@ -339,7 +339,7 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ({"train.flow_shift": 3.0}, r"model.expert and train.flow_shift are for Wan"),
+        ({"train.flow_shift": 3.0}, r"train.flow_shift is read by the wan families' training; ltx2 does not"),
         ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
         ({}, r"data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate"),
     ],

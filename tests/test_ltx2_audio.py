@@ -105,7 +105,7 @@ def test_sound_trains_and_both_held_out_losses_fall(sound_run):
 def test_cached_sound_is_the_windows_mel_through_the_audio_vae(sound_run):
     """A clip's cached sound is its window's log-mel through the audio VAE.
 
-    Each clip's audio entry is encode_mel of its window's log-mel (sound.log_mel with the VAE's
+    Each clip's audio entry is encode_mel of its window's log-mel (data.log_mel with the VAE's
     settings), every latent frame the VAE gives kept (1 + (mel frames - 1) // 4); the clip without
     sound has none."""
     _, cfg = sound_run

@@ -180,9 +180,9 @@ def test_training_takes_the_encoders_means(ltx2_models):
 def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_settings, ltx2_data, tmp_path):
     """validation.gen_fps = 0 (the default): the mp4 is written at the rate the sound was generated
     for (data.target_fps, else 24), so the frames last as long as their sound; another gen_fps is
-    refused before the cache pass, and by validate.py's renderer (renders without training)."""
+    refused before the cache pass, and by the render command (renders without training)."""
     clip = torch.zeros(17, 32, 32, 3, dtype=torch.uint8)
-    # data.target_fps, as training and validate.py's render command hand it over
+    # data.target_fps, as training and the render command hand it over
     for target_fps in (0, 30):
         adapter = load_adapter(
             ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))),

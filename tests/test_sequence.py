@@ -21,6 +21,7 @@ import torch
 from conftest import REPO, free_port, one_rank_group, read_metrics, run_ok, write_toml
 from safetensors.torch import load_file
 
+import model
 import parallel
 from config import ConfigError, load_config
 from model_adapter import load_adapter
@@ -112,14 +113,14 @@ def test_same_weights_as_one_process(sp_runs, family, name):
 WORKER = r"""
 import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import sequence
+import parallel
 from config import ModelConfig
 from families.ltx2 import AudioStream, VideoStream
-from family_registry import load_adapter
+from model_adapter import load_adapter
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-split = sequence.new_split(2, rank)
+split = parallel.new_split(2, rank)
 report = {}
 
 # The primitives on 5 tokens (3 + 2): the whole sequence's heads and back; gather; their gradients are
@@ -408,11 +409,12 @@ def test_errors_name_the_valid_sizes(write_config):
         load_config(str(write_config("zero", **{"parallel.sp_size": 0})))
 
 
-def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
-    """LTX-2 takes sequence parallelism, its audio heads checked as the video's.
+def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models, monkeypatch):
+    """LTX-2 takes sequence parallelism, its audio heads checked as the video's, before the cache pass.
 
     The config accepts LTX-2 with sp (it refused it before the split was built); the video-to-audio
-    attention splits the audio heads, so their count is checked as the video's is."""
+    attention splits the audio heads, so their count is checked as the video's is, by the setup step
+    (the family's sequence_heads), before any clip is read."""
     cfg = load_config(
         str(
             write_config(
@@ -430,8 +432,9 @@ def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models):
     )
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     adapter.transformer_config["audio_num_attention_heads"] = 3
+    monkeypatch.setattr(model, "load_adapter", lambda *args: adapter)
     with (
-        one_rank_group(),
+        one_rank_group() as d,
         pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"),
     ):
-        adapter.split_sequence(adapter.load_transformer(), parallel.SequenceSplit(None, 2, 0))
+        model.setup_adapter(cfg, d)

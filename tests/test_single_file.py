@@ -242,7 +242,7 @@ def test_an_fp8_file_dequantizes_as_comfyui_does(family, form, folders, tmp_path
     assert fp8 and fp8.keys() == {k for k, v in stored.items() if k.startswith("blocks.") and v.ndim == 2}
     assert ("scaled_fp8" in stored) == (form == "scaled")
     params = tensors(ours)
-    for key, name in file_adapter.single_file.file_keys.items():
+    for key, name in file_adapter.weights.file_keys.items():
         if name in fp8:
             scale = stored.get(name.removesuffix("weight") + "scale_weight", torch.tensor(1.0)).float()
             assert (form == "cast") == (scale == 1.0)
@@ -299,7 +299,7 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
     model.storage_dtype = "fp8" on an fp8 file (a plain cast, ComfyUI's scaled fp8): each of its fp8
     weights keeps the file's bytes and its scale (1 for a cast), spread to every row in fp32,
     without FSDP and under it (one rank): rounded once, by the file's maker, not dequantized and
-    quantized again. An e5m2 cast, which storage.py does not keep, is quantized once from its values
+    quantized again. An e5m2 cast, which memory.py does not keep, is quantized once from its values
     at full precision."""
     path = tmp_path / "model.safetensors"
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=form == "scaled")
@@ -324,7 +324,7 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
         }
         del model
     stored = load_file(path)
-    fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].itemsize == 1}
+    fp8 = {key: name for key, name in adapter.weights.file_keys.items() if stored[name].itemsize == 1}
     assert fp8
     for params in (whole, sharded):
         for key, name in fp8.items():

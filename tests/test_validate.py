@@ -176,13 +176,13 @@ def test_fsdp_clips_equal_one_process(runs):
 def test_render_command_reproduces_training_clips(runs):
     """The render command reproduces the training clips.
 
-    `validate.py --checkpoint` (render.py's command) renders the training clip exactly (with the EMA
+    `render.py --checkpoint` (render.py's command) renders the training clip exactly (with the EMA
     weights, as validation does); `--online` and the exported LoRA, in one process or on 2 FSDP
     ranks, render the online weights."""
     out, cfg = runs / "one", str(runs / "one.toml")
     lora_file = out / "lora" / "pytorch_lora_weights.safetensors"
     # one command, two names
-    for extra, script in (([], "validate.py"), (["--online"], "render.py")):
+    for extra, script in (([], "render.py"), (["--online"], "render.py")):
         run_ok(
             ["--cfg", cfg, "--checkpoint", str(out / "checkpoint-4"), "--prompt", PROMPTS[0], *extra],
             script=script,
@@ -195,7 +195,7 @@ def test_render_command_reproduces_training_clips(runs):
         run_ok(
             ["--cfg", cfg, "--lora", str(lora_file), "--prompt", PROMPTS[0], *overrides],
             nproc=nproc,
-            script="validate.py",
+            script="render.py",
         )
         assert torch.equal(frames_of(render_of(out, "render_pytorch_lora_weights_prompt_0")), online)
     _, rate = decode_mp4(render_of(out, "render_checkpoint-4_prompt_0"))
@@ -498,9 +498,7 @@ def test_render_command_errors(runs):
     No prompt, or a config that does not describe the checkpoint: exit 1 with the fix in the
     message; a stop signal during the render: exit 1."""
     out = runs / "one"
-    no_prompt = run_cmd(
-        ["--cfg", str(runs / "plain.toml"), "--validation.prompts", "[]"], script="validate.py"
-    )
+    no_prompt = run_cmd(["--cfg", str(runs / "plain.toml"), "--validation.prompts", "[]"], script="render.py")
     assert (
         no_prompt.returncode == 1
         and "nothing to render: pass --prompt" in no_prompt.stderr + no_prompt.stdout
@@ -516,7 +514,7 @@ def test_render_command_errors(runs):
             "--lora.rank",
             "8",
         ],
-        script="validate.py",
+        script="render.py",
     )
     assert (
         wrong.returncode == 1
@@ -526,7 +524,7 @@ def test_render_command_errors(runs):
     # Stopped by a signal, it has written nothing for a relaunch to continue: not a success.
     stopped = run_cmd(
         ["--cfg", str(runs / "one.toml"), "--prompt", "a", "--validation.num_inference_steps", "2"],
-        script="validate.py",
+        script="render.py",
         env={"VIDTRAIN_FAULT": "render_sigterm:2"},
     )
     assert stopped.returncode == 1 and "stopped by a signal before the clips were written" in stopped.stderr

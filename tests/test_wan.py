@@ -281,7 +281,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
 
     cfg = load_config(str(tmp_path / "lora.toml"))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
-    # lora.init_from (and validate.py --lora) read the ComfyUI file back to the same weights.
+    # lora.init_from (and render.py --lora) read the ComfyUI file back to the same weights.
     comfy_weights, comfy_info = lora.load_lora(
         str(next((lora_file.parent / "comfy").glob("*"))), adapter.diffusers_key
     )
@@ -662,9 +662,9 @@ def test_refusals_name_the_key(wan_models, base_settings, tiny_data, tmp_path):
 
 
 def test_validate_renders_between_the_images(wan_models, base_settings, tiny_data, tmp_path, caplog):
-    """validate.py --last-image renders between the images.
+    """render.py --last-image renders between the images.
 
-    validate.py --last-image renders the base model's clip; without it a first-last-frame model is
+    render.py --last-image renders the base model's clip; without it a first-last-frame model is
     refused, and an image-to-video model refuses one."""
     from conftest import write_toml
 
@@ -685,7 +685,7 @@ def test_validate_renders_between_the_images(wan_models, base_settings, tiny_dat
     )
     refusals = {
         "is a first-last-frame model (Wan FLF2V): each validation prompt renders between its image and its "
-        "last image; set validation.last_images (validate.py: --last-image), one per prompt": [config],
+        "last image; set validation.last_images (render.py: --last-image), one per prompt": [config],
         "validation.last_images conditions first-last-frame models, and": [
             str(write_toml(tmp_path / "i2v.toml", i2v)),
             "--last-image",

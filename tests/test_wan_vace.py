@@ -699,7 +699,7 @@ def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
 def test_validate_renders_with_a_reference(
     wan_models, base_settings, tiny_data, tmp_path, caplog, monkeypatch
 ):
-    """validate.py --reference renders the base model's clip of each prompt with its reference
+    """render.py --reference renders the base model's clip of each prompt with its reference
     image, under a name that tells references apart (another reference writes another clip: here two
     references, "|" between them, with --control and --mask); --mask without --control is refused
     before any model is read."""

@@ -120,7 +120,7 @@ def test_render_names(base_settings, tmp_path):
         Image.new("RGB", (8, 8), colour).save(image)
     settings = {**base_settings, "run.output_dir": str(tmp_path), "validation.prompts": ["a", "b"]}
     cfg = load_config(str(write_toml(tmp_path / "run.toml", settings)))
-    cfg.validation.images = [str(p) for p in images]  # as validate.py's --image sets them (i2v)
+    cfg.validation.images = [str(p) for p in images]  # as render.py's --image sets them (i2v)
     run = str(tmp_path / "checkpoint-4")
     names = render.render_names(cfg, run, None, False)
     assert all(re.fullmatch(rf"render_checkpoint-4_prompt_{i}_[0-9a-f]{{8}}", n) for i, n in enumerate(names))
@@ -152,7 +152,7 @@ def test_render_names(base_settings, tmp_path):
 def test_a_checkpoint_shard_as_lora_is_named(tmp_path):
     """A checkpoint's shard passed as a LoRA is named.
 
-    A .distcp file, or a checkpoint folder, passed as validate.py --lora: named, with what to pass
+    A .distcp file, or a checkpoint folder, passed as render.py --lora: named, with what to pass
     instead."""
     checkpoint = tmp_path / "checkpoint-4"
     checkpoint.mkdir()

@@ -849,20 +849,27 @@ def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
     (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+# Each family's tiny models: its variants, the default one, and the function that writes one. The one
+# place a family registers its maker: --family's choices and the tests' fixtures (tests/conftest.py)
+# are read from it.
+TINY = {
+    "cogvideox": (COGVIDEOX_VARIANTS, "5b", make_tiny_model),
+    "wan": (WAN_VARIANTS, "t2v", make_tiny_wan),
+    "ltx2": (LTX2_VARIANTS, "2.0", make_tiny_ltx2),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True)
-    parser.add_argument("--family", choices=["cogvideox", "wan", "ltx2"], default="cogvideox")
-    parser.add_argument("--variant", help="default: 5b (CogVideoX), t2v (Wan), 2.0 (LTX-2)")
+    parser.add_argument("--family", choices=list(TINY), default="cogvideox")
+    defaults = ", ".join(f"{default} ({family})" for family, (_, default, _) in TINY.items())
+    parser.add_argument("--variant", help=f"default: {defaults}")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    variants, default, make = {
-        "cogvideox": (COGVIDEOX_VARIANTS, "5b", make_tiny_model),
-        "wan": (WAN_VARIANTS, "t2v", make_tiny_wan),
-        "ltx2": (LTX2_VARIANTS, "2.0", make_tiny_ltx2),
-    }[args.family]
+    variants, default, make = TINY[args.family]
     variant = args.variant or default
     if variant not in variants:
         parser.error(f"--variant {variant} is not a {args.family} variant: one of {', '.join(variants)}")

@@ -41,7 +41,7 @@ FILE_NAMES = {dtype: name for name, dtype in FILE_DTYPES.items()}
 def adapter_class(model_dir: Path):
     """The family's adapter class, from the folder's model_index.json.
 
-    As family_registry.load_adapter tells it."""
+    As model_adapter.load_adapter tells it."""
     pipeline = json.loads((model_dir / "model_index.json").read_text())["_class_name"]
     return model_adapter.adapter_class(
         next(f for f in model_adapter.ADAPTERS if pipeline.lower().startswith(f))
