@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 import model
 import parallel
+import ranks
 from config import ConfigError, load_config
 from model_adapter import load_adapter
 
@@ -435,6 +436,6 @@ def test_ltx2_takes_sequence_parallelism(write_config, ltx2_models, monkeypatch)
     monkeypatch.setattr(model, "load_adapter", lambda *args: adapter)
     with (
         one_rank_group() as d,
-        pytest.raises(ConfigError, match=r"does not divide this model's 3 attention heads"),
+        pytest.raises(ranks.StopRun, match=r"does not divide this model's 3 attention heads"),
     ):
         model.setup_adapter(cfg, d)

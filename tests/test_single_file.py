@@ -242,7 +242,7 @@ def test_an_fp8_file_dequantizes_as_comfyui_does(family, form, folders, tmp_path
     assert fp8 and fp8.keys() == {k for k, v in stored.items() if k.startswith("blocks.") and v.ndim == 2}
     assert ("scaled_fp8" in stored) == (form == "scaled")
     params = tensors(ours)
-    for key, name in file_adapter.weights.file_keys.items():
+    for key, name in file_adapter.single_file.file_keys.items():
         if name in fp8:
             scale = stored.get(name.removesuffix("weight") + "scale_weight", torch.tensor(1.0)).float()
             assert (form == "cast") == (scale == 1.0)
@@ -324,7 +324,7 @@ def test_fp8_storage_keeps_an_fp8_files_values_and_scale(form, folders, tmp_path
         }
         del model
     stored = load_file(path)
-    fp8 = {key: name for key, name in adapter.weights.file_keys.items() if stored[name].itemsize == 1}
+    fp8 = {key: name for key, name in adapter.single_file.file_keys.items() if stored[name].itemsize == 1}
     assert fp8
     for params in (whole, sharded):
         for key, name in fp8.items():
