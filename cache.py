@@ -659,7 +659,6 @@ class VideoEncoding:
         return len(good) + len(bad), bad
 
 
-log = logging.getLogger("vidtrain")
 HEADERS_PER_ROUND = 256  # per rank; a header from the manifest costs a stat, a new one ~30 ms
 
 

@@ -419,9 +419,6 @@ def has_ema(path: str) -> bool:
     )
 
 
-log = logging.getLogger("vidtrain")
-
-
 def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: LoraConfig) -> dict:
     """What a checkpoint must match to be resumed.
 
@@ -745,9 +742,6 @@ def load_weights(model, path: str, training_type: str, identity: dict, d: ranks.
 # training (trainer.py) and by `python ckpt.py export` (ckpt.py) for any checkpoint.
 
 
-log = logging.getLogger("vidtrain")
-
-
 def export(
     model,
     training_type: str,
@@ -837,9 +831,6 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str)
 # model as training does, loads the checkpoint's trained weights (ckpt.load_weights) and writes them
 # with ckpt.py, by default into RUN/exports/checkpoint-N/; rehash rewrites a checkpoint's meta.json
 # from the files now there (ckpt.py holds the files and their checks).
-
-
-log = logging.getLogger("vidtrain")
 
 
 def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> None:

@@ -483,9 +483,6 @@ def open_single_file(files: list[str], adapter, marks: dict[str, str]) -> Single
 # same way; it uses the family's TRANSFORMER, blocks and single file.
 
 
-log = logging.getLogger("vidtrain")
-
-
 def resolved_config(model_class, path: Path, subfolder: str) -> dict:
     """The config the class builds from a folder: its config.json over the class's own defaults."""
     defaults = {
