@@ -253,9 +253,11 @@ class Adapter(TransformerLoading, abc.ABC):
     sound_rate: int
     audio_loss_weight: float
     # Read from RunSettings by the families that use them: `shift` (flow_shift, flow matching) and
-    # `frame_rate` (positions counted in seconds).
+    # `frame_rate` (positions counted in seconds); set for every family, read by the flow families
+    # (their READS: TIMESTEP_KEYS), `timestep_sampling` (train.timestep_sampling, train.loss_weighting).
     shift: float
     frame_rate: float
+    timestep_sampling: TimestepSampling
     SOUND = (
         "AUDIO_DTYPE",
         "audio_sample_rate",
