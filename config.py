@@ -131,8 +131,8 @@ class TrainConfig:
     # is drawn. "" the family's own draw (its makers': docs/models/), "uniform", "logit_normal"
     # (sigmoid of a normal of train.logit_mean and train.logit_std, SD3's), "mode" (SD3's mode
     # sampling at train.mode_scale), "sigmoid" (logit-normal at mean 0, its scale train.logit_std:
-    # musubi-tuner's and ai-toolkit's name). The named draws take no shift (train.flow_shift shifts
-    # the family's own).
+    # musubi-tuner's and sd-scripts' name, their sigmoid_scale). The named draws take no shift
+    # (train.flow_shift shifts the family's own).
     timestep_sampling: Literal["", "uniform", "logit_normal", "mode", "sigmoid"] = ""
     # "logit_normal": the normal's mean (above 0 favours noisier samples).
     logit_mean: float = 0.0

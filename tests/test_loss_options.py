@@ -189,7 +189,7 @@ def test_the_draws_follow_sd3s_formulas(sampling, settings):
 
 
 def test_sigmoid_is_the_logit_normal_at_mean_0():
-    """ "sigmoid" (musubi-tuner's, its scale train.logit_std): logit(s) has mean 0 and that standard
+    """ "sigmoid" (musubi-tuner's and sd-scripts', its scale train.logit_std): logit(s) has mean 0 and that standard
     deviation."""
     logits = torch.logit(TimestepSampling("sigmoid", logit_std=1.3).draw(generators(20000)).double())
     assert abs(float(logits.mean())) < 0.03 and abs(float(logits.std()) - 1.3) < 0.03
