@@ -4,7 +4,7 @@ The pass is batched, spread over ranks and resumable.
 
     python cache.py --cfg FILE.toml [overrides]     # this pass only (torchrun works too)
 
-Five kinds of entry (video, image, text, audio, control), one safetensors file each, named by a hash
+Six kinds of entry (video, image, text, audio, control, loss_mask), one safetensors file each, named by a hash
 of what produced it (Cache.path says what): an interrupted pass resumes where it was, and a
 fine-tuned VAE or T5 never reuses stale entries. The manifest keeps the headers and hashes.
 
@@ -48,7 +48,7 @@ from model import setup_adapter
 # micro-batch's entries, and the read-ahead that brings the next micro-batch in while the current one
 # computes. cache.py runs the pass that writes them; the trainer only reads.
 #
-# Five kinds of entry, one safetensors file each, named by a hash of what produced it:
+# Six kinds of entry, one safetensors file each, named by a hash of what produced it:
 # - video: the VAE posterior (mean, log-variance) of a clip, keyed by the clip's content, its
 #   preprocessing (bucket, rate, first frame, crop, resize) and the VAE's content;
 # - image (image-to-video): the conditioning image's posterior, keyed by the same plus the image's
@@ -65,6 +65,9 @@ from model import setup_adapter
 #   keyed by the clip's video key and the control file's content (Wan VACE: and its mask's and
 #   reference images', its control video possibly none): a changed control video is re-encoded, the
 #   clip's latents kept.
+# - loss_mask (data.loss_mask_column): the clip's loss mask on its latent grid [1, F', h, w]
+#   (model_adapter.latent_weights of data.decode_control's frames; all 1 for a clip without one),
+#   keyed by the clip's video key (its grid) and the mask file's content.
 # So recaptioning encodes prompts and no video, a per-node copy of a model or of the clips reuses what
 # its twin encoded, and a fine-tuned VAE or T5 never reuses stale entries. Entries are written
 # atomically: an interrupted pass resumes where it was. cache.py keeps the headers and hashes.
@@ -81,7 +84,7 @@ def _key(**parts) -> str:
 
 
 class Cache:
-    """Entries under cache_dir/{video,image,text,audio,control}/<2 hex digits>/, named by what
+    """Entries under cache_dir/{video,image,text,audio,control,loss_mask}/<2 hex digits>/, named by what
     produced them."""
 
     def __init__(
@@ -94,10 +97,12 @@ class Cache:
         audio_dtype: str | None = None,
         control: bool = False,
         control_key: dict | None = None,
+        loss_mask: bool = False,
     ):
         """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound
         entries. control: whether each clip has a control entry; control_key: what else its key
-        holds (the adapter's control_key)."""
+        holds (the adapter's control_key). loss_mask: whether each clip has a loss mask entry
+        (data.loss_mask_column)."""
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
         self.encoders, self.text_length, self.dtype, self.image_seed = (
             encoders,
@@ -107,7 +112,7 @@ class Cache:
         )
         self.audio_dtype, sound = audio_dtype, audio_dtype is not None
         self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * sound
-        self.kinds += ("control",) * control
+        self.kinds += ("control",) * control + ("loss_mask",) * loss_mask
         self.control_key = control_key or {}
 
     def path(self, item: data.Item, kind: str) -> str:
@@ -147,6 +152,9 @@ class Cache:
                 **vace,
                 **self.control_key,
             )
+        elif kind == "loss_mask":  # on the video entry's latent grid: its key names the VAE
+            video = os.path.basename(self.path(item, "video"))
+            key = _key(video=video, loss_mask=item.loss_mask_content)
         else:
             key = _key(
                 content=item.content,
@@ -326,11 +334,12 @@ class Manifest:
 
     def clip_entries(
         self, clip, with_image: bool, with_last: bool = False, with_control: bool = False, vace: bool = False
-    ) -> tuple[dict, str | None, str | None, dict | None, list]:
+    ) -> tuple[dict, str | None, str | None, dict | None, dict | None, list]:
         """The clip's entry, (image-to-video) its image's and (first-last-frame) its last image's
         content hashes, (a control model) its control video's entry under "video" (None: a Wan VACE
         clip without one) with Wan VACE's mask entry (or None) under "mask" and its reference images'
-        hashes under "reference", reading what is not known yet; and the new entries.
+        hashes under "reference", its loss mask's entry (or None), reading what is not known yet;
+        and the new entries.
         decode.MediaError names the file that failed, or the missing last image or control video."""
         new = []
 
@@ -373,7 +382,8 @@ class Manifest:
                 "mask": clip.mask and entry(clip.mask, "mask"),
                 "reference": tuple(entry(path, "reference")["content"] for path in clip.reference),
             }
-        return video, image, last, control, new
+        loss_mask = clip.loss_mask and entry(clip.loss_mask, "loss mask")
+        return video, image, last, control, loss_mask, new
 
     def save(self) -> None:
         if not self.changed:
@@ -576,8 +586,17 @@ class VideoEncoding:
 
     def decoded(self, item: data.Item):
         """(video, (first image, last image), the image's distance from the first frame, sound,
-        control)."""
-        audio = control = None
+        control, the loss mask on the latent grid)."""
+        audio = control = weights = None
+        if "loss_mask" in self.todo[item]:  # none: the whole frame counts
+            frames, height, width = item.resolution
+            pixels = (
+                data.decode_control(item, self.threads, "loss_mask")
+                if item.loss_mask_content
+                else torch.full((frames, height, width, 3), 255, dtype=torch.uint8)
+            )
+            a = self.adapter
+            weights = model_adapter.latent_weights(pixels, a.temporal_ratio, a.spatial_ratio)
         if "audio" in self.todo[item]:
             audio = data.decode_audio(item, self.adapter.audio_sample_rate, self.adapter.audio_channels)
         if "control" in self.todo[item]:
@@ -586,17 +605,18 @@ class VideoEncoding:
             if self.adapter.vace:
                 control = (
                     control,
-                    data.decode_control(item, self.threads, mask=True) if item.mask_content else None,
+                    data.decode_control(item, self.threads, "mask") if item.mask_content else None,
                     data.load_references(item),
                 )
         if not self.todo[item] & {"video", "image"}:
-            return None, None, 0.0, audio, control
+            return None, None, 0.0, audio, control, weights
         video = data.decode_clip(item, self.threads)
         last = data.load_image(item, last=True) if item.last_image_content is not None else None
         if not (item.clip.image and self.cache.image_seed is not None):
-            return video, (video[0], last), 0.0, audio, control  # the window's own first frame
+            return video, (video[0], last), 0.0, audio, control, weights  # the window's own first frame
         image = data.load_image(item)
-        return video, (image, last), float((image.float() - video[0].float()).abs().mean()), audio, control
+        difference = float((image.float() - video[0].float()).abs().mean())
+        return video, (image, last), difference, audio, control, weights
 
     def write_audio(self, item: data.Item, audio) -> None:
         entry = {}  # no sound: an empty entry says so
@@ -614,10 +634,12 @@ class VideoEncoding:
         good, bad = [], []
         for item in mine[r] if r < len(mine) else []:
             try:
-                video, image, difference, audio, control = self.pending.pop(item).result()
+                video, image, difference, audio, control, weights = self.pending.pop(item).result()
             except data.BadClip as e:
                 bad.append(data.Problem(item.clip, str(e)))
                 continue
+            if weights is not None:
+                self.cache.write(item, "loss_mask", {"loss_mask": weights})
             good.append((item, video, image, audio, control))
             if difference > IMAGE_DIFFERENCE:
                 name = f"{item.clip.source} line {item.clip.line}: {item.clip.image}"
@@ -687,16 +709,16 @@ def plan_all(
             out = []
             for i in share[r * HEADERS_PER_ROUND : (r + 1) * HEADERS_PER_ROUND]:
                 try:
-                    video, image, last, controls, new = manifest.clip_entries(
+                    video, image, last, controls, loss_mask, new = manifest.clip_entries(
                         clips[i], i2v, first_last, control, vace
                     )
                 except decode.MediaError as e:
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
-                extra = {}
+                extra = {"loss_mask": loss_mask and (media_of(loss_mask), loss_mask["content"])}
                 if controls:  # Wan VACE: the mask's header and hash, the references' hashes
                     header = lambda e: e and (media_of(e), e["content"])  # noqa: E731
-                    extra = {"mask": header(controls["mask"]), "reference_content": controls["reference"]}
+                    extra |= {"mask": header(controls["mask"]), "reference_content": controls["reference"]}
                     controls = header(controls["video"])
                 planned = data.plan_clip(
                     clips[i],
@@ -805,6 +827,7 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
         adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
         adapter.takes_control,
         adapter.control_key(),
+        bool(cfg.data.loss_mask_column),
     )
     check_last_images(adapter, clips, cfg.data)
     check_controls(adapter, cfg.data, clips)
@@ -827,7 +850,9 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
     gone = [
         data.Problem(p.clip, "does not exist")
         for p, missing, present in planned
-        if isinstance(p, data.Item) and missing & {"video", "image", "audio", "control"} and not present
+        if isinstance(p, data.Item)
+        and missing & {"video", "image", "audio", "control", "loss_mask"}
+        and not present
     ]
     gone_clips = {problem.clip for problem in gone}
     problems = [p for p, _, _ in planned if isinstance(p, data.Problem)] + gone
@@ -846,7 +871,9 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
     # before the VAE: on one card T5-XXL's 9 GB would sit beside its encoding
     adapter.release_text_encoder()
     video_todo = {
-        item: missing for item, missing in items if missing & {"video", "image", "audio", "control"}
+        item: missing
+        for item, missing in items
+        if missing & {"video", "image", "audio", "control", "loss_mask"}
     }
     failed = encode_videos(video_todo, adapter, cache, cfg.data, cfg.run.seed, d)
     adapter.release_encoders()

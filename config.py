@@ -127,6 +127,23 @@ class TrainConfig:
     # timestep shift, s = shift u / (1 + (shift - 1) u); 0 takes the scheduler config's flow_shift
     # (diffusers recommends 3.0 at 480p, 5.0 at 720p).
     flow_shift: float = 0.0
+    # The flow-matching families (Adapter.READS; docs/training.md): how each sample's noise level s
+    # is drawn. "" the family's own draw (its makers': docs/models/), "uniform", "logit_normal"
+    # (sigmoid of a normal of train.logit_mean and train.logit_std, SD3's), "mode" (SD3's mode
+    # sampling at train.mode_scale), "sigmoid" (logit-normal at mean 0, its scale train.logit_std:
+    # musubi-tuner's and sd-scripts' name, their sigmoid_scale). The named draws take no shift
+    # (train.flow_shift shifts the family's own).
+    timestep_sampling: Literal["", "uniform", "logit_normal", "mode", "sigmoid"] = ""
+    # "logit_normal": the normal's mean (above 0 favours noisier samples).
+    logit_mean: float = 0.0
+    # "logit_normal" and "sigmoid": the normal's standard deviation.
+    logit_std: float = 1.0
+    # "mode": SD3's scale, between -1 and 1.75 (where the draw stays monotone); 0 is uniform.
+    mode_scale: float = 1.29
+    # The flow-matching families: each sample's loss weighted by its noise level s: "none",
+    # "bell" (DiffSynth-Studio's, exp(-2 (s - 1/2)^2) less its value at the ends, mean 1 over
+    # s in [0, 1]) or "cosmap" (SD3's, 2 / (pi (1 - 2 s + 2 s^2))). The held-out loss is unweighted.
+    loss_weighting: Literal["none", "bell", "cosmap"] = "none"
     # Families with sound: the loss is the video loss plus this times the audio loss.
     audio_loss_weight: float = 1.0
     # One family's key (docs/models/), for in-context models (model.type = "ic"): the probability
@@ -211,6 +228,11 @@ class DataConfig:
     # styles the clip shows, each fitted into the frame on white as the pipeline does; an empty
     # line: none. Every clip has as many.
     reference_column: str = ""
+    # Every family: file under data_root with one loss mask per line (metadata files: a loss_mask
+    # column), a video read as control videos are (the window's frames, resized and cropped as the
+    # clip) or an image for every frame: white counts in the loss, black not, grey in between
+    # (docs/training.md). An empty line (or entry): the clip's whole frame counts.
+    loss_mask_column: str = ""
     # [frames, height, width] that every clip is resized, cropped and cut to.
     train_resolution: list[int] = field(default_factory=lambda: [49, 480, 720])
     # Latent and text-embedding cache; "" means <data_root>/.cache.
@@ -557,6 +579,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"train.flow_shift must be 0 (the scheduler's) or positive, got {cfg.train.flow_shift}"
         )
+    check_timestep_sampling(cfg.train)
     if cfg.train.audio_loss_weight < 0:
         raise ConfigError(f"train.audio_loss_weight must be 0 or positive, got {cfg.train.audio_loss_weight}")
     # t2v, and ic (its condition is a control video)
@@ -569,6 +592,33 @@ def check_values(cfg: Config) -> None:
     if len(cfg.validation.resolution) not in (0, 3):
         raise ConfigError(
             f"validation.resolution must be [] or [frames, height, width], got {cfg.validation.resolution}"
+        )
+
+
+def check_timestep_sampling(t: TrainConfig) -> None:
+    """train.timestep_sampling's parameters in range, and each set only beside the draw that reads
+    it."""
+    if t.logit_std <= 0 or not -1 <= t.mode_scale <= 1.75:
+        raise ConfigError(
+            f"train.logit_std must be positive (got {t.logit_std}) and train.mode_scale between -1 and "
+            f"1.75 (got {t.mode_scale}), where SD3's mode draw stays monotone"
+        )
+    readers = {
+        "logit_mean": ("logit_normal",),
+        "logit_std": ("logit_normal", "sigmoid"),
+        "mode_scale": ("mode",),
+    }
+    for key, samplings in readers.items():
+        if getattr(t, key) != getattr(TrainConfig(), key) and t.timestep_sampling not in samplings:
+            named = " or ".join(f'"{s}"' for s in samplings)
+            raise ConfigError(
+                f"train.{key} shapes train.timestep_sampling = {named}, and "
+                f'it is "{t.timestep_sampling}": remove train.{key}, or set the sampling that reads it'
+            )
+    if t.flow_shift and t.timestep_sampling:
+        raise ConfigError(
+            f'train.flow_shift shifts the family\'s own timestep draw (train.timestep_sampling = ""), '
+            f'and train.timestep_sampling = "{t.timestep_sampling}" draws s itself: remove one of them'
         )
 
 

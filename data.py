@@ -46,7 +46,7 @@ METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 # path with it is listed in metadata.jsonl's JSON list); and the columns whose entry may be empty
 # (none: Wan VACE's control video, mask, references).
 REFERENCES = "|"
-OPTIONAL = ("control", "mask", "reference")
+OPTIONAL = ("control", "mask", "reference", "loss_mask")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Clip:
     control: Path | None = None  # a control video aligned with the clip (data.control_column)
     mask: Path | None = None  # Wan VACE: the control's mask, a video or an image (data.mask_column)
     reference: tuple[Path, ...] = ()  # Wan VACE: its reference images (data.reference_column)
+    loss_mask: Path | None = None  # the loss's weights, a video or an image (data.loss_mask_column)
 
 
 @dataclass(frozen=True)
@@ -131,12 +132,13 @@ def _cogvideo_rows(root: Path, cfg: DataConfig) -> tuple[str, list[tuple[int, di
         "control": cfg.control_column,
         "mask": cfg.mask_column,
         "reference": cfg.reference_column,
+        "loss_mask": cfg.loss_mask_column,
     }
     values = {key: _list_file(root / name) for key, name in columns.items() if name and key not in OPTIONAL}
     for key in OPTIONAL:  # an empty line: the clip has none
         if columns[key]:
             values[key] = _list_file(root / columns[key], len(values["prompt"]))
-    for key in ("video", "image", "last_image", "control", "mask", "reference"):
+    for key in ("video", "image", "last_image", "control", "mask", "reference", "loss_mask"):
         if key in values and len(values[key]) != len(values["prompt"]):
             raise ConfigError(
                 f"{root / cfg.caption_column} has {len(values['prompt'])} lines but {root / columns[key]} has "
@@ -205,13 +207,19 @@ def read_clips(cfg: DataConfig) -> list[Clip]:
                 row["prompt"].strip(),
                 line,
                 source,
-                *(root / path.strip() if isinstance(path, str) and path.strip() else None for path in paths),
+                *(_path(root, path) for path in paths),
                 _references(root, row.get("reference"), listed, line),
+                _path(root, row.get("loss_mask")),
             )
         )
     if not clips:
         raise ConfigError(f"{source} lists no clips")
     return clips
+
+
+def _path(root: Path, entry) -> Path | None:
+    """An optional column's path under data_root; None for an empty entry."""
+    return root / entry.strip() if isinstance(entry, str) and entry.strip() else None
 
 
 def _references(root: Path, entry, source: str, line: int) -> tuple[Path, ...]:
@@ -262,6 +270,8 @@ class Item:
     mask_content: str | None = None  # and the hash of its bytes
     # Wan VACE: the hashes of the reference images (data.reference_column), in order
     reference_content: tuple[str, ...] = ()
+    loss_mask_media: decode.Media | None = None  # the loss mask's header (data.loss_mask_column)
+    loss_mask_content: str | None = None  # and the hash of its bytes
 
     def preprocessing(self) -> dict:
         """Everything besides the content and the encoder that shapes the clip's latents."""
@@ -332,6 +342,7 @@ def plan_clip(
     control: tuple[decode.Media, str] | None = None,
     mask: tuple[decode.Media, str] | None = None,
     reference_content: tuple[str, ...] = (),
+    loss_mask: tuple[decode.Media, str] | None = None,
 ) -> Item | Problem:
     """Plan a clip's bucket, frames and crop from its header alone.
 
@@ -340,7 +351,8 @@ def plan_clip(
     (`image_content`); without one, image-to-video conditions on the window's own first frame. A
     clip with a last image (`last_image_content`, first-last-frame) ends its window at its last
     frame. A control video (`control`: its header and content hash) must show every frame time of
-    the window, and so must a mask video (`mask`, Wan VACE; a mask image stands for every frame)."""
+    the window, and so must a mask video (`mask`, Wan VACE; a mask image stands for every frame) and
+    a loss mask video (`loss_mask`)."""
     rate = 0.0 if media.image else cfg.target_fps or media.fps
     available = decode.available_frames(media, rate)
     bucket = choose_bucket(shapes, media.height, media.width, available)
@@ -397,6 +409,14 @@ def plan_clip(
                 f"frames {start} to {shown - 1}: give each clip a mask video as long as "
                 "the clip, or one image",
             )
+    lacking = loss_mask is not None and not loss_mask[0].image
+    if lacking and decode.available_frames(loss_mask[0], rate) < min(start + frames, available):
+        return Problem(
+            clip,
+            f"loss mask {clip.loss_mask} has {decode.available_frames(loss_mask[0], rate)} frames, but "
+            f"the clip's window needs its frames {start} to {min(start + frames, available) - 1}: give "
+            "each clip a loss mask video as long as the clip, or one image",
+        )
     return Item(
         clip,
         media,
@@ -414,6 +434,7 @@ def plan_clip(
         *(control or (None, None)),
         *(mask or (None, None)),
         reference_content,
+        *(loss_mask or (None, None)),
     )
 
 
@@ -437,24 +458,21 @@ def decode_clip(item: Item, threads: int = 0) -> torch.Tensor:
         raise BadClip(str(e)) from None
 
 
-def decode_control(item: Item, threads: int = 0, mask: bool = False) -> torch.Tensor:
-    """The control video's frames of the planned window (with `mask`, Wan VACE's mask's, an image
-    mask for every frame): those shown at the clip's frame times (whatever the control's own rate),
-    resized to the clip's resized size (whatever the control's own) and cropped as the clip's frames
-    are: uint8 [F, H, W, 3], frame k aligned with decode_clip's frame k."""
+def decode_control(item: Item, threads: int = 0, kind: str = "control") -> torch.Tensor:
+    """The control video's frames of the planned window (kind "mask": Wan VACE's mask's; "loss_mask":
+    the loss mask's; an image stands for every frame): those shown at the clip's frame times
+    (whatever the control's own rate), resized to the clip's resized size (whatever the control's
+    own) and cropped as the clip's frames are: uint8 [F, H, W, 3], frame k aligned with decode_clip's
+    frame k."""
     frames, height, width = item.resolution
-    kind, path, media = (
-        ("mask", item.clip.mask, item.mask_media)
-        if mask
-        else ("control", item.clip.control, item.control_media)
-    )
+    path, media = getattr(item.clip, kind), getattr(item, f"{kind}_media")
     try:
         crop = (item.top, item.left, height, width)
         return torch.from_numpy(
             decode.read_frames(path, media, window_times(item), item.resized, crop, item.pad, threads)
         )
     except decode.MediaError as e:
-        raise BadClip(f"{kind} {path}: {e}") from None
+        raise BadClip(f"{kind.replace('_', ' ')} {path}: {e}") from None
 
 
 def load_references(item: Item) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ import abc
 import importlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -71,6 +72,99 @@ def not_a_model_folder(path: str) -> str:
     )
 
 
+def masked_mean(error: torch.Tensor, weights: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The mean of `error` over `dims` with each element weighted (weights broadcast over error's
+    other axes: a latent-grid mask over the channels): a weighted mean, so a loss mask's area leaves
+    the loss's scale as it was; a sample whose weights are all 0 has loss 0."""
+    weights = weights.expand_as(error)
+    return (error * weights).sum(dims) / weights.sum(dims).clamp_min(torch.finfo(error.dtype).tiny)
+
+
+def latent_weights(frames: torch.Tensor, temporal: int, spatial: int) -> torch.Tensor:
+    """A loss mask's frames, uint8 [F, H, W, 3], on the latent grid: weights [1, F', H / spatial,
+    W / spatial] in [0, 1], white 1, black 0.
+
+    As diffusion-pipe (models/base.py:186-187, models/wan/wan.py:347-350): the first channel over
+    255, resized to the latent height and width by nearest-exact. Over time, the causal VAE's
+    grouping: latent frame 0 is pixel frame 0 alone, latent frame k the mean of pixel frames
+    (k - 1) temporal + 1 to k temporal (diffusion-pipe's masks are images, one for every frame)."""
+    height, width = frames.shape[1] // spatial, frames.shape[2] // spatial
+    weights = frames[..., :1].permute(0, 3, 1, 2).float() / 255
+    weights = torch.nn.functional.interpolate(weights, size=(height, width), mode="nearest-exact")[:, 0]
+    later = weights[1:].reshape(-1, temporal, height, width).mean(1)
+    return torch.cat([weights[:1], later])[None]
+
+
+# The shared training keys of the draw of s and of the loss's weight (TimestepSampling): the flow
+# families list them in their READS.
+TIMESTEP_KEYS = (
+    "train.timestep_sampling",
+    "train.logit_mean",
+    "train.logit_std",
+    "train.mode_scale",
+    "train.loss_weighting",
+)
+# train.loss_weighting "bell"'s normaliser: the integral of exp(-2 (s - 1/2)^2) - exp(-1/2) over
+# [0, 1], so that the weight's mean over s uniform in [0, 1] is 1.
+BELL_MEAN = math.sqrt(math.pi / 2) * math.erf(math.sqrt(0.5)) - math.exp(-0.5)
+
+
+@dataclass(frozen=True)
+class TimestepSampling:
+    """train.timestep_sampling and train.loss_weighting: a flow family's draw of each sample's noise
+    level s from its keyed generator, and the loss's weight at s (docs/training.md)."""
+
+    # "" keeps the family's own draw (the family calls draw only otherwise)
+    sampling: str = ""
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    weighting: str = "none"
+
+    def quantile(self, v: torch.Tensor) -> torch.Tensor:
+        """The draw's quantile function: s at probability v in [0, 1] (increasing in v), so that one
+        uniform number per sample gives the distribution (diffusers' training_utils.py:382-389,
+        compute_density_for_timestep_sampling, gives the same distributions from SD3's formulas)."""
+        if self.sampling == "uniform":
+            return v
+        if self.sampling in ("logit_normal", "sigmoid"):
+            mean = self.logit_mean if self.sampling == "logit_normal" else 0.0
+            return torch.sigmoid(mean + self.logit_std * math.sqrt(2) * torch.erfinv(2 * v - 1))
+        # "mode": SD3's f(u) = 1 - u - scale (cos^2(pi u / 2) - 1 + u), decreasing in u, at u = 1 - v
+        u = 1 - v
+        return 1 - u - self.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+
+    def draw(self, generators: list[torch.Generator], low: float = 0.0, high: float = 1.0) -> torch.Tensor:
+        """s per sample [B] in [low, high] (a Wan 2.2 expert's share), one uniform number from each
+        sample's generator: the draw restricted to that range, by its quantiles."""
+        ends = [self._probability(s) for s in (low, high)]
+        v = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+        return self.quantile(ends[0] + (ends[1] - ends[0]) * v).float()
+
+    def _probability(self, s: float) -> float:
+        """The v whose quantile is s, by bisection (the quantile function increases)."""
+        if s in (0.0, 1.0):
+            return s
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (
+                (middle, high)
+                if self.quantile(torch.tensor(middle, dtype=torch.float64)) < s
+                else (low, middle)
+            )
+        return (low + high) / 2
+
+    def weight(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The loss's weight at each s: "bell", DiffSynth-Studio's (diffsynth/diffusion/flow_match.py,
+        set_training_weight, over its 1000 training timesteps 1000 s; normalised here over s in [0,
+        1] instead of its shifted schedule: a constant factor), or "cosmap", SD3's (diffusers'
+        training_utils.py:403-405)."""
+        if self.weighting == "bell":
+            return (torch.exp(-2 * (sigmas - 0.5) ** 2) - math.exp(-0.5)) / BELL_MEAN
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """What a run sets on its family's adapter, handed to the family's constructor (load_adapter).
@@ -88,13 +182,23 @@ class RunSettings:
     frame_rate: float = 0.0
     # train.first_frame_conditioning_p: an in-context sample's chance of a clean first frame.
     first_frame_p: float = 0.0
+    # train.timestep_sampling and its parameters, train.loss_weighting (the flow families').
+    timesteps: TimestepSampling = TimestepSampling()
 
     @classmethod
     def of(cls, cfg: Config) -> "RunSettings":
         """The settings a run's config gives."""
         t, data = cfg.train, cfg.data
+        timesteps = TimestepSampling(
+            t.timestep_sampling, t.logit_mean, t.logit_std, t.mode_scale, t.loss_weighting
+        )
         return cls(
-            t.flow_shift, t.audio_loss_weight, data.audio, data.target_fps, t.first_frame_conditioning_p
+            t.flow_shift,
+            t.audio_loss_weight,
+            data.audio,
+            data.target_fps,
+            t.first_frame_conditioning_p,
+            timesteps,
         )
 
 
@@ -149,9 +253,11 @@ class Adapter(TransformerLoading, abc.ABC):
     sound_rate: int
     audio_loss_weight: float
     # Read from RunSettings by the families that use them: `shift` (flow_shift, flow matching) and
-    # `frame_rate` (positions counted in seconds).
+    # `frame_rate` (positions counted in seconds); set for every family, read by the flow families
+    # (their READS: TIMESTEP_KEYS), `timestep_sampling` (train.timestep_sampling, train.loss_weighting).
     shift: float
     frame_rate: float
+    timestep_sampling: TimestepSampling
     SOUND = (
         "AUDIO_DTYPE",
         "audio_sample_rate",
@@ -349,6 +455,8 @@ class Adapter(TransformerLoading, abc.ABC):
         self.sequence = None  # the SequenceSplit under sequence parallelism (split_sequence)
         # data.audio on a family with sound: the batches may differ in sound.
         self.trains_sound = run.sound and "audio" in self.ENCODERS
+        # train.timestep_sampling and train.loss_weighting: the flow families' (their READS)
+        self.timestep_sampling = run.timesteps
         self._vae = self._text_encoder = self._tokenizer = None
 
     @classmethod

@@ -28,7 +28,7 @@ from transformers import T5EncoderModel
 import lora
 import memory
 from config import ConfigError, ModelConfig
-from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
+from model_adapter import Adapter, RunSettings, log, masked_mean, sample_posterior, to_device
 from parallel import SequenceSplit, split_blocks, stack_qkv
 from weights import parameters_on_meta, rename_key, rename_module, resolved_config
 
@@ -366,14 +366,20 @@ class CogVideoXAdapter(Adapter):
         timesteps: torch.Tensor,
         noise: torch.Tensor,
         condition: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ):
-        """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints."""
+        """Per-sample v-prediction loss in fp32. x0 and noise [B, F, C, h, w]; timesteps [B] ints;
+        weights: a loss mask on the latent grid [B, 1, F', h, w] (data.loss_mask_column)."""
         a = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1, 1)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
         v = a.sqrt() * noise - (1 - a).sqrt() * x0
         rotary = self.rotary_embeddings(x0.shape[1], x0.shape[3], x0.shape[4])
         v_hat = self.predict_v(transformer, x_t, timesteps, prompt_embeds, rotary, condition)
-        return (v_hat - v).pow(2).mean(dim=(1, 2, 3, 4))
+        if weights is None:
+            return (v_hat - v).pow(2).mean(dim=(1, 2, 3, 4))
+        # [B, F, 1, h, w], CogVideoX 1.5's padded frames in front weighted as the first
+        weights = self.pad_frames(weights.to(v.device).float().permute(0, 2, 1, 3, 4))
+        return masked_mean((v_hat - v).pow(2), weights, (1, 2, 3, 4))
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch, every draw from the sample's own generator.
@@ -397,6 +403,7 @@ class CogVideoXAdapter(Adapter):
             to_device(timesteps, x0.device),
             noise,
             condition,
+            batch.get("loss_mask"),
         )
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
@@ -416,6 +423,7 @@ class CogVideoXAdapter(Adapter):
             torch.tensor(timesteps, device=x0.device),
             noise.expand(n, *noise.shape),
             None if condition is None else condition.expand(n, -1, -1, -1, -1),
+            None if "loss_mask" not in batch else batch["loss_mask"].expand(n, -1, -1, -1, -1),
         )
 
     @staticmethod

@@ -55,7 +55,16 @@ from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditi
 
 import data
 from config import Config, ConfigError, ModelConfig
-from model_adapter import DTYPES, Adapter, RunSettings, config_sets, log, to_device
+from model_adapter import (
+    DTYPES,
+    TIMESTEP_KEYS,
+    Adapter,
+    RunSettings,
+    config_sets,
+    log,
+    masked_mean,
+    to_device,
+)
 from parallel import SequenceSplit, split_blocks, stack_qkv
 from weights import Weights, resolved_config
 
@@ -196,6 +205,7 @@ class LTX2Adapter(Adapter):
     GRAPH_VARIES = True
     # "ic": IC-LoRA, the control clip's tokens appended clean (docs/control.md)
     TYPES = ("t2v", "i2v", "ic")
+    READS = TIMESTEP_KEYS
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)
@@ -752,10 +762,14 @@ class LTX2Adapter(Adapter):
         )
         video = video[:, :tokens]
         errors = (video[:, first:] - (noise - x0)[:, first:]).pow(2)
-        if keep is None:
+        weights = keep  # ltx-trainer's masked mean: over the tokens in the loss
+        if "loss_mask" in batch:  # data.loss_mask_column, packed as the clip's latents
+            packed = self._pack(batch["loss_mask"].to(self.device).float())[..., 0]
+            weights = packed if weights is None else weights * packed
+        if weights is None:
             video_loss = errors.mean(dim=(1, 2))
-        else:  # ltx-trainer's masked mean: over the tokens in the loss
-            video_loss = (errors.mean(dim=2) * keep).sum(dim=1) / keep.sum(dim=1)
+        else:
+            video_loss = masked_mean(errors, weights[:, first:, None], (1, 2))
         audio_loss = torch.zeros_like(video_loss)
         if a0.shape[1]:
             audio_loss = (audio - (audio_noise - a0)).pow(2).mean(dim=(1, 2)) * sound
@@ -797,12 +811,8 @@ class LTX2Adapter(Adapter):
         s = 1, where generation starts, and no audio loss; a batch without sound runs the video
         stream alone."""
         x0, a0, sound, shape = self._clean(batch)
-        sigmas = to_device(
-            torch.stack([shifted_logit_normal(x0.shape[1], g) for g in generators]), self.device
-        )
-        audio_sigmas = to_device(
-            torch.stack([shifted_logit_normal(max(a0.shape[1], 1), g) for g in generators]), self.device
-        )
+        sigmas = to_device(self._sigmas(x0.shape[1], generators), self.device)
+        audio_sigmas = to_device(self._sigmas(max(a0.shape[1], 1), generators), self.device)
         if a0.shape[1]:
             audio_sigmas = torch.where(sound > 0, audio_sigmas, 1.0)
         noise = to_device(
@@ -820,7 +830,7 @@ class LTX2Adapter(Adapter):
                 keep = torch.ones(len(x0), x0.shape[1])
                 keep[clean, : x0.shape[1] // shape[0]] = 0
                 keep = to_device(keep, self.device)
-        return self._loss(
+        loss, video, audio = self._loss(
             transformer,
             x0,
             noise,
@@ -832,7 +842,18 @@ class LTX2Adapter(Adapter):
             {**batch, "shape": shape},
             batch["prompt_embeds"].to(self.device),
             keep,
-        )[0]
+        )
+        if self.timestep_sampling.weighting == "none":
+            return loss
+        weight = self.timestep_sampling.weight  # each stream's loss at its own s
+        return weight(sigmas) * video + self.audio_loss_weight * weight(audio_sigmas) * audio
+
+    def _sigmas(self, tokens: int, generators: list[torch.Generator]) -> torch.Tensor:
+        """s per sample of a stream of `tokens` tokens: ltx-trainer's shifted logit-normal, or
+        train.timestep_sampling's draw."""
+        if self.timestep_sampling.sampling:
+            return self.timestep_sampling.draw(generators)
+        return torch.stack([shifted_logit_normal(tokens, g) for g in generators])
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
         """The loss of one cached clip (its posterior means) at each of `timesteps` for both

@@ -29,7 +29,7 @@ from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from config import Config, ConfigError, ModelConfig
 from families import wan_vace
-from model_adapter import Adapter, RunSettings, log, sample_posterior, to_device
+from model_adapter import TIMESTEP_KEYS, Adapter, RunSettings, log, masked_mean, sample_posterior, to_device
 from parallel import SequenceSplit, split_blocks, stack_qkv
 from weights import rename_key, rename_module, resolved_config
 
@@ -88,7 +88,7 @@ EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 class WanAdapter(Adapter):
     FAMILY = "wan"
     OWN_KEYS = {"model.expert": 'model.expert is for Wan 2.2 A14B (model.family = "wan"): remove it'}
-    READS = ("train.flow_shift",)
+    READS = ("train.flow_shift",) + TIMESTEP_KEYS
     ENCODERS = {
         "video": ("vae",),
         "image": ("vae", "image_encoder", "image_processor"),
@@ -422,8 +422,13 @@ class WanAdapter(Adapter):
 
     # Training.
     def _sigmas(self, generators) -> torch.Tensor:
-        """s per sample: u uniform over the trained expert's share of [0, 1), then shifted."""
+        """s per sample: u uniform over the trained expert's share of [0, 1), then shifted; or
+        train.timestep_sampling's draw within the expert's share of s."""
         low, high = 0.0, 1.0
+        if self.timestep_sampling.sampling:  # train.timestep_sampling's, within the expert's share
+            if self.boundary is not None:
+                low, high = (self.boundary, 1.0) if self.expert == "high_noise" else (0.0, self.boundary)
+            return self.timestep_sampling.draw(generators, low, high)
         # s >= boundary is the high-noise expert's: invert the shift there
         if self.boundary is not None:
             u_boundary = self.boundary / (self.shift - (self.shift - 1) * self.boundary)
@@ -499,8 +504,11 @@ class WanAdapter(Adapter):
         s = sigmas.view(-1, 1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * noise
         x, t, image_embeds, control, mask = self._inputs(x_t, 1000 * sigmas, batch, len(x0))
-        error = (self._predict(transformer, x, t, embeds, image_embeds, control) - (noise - x0)).pow(2) * mask
-        return error.sum(dim=(1, 2, 3, 4)) / (mask.sum(dim=(1, 2, 3, 4)) * x0.shape[1])
+        if "loss_mask" in batch:  # data.loss_mask_column: on the clip's frames, after VACE's references
+            weights = batch["loss_mask"].to(self.device).float()
+            mask = mask * F.pad(weights, (0, 0, 0, 0, mask.shape[2] - weights.shape[2], 0), value=1.0)
+        error = (self._predict(transformer, x, t, embeds, image_embeds, control) - (noise - x0)).pow(2)
+        return masked_mean(error, mask, (1, 2, 3, 4))
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch; the latent sample, u and the noise come from each
@@ -517,7 +525,10 @@ class WanAdapter(Adapter):
         noise = to_device(
             torch.stack([torch.randn(x.shape, generator=g) for x, g in zip(x0, generators)]), self.device
         )
-        return self._loss(transformer, x0, noise, sigmas, batch, batch["prompt_embeds"].to(self.device))
+        loss = self._loss(transformer, x0, noise, sigmas, batch, batch["prompt_embeds"].to(self.device))
+        if self.timestep_sampling.weighting == "none":
+            return loss
+        return self.timestep_sampling.weight(sigmas) * loss
 
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
         """The loss of one cached clip (its posterior mean) at each of `timesteps`, with the same

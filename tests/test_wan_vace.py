@@ -516,7 +516,7 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
     with one_rank_group() as d:
         adapter, entries, items, _ = prepare_run(cfg, d)
         item = items[1]
-        mask = data.decode_control(item, mask=True)
+        mask = data.decode_control(item, kind="mask")
         # the left edge survives the crop
         assert mask.shape == (9, 32, 32, 3) and mask[:, :, :4].min() == 255
         expected = adapter.encode_control(
