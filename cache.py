@@ -304,8 +304,8 @@ class Manifest:
         known = self.lookup(path)
         if known is not None and (not probe or "media" in known):
             return known, False
-        if not path.exists():
-            raise decode.MediaError("does not exist")
+        if not path.is_file():  # a folder cannot be hashed: named as a bad file, which skip_bad skips
+            raise decode.MediaError("is a folder, not a file" if path.is_dir() else "does not exist")
         return self.read(path, probe), True
 
     def add(self, path: Path, entry: dict) -> None:
@@ -338,7 +338,7 @@ class Manifest:
         """The clip's entry, (image-to-video) its image's and (first-last-frame) its last image's
         content hashes, (a control model) its control video's entry under "video" (None: a Wan VACE
         clip without one) with Wan VACE's mask entry (or None) under "mask" and its reference images'
-        hashes under "reference", its loss mask's entry (or None), reading what is not known yet;
+        entries under "reference", its loss mask's entry (or None), reading what is not known yet;
         and the new entries.
         decode.MediaError names the file that failed, or the missing last image or control video."""
         new = []
@@ -380,7 +380,7 @@ class Manifest:
             control = {
                 "video": clip.control and entry(clip.control, "control"),
                 "mask": clip.mask and entry(clip.mask, "mask"),
-                "reference": tuple(entry(path, "reference")["content"] for path in clip.reference),
+                "reference": tuple(entry(path, "reference") for path in clip.reference),
             }
         loss_mask = clip.loss_mask and entry(clip.loss_mask, "loss mask")
         return video, image, last, control, loss_mask, new
@@ -696,10 +696,13 @@ def plan_all(
     first_last: bool = False,
     control: bool = False,
     vace: bool = False,
+    multiple: int = 1,
 ):
     """Read every header (clip i on rank i % world) the manifest does not know, plan every clip and
     check its entries: per clip (item or problem, missing entry kinds, whether its file exists), the
-    same on every rank; new manifest entries are added on every rank."""
+    same on every rank; new manifest entries are added on every rank. Wan VACE's reference images
+    must keep a pixel when fitted into the clip's frame, their sides cut to multiples of `multiple`
+    (the VAE's spatial ratio)."""
     results = [None] * len(clips)
     share = range(d.rank, len(clips), d.world)
     rounds = math.ceil(math.ceil(len(clips) / d.world) / HEADERS_PER_ROUND)
@@ -716,9 +719,14 @@ def plan_all(
                     out.append((i, data.Problem(None, str(e)), set(), False, []))
                     continue
                 extra = {"loss_mask": loss_mask and (media_of(loss_mask), loss_mask["content"])}
+                references = ()
                 if controls:  # Wan VACE: the mask's header and hash, the references' hashes
                     header = lambda e: e and (media_of(e), e["content"])  # noqa: E731
-                    extra |= {"mask": header(controls["mask"]), "reference_content": controls["reference"]}
+                    references = controls["reference"]
+                    extra |= {
+                        "mask": header(controls["mask"]),
+                        "reference_content": tuple(e["content"] for e in references),
+                    }
                     controls = header(controls["video"])
                 planned = data.plan_clip(
                     clips[i],
@@ -732,6 +740,16 @@ def plan_all(
                     controls,
                     **extra,
                 )
+                if isinstance(planned, data.Item):  # before any compute: the pipeline's resize stops
+                    problems = [
+                        data.reference_problem(
+                            path, (media.height, media.width), planned.resolution, multiple
+                        )
+                        for path, media in zip(clips[i].reference, map(media_of, references))
+                    ]
+                    problem = next((p for p in problems if p), None)
+                    if problem:
+                        planned = data.Problem(None, f"{problem}, or remove it (data.reference_column)")
                 missing = cache.missing(planned) if isinstance(planned, data.Item) else set()
                 # Sent without the clip, which every rank holds: unpickling paths is most of the
                 # gather's cost.
@@ -771,9 +789,15 @@ def check_last_images(adapter, clips: list[data.Clip], cfg: DataConfig) -> None:
         )
 
 
-def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip] = ()) -> None:
-    """Control videos are for a model that follows them (each clip's is checked as its header is
-    read)."""
+def check_controls(adapter, cfg: DataConfig, clips: list[data.Clip]) -> None:
+    """Control videos are for a model that follows them, and an in-context model (IC-LoRA) needs
+    them: none at all is one error here (each clip's is checked as its header is read)."""
+    if adapter.takes_control and not adapter.vace and not any(clip.control for clip in clips):
+        raise ConfigError(
+            f'model.path = {adapter.path} follows a control video (model.type = "{adapter.type}"), but '
+            "no clip has one: set data.control_column to a file under data_root with each clip's "
+            "control video, one per line (or give metadata.jsonl / metadata.csv a control column)"
+        )
     if not adapter.takes_control and cfg.control_column:
         raise ConfigError(
             f"data.control_column = {cfg.control_column} gives control videos, and model.path = "
@@ -843,6 +867,7 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
         adapter.first_last,
         adapter.takes_control,
         adapter.vace,
+        adapter.spatial_ratio if adapter.vace else 1,
     )
     if d.is_main and unwritable is None:  # read-only: what changed is read again next time
         manifest.save()

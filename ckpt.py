@@ -28,6 +28,8 @@ import os
 import re
 import shutil
 import sys
+import threading
+import traceback
 from importlib.metadata import version
 from pathlib import Path
 
@@ -64,10 +66,25 @@ from weights import Weights
 
 
 log = logging.getLogger("vidtrain")
+# The kinds of condition a clip may carry (the key that gives them): the data.Item field holding
+# their contents.
+CONDITIONS = {
+    "control videos (data.control_column)": "control_content",
+    "masks (data.mask_column)": "mask_content",
+    "reference images (data.reference_column)": "reference_content",
+    "last images (data.last_image_column)": "last_image_content",
+}
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 # in a checkpoint, flocked while `ckpt.py export` reads it; in no meta.json
 EXPORT_LOCK = "export.lock"
+# The warning of a checkpoint that `ckpt.py rehash` accepted without a readable record of its data,
+# at the rehash and at every resume from it.
+NO_DATA_RECORD = (
+    "checkpoint {path} has no record of the data it was trained on (ckpt.py rehash accepted its "
+    "files as they are): {what} cannot check that the clips, their conditions and data.target_fps "
+    "and data.audio are the ones it was trained on; resume with its run's data and config.toml"
+)
 BASE_SAMPLES = 64  # pieces of 64 KiB read from each base weight file for its identity
 # files per rank, each written and hashed by its own thread
 WRITE_THREADS = min(4, os.cpu_count() or 1)
@@ -126,6 +143,20 @@ class HashingFileSystem(FileSystem):
         self.written[Path(new_path).name] = self.written.pop(Path(path).name)
 
 
+# What DCP's writer threads raised (a full disk), kept from threading.excepthook, which would print
+# each one's chained traceback (about 30 lines a thread) before the save's one-line error.
+WRITER_FAILURES: list[BaseException] = []
+
+
+def writer_thread_failed(args) -> None:
+    """threading.excepthook: a DCP writer thread's exception is kept for HashingWriter.write_data to
+    raise, any other thread's goes to the hook that was there before."""
+    if any(frame.name == "_write_files_from_queue" for frame in traceback.extract_tb(args.exc_traceback)):
+        WRITER_FAILURES.append(args.exc_value)
+    else:
+        writer_thread_failed.previous(args)
+
+
 class HashingWriter(dcp.FileSystemWriter):
     """DCP's file writer, hashing every file as it writes it, in several threads per rank.
 
@@ -137,6 +168,18 @@ class HashingWriter(dcp.FileSystemWriter):
     def __init__(self, path: Path):
         super().__init__(path, thread_count=WRITE_THREADS, sync_files=False)
         self.fs = HashingFileSystem()
+
+    def write_data(self, plan, planner):
+        """DCP's write, its other threads' failures raised here, where DCP reports them once per
+        rank (write_failures_named), instead of printed by each thread; a failure of those threads
+        alone would otherwise go unreported."""
+        if threading.excepthook is not writer_thread_failed:
+            writer_thread_failed.previous, threading.excepthook = threading.excepthook, writer_thread_failed
+        WRITER_FAILURES.clear()
+        written = super().write_data(plan, planner)  # its threads joined, unless this thread failed
+        if WRITER_FAILURES:
+            raise WRITER_FAILURES[0]
+        return written
 
 
 class FailingWriter(HashingWriter):
@@ -205,9 +248,11 @@ def meta_problem(path: Path) -> str | None:
 def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = False) -> None:
     """A checkpoint of another model, LoRA shape or training type is refused naming the difference.
 
-    A resume (`resuming`) also refuses other base weights and warns of another precision; an export
-    or a render of it may use any base. Checkpoints written before their base was recorded are not
-    checked for it."""
+    So is another value of a family's setting that the weights are trained for (model.<key>: an
+    IC-LoRA's reference_downscale_factor), for an export, a resume or a render alike. A resume
+    (`resuming`) also refuses other base weights and warns of another precision; an export or a
+    render of it may use any base. Checkpoints written before their base or settings were recorded
+    are not checked for them."""
     saved = meta["identity"]
     if resuming and "base" in saved and saved["base"]["weights"] != identity["base"]["weights"]:
         raise ConfigError(
@@ -221,7 +266,14 @@ def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = Fals
             f"checkpoint {path} was trained with the base in {saved['precision']}, this run has "
             f"{identity['precision']}: training continues in this run's precision"
         )
-    for key in sorted((set(saved) | set(identity)) - {"base", "precision"}):
+    for key, value in saved.get("model", {}).items():  # recorded since IC-LoRA's factor was
+        here = identity.get("model", {}).get(key)
+        if here != value:
+            raise ConfigError(
+                f"checkpoint {path} was trained with {key} = {value}, and this config has "
+                f"{'none' if here is None else here}: set {key} = {value} (its run's config.toml)"
+            )
+    for key in sorted((set(saved) | set(identity)) - {"base", "precision", "model"}):
         if saved.get(key) != identity.get(key):
             raise ConfigError(
                 f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
@@ -257,18 +309,38 @@ def base_identity(adapter) -> dict:
 
 
 def check_data(path: Path, meta: dict, data: dict) -> None:
-    """Refuse a checkpoint trained on other clips.
+    """Refuse a checkpoint trained on other clips, conditions or data settings.
 
-    A checkpoint trained on other clips is refused: its sampler state would index clips that differ.
-    A checkpoint accepted as it is (`ckpt.py rehash` of a damaged meta.json) has no record of them
-    (None)."""
+    Its sampler state would index clips that differ, or the same clips would train on other
+    conditions, frames or sound. A checkpoint accepted as it is (`ckpt.py rehash` of a damaged
+    meta.json) has no record of them (None): a warning says the check is off. Checkpoints written
+    before their conditions and settings were recorded are checked for their clips alone."""
     saved = meta["data"]
-    if saved is None or saved == data:
+    if saved is None:
+        log.warning(NO_DATA_RECORD.format(path=path, what="this resume"))
         return
     if saved["clips_per_bucket"] != data["clips_per_bucket"]:
         what = f"clips per bucket {saved['clips_per_bucket']} there, {data['clips_per_bucket']} here"
-    else:
+    elif saved["clips_sha256"] != data["clips_sha256"]:
         what = "as many clips per bucket, but other ones (their contents, prompts or order differ)"
+    else:
+        conditions = saved.get("conditions_sha256", data["conditions_sha256"])
+        settings = saved.get("settings", data["settings"])
+        changed = [
+            f"other {kind}" for kind in conditions if conditions[kind] != data["conditions_sha256"].get(kind)
+        ]
+        changed += [
+            f"{key} = {json.dumps(value)} there, {json.dumps(data['settings'].get(key))} here"
+            for key, value in settings.items()
+            if value != data["settings"].get(key)
+        ]
+        if changed:
+            raise ConfigError(
+                f"checkpoint {path} was trained on the same clips with {'; '.join(changed)}: resume with "
+                "the conditions and data settings it was trained on (its run's config.toml), or start "
+                "over in another run.output_dir"
+            )
+        return
     raise ConfigError(
         f"checkpoint {path} was trained on other data: {what}; resume with the clips it was trained on "
         "(data.data_root, its list files, data.held_out, data.buckets), or start over in another "
@@ -423,7 +495,7 @@ def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: Lora
     """What a checkpoint must match to be resumed.
 
     The model's architecture, its base weights (a resume on others is refused), their precision (a
-    change is named) and what is trained."""
+    change is named), the family's settings the weights are trained for, and what is trained."""
     config = {k: v for k, v in adapter.transformer_config.items() if not k.startswith("_")}
     identity = {
         "family": adapter.FAMILY,  # model.family as resolved: "" names the folder's
@@ -432,6 +504,11 @@ def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: Lora
         "base": base_identity(adapter),
         "precision": {"model.dtype": model.dtype, "model.storage_dtype": model.storage_dtype},
     }
+    # the family's settings its trained weights hold and its exports record (an IC-LoRA's
+    # reference_downscale_factor): an export, resume or render from another value is refused
+    settings = adapter.lora_metadata()
+    if settings:
+        identity["model"] = {f"model.{key}": value for key, value in settings.items()}
     if training_type == "lora":
         identity["lora"] = {
             "rank": lora_cfg.rank,
@@ -441,16 +518,25 @@ def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: Lora
     return identity
 
 
-def data_identity(clips: list) -> dict:
-    """The training clips a checkpoint's sampler state indexes, known by content.
+def data_identity(clips: list, target_fps: float, sound: bool) -> dict:
+    """The training clips a checkpoint's sampler state indexes, known by content, and their conditions.
 
-    What a checkpoint's sampler state indexes: the training clips, per bucket and in order, by their
-    contents and prompts (not their paths: a dataset moved elsewhere still resumes)."""
+    The clips per bucket and in order, by their contents and prompts (not their paths: a dataset
+    moved elsewhere still resumes); each kind of condition they carry (control videos, masks,
+    reference images, last images) by content, per clip and in order; and the data settings that
+    change what a clip trains on (data.target_fps picks its frames, data.audio adds its sound:
+    `sound` is whether this run trains it)."""
     per_bucket = collections.Counter(str(list(item.resolution)) for item in clips)
     keys = [[item.content, item.image_content, item.clip.prompt, item.bucket] for item in clips]
+    conditions = {kind: [getattr(item, field) for item in clips] for kind, field in CONDITIONS.items()}
     return {
         "clips_per_bucket": dict(sorted(per_bucket.items())),
         "clips_sha256": hashlib.sha256(json.dumps(keys).encode()).hexdigest(),
+        "conditions_sha256": {
+            kind: hashlib.sha256(json.dumps(values).encode()).hexdigest()
+            for kind, values in conditions.items()
+        },
+        "settings": {"data.target_fps": target_fps, "data.audio": sound},
     }
 
 
@@ -843,6 +929,8 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
     where = Path(checkpoint).resolve()
     target = Path(out) if out else where.parent / "exports" / where.name
     with ranks.all_or_none():  # before any compute
+        if not where.is_dir():
+            raise ConfigError(not_there(where))
         read_meta(where)  # a checkpoint (a mistyped path makes no exports/ folder)
         problem = command.write_problem(target) if d.is_main else None
         if problem:
@@ -875,6 +963,23 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
             ema,
             "" if out else f"{where.parent.name}_{where.name}",
         )
+
+
+def not_there(path: Path) -> str:
+    """What to say of a --checkpoint that does not exist: rotation took it (an older step than every
+    complete checkpoint beside it), or which checkpoints are there."""
+    there = complete_checkpoints(path.parent)
+    steps = [int(CHECKPOINT_NAME.fullmatch(p.name).group(1)) for p in there]
+    match = CHECKPOINT_NAME.fullmatch(path.name)
+    names = ", ".join(p.name for p in there)
+    if match and steps and int(match.group(1)) < steps[0]:
+        return (
+            f"checkpoint {path} does not exist: rotation (checkpoint.checkpointing_limit) deleted it, "
+            f"{path.parent} keeps {names}; export one of those"
+        )
+    if steps:
+        return f"checkpoint {path} does not exist: {path.parent} holds {names}; export one of those"
+    return f"checkpoint {path} does not exist: give --checkpoint a run's checkpoint-N folder"
 
 
 def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
@@ -922,6 +1027,8 @@ def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
     files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)} for name in names}
     write_meta(path, int(match.group(1)), len(writers), identity, data, files)
     log.info("rewrote %s: its %d files are accepted as they are", path / "meta.json", len(files))
+    if data is None:
+        log.warning(NO_DATA_RECORD.format(path=path, what="a resume from it"))
 
 
 def main(argv: list[str]) -> None:

@@ -651,6 +651,16 @@ def check_training_values(cfg: Config) -> None:
         )
 
 
+# The validation keys that name files, each with the render command's flag that replaces it.
+VALIDATION_FILES = {
+    "images": "validation.images or --image",
+    "last_images": "validation.last_images or --last-image",
+    "control_videos": "validation.control_videos or --control",
+    "masks": "validation.masks or --mask",
+    "reference_images": "validation.reference_images or --reference",
+}
+
+
 def check_validation_images(cfg: Config) -> None:
     images, prompts = cfg.validation.images, cfg.validation.prompts
     if cfg.model.type == "i2v" and len(images) != len(prompts):
@@ -691,6 +701,17 @@ def check_validation_images(cfg: Config) -> None:
         )
 
 
+def check_validation_files(cfg: ValidationConfig) -> None:
+    """Every file the validation keys name is there, before the cache pass and the model load (a
+    command's check: shipped configs name files of the user's)."""
+    for key, fix in VALIDATION_FILES.items():
+        for i, paths in enumerate(getattr(cfg, key)):
+            for path in [paths] if isinstance(paths, str) else paths:
+                if not Path(path).is_file():
+                    what = "is a folder, not a file" if Path(path).is_dir() else "does not exist"
+                    raise ConfigError(f"validation.{key}[{i}] = {path} {what}: fix {fix}")
+
+
 def check_resolution(
     resolution: list[int], frame_multiple: int, size_multiple: int, key: str = "data.train_resolution"
 ) -> None:
@@ -710,6 +731,15 @@ def check_resolution(
                 f"{key} {name} = {value} must be a positive multiple of {size_multiple} "
                 "(VAE spatial ratio x patch size)"
             )
+    # Every clip's frames are scaled to at least this size by FFmpeg, whose av_image_check_size
+    # refuses a frame of (width + 128) x (height + 128) pixels from INT_MAX / 8 up: each clip would
+    # fail to decode ("Invalid argument") and be blamed instead of the key.
+    if (height + 128) * (width + 128) >= (2**31 - 1) // 8:
+        raise ConfigError(
+            f"{key} = {list(resolution)}: a frame of {height} x {width} is larger than FFmpeg decodes "
+            "to ((height + 128) x (width + 128) under 2^28 pixels; 16,000 x 16,000 at most), so every "
+            "clip would fail to decode: use a smaller height and width"
+        )
 
 
 def reference() -> str:

@@ -25,7 +25,7 @@ import torch
 
 import decode
 import faults
-from config import ConfigError, DataConfig
+from config import VALIDATION_FILES, ConfigError, DataConfig, ValidationConfig
 from decode import Media, MediaError
 
 # --------------------------------------------------------------------------------------------------
@@ -473,6 +473,46 @@ def decode_control(item: Item, threads: int = 0, kind: str = "control") -> torch
         )
     except decode.MediaError as e:
         raise BadClip(f"{kind.replace('_', ' ')} {path}: {e}") from None
+
+
+def fitted_size(size: tuple[int, int], frame: tuple[int, int], multiple: int) -> tuple[int, int]:
+    """A reference image's (height, width) `size` once fitted into a (height, width) frame as
+    WanVACEPipeline fits it: its sides cut to multiples of the VAE's spatial ratio (`multiple`), then
+    scaled to fit inside the frame with its aspect kept ((0, 0) when a side is cut away)."""
+    height, width = (side // multiple * multiple for side in size)
+    if not height or not width:
+        return 0, 0
+    scale = min(frame[0] / height, frame[1] / width)
+    return int(height * scale), int(width * scale)
+
+
+def reference_problem(path, size: tuple[int, int], frame, multiple: int) -> str | None:
+    """Why a reference image of (height, width) `size` leaves nothing once fitted into a frame
+    (fitted_size: a side under a pixel, where the pipeline's resize stops with a ValueError), or
+    None."""
+    fitted = fitted_size(size, (frame[-2], frame[-1]), multiple)
+    if min(fitted) >= 1:
+        return None
+    return (
+        f"reference {path} is {size[1]}x{size[0]} (width x height): fitted into the {frame[-1]}x"
+        f"{frame[-2]} frame (its sides cut to multiples of {multiple} first) it keeps {fitted[1]}x"
+        f"{fitted[0]} pixels; crop it nearer the frame's aspect ratio"
+    )
+
+
+def check_validation_references(cfg: ValidationConfig, resolution, multiple: int) -> None:
+    """validation.reference_images that cannot be read, or leave nothing once fitted into the
+    rendered frame (reference_problem), refused naming the file and the key before any compute."""
+    for i, paths in enumerate(cfg.reference_images):
+        for path in [paths] if isinstance(paths, str) else paths:
+            fix = VALIDATION_FILES["reference_images"]
+            try:
+                media = decode.probe(Path(path))
+            except decode.MediaError as e:
+                raise ConfigError(f"validation.reference_images[{i}] = {path}: {e}; fix {fix}") from None
+            problem = reference_problem(path, (media.height, media.width), resolution, multiple)
+            if problem:
+                raise ConfigError(f"validation.reference_images[{i}]: {problem}; fix {fix}")
 
 
 def load_references(item: Item) -> list[torch.Tensor]:

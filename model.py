@@ -17,11 +17,12 @@ import logging
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+import data
 import lora
 import memory
 import parallel
 import ranks
-from config import Config, ConfigError, LoraConfig, ParallelConfig, TrainConfig
+from config import Config, ConfigError, LoraConfig, ParallelConfig, TrainConfig, check_validation_files
 from model_adapter import RunSettings, load_adapter
 from weights import Weights
 
@@ -41,9 +42,9 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
     """The run's adapter, built with its settings and checked against the config before any clip.
 
     Every rank checks; a failure on any stops them all: the transformer's files, the heads against
-    parallel.sp_size, the blocks against parallel.offload_blocks, validation's guidance, resolution
-    and frame rate (the renderer checks them again, for renders without training),
-    lora.target_modules and lora.init_from.
+    parallel.sp_size, the blocks against parallel.offload_blocks, validation's files, guidance,
+    resolution, frame rate and reference images (the renderer checks them again, for renders without
+    training), lora.target_modules and lora.init_from.
     """
     with ranks.all_or_none():
         adapter = load_adapter(cfg.model, d.device, RunSettings.of(cfg))
@@ -56,9 +57,13 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
         check_streaming_with_sound(cfg.parallel, adapter)
         adapter.check_guidance(cfg.validation)
         if cfg.validation.do_validation:
+            check_validation_files(cfg.validation)
             if cfg.validation.resolution:
                 adapter.check_resolution(cfg.validation.resolution, "validation.resolution")
             adapter.clip_rate(cfg.validation.gen_fps)
+            if adapter.vace:  # the frame the renderer fits them into (validate.ClipRenderer)
+                frame = cfg.validation.resolution or (cfg.data.buckets or [cfg.data.train_resolution])[0]
+                data.check_validation_references(cfg.validation, frame, adapter.spatial_ratio)
         if cfg.train.training_type == "lora":
             check_lora_targets(adapter, cfg.lora.target_modules)
             if cfg.lora.init_from:  # rank and alpha: ComfyUI's module names are mapped at the load

@@ -29,7 +29,7 @@ import data
 import parallel
 import ranks
 import validate
-from config import Config, ConfigError, check_validation_images, check_values
+from config import Config, ConfigError, check_validation_files, check_validation_images, check_values
 from model import EMA, build_frozen, build_model
 from model_adapter import RunSettings, load_adapter
 
@@ -163,6 +163,7 @@ def render_command(
     if not cfg.validation.prompts:
         raise ConfigError("nothing to render: pass --prompt TEXT or set validation.prompts in the config")
     check_validation_images(cfg)
+    check_validation_files(cfg.validation)
     if lora_file:
         check_lora_file(lora_file)
     with ranks.all_or_none():

@@ -35,7 +35,7 @@ import faults
 import memory
 import model_adapter
 import ranks
-from config import ConfigError, DataConfig, ValidationConfig
+from config import VALIDATION_FILES, ConfigError, DataConfig, ValidationConfig
 
 
 def eager():
@@ -212,13 +212,17 @@ class ClipRenderer:
             load_control(path, self.resolution, float(self.fps)) for path in cfg.control_videos
         ] or [None] * len(self.prompts)
         self.images = [load_image(path) for path in cfg.images] or [None] * len(self.prompts)
-        self.last_images = [load_image(path) for path in cfg.last_images] or [None] * len(self.prompts)
+        self.last_images = [load_image(path, "last_images") for path in cfg.last_images] or [None] * len(
+            self.prompts
+        )
         self.masks = [
             load_control(path, self.resolution, float(self.fps), mask=True) for path in cfg.masks
         ] or [None] * len(self.prompts)
         # Wan VACE: each prompt's reference images (a path, or a list of paths)
+        if adapter.vace:  # before any compute: the pipeline's resize would stop with a ValueError
+            data.check_validation_references(cfg, self.resolution, adapter.spatial_ratio)
         self.references = [
-            [load_image(p) for p in ([paths] if isinstance(paths, str) else paths)]
+            [load_image(p, "reference_images") for p in ([paths] if isinstance(paths, str) else paths)]
             for paths in cfg.reference_images
         ] or [[]] * len(self.prompts)
         if self.prompts:
@@ -441,15 +445,15 @@ def write_aac(container, stream, sound: torch.Tensor, rate: int) -> None:
     container.mux(stream.encode())
 
 
-def load_image(path: str):
-    """A validation image, upright as displayed (EXIF orientation), in RGB: the pipeline resizes it."""
+def load_image(path: str, key: str = "images"):
+    """A validation image (of validation.<key>), upright as displayed (EXIF orientation), in RGB: the
+    pipeline resizes it."""
     try:
         with Image.open(path) as image:
             return ImageOps.exif_transpose(image).convert("RGB")
     except OSError as e:
         raise ConfigError(
-            f"validation image {path} is unreadable ({e}): fix validation.images or --image "
-            "(validation.last_images or --last-image)"
+            f"validation image {path} is unreadable ({e}): fix {VALIDATION_FILES[key]}"
         ) from None
 
 

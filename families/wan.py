@@ -197,6 +197,27 @@ class WanAdapter(Adapter):
     def size_multiple(self) -> int:
         return self.vae_config["scale_factor_spatial"] * self.transformer_config["patch_size"][1]
 
+    def check_resolution(self, resolution, key: str) -> None:
+        """The rotary embedding's table too: WanRotaryPosEmbed holds rope_max_seq_len positions per
+        axis (the transformer's config), so more latent frames, rows or columns than that have none
+        (its forward slices the table short and fails on the shape)."""
+        super().check_resolution(resolution, key)
+        limit = self.transformer_config["rope_max_seq_len"]
+        patch = self.transformer_config["patch_size"]
+        frames, height, width = resolution
+        latent = {
+            "frames": (frames, ((frames - 1) // self.temporal_ratio + 1) // patch[0], self.temporal_ratio),
+            "height": (height, height // self.size_multiple, self.size_multiple),
+            "width": (width, width // self.size_multiple, self.size_multiple),
+        }
+        for name, (value, positions, ratio) in latent.items():
+            if positions > limit:
+                raise ConfigError(
+                    f"{key} {name} = {value} gives {positions} latent positions, more than the "
+                    f"transformer's rotary table holds (rope_max_seq_len = {limit}): use at most "
+                    f"{limit * ratio if name != 'frames' else (limit - 1) * ratio + 1}"
+                )
+
     @property
     def text_length(self) -> int:
         return TEXT_LENGTH

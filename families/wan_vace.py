@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
+import data
+
 # The VACE blocks' module names in the original checkpoint's layout (ComfyUI's), beside the base
 # blocks': diffusers' convert_wan_to_diffusers renames before_proj and after_proj to proj_in and
 # proj_out.
@@ -28,9 +30,7 @@ def reference_canvas(image, height: int, width: int, spatial: int) -> torch.Tens
     if not isinstance(image, Image.Image):
         image = Image.fromarray(np.asarray(image))
     pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(image, None, None).float()
-    img_height, img_width = pixels.shape[-2:]
-    scale = min(height / img_height, width / img_width)
-    new_height, new_width = int(img_height * scale), int(img_width * scale)
+    new_height, new_width = data.fitted_size(pixels.shape[-2:], (height, width), spatial)
     resized = F.interpolate(pixels, size=(new_height, new_width), mode="bilinear", align_corners=False)[0]
     top, left = (height - new_height) // 2, (width - new_width) // 2
     canvas = torch.ones(3, height, width)

@@ -11,6 +11,7 @@ import shlex
 import shutil
 import signal
 import socket
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -281,6 +282,32 @@ def test_failed_write_is_reported_and_loses_nothing(make_config):
     assert_intact(out / "checkpoint-2")
 
 
+@pytest.mark.parametrize("where", ["every thread", "the other threads"])
+def test_a_full_disk_during_a_save_is_one_line(where, tmp_path, monkeypatch, capfd):
+    """A full disk under DCP's writer threads is the save's one-line error, without each thread's
+    chained traceback on stderr (Python's thread excepthook printed about 30 lines a thread); a
+    failure of the threads beside the caller's alone fails the save too (DCP returned as if it had
+    written everything)."""
+    write = ckpt.HashingStream.write
+
+    def full(self, data):
+        if where == "the other threads" and threading.current_thread() is threading.main_thread():
+            return write(self, data)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # Python's, not pytest's
+    monkeypatch.setattr(ckpt, "WRITE_THREADS", 4)
+    monkeypatch.setattr(ckpt.HashingStream, "write", full)
+    tmp = tmp_path / "checkpoint-2.tmp"
+    with pytest.raises(ranks.StopRun) as failed, ckpt.write_failures_named(tmp):
+        dcp.save({f"t{i}": torch.ones(1000) for i in range(8)}, storage_writer=ckpt.HashingWriter(tmp))
+    assert str(failed.value).startswith(f"writing {tmp} failed on rank 0: OSError: [Errno 28] No space left")
+    for thread in threading.enumerate():  # the writer threads, still ending after the caller raised
+        if "_write_files_from_queue" in thread.name:
+            thread.join()
+    assert "Exception in thread" not in capfd.readouterr().err
+
+
 @pytest.mark.slow
 def test_damaged_checkpoints_fall_back_and_the_advice_works(references, make_config):
     """Damaged checkpoints are passed over, and the advice printed when none passes works.
@@ -388,16 +415,7 @@ def test_resume_on_other_data_is_refused(references):
     ckpt.check_data(path, meta, meta["data"])
 
     def clips(count: int, content: str) -> list:
-        return [
-            SimpleNamespace(
-                resolution=(9, 32, 32),
-                content=f"{content}{i}",
-                image_content=None,
-                bucket=0,
-                clip=SimpleNamespace(prompt="a prompt"),
-            )
-            for i in range(count)
-        ]
+        return [planned(f"{content}{i}") for i in range(count)]
 
     with pytest.raises(
         ConfigError,
@@ -406,9 +424,61 @@ def test_resume_on_other_data_is_refused(references):
             "{'[9, 32, 32]': 20} there, {'[9, 32, 32]': 18} here"
         ),
     ):
-        ckpt.check_data(path, meta, ckpt.data_identity(clips(18, "a")))
+        ckpt.check_data(path, meta, ckpt.data_identity(clips(18, "a"), 0.0, False))
     with pytest.raises(ConfigError, match="as many clips per bucket, but other ones"):
-        ckpt.check_data(path, meta, ckpt.data_identity(clips(20, "b")))
+        ckpt.check_data(path, meta, ckpt.data_identity(clips(20, "b"), 0.0, False))
+
+
+def planned(content: str, **conditions) -> SimpleNamespace:
+    """A planned clip (data.Item's fields that the data identity reads), without conditions unless
+    given."""
+    fields = dict(control_content=None, mask_content=None, reference_content=(), last_image_content=None)
+    return SimpleNamespace(
+        resolution=(9, 32, 32),
+        content=content,
+        image_content=None,
+        bucket=0,
+        clip=SimpleNamespace(prompt="a prompt"),
+        **fields | conditions,
+    )
+
+
+def test_resume_on_other_conditions_or_data_settings_is_refused(tmp_path, caplog):
+    """A resume on the same clips with other conditions or data settings is refused, naming them.
+
+    Every clip's control video, mask, reference images or last image changed, or data.target_fps or
+    the sound switched (LTX-2's data.audio): each trains on other data, as another prompt would. A
+    checkpoint that `ckpt.py rehash` accepted has no record of its data: its resume says the check
+    is off."""
+    vace = [
+        planned(f"c{i}", control_content=f"v{i}", mask_content=f"m{i}", reference_content=(f"r{i}",))
+        for i in range(4)
+    ]
+    saved = {"data": ckpt.data_identity(vace, 24.0, True)}
+    ckpt.check_data(tmp_path, saved, ckpt.data_identity(vace, 24.0, True))
+    for change, message in (
+        ({"control_content": "other"}, "other control videos (data.control_column)"),
+        ({"mask_content": "other"}, "other masks (data.mask_column)"),
+        ({"reference_content": ("other",)}, "other reference images (data.reference_column)"),
+        ({"last_image_content": "other"}, "other last images (data.last_image_column)"),
+    ):
+        changed = [SimpleNamespace(**vars(item) | change) for item in vace]
+        with pytest.raises(
+            ConfigError, match=re.escape(f"was trained on the same clips with {message}: resume")
+        ):
+            ckpt.check_data(tmp_path, saved, ckpt.data_identity(changed, 24.0, True))
+    with pytest.raises(ConfigError, match=re.escape("with data.audio = true there, false here: resume")):
+        ckpt.check_data(tmp_path, saved, ckpt.data_identity(vace, 24.0, False))
+    with pytest.raises(ConfigError, match=re.escape("with data.target_fps = 24.0 there, 25.0 here: resume")):
+        ckpt.check_data(tmp_path, saved, ckpt.data_identity(vace, 25.0, True))
+    # a checkpoint of a run before these were recorded: its clips alone are checked
+    older = {"data": {k: saved["data"][k] for k in ("clips_per_bucket", "clips_sha256")}}
+    ckpt.check_data(tmp_path, older, ckpt.data_identity(vace, 25.0, False))
+    ckpt.check_data(tmp_path, {"data": None}, ckpt.data_identity(vace, 24.0, True))
+    assert (
+        f"checkpoint {tmp_path} has no record of the data it was trained on (ckpt.py rehash accepted "
+        "its files as they are): this resume cannot check"
+    ) in caplog.text
 
 
 def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, caplog):
@@ -447,6 +517,31 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
     ) in caplog.text
 
 
+def test_export_of_a_missing_checkpoint_says_it_does_not_exist(write_config, tmp_path, caplog):
+    """`ckpt.py export --checkpoint` of a checkpoint rotation deleted, or of a mistyped one, says it
+    does not exist (and that rotation took it), naming those there."""
+    run = tmp_path / "run"
+    for step in (6, 8):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        for name in (".metadata", "meta.json"):
+            (run / f"checkpoint-{step}" / name).write_text("")
+    cfg = write_config()
+    for name, message in (
+        (
+            "checkpoint-2",
+            "does not exist: rotation (checkpoint.checkpointing_limit) deleted it, "
+            f"{run} keeps checkpoint-6, checkpoint-8; export one of those",
+        ),
+        ("checkpoint-7", f"does not exist: {run} holds checkpoint-6, checkpoint-8; export one of those"),
+        ("checkpoint-8/x", "does not exist: give --checkpoint a run's checkpoint-N folder"),
+    ):
+        caplog.clear()
+        with pytest.raises(SystemExit):
+            ckpt.main(["export", "--cfg", str(cfg), "--checkpoint", str(run / name)])
+        assert f"checkpoint {run / name} {message}" in caplog.text
+    assert not (run / "exports").exists()
+
+
 def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):
     """Rotation keeps a checkpoint that `ckpt.py export` is reading.
 
@@ -474,7 +569,8 @@ def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog)
     """`ckpt.py rehash` refuses what no resume can read.
 
     `ckpt.py rehash` refuses another config's shapes (the resume would fail in DCP), another model
-    or LoRA over a readable meta.json (kept as it is), and a missing shard (the advice would loop).
+    or LoRA over a readable meta.json (kept as it is), and a missing shard (the advice would loop);
+    accepting a checkpoint whose meta.json is gone, it says that no resume can check its data.
     """
     cfg, out, _ = make_config("rehash", "one")
     path = out / f"checkpoint-{STEPS}"
@@ -493,6 +589,11 @@ def test_rehash_refuses_what_no_resume_can_read(references, make_config, caplog)
     (path / "meta.json").unlink()
     refused(f"{path} holds other shapes than", **{"lora.rank": 8})
     assert not (path / "meta.json").exists()
+    caplog.clear()  # accepted without a record of its data: the rehash says the data check is off
+    ckpt.main(["rehash", "--cfg", str(make_config("rehash", "one")[0]), "--checkpoint", str(path)])
+    assert f"checkpoint {path} has no record of the data it was trained on" in caplog.text
+    assert "a resume from it cannot check that the clips" in caplog.text
+    (path / "meta.json").unlink()
     (path / "__0_0.distcp").unlink()
     refused(f"{path} lacks 1 shard(s) its .metadata names (first: __0_0.distcp)")
     assert not (path / "meta.json").exists()

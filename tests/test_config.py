@@ -199,6 +199,15 @@ def test_model_shape_rules():
         check_resolution([49, 470, 720], 8, 16)
     with pytest.raises(ConfigError, match="frames = 0, but this model needs 4k\\+1 frames .*: use 1 or 5$"):
         check_resolution([0, 32, 32], 4, 16, "validation.resolution")  # never a negative count
+    # frames FFmpeg cannot scale to: the key, not every clip ("cannot decode (Invalid argument)")
+    check_resolution([9, 16000, 16000], 8, 16)
+    with pytest.raises(ConfigError) as refused:
+        check_resolution([9, 16384, 16384], 8, 16)
+    assert str(refused.value) == (
+        "data.train_resolution = [9, 16384, 16384]: a frame of 16384 x 16384 is larger than FFmpeg "
+        "decodes to ((height + 128) x (width + 128) under 2^28 pixels; 16,000 x 16,000 at most), so "
+        "every clip would fail to decode: use a smaller height and width"
+    )
 
 
 def test_lr_schedules():

@@ -144,7 +144,8 @@ def test_a_control_shorter_than_the_window_is_named(tmp_path):
 
 def test_control_refusals_name_the_key_or_the_clip(control_settings, base_settings, tmp_path):
     """data.control_column for a model that follows no control names the key; a control model's clip
-    without a control names the clip, the line and the column; an unreadable control its file."""
+    without a control names the clip, the line and the column, and no clip with one is one error
+    naming the key (not one per clip with data.skip_bad's advice); an unreadable control its file."""
     with one_rank_group() as d:
         settings = {
             **base_settings,
@@ -169,6 +170,16 @@ def test_control_refusals_name_the_key_or_the_clip(control_settings, base_settin
             r"model needs one per clip \(data.control_column's line",
         ):
             cache.prepare(cfg, adapter, d)
+        (root / "metadata.jsonl").write_text(  # no clip has one: one line for the config, not per clip
+            "".join(row.replace(f', "control": "controls/{i}.mp4"', "") + "\n" for i, row in enumerate(rows))
+        )
+        with pytest.raises(ConfigError) as none:
+            cache.prepare(cfg, adapter, d)
+        assert str(none.value) == (
+            f'model.path = {adapter.path} follows a control video (model.type = "t2v"), but no clip has '
+            "one: set data.control_column to a file under data_root with each clip's control video, one "
+            "per line (or give metadata.jsonl / metadata.csv a control column)"
+        )
         (root / "metadata.jsonl").write_text(rows[0] + "\n")
         (root / "controls" / "0.mp4").write_bytes(b"not a video")
         with pytest.raises(

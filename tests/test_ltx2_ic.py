@@ -4,6 +4,7 @@ tokens at timestep 0, at the positions ltx-trainer gives them, outside the loss.
 import contextlib
 import dataclasses
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import ckpt
 import data
 import render
 import trainer
@@ -241,6 +243,32 @@ def test_in_context_is_ltx2s(tiny_models, write_config):
     ):
         with pytest.raises(ConfigError, match=message):
             check_config(load_config(str(write_config("keys", **settings))))
+
+
+def test_a_checkpoint_holds_its_reference_downscale_factor(ltx2_models, write_config, tmp_path):
+    """A checkpoint's meta.json records model.reference_downscale_factor: an export, resume or render
+    from a config with another factor (the key left out: 1) is refused, naming the factor to set,
+    so the exported files carry the trained one."""
+
+    def identity(**settings):
+        ic = {"model.family": "ltx2", "model.type": "ic", "model.path": str(ltx2_models("2.0"))}
+        cfg = load_config(str(write_config("ic", **ic, **settings)))
+        return ckpt.run_identity(
+            load_adapter(cfg.model, torch.device("cpu")), cfg.model, cfg.train.training_type, cfg.lora
+        )
+
+    trained = identity(**{"model.reference_downscale_factor": 2})
+    assert trained["model"] == {"model.reference_downscale_factor": "2"}
+    ckpt.check_identity(tmp_path, {"identity": trained}, trained, resuming=True)
+    for resuming in (False, True):
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(
+                f"checkpoint {tmp_path} was trained with model.reference_downscale_factor = 2, and this "
+                "config has 1: set model.reference_downscale_factor = 2 (its run's config.toml)"
+            ),
+        ):
+            ckpt.check_identity(tmp_path, {"identity": trained}, identity(), resuming=resuming)
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,23 @@ def test_a_folder_of_another_family_is_named(wan_models, tiny_models):
         load_adapter(ModelConfig(path=str(tiny_models("2b")), family="wan"), torch.device("cpu"))
 
 
+def test_a_resolution_past_the_rotary_table_names_the_key(wan_models):
+    """More latent positions on an axis than WanRotaryPosEmbed's table holds (rope_max_seq_len) is
+    refused naming the key, before any clip; diffusers' forward fails there on a shape."""
+    adapter = load_adapter(ModelConfig(path=str(wan_models("t2v"))), torch.device("cpu"))
+    limit = adapter.transformer_config["rope_max_seq_len"]
+    adapter.check_resolution([9, 32, 16 * limit], "data.train_resolution")
+    with pytest.raises(ConfigError) as refused:
+        adapter.check_resolution([9, 32, 16 * limit + 16], "data.buckets[1]")
+    assert str(refused.value) == (
+        f"data.buckets[1] width = {16 * limit + 16} gives {limit + 1} latent positions, more than the "
+        f"transformer's rotary table holds (rope_max_seq_len = {limit}): use at most {16 * limit}"
+    )
+    transformer = adapter.TRANSFORMER.from_config(adapter.transformer_config)
+    with pytest.raises(RuntimeError):  # what the check spares: the rotary table's shape error
+        transformer.rope(torch.zeros(1, 16, 1, 4, 2 * limit + 2))
+
+
 def test_train_flow_shift_reaches_the_training_timesteps(wan_models):
     """train.flow_shift arrives through the adapter's constructor (RunSettings) and shifts
     training's draws as diffusers' FlowMatchEulerDiscreteScheduler shifts its sigmas, shift s / (1 +

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -30,6 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import cache
 import data
 import lora
+import ranks
 import render
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
@@ -492,6 +494,73 @@ def test_vace_list_files_may_leave_a_condition_empty_and_list_several_references
     (tmp_path / "metadata.csv").write_text("video,prompt,reference\nv0.mp4,a,r0.png|r1.png\nv1.mp4,b,\n")
     clips = data.read_clips(DataConfig(data_root=str(tmp_path)))
     assert [[r.name for r in c.reference] for c in clips] == [["r0.png", "r1.png"], []]
+
+
+def test_a_folder_or_a_reference_too_wide_for_the_frame_is_named_before_any_compute(
+    wan_models, base_settings, tiny_data, tmp_path
+):
+    """A control video that is a folder, and a reference image that leaves no row once fitted into
+    the frame (900 x 3 on 32 x 32: the pipeline's resize would stop with a ValueError), are each
+    named by the clip's file and line before any compute, as a bad clip data.skip_bad skips; in
+    validation.reference_images (the render command's --reference) by the key, before the cache
+    pass, and so is a validation file that is missing or a folder."""
+    root = vace_data(tmp_path / "data", tiny_data)
+    rows = (root / "metadata.jsonl").read_text().splitlines()
+    wide = root / "references" / "wide.png"
+    Image.fromarray(np.zeros((3, 900, 3), np.uint8)).save(wide)
+    settings = vace_settings(wan_models, base_settings, tmp_path / "run", **{"data.data_root": str(root)})
+    cfg = load_config(str(write_toml(tmp_path / "vace.toml", settings)))
+    for row, reason in (
+        ({"control": "videos"}, f"control {root / 'videos'}: is a folder, not a file"),
+        (
+            {"reference": "references/wide.png"},
+            f"reference {wide} is 900x3 (width x height): fitted into the 32x32 frame (its sides cut to "
+            "multiples of 8 first) it keeps 0x0 pixels; crop it nearer the frame's aspect ratio, or "
+            "remove it (data.reference_column)",
+        ),
+    ):
+        (root / "metadata.jsonl").write_text(
+            "\n".join([rows[0], json.dumps(json.loads(rows[1]) | row), *rows[2:]]) + "\n"
+        )
+        with one_rank_group() as d, pytest.raises(data.BadClip) as refused:
+            prepare_run(cfg, d)
+        assert f"metadata.jsonl line 2: {root / 'videos' / '00001.mp4'}: {reason}. 1 clip(s)" in str(
+            refused.value
+        )
+        assert "data.skip_bad = true" in str(refused.value)
+    validation = {"validation.do_validation": True, "validation.prompts": [PROMPT]}
+    cfg = load_config(
+        str(
+            write_toml(
+                tmp_path / "v.toml", {**settings, **validation, "validation.reference_images": [str(wide)]}
+            )
+        )
+    )
+    with one_rank_group() as d, pytest.raises(ranks.StopRun) as refused:  # every rank's check
+        prepare_run(cfg, d)
+    assert str(refused.value) == (
+        f"validation.reference_images[0]: reference {wide} is 900x3 (width x height): fitted into the "
+        "32x32 frame (its sides cut to multiples of 8 first) it keeps 0x0 pixels; crop it nearer the "
+        "frame's aspect ratio; fix validation.reference_images or --reference"
+    )
+    with one_rank_group() as d, pytest.raises(ConfigError) as rendered:  # render.py --reference
+        validate.ClipRenderer(vace_adapter(wan_models), cfg.validation, cfg.data, str(tmp_path), d)
+    assert str(rendered.value) == str(refused.value)
+    (tmp_path / "text.png").write_text("not an image")
+    cfg.validation.reference_images = [str(tmp_path / "text.png")]
+    unreadable = f"validation.reference_images[0] = {tmp_path / 'text.png'}: not a readable image ("
+    with one_rank_group() as d, pytest.raises(ranks.StopRun, match=re.escape(unreadable)):
+        prepare_run(cfg, d)
+    for path, what in (
+        (tmp_path / "gone.png", "does not exist"),
+        (root / "references", "is a folder, not a file"),
+    ):
+        cfg.validation.reference_images = [str(path)]
+        message = (
+            f"validation.reference_images[0] = {path} {what}: fix validation.reference_images or --reference"
+        )
+        with one_rank_group() as d, pytest.raises(ranks.StopRun, match=re.escape(message)):
+            prepare_run(cfg, d)
 
 
 def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
