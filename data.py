@@ -463,13 +463,10 @@ def load_references(item: Item) -> list[torch.Tensor]:
     references = []
     for path in item.clip.reference:
         try:
-            with decode.Image.open(path) as image:
-                size = decode.ImageOps.exif_transpose(image).size
-        except (OSError, SyntaxError) as e:
-            raise BadClip(f"reference {path}: not a readable image ({e})") from None
-        pixels = decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0]))
-        # a writable copy: the uncropped image is PIL's read-only buffer
-        references.append(torch.from_numpy(np.array(pixels)))
+            # a writable copy: PIL's buffer is read-only
+            references.append(torch.from_numpy(np.array(decode.open_image(path))))
+        except decode.MediaError as e:
+            raise BadClip(f"reference {path}: {e}") from None
     return references
 
 
