@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -346,6 +347,13 @@ def _nearest(name: str, candidates: list[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+def _finite(value) -> bool:
+    """Whether a config value holds no inf or nan, in lists too."""
+    if isinstance(value, list):
+        return all(map(_finite, value))
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def _type_name(tp) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(json.dumps(v) for v in typing.get_args(tp))
@@ -450,6 +458,16 @@ def check_values(cfg: Config) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
             raise ConfigError(f"{key} is required: set it in the config file or pass --{key} VALUE")
+    # TOML reads inf and nan as numbers, and nan fails no comparison: the range checks below would
+    # pass it (and inf most of them), and a run would train NaN or nothing, exit 0. Every float of
+    # the tree, the keys families declare their own (OWN_KEYS) included.
+    for section in dataclasses.fields(cfg):
+        for name, value in vars(getattr(cfg, section.name)).items():
+            if not _finite(value):
+                raise ConfigError(
+                    f"{section.name}.{name} = {value} is not a finite number (TOML reads inf and nan "
+                    "as numbers): give a finite value"
+                )
     positive = (
         "train.steps",
         "parallel.timeout_s",
