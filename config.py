@@ -342,8 +342,10 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
-def _nearest(name: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.0)
+def nearest(name: str, candidates: list[str], cutoff: float = 0.0) -> str:
+    """The did-you-mean for an unknown key or metadata column: the candidate nearest `name` (none
+    below difflib's similarity `cutoff`), as " (did you mean 'x'?)"."""
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
@@ -391,13 +393,13 @@ def _set(cfg: Config, key: str, value) -> None:
     sections = [f.name for f in dataclasses.fields(Config)]
     if section_name not in sections:
         raise ConfigError(
-            f"unknown config section '{section_name}' in '{key}'{_nearest(section_name, sections)}"
+            f"unknown config section '{section_name}' in '{key}'{nearest(section_name, sections)}"
         )
     section = getattr(cfg, section_name)
     hints = typing.get_type_hints(type(section))
     if name not in hints:
         keys = [f"{section_name}.{k}" for k in hints]
-        raise ConfigError(f"unknown config key '{key}'{_nearest(key, keys)}")
+        raise ConfigError(f"unknown config key '{key}'{nearest(key, keys)}")
     setattr(section, name, _check_value(key, value, hints[name]))
 
 

@@ -99,6 +99,24 @@ def test_three_formats_read_the_same_clips(tmp_path):
         ({"metadata.csv": "video,caption\n0.mp4,a\n"}, "metadata.csv line 1 must be a header"),
         ({"metadata.csv": "video,prompt\n0.mp4,a\n1.mp4,\n"}, "metadata.csv line 3: empty or missing prompt"),
         ({"notes.txt": "x"}, "neither of metadata.jsonl and metadata.csv"),
+        # a misspelt condition trained as none (every VACE condition is optional), exit 0
+        (
+            {
+                "metadata.jsonl": '{"video": "0.mp4", "prompt": "a", "control": "c/0.mp4"}\n'
+                '{"video": "1.mp4", "prompt": "b", "controls": "c/1.mp4", "references": "r/1.png"}\n'
+            },
+            r"metadata.jsonl line 2: column 'controls' is not one vidtrain reads \(did you mean "
+            r"'control'\?\): rename it, or remove it \(the columns: video, prompt, image, last_image, ",
+        ),
+        (
+            {"metadata.csv": "video,prompt,references\n0.mp4,a,r/0.png\n"},
+            r"metadata.csv line 1: column 'references' is not one vidtrain reads \(did you mean 'reference'\?\)",
+        ),
+        # another tool's column: no suggestion; a trailing comma's empty name is no column
+        (
+            {"metadata.csv": "video,prompt,caption,\n0.mp4,a,x,\n"},
+            "metadata.csv line 1: column 'caption' is not one vidtrain reads: rename it",
+        ),
     ],
 )
 def test_list_mistakes_name_file_and_line(tmp_path, files, expected):
