@@ -858,6 +858,17 @@ def _export_weights(
     state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
     if not d.is_main:
         return
+    # A diverged run's weights (train.learning_rate too high: NaN within a step, in a checkpoint
+    # before the non-finite guard stops the run) would load everywhere and render noise.
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        folder = out / f"{'lora' if training_type == 'lora' else 'transformer'}{suffix}"
+        raise ranks.StopRun(
+            f"{len(bad)} of the {len(state)} weights for {folder} hold NaN or inf (first: {bad[0]}): "
+            "the training diverged, and they were not written; export an earlier checkpoint "
+            "(python ckpt.py export --checkpoint DIR), or train again with a lower "
+            "train.learning_rate"
+        )
     if training_type == "lora":
         folder = out / f"lora{suffix}"
         folder.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -363,9 +364,18 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
-def _nearest(name: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.0)
+def nearest(name: str, candidates: list[str], cutoff: float = 0.0) -> str:
+    """The did-you-mean for an unknown key or metadata column: the candidate nearest `name` (none
+    below difflib's similarity `cutoff`), as " (did you mean 'x'?)"."""
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _finite(value) -> bool:
+    """Whether a config value holds no inf or nan, in lists too."""
+    if isinstance(value, list):
+        return all(map(_finite, value))
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def _type_name(tp) -> str:
@@ -405,13 +415,13 @@ def _set(cfg: Config, key: str, value) -> None:
     sections = [f.name for f in dataclasses.fields(Config)]
     if section_name not in sections:
         raise ConfigError(
-            f"unknown config section '{section_name}' in '{key}'{_nearest(section_name, sections)}"
+            f"unknown config section '{section_name}' in '{key}'{nearest(section_name, sections)}"
         )
     section = getattr(cfg, section_name)
     hints = typing.get_type_hints(type(section))
     if name not in hints:
         keys = [f"{section_name}.{k}" for k in hints]
-        raise ConfigError(f"unknown config key '{key}'{_nearest(key, keys)}")
+        raise ConfigError(f"unknown config key '{key}'{nearest(key, keys)}")
     setattr(section, name, _check_value(key, value, hints[name]))
 
 
@@ -472,6 +482,16 @@ def check_values(cfg: Config) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
             raise ConfigError(f"{key} is required: set it in the config file or pass --{key} VALUE")
+    # TOML reads inf and nan as numbers, and nan fails no comparison: the range checks below would
+    # pass it (and inf most of them), and a run would train NaN or nothing, exit 0. Every float of
+    # the tree, the keys families declare their own (OWN_KEYS) included.
+    for section in dataclasses.fields(cfg):
+        for name, value in vars(getattr(cfg, section.name)).items():
+            if not _finite(value):
+                raise ConfigError(
+                    f"{section.name}.{name} = {value} is not a finite number (TOML reads inf and nan "
+                    "as numbers): give a finite value"
+                )
     positive = (
         "train.steps",
         "parallel.timeout_s",

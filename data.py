@@ -25,7 +25,7 @@ import torch
 
 import decode
 import faults
-from config import VALIDATION_FILES, ConfigError, DataConfig, ValidationConfig
+from config import VALIDATION_FILES, ConfigError, DataConfig, ValidationConfig, nearest
 from decode import Media, MediaError
 
 # --------------------------------------------------------------------------------------------------
@@ -35,7 +35,8 @@ from decode import Media, MediaError
 # Formats: CogVideo's layout (prompts.txt and videos.txt, optional images.txt, one entry per line,
 # paths relative to data_root) when those files exist, else metadata.jsonl or metadata.csv with
 # `video`, `prompt` and optional `image`, `last_image`, `control`, `mask` and `reference` columns (an
-# empty entry: none; several references separated by REFERENCES, or a JSON list in metadata.jsonl). A
+# empty entry: none; several references separated by REFERENCES, or a JSON list in metadata.jsonl; any
+# other column refused by name). A
 # `video` may be an image (.png, .jpg, .webp): a one-frame clip. A clip that cannot be used (a Problem,
 # or a BadClip raised while decoding it) is named by its list file's line; stop_on_problems stops at
 # the lowest, or skips them as data.skip_bad and data.short_clips say. data.py plans each clip's window.
@@ -47,6 +48,8 @@ METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 # (none: Wan VACE's control video, mask, references).
 REFERENCES = "|"
 OPTIONAL = ("control", "mask", "reference", "loss_mask")
+# a metadata file's columns; any other is refused by name (a misspelt condition would train as none)
+COLUMNS = ("video", "prompt", "image", "last_image", "control", "mask", "reference", "loss_mask")
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
                 raise ConfigError(f"{path} line {number} is not valid JSON ({e})") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{path} line {number} must be a JSON object with video and prompt")
+            _check_columns(path, number, list(row))
             rows.append((number, row))
     return rows
 
@@ -170,7 +174,21 @@ def _csv_rows(path: Path) -> list[tuple[int, dict]]:
         raise ConfigError(
             f"{path} line 1 must be a header naming the columns video and prompt (and optionally image)"
         )
+    _check_columns(path, 1, reader.fieldnames)
     return rows
+
+
+def _check_columns(path: Path, line: int, names: list[str]) -> None:
+    """Refuse a column vidtrain does not read, naming the nearest it does where one is near (other
+    tools' columns, caption or file_name, have none); an empty name (a CSV's trailing comma) is no
+    column."""
+    unknown = [name for name in names if name and name not in COLUMNS]
+    if unknown:
+        raise ConfigError(
+            f"{path} line {line}: column {unknown[0]!r} is not one vidtrain reads"
+            f"{nearest(unknown[0], list(COLUMNS), cutoff=0.6)}: rename it, or remove it (the columns: "
+            f"{', '.join(COLUMNS)})"
+        )
 
 
 def read_clips(cfg: DataConfig) -> list[Clip]:
@@ -521,13 +539,10 @@ def load_references(item: Item) -> list[torch.Tensor]:
     references = []
     for path in item.clip.reference:
         try:
-            with decode.Image.open(path) as image:
-                size = decode.ImageOps.exif_transpose(image).size
-        except (OSError, SyntaxError) as e:
-            raise BadClip(f"reference {path}: not a readable image ({e})") from None
-        pixels = decode.read_image(path, (size[1], size[0]), (0, 0, size[1], size[0]))
-        # a writable copy: the uncropped image is PIL's read-only buffer
-        references.append(torch.from_numpy(np.array(pixels)))
+            # a writable copy: PIL's buffer is read-only
+            references.append(torch.from_numpy(np.array(decode.open_image(path))))
+        except decode.MediaError as e:
+            raise BadClip(f"reference {path}: {e}") from None
     return references
 
 

@@ -7,8 +7,9 @@ count, the first timestamp and the duration come from one pass over the packets,
 from the first decoded frame (PyAV has no stream-level getter), applied to every frame, and the
 displayed size is what buckets see. Frames are picked by their timestamps, after a keyframe seek to
 the first one, resized by swscale as each is decoded (antialiased when shrinking) and kept uint8.
-Images (EXIF orientation applied) are one-frame clips. Sound is decoded in a child process (last in
-this module); the module imports no torch, so the child starts light.
+Images (EXIF orientation applied, 16-bit ones scaled to 8 bits: open_image) are one-frame clips.
+Sound is decoded in a child process (last in this module); the module imports no torch, so the
+child starts light.
 """
 
 import atexit
@@ -30,6 +31,8 @@ from PIL import Image, ImageOps
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 EXIF_ORIENTATION = 0x0112
+# Pillow's modes of a 16-bit grayscale image (it reduces 16-bit colour images to 8 bits itself)
+GRAY16 = ("I;16", "I;16L", "I;16B", "I;16N")
 RESIZE = "swscale-bilinear"  # part of the cache key: another resize gives other latents
 
 
@@ -251,15 +254,35 @@ def _frames_by_index(container, stream, media: Media):
         yield index / media.fps, frame
 
 
-def read_image(path: Path, resized: tuple[int, int], crop: tuple[int, int, int, int]) -> np.ndarray:
-    """An image upright as displayed (EXIF orientation), resized (antialiased) and cropped: uint8
-    [H, W, 3]."""
-    top, left, height, width = crop
+def open_image(path: Path) -> Image.Image:
+    """An image upright as displayed (EXIF orientation), in 8-bit RGB: every image vidtrain reads.
+
+    A 16-bit grayscale image (depth and normal renders, Blender's and photo tools' PNGs and TIFFs:
+    Pillow's I;16 modes) is scaled to 8 bits (x / 257, rounded), as Pillow itself reduces 16-bit
+    colour images: convert("RGB") alone clips it at 255, a 0..65535 ramp turning almost all white.
+    A 32-bit one (integer or floating point) has no range to scale from: MediaError, as for an
+    unreadable file."""
     try:
         with Image.open(path) as image:
-            upright = ImageOps.exif_transpose(image).convert("RGB")
+            upright = ImageOps.exif_transpose(image)
+            if upright.mode in GRAY16:
+                levels = np.round(np.asarray(upright, dtype=np.float32) / 257).astype(np.uint8)
+                upright = Image.fromarray(levels)
+            elif upright.mode in ("I", "F") or upright.mode.startswith("I;"):
+                raise MediaError(
+                    f"a 32-bit image (Pillow's mode {upright.mode}), whose levels have no 8-bit "
+                    "equivalent vidtrain can tell: save it as an 8-bit or 16-bit PNG"
+                )
+            return upright.convert("RGB")
     except (OSError, SyntaxError) as e:
         raise MediaError(f"not a readable image ({e})") from None
+
+
+def read_image(path: Path, resized: tuple[int, int], crop: tuple[int, int, int, int]) -> np.ndarray:
+    """An image upright as displayed (open_image), resized (antialiased) and cropped: uint8
+    [H, W, 3]."""
+    top, left, height, width = crop
+    upright = open_image(path)
     pixels = np.asarray(upright.resize((resized[1], resized[0]), Image.Resampling.BILINEAR))
     return np.ascontiguousarray(pixels[top : top + height, left : left + width])
 

@@ -231,6 +231,10 @@ class Adapter(TransformerLoading, abc.ABC):
     # A key every single file of the family holds (model.transformer_file; single_file_key and
     # diffusers_names map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
+    # Other folders of the model whose weights the family's single files carry beside the
+    # transformer's (LTX-2's connectors/), named by single_file_part_key; reading skips them
+    # (single_file_extra), tools/to_single_file.py writes them.
+    SINGLE_FILE_PARTS: tuple[str, ...] = ()
     # whether that file carries an .alpha per module (else alpha / rank is baked into lora_B)
     COMFY_ALPHA = True
     # Parts of the loss logged beside it (train/<part>, val/<part>): a family with several streams
@@ -568,6 +572,12 @@ class Adapter(TransformerLoading, abc.ABC):
         `config`, under their diffusers names, for other readers' sake (CogVideoX 2b's sincos table,
         for ComfyUI's model detection)."""
         return {}
+
+    @staticmethod
+    def single_file_part_key(key: str) -> str:
+        """A key of a SINGLE_FILE_PARTS folder -> its name in the family's single files, under
+        ComfyUI's prefix (model.diffusion_model.) where those files put it there."""
+        return key
 
     def single_file_extra(self, key: str) -> bool:
         """Whether a single file's key (its own name, without ComfyUI's prefix) holds something

@@ -26,7 +26,6 @@ import av
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageOps
 from safetensors.torch import save_file
 
 import data
@@ -449,9 +448,8 @@ def load_image(path: str, key: str = "images"):
     """A validation image (of validation.<key>), upright as displayed (EXIF orientation), in RGB: the
     pipeline resizes it."""
     try:
-        with Image.open(path) as image:
-            return ImageOps.exif_transpose(image).convert("RGB")
-    except OSError as e:
+        return decode.open_image(Path(path))
+    except decode.MediaError as e:
         raise ConfigError(
             f"validation image {path} is unreadable ({e}): fix {VALIDATION_FILES[key]}"
         ) from None

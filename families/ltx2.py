@@ -66,7 +66,7 @@ from model_adapter import (
     to_device,
 )
 from parallel import SequenceSplit, split_blocks, stack_qkv
-from weights import Weights, resolved_config
+from weights import PREFIX, Weights, resolved_config
 
 TEXT_LENGTH = 1024  # the pipelines' max_sequence_length
 # the pipelines' frame_rate: positions in seconds for the rotary embeddings, and the audio's length
@@ -107,6 +107,21 @@ CONNECTOR_PREFIXES = (
     "audio_connector",
     "text_proj_in",
 )
+# connectors/' names in Lightricks' single files, as ltx-core reads them (EMBEDDINGS_PROCESSOR_KEY_OPS,
+# text_encoders/gemma/encoders/encoder_configurator.py) and ComfyUI's LTXAV model holds them
+# (video_embeddings_connector, audio_embeddings_connector): diffusers' LTX_2_0_ /
+# LTX_2_3_CONNECTORS_KEYS_RENAME_DICT read backwards, the text projection outside
+# model.diffusion_model. (docs/models/ltx2.md, "Single files").
+CONNECTOR_NAMES = {
+    "video_text_proj_in": "text_embedding_projection.video_aggregate_embed",
+    "audio_text_proj_in": "text_embedding_projection.audio_aggregate_embed",
+    "text_proj_in": "text_embedding_projection.aggregate_embed",
+    "video_connector": "video_embeddings_connector",
+    "audio_connector": "audio_embeddings_connector",
+    "transformer_blocks": "transformer_1d_blocks",
+    "norm_q": "q_norm",
+    "norm_k": "k_norm",
+}
 # ltx-trainer's shifted logit-normal timestep sampler: its shift is the line through these (tokens,
 # shift) points, extrapolated both ways (timestep_samplers.py's _get_shift_for_sequence_length
 # clamps neither end).
@@ -195,6 +210,9 @@ class LTX2Adapter(Adapter):
     COMFY = True
     # what ComfyUI's detection knows LTX-2 by ("ltxav")
     SINGLE_FILE_KEY = "audio_adaln_single.linear.weight"
+    # Lightricks' files carry the text connectors: without them ComfyUI's LTXAV model keeps its
+    # connector weights uninitialised and samples from garbage text conditioning.
+    SINGLE_FILE_PARTS = ("connectors",)
     # LTX2Pipeline.load_lora_weights refuses .alpha keys (every key must name "lora")
     COMFY_ALPHA = False
     LOSS_PARTS = ("loss_video", "loss_audio")
@@ -430,6 +448,14 @@ class LTX2Adapter(Adapter):
             return key
 
         return {k: renamed(k) for k in keys}
+
+    @staticmethod
+    def single_file_part_key(key: str) -> str:
+        """A connectors/ key's name in Lightricks' files (CONNECTOR_NAMES, in one pass, the longest
+        name first: text_proj_in is inside video_text_proj_in)."""
+        longest_first = "|".join(sorted(map(re.escape, CONNECTOR_NAMES), key=len, reverse=True))
+        name = re.sub(longest_first, lambda m: CONNECTOR_NAMES[m[0]], key)
+        return name if name.startswith("text_embedding_projection.") else PREFIX + name
 
     def single_file_extra(self, key: str) -> bool:
         """Lightricks' files hold the text connectors beside the transformer, under the same prefix."""

@@ -37,7 +37,7 @@ import ckpt
 import command
 import lora
 import ranks
-from config import CheckpointConfig, ConfigError, ModelConfig, load_config
+from config import CheckpointConfig, ConfigError, LoraConfig, ModelConfig, load_config
 from data import Sampler
 from model_adapter import load_adapter
 
@@ -540,6 +540,29 @@ def test_export_of_a_missing_checkpoint_says_it_does_not_exist(write_config, tmp
             ckpt.main(["export", "--cfg", str(cfg), "--checkpoint", str(run / name)])
         assert f"checkpoint {run / name} {message}" in caplog.text
     assert not (run / "exports").exists()
+
+
+def test_an_export_of_non_finite_weights_names_them_and_writes_nothing(monkeypatch, tmp_path):
+    """An export of non-finite weights names the first and writes nothing.
+
+    A run that diverged (train.learning_rate = inf: NaN within a step, in a checkpoint before the
+    non-finite guard stops the run) exported an all-NaN LoRA with exit 0, which loads everywhere
+    and renders noise. The export that the end of training and `ckpt.py export` share refuses."""
+    nan = torch.full((4, 2), float("nan"))
+    state = {
+        "transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 4),
+        "transformer_blocks.0.attn1.to_q.lora_B.weight": nan,
+    }
+    monkeypatch.setattr(ckpt, "model_state", lambda *args, **kwargs: state)
+    adapter = SimpleNamespace(expert="", COMFY=False, lora_metadata=dict)
+    lora_cfg = LoraConfig(rank=2, target_modules=["to_q"])
+    with pytest.raises(ranks.StopRun) as refused:
+        ckpt.export(None, "lora", lora_cfg, adapter, str(tmp_path), ranks.Dist(0, 1, 0, torch.device("cpu")))
+    assert str(refused.value).startswith(
+        f"1 of the 2 weights for {tmp_path / 'lora'} hold NaN or inf (first: "
+        "transformer_blocks.0.attn1.to_q.lora_B.weight): the training diverged"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_rotation_keeps_a_checkpoint_being_exported(tmp_path):

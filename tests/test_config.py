@@ -2,12 +2,15 @@
 
 Strict keys and types, the override syntax, the model's shape rules, schedules."""
 
+import dataclasses
 import math
+import re
+import typing
 
 import pytest
 import torch
 
-from config import ConfigError, check_resolution, load_config, parse_overrides, to_toml
+from config import Config, ConfigError, check_resolution, load_config, parse_overrides, to_toml
 from model import LossScaler
 from model_adapter import check_config
 from trainer import TrainState, clip_and_step, lr_factor
@@ -123,6 +126,29 @@ def test_values_that_train_nothing_or_crash_late_are_refused(args, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, REQUIRED + args)
     assert message in str(error.value)
+
+
+def test_every_float_key_refuses_inf_and_nan(tmp_path):
+    """Every float key refuses inf and nan, by name, when the config is read.
+
+    TOML reads them as numbers, and nan fails no comparison: train.learning_rate = inf and
+    train.max_grad_norm = nan exported an all-NaN LoRA with exit 0, train.audio_loss_weight,
+    train.flow_shift and lora.lora_alpha an untrained one, data.target_fps = nan died after the cache
+    pass. Each float of the tree (the keys a family declares its own too, validation.stg_scale's
+    kind), on the command line and in a file."""
+    floats = [
+        f"{section.name}.{name}"
+        for section in dataclasses.fields(Config)
+        for name, kind in typing.get_type_hints(section.type).items()
+        if kind is float
+    ]
+    assert {"train.learning_rate", "data.target_fps", "validation.stg_scale"} <= set(floats)
+    for key in floats:
+        for value in ("inf", "-inf", "nan"):
+            with pytest.raises(ConfigError, match=f"^{re.escape(key)} = {value} is not a finite number"):
+                load_config(None, REQUIRED + [f"--{key}", value])
+    with pytest.raises(ConfigError, match=r"^train.max_grad_norm = nan is not a finite number \(TOML"):
+        load_config(write(tmp_path, "[train]\nmax_grad_norm = nan\n"), REQUIRED)
 
 
 def test_a_family_rule_is_its_adapters():

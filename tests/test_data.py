@@ -4,16 +4,19 @@ Cheap checks call the functions directly; the cache pass runs in this process th
 (one process, a HashStore group), and the multi-rank and kill tests run the real commands.
 """
 
+import dataclasses
 import json
 import logging
 import shutil
 from pathlib import Path
 
 import av
+import numpy as np
 import pytest
 import torch
 from conftest import picked_frames, ramp_clip, run_cmd, run_ok, train_losses
 from diffusers import AutoencoderKLCogVideoX
+from PIL import Image
 from safetensors.torch import load_file
 from transformers import T5EncoderModel
 
@@ -21,6 +24,7 @@ import cache
 import data
 import decode
 import trainer
+import validate
 from config import ConfigError, DataConfig
 from data import Sampler, micro_slice
 from tools.make_synthetic_dataset import make_synthetic_dataset
@@ -95,6 +99,24 @@ def test_three_formats_read_the_same_clips(tmp_path):
         ({"metadata.csv": "video,caption\n0.mp4,a\n"}, "metadata.csv line 1 must be a header"),
         ({"metadata.csv": "video,prompt\n0.mp4,a\n1.mp4,\n"}, "metadata.csv line 3: empty or missing prompt"),
         ({"notes.txt": "x"}, "neither of metadata.jsonl and metadata.csv"),
+        # a misspelt condition trained as none (every VACE condition is optional), exit 0
+        (
+            {
+                "metadata.jsonl": '{"video": "0.mp4", "prompt": "a", "control": "c/0.mp4"}\n'
+                '{"video": "1.mp4", "prompt": "b", "controls": "c/1.mp4", "references": "r/1.png"}\n'
+            },
+            r"metadata.jsonl line 2: column 'controls' is not one vidtrain reads \(did you mean "
+            r"'control'\?\): rename it, or remove it \(the columns: video, prompt, image, last_image, ",
+        ),
+        (
+            {"metadata.csv": "video,prompt,references\n0.mp4,a,r/0.png\n"},
+            r"metadata.csv line 1: column 'references' is not one vidtrain reads \(did you mean 'reference'\?\)",
+        ),
+        # another tool's column: no suggestion; a trailing comma's empty name is no column
+        (
+            {"metadata.csv": "video,prompt,caption,\n0.mp4,a,x,\n"},
+            "metadata.csv line 1: column 'caption' is not one vidtrain reads: rename it",
+        ),
     ],
 )
 def test_list_mistakes_name_file_and_line(tmp_path, files, expected):
@@ -233,6 +255,38 @@ def test_phone_clips_and_photos_come_out_as_displayed(tmp_path):
         video = data.decode_clip(item_for(tmp_path / name, [frames, 48, 32], 0)).float()
         assert video[:, :12, :8].mean() > 240 and video[:, -12:, -8:].mean() < 60
         assert picked_frames(video) == list(range(frames))
+
+
+def test_16_bit_images_read_as_their_8_bit_twins(tmp_path):
+    """16-bit images read as their 8-bit twins, within one level, wherever an image is read.
+
+    A 16-bit grayscale PNG ramp (what depth and normal renders, Blender and photo tools write;
+    Pillow's convert("RGB") alone clips it at 255, almost all white) as a clip's frame, first and
+    last image, image mask and reference, and as a validation image; a 32-bit one is refused by
+    file."""
+    ramp = (np.arange(48 * 64).reshape(48, 64) * 65535 // (48 * 64 - 1)).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "deep.png")
+    Image.fromarray(np.round(ramp / 257).astype(np.uint8)).save(tmp_path / "twin.png")
+    assert Image.open(tmp_path / "deep.png").mode == "I;16"
+
+    def every_read(path: Path) -> list[torch.Tensor]:
+        item = item_for(path, [1, 32, 48], 0)
+        clip = dataclasses.replace(item.clip, image=path, last_image=path, mask=path, reference=(path,))
+        item = dataclasses.replace(item, clip=clip, mask_media=item.media)
+        return [
+            data.decode_clip(item),
+            data.load_image(item),
+            data.load_image(item, last=True),
+            data.decode_control(item, mask=True),
+            *data.load_references(item),
+            torch.from_numpy(np.array(validate.load_image(str(path)))),
+        ]
+
+    for deep, twin in zip(every_read(tmp_path / "deep.png"), every_read(tmp_path / "twin.png"), strict=True):
+        assert deep.shape == twin.shape and (deep.int() - twin.int()).abs().max() <= 1
+    Image.fromarray(ramp.astype(np.float32) / 65535).save(tmp_path / "float.tif")
+    with pytest.raises(ConfigError, match=r"float.tif is unreadable \(a 32-bit image \(Pillow's mode F\)"):
+        validate.load_image(str(tmp_path / "float.tif"))
 
 
 def test_plan_keeps_aspect_and_draws_start_and_crop_from_the_seed(tmp_path):

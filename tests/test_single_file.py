@@ -681,18 +681,34 @@ LTX2_CONNECTOR_PREFIXES = (
     "audio_connector",
     "text_proj_in",
 )
-# LTX_2_0_ / LTX_2_3_CONNECTORS_KEYS_RENAME_DICT read backwards: the connectors' names in
-# Lightricks' files.
-LTX2_CONNECTOR_NAMES = {
-    "video_text_proj_in": "text_embedding_projection.video_aggregate_embed",
-    "audio_text_proj_in": "text_embedding_projection.audio_aggregate_embed",
-    "text_proj_in": "text_embedding_projection.aggregate_embed",
-    "video_connector": "video_embeddings_connector",
-    "audio_connector": "audio_embeddings_connector",
-    "transformer_blocks": "transformer_1d_blocks",
-    "norm_q": "q_norm",
-    "norm_k": "k_norm",
+# LTX_2_0_ / LTX_2_3_CONNECTORS_KEYS_RENAME_DICT: how the script renames the connectors of
+# Lightricks' files (the model.diffusion_model. prefix taken off first, as by
+# get_model_state_dict_from_combined_ckpt), substrings replaced in order.
+LTX2_CONNECTORS_RENAMES = {
+    "connectors.": "",
+    "video_embeddings_connector": "video_connector",
+    "audio_embeddings_connector": "audio_connector",
+    "transformer_1d_blocks": "transformer_blocks",
+    "text_embedding_projection.aggregate_embed": "text_proj_in",
+    "q_norm": "norm_q",
+    "k_norm": "norm_k",
 }
+LTX2_3_CONNECTORS_RENAMES = {
+    **{k: v for k, v in LTX2_CONNECTORS_RENAMES.items() if not k.startswith("text_embedding")},
+    "text_embedding_projection.audio_aggregate_embed": "audio_text_proj_in",
+    "text_embedding_projection.video_aggregate_embed": "video_text_proj_in",
+}
+# The keys ltx-core's text encoder takes from a Lightricks file (Lightricks/LTX-2
+# 400fd31, packages/ltx-core/src/ltx_core/text_encoders/gemma/encoders/encoder_configurator.py,
+# EMBEDDINGS_PROCESSOR_KEY_OPS): the projection outside the prefix, the connectors under it, as
+# ComfyUI's LTXAV model (comfy/ldm/lightricks/av_model.py) holds them beside the transformer.
+LTX_CORE_CONNECTOR_PREFIXES = (
+    "text_embedding_projection.aggregate_embed.",
+    "text_embedding_projection.video_aggregate_embed.",
+    "text_embedding_projection.audio_aggregate_embed.",
+    "model.diffusion_model.video_embeddings_connector.",
+    "model.diffusion_model.audio_embeddings_connector.",
+)
 
 
 def diffusers_ltx2_transformer(combined: dict, version: str) -> dict:
@@ -713,16 +729,11 @@ def diffusers_ltx2_transformer(combined: dict, version: str) -> dict:
 
 
 def lightricks_file(folder, out):
-    """The tiny model as Lightricks lay theirs out: the transformer under model.diffusion_model. in
-    ltx-core's names (tools/to_single_file.py), the text connectors beside it in theirs, the text
-    projection outside the prefix (as some of their files have it), the VAEs and the vocoder under
-    vae., audio_vae. and vocoder. (their own names there do not matter: nothing reads them)."""
+    """The tiny model as Lightricks lay theirs out: the transformer and the text connectors as
+    tools/to_single_file.py --prefix writes them, the VAEs and the vocoder added under vae.,
+    audio_vae. and vocoder. (their own names there do not matter: nothing reads them)."""
     to_single_file(str(folder), str(out), prefix=True)
     combined = load_file(out)
-    for key, tensor in load_file(folder / "connectors" / "diffusion_pytorch_model.safetensors").items():
-        name = re.sub("|".join(LTX2_CONNECTOR_NAMES), lambda m: LTX2_CONNECTOR_NAMES[m[0]], key)
-        outside = name.startswith("text_embedding_projection")
-        combined[name if outside else f"model.diffusion_model.{name}"] = tensor
     for part in ("vae", "audio_vae", "vocoder"):
         part_file = folder / part / "diffusion_pytorch_model.safetensors"
         combined |= {f"{part}.{k}": v for k, v in load_file(part_file).items()}
@@ -751,3 +762,36 @@ def test_lightricks_single_files_give_ltx2s_transformer(version, ltx2_models, tm
     ours = tensors(load_adapter(file_cfg, torch.device("cpu")).load_transformer())
     assert ours.keys() == theirs.keys()
     assert differing(ours, theirs) == []
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.3", "2.5"])
+def test_ltx2_single_files_carry_the_text_connectors(version, ltx2_models, tmp_path):
+    """LTX-2 single files carry the folder's text connectors under Lightricks' names.
+
+    ComfyUI's LTXAV model loads video_embeddings_connector.* and audio_embeddings_connector.* from
+    the same file as the transformer, and ltx-core's text encoder those and the text projection:
+    a file without them samples from uninitialised weights. Every connector key is one ltx-core
+    takes, and diffusers' conversion script turns them into the folder's connectors, bit for bit
+    (bf16, as written), with --prefix and without (2.5's connectors are named as 2.3's)."""
+    folder = ltx2_models(version)
+    expected = load_file(folder / "connectors" / "diffusion_pytorch_model.safetensors")
+    renames = LTX2_CONNECTORS_RENAMES if version == "2.0" else LTX2_3_CONNECTORS_RENAMES
+    for prefix in (True, False):
+        path = tmp_path / f"ltx2-{prefix}.safetensors"
+        to_single_file(str(folder), str(path), prefix=prefix)
+        written = load_file(path)
+        connectors = {
+            k: v
+            for k, v in written.items()
+            if k.removeprefix("model.diffusion_model.").startswith(LTX2_CONNECTOR_PREFIXES)
+        }
+        if prefix:
+            assert [k for k in connectors if not k.startswith(LTX_CORE_CONNECTOR_PREFIXES)] == []
+        converted = {}
+        for key, tensor in connectors.items():
+            key = key.removeprefix("model.diffusion_model.")
+            for original, new in renames.items():
+                key = key.replace(original, new)
+            converted[key] = tensor
+        assert converted.keys() == expected.keys(), (prefix, sorted(converted.keys() ^ expected.keys())[:4])
+        assert all(torch.equal(converted[k], expected[k].to(torch.bfloat16)) for k in expected)

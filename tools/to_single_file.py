@@ -3,7 +3,9 @@
 Write a diffusers model folder's transformer as one safetensors file in the layout ComfyUI and the
 original releases use (what model.transformer_file reads): Wan in the original checkpoint's names,
 CogVideoX in ComfyUI's native ones (2b's with its sincos table, which ComfyUI detects it by), LTX-2
-in Lightricks' (ltx-core's) (docs/models/*.md, "Single files").
+in Lightricks' (ltx-core's), with the folder's text connectors beside the transformer, as Lightricks'
+files carry them and ComfyUI's model loads them from the same file (docs/models/*.md, "Single
+files").
 
     python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp8 [--scaled]] [--prefix]
                                    [--folder transformer]
@@ -18,6 +20,8 @@ tensor at a time, never held whole.
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import sys
 from pathlib import Path
@@ -78,14 +82,30 @@ def to_single_file(
         raise SystemExit(
             f"{model_dir}/{folder}: no single-file name for {unnamed[:3]}, or the names do not read back"
         )
-    # key -> (its name in the file, the dtype written); scaled layers' scales follow their weights.
-    plan = {}
+    # (its name in the file, the dtype written, its shape, its reader); scaled layers' scales follow
+    # their weights.
+    plan = []
     for key, (dtype, shape) in stored.items():
         if dtype.is_floating_point and not cls.keeps_fp32(key):
             dtype = FP8 if fp8 and quantized(names[key], shape) else torch.bfloat16
-        plan[key] = (names[key], dtype, shape)
+        read = tables[key].float if key in tables else functools.partial(weights.read, key, torch.float32)
+        plan.append(((PREFIX if prefix else "") + names[key], dtype, shape, read))
+    # The other folders the family's files carry (LTX-2's text connectors, which ComfyUI's model and
+    # the makers' code read from the same file), in bf16 as the makers' files hold them.
+    parts = [Weights(Path(model_dir) / part) for part in cls.SINGLE_FILE_PARTS]
+    for part in parts:
+        for key, (_path, dtype, shape, _offset) in part.entries.items():
+            name = cls.single_file_part_key(key)
+            plan.append(
+                (
+                    name if prefix else name.removeprefix(PREFIX),
+                    torch.bfloat16 if dtype.is_floating_point else dtype,
+                    shape,
+                    functools.partial(part.read, key, torch.float32),
+                )
+            )
     header, offset = {}, 0
-    for name, dtype, shape in plan.values():
+    for name, dtype, shape, _read in plan:
         entries = [(name, dtype, shape)] + (
             [(name.removesuffix("weight") + "scale_weight", torch.float32, ())]
             if scaled and dtype == FP8
@@ -93,7 +113,7 @@ def to_single_file(
         )
         for entry_name, entry_dtype, entry_shape in entries:
             size = entry_dtype.itemsize * int(torch.Size(entry_shape).numel())
-            header[(PREFIX if prefix else "") + entry_name] = {
+            header[entry_name] = {
                 "dtype": FILE_NAMES[entry_dtype],
                 "shape": list(entry_shape),
                 "data_offsets": [offset, offset + size],
@@ -108,13 +128,12 @@ def to_single_file(
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
-    with open(out, "wb") as f, weights.opened():
+    with open(out, "wb") as f, contextlib.ExitStack() as stack:
+        for reader in (weights, *parts):
+            stack.enter_context(reader.opened())
         f.write(len(text).to_bytes(8, "little") + text)
-        for key, (_name, dtype, _shape) in plan.items():
-            if key in tables:
-                tensor = tables[key].float()
-            else:
-                tensor = weights.read(key, torch.float32 if dtype.is_floating_point else dtype)
+        for _name, dtype, _shape, read in plan:
+            tensor = read()
             scale = None
             if dtype == FP8:
                 scale = tensor.abs().max() / FP8_MAX if scaled else torch.tensor(1.0)
