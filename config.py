@@ -83,13 +83,13 @@ class TrainConfig:
     batch_size: int = 1
     # Micro-steps per optimizer step.
     gradient_accumulation_steps: int = 1
-    # Peak AdamW learning rate.
+    # Peak learning rate (prodigy: 1.0, the multiplier of its own estimate).
     learning_rate: float = 1e-4
     # Learning-rate schedule after warmup (constant_with_warmup warms up, then holds).
     lr_scheduler: Literal["constant_with_warmup", "constant", "cosine", "linear"] = "constant_with_warmup"
     # Linear warmup steps (ignored by "constant").
     lr_warmup_steps: int = 100
-    # AdamW weight decay.
+    # Weight decay, decoupled (every train.optimizer takes it).
     weight_decay: float = 1e-4
     # AdamW's first-moment decay.
     adam_beta1: float = 0.9
@@ -97,6 +97,14 @@ class TrainConfig:
     adam_beta2: float = 0.95
     # AdamW's epsilon.
     adam_epsilon: float = 1e-8
+    # "adamw" (torch's fused AdamW); "adafactor" and "muon" (torch.optim's own; Muon takes the 2-D
+    # weights, AdamW the rest); "prodigy" (prodigyopt: set train.learning_rate = 1.0); "adamw8bit"
+    # (torchao's AdamW8bit: 8-bit moments, CUDA and CPU). The adam_* keys go to adamw, adamw8bit,
+    # prodigy and Muon's AdamW half (docs/training.md).
+    optimizer: Literal["adamw", "adafactor", "muon", "prodigy", "adamw8bit"] = "adamw"
+    # The optimizer's other settings, by the names of its constructor's arguments ({ d_coef = 0.5 }
+    # for prodigy); an unknown name is an error that lists the allowed ones.
+    optimizer_args: dict = field(default_factory=dict)
     # Gradient clipping by global norm, once per optimizer step; 0: no clipping.
     max_grad_norm: float = 1.0
     # Autocast dtype of the forward pass; the loss is always fp32. fp16 adds a dynamic loss scale
@@ -198,6 +206,9 @@ class LoraConfig:
     # PEFT's or ComfyUI's layout (lora/comfy/), whose rank, alpha and targets must equal the ones
     # above.
     init_from: str = ""
+    # LoRA+: the B matrices learn at this multiple of train.learning_rate (A at the rate itself;
+    # the paper suggests 16); 0: off.
+    plus_ratio: float = 0.0
 
 
 @dataclass
@@ -658,6 +669,8 @@ def check_training_values(cfg: Config) -> None:
             f"lora.lora_alpha must be positive (the scale is lora_alpha / lora.rank), got "
             f"{cfg.lora.lora_alpha}"
         )
+    if cfg.lora.plus_ratio < 0:
+        raise ConfigError(f"lora.plus_ratio must be 0 (off) or positive, got {cfg.lora.plus_ratio}")
     if t.training_type == "lora" and not cfg.lora.target_modules:
         raise ConfigError(
             "lora.target_modules is empty, so no layer would get an adapter: name the linear layers "
@@ -810,6 +823,8 @@ def toml_value(value) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 

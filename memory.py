@@ -20,6 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 def _local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if hasattr(local, "__tensor_flatten__"):  # a tensor subclass (torchao's 8-bit moments): its parts
+        return sum(_local_bytes(getattr(local, name)) for name in local.__tensor_flatten__()[0])
     return local.numel() * local.element_size()
 
 

@@ -183,7 +183,7 @@ class TrainWindow:
         peak = torch.tensor(max(self.peak, memory.peak_memory_gb(self.d.device)), device=self.d.device)
         values = {
             "train/loss": ranks.mean_over_ranks(self.loss).item() / steps,
-            "train/lr": optimizer.param_groups[0]["lr"],
+            "train/lr": float(optimizer.param_groups[0]["lr"]),  # torchao's is a tensor
             "train/grad_norm": grad_norm.item(),
             "train/samples_per_s": steps * self.global_batch / (time.perf_counter() - self.start),
             "train/peak_mem_gb": ranks.max_over_ranks(peak).item(),

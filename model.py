@@ -6,12 +6,14 @@ trainable weights.
 Build order: frozen weights in model.dtype, LoRA in fp32 (fresh from run.seed, or from
 lora.init_from), the sequence split (parallel.sp_size), activation checkpointing per block (its kept
 inputs in host memory with train.activation_offload), DDP or fully_shard per block then the root
-(under FSDP the base weights are read only then, each rank its shard), then AdamW over the trainable
-parameters only (with, for fp16, the loss scale). trainer.py, the export command and the render
+(under FSDP the base weights are read only then, each rank its shard), then train.optimizer over the
+trainable parameters only (with, for fp16, the loss scale). trainer.py, the export command and the render
 command all build it here, so a checkpoint's keys are the same wherever it is loaded.
 """
 
 import contextlib
+import dataclasses
+import inspect
 import logging
 
 import torch
@@ -55,6 +57,7 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
             parallel.check_heads(cfg.parallel.sp_size, heads, d.world)
         parallel.check_offload_blocks(cfg.parallel, adapter.block_count)
         check_streaming_with_sound(cfg.parallel, adapter)
+        check_optimizer(cfg.train, cfg.lora, cfg.parallel, d.device)
         adapter.check_guidance(cfg.validation)
         if cfg.validation.do_validation:
             check_validation_files(cfg.validation)
@@ -251,26 +254,198 @@ def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
             )
 
 
-def build_optimizer(model, train: TrainConfig):
-    """AdamW over the trainable parameters only; returns (parameters, optimizer).
+# Constructor arguments vidtrain fixes: fused AdamW everywhere (see build_optimizer); prodigyopt's
+# fsdp_in_use is for FSDP1's flat parameters (check_optimizer refuses prodigy under FSDP2).
+FIXED_ARGS = {"adamw": {"fused": True}, "prodigy": {"fsdp_in_use": False}}
+# Defaults of ours: Muon's update scaled to AdamW's size (Moonshot's rule, torch's
+# adjust_lr_fn="match_rms_adamw"), so that one train.learning_rate serves Muon and its AdamW half.
+DEFAULT_ARGS = {"muon": {"adjust_lr_fn": "match_rms_adamw"}}
 
-    The fused implementation, on every device and strategy: one kernel per step on CPUs and GPUs,
-    for plain and DTensor (FSDP2) parameters alike, and the only one that takes `found_inf`, so a
-    step with a non-finite gradient is skipped on the device instead of by a host decision (see
+
+def optimizer_class(name: str) -> type:
+    """The class of train.optimizer."""
+    if name == "prodigy":
+        import prodigyopt
+
+        return prodigyopt.Prodigy
+    if name == "adamw8bit":
+        # imported on use: torchao takes seconds to import
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit
+    return {"adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor, "muon": torch.optim.Muon}[name]
+
+
+def optimizer_arguments(train: TrainConfig) -> dict:
+    """train.optimizer's constructor arguments but the parameters: the train.* keys it takes, our
+    fixed and default ones, and train.optimizer_args, checked against its signature."""
+    cls = optimizer_class(train.optimizer)
+    names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")]
+    ours = {"lr": train.learning_rate, "weight_decay": train.weight_decay}
+    if "betas" in names:  # the Adam family: Adafactor's eps is another thing (a pair of floors)
+        ours |= {"betas": (train.adam_beta1, train.adam_beta2), "eps": train.adam_epsilon}
+    fixed = FIXED_ARGS.get(train.optimizer, {})
+    allowed = [n for n in names if n not in ours and n not in fixed]
+    for key in train.optimizer_args:
+        if key not in allowed:
+            raise ConfigError(
+                f"train.optimizer_args has {key!r}, which {train.optimizer} ({cls.__module__}."
+                f"{cls.__qualname__}) does not take from there: allowed are {', '.join(allowed)}; "
+                f"{', '.join(ours)} come from train.learning_rate, train.weight_decay"
+                f"{' and train.adam_*' if 'betas' in ours else ''}"
+            )
+    return {**DEFAULT_ARGS.get(train.optimizer, {}), **train.optimizer_args, **ours, **fixed}
+
+
+def check_optimizer(train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, device) -> None:
+    """train.optimizer, its arguments and lora.plus_ratio, before any compute: the optimizer is
+    built on a stand-in weight, so a value it refuses is named now, in its own words."""
+    name = train.optimizer
+    kwargs = optimizer_arguments(train)
+    if name == "adamw8bit" and device.type not in ("cuda", "cpu"):
+        raise ConfigError(
+            f'train.optimizer = "adamw8bit" runs on CUDA and CPU devices (torchao compiles its step '
+            f"with inductor), not on {device.type}: choose another train.optimizer"
+        )
+    if name == "adafactor" and parallel_cfg.strategy == "fsdp":
+        # torch.optim.Adafactor squares the column norm of a gradient in place; FSDP2 shards rows,
+        # so that norm is a partial sum across ranks, which DTensor refuses to change in place.
+        raise ConfigError(
+            'train.optimizer = "adafactor" does not run under parallel.strategy = "fsdp" (torch\'s '
+            "Adafactor changes a norm of sharded rows in place, which DTensor refuses): use "
+            'parallel.strategy = "ddp", or another train.optimizer'
+        )
+    if name == "prodigy" and parallel_cfg.strategy == "fsdp":
+        # prodigyopt sums over the weights with .item(), which of a DTensor's sum is this rank's
+        # part alone: every rank would estimate its own learning rate. Its fsdp_in_use all-reduce
+        # of the sums allocates on CUDA, and is for FSDP1's flat parameters.
+        raise ConfigError(
+            'train.optimizer = "prodigy" does not run under parallel.strategy = "fsdp" (prodigyopt '
+            "reads its sums over FSDP2's sharded weights on each rank alone, so the ranks' learning "
+            'rates would differ): use parallel.strategy = "ddp", or another train.optimizer'
+        )
+    if name == "prodigy" and lora_cfg.plus_ratio and train.training_type == "lora":
+        raise ConfigError(
+            'lora.plus_ratio with train.optimizer = "prodigy": prodigyopt estimates one learning '
+            "rate for all weights and refuses groups with others; set lora.plus_ratio = 0, or "
+            "choose another train.optimizer"
+        )
+    if name == "prodigy" and train.learning_rate < 0.1:
+        log.warning(
+            "train.optimizer = prodigy with train.learning_rate = %g: prodigy's rate is a multiplier "
+            "of its own estimate, 1.0 as a rule",
+            train.learning_rate,
+        )
+    stand_in = torch.nn.Parameter(torch.zeros(2, 2))
+    try:
+        optimizer_class(name)([stand_in], **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"train.optimizer = {name} refuses its arguments: {e}") from None
+
+
+class Optimizers(tuple):
+    """The run's optimizers, stepped as one: train.optimizer's, and with Muon the AdamW of the rest.
+
+    DCP's state-dict helpers take such a tuple (an iterable of optimizers): a checkpoint keys each
+    one's state by parameter names either way. Every group remembers its peak learning rate
+    (initial_lr, as torch's schedulers name it), which set_lr scales."""
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: state for optimizer in self for p, state in optimizer.state.items()}
+
+    def set_lr(self, factor: float) -> None:
+        for group in self.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao's: its step reads the tensor
+                group["lr"].fill_(group["initial_lr"] * factor)
+            else:
+                group["lr"] = group["initial_lr"] * factor
+
+    def step(self, skipped: torch.Tensor | None = None) -> None:
+        """One update; none where `skipped` (0-dim bool, the same on every rank) is true.
+
+        Fused AdamW skips on the device (found_inf); the others take no such flag, so the host reads
+        it first: one wait for the device per step, which only fused AdamW avoids."""
+        fused = [o for o in self if o.defaults.get("fused")]
+        for optimizer in fused:
+            if skipped is not None:
+                optimizer.found_inf = skipped.float()
+            optimizer.step()
+        others = [o for o in self if not o.defaults.get("fused")]
+        if others and (skipped is None or not skipped.item()):
+            for optimizer in others:
+                optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def build_optimizer(model, train: TrainConfig, plus_ratio: float = 0.0):
+    """train.optimizer over the trainable parameters only; returns (parameters, Optimizers).
+
+    AdamW is the fused implementation, on every device and strategy: one kernel per step on CPUs and
+    GPUs, for plain and DTensor (FSDP2) parameters alike, and the only one that takes `found_inf`,
+    so a step with a non-finite gradient is skipped on the device instead of by a host decision (see
     LossScaler). Fused and foreach AdamW round differently: using one everywhere keeps 1 process,
     DDP and FSDP within rounding of each other and a resumed run bitwise equal. It needs
     floating-point parameters on a CPU or an accelerator; trainable weights are fp32 (LoRA's, and
-    sft's) by the house rules."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=train.learning_rate,
-        weight_decay=train.weight_decay,
-        betas=(train.adam_beta1, train.adam_beta2),
-        eps=train.adam_epsilon,
-        fused=True,
-    )
-    return params, optimizer
+    sft's) by the house rules. Muon takes the 2-D weights only, the rest (biases, norms, convolutions)
+    go to AdamW, as torch.optim.Muon's documentation says. `plus_ratio` (LoRA+): LoRA's B matrices
+    in groups of their own at that multiple of the learning rate."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = train.optimizer == "muon"
+    parts = {"main": [], "rest": []}
+    for name, p in named:
+        parts["main" if not muon or p.ndim == 2 else "rest"].append((name, p))
+
+    def groups(named_part: list) -> list[dict]:
+        b = [p for n, p in named_part if plus_ratio and ".lora_B." in f".{n}"]
+        a = [p for n, p in named_part if not (plus_ratio and ".lora_B." in f".{n}")]
+        lr = train.learning_rate
+        return [
+            {"params": ps, "lr": lr * scale, "initial_lr": lr * scale}
+            for ps, scale in ((a, 1.0), (b, plus_ratio))
+            if ps
+        ]
+
+    kwargs = optimizer_arguments(train)
+    kwargs.pop("lr")
+    optimizers = [optimizer_class(train.optimizer)(groups(parts["main"]), **kwargs)]
+    if parts["rest"]:
+        adamw = dataclasses.replace(train, optimizer="adamw", optimizer_args={})
+        adamw_kwargs = optimizer_arguments(adamw)
+        adamw_kwargs.pop("lr")
+        optimizers.append(torch.optim.AdamW(groups(parts["rest"]), **adamw_kwargs))
+    return [p for _, p in named], Optimizers(optimizers)
+
+
+class ProdigyCounters:
+    """Prodigy's step count and learning-rate estimate, which prodigyopt keeps as Python numbers in
+    its param_groups: a checkpoint holds them as float64 tensors (exact for a Python float or int);
+    the rest of a group is the config's."""
+
+    KEYS = ("d", "d_max", "d_numerator", "k")
+
+    def __init__(self, optimizer: Optimizers):
+        # its groups read when used: loading the optimizer's state replaces them
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return {
+            f"{i}.{key}": torch.tensor(float(group[key]), dtype=torch.float64)
+            for i, group in enumerate(self.optimizer.param_groups)
+            for key in self.KEYS
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, group in enumerate(self.optimizer.param_groups):
+            for key in self.KEYS:
+                group[key] = type(group[key])(state[f"{i}.{key}"].item())
 
 
 class LossScaler:

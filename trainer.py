@@ -30,7 +30,7 @@ from cache import Prefetch
 from config import Config, ConfigError, TrainConfig, to_toml
 from data import Sampler, micro_slice
 from metrics import Metrics, TrainWindow
-from model import EMA, LossScaler, build_frozen, build_model, build_optimizer, setup_adapter
+from model import EMA, LossScaler, ProdigyCounters, build_frozen, build_model, build_optimizer, setup_adapter
 
 log = logging.getLogger("vidtrain")
 
@@ -59,12 +59,13 @@ def train(cfg: Config, d: ranks.Dist) -> None:
 
     # The model and its optimizer.
     model = build_model(adapter, t, cfg.lora, cfg.parallel, cfg.run.seed, d)
-    params, optimizer = build_optimizer(model, t)
+    params, optimizer = build_optimizer(model, t, cfg.lora.plus_ratio if t.training_type == "lora" else 0.0)
     state, scaler = TrainState(d.device), LossScaler(d.device, enabled=t.mixed_precision == "fp16")
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     objects = {"model": model, "optimizer": optimizer, "sampler": sampler, "train": state}
     objects |= {"ema": ema} if ema is not None else {}
     objects |= {"scaler": scaler} if scaler.enabled else {}
+    objects |= {"prodigy": ProdigyCounters(optimizer)} if t.optimizer == "prodigy" else {}
 
     # The checkpoints: the newest one resumed, the resolved config written.
     checkpoints = ckpt.Checkpointer(
@@ -131,8 +132,7 @@ def train(cfg: Config, d: ranks.Dist) -> None:
 
     for step in range(state.step + 1, t.steps + 1):
         batch_ids = sampler.next_batch()
-        for group in optimizer.param_groups:
-            group["lr"] = t.learning_rate * lr_factor(step, t)
+        optimizer.set_lr(lr_factor(step, t))
         step_loss = torch.zeros((), device=d.device)
         for micro in range(t.gradient_accumulation_steps):
             positions = micro_slice(micro, d.dp_rank, d.dp_world, t.batch_size)
@@ -300,9 +300,9 @@ def clip_and_step(
     """Clip and step the optimizer without the host reading a device value.
 
     Unscale (fp16), clip once per optimizer step by the global norm (sharded gradients included),
-    and step, all without the host reading a device value. A step whose norm is not finite is
-    skipped by the fused AdamW kernel itself (`found_inf`, as torch.amp.GradScaler hands it over),
-    but still counts and consumes its data. The norm is global, so every rank skips the same steps.
+    and step, all without the host reading a device value (but for optimizers other than AdamW:
+    Optimizers.step). A step whose norm is not finite is skipped by the fused AdamW kernel itself
+    (`found_inf`, as torch.amp.GradScaler hands it over), but still counts and consumes its data. The norm is global, so every rank skips the same steps.
     With fp16 such a step lowers the loss scale and counts toward train.max_nonfinite_steps only if
     its loss was not finite either: gradients overflowing a finite loss are the scale's to fix.
     Returns the norm (before clipping) and whether the update was skipped, both on the device. With
@@ -319,9 +319,7 @@ def clip_and_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     skipped = ~torch.isfinite(grad_norm)
-    # read by the fused kernel: 1 skips the update and the Adam step
-    optimizer.found_inf = skipped.float()
-    optimizer.step()
+    optimizer.step(skipped)
     optimizer.zero_grad(set_to_none=True)
     scaler.update(skipped)
     counted = skipped

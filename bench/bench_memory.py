@@ -7,8 +7,8 @@
 
 The transformer (model.path's config, or --arch's published one) is built on fake tensors (shapes
 and dtypes, no storage) by model.build_model (frozen weights in model.dtype and keep-in-fp32 modules
-in fp32, LoRA, activation checkpointing), with model.build_optimizer's AdamW state in place and
-model.EMA. One step (the adapter's train_loss under autocast, backward, clipping, AdamW, EMA) runs
+in fp32, LoRA, activation checkpointing), with model.build_optimizer's AdamW state in place (the
+state of train.optimizer is counted from its code: optimizer_state_bytes) and model.EMA. One step (the adapter's train_loss under autocast, backward, clipping, AdamW, EMA) runs
 under a dispatch mode that adds up the bytes of every storage an op creates, while it lives.
 Autocast follows CUDA's policy (norms, softmax, pow, exp, sums in fp32, emulated) and AdamW runs
 foreach, as on a GPU. --check runs the same build and two steps on real tensors in a fresh process
@@ -124,7 +124,11 @@ def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     )
     materialize(model, fake_mode, device)
     with fake_mode or contextlib.nullcontext():
-        params, optimizer = vidtrain_model.build_optimizer(model, cfg.train)
+        # AdamW's step, whatever train.optimizer: estimate() counts the chosen one's state
+        # (optimizer_state_bytes); prodigyopt reads values on the host and torchao compiles, which
+        # fake tensors cannot serve.
+        adamw = dataclasses.replace(cfg.train, optimizer="adamw", optimizer_args={})
+        params, optimizer = vidtrain_model.build_optimizer(model, adamw)
         optimizer.param_groups[0]["foreach"] = foreach
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -364,6 +368,33 @@ def nbytes(tensors, dtype=None) -> int:
     return sum(t.numel() * (dtype or t.dtype).itemsize for t in tensors)
 
 
+def optimizer_state_bytes(params: list, train) -> int:
+    """train.optimizer's state for these weights once it has stepped, from each one's code.
+
+    AdamW: two moments. Adafactor: a row and a column vector per matrix, a whole-size vector for a
+    1-D weight (torch/optim/_adafactor.py). Muon: a momentum per 2-D weight, AdamW's two moments for
+    the rest. Prodigy: two moments, the start point and a running sum (prodigyopt, slice_p 1).
+    AdamW8bit: two moments of 1 byte, an fp32 scale per block (256 values) and the 256 fp32 values
+    of the code table each, fp32 moments for a
+    tensor under 4096 values or not whole blocks (torchao/optim/adam.py, _new_buffer; it decides on
+    each rank's shard, which this whole-tensor count divides later)."""
+    total = 0
+    for p in params:
+        n, size = p.numel(), p.element_size()
+        if train.optimizer == "adafactor":
+            total += size * (n // p.shape[-1] + n // p.shape[-2]) if p.ndim >= 2 else size * n
+        elif train.optimizer == "muon":
+            total += size * n if p.ndim == 2 else 2 * size * n
+        elif train.optimizer == "prodigy":
+            total += 4 * size * n
+        elif train.optimizer == "adamw8bit":
+            block = train.optimizer_args.get("block_size", 256)
+            total += 2 * (n + 4 * (n // block) + 4 * 256) if n >= 4096 and n % block == 0 else 2 * size * n
+        else:
+            total += 2 * size * n
+    return total
+
+
 def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True) -> dict:
     """This rank's parts of memory, in bytes.
 
@@ -384,7 +415,7 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
     state = {
         "frozen": nbytes(frozen),
         "weights": nbytes(params),
-        "adamw": nbytes(moments),
+        "adamw": optimizer_state_bytes(params, cfg.train),
         "ema": nbytes(averages),
     }
     parts = {"grads": nbytes(params), "activations": tracker.peak["ddp"], "in_flight": 0, "shards": 1}
@@ -702,7 +733,7 @@ def table(cfg, adapter, world: int, results: dict[int, dict]) -> None:
     for name, key in (
         ("frozen weights", "frozen"),
         ("trainable weights", "weights"),
-        ("AdamW moments", "adamw"),
+        (f"{cfg.train.optimizer} state", "adamw"),
         ("EMA", "ema"),
         ("gradients", "grads"),
         ("activations + temporaries", "activations"),

@@ -415,3 +415,34 @@ def test_vace_counts_its_context_blocks(wan_models, tmp_path):
     adapter.transformer_config = {k: v for k, v in base.items() if not k.startswith("vace_")}
     plain = bench_memory.estimate(without, family, adapter)
     assert plain["frozen"] < parts["frozen"] and plain["activations"] < parts["activations"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "muon", "prodigy", "adamw8bit"])
+def test_the_estimate_counts_each_optimizers_state_as_it_holds_it(optimizer, monkeypatch):
+    """bench_memory's count of train.optimizer's state equals what the optimizer holds after a step
+    (memory.local_state_bytes: torchao's 8-bit moments by their codes and scales). AdamW8bit's step
+    runs eagerly: inductor's compile takes a minute on these CPUs, for the same state."""
+    import memory
+    from config import TrainConfig
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+
+    torch.manual_seed(0)
+    # a matrix torchao keeps in 8 bits (64 x 128), one it does not (8 x 4), a vector, a 5-D conv
+    net = torch.nn.Sequential(
+        torch.nn.Conv3d(2, 4, 1), torch.nn.Flatten(), torch.nn.Linear(4, 8), torch.nn.Linear(8, 8 * 16)
+    )
+    net.append(torch.nn.Linear(128, 64, bias=False))
+    t = TrainConfig(optimizer=optimizer, learning_rate=1.0 if optimizer == "prodigy" else 1e-3)
+    params, optimizers = build_optimizer(net, t)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizers.step(torch.tensor(False))
+    held = memory.local_state_bytes(net, optimizers) - sum(p.numel() * p.element_size() for p in params)
+    step_counters = sum(
+        v.numel() * v.element_size()
+        for s in optimizers.state.values()
+        for k, v in s.items()
+        if k == "step" and isinstance(v, torch.Tensor)
+    )
+    assert bench_memory.optimizer_state_bytes(params, t) == held - step_counters

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from config import Config, ConfigError, check_resolution, load_config, parse_overrides, to_toml
-from model import LossScaler
+from model import LossScaler, Optimizers
 from model_adapter import check_config
 from trainer import TrainState, clip_and_step, lr_factor
 
@@ -175,7 +175,7 @@ def test_max_grad_norm_zero_does_not_clip():
         cfg.train.max_grad_norm = max_grad_norm
         weight = torch.nn.Parameter(torch.zeros(3))
         # reads found_inf
-        optimizer = torch.optim.AdamW([weight], lr=1.0, weight_decay=0.0, fused=True)
+        optimizer = Optimizers([torch.optim.AdamW([weight], lr=1.0, weight_decay=0.0, fused=True)])
         weight.grad = torch.tensor([3.0, 4.0, 0.0])
         norm, skipped = clip_and_step(
             [weight],
