@@ -402,7 +402,16 @@ def other_shapes(adapter, training_type: str, lora_cfg: LoraConfig, metadata) ->
     with torch.device("meta"):
         skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
     if training_type == "lora":
-        lora.inject_lora(skeleton, lora_cfg.target_modules, lora_cfg.rank, lora_cfg.lora_alpha, 0.0, 0)
+        lora.inject_lora(
+            skeleton,
+            lora_cfg.target_modules,
+            lora_cfg.rank,
+            lora_cfg.lora_alpha,
+            0.0,
+            0,
+            variant=lora_cfg.variant,
+            factor=lora_cfg.lokr_factor,
+        )
         built = {name: tuple(p.shape) for name, p in skeleton.named_parameters() if p.requires_grad}
     else:
         built = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
@@ -515,6 +524,8 @@ def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: Lora
             "lora_alpha": lora_cfg.lora_alpha,
             "target_modules": lora_cfg.target_modules,
         }
+        if lora_cfg.variant != "lora":  # the identity of runs from before lora.variant stays theirs
+            identity["lora"] |= {"variant": lora_cfg.variant, "lokr_factor": lora_cfg.lokr_factor}
     return identity
 
 
@@ -878,8 +889,11 @@ def _export_weights(
             str(folder / "pytorch_lora_weights.safetensors"),
             *args,
             metadata=({"expert": adapter.expert} if adapter.expert else {}) | adapter.lora_metadata(),
+            variant=lora_cfg.variant,
+            factor=lora_cfg.lokr_factor,
         )
-        lora.save_peft_adapter(str(folder), *args)
+        if lora_cfg.variant != "lokr":  # PEFT's LoKr scales a full w2 by alpha / r, LyCORIS' by 1
+            lora.save_peft_adapter(str(folder), *args, variant=lora_cfg.variant)
         log.info(
             "LoRA written to %s%s",
             folder / "pytorch_lora_weights.safetensors",
@@ -899,7 +913,7 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str)
     original checkpoint's, CogVideoX's ComfyUI model's (comfy/ldm/cogvideo/model.py)."""
     if not adapter.COMFY:
         return
-    modules = {key.rsplit(".lora_", 1)[0] for key in weights}
+    modules = {lora.module_of(key) for key in weights}
     unmapped = sorted(m for m in modules if adapter.comfy_key(m) is None)
     if unmapped:
         log.warning(

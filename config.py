@@ -204,11 +204,20 @@ class LoraConfig:
     dropout: float = 0.0
     # Start from an existing LoRA instead of a fresh one: a file (or folder) in our, diffusers',
     # PEFT's or ComfyUI's layout (lora/comfy/), whose rank, alpha and targets must equal the ones
-    # above.
+    # above. A DoRA or LoKr: our (or PEFT's DoRA) layout, of the same variant (and lokr_factor).
     init_from: str = ""
     # LoRA+: the B matrices learn at this multiple of train.learning_rate (A at the rate itself;
     # the paper suggests 16); 0: off.
     plus_ratio: float = 0.0
+    # The adapter: "lora"; "dora" (PEFT's use_dora: a LoRA whose merged rows are rescaled to a
+    # trained magnitude, ComfyUI's dora_scale; costs time and memory, docs/training.md); "lokr"
+    # (LyCORIS' LoKr: the Kronecker product of a small full matrix and a rank-`rank` one, ComfyUI's
+    # lokr_w1 / lokr_w2_a / lokr_w2_b; no diffusers or PEFT file). Neither takes lora.dropout.
+    variant: Literal["lora", "dora", "lokr"] = "lora"
+    # lora.variant = "lokr": LyCORIS' factor, how each dimension splits between the two Kronecker
+    # factors: -1 the divisor pair nearest its square root, a positive value that side where it
+    # divides the dimension (LyCORIS' default is -1; 4 to 16 make w1 smaller).
+    lokr_factor: int = -1
 
 
 @dataclass
@@ -593,6 +602,13 @@ def check_values(cfg: Config) -> None:
         # The recompute would draw a different dropout mask: checkpointing restores only the global
         # RNG.
         raise ConfigError("lora.dropout > 0 needs train.gradient_checkpointing = false")
+    if cfg.lora.dropout and cfg.lora.variant != "lora":
+        raise ConfigError(
+            f'lora.dropout > 0 with lora.variant = "{cfg.lora.variant}": only "lora" has dropout (LyCORIS\' '
+            "LoKr has none; PEFT's DoRA would recompute the base layer on the dropped input): set lora.dropout = 0"
+        )
+    if cfg.lora.lokr_factor == 0 or cfg.lora.lokr_factor < -1:
+        raise ConfigError(f"lora.lokr_factor must be -1 or at least 1, got {cfg.lora.lokr_factor}")
     if cfg.lora.dropout and cfg.parallel.sp_size > 1:
         # The ranks of an sp group each compute the replicated text tokens: their masks would
         # differ.

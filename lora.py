@@ -4,18 +4,21 @@
 Parameters, so base checkpoints keep their keys and load unchanged. Numerics follow
 PEFT (same forward, same scale alpha / rank), and exports use the key layouts of
 diffusers (`pytorch_lora_weights.safetensors`) and PEFT (`adapter_model.safetensors`),
-so the trained adapter loads with `pipe.load_lora_weights` or `PeftModel.from_pretrained`.
+so the trained adapter loads with `pipe.load_lora_weights` or `PeftModel.from_pretrained`, and of
+ComfyUI. Its variants (lora.variant): PEFT's DoRA (`DoRALinear`) and LyCORIS' LoKr (`LoKrLinear`).
 """
 
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import faults
 import memory
@@ -31,7 +34,9 @@ COMFY_PREFIX = "diffusion_model."
 class LoRALinear(nn.Linear):
     """An nn.Linear with a low-rank update: y = x W^T + b + (alpha / rank) * B(A(dropout(x))).
 
-    W and b are the base layer's own Parameters."""
+    W and b are the base layer's own Parameters. The variants subclass it (DoRALinear,
+    LoKrLinear): their own trainable tensors (`parts`, named as the makers name them), output
+    (`add_delta`) and merge (`delta_weight`, `merged_weight`)."""
 
     def __init__(
         self,
@@ -43,14 +48,7 @@ class LoRALinear(nn.Linear):
         generator: torch.Generator,
         device: torch.device | None = None,
     ):
-        # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
-        # model.storage_dtype = "fp8": the scale goes with its weight
-        if isinstance(base, memory.Fp8Linear):
-            self.weight_scale, self.compute_dtype = base.weight_scale, base.compute_dtype
-        self.rank, self.alpha, self.scale, self.dropout = rank, alpha, alpha / rank, dropout
+        self._share(base, rank, alpha, dropout)
         # LoRA weights are trainable, hence fp32 whatever the frozen base dtype. skip_init avoids
         # nn.Linear's own init, which would draw from the global RNG.
         self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, dtype=torch.float32)
@@ -60,6 +58,19 @@ class LoRALinear(nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
         self.lora_A.to(device or base.weight.device)
         self.lora_B.to(device or base.weight.device)
+        # the trainable tensors, by their names under the layer (PEFT's)
+        self.parts = ("lora_A.weight", "lora_B.weight")
+
+    def _share(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        """Take over the base layer's weight and bias, and set what every variant has."""
+        # nn.Linear.__init__ would allocate and randomly fill a weight we throw away
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        # model.storage_dtype = "fp8": the scale goes with its weight
+        if isinstance(base, memory.Fp8Linear):
+            self.weight_scale, self.compute_dtype = base.weight_scale, base.compute_dtype
+        self.rank, self.alpha, self.scale, self.dropout = rank, alpha, alpha / rank, dropout
         # Dropout masks come from this generator, never the global RNG, so a run is reproducible
         # from its seed; the trainer sets it per step with `set_dropout_generator`. Activation
         # checkpointing restores only the global RNG for its recompute, which would then draw a
@@ -82,26 +93,177 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_delta(memory.linear(self, x), x)
 
-    def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The base layer's output `base` of input x, plus the adapter's path.
+    @staticmethod
+    def _adapter_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Under autocast the adapter runs in the autocast dtype; otherwise in its weights' (fp32),
+        and the sum is rounded once to the output dtype, as PEFT does."""
+        return x if torch.is_autocast_enabled(x.device.type) else x.to(weight.dtype)
 
-        Under autocast both paths run in the autocast dtype; otherwise the LoRA path runs in fp32
-        (its weights' dtype) and the sum is rounded once to the output dtype, as PEFT does."""
-        lora_in = x if torch.is_autocast_enabled(x.device.type) else x.to(self.lora_A.weight.dtype)
+    def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The base layer's output `base` of input x, plus the adapter's path."""
+        lora_in = self._adapter_input(x, self.lora_A.weight)
         return (base + self.lora_B(self.lora_A(self._dropout(lora_in))) * self.scale).to(base.dtype)
 
     @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """Merge a LoRA into a copy of its weight: W + scale * B @ A, computed in fp32.
+    def delta_weight(self) -> torch.Tensor:
+        """What the adapter adds to W, in fp32: scale * B @ A."""
+        return self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
-        W + scale * B @ A, computed in fp32 and returned as a new tensor in W's dtype (the compute
-        dtype of an fp8 W)."""
-        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """The adapter merged into a copy of its weight: W + delta_weight, computed in fp32.
+
+        Returned as a new tensor in W's dtype (the compute dtype of an fp8 W)."""
         weight = memory.weight(self)
-        return (weight.float() + self.scale * delta).to(weight.dtype)
+        return (weight.float() + self.delta_weight()).to(weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of an FSDP2 parameter (a DTensor), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class DoRALinear(LoRALinear):
+    """PEFT's DoRA (LoraConfig(use_dora=True)): a LoRA whose merged rows are rescaled to a trained
+    magnitude, W' = m / ||W + s B A||_row * (W + s B A).
+
+    The norm is detached from the graph, as PEFT does after the DoRA paper's section 4.3
+    (peft/tuners/lora/dora.py, DoraLinearLayer.forward), and m starts at ||W||_row, so the layer
+    starts as the base. No dropout: config.py refuses it (PEFT's would recompute the base output
+    on the dropped input)."""
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        rank: int,
+        alpha: float,
+        *,
+        generator: torch.Generator,
+        device: torch.device | None = None,
+    ):
+        super().__init__(base, rank, alpha, generator=generator, device=device)
+        device = device or base.weight.device
+        self.lora_magnitude_vector = nn.Parameter(torch.zeros(self.out_features, device=device))
+        self.parts += ("lora_magnitude_vector",)
+        # Under FSDP the base weight is still on the meta device here: init_magnitudes fills m once
+        # each rank has read its rows. A loaded file's m (load_lora_into) replaces this start.
+        self.magnitude_from_base = True
+        if not base.weight.is_meta:
+            self.init_magnitude()
+
+    @torch.no_grad()
+    def init_magnitude(self) -> None:
+        """m = ||W||_row, on this rank's rows under FSDP (W and m are split by rows alike)."""
+        weight = _local(self.weight)
+        if weight.dtype == memory.FP8:
+            weight = memory.dequantize(weight, _local(self.weight_scale), torch.float32)
+        norms = torch.linalg.vector_norm(weight.float(), dim=1)
+        magnitude = _local(self.lora_magnitude_vector)
+        magnitude.copy_(norms.to(magnitude.device))
+        self.magnitude_from_base = False
+
+    def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # PEFT's sum: base + (m / norm - 1) * (base without bias) + m / norm * s * B(A(x)). The norm
+        # in fp32 also under autocast, which would round B @ A to its dtype.
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            norm = torch.linalg.vector_norm(memory.weight(self).float() + self.delta_weight(), dim=1)
+        factor = self.lora_magnitude_vector / norm
+        plain = base if self.bias is None else base - self.bias
+        lora_out = self.lora_B(self.lora_A(self._adapter_input(x, self.lora_A.weight))) * self.scale
+        return (base + (factor - 1) * plain + factor * lora_out).to(base.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        weight = memory.weight(self)
+        merged = weight.float() + self.delta_weight()
+        factor = self.lora_magnitude_vector.float() / torch.linalg.vector_norm(merged, dim=1)
+        return (factor[:, None] * merged).to(weight.dtype)
+
+
+def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
+    """LyCORIS' split of a dimension into m <= n, m * n = dimension (lycoris/functional/general.py).
+
+    A positive `factor` that divides it is one side; otherwise m is the largest divisor up to the
+    square root, and up to `factor` when that is positive (LyCORIS' loop, read for what it returns)."""
+    if factor > 0 and dimension % factor == 0:
+        return min(factor, dimension // factor), max(factor, dimension // factor)
+    limit = math.isqrt(dimension) if factor < 0 else min(factor, math.isqrt(dimension))
+    m = max(d for d in range(1, limit + 1) if dimension % d == 0)
+    return m, dimension // m
+
+
+class LoKrLinear(LoRALinear):
+    """LyCORIS' LoKr on a linear layer: W' = W + scale * kron(w1, w2).
+
+    As lycoris/modules/lokr.py LokrModule.__init__ builds it (decompose_both off, no Tucker):
+    out = a * c and in = b * d by `factorization`; w1 [a, b] full; w2 [c, d] = w2_a @ w2_b of rank r
+    when r < max(c, d) / 2, at scale alpha / r, else a full w2 at scale 1. w1 and w2_a start
+    Kaiming-uniform, w2_b (or w2) at zero. Named lokr_w1, lokr_w2_a, lokr_w2_b (lokr_w2), as LyCORIS
+    writes them and ComfyUI reads them. No dropout (LyCORIS' LoKr has none)."""
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        rank: int,
+        alpha: float,
+        factor: int = -1,
+        *,
+        generator: torch.Generator,
+        device: torch.device | None = None,
+    ):
+        self._share(base, rank, alpha, 0.0)
+        self.factor = factor
+        (a, c), (b, d) = factorization(self.out_features, factor), factorization(self.in_features, factor)
+        self.shape_in = (b, d)
+        device = device or base.weight.device
+
+        def kaiming(*shape):
+            t = torch.empty(shape)
+            nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator)
+            return nn.Parameter(t.to(device))
+
+        self.lokr_w1 = kaiming(a, b)
+        if rank < max(c, d) / 2:
+            self.lokr_w2_a = kaiming(c, rank)
+            self.lokr_w2_b = nn.Parameter(torch.zeros(rank, d, device=device))
+            self.parts = ("lokr_w1", "lokr_w2_a", "lokr_w2_b")
+        else:
+            self.lokr_w2 = nn.Parameter(torch.zeros(c, d, device=device))
+            self.parts = ("lokr_w1", "lokr_w2")
+            self.scale = 1.0
+
+    def _w2(self) -> torch.Tensor:
+        return self.lokr_w2 if "lokr_w2" in self.parts else self.lokr_w2_a @ self.lokr_w2_b
+
+    def add_delta(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x kron(w1, w2)^T without the [out, in] matrix: x as [..., b, d], then w1 X w2^T
+        h = self._adapter_input(x, self.lokr_w1).unflatten(-1, self.shape_in)
+        if "lokr_w2" in self.parts:
+            h = h @ self.lokr_w2.T
+        else:
+            h = h @ self.lokr_w2_b.T @ self.lokr_w2_a.T
+        return (base + (self.lokr_w1 @ h).flatten(-2) * self.scale).to(base.dtype)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        return self.scale * torch.kron(self.lokr_w1.float(), self._w2().float())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, factor={self.factor}, parts={self.parts}"
+
+
+# lora.variant's layer classes
+VARIANTS = {"lora": LoRALinear, "dora": DoRALinear, "lokr": LoKrLinear}
+# An adapter weight's key: its module, then the part (a layer's `parts`).
+PART = re.compile(r"(.+?)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector|lokr_w1|lokr_w2(?:_a|_b)?)")
+
+
+def module_of(key: str) -> str:
+    """The module an adapter weight's key names: `blocks.0.attn1.to_q` of `....to_q.lora_A.weight`."""
+    return PART.fullmatch(key).group(1)
 
 
 def _lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -109,7 +271,7 @@ def _lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def _lora_keys(model: nn.Module) -> list[str]:
-    return [f"{name}.{part}.weight" for name in _lora_modules(model) for part in ("lora_A", "lora_B")]
+    return [f"{name}.{part}" for name, m in _lora_modules(model).items() for part in m.parts]
 
 
 def _matches(name: str, target: str) -> bool:
@@ -125,13 +287,17 @@ def inject_lora(
     dropout: float,
     seed: int,
     device: torch.device | None = None,
+    variant: str = "lora",
+    factor: int = -1,
 ) -> list[str]:
-    """Replace every targeted nn.Linear by a LoRALinear, freeze the rest; return the names.
+    """Replace every targeted nn.Linear by a LoRALinear (or the `variant`'s), freeze the rest.
 
-    The names come sorted. The LoRA weights go to `device`, by default their base layer's (FSDP
-    loading names the real one while the base is still on the meta device)."""
+    Returns the names, sorted. The LoRA weights go to `device`, by default their base layer's (FSDP
+    loading names the real one while the base is still on the meta device). `factor`: LoKr's."""
     if _lora_modules(model):
         raise ValueError("inject_lora: the model already has LoRA layers")
+    if dropout and variant != "lora":
+        raise ValueError(f"lora.dropout = {dropout}: only lora.variant = 'lora' has dropout")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     unmatched = [t for t in target_modules if not any(_matches(n, t) for n in linears)]
     if unmatched:
@@ -143,18 +309,26 @@ def inject_lora(
     names = sorted(n for n in linears if any(_matches(n, t) for t in target_modules))
     # One generator walked in sorted-name order: every rank draws identical weights.
     generator = torch.Generator().manual_seed(seed)
+    options = {"lora": {"dropout": dropout}, "dora": {}, "lokr": {"factor": factor}}[variant]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(
-            parent,
-            child,
-            LoRALinear(getattr(parent, child), rank, alpha, dropout, generator=generator, device=device),
+        layer = VARIANTS[variant](
+            getattr(parent, child), rank, alpha, generator=generator, device=device, **options
         )
+        setattr(parent, child, layer)
     trainable = set(_lora_keys(model))
     for pname, param in model.named_parameters():
         param.requires_grad_(pname in trainable)
     return names
+
+
+def init_magnitudes(model: nn.Module) -> None:
+    """DoRA under FSDP: m = ||W||_row of each layer whose m is neither set nor loaded, once the
+    ranks have read their rows of the base weights (model.build_model)."""
+    for module in _lora_modules(model).values():
+        if isinstance(module, DoRALinear) and module.magnitude_from_base:
+            module.init_magnitude()
 
 
 def set_dropout_generator(model: nn.Module, generator: torch.Generator | None) -> None:
@@ -185,17 +359,28 @@ EXPORT_FIX = (
 )
 
 
-def _adapter_config(rank: int, alpha: float, target_modules: list[str], dropout: float) -> dict:
-    """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load."""
-    return {
+def _adapter_config(
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
+    dropout: float,
+    variant: str = "lora",
+    factor: int = -1,
+) -> dict:
+    """The LoraConfig fields that define the adapter; diffusers calls LoraConfig(**these) on load.
+
+    LoKr adds its own two (`variant`, `lokr_factor`), which LoraConfig refuses: diffusers and PEFT
+    have no loader for LyCORIS' LoKr, and stop there rather than load it as something else."""
+    config = {
         "r": rank,
         "lora_alpha": alpha,
         "target_modules": sorted(target_modules),
         "lora_dropout": dropout,
         "bias": "none",
         "use_rslora": False,  # rsLoRA would scale by alpha / sqrt(r)
-        "use_dora": False,
+        "use_dora": variant == "dora",
     }
+    return config | ({"variant": "lokr", "lokr_factor": factor} if variant == "lokr" else {})
 
 
 def _save_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -223,13 +408,16 @@ def save_lora(
     target_modules: list[str],
     dropout: float = 0.0,
     metadata: dict[str, str] | None = None,
+    variant: str = "lora",
+    factor: int = -1,
 ) -> None:
     """Write diffusers' pytorch_lora_weights.safetensors as the pipeline's save_lora_weights does.
 
     The tensors and header that `CogVideoXPipeline.save_lora_weights(...,
     transformer_lora_adapter_metadata=config)` writes, with `metadata` (a Wan 2.2 A14B expert's
-    name, an IC-LoRA's reference_downscale_factor) in the header too."""
-    config = _adapter_config(rank, alpha, target_modules, dropout)
+    name, an IC-LoRA's reference_downscale_factor) in the header too. DoRA's m is PEFT's
+    `lora_magnitude_vector` with use_dora in the config; LoKr's file is this trainer's own."""
+    config = _adapter_config(rank, alpha, target_modules, dropout, variant, factor)
     packed = {DIFFUSERS_PREFIX + k: v for k, v in config.items()}
     metadata = {
         **(metadata or {}),
@@ -246,12 +434,13 @@ def save_peft_adapter(
     alpha: float,
     target_modules: list[str],
     dropout: float = 0.0,
+    variant: str = "lora",
 ) -> None:
-    """Write PEFT's adapter_model.safetensors and adapter_config.json.
+    """Write PEFT's adapter_model.safetensors and adapter_config.json (LoRA or DoRA).
 
     `PeftModel.from_pretrained(base, directory)` loads them."""
     config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None}
-    config |= _adapter_config(rank, alpha, target_modules, dropout)
+    config |= _adapter_config(rank, alpha, target_modules, dropout, variant)
     tensors = {PEFT_PREFIX + k: v for k, v in lora_sd.items()}
     _save_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors, {"format": "pt"})
     with faults.written(Path(directory) / "adapter_config.json", EXPORT_FIX) as tmp:
@@ -265,7 +454,7 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
     `adapter_model.safetensors` beside `adapter_config.json`, or their folder; ComfyUI's needs
     `from_comfy`, the family's map of original module names to ours. Returns the state dict keyed by
     model FQN and {rank, alpha, target_modules} (target_modules None from ComfyUI's layout, which
-    names modules, not targets: the model's own keys then decide)."""
+    names modules, not targets: the model's own keys then decide), variant and factor (LoKr's)."""
     if os.path.isdir(path):
         names = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
         found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
@@ -305,15 +494,13 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
             f"{path}: not a transformer LoRA (keys outside '{prefix}': {others[:3]}; "
             f"config keys: {sorted(config)})"
         )
-    # Files trained elsewhere may use variants LoRALinear cannot represent; refuse rather than
-    # misload.
-    unsupported = sorted(
-        k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)
-    )
+    # Files trained elsewhere may use variants we cannot represent; refuse rather than misload.
+    unsupported = sorted(k for k in ("use_rslora", "rank_pattern", "alpha_pattern") if config.get(k))
     if unsupported or isinstance(config["target_modules"], str):
         what = unsupported or ["target_modules as a regular expression"]
         raise ValueError(
-            f"{path}: its config sets {what}; only plain LoRA with one rank, alpha and a target list is supported"
+            f"{path}: its config sets {what}; only LoRA, DoRA and LoKr with one rank, alpha and a target "
+            "list are supported"
         )
     lora_sd = {k.removeprefix(prefix): v for k, v in lora_sd.items()}
     wrong_rank = [k for k, v in lora_sd.items() if k.endswith("lora_A.weight") and v.shape[0] != config["r"]]
@@ -323,6 +510,8 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
         "rank": config["r"],
         "alpha": config["lora_alpha"],
         "target_modules": sorted(config["target_modules"]),
+        "variant": "dora" if config.get("use_dora") else config.get("variant", "lora"),
+        "factor": config.get("lokr_factor", -1),
     }
     return lora_sd, info
 
@@ -330,6 +519,13 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
 def _from_comfy(
     path: str, tensors: dict[str, torch.Tensor], from_comfy
 ) -> tuple[dict[str, torch.Tensor], dict]:
+    other = next((k for k in sorted(tensors) if k.endswith(".dora_scale") or ".lokr_" in k), None)
+    if other:
+        raise ValueError(
+            f"{path} is a DoRA or LoKr in ComfyUI's layout ({other}): give its run's "
+            "lora/pytorch_lora_weights.safetensors instead, which holds the same adapter and its settings "
+            "(ComfyUI's layout is read for plain LoRA only)"
+        )
     modules = {k.removeprefix(COMFY_PREFIX).rsplit(".", 2)[0] for k in tensors if k.endswith("lora_A.weight")}
     ours = {m: from_comfy(m) if from_comfy else None for m in modules}
     unknown = sorted(m for m, name in ours.items() if name is None)
@@ -355,28 +551,43 @@ def _from_comfy(
         for m in modules
         for part in "AB"
     }
-    return lora_sd, {"rank": ranks.pop(), "alpha": alphas.pop(), "target_modules": None}
+    info = {
+        "rank": ranks.pop(),
+        "alpha": alphas.pop(),
+        "target_modules": None,
+        "variant": "lora",
+        "factor": -1,
+    }
+    return lora_sd, info
 
 
 def save_comfy(
     path: str, lora_sd: dict, alpha: float, to_comfy, alpha_keys: bool = True, metadata=None
 ) -> None:
-    """Write a LoRA in ComfyUI's native layout.
+    """Write a LoRA, DoRA or LoKr in ComfyUI's native layout.
 
     ComfyUI's native layout: diffusion_model.<original module>.lora_A/lora_B.weight and a 0-dim
     .alpha per module (ComfyUI scales by alpha / rank), with no lora_adapter_metadata (diffusers'
     converter of such files bakes alpha in, and would apply it twice with the metadata). `to_comfy`
     maps our module names. Without alpha_keys (a family whose diffusers loader refuses them,
     LTX-2's) alpha / rank is baked into lora_B instead, which ComfyUI, reading no .alpha, applies at
-    scale 1. `metadata`: the family's strings (Adapter.lora_metadata)."""
+    scale 1. `metadata`: the family's strings (Adapter.lora_metadata). DoRA's m is `.dora_scale`,
+    [out, 1] as LyCORIS writes it (ComfyUI's weight_decompose broadcasts a 1-D one wrongly,
+    Comfy-Org/ComfyUI#12938); LoKr's factors keep LyCORIS' names, always with their .alpha (no
+    diffusers loader reads LoKr), which ComfyUI applies as LyCORIS does (alpha / rank, or 1 with a
+    full lokr_w2; comfy/weight_adapter/lokr.py)."""
     tensors = {}
     for key, value in lora_sd.items():
-        module, part = key.rsplit(".lora_", 1)
-        if alpha_keys:
-            tensors[f"{COMFY_PREFIX}{to_comfy(module)}.alpha"] = torch.tensor(float(alpha))
-        elif part.startswith("B"):
+        module, part = PART.fullmatch(key).groups()
+        name = COMFY_PREFIX + to_comfy(module)
+        if part == "lora_magnitude_vector":
+            tensors[f"{name}.dora_scale"] = value[:, None]
+            continue
+        if alpha_keys or part.startswith("lokr"):
+            tensors[f"{name}.alpha"] = torch.tensor(float(alpha))
+        elif part == "lora_B.weight":
             value = value * (alpha / value.shape[1])
-        tensors[f"{COMFY_PREFIX}{to_comfy(module)}.lora_{part}"] = value
+        tensors[f"{name}.{part}"] = value
     _save_safetensors(path, tensors, {**(metadata or {}), "format": "pt"})
 
 
@@ -384,6 +595,9 @@ def save_comfy(
 def load_lora_into(model: nn.Module, lora_sd: dict[str, torch.Tensor]) -> None:
     """Copy LoRA weights into an injected model; the keys and shapes must match exactly."""
     params = {k: model.get_parameter(k) for k in _lora_keys(model)}
+    for module in _lora_modules(model).values():
+        if isinstance(module, DoRALinear):  # its m is the file's, not ||W||
+            module.magnitude_from_base = False
     missing = sorted(params.keys() - lora_sd.keys())
     unexpected = sorted(lora_sd.keys() - params.keys())
     if missing or unexpected:

@@ -156,8 +156,18 @@ def build_model(
         if lora_file:
             weights, info = lora.load_lora(lora_file, adapter.diffusers_key)
             # A ComfyUI file names its modules, not targets: each full name is a target.
-            targets = info["target_modules"] or sorted({key.rsplit(".lora_", 1)[0] for key in weights})
-            lora.inject_lora(transformer, targets, info["rank"], info["alpha"], 0.0, seed, lora_device)
+            targets = info["target_modules"] or sorted({lora.module_of(key) for key in weights})
+            lora.inject_lora(
+                transformer,
+                targets,
+                info["rank"],
+                info["alpha"],
+                0.0,
+                seed,
+                lora_device,
+                info["variant"],
+                info["factor"],
+            )
             lora.load_lora_into(transformer, weights)
         elif train.training_type == "lora":
             lora.inject_lora(
@@ -168,6 +178,8 @@ def build_model(
                 lora_cfg.dropout,
                 seed,
                 lora_device,
+                lora_cfg.variant,
+                lora_cfg.lokr_factor,
             )
             if lora_cfg.init_from:
                 weights, info = lora.load_lora(lora_cfg.init_from, adapter.diffusers_key)
@@ -237,14 +249,29 @@ def build_model(
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
     if fsdp:
-        return adapter.load_transformer(trainable_dtype, shard=prepare)
+        model = adapter.load_transformer(trainable_dtype, shard=prepare)
+        lora.init_magnitudes(model)  # DoRA: the base's rows were read after the injection
+        return model
     return prepare(adapter.load_transformer(trainable_dtype))
 
 
 def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
-    """lora.init_from must describe the adapter the config trains: the same rank, alpha and targets."""
-    ours = {"rank": cfg.rank, "alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules)}
-    keys = {"rank": "lora.rank", "alpha": "lora.lora_alpha", "target_modules": "lora.target_modules"}
+    """lora.init_from must describe the adapter the config trains: the same rank, alpha, targets and
+    variant (LoKr: and factor)."""
+    ours = {
+        "rank": cfg.rank,
+        "alpha": cfg.lora_alpha,
+        "target_modules": sorted(cfg.target_modules),
+        "variant": cfg.variant,
+        "factor": cfg.lokr_factor if cfg.variant == "lokr" else info["factor"],
+    }
+    keys = {
+        "rank": "lora.rank",
+        "alpha": "lora.lora_alpha",
+        "target_modules": "lora.target_modules",
+        "variant": "lora.variant",
+        "factor": "lora.lokr_factor",
+    }
     for name, key in keys.items():
         # ComfyUI files name modules, not targets
         if info[name] is not None and info[name] != ours[name]:

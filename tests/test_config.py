@@ -113,6 +113,11 @@ def test_mistakes_name_the_key(args, message):
         (["--train.learning_rate", "-1e-4"], "train.learning_rate must be positive, got -0.0001"),
         (["--lora.target_modules", "[]"], "lora.target_modules is empty, so no layer would get an adapter"),
         (
+            ["--lora.variant", "lokr", "--lora.dropout", "0.1", "--train.gradient_checkpointing", "false"],
+            'lora.dropout > 0 with lora.variant = "lokr": only "lora" has dropout',
+        ),
+        (["--lora.lokr_factor", "0"], "lora.lokr_factor must be -1 or at least 1, got 0"),
+        (
             ["--checkpoint.resume", "/nowhere/checkpoint-4"],
             "checkpoint.resume = /nowhere/checkpoint-4 does not exist",
         ),
