@@ -35,7 +35,7 @@ import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
 from families.wan import WanAdapter
-from model_adapter import load_adapter
+from model_adapter import RunSettings, load_adapter
 
 WAN_VACE_KEYS = {
     "added_kv_proj_dim",
@@ -135,6 +135,29 @@ def test_the_tiny_model_carries_the_published_key_set_and_the_type_is_checked(wa
     # The context blocks are FSDP and checkpointing units too, in the order the forward runs them.
     transformer = adapter.load_transformer()
     assert adapter.blocks(transformer) == [*transformer.vace_blocks, *transformer.blocks]
+
+
+def test_the_vace_configs_train_at_videox_funs_shift(wan_models):
+    """Every shipped VACE config draws s as VideoX-Fun's Wan 2.1 VACE trainer does, not at the
+    folder's inference shift (3.0: mean s 0.677)."""
+    from conftest import REPO
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # VideoX-Fun, scripts/wan2.1_vace/train.py:762 builds diffusers' scheduler from train.sh's
+    # config/wan2.1/wan_civitai.yaml (`shift: 5.0`, :31); --uniform_sampling draws a uniform index
+    # into its timesteps (videox_fun/utils/discrete_sampler.py), whose sigmas the loss uses.
+    theirs = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0).sigmas
+    configs = [
+        path
+        for path in sorted((REPO / "configs").glob("*.toml"))
+        if load_config(str(path)).model.type == "vace"
+    ]
+    assert configs
+    for path in configs:
+        cfg = load_config(str(path), ["--model.path", str(wan_models("vace"))])
+        adapter = load_adapter(cfg.model, torch.device("cpu"), RunSettings.of(cfg))
+        ours = adapter._sigmas([data.keyed_generator(0, i) for i in range(20_000)])
+        assert abs(ours.mean() - theirs.mean()) < 0.01, path.name
 
 
 def as_uint8(frames) -> torch.Tensor:
