@@ -51,8 +51,8 @@ import command
 import faults
 import lora
 import ranks
-from config import CheckpointConfig, ConfigError, LoraConfig, ModelConfig
-from model import EMA, build_model, model_state
+from config import CheckpointConfig, ConfigError, LoraConfig, ModelConfig, TrainConfig
+from model import EMA, build_model, model_state, trains_part
 from model_adapter import load_adapter
 from weights import Weights
 
@@ -395,13 +395,13 @@ def reads_problem(path: Path, state: dict, d: ranks.Dist, **planner_options) -> 
     return next((p for p in problems if p), None)
 
 
-def other_shapes(adapter, training_type: str, lora_cfg: LoraConfig, metadata) -> str | None:
+def other_shapes(adapter, train: TrainConfig, lora_cfg: LoraConfig, metadata) -> str | None:
     """How the trained weights .metadata records differ from what cfg builds, or None.
 
     Names and shapes, from the config on the meta device: no weight is read."""
     with torch.device("meta"):
         skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
-    if training_type == "lora":
+    if train.training_type == "lora":
         lora.inject_lora(
             skeleton,
             lora_cfg.target_modules,
@@ -413,6 +413,12 @@ def other_shapes(adapter, training_type: str, lora_cfg: LoraConfig, metadata) ->
             factor=lora_cfg.lokr_factor,
         )
         built = {name: tuple(p.shape) for name, p in skeleton.named_parameters() if p.requires_grad}
+    elif train.trainable_modules:
+        built = {
+            name: tuple(p.shape)
+            for name, p in skeleton.named_parameters()
+            if lora.trainable(name, train.trainable_modules)
+        }
     else:
         built = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     saved = {
@@ -500,7 +506,7 @@ def has_ema(path: str) -> bool:
     )
 
 
-def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: LoraConfig) -> dict:
+def run_identity(adapter, model: ModelConfig, train: TrainConfig, lora_cfg: LoraConfig) -> dict:
     """What a checkpoint must match to be resumed.
 
     The model's architecture, its base weights (a resume on others is refused), their precision (a
@@ -509,7 +515,7 @@ def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: Lora
     identity = {
         "family": adapter.FAMILY,  # model.family as resolved: "" names the folder's
         "transformer_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-        "training_type": training_type,
+        "training_type": train.training_type,
         "base": base_identity(adapter),
         "precision": {"model.dtype": model.dtype, "model.storage_dtype": model.storage_dtype},
     }
@@ -518,7 +524,9 @@ def run_identity(adapter, model: ModelConfig, training_type: str, lora_cfg: Lora
     settings = adapter.lora_metadata()
     if settings:
         identity["model"] = {f"model.{key}": value for key, value in settings.items()}
-    if training_type == "lora":
+    if train.trainable_modules:
+        identity["trainable_modules"] = train.trainable_modules
+    if train.training_type == "lora":
         identity["lora"] = {
             "rank": lora_cfg.rank,
             "lora_alpha": lora_cfg.lora_alpha,
@@ -593,7 +601,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, output_dir: str, d: ranks.Dist, identity: dict, data: dict):
         """identity: run_identity's; data: data_identity's, of the training clips."""
         self.cfg, self.dir, self.d, self.identity, self.data = cfg, Path(output_dir), d, identity, data
-        self.frozen_excluded = identity["training_type"] == "lora"
+        self.frozen_excluded = trains_part(identity)
         self.async_group, self.pending, self.saved_step, self.views = None, None, None, None
         # async saves' CPU copy of this rank's state, made once and refilled by every save
         self.stager = None
@@ -627,9 +635,7 @@ class Checkpointer:
             )
             optim_state = get_optimizer_state_dict(model, optimizer, options=options)
             views = {
-                "model": model_state(
-                    model, self.identity["training_type"], flatten_optimizer_state_dict=True
-                ),
+                "model": model_state(model, self.frozen_excluded, flatten_optimizer_state_dict=True),
                 # param_groups (lr, betas) are plain numbers rebuilt from the config: only tensors
                 # are saved.
                 "optimizer": {k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)},
@@ -814,14 +820,15 @@ class Checkpointer:
         return path
 
 
-def load_weights(model, path: str, training_type: str, identity: dict, d: ranks.Dist, ema=None) -> None:
+def load_weights(model, path: str, identity: dict, d: ranks.Dist, ema=None) -> None:
     """Load only a checkpoint's trained weights (and EMA) into a built model.
 
     Only the trained weights (and the EMA, when given) of a checkpoint into an already built model:
     for rendering and export, without the optimizer. Every rank calls it."""
     check_identity(Path(path), read_meta(Path(path)), identity)
-    options = StateDictOptions(ignore_frozen_params=training_type == "lora", strict=training_type != "lora")
-    state = {"model": model_state(model, training_type)}
+    part = trains_part(identity)
+    options = StateDictOptions(ignore_frozen_params=part, strict=not part)
+    state = {"model": model_state(model, part)}
     if ema is not None:
         state["ema"] = ema.state_dict()
     problem = reads_problem(Path(path), state, d, allow_partial_load=True)
@@ -866,7 +873,9 @@ def _export_weights(
     """Gather only the exported weights to rank 0 and write them.
 
     The LoRA in diffusers' and PEFT's layouts, or the full transformer with save_pretrained."""
-    state = model_state(model, training_type, full_state_dict=True, cpu_offload=True)
+    # sft writes the whole transformer, the frozen weights of train.trainable_modules' runs too: a
+    # folder diffusers loads (their checkpoints hold only what trains)
+    state = model_state(model, training_type == "lora", full_state_dict=True, cpu_offload=True)
     if not d.is_main:
         return
     # A diverged run's weights (train.learning_rate too high: NaN within a step, in a checkpoint
@@ -884,7 +893,9 @@ def _export_weights(
         folder = out / f"lora{suffix}"
         folder.mkdir(parents=True, exist_ok=True)
         weights = {k: v.float() for k, v in state.items()}
-        args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, lora_cfg.target_modules)
+        modules = {key.rsplit(".lora_", 1)[0] for key in weights}
+        targets = lora.exported_targets(lora_cfg.target_modules, modules)
+        args = (weights, lora_cfg.rank, lora_cfg.lora_alpha, targets)
         lora.save_lora(
             str(folder / "pytorch_lora_weights.safetensors"),
             *args,
@@ -973,8 +984,7 @@ def export_checkpoint(cfg, checkpoint: str, out: str | None, d: ranks.Dist) -> N
             load_weights(
                 model,
                 checkpoint,
-                cfg.train.training_type,
-                run_identity(adapter, cfg.model, cfg.train.training_type, cfg.lora),
+                run_identity(adapter, cfg.model, cfg.train, cfg.lora),
                 d,
                 ema,
             )
@@ -1036,13 +1046,13 @@ def rehash(cfg, checkpoint: str, d: ranks.Dist) -> None:
             f"{path} lacks {len(missing)} shard(s) its .metadata names (first: {missing[0]}), so no "
             "resume can read it: resume from another checkpoint, or start over in another run.output_dir"
         )
-    shapes_differ = other_shapes(adapter, cfg.train.training_type, cfg.lora, metadata)
+    shapes_differ = other_shapes(adapter, cfg.train, cfg.lora, metadata)
     if shapes_differ:
         raise ConfigError(
             f"{path} holds other shapes than {cfg.model.path} with this config builds ({shapes_differ}): "
             "rehash it with the config it was trained with (its run's config.toml)"
         )
-    identity, data = run_identity(adapter, cfg.model, cfg.train.training_type, cfg.lora), None
+    identity, data = run_identity(adapter, cfg.model, cfg.train, cfg.lora), None
     if meta_problem(path) is None:
         meta = read_meta(path)
         check_identity(path, meta, identity)

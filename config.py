@@ -75,8 +75,14 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    # "lora" trains adapters on a frozen base; "sft" trains every transformer weight.
+    # "lora" trains adapters on a frozen base; "sft" trains the transformer's weights (every one, or
+    # train.trainable_modules').
     training_type: Literal["lora", "sft"] = "lora"
+    # sft: only the parameters whose name contains one of these (VideoX-Fun's --trainable_modules:
+    # "vace" trains every VACE block and the VACE patch embedding) or matches one as an fnmatch glob
+    # ("vace_blocks.*"); the rest stays frozen in model.dtype, out of checkpoints, EMA and AdamW
+    # (the export still writes the whole transformer). Empty: every weight.
+    trainable_modules: list[str] = field(default_factory=list)
     # Number of optimizer steps.
     steps: int = 1000
     # Clips per rank per micro-step.
@@ -197,7 +203,9 @@ class LoraConfig:
     rank: int = 128
     # Scale is lora_alpha / rank (written to the exported file's metadata); must be positive.
     lora_alpha: float = 64
-    # Module names (or dotted suffixes) of the nn.Linear layers that get adapters.
+    # Module names (or dotted suffixes) of the nn.Linear layers that get adapters, or fnmatch globs
+    # matching whole names ("vace_blocks.*.attn1.to_q", "*.ffn.net.0.proj"; an export names the
+    # modules a glob matched). A target that matches nothing is refused with the closest names.
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     # Dropout on the adapter input, drawn on the activations' device from a generator keyed by
     # (seed, step, rank).
@@ -687,6 +695,12 @@ def check_training_values(cfg: Config) -> None:
         )
     if cfg.lora.plus_ratio < 0:
         raise ConfigError(f"lora.plus_ratio must be 0 (off) or positive, got {cfg.lora.plus_ratio}")
+    if t.trainable_modules and t.training_type != "sft":
+        raise ConfigError(
+            "train.trainable_modules chooses the weights sft trains, but train.training_type = "
+            f'"{t.training_type}": set train.training_type = "sft", or name LoRA\'s layers in '
+            "lora.target_modules"
+        )
     if t.training_type == "lora" and not cfg.lora.target_modules:
         raise ConfigError(
             "lora.target_modules is empty, so no layer would get an adapter: name the linear layers "

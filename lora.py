@@ -8,6 +8,8 @@ so the trained adapter loads with `pipe.load_lora_weights` or `PeftModel.from_pr
 ComfyUI. Its variants (lora.variant): PEFT's DoRA (`DoRALinear`) and LyCORIS' LoKr (`LoKrLinear`).
 """
 
+import difflib
+import fnmatch
 import json
 import math
 import os
@@ -274,9 +276,38 @@ def _lora_keys(model: nn.Module) -> list[str]:
     return [f"{name}.{part}" for name, m in _lora_modules(model).items() for part in m.parts]
 
 
+def is_glob(pattern: str) -> bool:
+    """Whether a name pattern is an fnmatch glob (`*`, `?` or `[`), not a plain name."""
+    return any(c in pattern for c in "*?[")
+
+
+def closest(pattern: str, names, count: int = 3) -> list[str]:
+    """The `count` names most like a pattern that matched none, for its error message."""
+    return difflib.get_close_matches(pattern, sorted(names), n=count, cutoff=0.0)
+
+
 def _matches(name: str, target: str) -> bool:
-    """PEFT's rule for a list of targets: the full name, or its last dotted components."""
+    """PEFT's rule for a list of targets: the full name, or its last dotted components; a glob
+    (fnmatch, `*` crossing dots: "vace_blocks.*.attn1.to_q") must match the full name."""
+    if is_glob(target):
+        return fnmatch.fnmatchcase(name, target)
     return name == target or name.endswith("." + target)
+
+
+def trainable(name: str, patterns: list[str]) -> bool:
+    """train.trainable_modules' rule for a parameter name: it contains a pattern (VideoX-Fun's
+    --trainable_modules rule: "vace" names every VACE block and the VACE patch embedding), or
+    matches one as a glob over the whole name ("vace_blocks.*.attn1.*")."""
+    return any(fnmatch.fnmatchcase(name, p) if is_glob(p) else p in name for p in patterns)
+
+
+def exported_targets(target_modules: list[str], modules) -> list[str]:
+    """The target_modules an exported file names: the config's, but with a glob, the module names
+    the adapter has (`modules`). PEFT's LoraConfig, which diffusers' load_lora_weights builds from
+    the file's header, reads a list as names or dotted suffixes, never as globs."""
+    if any(is_glob(t) for t in target_modules):
+        return sorted(modules)
+    return target_modules
 
 
 def inject_lora(
@@ -304,7 +335,9 @@ def inject_lora(
         suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise ValueError(
             f"lora.target_modules: {unmatched} match no nn.Linear in {type(model).__name__} "
-            f"(a target must equal a module name or its last dotted parts; Linear names end in {suffixes})"
+            "(a target must equal a module name or its last dotted parts, or match a whole name as "
+            f'a glob such as "vace_blocks.*.attn1.to_q"; closest to {unmatched[0]!r}: '
+            f"{closest(unmatched[0], linears)}; Linear names end in {suffixes})"
         )
     names = sorted(n for n in linears if any(_matches(n, t) for t in target_modules))
     # One generator walked in sorted-name order: every rank draws identical weights.

@@ -13,6 +13,7 @@ command all build it here, so a checkpoint's keys are the same wherever it is lo
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 
@@ -67,6 +68,8 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
             if adapter.vace:  # the frame the renderer fits them into (validate.ClipRenderer)
                 frame = cfg.validation.resolution or (cfg.data.buckets or [cfg.data.train_resolution])[0]
                 data.check_validation_references(cfg.validation, frame, adapter.spatial_ratio)
+        if cfg.train.trainable_modules:
+            check_trainable_modules(adapter, cfg.train.trainable_modules)
         if cfg.train.training_type == "lora":
             check_lora_targets(adapter, cfg.lora.target_modules)
             if cfg.lora.init_from:  # rank and alpha: ComfyUI's module names are mapped at the load
@@ -101,6 +104,21 @@ def check_lora_targets(adapter, targets: list[str]) -> None:
         lora.inject_lora(skeleton, targets, 1, 1.0, 0.0, 0)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_trainable_modules(adapter, patterns: list[str]) -> None:
+    """train.trainable_modules against the transformer's parameter names, on the meta device: a
+    pattern that names none is refused with the closest names."""
+    with torch.device("meta"):
+        skeleton = adapter.TRANSFORMER.from_config(adapter.transformer_config)
+    names = [name for name, _ in skeleton.named_parameters()]
+    for pattern in patterns:
+        if not any(lora.trainable(name, [pattern]) for name in names):
+            raise ConfigError(
+                f"train.trainable_modules: {pattern!r} names no parameter of "
+                f"{type(skeleton).__name__} (a part of a name, or a glob over a whole name); the "
+                f"closest: {lora.closest(pattern, names)}"
+            )
 
 
 def build_frozen(adapter, folder: str, train: TrainConfig, parallel_cfg: ParallelConfig, d: ranks.Dist):
@@ -185,6 +203,9 @@ def build_model(
                 weights, info = lora.load_lora(lora_cfg.init_from, adapter.diffusers_key)
                 check_lora_matches(lora_cfg, info)
                 lora.load_lora_into(transformer, weights)
+        elif train.trainable_modules:  # sft of some modules: the rest frozen, in model.dtype
+            for name, param in transformer.named_parameters():
+                param.requires_grad_(trains(name))
         if parallel_cfg.sp_size > 1:
             for heads in adapter.sequence_heads:
                 parallel.check_heads(parallel_cfg.sp_size, heads, d.world)
@@ -207,8 +228,8 @@ def build_model(
         # fp32 modules.
         compute_dtype_params = frozenset(
             name
-            for name, _ in transformer.named_parameters()
-            if train.training_type == "sft" and not adapter.keeps_fp32(name)
+            for name, p in transformer.named_parameters()
+            if train.training_type == "sft" and p.requires_grad and not adapter.keeps_fp32(name)
         )
         # Batches with and without sound (data.audio on LTX-2): a rank whose batch has none leaves
         # the audio stream out of the graph, and FSDP2 reduce-scatters only the weights that got a
@@ -248,11 +269,14 @@ def build_model(
         return wrapped
 
     trainable_dtype = torch.float32 if train.training_type == "sft" else None
+    # sft of some modules: only theirs in fp32
+    trains = functools.partial(lora.trainable, patterns=train.trainable_modules)
+    loading = {"trains": trains if train.trainable_modules and not lora_file else None}
     if fsdp:
-        model = adapter.load_transformer(trainable_dtype, shard=prepare)
+        model = adapter.load_transformer(trainable_dtype, shard=prepare, **loading)
         lora.init_magnitudes(model)  # DoRA: the base's rows were read after the injection
         return model
-    return prepare(adapter.load_transformer(trainable_dtype))
+    return prepare(adapter.load_transformer(trainable_dtype, **loading))
 
 
 def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
@@ -272,6 +296,9 @@ def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
         "variant": "lora.variant",
         "factor": "lora.lokr_factor",
     }
+    if any(lora.is_glob(t) for t in cfg.target_modules):
+        # an export names the modules a glob matched: load_lora_into checks the file's modules
+        keys.pop("target_modules")
     for name, key in keys.items():
         # ComfyUI files name modules, not targets
         if info[name] is not None and info[name] != ours[name]:
@@ -571,15 +598,22 @@ class EMA:
                 param.copy_(saved)
 
 
-def model_state(model, training_type: str, **options) -> dict:
-    """The model's state dict keyed by FQN, for LoRA only its trainable weights.
+def model_state(model, trained_only: bool, **options) -> dict:
+    """The model's state dict keyed by FQN; `trained_only` (LoRA, sft of train.trainable_modules):
+    only its trainable weights.
 
     DCP's ignore_frozen_params keeps buffers, and 5B-I2V's learned positional embeddings are a
     persistent buffer of the frozen base (a 100 MB tensor in every checkpoint and export otherwise).
     """
-    options = StateDictOptions(ignore_frozen_params=training_type == "lora", **options)
+    options = StateDictOptions(ignore_frozen_params=trained_only, **options)
     state = get_model_state_dict(model, options=options)
-    if training_type != "lora":
+    if not trained_only:
         return state
     trainable = {name.removeprefix("module.") for name, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in state.items() if k in trainable}
+
+
+def trains_part(identity: dict) -> bool:
+    """Whether a run (by ckpt.run_identity) trains part of the transformer: LoRA, or sft of
+    train.trainable_modules. Its checkpoints hold only what trains."""
+    return identity["training_type"] == "lora" or bool(identity.get("trainable_modules"))

@@ -52,8 +52,7 @@ def load_model(
         ckpt.load_weights(
             model,
             checkpoint,
-            cfg.train.training_type,
-            ckpt.run_identity(adapter, cfg.model, cfg.train.training_type, cfg.lora),
+            ckpt.run_identity(adapter, cfg.model, cfg.train, cfg.lora),
             d,
             ema,
         )

@@ -72,7 +72,7 @@ def train(cfg: Config, d: ranks.Dist) -> None:
         cfg.checkpoint,
         cfg.run.output_dir,
         d,
-        ckpt.run_identity(adapter, cfg.model, cfg.train.training_type, cfg.lora),
+        ckpt.run_identity(adapter, cfg.model, cfg.train, cfg.lora),
         ckpt.data_identity(train_clips, cfg.data.target_fps, adapter.trains_sound),
     )
     resumed = checkpoints.resume(objects)

@@ -534,7 +534,9 @@ class TransformerLoading:
 
     self.TRANSFORMER from self.path, or self.single_file, in self.dtype on self.device."""
 
-    def load_transformer(self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None):
+    def load_transformer(
+        self, trainable_dtype: torch.dtype | None = None, folder: str = "", shard=None, trains=None
+    ):
         """Load the transformer this run trains without allocating any weight before it is read.
 
         The transformer this run trains (or another expert's folder), in trainable_dtype or
@@ -549,13 +551,20 @@ class TransformerLoading:
         them (it pins them itself) and checks them at the first forward; the others' on the device.
         With model.storage_dtype = "fp8" the blocks' linear weights are quantized as they are read,
         one tensor (or one rank's rows) at a time: no copy of the whole model in model.dtype ever
-        exists (a single file's float8_e4m3fn weights are kept as stored, fp8_source)."""
+        exists (a single file's float8_e4m3fn weights are kept as stored, fp8_source).
+        `trains(name)` (train.trainable_modules) picks the parameters made in trainable_dtype; the
+        rest, and the buffers, are in model.dtype, as a frozen base is."""
         folder = folder or self.transformer_folder
-        dtype = trainable_dtype or self.dtype
+        dtype = trainable_dtype if trainable_dtype and trains is None else self.dtype
         # model.transformer_file
         from_file = self.single_file is not None and folder == self.transformer_folder
         weights = self.single_file if from_file else Weights(self.path / folder)
         transformer = self._empty_transformer(resolved_config(self.TRANSFORMER, self.path, folder), dtype)
+        if trains is not None:
+            for name, param in transformer.named_parameters():
+                if trains(name):
+                    _replace(transformer, name, param.to(self._load_dtype(name, trainable_dtype)))
+        dtypes = {name: param.dtype for name, param in transformer.named_parameters()}
         weights.check(transformer, self.TRANSFORMER._keys_to_ignore_on_load_unexpected or [])
         fp8 = set(
             memory.store_fp8(transformer, self.blocks(transformer), self.keeps_fp32)
@@ -573,9 +582,8 @@ class TransformerLoading:
                     _replace(transformer, name, weight)
                     _replace(transformer, f"{name}_scale", scale)
                 elif shard is None or name in buffers:  # buffers are whole on every rank
-                    _replace(
-                        transformer, name, weights.read(name, self._load_dtype(name, dtype)).to(self.device)
-                    )
+                    read_as = dtypes.get(name) or self._load_dtype(name, dtype)
+                    _replace(transformer, name, weights.read(name, read_as).to(self.device))
             transformer.eval()  # as from_pretrained returns it
             if shard is None:
                 transformer.to(self.device)

@@ -469,14 +469,15 @@ class WanAdapter(Adapter):
         condition."""
         mask = torch.ones_like(x_t[:, :1])
         image_embeds = control = None
-        if self.vace:  # the reference frames in front are not the clip's: outside the loss
+        # VACE: the reference frames in front are in the loss, as the makers train them
+        # (docs/models/wan.md, VACE)
+        if self.vace:
             references = batch.get("reference_latents")
             control = wan_vace.context(
                 batch["control_latents"].to(self.device).float(),
                 None if references is None else references.to(self.device).float(),
             )
             control = control.expand(n, *control.shape[1:])
-            mask[:, :, : control.shape[2] - batch["control_latents"].shape[2]] = 0
         if self.type == "i2v":
             condition = batch["image_latents"].to(self.device).float().expand(n, -1, -1, -1, -1)
             # TI2V: the first latent frame is the image's, at timestep 0, and not in the loss
@@ -568,7 +569,7 @@ class WanAdapter(Adapter):
 
     def _with_references(self, x0: torch.Tensor, batch) -> torch.Tensor:
         """VACE: the reference images' latents in front of the clip's, the sequence the pipeline
-        denoises (their noise is drawn with the clip's; _inputs keeps them out of the loss)."""
+        denoises (their noise is drawn with the clip's, and they are in the loss)."""
         if "reference_latents" not in batch:
             return x0
         references = batch["reference_latents"].to(self.device).float()

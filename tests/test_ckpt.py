@@ -501,9 +501,7 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
                 dtype,
             ],
         )
-        return ckpt.run_identity(
-            load_adapter(cfg.model, torch.device("cpu")), cfg.model, cfg.train.training_type, cfg.lora
-        )
+        return ckpt.run_identity(load_adapter(cfg.model, torch.device("cpu")), cfg.model, cfg.train, cfg.lora)
 
     saved = {"identity": identity(tiny_model)}
     moved = tmp_path / "moved"

@@ -253,9 +253,7 @@ def test_a_checkpoint_holds_its_reference_downscale_factor(ltx2_models, write_co
     def identity(**settings):
         ic = {"model.family": "ltx2", "model.type": "ic", "model.path": str(ltx2_models("2.0"))}
         cfg = load_config(str(write_config("ic", **ic, **settings)))
-        return ckpt.run_identity(
-            load_adapter(cfg.model, torch.device("cpu")), cfg.model, cfg.train.training_type, cfg.lora
-        )
+        return ckpt.run_identity(load_adapter(cfg.model, torch.device("cpu")), cfg.model, cfg.train, cfg.lora)
 
     trained = identity(**{"model.reference_downscale_factor": 2})
     assert trained["model"] == {"model.reference_downscale_factor": "2"}

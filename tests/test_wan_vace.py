@@ -1,7 +1,7 @@
 """Wan VACE: the tiny model carries the published key set; our sampling loop renders what
 WanVACEPipeline renders from a control video, its mask and reference images (with our LoRA on the
 base and the VACE blocks, loaded by load_lora_weights); the training forward reads the context the
-pipeline builds, with the reference frames outside the loss."""
+pipeline builds, with the reference frames in the loss as the makers train them."""
 
 import contextlib
 import io
@@ -23,21 +23,24 @@ from conftest import (
     train_losses,
     write_toml,
 )
-from diffusers import WanVACEPipeline
+from diffusers import WanVACEPipeline, WanVACETransformer3DModel
 from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemReader
 
 import cache
 import data
 import lora
+import model
 import ranks
 import render
+import trainer
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
 from families.wan import WanAdapter
-from model_adapter import load_adapter
+from model_adapter import RunSettings, load_adapter
 
 WAN_VACE_KEYS = {
     "added_kv_proj_dim",
@@ -139,6 +142,29 @@ def test_the_tiny_model_carries_the_published_key_set_and_the_type_is_checked(wa
     assert adapter.blocks(transformer) == [*transformer.vace_blocks, *transformer.blocks]
 
 
+def test_the_vace_configs_train_at_videox_funs_shift(wan_models):
+    """Every shipped VACE config draws s as VideoX-Fun's Wan 2.1 VACE trainer does, not at the
+    folder's inference shift (3.0: mean s 0.677)."""
+    from conftest import REPO
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # VideoX-Fun, scripts/wan2.1_vace/train.py:762 builds diffusers' scheduler from train.sh's
+    # config/wan2.1/wan_civitai.yaml (`shift: 5.0`, :31); --uniform_sampling draws a uniform index
+    # into its timesteps (videox_fun/utils/discrete_sampler.py), whose sigmas the loss uses.
+    theirs = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0).sigmas
+    configs = [
+        path
+        for path in sorted((REPO / "configs").glob("*.toml"))
+        if load_config(str(path)).model.type == "vace"
+    ]
+    assert configs
+    for path in configs:
+        cfg = load_config(str(path), ["--model.path", str(wan_models("vace"))])
+        adapter = load_adapter(cfg.model, torch.device("cpu"), RunSettings.of(cfg))
+        ours = adapter._sigmas([data.keyed_generator(0, i) for i in range(20_000)])
+        assert abs(ours.mean() - theirs.mean()) < 0.01, path.name
+
+
 def as_uint8(frames) -> torch.Tensor:
     """PIL frames -> uint8 [F, H, W, 3], as the cache pass reads a clip's frames."""
     return torch.from_numpy(np.stack([np.asarray(f) for f in frames]))
@@ -156,11 +182,11 @@ def pipeline_context(pipe, control, mask, references):
     )
 
 
-def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_references_out(wan_models):
+def test_the_training_forward_reads_the_pipelines_context_and_trains_the_references(wan_models):
     """A cached clip's VACE condition (from uint8 pixels, as the cache pass reads them) gives the
     transformer the pipeline's conditioning latents exactly (inactive, reactive, mask packing,
     references in front in the pipeline's order); the noisy sequence holds the references' frames in
-    front of the clip's, and the loss is the clip's frames' alone."""
+    front of the clip's, and the loss is over them all, as the makers train VACE."""
     adapter = vace_adapter(wan_models)
     control, mask, references = conditions()
     pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
@@ -196,15 +222,23 @@ def test_the_training_forward_reads_the_pipelines_context_and_leaves_the_referen
     )
     x_t, s = seen["hidden_states"], seen["timestep"].view(-1, 1, 1, 1, 1) / 1000
     assert x_t.shape == (2, 16, 5, 4, 4)
-    x0 = torch.cat(
+    # The makers' loss. VideoX-Fun, scripts/wan2.2_vace_fun/train.py (and wan2.1_vace/train.py
+    # 1808, 1880, 1883, 1912): 1862 `latents = torch.cat([subject_ref_images, latents], dim=2)`,
+    # 1934 `noisy_latents = (1.0 - sigmas) * latents + sigmas * noise`, 1937 `target = noise -
+    # latents`, 1966 custom_mse_loss's `masked_loss.mean()` over every element (its threshold of 50
+    # and unit weighting change nothing here); DiffSynth-Studio, diffsynth/pipelines/wan_video.py:437
+    # prepends the references to input_latents and diffsynth/diffusion/loss.py:31 takes
+    # mse_loss(noise_pred, training_target) over all of it.
+    latents = torch.cat(
         [condition["reference_latents"].expand(2, -1, -1, -1, -1), adapter._normalise(mean)], dim=2
     )
-    target = (x_t - (1 - s) * x0) / s - x0  # noise - x0, the noise read back from x_t
-    expected = (seen["out"] - target)[:, :, 2:].pow(2).mean(dim=(1, 2, 3, 4))
-    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
-    everything = (seen["out"] - target).pow(2).mean(dim=(1, 2, 3, 4))
-    # the reference frames would show if they were counted
-    assert (everything - expected).abs().min() > 1e-3
+    noise = (x_t - (1 - s) * latents) / s  # read back from noisy_latents
+    target = noise - latents
+    makers = (seen["out"] - target).pow(2).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(loss, makers, rtol=1e-4, atol=1e-5)
+    clip_only = (seen["out"] - target)[:, :, 2:].pow(2).mean(dim=(1, 2, 3, 4))
+    # the reference frames show: a loss over the clip's frames alone is another one
+    assert (makers - clip_only).abs().min() > 1e-3
 
 
 def random_lora(adapter, path) -> tuple[list[str], dict]:
@@ -673,19 +707,144 @@ def test_the_cache_holds_each_clips_vace_condition_keyed_by_its_files(
             prepare_run(cfg, d)
 
 
+@pytest.fixture(scope="module")
+def vace_dataset(tiny_data, tmp_path_factory):
+    """vace_data's 6 clips and a cache shared by this module's training runs."""
+    root = tmp_path_factory.mktemp("vace")
+    return vace_data(root / "data", tiny_data, count=6), root / "cache"
+
+
+def vace_run(wan_models, base_settings, vace_dataset, output_dir, **extra) -> dict:
+    """Settings of a short in-process run on vace_dataset: 4 clips to train, 2 held out."""
+    root, cache_dir = vace_dataset
+    return vace_settings(
+        wan_models,
+        base_settings,
+        output_dir,
+        **{"data.data_root": str(root), "data.cache_dir": str(cache_dir), "data.held_out": 2, **extra},
+    )
+
+
+# LoRA on the VACE blocks alone, by glob: DiffSynth-Studio's VACE LoRA (--lora_base_model "vace").
+VACE_GLOBS = ["vace_blocks.*.attn1.to_*", "vace_blocks.*.ffn.net.0.proj", "vace_blocks.0.proj_in"]
+
+
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_a_lora_on_the_vace_blocks_alone_by_glob(wan_models, base_settings, vace_dataset, tmp_path):
+    """lora.target_modules as globs: 2 steps train adapters on the VACE blocks alone; every exported
+    key is a VACE block's, the file's header names the modules the globs matched (PEFT's LoraConfig
+    reads no globs) and WanVACEPipeline's load_lora_weights loads every one; the ComfyUI file holds
+    them under the names ComfyUI's VACE model has. A glob matching nothing is refused, naming the
+    closest modules."""
+    settings = vace_run(
+        wan_models,
+        base_settings,
+        vace_dataset,
+        tmp_path / "run",
+        **{"lora.target_modules": VACE_GLOBS, "train.steps": 2},
+    )
+    trainer.main(["--cfg", str(write_toml(tmp_path / "glob.toml", settings))])
+    lora_file = tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors"
+    ours = load_file(lora_file)
+    modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in ours}
+    adapter = vace_adapter(wan_models)
+    vace_blocks = range(len(adapter.transformer_config["vace_layers"]))
+    per_block = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ffn.net.0.proj"]
+    assert modules == {f"vace_blocks.{i}.{m}" for i in vace_blocks for m in per_block} | {
+        "vace_blocks.0.proj_in"
+    }
+    assert lora.load_lora(str(lora_file))[1]["target_modules"] == sorted(modules)
+    pipe = WanVACEPipeline.from_pretrained(str(wan_models("vace")))
+    pipe.load_lora_weights(str(lora_file))
+    loaded = {n.rsplit(".lora_A", 1)[0] for n, _ in pipe.transformer.named_modules() if n.endswith(".lora_A")}
+    assert loaded == modules
+    comfy = load_file(next((lora_file.parent / "comfy").glob("*.safetensors")))
+    in_comfy = {k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in comfy if ".lora_" in k}
+    assert (
+        len(in_comfy) == len(modules) and in_comfy <= comfyui_vace_linears(adapter.transformer_config).keys()
+    )
+    assert all(m.startswith("vace_blocks.") for m in in_comfy) and "vace_blocks.0.before_proj" in in_comfy
+    with pytest.raises(
+        ConfigError,
+        match=r"\['vace_blocks\.\*\.attn1\.to_qq'\] match no nn.Linear .* closest to "
+        r"'vace_blocks\.\*\.attn1\.to_qq': \['vace_blocks\.",
+    ):
+        model.check_lora_targets(adapter, ["vace_blocks.*.attn1.to_qq"])
+
+
+@pytest.mark.slow
+def test_sft_of_the_vace_modules_alone(wan_models, base_settings, vace_dataset, tmp_path, monkeypatch):
+    """train.trainable_modules = ["vace"] (VideoX-Fun's --trainable_modules "vace"), FSDP, EMA: the
+    VACE modules train in fp32 and the rest stays frozen in model.dtype; checkpoints hold only the
+    VACE modules' weights, AdamW state and averages; a run stopped at step 3 resumes bitwise; the
+    export is the whole transformer (the frozen rest too), which from_pretrained loads: the base
+    blocks as they were, the VACE ones trained. A name matching no parameter is refused."""
+    trains = {
+        "train.training_type": "sft",
+        "train.trainable_modules": ["vace"],
+        "parallel.strategy": "fsdp",
+        "train.ema_decay": 0.9,
+        "train.steps": 4,
+        "checkpoint.checkpointing_steps": 2,
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            vace_run(wan_models, base_settings, vace_dataset, tmp_path / name, **trains),
+        )
+        for name in ("reference", "stopped")
+    }
+    trainer.main(["--cfg", str(configs["reference"])])
+    monkeypatch.setenv("VIDTRAIN_FAULT", "step_fail:3")
+    with pytest.raises(SystemExit):
+        trainer.main(["--cfg", str(configs["stopped"])])
+    monkeypatch.delenv("VIDTRAIN_FAULT")
+    trainer.main(["--cfg", str(configs["stopped"])])
+    losses = train_losses(tmp_path / "reference")
+    assert sorted(losses) == [1, 2, 3, 4] and train_losses(tmp_path / "stopped") == losses
+
+    base = WanVACETransformer3DModel.from_pretrained(str(wan_models("vace")), subfolder="transformer")
+    vace = {name for name, _ in base.named_parameters() if "vace" in name}
+    assert {n.split(".")[0] for n in vace} == {"vace_blocks", "vace_patch_embedding"}
+    saved = FileSystemReader(str(tmp_path / "reference" / "checkpoint-4")).read_metadata().state_dict_metadata
+    for part in ("model", "ema"):
+        assert {k.removeprefix(f"{part}.") for k in saved if k.startswith(f"{part}.")} == vace, part
+    assert all("vace" in k for k in saved if k.startswith("optimizer."))
+    for suffix in ("", "_ema"):
+        exported = {
+            name: WanVACETransformer3DModel.from_pretrained(str(tmp_path / name / f"transformer{suffix}"))
+            for name in ("reference", "stopped")
+        }
+        ours, theirs = (dict(m.named_parameters()) for m in exported.values())
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        for name, param in base.named_parameters():
+            assert torch.equal(ours[name], param) == (name not in vace), name
+
+    adapter = load_adapter(
+        ModelConfig(family="wan", path=str(wan_models("vace")), dtype="bf16", type="vace"),
+        torch.device("cpu"),
+    )
+    transformer = adapter.load_transformer(torch.float32, trains=lambda n: lora.trainable(n, ["vace"]))
+    for name, param in transformer.named_parameters():
+        trained = name in vace or adapter.keeps_fp32(name)
+        assert param.dtype == (torch.float32 if trained else torch.bfloat16), name
+    with pytest.raises(ConfigError, match=r"train.trainable_modules: 'vcae' names no parameter .* closest"):
+        model.check_trainable_modules(adapter, ["vace", "vcae"])
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
-def test_full_lifecycle(wan_models, base_settings, tiny_data, tmp_path):
+def test_full_lifecycle(wan_models, base_settings, vace_dataset, tmp_path):
     """2 FSDP ranks train a LoRA on the base and VACE blocks from control, mask and reference, with
     validation from a reference image: SIGKILL after step 4, the next launch resumes from step 3 and
     ends bitwise equal to the run never stopped, clips included; TensorBoard shows the reference
     beside the clip; the export loads into WanVACEPipeline with every module, and computes there
     what our model computes; its ComfyUI file holds the VACE blocks' modules."""
-    root = vace_data(tmp_path / "data", tiny_data, count=6)
+    root, cache_dir = vace_dataset  # the cache the in-process runs above filled
     reference = root / "references" / "00005.png"
     lifecycle = {
         "data.data_root": str(root),
-        "data.cache_dir": str(tmp_path / "cache"),
+        "data.cache_dir": str(cache_dir),
         "data.held_out": 2,
         "parallel.strategy": "fsdp",
         "train.batch_size": 1,
