@@ -41,6 +41,10 @@ def run_command(work, config_path: str, overrides: list[str], lock_output_dir: b
     DCP's own errors) exactly one rank reports the cause; the process group is destroyed on every
     path; the exit code is 0, 1 after a failure, 130 after Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    # torchao (installed for train.optimizer = "adamw8bit") is imported by diffusers in every run;
+    # on a machine without Triton or its CUDA kernels it warns at import about kernels AdamW8bit does
+    # not use (its step compiles with inductor)
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     rank, code = int(os.environ.get("RANK", 0)), 0
     previous_handlers = ranks.PREEMPTION.install()
     try:

@@ -14,6 +14,7 @@ command all build it here, so a checkpoint's keys are the same wherever it is lo
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import logging
 
@@ -355,6 +356,13 @@ def check_optimizer(train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: Para
     """train.optimizer, its arguments and lora.plus_ratio, before any compute: the optimizer is
     built on a stand-in weight, so a value it refuses is named now, in its own words."""
     name = train.optimizer
+    if name == "adamw8bit" and importlib.util.find_spec("torchao") is None:
+        # optional: diffusers imports torchao in every run where it is installed, and on a machine
+        # without Triton that import prints lines every user would read
+        raise ConfigError(
+            'train.optimizer = "adamw8bit" needs torchao, which is not installed: '
+            "pip install 'torchao>=0.18,<0.19', or choose another train.optimizer"
+        )
     kwargs = optimizer_arguments(train)
     if name == "adamw8bit" and device.type not in ("cuda", "cpu"):
         raise ConfigError(

@@ -106,14 +106,29 @@ def materialize(module, fake_mode, device) -> None:
                 m._buffers[name] = None if b is None else torch.zeros(b.shape, dtype=b.dtype, device=device)
 
 
+def trained_in(transformer, trains, dtype):
+    """train.trainable_modules: the weights `trains` picks in the trainable dtype, as
+    weights.load_transformer makes them; the rest stay frozen in model.dtype."""
+    for name, param in transformer.named_parameters():
+        if trains is not None and trains(name):
+            param.data = param.data.to(dtype)
+    return transformer
+
+
 def build(cfg, family, adapter, fake_mode, device, foreach: bool):
     """model.build_model's model (one process), AdamW with its state in place, and EMA."""
     loader = SimpleNamespace(
         blocks=adapter.blocks,
         keeps_fp32=adapter.keeps_fp32,
         GRAPH_VARIES=adapter.GRAPH_VARIES,
-        load_transformer=lambda dtype=None: meta_transformer(
-            adapter.TRANSFORMER, adapter.transformer_config, dtype or adapter.dtype
+        load_transformer=lambda dtype=None, trains=None: trained_in(
+            meta_transformer(
+                adapter.TRANSFORMER,
+                adapter.transformer_config,
+                adapter.dtype if trains else dtype or adapter.dtype,
+            ),
+            trains,
+            dtype,
         ),
     )
     # Activation offload is modelled (the tracker's "input" tag and its copies), not run: its host

@@ -10,6 +10,7 @@ loads resharded into a DDP build (the same weights, the same optimizer state ent
 AdamW8bit's step with inductor, which takes a minute on these CPUs: the worker runs it eagerly
 (TORCHDYNAMO_DISABLE), the same arithmetic."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -197,7 +198,7 @@ def test_optimizer_args_are_checked_against_the_signature():
         check(optimizer="prodigy", learning_rate=1.0, optimizer_args={"d0": -1})
 
 
-def test_optimizer_refusals():
+def test_optimizer_refusals(monkeypatch):
     lora_plus = LoraConfig(plus_ratio=16.0)
     with pytest.raises(ConfigError, match='"adafactor" does not run under parallel.strategy = "fsdp"'):
         model.check_optimizer(
@@ -223,6 +224,15 @@ def test_optimizer_refusals():
     with pytest.raises(ConfigError, match='"adamw8bit" runs on CUDA and CPU devices .* not on mps'):
         model.check_optimizer(
             TrainConfig(optimizer="adamw8bit"), LoraConfig(), ParallelConfig(), torch.device("mps")
+        )
+    # torchao is optional: without it adamw8bit is refused before any compute, naming the install
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "torchao" else found(name))
+    with pytest.raises(
+        ConfigError, match=r"\"adamw8bit\" needs torchao, which is not installed: pip install"
+    ):
+        model.check_optimizer(
+            TrainConfig(optimizer="adamw8bit"), LoraConfig(), ParallelConfig(), torch.device("cpu")
         )
 
 
