@@ -98,11 +98,13 @@ class Cache:
         control: bool = False,
         control_key: dict | None = None,
         loss_mask: bool = False,
+        text_key: dict | None = None,
     ):
         """audio_dtype: the audio encoder's precision (in its entries' keys); None: no sound
         entries. control: whether each clip has a control entry; control_key: what else its key
         holds (the adapter's control_key). loss_mask: whether each clip has a loss mask entry
-        (data.loss_mask_column)."""
+        (data.loss_mask_column); text_key: what else the text entries' key holds (the adapter's
+        text_key)."""
         self.dir = Path(cfg.cache_dir or Path(cfg.data_root) / ".cache")
         self.encoders, self.text_length, self.dtype, self.image_seed = (
             encoders,
@@ -113,7 +115,7 @@ class Cache:
         self.audio_dtype, sound = audio_dtype, audio_dtype is not None
         self.kinds = ("video", "text") + ("image",) * (image_seed is not None) + ("audio",) * sound
         self.kinds += ("control",) * control + ("loss_mask",) * loss_mask
-        self.control_key = control_key or {}
+        self.control_key, self.text_key = control_key or {}, text_key or {}
 
     def path(self, item: data.Item, kind: str) -> str:
         if kind == "text":
@@ -122,6 +124,7 @@ class Cache:
                 encoder=self.encoders["text"],
                 length=self.text_length,
                 dtype=self.dtype,
+                **self.text_key,
             )
         elif kind == "audio":  # the window's seconds, not its crop
             key = _key(
@@ -847,11 +850,13 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
         encoders,
         adapter.text_length,
         adapter.encoding_precision(cfg.model.dtype),
-        cfg.run.seed if cfg.model.type == "i2v" else None,
+        # image-to-video's image entries, for the families that cache one (LTX-2 does not)
+        cfg.run.seed if cfg.model.type == "i2v" and "image" in adapter.ENCODERS else None,
         adapter.AUDIO_DTYPE if "audio" in adapter.ENCODERS and cfg.data.audio else None,
         adapter.takes_control,
         adapter.control_key(),
         bool(cfg.data.loss_mask_column),
+        adapter.text_key(),
     )
     check_last_images(adapter, clips, cfg.data)
     check_controls(adapter, cfg.data, clips)
@@ -859,7 +864,7 @@ def prepare(cfg: Config, adapter, d: ranks.Dist):
         clips,
         shapes,
         cfg.data,
-        cfg.model.type == "i2v",
+        cache.image_seed is not None,  # the clips' image entries
         cfg.run.seed,
         cache,
         manifest,

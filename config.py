@@ -161,10 +161,11 @@ class TrainConfig:
     loss_weighting: Literal["none", "bell", "cosmap"] = "none"
     # Families with sound: the loss is the video loss plus this times the audio loss.
     audio_loss_weight: float = 1.0
-    # One family's key (docs/models/), for in-context models (model.type = "ic"): the probability
-    # that a training sample's first latent frame is given clean (timestep 0, outside the loss), as
-    # in Lightricks' trainer; drawn per sample from its keyed generator.
-    first_frame_conditioning_p: float = 0.0
+    # One family's key (docs/models/), for image-to-video and in-context models (model.type = "i2v",
+    # "ic"): the probability that a training sample's first latent frame is given clean (timestep 0,
+    # outside the loss), as in Lightricks' trainer; drawn per sample from its keyed generator. -1:
+    # the type's own, 1 for "i2v" (every sample) and 0 for "ic".
+    first_frame_conditioning_p: float = -1.0
     # Exponential moving average of the trainable weights (0 = off, e.g. 0.999), used for validation
     # and exported beside the online weights.
     ema_decay: float = 0.0
@@ -352,6 +353,10 @@ class ValidationConfig:
     # spread, both streams (the pipeline's guidance_rescale and audio_guidance_rescale; 0.7); 0:
     # off.
     guidance_rescale: float = 0.0
+    # One family's key (docs/models/): the keyframe marker (the transformer's
+    # keyframes_abs_pos_embedding) on the first latent frame while sampling, as its makers' own
+    # pipelines render; false: as diffusers' pipelines and the makers' training, which pass none.
+    keyframe_marker: bool = False
     # [frames, height, width] of the clips; [] renders at data.train_resolution (data.buckets[0]
     # when set).
     resolution: list[int] = field(default_factory=list)
@@ -359,7 +364,8 @@ class ValidationConfig:
     # (docs/models/), as the configs of published models set. A family with sound writes at the rate
     # its sound was generated for (data.target_fps, else its published rate), no other.
     gen_fps: int = 0
-    # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say).
+    # i2v: one conditioning image per prompt, in the same order (paths; a clip's first frame, say);
+    # ic: optionally, one per prompt, the first frame its clip starts from beside its control video.
     images: list[str] = field(default_factory=list)
     # First-last-frame models: one last-frame image per prompt, beside validation.images.
     last_images: list[str] = field(default_factory=list)
@@ -637,10 +643,11 @@ def check_values(cfg: Config) -> None:
     check_timestep_sampling(cfg.train)
     if cfg.train.audio_loss_weight < 0:
         raise ConfigError(f"train.audio_loss_weight must be 0 or positive, got {cfg.train.audio_loss_weight}")
-    # t2v, and ic (its condition is a control video)
-    if cfg.model.type != "i2v" and cfg.validation.images:
+    # t2v and vace (their conditions are text, control videos and reference images)
+    if cfg.model.type not in ("i2v", "ic") and cfg.validation.images:
         raise ConfigError(
-            'validation.images conditions image-to-video models: set model.type = "i2v" or remove it'
+            "validation.images conditions image-to-video models and in-context ones' first frame: "
+            'set model.type = "i2v" (or "ic"), or remove it'
         )
     if cfg.validation.do_validation:  # render.py checks them whatever do_validation says
         check_validation_images(cfg)
@@ -730,6 +737,12 @@ def check_validation_images(cfg: Config) -> None:
         raise ConfigError(
             f'model.type = "i2v" renders each validation prompt from an image: validation.images '
             f"has {len(images)} for {len(prompts)} validation.prompts; give one per prompt"
+        )
+    if cfg.model.type == "ic" and images and len(images) != len(prompts):
+        raise ConfigError(
+            f"validation.images has {len(images)} for {len(prompts)} validation.prompts: an in-context "
+            "model renders each prompt from its control video and, given images, its first frame; give "
+            "one per prompt, or none"
         )
     last = cfg.validation.last_images
     if last and len(last) != len(prompts):

@@ -180,10 +180,12 @@ class RunSettings:
     sound: bool = False
     # data.target_fps: every clip's frame rate, where positions count seconds; 0: the family's.
     frame_rate: float = 0.0
-    # train.first_frame_conditioning_p: an in-context sample's chance of a clean first frame.
-    first_frame_p: float = 0.0
+    # train.first_frame_conditioning_p: a sample's chance of a clean first frame (-1: the type's).
+    first_frame_p: float = -1.0
     # train.timestep_sampling and its parameters, train.loss_weighting (the flow families').
     timesteps: TimestepSampling = TimestepSampling()
+    # validation.keyframe_marker: sampling marks the first latent frame (LTX-2.5's keyframe marker).
+    keyframe_marker: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> "RunSettings":
@@ -199,6 +201,7 @@ class RunSettings:
             data.target_fps,
             t.first_frame_conditioning_p,
             timesteps,
+            cfg.validation.keyframe_marker,
         )
 
 
@@ -207,10 +210,10 @@ class Adapter(TransformerLoading, abc.ABC):
 
     The contract a family fills comes first: its class attributes, the attributes its __init__ sets, the
     methods it must provide (abstract: load_adapter names any a family lacks) and the optional hooks
-    with their default behaviour. A family with sound (ENCODERS has "audio") provides SOUND too; one
-    whose SINGLE_FILE_KEY is set, SINGLE_FILES. families/cogvideox.py, families/wan.py and
-    families/ltx2.py are the three; the tests of each are the template for a fourth
-    (docs/adding-a-family.md)."""
+    with their default behaviour. A family with sound (ENCODERS has "audio") provides SOUND too; an
+    image-to-video one with image entries (ENCODERS has "image"), IMAGE; one whose SINGLE_FILE_KEY is
+    set, SINGLE_FILES. families/cogvideox.py, families/wan.py and families/ltx2.py are the three;
+    the tests of each are the template for a fourth (docs/adding-a-family.md)."""
 
     FAMILY = ""  # model.family's value, and the registry's key (model_adapter.ADAPTERS)
     # The config keys only this family accepts, each with the message that a run of another family
@@ -271,6 +274,8 @@ class Adapter(TransformerLoading, abc.ABC):
         "decode_audio",
     )
     SINGLE_FILES = ("single_file_key", "diffusers_names")
+    # what an image-to-video family that caches an image entry per clip (ENCODERS has "image")
+    # provides; LTX-2 conditions on the clip's own first latent frame and caches none
     IMAGE = ("encode_image",)
 
     # Shape rules.
@@ -302,12 +307,18 @@ class Adapter(TransformerLoading, abc.ABC):
         """uint8 [B, F, H, W, 3] -> the VAE posterior's mean and log-variance."""
 
     def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
-        """Image-to-video (IMAGE, required once TYPES has "i2v"): uint8 [B, H, W, 3] -> the tensors
-        of the clip's image entry."""
+        """Image-to-video (IMAGE, required once TYPES has "i2v" and ENCODERS has "image"): uint8 [B,
+        H, W, 3] -> the tensors of the clip's image entry."""
 
     def control_key(self) -> dict:
         """What the control entries' cache key holds besides the clip's and the control file's (a
         family's setting that changes the entry); {} by default."""
+        return {}
+
+    def text_key(self) -> dict:
+        """What the text entries' cache key holds besides the prompt's and the text encoder's files
+        (a family's tokenization that changed, so entries made before are not reused); {} by
+        default."""
         return {}
 
     def lora_metadata(self) -> dict[str, str]:
@@ -640,15 +651,15 @@ ADAPTERS = {
 
 def missing_members(family: type[Adapter], adapter: Adapter | None = None) -> list[str]:
     """What the family class (or, given it, its adapter's __init__) leaves out of the contract: the
-    abstract methods, SOUND with sound, SINGLE_FILES with a SINGLE_FILE_KEY, IMAGE with image-to-video,
-    and the attributes __init__ sets."""
+    abstract methods, SOUND with sound, SINGLE_FILES with a SINGLE_FILE_KEY, IMAGE with image-to-video
+    from image entries, and the attributes __init__ sets."""
     if adapter is None:
         groups = [
             name
             for name, wanted in (
                 ("SOUND", "audio" in family.ENCODERS),
                 ("SINGLE_FILES", bool(family.SINGLE_FILE_KEY)),
-                ("IMAGE", "i2v" in family.TYPES),
+                ("IMAGE", "i2v" in family.TYPES and "image" in family.ENCODERS),
             )
             if wanted
         ]

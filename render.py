@@ -208,7 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         "--prompt", action="append", default=[], help="a prompt (repeatable); default: validation.prompts"
     )
     parser.add_argument(
-        "--image", action="append", default=[], help="i2v: the image of each --prompt, in order"
+        "--image",
+        action="append",
+        default=[],
+        help="i2v (IC-LoRA: its first frame): the image of each --prompt, in order",
     )
     parser.add_argument(
         "--last-image",

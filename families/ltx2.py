@@ -23,6 +23,7 @@ STG, modality isolation and the rescale, each at validation's setting.
 import contextlib
 import copy
 import json
+import math
 import re
 from fractions import Fraction
 from types import SimpleNamespace
@@ -51,7 +52,11 @@ from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import (
 )
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffusers.video_processor import VideoProcessor
-from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
+from transformers import (
+    AutoTokenizer,
+    Gemma3ForConditionalGeneration,
+    Gemma4UnifiedForConditionalGeneration,
+)
 
 import data
 from config import Config, ConfigError, ModelConfig
@@ -126,6 +131,8 @@ CONNECTOR_NAMES = {
 # shift) points, extrapolated both ways (timestep_samplers.py's _get_shift_for_sequence_length
 # clamps neither end).
 SHIFT_TOKENS, SHIFTS = (1024, 4096), (0.95, 2.05)
+# the trainings model.type names (check_config's messages)
+TRAININGS = {"i2v": "image-to-video", "ic": "IC-LoRA"}
 # model_index.json's text encoder: Gemma 3 (2.0, 2.3) or Gemma 4 (2.5); the pipelines accept these
 # two.
 TEXT_ENCODERS = {
@@ -152,6 +159,9 @@ class VideoStream(NamedTuple):
     # without one): the tokens after the clip's are a reference clip of latent shape (frames,
     # height / k, width / k)
     reference: int = 0
+    # the leading tokens LTX-2.5's keyframe marker marks (validation.keyframe_marker: the first
+    # latent frame's); 0: none
+    marked: int = 0
 
 
 class AudioStream(NamedTuple):
@@ -193,16 +203,18 @@ class LTX2Adapter(Adapter):
             "validation.guidance_rescale",
         ),
         "{key} is an option of LTX-2's pipelines; {family}'s pipeline has no such guidance term: remove it",
-    ) | dict.fromkeys(
-        ("model.reference_downscale_factor", "train.first_frame_conditioning_p"),
-        '{key} is an option of LTX-2\'s IC-LoRA (model.family = "ltx2", model.type = "ic"); '
-        "{family} has no in-context reference: remove it",
-    )
+    ) | {
+        "model.reference_downscale_factor": "{key} is an option of LTX-2's IC-LoRA (model.family = "
+        '"ltx2", model.type = "ic"); {family} has no in-context reference: remove it',
+        "train.first_frame_conditioning_p": "{key} is an option of LTX-2's image-to-video and IC-LoRA "
+        "training (ltx-trainer's first_frame condition); {family} has no such draw: remove it",
+        "validation.keyframe_marker": "{key} marks LTX-2.5's first latent frame as ltx-pipelines do; "
+        "{family} has no keyframe embedding: remove it",
+    }
     # "audio": the soundtrack's entries (audio_latent_mean, audio_latent_logvar), keyed by the audio
-    # VAE's files.
+    # VAE's files. No "image": image-to-video conditions on the clip's own first latent frame.
     ENCODERS = {
         "video": ("vae",),
-        "image": ("vae",),
         "text": ("text_encoder", "tokenizer", "connectors"),
         "audio": ("audio_vae",),
     }
@@ -263,10 +275,16 @@ class LTX2Adapter(Adapter):
         self.image_crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(**text_config)))
         self.audio_loss_weight = run.audio_loss_weight
         self.takes_control = cfg.type == "ic"
-        # IC-LoRA: the control read at 1/k of the clip's size, and a sample's chance of a clean
-        # first frame (ltx-trainer's reference_downscale_factor and first_frame_conditioning_p)
+        # IC-LoRA: the control read at 1/k of the clip's size (ltx-trainer's
+        # reference_downscale_factor)
         self.reference_downscale = cfg.reference_downscale_factor
-        self.first_frame_p = run.first_frame_p
+        # I2V and IC-LoRA: a sample's chance of a clean first latent frame (ltx-trainer's
+        # first_frame condition); by default every I2V sample, as a first_frame condition without a
+        # probability (flexible.py, IntrinsicConditionBase.probability = 1.0), none for IC-LoRA
+        p = run.first_frame_p
+        self.first_frame_p = p if p >= 0 else float(cfg.type == "i2v")
+        # sampling marks the first latent frame for LTX-2.5's keyframe embedding (check_guidance)
+        self.keyframe_marker = run.keyframe_marker
         # The rate the video's rotary positions count seconds in: data.target_fps (every clip's
         # rate) when set.
         self.frame_rate = run.frame_rate or FRAME_RATE
@@ -309,17 +327,32 @@ class LTX2Adapter(Adapter):
                 f"validation.guidance_scale above 1, or remove {added[0]}"
             )
         k, p = cfg.model.reference_downscale_factor, cfg.train.first_frame_conditioning_p
-        for key, value, valid, what in (
-            ("model.reference_downscale_factor", k, k >= 1, "a whole factor, 1 or more"),
-            ("train.first_frame_conditioning_p", p, 0 <= p <= 1, "a probability, 0 to 1"),
+        for key, value, valid, what, types in (
+            ("model.reference_downscale_factor", k, k >= 1, "a whole factor, 1 or more", ("ic",)),
+            # -1, the default: the type's own
+            (
+                "train.first_frame_conditioning_p",
+                p,
+                0 <= p <= 1 or p == -1,
+                "a probability, 0 to 1",
+                ("i2v", "ic"),
+            ),
         ):
             if not valid:
                 raise ConfigError(f"{key} = {value} is out of range: {what}")
-            if cfg.model.type != "ic" and config_sets(cfg, key):
+            if cfg.model.type not in types and config_sets(cfg, key):
+                named = " or ".join(f'"{t}"' for t in types)
                 raise ConfigError(
-                    f'{key} = {value} shapes IC-LoRA training (model.type = "ic"), and model.type is '
-                    f'"{cfg.model.type}": remove it, or set model.type = "ic"'
+                    f"{key} = {value} shapes {' and '.join(TRAININGS[t] for t in types)} training "
+                    f'(model.type = {named}), and model.type is "{cfg.model.type}": remove it, or set '
+                    f"model.type = {named}"
                 )
+        if cfg.model.type == "i2v" and cfg.data.image_column:
+            raise ConfigError(
+                f"data.image_column = {cfg.data.image_column}: LTX-2's image-to-video trains on each "
+                "clip's own first latent frame, as ltx-trainer's first_frame condition, and reads no "
+                "image: remove data.image_column"
+            )
         if cfg.data.audio and not cfg.data.target_fps:
             raise ConfigError(
                 "data.audio = true with data.target_fps = 0: LTX-2's sound needs every "
@@ -342,6 +375,13 @@ class LTX2Adapter(Adapter):
                     f"control at 1/{k} of it, which must be a multiple of {self.size_multiple} too: "
                     f"use a multiple of {k * self.size_multiple}, or another factor"
                 )
+
+    def text_key(self) -> dict:
+        """Text entries made with the <bos> ltx-core prepends (_tokens) where the tokenizer does not
+        start with it (Gemma 4) are keyed apart from those vidtrain made before without it; with
+        Gemma 3 the tokens, and so the keys, are unchanged."""
+        tokenizer = AutoTokenizer.from_pretrained(self.path, subfolder="tokenizer")
+        return {} if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id] else {"bos": "ltx-core"}
 
     def lora_metadata(self) -> dict[str, str]:
         """IC-LoRA: the exported files' reference_downscale_factor, as ltx-trainer writes it
@@ -502,15 +542,6 @@ class LTX2Adapter(Adapter):
         """IC-LoRA's control entry: the VAE posterior of the reference frames (reference_frames)."""
         return super().encode_control(self.reference_frames(video))
 
-    def encode_image(self, images: torch.Tensor, generators, frames: int) -> dict:
-        """I2V conditioning images, uint8 [B, H, W, 3] -> their latent frame, compressed first as
-        the pipeline compresses its image (one H.264 frame at the model's CRF)."""
-        pictures = [apply_image_conditioning_crf(np.asarray(image.cpu()), self.image_crf) for image in images]
-        pixels = (
-            torch.stack([torch.from_numpy(p) for p in pictures]).to(self.device).permute(0, 3, 1, 2).float()
-        )
-        return {"image_latents": self._image_latents(pixels / 127.5 - 1.0)}
-
     def mel(self, waveforms: torch.Tensor) -> torch.Tensor:
         """Waveforms [B, channels, samples] at audio_sample_rate -> the audio VAE's input, the
         log-mel spectrogram [B, channels, samples // hop + 1, mel bins] (data.log_mel: ltx-core's
@@ -586,24 +617,43 @@ class LTX2Adapter(Adapter):
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """[B, 1024, video dim + audio dim]: LTX2Pipeline's encoding (Gemma's every hidden state,
-        left padding, the connectors), the video stream's text and the audio stream's side by side."""
+        """[B, 1024, video dim + audio dim]: ltx-trainer's encoding (Gemma's every hidden state of
+        ltx-core's tokens, left padding, the connectors), the video stream's text and the audio
+        stream's side by side; LTX2Pipeline's where the tokenizer starts with <bos> (Gemma 3)."""
         text_encoder, tokenizer = self._text()
-        tokenizer.padding_side = "left"
-        inputs = tokenizer(
-            [p.strip() for p in prompts],
-            padding="max_length",
-            max_length=TEXT_LENGTH,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        ).to(self.device)
+        inputs = self._tokens(tokenizer, prompts).to(self.device)
         hidden = text_encoder(
             input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, output_hidden_states=True
         ).hidden_states
         embeds = torch.stack(hidden, dim=-1).flatten(2, 3).to(self.dtype)
         video, audio, _ = self._connectors(embeds, inputs.attention_mask, padding_side="left")
         return torch.cat([video, audio], dim=-1)
+
+    @staticmethod
+    def _tokens(tokenizer, prompts: list[str]):
+        """The prompts' input_ids and attention_mask [B, 1024] as ltx-core's LTXGemmaTokenizer
+        (text_encoders/gemma/tokenizer.py:31-56) makes them: stripped, truncated to 1024 tokens,
+        <bos> prepended where the tokenizer did not start with it (Gemma 4) and the 1024 kept, then
+        left-padded (the eos token where there is no pad token). With Gemma 3, which starts with
+        <bos>, the tokens LTX2Pipeline's _get_gemma_prompt_embeds makes; with Gemma 4, one more."""
+        if tokenizer.bos_token_id is None:
+            raise ConfigError(
+                "the model's tokenizer/ has no bos_token, which ltx-core's encoding starts every prompt "
+                "with: use the tokenizer the model was published with"
+            )
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        bos = tokenizer.bos_token_id
+        ids = tokenizer([p.strip() for p in prompts], truncation=True, max_length=TEXT_LENGTH).input_ids
+        ids = [x if x[:1] == [bos] else [bos, *x][:TEXT_LENGTH] for x in ids]
+        return tokenizer.pad(
+            {"input_ids": ids},
+            padding="max_length",
+            max_length=TEXT_LENGTH,
+            return_tensors="pt",
+            return_attention_mask=True,
+        )
 
     def _split_text(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached text's two halves: the connectors give 2.0's streams caption_channels each
@@ -649,7 +699,7 @@ class LTX2Adapter(Adapter):
         alone, isolated (the audio stream, which the video then never sees, runs on one zero token:
         the rotary tables refuse none). video.reference = k: the video tokens after the clip's are an
         IC-LoRA reference clip of 1/k of its latent height and width, at the positions ltx-trainer
-        gives it."""
+        gives it. video.marked: LTX-2.5's keyframe marker on that many leading tokens."""
         dtype = next(transformer.parameters()).dtype
         video_text, audio_text = self._split_text(embeds.to(dtype))
         frames, height, width = video.shape
@@ -669,6 +719,10 @@ class LTX2Adapter(Adapter):
             )
             reference[:, 1:3] = reference[:, 1:3] * k
             coords = torch.cat([coords, reference], dim=2)
+        marker = None
+        if video.marked:  # [B, tokens, 1], as ltx-core's keyframes_mask
+            marker = torch.zeros(n, video.latents.shape[1], 1, device=video.latents.device)
+            marker[:, : video.marked] = 1
         with self._cross_gates(transformer, video.sigma, audio.timesteps):
             out = transformer(
                 hidden_states=video.latents.to(dtype),
@@ -688,6 +742,7 @@ class LTX2Adapter(Adapter):
                 spatio_temporal_guidance_blocks=stg_blocks,
                 use_cross_timestep=False,
                 video_coords=coords,
+                video_keyframes_mask=marker,
                 return_dict=False,
             )
         return (
@@ -740,29 +795,21 @@ class LTX2Adapter(Adapter):
 
         Per-sample fp32 losses (total, video, audio) of packed clean latents x0 [B, tokens, C] at
         sigmas [B], and audio latents a0 [B, audio tokens, C'] (maybe no tokens) at audio_sigmas
-        [B]; sound [B] says which samples have sound (the others have no audio loss). I2V: the first
-        latent frame's tokens are the image's, clean, at timestep 0 and outside the loss, as
-        ltx-trainer's first-frame condition and the I2V pipeline have them. IC-LoRA: the control
-        clip's latents (control_latent_mean) follow the clip's tokens, clean, at timestep 0, at the
-        clip's positions and outside the loss, as ltx-trainer's video_to_video strategy has its
-        reference (a downscaled one at its own grid's positions, scaled to the clip's); keep [B,
-        tokens] (IC-LoRA's first-frame conditioning, train_loss's) gives the tokens at 0 clean, at
-        timestep 0 and outside their sample's loss, as ltx-trainer's first_frame_conditioning_p. Sets
-        self.losses."""
+        [B]; sound [B] says which samples have sound (the others have no audio loss). keep [B,
+        tokens] (the first-frame condition of I2V and IC-LoRA, _first_frame's) gives the tokens at 0
+        their clean latents, timestep 0 and no part in their sample's loss, as ltx-trainer's
+        first_frame condition (flexible.py, _apply_intrinsic_condition with clean_latents = latents):
+        I2V trains on the clip's own first latent frame. IC-LoRA: the control clip's latents
+        (control_latent_mean) follow the clip's tokens, clean, at timestep 0, at the clip's
+        positions and outside the loss, as ltx-trainer's video_to_video strategy has its reference
+        (a downscaled one at its own grid's positions, scaled to the clip's). Sets self.losses."""
         n, shape = len(x0), batch["shape"]
         s, sa = sigmas.view(-1, 1, 1), audio_sigmas.view(-1, 1, 1)
         x_t, a_t = (1 - s) * x0 + s * noise, (1 - sa) * a0 + sa * audio_noise
-        video_t, first = 1000 * sigmas, 0  # first: the tokens of the conditioning frame
+        video_t = 1000 * sigmas
         if keep is not None:
             x_t = torch.where(keep[..., None] > 0, x_t, x0)
             video_t = video_t[:, None] * keep
-        if self.type == "i2v":
-            image = self._pack(batch["image_latents"].to(self.device).float()).expand(n, -1, -1)
-            first = image.shape[1]
-            x_t = torch.cat([image, x_t[:, first:]], dim=1)
-            video_t = torch.cat(
-                [video_t.new_zeros(n, first), video_t[:, None].expand(n, x0.shape[1] - first)], dim=1
-            )
         tokens = x0.shape[1]
         downscale = 0
         if self.takes_control:  # model.type = "ic"
@@ -787,7 +834,7 @@ class LTX2Adapter(Adapter):
             embeds,
         )
         video = video[:, :tokens]
-        errors = (video[:, first:] - (noise - x0)[:, first:]).pow(2)
+        errors = (video - (noise - x0)).pow(2)
         weights = keep  # ltx-trainer's masked mean: over the tokens in the loss
         if "loss_mask" in batch:  # data.loss_mask_column, packed as the clip's latents
             packed = self._pack(batch["loss_mask"].to(self.device).float())[..., 0]
@@ -795,7 +842,7 @@ class LTX2Adapter(Adapter):
         if weights is None:
             video_loss = errors.mean(dim=(1, 2))
         else:
-            video_loss = masked_mean(errors, weights[:, first:, None], (1, 2))
+            video_loss = masked_mean(errors, weights[:, :, None], (1, 2))
         audio_loss = torch.zeros_like(video_loss)
         if a0.shape[1]:
             audio_loss = (audio - (audio_noise - a0)).pow(2).mean(dim=(1, 2)) * sound
@@ -829,8 +876,8 @@ class LTX2Adapter(Adapter):
 
         Per-sample loss of a cached batch. Each sample's generator (keyed by seed, step and
         position in the global batch) draws, in order: the video s, the audio s, the video noise,
-        the audio noise, and (IC-LoRA with train.first_frame_conditioning_p > 0) one uniform number,
-        below p for a sample whose first latent frame is given clean. Audio entries (the audio
+        the audio noise, and (I2V and IC-LoRA with train.first_frame_conditioning_p > 0) one uniform
+        number, below p for a sample whose first latent frame is given clean. Audio entries (the audio
         cache's audio_latent_mean and audio_latent_logvar, [B, C', L, M'], the audio VAE's
         posterior) add audio_loss_weight x the audio loss. A clip
         without sound in a batch with sound (audio_mask false) has an audio stream of pure noise at
@@ -847,15 +894,10 @@ class LTX2Adapter(Adapter):
         audio_noise = to_device(
             torch.stack([torch.randn(a.shape, generator=g) for a, g in zip(a0, generators)]), self.device
         )
-        # IC-LoRA's first-frame conditioning: [B, tokens], 0 on the clean frames, built on the host
-        # (no device sync); a clip of one latent frame keeps its frame (VideoToVideoStrategy's rule)
         keep = None
-        if self.takes_control and self.first_frame_p > 0:
+        if self.first_frame_p > 0:
             clean = torch.stack([torch.rand((), generator=g) < self.first_frame_p for g in generators])
-            if shape[0] > 1 and bool(clean.any()):
-                keep = torch.ones(len(x0), x0.shape[1])
-                keep[clean, : x0.shape[1] // shape[0]] = 0
-                keep = to_device(keep, self.device)
+            keep = self._first_frame(clean, x0.shape[1], shape)
         loss, video, audio = self._loss(
             transformer,
             x0,
@@ -881,9 +923,21 @@ class LTX2Adapter(Adapter):
             return self.timestep_sampling.draw(generators)
         return torch.stack([shifted_logit_normal(tokens, g) for g in generators])
 
+    def _first_frame(self, clean: torch.Tensor, tokens: int, shape) -> torch.Tensor | None:
+        """The first-frame condition's keep [B, tokens]: 0 on the first latent frame of the samples
+        `clean` [B] names, built on the host (no device sync); None where none is. A clip of one
+        latent frame keeps its frame (text_to_video.py's rule, first_frame_end_idx <
+        sequence_length)."""
+        if shape[0] == 1 or not bool(clean.any()):
+            return None
+        keep = torch.ones(len(clean), tokens)
+        keep[clean, : tokens // shape[0]] = 0
+        return to_device(keep, self.device)
+
     def fixed_losses(self, transformer, batch: dict[str, torch.Tensor], timesteps: list[int], generator):
         """The loss of one cached clip (its posterior means) at each of `timesteps` for both
-        streams, the same noise; self.losses sums each stream's over the timesteps."""
+        streams, the same noise; self.losses sums each stream's over the timesteps. I2V conditions
+        the first latent frame (the task it is held to), IC-LoRA none."""
         x0, a0, sound, shape = self._clean(batch)
         noise = torch.randn(x0.shape[1:], generator=generator).to(self.device)
         audio_noise = torch.randn(a0.shape[1:], generator=generator).to(self.device)
@@ -900,6 +954,7 @@ class LTX2Adapter(Adapter):
             sound.expand(n),
             {**batch, "shape": shape},
             batch["prompt_embeds"].to(self.device).expand(n, -1, -1),
+            self._first_frame(torch.full((n,), self.type == "i2v"), x0.shape[1], shape),
         )[0]
 
     @staticmethod
@@ -952,7 +1007,8 @@ class LTX2Adapter(Adapter):
         """Initial video and audio latents (fp32, packed) from `generator`, the two schedulers, and
         I2V's image latent frame, as the pipelines' prepare_latents, prepare_audio_latents and
         timesteps. IC-LoRA: `control` (uint8 [F, H, W, 3] at the clip's size) appended as
-        LTX2InContextPipeline appends a reference condition."""
+        LTX2InContextPipeline appends a reference condition, and `image` (a PIL image, or None) as
+        its first-frame condition."""
         frames, height, width = resolution
         shape = (
             (frames - 1) // self.temporal_ratio + 1,
@@ -960,7 +1016,7 @@ class LTX2Adapter(Adapter):
             width // self.spatial_ratio,
         )
         if control is not None:
-            return self._in_context_start(scheduler, steps, frames, shape, generator, control)
+            return self._in_context_start(scheduler, steps, frames, shape, generator, control, image)
         noise = torch.randn((1, self.latent_channels, *shape), generator=generator, dtype=torch.float32).to(
             self.device
         )
@@ -986,21 +1042,42 @@ class LTX2Adapter(Adapter):
             0 if condition is None else condition.shape[1],
         )
 
-    def _in_context_start(self, scheduler, steps: int, frames: int, shape, generator, control):
+    def _in_context_start(self, scheduler, steps: int, frames: int, shape, generator, control, image):
         """LTX2InContextPipeline's prepare_latents with one reference of full strength (and its
-        reference_downscale_factor, model.reference_downscale_factor): the control's reference
-        frames' VAE mean, normalised and packed, after the clip's tokens; the noise drawn over both
-        (packed), the reference's kept clean."""
+        reference_downscale_factor, model.reference_downscale_factor) and, given `image`, one
+        first-frame condition (an LTX2VideoCondition at index 0, strength 1): the control's
+        reference frames' VAE mean, normalised and packed, after the clip's tokens; the noise drawn
+        over both (packed), the reference's kept clean, and the first latent frame's tokens the
+        image's (_first_frame_latents)."""
         reference = self._normalise(self.encode_video(self.reference_frames(control[None]))[0].float())
         reference = self._pack(reference)
         tokens = self._pack(reference.new_zeros(1, 1, *shape)).shape[1]
         noise = torch.randn(
             (1, tokens + reference.shape[1], self.latent_channels), generator=generator, dtype=torch.float32
         ).to(self.device)
+        first = None if image is None else self._pack(self._first_frame_latents(image, shape))
         latents = torch.cat([noise[:, :tokens], reference], dim=1)
-        state = self._start(scheduler, steps, frames, shape, generator, latents, 0, reference.shape[1])
+        if first is not None:
+            latents = torch.cat([first, latents[:, first.shape[1] :]], dim=1)
+        start = 0 if first is None else first.shape[1]
+        state = self._start(scheduler, steps, frames, shape, generator, latents, start, reference.shape[1])
         state.downscale = self.reference_downscale
         return state
+
+    def _first_frame_latents(self, image, shape) -> torch.Tensor:
+        """A first-frame image condition's latent frame [1, C, 1, h, w] as LTX2InContextPipeline's
+        preprocess_conditions and prepare_latents make it: H.264 at the model's CRF, resized (no
+        antialiasing: F.interpolate, bilinear) to cover the clip and centre-cropped, the VAE's mode,
+        normalised."""
+        pixels = apply_image_conditioning_crf(np.array(image.convert("RGB")), self.image_crf)
+        height, width = shape[1] * self.spatial_ratio, shape[2] * self.spatial_ratio
+        pixels = torch.from_numpy(pixels).permute(2, 0, 1)[None].float().to(self.device)
+        scale = max(height / pixels.shape[2], width / pixels.shape[3])
+        size = (math.ceil(pixels.shape[2] * scale), math.ceil(pixels.shape[3] * scale))
+        pixels = F.interpolate(pixels, size=size, mode="bilinear", align_corners=False)
+        top, left = (size[0] - height) // 2, (size[1] - width) // 2
+        pixels = pixels[:, :, top : top + height, left : left + width]
+        return self._image_latents(pixels / 127.5 - 1.0)
 
     def _start(
         self, scheduler, steps: int, frames: int, shape, generator, latents, first: int, reference: int = 0
@@ -1056,6 +1133,9 @@ class LTX2Adapter(Adapter):
             video_t = video_t[:, None].repeat(1, state.latents.shape[1])
             video_t[:, : state.first] = 0
             video_t[:, state.latents.shape[1] - state.reference :] = 0
+        # LTX-2.5's keyframe marker on the clip's first latent frame (ltx-core's VideoLatentTools,
+        # _first_frame_keyframes_mask); the reference's tokens unmarked (extend_keyframes_mask)
+        marked = (state.latents.shape[1] - state.reference) // state.shape[0] if self.keyframe_marker else 0
         video, audio = self._predict(
             models["transformer"],
             VideoStream(
@@ -1064,6 +1144,7 @@ class LTX2Adapter(Adapter):
                 t.expand(n),
                 state.shape,
                 state.downscale,
+                marked,
             ),
             AudioStream(state.audio.expand(n, -1, -1), t.expand(n), state.audio_frames),
             embeds,
@@ -1073,6 +1154,12 @@ class LTX2Adapter(Adapter):
 
     def check_guidance(self, cfg) -> None:
         super().check_guidance(cfg)
+        if cfg.keyframe_marker and not self.transformer_config["use_keyframes_abs_pos_embedding"]:
+            raise ConfigError(
+                f"validation.keyframe_marker = true: {self.path}'s transformer has no keyframe embedding "
+                "(use_keyframes_abs_pos_embedding = false: LTX-2.0 and 2.3), so there is nothing to "
+                "mark: remove it"
+            )
         if not cfg.stg_scale:
             return
         if not self.transformer_config["perturbed_attn"]:

@@ -40,7 +40,7 @@ import lora
 import render
 import validate
 from config import ConfigError, ModelConfig, ValidationConfig, load_config
-from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream
+from families.ltx2 import TEXT_LENGTH, AudioStream, LTX2Adapter, VideoStream
 from model_adapter import RunSettings, check_config, load_adapter
 from ranks import StopRun
 from tools.make_tiny_model import LTX2_KEYS, LTX25_KEYS
@@ -158,15 +158,38 @@ def test_a_folder_with_another_text_encoder_is_refused(ltx2_models, tmp_path):
         load_adapter(ModelConfig(family="ltx2", path=str(folder)), torch.device("cpu"))
 
 
-def pipeline_frames(pipe, cfg):
-    """The pipeline's float frames [F, H, W, 3] per prompt, guided as validation's settings say."""
+def cache_text(pipe, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline's prompt_embeds and attention mask over the tokens ltx-core gives the prompt
+    (the cache's: LTX2Adapter._tokens, held to ltx-core's layout in test_ltx2_training): with Gemma
+    4 they start with the <bos> LTX2Pipeline's own tokenization leaves out."""
+    inputs = LTX2Adapter._tokens(pipe.tokenizer, [prompt])
+    with torch.no_grad():
+        hidden = pipe.text_encoder(
+            input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, output_hidden_states=True
+        ).hidden_states
+    return torch.stack(hidden, dim=-1).flatten(2, 3), inputs.attention_mask
+
+
+def pipeline_frames(pipe, cfg, ltx_core_text: bool = False):
+    """The pipeline's float frames [F, H, W, 3] per prompt, guided as validation's settings say;
+    `ltx_core_text`: given the text the cache holds (LTX-2.5), not its own encoding."""
     frames = []
     for i, prompt in enumerate(cfg.prompts):
         extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
+        text = {"prompt": prompt, "negative_prompt": cfg.negative_prompt}
+        if ltx_core_text:
+            (embeds, mask), (negative, negative_mask) = (
+                cache_text(pipe, p) for p in (prompt, cfg.negative_prompt)
+            )
+            text = {
+                "prompt_embeds": embeds,
+                "prompt_attention_mask": mask,
+                "negative_prompt_embeds": negative,
+                "negative_prompt_attention_mask": negative_mask,
+            }
         frames.append(
             pipe(
-                prompt=prompt,
-                negative_prompt=cfg.negative_prompt,
+                **text,
                 num_frames=9,
                 height=32,
                 width=32,
@@ -209,7 +232,8 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
     classifier-free guidance and with the pipelines' own terms (STG on 2.3, modality isolation,
     rescale, the sound's scale); the ComfyUI file loads through the same loader's conversion to the
     same transformer; the sft export loads with from_pretrained and computes what the checkpoint's
-    weights compute. Image-to-video: the pipeline's transformer takes ltx-core's audio-video
+    weights compute. LTX-2.5: the pipeline takes the cache's text (ltx-core's tokens, the <bos> its
+    own tokenization leaves out with Gemma 4). Image-to-video: the pipeline's transformer takes ltx-core's audio-video
     cross-attention modulation (the image tokens' scale/shift at their own timestep 0, as ours;
     diffusers' use_cross_timestep gives them the audio's sigma: test_ltx2_training)."""
     path = ltx2_models(model_of(variant))
@@ -250,7 +274,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
             ]
             if source:
                 pipe.load_lora_weights(str(source))
-            for a, b in zip(ours, pipeline_frames(pipe, cfg.validation)):
+            for a, b in zip(ours, pipeline_frames(pipe, cfg.validation, variant == "2.5")):
                 assert a.shape == b.shape == (9, 32, 32, 3)
                 assert (a - b).abs().max() <= 1e-4, (variant, source, (a - b).abs().max())
             if source is not None:
@@ -263,7 +287,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
             renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext())
             for i in range(len(PROMPTS))
         ]
-        for a, b, plain in zip(ours, pipeline_frames(pipe, guided), base):
+        for a, b, plain in zip(ours, pipeline_frames(pipe, guided, variant == "2.5"), base):
             assert (a - b).abs().max() <= 1e-4, (variant, "guided", (a - b).abs().max())
             assert (a - plain).abs().max() > 1e-3
         # The ComfyUI file through the loader's conversion of diffusion_model. keys: the same
@@ -279,6 +303,84 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
     torch.testing.assert_close(
         transformer_output(exported, adapter), transformer_output(ours, adapter), rtol=0, atol=1e-5
     )
+
+
+def test_keyframe_marker_marks_the_first_latent_frame_as_ltx_pipelines(ltx2_models, write_config):
+    """validation.keyframe_marker marks the clip's first latent frame as ltx-pipelines do.
+
+    Off by default: as LTX2Pipeline and ltx-trainer's training, no marker. On (LTX-2.5), each
+    sampling forward marks the first latent frame's tokens as ltx-core's VideoLatentTools marks them
+    for ltx-pipelines and ltx-trainer's validation (Lightricks/LTX-2 400fd31, packages/ltx-core/src/
+    ltx_core/tools.py:184-196: the first tokens_per_latent_frame tokens 1, the rest 0; a reference's
+    tokens appended unmarked, conditioning/types/reference_video_cond.py:104), and those tokens get
+    keyframes_abs_pos_embedding added after the patch embedding (model/transformer/
+    transformer_args.py:37-43, :269), written here as a hook on proj_in. Refused for a transformer
+    without the embedding (2.0) and for another family."""
+    adapter = load_adapter(
+        ModelConfig(family="ltx2", path=str(ltx2_models("2.5")), dtype="fp32"),
+        torch.device("cpu"),
+        RunSettings(keyframe_marker=True),
+    )
+    adapter.check_guidance(ValidationConfig(keyframe_marker=True))
+    transformer = adapter.load_transformer().eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        transformer.keyframes_abs_pos_embedding.normal_(generator=gen)
+    c = adapter.transformer_config
+    embeds = torch.randn(
+        1, TEXT_LENGTH, c["cross_attention_dim"] + c["audio_cross_attention_dim"], generator=gen
+    )
+    seen = []
+    hook = transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["video_keyframes_mask"]), with_kwargs=True
+    )
+    t = torch.tensor(700.0)
+    outputs = {}
+    try:
+        for reference in (0, 8):  # text-to-video, and an IC-LoRA reference
+            state = adapter.sampling_start(
+                adapter.sampler(""), 2, [9, 32, 32], torch.Generator().manual_seed(0)
+            )
+            if reference:
+                state.latents = torch.cat([state.latents, torch.randn(1, reference, 8, generator=gen)], dim=1)
+                state.reference, state.downscale = reference, 2  # 2 x 2 x 2 tokens at half the size
+            for marker in (True, False):
+                adapter.keyframe_marker = marker
+                with torch.no_grad():
+                    outputs[reference, marker] = adapter.denoise(
+                        {"transformer": transformer}, state, t, embeds, False
+                    )
+                expected = torch.zeros(1, 32 + reference, 1)
+                expected[:, :16] = 1  # 2 latent frames of 4 x 4
+                assert torch.equal(seen[-1], expected) if marker else seen[-1] is None
+            # ltx-core's formula: the embedding added to the marked tokens after proj_in, no marker
+            added = transformer.proj_in.register_forward_hook(
+                lambda module, args, out: torch.cat(
+                    [out[:, :16] + transformer.keyframes_abs_pos_embedding, out[:, 16:]], dim=1
+                )
+            )
+            adapter.keyframe_marker = False
+            with torch.no_grad():
+                theirs = adapter.denoise({"transformer": transformer}, state, t, embeds, False)
+            added.remove()
+            torch.testing.assert_close(outputs[reference, True], theirs, rtol=0, atol=1e-6)
+            assert (outputs[reference, True] - outputs[reference, False]).abs().max() > 1e-3
+    finally:
+        hook.remove()
+    old = load_adapter(ModelConfig(family="ltx2", path=str(ltx2_models("2.0"))), torch.device("cpu"))
+    with pytest.raises(
+        ConfigError,
+        match=r"validation.keyframe_marker = true: .*'s transformer has no keyframe embedding "
+        r"\(use_keyframes_abs_pos_embedding = false: LTX-2.0 and 2.3\), so there is nothing to mark: "
+        r"remove it",
+    ):
+        old.check_guidance(ValidationConfig(keyframe_marker=True))
+    with pytest.raises(
+        ConfigError,
+        match="validation.keyframe_marker marks LTX-2.5's first latent frame as ltx-pipelines do; "
+        "cogvideox has no keyframe embedding: remove it",
+    ):
+        check_config(load_config(str(write_config("marker", **{"validation.keyframe_marker": True}))))
 
 
 def test_audio_latents_add_their_own_loss(ltx2_models):

@@ -28,7 +28,7 @@ from conftest import (
 )
 from diffusers import LTX2InContextPipeline
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
-from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
+from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition, LTX2VideoCondition
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -213,9 +213,10 @@ def test_a_downscaled_reference_and_a_clean_first_frame_as_ltx_trainer(ic_adapte
 
 
 def test_in_context_is_ltx2s(tiny_models, write_config):
-    """model.type = "ic" on another family names the key; its condition is a control video, not an
-    image (validation.images is refused as for text-to-video); IC-LoRA's own keys are refused out of
-    range or for another type, each naming the key."""
+    """model.type = "ic" on another family names the key; its condition is a control video and,
+    optionally, a first-frame image per prompt (validation.images: one per prompt or none, refused
+    for text-to-video); IC-LoRA's own keys are refused out of range or for another type, each naming
+    the key."""
     with pytest.raises(
         ConfigError,
         match='model.type = "ic" trains a model in context with a control clip, which '
@@ -223,8 +224,19 @@ def test_in_context_is_ltx2s(tiny_models, write_config):
     ):
         load_adapter(ModelConfig(type="ic", path=str(tiny_models("2b"))), torch.device("cpu"))
     images = {"model.type": "ic", "validation.prompts": ["x"], "validation.images": ["x.png"]}
-    with pytest.raises(ConfigError, match="validation.images conditions image-to-video models"):
-        load_config(str(write_config("ic", **images)))
+    load_config(str(write_config("ic", **images)))
+    with pytest.raises(
+        ConfigError,
+        match=r"validation.images has 2 for 1 validation.prompts: an in-context model renders each "
+        r"prompt from its control video and, given images, its first frame; give one per prompt, or none",
+    ):
+        load_config(str(write_config("ic", **images | {"validation.images": ["x.png", "y.png"]})))
+    with pytest.raises(
+        ConfigError,
+        match=r"validation.images conditions image-to-video models and in-context ones' first frame: "
+        r'set model.type = "i2v" \(or "ic"\), or remove it',
+    ):
+        load_config(str(write_config("t2v", **images | {"model.type": "t2v"})))
     ltx2 = {"model.family": "ltx2", "model.type": "ic", "model.path": "/nowhere"}  # the config alone
     for settings, message in (
         (
@@ -286,9 +298,13 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
     as ltx-trainer writes it. Our loop with the control as its reference renders what
     LTX2InContextPipeline renders with it as an LTX2ReferenceCondition, within 1e-4 in fp32: the
     base model with a full-size reference, and our exported LoRA loaded by load_lora_weights with
-    the pipeline's reference_downscale_factor = 2 (the pipelines' guidance terms on). The
-    pipeline's transformer takes ltx-core's audio-video cross-attention modulation, as ours (the
-    reference's tokens at their own timestep 0, as I2V's image tokens: test_ltx2_training)."""
+    the pipeline's reference_downscale_factor = 2 (the pipelines' guidance terms on) and a
+    first-frame image (validation.images) as the pipeline's `conditions` (an LTX2VideoCondition at
+    index 0) beside its reference_conditions: the image of another size and aspect,
+    H.264-compressed, resized to cover and cropped as the pipeline does (rendered without it, ours
+    differ from the pipeline's by 0.6). The pipeline's
+    transformer takes ltx-core's audio-video cross-attention modulation, as ours (the reference's
+    and the image's tokens at their own timestep 0, as I2V's: test_ltx2_training)."""
     control = ic_data / "controls" / "00000.mp4"
     settings = ltx2_settings(
         "2.0",
@@ -318,22 +334,28 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
             assert f.metadata()["reference_downscale_factor"] == "2"
     pipe = LTX2InContextPipeline.from_pretrained(str(ltx2_models("2.0")))
     pipe.set_progress_bar_config(disable=True)
+    image = tmp_path / "first.png"  # 40 x 48, the clips' own size: covered and cropped to 32 x 32
+    Image.fromarray(decode_mp4(ic_data / "videos" / "00001.mp4")[0][0].numpy()).save(image)
     with one_rank_group() as d, ltx_core_cross_modulation(pipe.transformer):
         renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
         frames = renderer.controls[0]
         assert frames.shape == (9, 32, 32, 3)
         reference = LTX2ReferenceCondition(frames=[Image.fromarray(frame) for frame in frames.numpy()])
-        for source, factor in ((None, 1), (lora_file, 2)):
+        for source, factor, images in ((None, 1, []), (lora_file, 2, [image])):
             adapter.reference_downscale = factor
             model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            if images:  # validation.images' (the lifecycle reads it from the config)
+                renderer.images = [validate.load_image(str(images[0]))]
             ours = renderer.frames(model, 0, adapter.sampler(""), contextlib.nullcontext())
             if source:
                 pipe.load_lora_weights(str(source))
+            first = [LTX2VideoCondition(frames=Image.open(images[0]), index=0)] if images else None
             theirs = (
                 pipe(
                     prompt=PROMPTS[0],
                     negative_prompt=cfg.validation.negative_prompt,
                     reference_conditions=[reference],
+                    conditions=first,
                     reference_downscale_factor=factor,
                     num_frames=9,
                     height=32,
@@ -347,7 +369,7 @@ def test_ic_lora_trains_and_samples_as_the_in_context_pipeline(ltx2_models, base
                 .permute(0, 2, 3, 1)
             )
             assert ours.shape == theirs.shape == (9, 32, 32, 3)
-            assert (ours - theirs).abs().max() <= 1e-4, (source, (ours - theirs).abs().max())
+            assert (ours - theirs).abs().max() <= 1e-4, (source, images, (ours - theirs).abs().max())
 
 
 def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_fit(
@@ -428,12 +450,16 @@ def test_validation_shows_the_control_beside_the_clip_and_refuses_what_does_not_
 def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
     """2 FSDP ranks training IC-LoRA with validation and ltx-trainer's random first-frame
     conditioning (its keyed draws): SIGKILL after step 3, the next launch resumes from step 2 and
-    ends bitwise equal to the run never stopped, clips included; TensorBoard shows each clip beside
-    its control; the export loads in LTX2InContextPipeline and computes, reference appended, what our
+    ends bitwise equal to the run never stopped, clips included; validation renders from a control
+    video and a first-frame image together (validation.images), and TensorBoard shows each clip
+    beside its control and its image; the export loads in LTX2InContextPipeline and computes, reference appended, what our
     model computes, and so does its ComfyUI file through the pipeline's loader, every key converted
     back; the ComfyUI file names only weights of ComfyUI's LTX-2 model, every module of the export
     once; both carry reference_downscale_factor = "1" as ltx-trainer writes it."""
+    image = tmp_path / "first.png"  # a held-out clip's first frame
+    Image.fromarray(decode_mp4(ic_data / "videos" / "00003.mp4")[0][0].numpy()).save(image)
     lifecycle = {
+        "validation.images": [str(image)],
         "model.type": "ic",
         "train.first_frame_conditioning_p": 0.5,
         "data.control_column": "controls.txt",
@@ -481,12 +507,13 @@ def test_ic_lora_lifecycle(ltx2_models, base_settings, ic_data, tmp_path):
     assert [c.step for c in shown] == [0, 2, 4]
     with Image.open(io.BytesIO(shown[-1].encoded_image_string)) as gif:
         first = torch.from_numpy(np.array(gif.convert("RGB"))).float()
-    assert first.shape == (32, 64, 3)
+    assert first.shape == (32, 96, 3)  # control, image, clip
+    held = torch.from_numpy(np.array(Image.open(image).resize((32, 32)))).float()
     # The GIF's 256-colour palette rounds the noisy tiny-model clip by a few levels.
-    assert (first[:, :32] - control[0].float()).abs().mean() < 4 and (
-        first[:, 32:] - frames[0].float()
-    ).abs().mean() < 10
-    assert (first[:, 32:] - control[0].float()).abs().mean() > 40
+    assert (first[:, :32] - control[0].float()).abs().mean() < 4
+    assert (first[:, 32:64] - held).abs().mean() < 4
+    assert (first[:, 64:] - frames[0].float()).abs().mean() < 10
+    assert (first[:, 64:] - control[0].float()).abs().mean() > 40
     adapter = load_adapter(cfg.model, torch.device("cpu"))
     with one_rank_group() as d:
         model = render.load_model(cfg, adapter, d, None, str(lora_file)).eval()

@@ -17,13 +17,13 @@ from conftest import (
     prepare_run,
     write_toml,
 )
-from diffusers import AutoencoderKLLTX2Audio
+from diffusers import AutoencoderKLLTX2Audio, LTX2Pipeline
 
 import data
 import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families.ltx2 import TEXT_LENGTH, AudioStream, VideoStream, shifted_logit_normal
-from model_adapter import RunSettings, load_adapter
+from model_adapter import RunSettings, check_config, load_adapter
 from ranks import StopRun
 
 
@@ -175,6 +175,134 @@ def test_training_takes_the_encoders_means(ltx2_models):
                 )
             )
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["2.0", "2.5"])
+def test_text_is_tokenized_as_ltx_core_tokenizes_it(variant, ltx2_models):
+    """The cache's text is Gemma's over the tokens ltx-core gives it.
+
+    ltx-core's LTXGemmaTokenizer (Lightricks/LTX-2 400fd31, packages/ltx-core/src/ltx_core/
+    text_encoders/gemma/tokenizer.py:12-14 and :31-56; max_length 1024 and left padding:
+    encoders/base_encoder.py:231-236) starts every prompt with <bos>, adding it where the tokenizer
+    does not (Gemma 4: the tiny 2.5's, while the tiny 2.0's starts with it as Gemma 3's does): the
+    layout written here is left padding, <bos>, then the stripped prompt's tokens, 1023 at most.
+    LTX2Pipeline's _get_gemma_prompt_embeds gives the same tokens with Gemma 3 and none of the <bos>
+    with Gemma 4, so validation follows the cache there, not the pipeline; the text entries of 2.5
+    are keyed apart from those made without the <bos> (text_key)."""
+    path = ltx2_models(variant)
+    adapter = load_adapter(ModelConfig(family="ltx2", path=str(path), dtype="fp32"), torch.device("cpu"))
+    text_encoder, tokenizer = adapter._text()
+    assert (tokenizer("a").input_ids[0] == tokenizer.bos_token_id) == (variant == "2.0")
+    assert adapter.text_key() == ({} if variant == "2.0" else {"bos": "ltx-core"})
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append((kwargs["input_ids"], kwargs["attention_mask"]))
+
+    hook = text_encoder.register_forward_pre_hook(record, with_kwargs=True)
+    prompts = ["  a red ball rolls.  ", "x" * 1100]  # the second longer than 1024 tokens
+    try:
+        adapter.encode_text(prompts)
+        pipe = LTX2Pipeline.from_pretrained(
+            path, transformer=None, vae=None, audio_vae=None, vocoder=None, connectors=None
+        )
+        pipe.text_encoder = text_encoder
+        pipe._get_gemma_prompt_embeds(prompts, device=torch.device("cpu"))
+    finally:
+        hook.remove()
+    (ids, mask), (pipeline_ids, _) = seen
+    for i, prompt in enumerate(prompts):
+        text = tokenizer(prompt.strip(), add_special_tokens=False).input_ids[:1023]
+        pad = TEXT_LENGTH - 1 - len(text)
+        assert ids[i].tolist() == [tokenizer.pad_token_id] * pad + [tokenizer.bos_token_id] + text
+        assert mask[i].tolist() == [0] * pad + [1] * (1 + len(text))
+    assert torch.equal(pipeline_ids, ids) == (variant == "2.0")
+
+
+def test_image_to_video_trains_on_the_clips_own_first_frame_as_ltx_trainer(ltx2_models, write_config):
+    """I2V trains on the clip's own first latent frame, with ltx-trainer's probability.
+
+    ltx-trainer's first_frame condition (Lightricks/LTX-2 400fd31, packages/ltx-trainer/src/
+    ltx_trainer/training_strategies/flexible.py:409 passes clean_latents=latents to
+    _apply_intrinsic_condition, :464-521: one Bernoulli draw per sample below `probability`, the
+    drawn samples' first latent frame's tokens m * clean + (1 - m) * noisy, timesteps (1 - m) t,
+    loss mask & (m == 0)), written out here: the clip's own clean first latent frame (no H.264, no
+    image entry: a cached image_latents is not read), at timestep 0, outside the masked mean
+    (_compute_modality_loss). By default every sample (IntrinsicConditionBase.probability = 1.0,
+    flexible.py:38-43); train.first_frame_conditioning_p = 0.5 (its configs/i2v_lora.yaml:130)
+    conditions the samples whose keyed draw after the noise falls below it. The held-out loss
+    conditions every sample. The key is refused for text-to-video, data.image_column for LTX-2's
+    I2V (it reads no image)."""
+    adapter = load_adapter(
+        ModelConfig(family="ltx2", type="i2v", path=str(ltx2_models("2.0")), dtype="fp32"),
+        torch.device("cpu"),
+    )
+    assert adapter.first_frame_p == 1.0 and "image" not in adapter.ENCODERS
+    transformer = adapter.load_transformer().eval()
+    gen, n, tokens, frame = torch.Generator().manual_seed(2), 4, 32, 16  # 2 latent frames of 4 x 4
+    batch = {
+        "latent_mean": torch.randn(n, 8, 2, 4, 4, generator=gen),
+        "latent_logvar": torch.full((n, 8, 2, 4, 4), -4.0),
+        # what the cache held before: the image's latent frame after H.264, not the clip's
+        "image_latents": torch.randn(n, 8, 1, 4, 4, generator=gen),
+        "prompt_embeds": torch.randn(n, TEXT_LENGTH, 32, generator=gen),
+    }
+    seen = {}
+
+    def record(module, args, kwargs, output):
+        seen.update(kwargs, output=output[0].float().view(n, -1, 8))
+
+    hook = transformer.register_forward_hook(record, with_kwargs=True)
+    x0 = adapter._pack(adapter._normalise(batch["latent_mean"]))
+    try:
+        for p in (1.0, 0.5):
+            adapter.first_frame_p = p
+            with torch.no_grad():
+                losses = adapter.train_loss(
+                    transformer, batch, [data.keyed_generator(0, 5, i) for i in range(n)]
+                )
+            draws = [data.keyed_generator(0, 5, i) for i in range(n)]
+            sigmas = torch.stack([shifted_logit_normal(tokens, g) for g in draws])
+            [shifted_logit_normal(1, g) for g in draws]  # the audio's s and noise: no sound
+            noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws])
+            [torch.randn((0, 128), generator=g) for g in draws]
+            applied = torch.stack([torch.rand((), generator=g) for g in draws]) < p
+            assert bool(applied.all()) if p == 1 else 0 < applied.sum() < n, applied
+            mask = torch.zeros(n, tokens)
+            mask[:, :frame] = 1.0
+            mask = mask * applied.view(-1, 1)
+            m, s = mask.unsqueeze(-1), sigmas.view(-1, 1, 1)
+            noisy = m * x0 + (1 - m) * ((1 - s) * x0 + s * noise)
+            torch.testing.assert_close(seen["hidden_states"], noisy, rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                seen["timestep"], (1 - mask) * 1000 * sigmas[:, None], rtol=0, atol=1e-4
+            )
+            loss_mask = (mask == 0).unsqueeze(-1).float()
+            errors = (seen["output"] - (noise - x0)).pow(2)
+            expected = (errors * loss_mask).mean(dim=(1, 2)) / loss_mask.mean(dim=(1, 2))
+            torch.testing.assert_close(losses, expected, rtol=1e-6, atol=0)
+        with torch.no_grad():
+            adapter.fixed_losses(transformer, {k: v[:1] for k, v in batch.items()}, [500, 900], gen)
+        assert torch.equal(seen["hidden_states"][:, :frame], x0[:1, :frame].expand(2, -1, -1))
+    finally:
+        hook.remove()
+    ltx2 = {"model.family": "ltx2", "model.path": "/nowhere"}  # the config alone
+    for settings, message in (
+        (
+            {**ltx2, "train.first_frame_conditioning_p": 0.5},
+            r"train.first_frame_conditioning_p = 0.5 shapes image-to-video and IC-LoRA training "
+            r'\(model.type = "i2v" or "ic"\), and model.type is "t2v": remove it, or set model.type = '
+            r'"i2v" or "ic"',
+        ),
+        (
+            {**ltx2, "model.type": "i2v", "data.image_column": "images.txt"},
+            r"data.image_column = images.txt: LTX-2's image-to-video trains on each clip's own first "
+            r"latent frame, as ltx-trainer's first_frame condition, and reads no image: remove "
+            r"data.image_column",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_config(load_config(str(write_config("i2v", **settings))))
 
 
 def test_clips_play_at_the_rate_their_sound_was_made_for(ltx2_models, base_settings, ltx2_data, tmp_path):

@@ -203,8 +203,7 @@ def ltx2_batch(adapter, audio):
     text = 2 * c["caption_channels"] if c["use_prompt_embeddings"] else c["cross_attention_dim"] + c["audio_cross_attention_dim"]
     batch = {"latent_mean": torch.randn(2, adapter.latent_channels, 3, 3, 3, generator=g),  # 27 tokens
              "latent_logvar": torch.randn(2, adapter.latent_channels, 3, 3, 3, generator=g) - 3,
-             "prompt_embeds": torch.randn(2, adapter.text_length, text, generator=g),
-             "image_latents": torch.randn(1, adapter.latent_channels, 1, 3, 3, generator=g)}
+             "prompt_embeds": torch.randn(2, adapter.text_length, text, generator=g)}
     if audio:  # 5 audio tokens
         features = adapter.audio_config["latent_channels"], 5, adapter.audio_config["mel_bins"] // 4
         batch |= {"audio_latent_mean": torch.randn(2, *features, generator=g),
@@ -219,7 +218,7 @@ for folder, kind, audio in ((sys.argv[4], "t2v", True), (sys.argv[4], "t2v", Fal
     downscale = 3 if kind == "ic" else 1
     adapter = load_adapter(ModelConfig(path=folder, family="ltx2", type=kind, dtype="fp32",
                                        reference_downscale_factor=downscale), torch.device("cpu"))
-    adapter.first_frame_p = 1.0 if kind == "ic" else 0.0
+    adapter.first_frame_p = 0.0 if kind == "t2v" else 1.0
     batch, results, seen, stg = ltx2_batch(adapter, audio), [], {}, []
     for split_it in (False, True):
         model = adapter.load_transformer().requires_grad_(True)

@@ -649,13 +649,15 @@ LTX2_AUDIO = {"base_channels": 8, "latent_channels": 2, "mel_bins": 16}
 LTX2_VARIANTS = {"2.0": (False, False), "2.3": (True, False), "2.5": (True, True)}
 
 
-def make_gemma_tokenizer() -> GemmaTokenizer:
+def make_gemma_tokenizer(bos: bool = True) -> GemmaTokenizer:
     """A character-level BPE vocabulary (no merges): Gemma's special tokens, then letters, digits
-    and the word boundary; the pipeline pads it on the left, as Gemma's."""
+    and the word boundary; the pipeline pads it on the left, as Gemma's. `bos`: it starts each text
+    with <bos>, as Gemma 3's does; Gemma 4's does not (ltx-core's LTXGemmaTokenizer: "Gemma 3
+    already emits it via post_processor; Gemma 4 does not, so we prepend")."""
     vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"])}
     for c in string.ascii_lowercase + string.digits + ".,'-\u2581":
         vocab.setdefault(c, len(vocab))
-    return GemmaTokenizer(vocab=vocab, merges=[])
+    return GemmaTokenizer(vocab=vocab, merges=[], add_bos_token=bos)
 
 
 def make_tiny_gemma(vocab_size: int, is_25: bool):
@@ -707,7 +709,7 @@ def make_tiny_gemma(vocab_size: int, is_25: bool):
 
 def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
     is_23, is_25 = LTX2_VARIANTS[variant]
-    tokenizer = make_gemma_tokenizer()
+    tokenizer = make_gemma_tokenizer(bos=not is_25)
     video_dim, audio_dim = 16, 8  # the transformer's streams: 2 heads of 8, 2 heads of 4
     audio_features = LTX2_AUDIO["latent_channels"] * LTX2_AUDIO["mel_bins"] // 4
     with torch.random.fork_rng(devices=[]):
