@@ -277,7 +277,7 @@ def test_16_bit_images_read_as_their_8_bit_twins(tmp_path):
             data.decode_clip(item),
             data.load_image(item),
             data.load_image(item, last=True),
-            data.decode_control(item, mask=True),
+            data.decode_control(item, kind="mask"),
             *data.load_references(item),
             torch.from_numpy(np.array(validate.load_image(str(path)))),
         ]
