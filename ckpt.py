@@ -319,6 +319,8 @@ def check_data(path: Path, meta: dict, data: dict) -> None:
     if saved is None:
         log.warning(NO_DATA_RECORD.format(path=path, what="this resume"))
         return
+    if saved == data:
+        return
     if saved["clips_per_bucket"] != data["clips_per_bucket"]:
         what = f"clips per bucket {saved['clips_per_bucket']} there, {data['clips_per_bucket']} here"
     elif saved["clips_sha256"] != data["clips_sha256"]:
