@@ -251,6 +251,29 @@ def run_read_only(
     )
 
 
+def run_worker(source: str, folder: Path, *args, timeout: int = 300, **env) -> subprocess.CompletedProcess:
+    """A worker script (`source`) written into `folder` and run on 2 ranks by torchrun, one thread a
+    rank, with the repository as its first argument and `args` after it; `env` adds variables."""
+    script = folder / "worker.py"
+    script.write_text(source)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            str(script),
+            str(REPO),
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+
+
 def run_ok(*args, **kwargs):
     result = run_cmd(*args, **kwargs)
     assert result.returncode == 0, (

@@ -7,11 +7,8 @@ DoRA and LoKr (lora.variant) too: DoRA's magnitudes start from each rank's rows 
 their tensors go through DCP and EMA as LoRA's do."""
 
 import json
-import os
-import subprocess
-import sys
 
-from conftest import REPO, free_port
+from conftest import run_worker
 
 WORKER = r'''
 import json, sys
@@ -79,26 +76,7 @@ command.shutdown()  # FSDP2 models collected before the group goes, as the train
 
 
 def test_bf16_fsdp_computes_what_ddp_computes(tiny_models, wan_models, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            str(script),
-            str(REPO),
-            str(tiny_models("5b")),
-            str(wan_models("t2v")),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = run_worker(WORKER, tmp_path, tiny_models("5b"), wan_models("t2v"), tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())

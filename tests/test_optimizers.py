@@ -12,13 +12,10 @@ AdamW8bit's step with inductor, which takes a minute on these CPUs: the worker r
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, free_port
+from conftest import run_worker
 
 import model
 from config import ConfigError, LoraConfig, ParallelConfig, TrainConfig
@@ -129,25 +126,14 @@ command.shutdown()
 
 @pytest.mark.slow
 def test_every_optimizer_resumes_bitwise_on_two_ranks(tiny_models, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            str(script),
-            str(REPO),
-            str(tiny_models("2b")),
-            str(tmp_path),
-            ",".join(OPTIMIZERS),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_worker(
+        WORKER,
+        tmp_path,
+        tiny_models("2b"),
+        tmp_path,
+        ",".join(OPTIMIZERS),
         timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"},
+        TORCHDYNAMO_DISABLE="1",
     )
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):

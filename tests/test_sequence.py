@@ -12,13 +12,10 @@ V's dtype, under torch.compile the exchanges compile with the blocks, and Wan VA
 one process's loss and gradients."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, free_port, one_rank_group, read_metrics, run_ok, write_toml
+from conftest import one_rank_group, read_metrics, run_ok, run_worker, write_toml
 from safetensors.torch import load_file
 
 import model
@@ -328,28 +325,15 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_the_split_inside_the_ranks(tiny_models, ltx2_models, wan_models, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            str(script),
-            str(REPO),
-            str(tiny_models("5b")),
-            str(tmp_path),
-            str(ltx2_models("2.0")),
-            str(ltx2_models("2.3")),
-            str(wan_models("vace")),
-            str(wan_models("flf2v")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    result = run_worker(
+        WORKER,
+        tmp_path,
+        tiny_models("5b"),
+        tmp_path,
+        ltx2_models("2.0"),
+        ltx2_models("2.3"),
+        wan_models("vace"),
+        wan_models("flf2v"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
