@@ -261,6 +261,16 @@ def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = Fals
             "the weights it was trained on, or start over in another run.output_dir (lora.init_from "
             "carries a LoRA over)"
         )
+    # written since train.optimizer had choices; AdamW's before. Another optimizer's state has other
+    # names, which DCP would report as missing keys: an export or a render reads none of it
+    saved_optimizer = saved.get("optimizer", "adamw")
+    if resuming and saved_optimizer != identity["optimizer"]:
+        raise ConfigError(
+            f"checkpoint {path} was trained with train.optimizer = {saved_optimizer!r}, this run has "
+            f"{identity['optimizer']!r}: its state does not carry over; resume with "
+            f'train.optimizer = "{saved_optimizer}", or start over in another run.output_dir '
+            "(lora.init_from carries a LoRA over)"
+        )
     if resuming and saved.get("precision", identity["precision"]) != identity["precision"]:
         log.warning(
             f"checkpoint {path} was trained with the base in {saved['precision']}, this run has "
@@ -273,7 +283,7 @@ def check_identity(path: Path, meta: dict, identity: dict, resuming: bool = Fals
                 f"checkpoint {path} was trained with {key} = {value}, and this config has "
                 f"{'none' if here is None else here}: set {key} = {value} (its run's config.toml)"
             )
-    for key in sorted((set(saved) | set(identity)) - {"base", "precision", "model"}):
+    for key in sorted((set(saved) | set(identity)) - {"base", "precision", "model", "optimizer"}):
         if saved.get(key) != identity.get(key):
             raise ConfigError(
                 f"checkpoint {path} was trained with {key} = {saved.get(key)}, this run has {identity.get(key)}: "
@@ -520,6 +530,7 @@ def run_identity(adapter, model: ModelConfig, train: TrainConfig, lora_cfg: Lora
         "training_type": train.training_type,
         "base": base_identity(adapter),
         "precision": {"model.dtype": model.dtype, "model.storage_dtype": model.storage_dtype},
+        "optimizer": train.optimizer,
     }
     # the family's settings its trained weights hold and its exports record (an IC-LoRA's
     # reference_downscale_factor): an export, resume or render from another value is refused

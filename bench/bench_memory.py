@@ -714,10 +714,13 @@ def check(cfg, family, adapter, argv: list[str]) -> dict:
     return {name: est / got for name, (est, got) in rows.items()}
 
 
+ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}  # lora.variant's, as printed
+
+
 def describe(cfg, adapter, e: dict) -> str:
     c, t = adapter.transformer_config, cfg.train
     what = (
-        f"LoRA r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}"
+        f"{ADAPTER_NAMES[cfg.lora.variant]} r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}"
         if t.training_type == "lora"
         else "sft"
     )

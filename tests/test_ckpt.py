@@ -128,6 +128,26 @@ def test_killed_run_resumes_bitwise(references, make_config, variant):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("adapter, variant", [("dora", "fsdp"), ("lokr", "one")])
+def test_killed_dora_and_lokr_runs_resume_bitwise(make_config, adapter, variant):
+    """DoRA's magnitudes (sharded under FSDP2) and LoKr's Kronecker factors resume as LoRA's weights
+    do: a run killed after its step-4 checkpoint ends, resumed, bitwise equal to one never stopped,
+    EMA included. Short runs: 6 steps, no validation."""
+    settings = {"lora.variant": adapter, "train.steps": 6, "validation.do_validation": False}
+    cfg, reference, nproc = make_config(f"ref_{adapter}", variant, **settings)
+    run_ok(["--cfg", str(cfg)], nproc=nproc)
+    cfg, out, nproc = make_config(f"kill_{adapter}", variant, **settings)
+    killed = run_cmd(["--cfg", str(cfg)], nproc=nproc, env={"VIDTRAIN_FAULT": "step_kill:5"})
+    assert killed.returncode != 0 and not (out / "checkpoint-6").exists()
+    resumed = run_ok(["--cfg", str(cfg)], nproc=nproc)
+    assert f"resumed from step 4 ({out / 'checkpoint-4'})" in resumed.stderr
+    assert_bitwise_equal_runs(reference, out)
+    trained = weights(out)
+    marker = {"dora": ".lora_magnitude_vector", "lokr": ".lokr_w1"}[adapter]
+    assert any(marker in key for key in trained), sorted(trained)[:4]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "source, target", [("fsdp", "one"), ("one", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp")]
 )
@@ -487,10 +507,12 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
     A checkpoint records its base weights by content (model.path moved elsewhere still resumes);
     another model.dtype or model.storage_dtype is named with a warning, not refused."""
 
-    def identity(path, dtype="fp32"):
+    def identity(path, dtype="fp32", optimizer="adamw"):
         cfg = load_config(
             None,
             [
+                "--train.optimizer",
+                optimizer,
                 "--run.output_dir",
                 str(tmp_path / "run"),
                 "--data.data_root",
@@ -513,6 +535,32 @@ def test_base_identity_follows_the_weights_not_the_folder(tiny_model, tmp_path, 
         "was trained with the base in {'model.dtype': 'fp32', 'model.storage_dtype': ''}, this run has "
         "{'model.dtype': 'bf16', 'model.storage_dtype': ''}: training continues in this run's precision"
     ) in caplog.text
+
+
+def test_a_resume_with_another_optimizer_is_refused_by_name(tiny_model, tmp_path):
+    """Another train.optimizer's state has other names (DCP would say "missing keys"): a resume is
+    refused naming both optimizers; an export or a render reads no optimizer state and goes on. A
+    checkpoint from before the optimizer was recorded was trained with AdamW."""
+
+    def identity(optimizer):
+        args = ["--run.output_dir", str(tmp_path / "run"), "--data.data_root", str(tmp_path)]
+        args += ["--model.path", str(tiny_model), "--train.optimizer", optimizer]
+        cfg = load_config(None, args)
+        return ckpt.run_identity(load_adapter(cfg.model, torch.device("cpu")), cfg.model, cfg.train, cfg.lora)
+
+    adamw, muon = identity("adamw"), identity("muon")
+    with pytest.raises(ConfigError) as refused:
+        ckpt.check_identity(tmp_path, {"identity": adamw}, muon, resuming=True)
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path} was trained with train.optimizer = 'adamw', this run has 'muon': its "
+        'state does not carry over; resume with train.optimizer = "adamw", or start over in another '
+        "run.output_dir (lora.init_from carries a LoRA over)"
+    )
+    ckpt.check_identity(tmp_path, {"identity": adamw}, muon)  # an export
+    before = {key: value for key, value in muon.items() if key != "optimizer"}
+    with pytest.raises(ConfigError, match="train.optimizer = 'adamw', this run has 'muon'"):
+        ckpt.check_identity(tmp_path, {"identity": before}, muon, resuming=True)
+    ckpt.check_identity(tmp_path, {"identity": before}, adamw, resuming=True)
 
 
 def test_export_of_a_missing_checkpoint_says_it_does_not_exist(write_config, tmp_path, caplog):

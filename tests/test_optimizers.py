@@ -81,7 +81,7 @@ for name in sys.argv[4].split(","):
         # model.check_optimizer refuses torch's Adafactor and prodigyopt under FSDP2: DDP
         parallel = "ddp" if name in ("adafactor", "prodigy") else "fsdp"
         out = f"{sys.argv[3]}/{name}-{kind}"
-        identity = {"training_type": kind, "precision": {}}
+        identity = {"training_type": kind, "precision": {}, "optimizer": name}
         objects, params = build(t, parallel)
         steps(objects, params, t, 1, 2)
         checkpoints = ckpt.Checkpointer(CheckpointConfig(checkpointing_limit=0), out, d, identity, {})
