@@ -245,6 +245,11 @@ class Adapter(TransformerLoading, abc.ABC):
     # [parts, 2]: each part's sum over the samples that have it, and their count (a clip without
     # sound has no audio loss to average in).
     LOSS_PARTS: tuple[str, ...] = ()
+    # The published checkpoints' folders without their weights, by name (bench/published.py's --arch
+    # builds full-size models from them on fake tensors): each folder's config ("model_index.json":
+    # the pipeline's; "scheduler": its scheduler_config.json), and "<folder>.weights": the tensors
+    # the adapter reads from a folder's weights (latent statistics) by shape, written as ones.
+    PUBLISHED: dict[str, dict[str, dict]] = {}
     # Whether a step may leave trainable weights without a gradient (LTX-2's audio stream in a batch
     # without sound): DDP then looks for them every step instead of assuming one graph for the run.
     GRAPH_VARIES = False

@@ -7,7 +7,7 @@ diffusers' pipeline's, and what the one-card settings cost.
                               [--smoke]
                               [--folder DIR]
 
-Nothing is downloaded: each transformer is built from its published config (bench_memory.PUBLISHED)
+Nothing is downloaded: each transformer is built from its published config (its family's Adapter.PUBLISHED)
 with random weights, through model.build_model (LoRA rank 128 and alpha 64 on q, k, v, out as
 configs/lora.toml, activation checkpointing, train.compile), then fused AdamW (bench_memory.build).
 A training step does the model work of trainer.py's on a batch of 1 of random 49x480x720 latents
@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import one_gpu  # noqa: E402
 from bench_memory import build, estimate, materialize, shapes  # noqa: E402
 from common import REPO, write_random_transformer  # noqa: E402
-from published import PUBLISHED, TRANSFORMERS, make_adapter, meta_transformer  # noqa: E402
+from published import make_adapter, meta_transformer, transformer_config  # noqa: E402
 
 import command  # noqa: E402
 import memory  # noqa: E402
@@ -228,7 +228,7 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
     from diffusers import CogVideoXPipeline
 
     cfg, family, adapter, device = setup("sampling", smoke, root)
-    transformer = meta_transformer(TRANSFORMERS[family], adapter.transformer_config, adapter.dtype).eval()
+    transformer = meta_transformer(adapter.TRANSFORMER, adapter.transformer_config, adapter.dtype).eval()
     materialize(transformer, None, device)
     s = sizes(adapter, cfg.data.train_resolution)
     n, _ = linear_weights(transformer)
@@ -303,11 +303,11 @@ def write_wan_14b(folder: Path, smoke: bool) -> None:
     shutil.rmtree(folder, ignore_errors=True)  # what an interrupted write left
     make_tiny_wan(str(folder))
     shutil.rmtree(folder / "transformer")
-    config = {**PUBLISHED["wan2.1-t2v-14b"][1], **(SMOKE if smoke else {})}
+    wan_14b, config = transformer_config("wan2.1-t2v-14b")
     write_random_transformer(
         folder / "transformer",
-        TRANSFORMERS["wan"],
-        config,
+        wan_14b,
+        {**config, **(SMOKE if smoke else {})},
         5 * 10**9,
         "cuda" if torch.cuda.is_available() else "cpu",
     )

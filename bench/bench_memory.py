@@ -59,7 +59,7 @@ from transformers import BatchEncoding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import one_gpu  # noqa: E402
-from published import PUBLISHED, make_adapter, meta_transformer  # noqa: E402
+from published import families, make_adapter, meta_transformer  # noqa: E402
 
 import model as vidtrain_model  # noqa: E402
 from config import ConfigError, ParallelConfig, load_config  # noqa: E402
@@ -767,7 +767,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--cfg", required=True, help="TOML config file; overrides as for trainer.py")
     parser.add_argument(
-        "--arch", choices=list(PUBLISHED), help="a published transformer config instead of model.path's"
+        "--arch", choices=list(families()), help="a published transformer config instead of model.path's"
     )
     parser.add_argument("--world", type=int, default=8, help="ranks (GPUs)")
     parser.add_argument("--sp", type=int, nargs="+", default=[1], help="sequence-parallel sizes (a model)")

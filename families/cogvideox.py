@@ -33,6 +33,35 @@ from parallel import SequenceSplit, split_blocks, stack_qkv
 from weights import parameters_on_meta, rename_key, rename_module, resolved_config
 
 SAMPLERS = {"dpm": CogVideoXDPMScheduler, "ddim": CogVideoXDDIMScheduler}
+# The published folders without weights (Adapter.PUBLISHED; docs/models/cogvideox.md): 2B's
+# transformer is the class defaults, 5B's these and the defaults; T5 v1.1 XXL's encoder; the 5B
+# models' scheduler (2B's differs in snr_shift_scale only, which memory does not depend on).
+T5_XXL = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64}
+PUBLISHED_FOLDERS = {
+    name: {
+        "model_index.json": {"_class_name": "CogVideoXPipeline"},
+        "transformer": {"_class_name": "CogVideoXTransformer3DModel", **transformer},
+        "vae": {"_class_name": "AutoencoderKLCogVideoX"},
+        "text_encoder": {**T5_XXL, "feed_forward_proj": "gated-gelu", "vocab_size": 32128},
+        "tokenizer": {},
+        "scheduler": {
+            "_class_name": "CogVideoXDPMScheduler",
+            "clip_sample": False,
+            "snr_shift_scale": 1.0,
+            "beta_schedule": "scaled_linear",
+            "prediction_type": "v_prediction",
+            "rescale_betas_zero_snr": True,
+            "timestep_spacing": "trailing",
+        },
+    }
+    for name, transformer in (
+        ("cogvideox-2b", {"num_attention_heads": 30, "num_layers": 30}),
+        (
+            "cogvideox-5b",
+            {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True},
+        ),
+    )
+}
 # diffusers module names -> ComfyUI's native ones (comfy/ldm/cogvideo/model.py;
 # docs/models/cogvideox.md): inside a block (transformer_blocks.N -> blocks.N), and outside. Every
 # nn.Linear of diffusers' model has one.
@@ -84,6 +113,7 @@ class CogVideoXAdapter(Adapter):
     COMFY = True
     # what ComfyUI's model detection knows CogVideoX by
     SINGLE_FILE_KEY = "blocks.0.norm1.linear.weight"
+    PUBLISHED = PUBLISHED_FOLDERS
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)

@@ -145,6 +145,171 @@ ORIGINAL_NAMES = {ours: original for original, ours in SINGLE_FILE_NAMES.items()
     ours.rstrip("."): original.rstrip(".") for original, ours in SINGLE_FILE_STARTS.items()
 }
 DIFFUSERS_NAMES = {original: name for name, original in ORIGINAL_NAMES.items()}
+# LTX-2's published configs (docs/models/ltx2.md: diffusers' convert_ltx2_to_diffusers.py, versions
+# "2.0" and "2.3"; the keys LTX-2.5 added to the class are absent, as in the published folders).
+LTX2_19B = {
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "vae_scale_factors": [8, 32, 32],
+    "pos_embed_max_pos": 20,
+    "base_height": 2048,
+    "base_width": 2048,
+    "gated_attn": False,
+    "cross_attn_mod": False,
+    "audio_in_channels": 128,
+    "audio_out_channels": 128,
+    "audio_patch_size": 1,
+    "audio_patch_size_t": 1,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048,
+    "audio_scale_factor": 4,
+    "audio_pos_embed_max_pos": 20,
+    "audio_sampling_rate": 16000,
+    "audio_hop_length": 160,
+    "audio_gated_attn": False,
+    "audio_cross_attn_mod": False,
+    "num_layers": 48,
+    "activation_fn": "gelu-approximate",
+    "qk_norm": "rms_norm_across_heads",
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "caption_channels": 3840,
+    "attention_bias": True,
+    "attention_out_bias": True,
+    "rope_theta": 10000.0,
+    "rope_double_precision": True,
+    "causal_offset": 1,
+    "timestep_scale_multiplier": 1000,
+    "cross_attn_timestep_scale_multiplier": 1000,
+    "rope_type": "split",
+    "use_prompt_embeddings": True,
+    "perturbed_attn": False,
+}
+LTX2_23 = {
+    **LTX2_19B,
+    "gated_attn": True,
+    "cross_attn_mod": True,
+    "audio_gated_attn": True,
+    "audio_cross_attn_mod": True,
+    "use_prompt_embeddings": False,
+    "perturbed_attn": True,
+}
+LTX2_CONNECTORS_20 = {
+    "caption_channels": 3840,
+    "text_proj_in_factor": 49,
+    "video_connector_num_attention_heads": 30,
+    "video_connector_attention_head_dim": 128,
+    "video_connector_num_layers": 2,
+    "video_connector_num_learnable_registers": 128,
+    "video_gated_attn": False,
+    "audio_connector_num_attention_heads": 30,
+    "audio_connector_attention_head_dim": 128,
+    "audio_connector_num_layers": 2,
+    "audio_connector_num_learnable_registers": 128,
+    "audio_gated_attn": False,
+    "connector_rope_base_seq_len": 4096,
+    "rope_theta": 10000.0,
+    "rope_double_precision": True,
+    "causal_temporal_positioning": False,
+    "rope_type": "split",
+    "per_modality_projections": False,
+    "proj_bias": False,
+}
+# 2.0's video VAE: these and the class defaults.
+LTX2_VAE_20 = {"decoder_causal": False, "spatial_compression_ratio": 32, "temporal_compression_ratio": 8}
+# The video VAE and text connectors per published model (the audio VAE's config is the class
+# defaults for both).
+LTX2_PARTS = {
+    "ltx2-19b": {"vae": LTX2_VAE_20, "connectors": LTX2_CONNECTORS_20, "vocoder": "LTX2Vocoder"},
+    "ltx2.3-22b": {
+        "vocoder": "LTX2VocoderWithBWE",  # its bandwidth extension to 48 kHz
+        "vae": {
+            **LTX2_VAE_20,
+            "block_out_channels": [256, 512, 1024, 1024],
+            "decoder_block_out_channels": [256, 512, 512, 1024],
+            "layers_per_block": [4, 6, 4, 2, 2],
+            "decoder_layers_per_block": [4, 6, 4, 2, 2],
+            "decoder_spatio_temporal_scaling": [True] * 4,
+            "decoder_inject_noise": [False] * 5,
+            "upsample_type": ["spatiotemporal", "spatiotemporal", "temporal", "spatial"],
+            "upsample_residual": [False] * 4,
+            "upsample_factor": [2, 2, 1, 2],
+            "decoder_spatial_padding_mode": "zeros",
+        },
+        "connectors": {
+            **LTX2_CONNECTORS_20,
+            "video_connector_num_attention_heads": 32,
+            "video_connector_num_layers": 8,
+            "video_gated_attn": True,
+            "audio_connector_num_attention_heads": 32,
+            "audio_connector_attention_head_dim": 64,
+            "audio_connector_num_layers": 8,
+            "audio_gated_attn": True,
+            "per_modality_projections": True,
+            "video_hidden_dim": 4096,
+            "audio_hidden_dim": 2048,
+            "proj_bias": True,
+        },
+    },
+}
+# LTX-2's Gemma 3 12B (google/gemma-3-12b-it's config.json: its language model and SigLIP vision
+# tower): 11.77B + 0.43B parameters (keras-hub's gemma3_12b_text preset lists 11,765,788,416 for a
+# vocabulary 64 tokens shorter).
+GEMMA3_12B = {
+    "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "text_config": {
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "vocab_size": 262208,
+        "sliding_window": 1024,
+        "query_pre_attn_scalar": 256,
+    },
+    "vision_config": {
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "image_size": 896,
+        "patch_size": 14,
+    },
+}
+# The published folders without weights (Adapter.PUBLISHED): the audio VAE's config is the class
+# defaults; the latent statistics the adapter reads from the VAEs' weights, per latent channel and
+# per packed audio feature.
+PUBLISHED_FOLDERS = {
+    name: {
+        "model_index.json": {
+            "_class_name": "LTX2Pipeline",
+            "vocoder": ["ltx2", parts["vocoder"]],
+            "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"],
+        },
+        "transformer": {"_class_name": "LTX2VideoTransformer3DModel", **transformer},
+        "vae": {"_class_name": "AutoencoderKLLTX2Video", **parts["vae"]},
+        "vae.weights": {"latents_mean": [128], "latents_std": [128]},
+        "audio_vae": {"_class_name": "AutoencoderKLLTX2Audio"},
+        "audio_vae.weights": {"latents_mean": [128], "latents_std": [128]},
+        "connectors": {"_class_name": "LTX2TextConnectors", **parts["connectors"]},
+        "vocoder": {"_class_name": parts["vocoder"]},
+        "text_encoder": GEMMA3_12B,
+        "tokenizer": {},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler"},
+    }
+    for name, transformer, parts in (
+        ("ltx2-19b", LTX2_19B, LTX2_PARTS["ltx2-19b"]),
+        ("ltx2.3-22b", LTX2_23, LTX2_PARTS["ltx2.3-22b"]),
+    )
+}
 
 
 class VideoStream(NamedTuple):
@@ -192,6 +357,7 @@ def shifted_logit_normal(tokens: int, generator: torch.Generator) -> torch.Tenso
 
 class LTX2Adapter(Adapter):
     FAMILY = "ltx2"
+    PUBLISHED = PUBLISHED_FOLDERS
     # The pipelines' terms added to classifier-free guidance; the other families' pipelines have
     # none.
     OWN_KEYS = dict.fromkeys(

@@ -83,6 +83,58 @@ ORIGINAL_OTHER = {
 # script (scripts/convert_wan_to_diffusers.py, TRANSFORMER_KEYS_RENAME_DICT) renames them.
 CONVERTER_MISSES = {"img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed"}
 EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+# The published folders without weights (Adapter.PUBLISHED; docs/models/wan.md): the 14B and 1.3B
+# transformers, VACE's context blocks beside every 5th (14B) or 2nd (1.3B) block
+# (convert_wan_to_diffusers.py), 2.2 A14B's two experts of 2.1 14B's config; UMT5-XXL's encoder.
+WAN_14B = {
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "num_layers": 40,
+    "ffn_dim": 13824,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "eps": 1e-6,
+    "patch_size": [1, 2, 2],
+    "cross_attn_norm": True,
+    "rope_max_seq_len": 1024,
+}
+WAN_1_3B = {**WAN_14B, "num_attention_heads": 12, "num_layers": 30, "ffn_dim": 8960}
+VACE_14B = {"vace_layers": list(range(0, 40, 5)), "vace_in_channels": 96}
+VACE_1_3B = {"vace_layers": list(range(0, 30, 2)), "vace_in_channels": 96}
+UMT5_XXL = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64}
+
+
+def published_folders(pipeline: str, transformer: dict, experts=("transformer",), **model_index) -> dict:
+    """One published Wan folder without weights: its pipeline, transformer(s), VAE, UMT5 and scheduler."""
+    transformer_class = (
+        "WanVACETransformer3DModel" if "vace_layers" in transformer else "WanTransformer3DModel"
+    )
+    return {
+        "model_index.json": {"_class_name": pipeline, **model_index},
+        **{folder: {"_class_name": transformer_class, **transformer} for folder in experts},
+        "vae": {"_class_name": "AutoencoderKLWan"},
+        "text_encoder": {**UMT5_XXL, "feed_forward_proj": "gated-gelu", "vocab_size": 256384},
+        "tokenizer": {},
+        "scheduler": {
+            "_class_name": "UniPCMultistepScheduler",
+            "prediction_type": "flow_prediction",
+            "use_flow_sigmas": True,
+            "flow_shift": 3.0,
+        },
+    }
+
+
+PUBLISHED_FOLDERS = {
+    "wan2.1-t2v-14b": published_folders("WanPipeline", WAN_14B),
+    "wan2.1-t2v-1.3b": published_folders("WanPipeline", WAN_1_3B),
+    "wan2.1-vace-14b": published_folders("WanVACEPipeline", {**WAN_14B, **VACE_14B}),
+    "wan2.1-vace-1.3b": published_folders("WanVACEPipeline", {**WAN_1_3B, **VACE_1_3B}),
+    "wan2.2-t2v-a14b": published_folders(
+        "WanPipeline", WAN_14B, ("transformer", "transformer_2"), boundary_ratio=0.875
+    ),
+}
 
 
 class WanAdapter(Adapter):
@@ -98,6 +150,7 @@ class WanAdapter(Adapter):
     # As the original code and diffusers' examples run it: in bf16 the tiny VAE's latents move by 1%
     # (L2), BENCHMARKS.md; the real one is deeper.
     VAE_DTYPE = torch.float32
+    PUBLISHED = PUBLISHED_FOLDERS
     COMFY = True
     TYPES = ("t2v", "i2v", "vace")
     SINGLE_FILE_KEY = "head.modulation"  # what diffusers' single-file loader detects Wan by

@@ -56,6 +56,27 @@ def test_estimate_matches_a_measured_step(tiny_models, tmp_path):
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
 
 
+def test_every_family_publishes_folders_its_adapter_loads(tmp_path):
+    """Every registered family names its published checkpoints (Adapter.PUBLISHED), so --arch reaches
+    a new family without an edit of bench/; each folder of configs alone builds the family's adapter
+    with the published transformer config (a key diffusers' class does not know would be dropped)."""
+    from model_adapter import ADAPTERS
+
+    assert sorted({cls.FAMILY for cls in published.families().values()}) == sorted(ADAPTERS)
+    args = ["--run.output_dir", str(tmp_path / "run"), "--data.data_root", str(tmp_path)]
+    cfg = load_config(None, [*args, "--model.path", str(tmp_path / "none")])
+    for arch in published.families():
+        cls, config = published.transformer_config(arch)
+        # what a config of such a checkpoint sets: VACE's type, one of two experts
+        experts = "transformer_2" in published.families()[arch].PUBLISHED[arch]
+        kind = "vace" if "vace_layers" in config else "t2v"
+        model = dataclasses.replace(cfg.model, type=kind, expert="high_noise" if experts else "")
+        arch_cfg = dataclasses.replace(cfg, model=model)
+        family, adapter = published.make_adapter(arch_cfg, arch, tmp_path / arch, torch.device("cpu"))
+        assert family == published.families()[arch].FAMILY and adapter.TRANSFORMER is cls, arch
+        assert {k: adapter.transformer_config[k] for k in config} == config, arch
+
+
 def test_sharding_and_sequence_parallel(tmp_path):
     """FSDP divides the state by the shards; sequence parallelism halves the video tokens.
 
@@ -103,7 +124,7 @@ def one_gpu_parts(tmp_path_factory):
     cfg = load_config(str(REPO / "configs" / "wan-t2v-14b.toml"), overrides)
     published.make_adapter(cfg, "wan2.1-t2v-14b", tmp, bench_memory.torch.device("cpu"))
     small_umt5 = {
-        **published.TEXT_ENCODERS["wan"],
+        **json.loads((tmp / "text_encoder" / "config.json").read_text()),
         "d_model": 64,
         "d_ff": 128,
         "num_layers": 2,
@@ -271,7 +292,7 @@ def test_host_ram_is_what_torch_pins(one_gpu_parts, capsys):
     parameter); activation offload pins each block's 7800 video tokens and, once, the 512 text
     tokens and the 6 x 5120 timestep projection. Each request as torch hands it out; the printed
     host RAM is their sum with the process and the parked VAE."""
-    config = published.PUBLISHED["wan2.1-t2v-14b"][1]
+    _, config = published.transformer_config("wan2.1-t2v-14b")
     width = config["num_attention_heads"] * config["attention_head_dim"]
     with torch.device("meta"):
         transformer = WanTransformer3DModel.from_config({**config, "num_layers": 1})
