@@ -34,7 +34,6 @@ from model_adapter import (
     TIMESTEP_KEYS,
     Adapter,
     RunSettings,
-    config_sets,
     log,
     masked_mean,
     sample_posterior,
@@ -156,6 +155,12 @@ class WanAdapter(Adapter):
         # inpainting condition (wan_vace.drawn_condition); the variants the control entries hold for
         # them, drawn keyed by run.seed.
         self.drop_references_p, self.frame_reference_p, self.inpaint_p = run.vace_condition
+        if not self.vace and any(run.vace_condition):
+            key = CONDITION_KEYS[next(i for i, p in enumerate(run.vace_condition) if p)]
+            raise ConfigError(
+                f"{key} randomises Wan VACE's condition, and {cfg.path} is not a VACE model: remove "
+                'it, or train a VACE model (model.type = "vace")'
+            )
         self.condition_variants = tuple(
             name
             for name, p in (("inpaint", self.inpaint_p), ("frame_reference", self.frame_reference_p))
@@ -209,11 +214,6 @@ class WanAdapter(Adapter):
             p = getattr(t, key.removeprefix("train."))
             if not 0 <= p <= 1:
                 raise ConfigError(f"{key} = {p} is out of range: a probability, 0 to 1")
-            if cfg.model.type != "vace" and config_sets(cfg, key):
-                raise ConfigError(
-                    f'{key} randomises Wan VACE\'s condition, and model.type = "{cfg.model.type}": '
-                    'remove it, or train a VACE model (model.type = "vace")'
-                )
         if t.vace_drop_references_p + t.vace_frame_reference_p > 1:
             raise ConfigError(
                 f"train.vace_drop_references_p = {t.vace_drop_references_p} and "

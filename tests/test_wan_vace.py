@@ -1351,11 +1351,6 @@ def test_condition_randomisation_as_videox_funs_vace_trainer(
             r'"vace"\); cogvideox has no VACE condition: remove it',
         ),
         (
-            {**wan, "model.type": "t2v", "train.vace_drop_references_p": 0.5},
-            r'train.vace_drop_references_p randomises Wan VACE\'s condition, and model.type = "t2v": remove '
-            r'it, or train a VACE model \(model.type = "vace"\)',
-        ),
-        (
             {**wan, "train.vace_frame_reference_p": 1.5},
             r"train.vace_frame_reference_p = 1.5 is out of range: a probability, 0 to 1",
         ),
@@ -1366,3 +1361,13 @@ def test_condition_randomisation_as_videox_funs_vace_trainer(
     ):
         with pytest.raises(ConfigError, match=message):
             check_config(load_config(str(write_config("keys", **settings))))
+    with pytest.raises(
+        ConfigError,
+        match=r"train.vace_drop_references_p randomises Wan VACE's condition, and .* is not a VACE model: "
+        r'remove it, or train a VACE model \(model.type = "vace"\)',
+    ):
+        load_adapter(
+            ModelConfig(family="wan", path=str(wan_models("t2v")), dtype="fp32", type="t2v"),
+            torch.device("cpu"),
+            RunSettings(vace_condition=(0.5, 0.0, 0.0)),
+        )
