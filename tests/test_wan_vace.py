@@ -774,6 +774,46 @@ def test_a_lora_on_the_vace_blocks_alone_by_glob(wan_models, base_settings, vace
         model.check_lora_targets(adapter, ["vace_blocks.*.attn1.to_qq"])
 
 
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_a_run_with_condition_randomisation_resumes_bitwise(
+    wan_models, base_settings, vace_dataset, tmp_path, monkeypatch
+):
+    """train.vace_*_p at 0.5 through the trainer: the cache pass adds each clip's inpainting and
+    frame-reference variants to its control entry, and a run stopped at step 3 resumes to the losses
+    of the run never stopped, bitwise (every draw keyed)."""
+    randomised = {
+        "train.vace_inpaint_p": 0.5,
+        "train.vace_frame_reference_p": 0.5,
+        "train.vace_drop_references_p": 0.5,
+        "train.steps": 4,
+        "checkpoint.checkpointing_steps": 2,
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            vace_run(wan_models, base_settings, vace_dataset, tmp_path / name, **randomised),
+        )
+        for name in ("reference", "stopped")
+    }
+    trainer.main(["--cfg", str(configs["reference"])])
+    monkeypatch.setenv("VIDTRAIN_FAULT", "step_fail:3")
+    with pytest.raises(SystemExit):
+        trainer.main(["--cfg", str(configs["stopped"])])
+    monkeypatch.delenv("VIDTRAIN_FAULT")
+    trainer.main(["--cfg", str(configs["stopped"])])
+    losses = train_losses(tmp_path / "reference")
+    assert sorted(losses) == [1, 2, 3, 4] and train_losses(tmp_path / "stopped") == losses
+    cfg = load_config(str(configs["reference"]))
+    with one_rank_group() as d:
+        adapter, entries, items, _ = prepare_run(cfg, d)
+    assert load_file(entries.path(items[0], "control")).keys() == {
+        "control_latents",
+        "reference_latents",
+        "inpaint_control_latents",
+        "frame_reference_latents",
+    }
+
+
 @pytest.mark.slow
 def test_sft_of_the_vace_modules_alone(wan_models, base_settings, vace_dataset, tmp_path, monkeypatch):
     """train.trainable_modules = ["vace"] (VideoX-Fun's --trainable_modules "vace"), FSDP, EMA: the
