@@ -167,8 +167,8 @@ class TrainConfig:
     # the type's own, 1 for "i2v" (every sample) and 0 for "ic".
     first_frame_conditioning_p: float = -1.0
     # One family's key for VACE models (model.type = "vace"; docs/control.md), as VideoX-Fun's VACE
-    # trainer randomises the condition: the chance that a step trains without the clips' reference images (one draw per
-    # batch); 0, off.
+    # trainer randomises the condition: the chance that a step trains without the clips' reference
+    # images (one draw per batch); 0, off.
     vace_drop_references_p: float = 0.0
     # VACE: the chance that a step trains on one frame of each clip's window as its only
     # reference image (one draw per batch; the frame drawn per clip at cache time, the first with

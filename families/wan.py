@@ -30,15 +30,7 @@ from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 import data
 from config import Config, ConfigError, ModelConfig
 from families import wan_vace
-from model_adapter import (
-    TIMESTEP_KEYS,
-    Adapter,
-    RunSettings,
-    log,
-    masked_mean,
-    sample_posterior,
-    to_device,
-)
+from model_adapter import TIMESTEP_KEYS, Adapter, RunSettings, log, masked_mean, sample_posterior, to_device
 from parallel import SequenceSplit, split_blocks, stack_qkv
 from weights import rename_key, rename_module, resolved_config
 

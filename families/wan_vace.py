@@ -139,7 +139,7 @@ def inpaint_mask(frames: int, height: int, width: int, g: torch.Generator) -> to
         mask[:, rows, columns] = 1
     elif kind == 1:  # everything
         mask[:] = 1
-    elif kind == 2:  # every frame from the 1st to 4th on
+    elif kind == 2:  # every frame from frame k on, k from 1 to 4
         mask[_randint(1, 5, g) :] = 1
     elif kind == 3:  # all but the first and last k frames, k from 1 to 4
         k = _randint(1, 5, g)
