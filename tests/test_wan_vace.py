@@ -1,7 +1,8 @@
 """Wan VACE: the tiny model carries the published key set; our sampling loop renders what
 WanVACEPipeline renders from a control video, its mask and reference images (with our LoRA on the
 base and the VACE blocks, loaded by load_lora_weights); the training forward reads the context the
-pipeline builds, with the reference frames in the loss as the makers train them."""
+pipeline builds, with the reference frames in the loss as the makers train them; the condition
+randomisation (train.vace_*_p) draws and encodes as VideoX-Fun's VACE trainer."""
 
 import contextlib
 import io
