@@ -602,6 +602,10 @@ class VideoEncoding:
             weights = model_adapter.latent_weights(pixels, a.temporal_ratio, a.spatial_ratio)
         if "audio" in self.todo[item]:
             audio = data.decode_audio(item, self.adapter.audio_sample_rate, self.adapter.audio_channels)
+        # Wan VACE's condition variants are drawn from the clip's own window
+        variants = "control" in self.todo[item] and self.adapter.vace and self.adapter.condition_variants
+        pictures = bool(self.todo[item] & {"video", "image"})
+        video = data.decode_clip(item, self.threads) if pictures or variants else None
         if "control" in self.todo[item]:
             # Wan VACE: a clip may have no control video; its mask and references go with it
             control = data.decode_control(item, self.threads) if item.control_content else None
@@ -610,10 +614,10 @@ class VideoEncoding:
                     control,
                     data.decode_control(item, self.threads, "mask") if item.mask_content else None,
                     data.load_references(item),
+                    video if variants else None,
                 )
-        if not self.todo[item] & {"video", "image"}:
+        if not pictures:
             return None, None, 0.0, audio, control, weights
-        video = data.decode_clip(item, self.threads)
         last = data.load_image(item, last=True) if item.last_image_content is not None else None
         if not (item.clip.image and self.cache.image_seed is not None):
             return video, (video[0], last), 0.0, audio, control, weights  # the window's own first frame
@@ -652,8 +656,15 @@ class VideoEncoding:
         if controls:  # one bucket per batch: the controls share a shape
             controlled, encoded = zip(*controls)
             if self.adapter.vace:
-                videos, masks, references = zip(*encoded)
-                encoded = self.adapter.encode_control(videos, masks, references, controlled[0].resolution)
+                videos, masks, references, clips = zip(*encoded)
+                encoded = self.adapter.encode_control(
+                    videos,
+                    masks,
+                    references,
+                    controlled[0].resolution,
+                    clips,
+                    [item.content for item in controlled],  # the variants' draws are keyed by it
+                )
             else:
                 encoded = self.adapter.encode_control(torch.stack(encoded))
             for j, item in enumerate(controlled):

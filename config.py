@@ -166,6 +166,18 @@ class TrainConfig:
     # outside the loss), as in Lightricks' trainer; drawn per sample from its keyed generator. -1:
     # the type's own, 1 for "i2v" (every sample) and 0 for "ic".
     first_frame_conditioning_p: float = -1.0
+    # One family's key for VACE models (model.type = "vace"; docs/control.md), as VideoX-Fun's VACE
+    # trainer randomises the condition: the chance that a step trains without the clips' reference
+    # images (one draw per batch); 0, off.
+    vace_drop_references_p: float = 0.0
+    # VACE: the chance that a step trains on one frame of each clip's window as its only
+    # reference image (one draw per batch; the frame drawn per clip at cache time, the first with
+    # chance 0.4, the others alike); with train.vace_drop_references_p, at most 1 in all. 0, off.
+    vace_frame_reference_p: float = 0.0
+    # VACE: the chance that a sample trains on an inpainting condition in place of its control
+    # video: the clip itself with a mask drawn per clip at cache time (VideoX-Fun's
+    # get_random_mask) and its masked pixels 0. 0, off.
+    vace_inpaint_p: float = 0.0
     # Exponential moving average of the trainable weights (0 = off, e.g. 0.999), used for validation
     # and exported beside the online weights.
     ema_decay: float = 0.0

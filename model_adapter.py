@@ -186,6 +186,12 @@ class RunSettings:
     timesteps: TimestepSampling = TimestepSampling()
     # validation.keyframe_marker: sampling marks the first latent frame (LTX-2.5's keyframe marker).
     keyframe_marker: bool = False
+    # train.vace_drop_references_p, vace_frame_reference_p, vace_inpaint_p: Wan VACE's condition
+    # randomisation.
+    vace_condition: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # run.seed: keys a family's draws at cache time (Wan VACE's inpainting masks and reference
+    # frames).
+    seed: int = 0
 
     @classmethod
     def of(cls, cfg: Config) -> "RunSettings":
@@ -202,6 +208,8 @@ class RunSettings:
             t.first_frame_conditioning_p,
             timesteps,
             cfg.validation.keyframe_marker,
+            (t.vace_drop_references_p, t.vace_frame_reference_p, t.vace_inpaint_p),
+            cfg.run.seed,
         )
 
 

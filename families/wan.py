@@ -27,6 +27,7 @@ from diffusers.video_processor import VideoProcessor
 from PIL import Image
 from transformers import AutoImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
+import data
 from config import Config, ConfigError, ModelConfig
 from families import wan_vace
 from model_adapter import TIMESTEP_KEYS, Adapter, RunSettings, log, masked_mean, sample_posterior, to_device
@@ -137,9 +138,19 @@ PUBLISHED_FOLDERS = {
 }
 
 
+# Wan VACE's condition randomisation (wan_vace.drawn_condition), in RunSettings.vace_condition's order.
+CONDITION_KEYS = ("train.vace_drop_references_p", "train.vace_frame_reference_p", "train.vace_inpaint_p")
+
+
 class WanAdapter(Adapter):
     FAMILY = "wan"
-    OWN_KEYS = {"model.expert": 'model.expert is for Wan 2.2 A14B (model.family = "wan"): remove it'}
+    OWN_KEYS = {
+        "model.expert": 'model.expert is for Wan 2.2 A14B (model.family = "wan"): remove it'
+    } | dict.fromkeys(
+        CONDITION_KEYS,
+        '{key} randomises Wan VACE\'s condition (model.family = "wan", model.type = "vace"); {family} '
+        "has no VACE condition: remove it",
+    )
     READS = ("train.flow_shift",) + TIMESTEP_KEYS
     ENCODERS = {
         "video": ("vae",),
@@ -185,6 +196,22 @@ class WanAdapter(Adapter):
             self.TRANSFORMER = WanVACETransformer3DModel
             # each clip's control entry: its VACE condition (encode_control)
             self.takes_control = True
+        # VACE: the chances of no references, of a frame of the clip as the reference and of an
+        # inpainting condition (wan_vace.drawn_condition); the variants the control entries hold for
+        # them, drawn keyed by run.seed.
+        self.drop_references_p, self.frame_reference_p, self.inpaint_p = run.vace_condition
+        if not self.vace and any(run.vace_condition):
+            key = CONDITION_KEYS[next(i for i, p in enumerate(run.vace_condition) if p)]
+            raise ConfigError(
+                f"{key} randomises Wan VACE's condition, and {cfg.path} is not a VACE model: remove "
+                'it, or train a VACE model (model.type = "vace")'
+            )
+        self.condition_variants = tuple(
+            name
+            for name, p in (("inpaint", self.inpaint_p), ("frame_reference", self.frame_reference_p))
+            if p
+        )
+        self.seed = run.seed
         self.transformer_config = resolved_config(self.TRANSFORMER, self.path, self.transformer_folder)
         self.vae_config = resolved_config(AutoencoderKLWan, self.path, "vae")
         z, in_channels = self.vae_config["z_dim"], self.transformer_config["in_channels"]
@@ -226,6 +253,17 @@ class WanAdapter(Adapter):
                 f'model.dtype = "{dtype}" with train.mixed_precision = "no": Wan\'s '
                 "forward needs autocast to run weights in that dtype; set "
                 f'train.mixed_precision = "{dtype}", or model.dtype = "fp32"'
+            )
+        t = cfg.train
+        for key in CONDITION_KEYS:
+            p = getattr(t, key.removeprefix("train."))
+            if not 0 <= p <= 1:
+                raise ConfigError(f"{key} = {p} is out of range: a probability, 0 to 1")
+        if t.vace_drop_references_p + t.vace_frame_reference_p > 1:
+            raise ConfigError(
+                f"train.vace_drop_references_p = {t.vace_drop_references_p} and "
+                f"train.vace_frame_reference_p = {t.vace_frame_reference_p} add up to more than 1: a step "
+                "takes one of no references, a frame reference or the clips' own; lower them"
             )
 
     # Shape rules read from the model's own config.
@@ -433,12 +471,27 @@ class WanAdapter(Adapter):
             )
         return condition
 
-    def encode_control(self, videos, masks, references, resolution) -> dict[str, torch.Tensor]:
+    def control_key(self) -> dict:
+        """VACE with condition variants: which the control entries hold, and the seed of their draws
+        (none without, so those entries keep their keys)."""
+        return (
+            {"variants": list(self.condition_variants), "seed": self.seed} if self.condition_variants else {}
+        )
+
+    def encode_control(
+        self, videos, masks, references, resolution, clips=None, keys=None
+    ) -> dict[str, torch.Tensor]:
         """VACE: the control entries of a batch of clips of `resolution` (frames, height, width):
         each clip's control frames (uint8 [F, H, W, 3], or None: the pipeline's zeros without a
         video), mask frames (uint8 [F, H, W, 3], or None: all white) and reference images (uint8 [H,
         W, 3] each, as many for every clip: cache.check_controls), encoded as the pipeline encodes
-        them (vace_condition)."""
+        them (vace_condition).
+
+        With condition variants (train.vace_inpaint_p, train.vace_frame_reference_p), from each
+        clip's own window (clips, uint8 [F, H, W, 3]) and draws keyed by (run.seed, its key):
+        inpaint_control_latents, the clip masked as VideoX-Fun masks it (wan_vace.inpaint_mask,
+        inpaint_pixels) encoded as a control video with that mask, and frame_reference_latents, one
+        of its frames (wan_vace.reference_frame) encoded as a reference image."""
         frames, height, width = resolution
         zeros = torch.zeros(3, frames, height, width, device=self.device)
         pixels = torch.stack(
@@ -463,7 +516,43 @@ class WanAdapter(Adapter):
                     for clip in references
                 ]
             )
-        return self.vace_condition(pixels, masks, canvases, frames, height, width)
+        condition = self.vace_condition(pixels, masks, canvases, frames, height, width)
+        return condition | self._condition_variants(clips, keys, resolution)
+
+    def _condition_variants(self, clips, keys, resolution) -> dict[str, torch.Tensor]:
+        """encode_control's inpainting and frame-reference entries of the clips (none without
+        variants)."""
+        if not self.condition_variants:
+            return {}
+        frames, height, width = resolution
+        own = [c.to(self.device).permute(3, 0, 1, 2).float() / 127.5 - 1.0 for c in clips]
+        variants = {}
+        if "inpaint" in self.condition_variants:
+            drawn = [
+                wan_vace.inpaint_pixels(
+                    clip,
+                    wan_vace.inpaint_mask(
+                        frames, height, width, data.keyed_generator(self.seed, "vace_inpaint", key)
+                    ),
+                )
+                for clip, key in zip(own, keys)
+            ]
+            pixels, masks = (torch.stack(x) for x in zip(*drawn))
+            variants["inpaint_control_latents"] = self.vace_condition(
+                pixels, masks, None, frames, height, width
+            )["control_latents"]
+        if "frame_reference" in self.condition_variants:
+            chosen = [
+                clip[wan_vace.reference_frame(frames, data.keyed_generator(self.seed, "vace_frame", key))]
+                for clip, key in zip(clips, keys)
+            ]
+            canvases = torch.stack(
+                [wan_vace.reference_canvas(f.cpu(), height, width, self.spatial_ratio) for f in chosen]
+            )
+            variants["frame_reference_latents"] = wan_vace.reference_latents(
+                self._vae_mode, canvases[:, None].to(self.device)
+            )
+        return variants
 
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
@@ -587,7 +676,12 @@ class WanAdapter(Adapter):
 
     def train_loss(self, transformer, batch: dict[str, torch.Tensor], generators: list[torch.Generator]):
         """Per-sample loss of a cached batch; the latent sample, u and the noise come from each
-        sample's own generator, keyed by (seed, step, position in the global batch)."""
+        sample's own generator, keyed by (seed, step, position in the global batch). VACE: the
+        condition randomised by train.vace_*_p (wan_vace.drawn_condition)."""
+        if self.drop_references_p or self.frame_reference_p or self.inpaint_p:
+            batch = wan_vace.drawn_condition(
+                batch, generators, self.drop_references_p, self.frame_reference_p, self.inpaint_p
+            )
         x0 = self._with_references(
             self._normalise(
                 sample_posterior(

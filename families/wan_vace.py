@@ -96,3 +96,122 @@ def comfy_key(module: str, in_block: dict) -> str | None:
         return None
     renamed = (in_block | PROJECTIONS).get(parts[2])
     return None if renamed is None else f"vace_blocks.{parts[1]}.{renamed}"
+
+
+# Condition randomisation (train.vace_*_p; docs/control.md, Wan VACE): VideoX-Fun's VACE trainer
+# (scripts/wan2.2_vace_fun/train.py) draws, per batch, a frame of the clip as the reference and an
+# inpainting condition in place of the control video. Their parts that need the VAE are drawn per
+# clip when the cache pass encodes it and cached beside the clip's own condition; which condition a
+# step trains on is drawn per step.
+
+# VideoX-Fun's get_random_mask (videox_fun/data/utils.py:16-97): its kinds of mask over a clip of
+# several frames and their chances, and those over one frame.
+MASK_CHANCES = (0.05, 0.2, 0.2, 0.2, 0.05, 0.05, 0.05, 0.1, 0.05, 0.05)
+ONE_FRAME_MASKS, ONE_FRAME_CHANCES = (0, 1, 7, 8), (0.2, 0.7, 0.05, 0.05)
+
+
+def _randint(low: int, high: int, g: torch.Generator) -> int:
+    """An integer in [low, high), as numpy's and torch's randint (high excluded)."""
+    return int(torch.randint(low, high, (), generator=g))
+
+
+def _block(h: int, w: int, g: torch.Generator) -> tuple[slice, slice]:
+    """get_random_mask's rectangle (kinds 0 and 4): a centre anywhere, sides of a quarter to three
+    quarters of the frame's, clipped at its edges."""
+    center_x, center_y = _randint(0, w, g), _randint(0, h, g)
+    size_x, size_y = _randint(w // 4, w // 4 * 3, g), _randint(h // 4, h // 4 * 3, g)
+    return (
+        slice(max(center_y - size_y // 2, 0), min(center_y + size_y // 2, h)),
+        slice(max(center_x - size_x // 2, 0), min(center_x + size_x // 2, w)),
+    )
+
+
+def inpaint_mask(frames: int, height: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """A mask uint8 [F, H, W] (1: to generate) drawn as VideoX-Fun's get_random_mask draws one
+    (videox_fun/data/utils.py:16-97, each kind in its order and at its chance), from the keyed
+    generator g instead of numpy's, Python's and torch's global ones."""
+    f, h, w = frames, height, width
+    mask = torch.zeros(f, h, w, dtype=torch.uint8)
+    kinds, chances = (range(10), MASK_CHANCES) if f != 1 else (ONE_FRAME_MASKS, ONE_FRAME_CHANCES)
+    kind = kinds[int(torch.multinomial(torch.tensor(chances, dtype=torch.float64), 1, generator=g))]
+    if kind == 0:  # a rectangle on every frame
+        rows, columns = _block(h, w, g)
+        mask[:, rows, columns] = 1
+    elif kind == 1:  # everything
+        mask[:] = 1
+    elif kind == 2:  # every frame from frame k on, k from 1 to 4
+        mask[_randint(1, 5, g) :] = 1
+    elif kind == 3:  # all but the first and last k frames, k from 1 to 4
+        k = _randint(1, 5, g)
+        mask[k:-k] = 1
+    elif kind == 4:  # a rectangle over a span of frames around the middle
+        rows, columns = _block(h, w, g)
+        before, after = _randint(0, f // 2, g), _randint(f // 2, f, g)
+        mask[before:after, rows, columns] = 1
+    elif kind == 5:  # noise
+        mask = torch.randint(0, 2, (f, h, w), dtype=torch.uint8, generator=g)
+    elif kind == 6:  # a small rectangle on each of up to half the frames
+        count = _randint(1, max(f // 2, 1) + 1, g)  # random.randint includes its top
+        for i in torch.randperm(f, generator=g)[:count].tolist():  # random.sample
+            block_h, block_w = _randint(1, h // 4 + 1, g), _randint(1, w // 4 + 1, g)
+            top, left = _randint(0, h - block_h + 1, g), _randint(0, w - block_w + 1, g)
+            mask[i, top : top + block_h, left : left + block_w] = 1
+    elif kind in (7, 8):  # an ellipse (7) or a circle (8), on the first frame alone
+        center_x, center_y = _randint(0, w, g), _randint(0, h, g)
+        a = _randint(min(w, h) // 8, min(w, h) // 4, g)
+        b = _randint(min(h, w) // 8, min(h, w) // 4, g) if kind == 7 else a
+        y, x = torch.meshgrid(
+            torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij"
+        )
+        mask[0] = ((y - center_y) ** 2 / b**2 + (x - center_x) ** 2 / a**2 < 1).to(torch.uint8)
+    else:  # whole frames, each with chance 1/2
+        for i in range(f):
+            if torch.rand((), generator=g) > 0.5:
+                mask[i] = 1
+    return mask
+
+
+def inpaint_pixels(clip: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip float [3, F, H, W] in [-1, 1] with its masked pixels 0, as VideoX-Fun builds its
+    mask_pixel_values (scripts/wan2.2_vace_fun/train.py:1352-1357: `pixel_values * (1 - mask)`,
+    "Wan 2.1 use 0 for masked pixels"), and the mask as the VACE condition takes it, [3, F, H, W]
+    (its 1831 tiles it over the channels)."""
+    mask = mask.to(clip)[None].expand(3, -1, -1, -1)
+    return clip * (1 - mask), mask
+
+
+def reference_frame(frames: int, g: torch.Generator) -> int:
+    """The frame of the clip taken as the reference: VideoX-Fun's --control_ref_image "random"
+    (scripts/wan2.2_vace_fun/train.py:1249-1260, what its train.sh sets): the first with chance
+    0.4, every other one alike."""
+    chances = torch.tensor(
+        [1.0] if frames == 1 else [0.4] + [0.6 / (frames - 1)] * (frames - 1), dtype=torch.float64
+    )
+    return int(torch.multinomial(chances, 1, generator=g))
+
+
+def drawn_condition(batch: dict, generators, drop_p: float, frame_p: float, inpaint_p: float) -> dict:
+    """The batch with the condition its samples train on this step: each sample's control
+    condition replaced by its cached inpainting one (inpaint_control_latents) with chance
+    inpaint_p; the batch's references replaced by each clip's cached frame
+    (frame_reference_latents) with chance frame_p, or dropped with chance drop_p, one draw for the
+    whole batch (its first sample's: the clips of a batch stack as many references).
+
+    Each sample draws from a generator keyed by its own generator's key, so the latent sample, the
+    timestep and the noise stay what they are without these draws."""
+    draws = [
+        torch.rand(2, generator=data.keyed_generator(g.initial_seed(), "vace_condition"), dtype=torch.float64)
+        for g in generators
+    ]
+    batch = dict(batch)
+    if inpaint_p:
+        own, inpaint = batch["control_latents"], batch["inpaint_control_latents"]
+        batch["control_latents"] = torch.stack(
+            [inpaint[i] if float(u[1]) < inpaint_p else own[i] for i, u in enumerate(draws)]
+        )
+    u = float(draws[0][0])
+    if u < frame_p:
+        batch["reference_latents"] = batch["frame_reference_latents"]
+    elif u < frame_p + drop_p:
+        batch.pop("reference_latents", None)
+    return batch

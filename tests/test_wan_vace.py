@@ -1,18 +1,21 @@
 """Wan VACE: the tiny model carries the published key set; our sampling loop renders what
 WanVACEPipeline renders from a control video, its mask and reference images (with our LoRA on the
 base and the VACE blocks, loaded by load_lora_weights); the training forward reads the context the
-pipeline builds, with the reference frames in the loss as the makers train them."""
+pipeline builds, with the reference frames in the loss as the makers train them; the condition
+randomisation (train.vace_*_p) draws and encodes as VideoX-Fun's VACE trainer."""
 
 import contextlib
 import io
 import json
 import logging
+import random
 import re
 import shutil
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     one_rank_group,
     prepare_run,
@@ -40,7 +43,7 @@ import validate
 from config import ConfigError, DataConfig, ModelConfig, ValidationConfig, load_config
 from families import wan_vace
 from families.wan import WanAdapter
-from model_adapter import RunSettings, load_adapter
+from model_adapter import RunSettings, check_config, load_adapter
 
 WAN_VACE_KEYS = {
     "added_kv_proj_dim",
@@ -772,6 +775,46 @@ def test_a_lora_on_the_vace_blocks_alone_by_glob(wan_models, base_settings, vace
         model.check_lora_targets(adapter, ["vace_blocks.*.attn1.to_qq"])
 
 
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT adapters")
+def test_a_run_with_condition_randomisation_resumes_bitwise(
+    wan_models, base_settings, vace_dataset, tmp_path, monkeypatch
+):
+    """train.vace_*_p at 0.5 through the trainer: the cache pass adds each clip's inpainting and
+    frame-reference variants to its control entry, and a run stopped at step 3 resumes to the losses
+    of the run never stopped, bitwise (every draw keyed)."""
+    randomised = {
+        "train.vace_inpaint_p": 0.5,
+        "train.vace_frame_reference_p": 0.5,
+        "train.vace_drop_references_p": 0.5,
+        "train.steps": 4,
+        "checkpoint.checkpointing_steps": 2,
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            vace_run(wan_models, base_settings, vace_dataset, tmp_path / name, **randomised),
+        )
+        for name in ("reference", "stopped")
+    }
+    trainer.main(["--cfg", str(configs["reference"])])
+    monkeypatch.setenv("VIDTRAIN_FAULT", "step_fail:3")
+    with pytest.raises(SystemExit):
+        trainer.main(["--cfg", str(configs["stopped"])])
+    monkeypatch.delenv("VIDTRAIN_FAULT")
+    trainer.main(["--cfg", str(configs["stopped"])])
+    losses = train_losses(tmp_path / "reference")
+    assert sorted(losses) == [1, 2, 3, 4] and train_losses(tmp_path / "stopped") == losses
+    cfg = load_config(str(configs["reference"]))
+    with one_rank_group() as d:
+        adapter, entries, items, _ = prepare_run(cfg, d)
+    assert load_file(entries.path(items[0], "control")).keys() == {
+        "control_latents",
+        "reference_latents",
+        "inpaint_control_latents",
+        "frame_reference_latents",
+    }
+
+
 @pytest.mark.slow
 def test_sft_of_the_vace_modules_alone(wan_models, base_settings, vace_dataset, tmp_path, monkeypatch):
     """train.trainable_modules = ["vace"] (VideoX-Fun's --trainable_modules "vace"), FSDP, EMA: the
@@ -1034,3 +1077,338 @@ def test_vace_fun_a14b_trains_each_expert_on_its_range_and_samples_as_the_pipeli
     assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
     # one forward per step (cond and uncond batched) against the pipeline's two
     assert calls == theirs_calls[::2] and {folder for folder, _ in calls} == {"transformer", "transformer_2"}
+
+
+# Condition randomisation (train.vace_*_p), as VideoX-Fun's VACE trainer draws it.
+
+
+def videox_fun_get_random_mask(shape, np_random=np.random, py_random=random, torch_randint=torch.randint):
+    """VideoX-Fun's get_random_mask (aigc-apps/VideoX-Fun, videox_fun/data/utils.py:16-97 at
+    804a4258), copied as it is but for its image_start_only branch (the VACE trainer leaves it off:
+    scripts/wan2.2_vace_fun/train.py:1352), its comments, and its sources of randomness passed in:
+    by default numpy's, Python's and torch's global generators, as VideoX-Fun draws it."""
+    f, c, h, w = shape
+    mask = torch.zeros((f, 1, h, w), dtype=torch.uint8)
+    if f != 1:
+        mask_index = np_random.choice(
+            [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], p=[0.05, 0.2, 0.2, 0.2, 0.05, 0.05, 0.05, 0.1, 0.05, 0.05]
+        )
+    else:
+        mask_index = np_random.choice([0, 1, 7, 8], p=[0.2, 0.7, 0.05, 0.05])
+    if mask_index == 0:
+        center_x = torch_randint(0, w, (1,)).item()
+        center_y = torch_randint(0, h, (1,)).item()
+        block_size_x = torch_randint(w // 4, w // 4 * 3, (1,)).item()
+        block_size_y = torch_randint(h // 4, h // 4 * 3, (1,)).item()
+        start_x = max(center_x - block_size_x // 2, 0)
+        end_x = min(center_x + block_size_x // 2, w)
+        start_y = max(center_y - block_size_y // 2, 0)
+        end_y = min(center_y + block_size_y // 2, h)
+        mask[:, :, start_y:end_y, start_x:end_x] = 1
+    elif mask_index == 1:
+        mask[:, :, :, :] = 1
+    elif mask_index == 2:
+        mask_frame_index = np_random.randint(1, 5)
+        mask[mask_frame_index:, :, :, :] = 1
+    elif mask_index == 3:
+        mask_frame_index = np_random.randint(1, 5)
+        mask[mask_frame_index:-mask_frame_index, :, :, :] = 1
+    elif mask_index == 4:
+        center_x = torch_randint(0, w, (1,)).item()
+        center_y = torch_randint(0, h, (1,)).item()
+        block_size_x = torch_randint(w // 4, w // 4 * 3, (1,)).item()
+        block_size_y = torch_randint(h // 4, h // 4 * 3, (1,)).item()
+        start_x = max(center_x - block_size_x // 2, 0)
+        end_x = min(center_x + block_size_x // 2, w)
+        start_y = max(center_y - block_size_y // 2, 0)
+        end_y = min(center_y + block_size_y // 2, h)
+        mask_frame_before = np_random.randint(0, f // 2)
+        mask_frame_after = np_random.randint(f // 2, f)
+        mask[mask_frame_before:mask_frame_after, :, start_y:end_y, start_x:end_x] = 1
+    elif mask_index == 5:
+        mask = torch_randint(0, 2, (f, 1, h, w), dtype=torch.uint8)
+    elif mask_index == 6:
+        num_frames_to_mask = py_random.randint(1, max(f // 2, 1))
+        frames_to_mask = py_random.sample(range(f), num_frames_to_mask)
+        for i in frames_to_mask:
+            block_height = py_random.randint(1, h // 4)
+            block_width = py_random.randint(1, w // 4)
+            top_left_y = py_random.randint(0, h - block_height)
+            top_left_x = py_random.randint(0, w - block_width)
+            mask[i, 0, top_left_y : top_left_y + block_height, top_left_x : top_left_x + block_width] = 1
+    elif mask_index == 7:
+        center_x = torch_randint(0, w, (1,)).item()
+        center_y = torch_randint(0, h, (1,)).item()
+        a = torch_randint(min(w, h) // 8, min(w, h) // 4, (1,)).item()
+        b = torch_randint(min(h, w) // 8, min(h, w) // 4, (1,)).item()
+        y_grid, x_grid = torch.meshgrid(
+            torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij"
+        )
+        mask[0, 0, :, :] = (((y_grid - center_y) ** 2) / (b**2) + ((x_grid - center_x) ** 2) / (a**2) < 1).to(
+            torch.uint8
+        )
+    elif mask_index == 8:
+        center_x = torch_randint(0, w, (1,)).item()
+        center_y = torch_randint(0, h, (1,)).item()
+        radius = torch_randint(min(h, w) // 8, min(h, w) // 4, (1,)).item()
+        y_grid, x_grid = torch.meshgrid(
+            torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij"
+        )
+        mask[0, 0, :, :] = ((y_grid - center_y) ** 2 + (x_grid - center_x) ** 2 < radius**2).to(torch.uint8)
+    elif mask_index == 9:
+        for idx in range(f):
+            if np_random.rand() > 0.5:
+                mask[idx, :, :, :] = 1
+    return mask
+
+
+class KeyedNumpy:
+    """numpy.random's calls in get_random_mask, drawn from a torch generator as inpaint_mask draws:
+    choice(options, p) one of options at its chance, randint(low, high) from low to high - 1 (as
+    numpy's), rand() uniform in [0, 1)."""
+
+    def __init__(self, g: torch.Generator):
+        self.g = g
+
+    def choice(self, options, p):
+        return options[int(torch.multinomial(torch.tensor(p, dtype=torch.float64), 1, generator=self.g))]
+
+    def randint(self, low, high):
+        return int(torch.randint(low, high, (), generator=self.g))
+
+    def rand(self):
+        return torch.rand((), generator=self.g)
+
+
+class KeyedPython(KeyedNumpy):
+    """random's calls: randint(a, b) from a to b, both included (Python's), sample(range(n), k) k
+    of them without repeats."""
+
+    def randint(self, a, b):
+        return int(torch.randint(a, b + 1, (), generator=self.g))
+
+    def sample(self, population, k):
+        return [population[i] for i in torch.randperm(len(population), generator=self.g)[:k].tolist()]
+
+
+def mask_features(mask: torch.Tensor) -> list[float]:
+    """What tells get_random_mask's kinds of mask [F, H, W] apart: everything masked; the masked
+    share; whole frames only (kinds 1, 2, 3, 9); the first frame alone (7, 8); the same on every
+    frame (0, 1); the frames touched."""
+    frames = mask.flatten(1).float().mean(1)
+    touched = frames > 0
+    return [
+        float(mask.all()),
+        float(mask.float().mean()),
+        float(bool(((frames == 0) | (frames == 1)).all())),
+        float(touched[0] and not touched[1:].any()),
+        float(bool((mask == mask[:1]).all())),
+        float(touched.float().mean()),
+    ]
+
+
+def test_our_inpainting_masks_are_drawn_as_videox_funs():
+    """wan_vace.inpaint_mask equals VideoX-Fun's get_random_mask (above) bitwise when that draws its
+    numbers as inpaint_mask does (KeyedNumpy, KeyedPython, torch.randint with the generator), over
+    every kind of mask at several clip shapes; and with VideoX-Fun's own global generators the
+    masks' features have the means ours have, to 4.5 standard errors of the difference (3000 masks
+    over 9 frames, 600 over one)."""
+    for key in range(1500):
+        frames, height, width = ((9, 16, 16), (1, 16, 16), (5, 24, 40))[key % 3]
+        ours = wan_vace.inpaint_mask(frames, height, width, data.keyed_generator(0, "mask", key))
+        g = data.keyed_generator(0, "mask", key)
+        theirs = videox_fun_get_random_mask(
+            (frames, 3, height, width),
+            KeyedNumpy(g),
+            KeyedPython(g),
+            lambda low, high, size, dtype=None, g=g: torch.randint(low, high, size, generator=g, dtype=dtype),
+        )
+        assert torch.equal(ours, theirs[:, 0]), key
+    np.random.seed(0)
+    random.seed(0)
+    torch.manual_seed(0)
+    for frames, n in ((9, 3000), (1, 600)):
+        theirs = torch.tensor(
+            [mask_features(videox_fun_get_random_mask((frames, 3, 16, 16))[:, 0]) for _ in range(n)]
+        )
+        ours = torch.tensor(
+            [
+                mask_features(wan_vace.inpaint_mask(frames, 16, 16, data.keyed_generator(1, "mask", i)))
+                for i in range(n)
+            ]
+        )
+        error = ((theirs.var(0) + ours.var(0)) / n).sqrt()
+        gap = (theirs.mean(0) - ours.mean(0)).abs()
+        assert (gap <= 4.5 * error + 1e-9).all(), (frames, theirs.mean(0), ours.mean(0), error)
+
+
+def test_the_reference_frame_is_drawn_as_videox_funs_random_control_reference():
+    """wan_vace.reference_frame's chances are those of VideoX-Fun's --control_ref_image "random"
+    (its train.sh's setting; scripts/wan2.2_vace_fun/train.py:1249-1260 at 804a4258, copied below):
+    each frame's share of 4000 draws over 9 frames within 4.5 standard errors of its chance."""
+
+    def _create_special_list(length):
+        if length == 1:
+            return [1.0]
+        if length >= 2:
+            first_element = 0.40
+            remaining_sum = 1.0 - first_element
+            other_elements_value = remaining_sum / (length - 1)
+            special_list = [first_element] + [other_elements_value] * (length - 1)
+            return special_list
+
+    n, chances = 4000, torch.tensor(_create_special_list(9), dtype=torch.float64)
+    drawn = [wan_vace.reference_frame(9, data.keyed_generator(0, "vace_frame", i)) for i in range(n)]
+    shares = torch.bincount(torch.tensor(drawn), minlength=9).double() / n
+    assert ((shares - chances).abs() <= 4.5 * (chances * (1 - chances) / n).sqrt()).all(), shares
+    assert wan_vace.reference_frame(1, data.keyed_generator(0, "vace_frame", 0)) == 0
+
+
+def videox_fun_inpaint_context(encode, pixels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """VideoX-Fun's VACE context of an inpainting sample without references
+    (scripts/wan2.2_vace_fun/train.py at 804a4258): 1352-1353 `mask_pixel_values =
+    pixel_values * (1 - mask)`; 1831 the mask tiled over 3 channels; vace_encode_frames (1700-1728:
+    the mask thresholded at 0.5, inactive = i * (1 - m), reactive = i * m, each through the VAE's
+    mode, concatenated), vace_encode_masks (1730-1762: the first channel's 8 x 8 blocks folded into
+    channels, nearest-exact to the latent frames) and vace_latent (1764: the two concatenated).
+    pixels [3, F, H, W] in [-1, 1], mask [F, H, W] (1: generate); encode: the VAE's mode."""
+    mask = mask[None].float().repeat(3, 1, 1, 1)
+    frames = pixels * (1 - mask)
+    m = torch.where(mask > 0.5, 1.0, 0.0)
+    inactive, reactive = frames * (1 - m) + 0 * m, frames * m + 0 * (1 - m)
+    latent = torch.cat([encode(inactive[None])[0], encode(reactive[None])[0]], dim=0)
+    c, depth, height, width = mask.shape
+    new_depth = int((depth + 3) // 4)
+    height, width = 2 * (int(height) // (8 * 2)), 2 * (int(width) // (8 * 2))
+    folded = mask[0].view(depth, height, 8, width, 8).permute(2, 4, 0, 1, 3).reshape(64, depth, height, width)
+    folded = F.interpolate(folded[None], size=(new_depth, height, width), mode="nearest-exact")[0]
+    return torch.cat([latent, folded], dim=0)
+
+
+def test_condition_randomisation_as_videox_funs_vace_trainer(
+    wan_models, base_settings, tiny_data, tmp_path, write_config
+):
+    """train.vace_inpaint_p and train.vace_frame_reference_p cache each clip's variants beside its
+    own condition: the clip masked by its keyed mask, encoded as VideoX-Fun encodes an inpainting
+    sample, and one frame of the window encoded as a reference image. At 1 the transformer reads
+    them in place of the clip's own control and references; train.vace_drop_references_p at 1 gives
+    it none (and the noisy sequence none in front); at 0 every loss is bitwise today's; draws
+    repeat for a key. Other families and Wan without VACE refuse the keys."""
+    root = vace_data(tmp_path / "data", tiny_data)
+    probabilities = {"train.vace_inpaint_p": 1.0, "train.vace_frame_reference_p": 1.0}
+    settings = vace_settings(
+        wan_models,
+        base_settings,
+        tmp_path / "out",
+        **{"data.data_root": str(root), "data.cache_dir": str(tmp_path / "cache"), "data.held_out": 0},
+        **probabilities,
+    )
+    cfg = load_config(str(write_toml(tmp_path / "c.toml", settings)))
+    with one_rank_group() as d:
+        adapter, entries, items, _ = prepare_run(cfg, d)
+    item = items[1]
+    cached = load_file(entries.path(item, "control"))
+    assert cached.keys() == {
+        "control_latents",
+        "reference_latents",
+        "inpaint_control_latents",
+        "frame_reference_latents",
+    }
+    window = data.decode_clip(item)  # uint8 [9, 32, 32, 3]
+    pixels = window.permute(3, 0, 1, 2).float() / 127.5 - 1.0
+    # the reference is one frame of the window, encoded alone (VideoX-Fun's padding_image of a frame
+    # of the clip's own size is the frame: train.py:1263-1266)
+    frames = [adapter._vae_mode(pixels[None, :, i : i + 1])[0] for i in range(9)]
+    matches = [
+        i for i, f in enumerate(frames) if torch.allclose(f, cached["frame_reference_latents"], atol=1e-5)
+    ]
+    assert len(matches) == 1
+    # the inpainting condition: the mask keyed by (run.seed, clip), the rest as VideoX-Fun builds it
+    mask = wan_vace.inpaint_mask(9, 32, 32, data.keyed_generator(cfg.run.seed, "vace_inpaint", item.content))
+    torch.testing.assert_close(
+        cached["inpaint_control_latents"],
+        videox_fun_inpaint_context(adapter._vae_mode, pixels, mask),
+        rtol=0,
+        atol=1e-5,
+    )
+    assert not torch.allclose(cached["inpaint_control_latents"], cached["control_latents"], atol=1e-3)
+
+    # the training forward under each setting, on a batch of two clips
+    batch = entries.load_batch(items[:2])
+    transformer = adapter.load_transformer().train()
+    seen = {}
+    transformer.register_forward_hook(lambda m, a, kw, out: seen.update(kw), with_kwargs=True)
+
+    def loss(vace_condition, batch=batch, step=1):
+        run_adapter = load_adapter(cfg.model, torch.device("cpu"), RunSettings(vace_condition=vace_condition))
+        with torch.no_grad():
+            value = run_adapter.train_loss(
+                transformer, batch, [data.keyed_generator(0, step, p) for p in range(2)]
+            )
+        return value, seen["control_hidden_states"], seen["hidden_states"]
+
+    _, control, x_t = loss((0.0, 1.0, 1.0))
+    assert control.shape == (2, 96, 4, 4, 4) and x_t.shape == (2, 16, 4, 4, 4)
+    expected = wan_vace.context(batch["inpaint_control_latents"], batch["frame_reference_latents"])
+    torch.testing.assert_close(control, expected, rtol=0, atol=0)
+    _, control, x_t = loss((1.0, 0.0, 0.0))
+    assert x_t.shape == (2, 16, 3, 4, 4)
+    torch.testing.assert_close(control, batch["control_latents"], rtol=0, atol=0)
+
+    # at 0: today's loss, bitwise, whatever the entries hold
+    today = {
+        k: v for k, v in batch.items() if k not in ("inpaint_control_latents", "frame_reference_latents")
+    }
+    baseline, control, x_today = loss((0.0, 0.0, 0.0), today)
+    assert torch.equal(loss((0.0, 0.0, 0.0))[0], baseline)
+    torch.testing.assert_close(
+        control, wan_vace.context(batch["control_latents"], batch["reference_latents"]), rtol=0, atol=0
+    )
+    # the condition's draws leave the latent sample, timestep and noise as they were
+    assert torch.equal(loss((0.0, 0.0, 1.0))[2], x_today)
+
+    # halfway: the draws repeat for their keys, and differ between steps
+    half = (0.3, 0.3, 0.5)
+    choices = {}
+    for step in range(12):
+        drawn = wan_vace.drawn_condition(batch, [data.keyed_generator(0, step, p) for p in range(2)], *half)
+        again = wan_vace.drawn_condition(batch, [data.keyed_generator(0, step, p) for p in range(2)], *half)
+        assert all(torch.equal(drawn[k], again[k]) for k in drawn) and drawn.keys() == again.keys()
+        references = drawn.get("reference_latents")
+        framed = references is not None and torch.equal(references, batch["frame_reference_latents"])
+        kind = "none" if references is None else "frame" if framed else "own"
+        inpainted = tuple(
+            torch.equal(drawn["control_latents"][i], batch["inpaint_control_latents"][i]) for i in range(2)
+        )
+        choices[step] = (kind, inpainted)
+    assert {kind for kind, _ in choices.values()} == {"none", "frame", "own"}
+    assert {i for _, inpainted in choices.values() for i in inpainted} == {True, False}
+
+    wan = {"model.family": "wan", "model.type": "vace", "model.path": "/nowhere"}  # the config alone
+    for settings, message in (
+        (
+            {"train.vace_inpaint_p": 0.5},  # the session's tiny CogVideoX
+            r'train.vace_inpaint_p randomises Wan VACE\'s condition \(model.family = "wan", model.type = '
+            r'"vace"\); cogvideox has no VACE condition: remove it',
+        ),
+        (
+            {**wan, "train.vace_frame_reference_p": 1.5},
+            r"train.vace_frame_reference_p = 1.5 is out of range: a probability, 0 to 1",
+        ),
+        (
+            {**wan, "train.vace_frame_reference_p": 0.6, "train.vace_drop_references_p": 0.6},
+            r"train.vace_drop_references_p = 0.6 and train.vace_frame_reference_p = 0.6 add up to more than 1",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_config(load_config(str(write_config("keys", **settings))))
+    with pytest.raises(
+        ConfigError,
+        match=r"train.vace_drop_references_p randomises Wan VACE's condition, and .* is not a VACE model: "
+        r'remove it, or train a VACE model \(model.type = "vace"\)',
+    ):
+        load_adapter(
+            ModelConfig(family="wan", path=str(wan_models("t2v")), dtype="fp32", type="t2v"),
+            torch.device("cpu"),
+            RunSettings(vace_condition=(0.5, 0.0, 0.0)),
+        )
