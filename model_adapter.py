@@ -311,6 +311,12 @@ class Adapter(TransformerLoading, abc.ABC):
 
     @property
     @abc.abstractmethod
+    def text_width(self) -> int | dict[str, int]:
+        """The cached text embedding's features per token (one per named embedding, as text_length):
+        bench/bench_memory.py builds its batches from it."""
+
+    @property
+    @abc.abstractmethod
     def published_fps(self) -> int:
         """The frame rate the model was released at (validation.gen_fps = 0)."""
 

@@ -68,7 +68,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import one_gpu  # noqa: E402
-from bench_memory import build, estimate, materialize, shapes  # noqa: E402
+from bench_memory import build, cached_batch, estimate, materialize, shapes  # noqa: E402
 from common import REPO, write_random_transformer  # noqa: E402
 from published import make_adapter, meta_transformer, transformer_config  # noqa: E402
 
@@ -334,11 +334,7 @@ def one_gpu_run(name: str, steps: int, smoke: bool, folder: Path) -> dict:
     params, optimizer = build_optimizer(model, cfg.train)
     s = shapes(cfg, adapter, 1)
     new = lambda shape: torch.randn(shape, device=d.device).to(adapter.dtype)
-    batch = {
-        "latent_mean": new(s["latent"]),
-        "latent_logvar": new(s["latent"]),
-        "prompt_embeds": new(s["text"]),
-    }
+    batch = cached_batch(adapter, s, new)
     compute = parallel.Compute(d.device, cfg.train.mixed_precision, cfg.train.attention_backend)
     times = timed_steps(
         adapter, model, batch, params, optimizer, compute, cfg.train.max_grad_norm, steps, d.device

@@ -168,7 +168,7 @@ def shapes(cfg, adapter, sp: int) -> dict:
     w_rank, grid = -(-w // patch // sp) * patch, -(-f // (c.get("patch_size_t") or 1)) * (h // patch)
     s = {
         "latent": (cfg.train.batch_size, adapter.latent_channels, f, h, w_rank),
-        "text": (cfg.train.batch_size, adapter.text_length, text_width(c)),
+        "text": text_shapes(adapter, cfg.train.batch_size),
         "video_tokens": grid * (w // patch),
         "rank_tokens": grid * (w_rank // patch),
         "audio_tokens": 0,
@@ -191,16 +191,13 @@ def shapes(cfg, adapter, sp: int) -> dict:
     return s
 
 
-def text_width(c: dict) -> int:
-    """The cached text embeddings' width.
-
-    T5's, or LTX-2's video and audio streams' side by side (2.0's connectors give caption_channels
-    each, 2.3's each stream's own width; families/ltx2.py encode_text)."""
-    if "caption_channels" not in c:
-        return c.get("text_embed_dim") or c["text_dim"]
-    if c["use_prompt_embeddings"]:
-        return 2 * c["caption_channels"]
-    return c["cross_attention_dim"] + c["audio_cross_attention_dim"]
+def text_shapes(adapter, batch_size: int) -> dict[str, tuple]:
+    """The batch's text embeddings' shapes, by their names in the batch (model_adapter.padded_text):
+    one encoder's prompt_embeds, or several encoders' by name."""
+    lengths, widths = adapter.text_length, adapter.text_width
+    if not isinstance(lengths, dict):
+        return {"prompt_embeds": (batch_size, lengths, widths)}
+    return {name: (batch_size, length, widths[name]) for name, length in lengths.items()}
 
 
 def cached_batch(adapter, s: dict, new) -> dict:
@@ -209,8 +206,11 @@ def cached_batch(adapter, s: dict, new) -> dict:
     batch = {
         "latent_mean": new(s["latent"]),
         "latent_logvar": new(s["latent"]),
-        "prompt_embeds": new(s["text"]),
+        **{name: new(shape) for name, shape in s["text"].items()},
     }
+    if isinstance(adapter.text_length, dict):  # several encoders' embeddings come with their masks
+        for name, shape in s["text"].items():
+            batch[f"{name}_mask"] = torch.ones(shape[:2], dtype=torch.bool, device=batch[name].device)
     if adapter.type == "i2v":
         batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
     if adapter.vace:  # Wan VACE: the context its blocks read (no reference frames)
@@ -643,6 +643,11 @@ def one_gpu_parts(cfg, family, adapter) -> dict:
         raise ConfigError(
             "--fit models LoRA runs: sft's streaming also moves gradients and AdamW's state to the host"
         )
+    if isinstance(adapter.text_length, dict):
+        raise ConfigError(
+            f"--fit models the cache pass of one text encoder, and {family} has several "
+            f"({', '.join(adapter.text_length)}): without --fit the training step's estimate holds"
+        )
     status = Path("/proc/self/status").read_text()
     step = estimate(cfg, family, adapter)
     return {
@@ -719,6 +724,8 @@ ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}  # lora.variant
 
 def describe(cfg, adapter, e: dict) -> str:
     c, t = adapter.transformer_config, cfg.train
+    lengths = adapter.text_length
+    text_tokens = sum(lengths.values()) if isinstance(lengths, dict) else lengths
     what = (
         f"{ADAPTER_NAMES[cfg.lora.variant]} r{cfg.lora.rank} on {', '.join(cfg.lora.target_modules)}"
         if t.training_type == "lora"
@@ -729,7 +736,7 @@ def describe(cfg, adapter, e: dict) -> str:
         f"{c['num_layers']} blocks{vace} x {c['num_attention_heads']} heads x "
         f"{c['attention_head_dim']}, {what}, "
         f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
-        f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{adapter.text_length} text tokens), "
+        f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{text_tokens} text tokens), "
         f"{t.mixed_precision}, checkpointing "
         f"{'on' if t.gradient_checkpointing else 'off'}{f', EMA {t.ema_decay}' if t.ema_decay else ''}"
     )

@@ -158,6 +158,10 @@ class CogVideoXAdapter(Adapter):
         return self.transformer_config["max_text_seq_length"]
 
     @property
+    def text_width(self) -> int:
+        return self.transformer_config["text_embed_dim"]
+
+    @property
     def published_fps(self) -> int:
         # 1.5: 16 fps; 1.0: 8 (docs/models/cogvideox.md)
         return 16 if self.transformer_config["patch_size_t"] else 8

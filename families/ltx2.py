@@ -587,6 +587,15 @@ class LTX2Adapter(Adapter):
         return TEXT_LENGTH
 
     @property
+    def text_width(self) -> int:
+        # the video and audio streams' embeddings side by side (encode_text): 2.0's connectors give
+        # caption_channels each, 2.3's each stream's own width
+        c = self.transformer_config
+        if c["use_prompt_embeddings"]:
+            return 2 * c["caption_channels"]
+        return c["cross_attention_dim"] + c["audio_cross_attention_dim"]
+
+    @property
     def published_fps(self) -> int:
         return int(FRAME_RATE)
 

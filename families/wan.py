@@ -314,6 +314,10 @@ class WanAdapter(Adapter):
         return TEXT_LENGTH
 
     @property
+    def text_width(self) -> int:
+        return self.transformer_config["text_dim"]
+
+    @property
     def published_fps(self) -> int:
         return 24 if self.expand else 16  # TI2V-5B: 24 fps; the others 16 (docs/models/wan.md)
 
