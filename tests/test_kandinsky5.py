@@ -1,0 +1,287 @@
+"""Kandinsky 5: key sets, training, sampling as the pipelines, exports diffusers and ComfyUI load.
+
+The tiny models carry the published key sets; both variants train (LoRA and sft), sample exactly as
+Kandinsky5T2VPipeline / Kandinsky5I2VPipeline do (with and without our exported LoRA loaded by
+load_lora_weights), and export what diffusers loads, in diffusers' layout and in ComfyUI's."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from conftest import (
+    assert_loads_lean,
+    lora_and_sft_runs,
+    one_rank_group,
+    read_metrics,
+    run_cmd,
+    run_ok,
+    train_losses,
+    write_toml,
+)
+from diffusers import Kandinsky5I2VPipeline, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import data
+import lora
+import render
+import validate
+from config import ConfigError, ModelConfig, load_config
+from model_adapter import RunSettings, load_adapter
+from tools.make_tiny_model import HUNYUAN_VAE_KEYS, KANDINSKY5_KEYS
+
+VARIANTS = {"t2v": Kandinsky5T2VPipeline, "i2v": Kandinsky5I2VPipeline}
+PROMPTS = ["a red circle moves right", "a blue square moves up"]
+# musubi-tuner's LoRA targets (networks/lora_kandinsky.py): every linear layer of the text and
+# visual blocks but the modulations.
+TARGETS = [
+    "self_attention.to_query",
+    "self_attention.to_key",
+    "self_attention.to_value",
+    "self_attention.out_layer",
+    "cross_attention.to_query",
+    "cross_attention.to_key",
+    "cross_attention.to_value",
+    "cross_attention.out_layer",
+    "feed_forward.in_layer",
+    "feed_forward.out_layer",
+]
+# Image-to-video's pipeline matches the first 4 latent frames' statistics to the next: 17 frames
+# (5 latent frames) leave it one to match.
+FRAMES = {"t2v": 9, "i2v": 17}
+
+
+def k5_settings(variant, k5_models, base_settings, tiny_data, output_dir, **extra) -> dict:
+    settings = {
+        **base_settings,
+        "run.output_dir": str(output_dir),
+        "model.path": str(k5_models(variant)),
+        "model.family": "kandinsky5",
+        "model.type": variant,
+        "data.train_resolution": [FRAMES[variant], 32, 32],
+        "train.steps": 2,
+        "train.learning_rate": 1e-2,
+        "train.lr_warmup_steps": 1,
+        "lora.target_modules": TARGETS,
+        "validation.do_validation": False,
+        "validation.prompts": PROMPTS,
+        "validation.num_inference_steps": 4,
+        "validation.guidance_scale": 5.0,
+    }
+    if variant == "i2v":
+        settings["validation.images"] = [str(tiny_data / "images" / f"0000{i}.png") for i in range(2)]
+    return {**settings, **extra}
+
+
+@pytest.fixture(scope="session")
+def k5_models(family_models):
+    return family_models("kandinsky5")
+
+
+def test_tiny_models_carry_the_published_key_sets(k5_models):
+    for variant, pipeline in VARIANTS.items():
+        path = k5_models(variant)
+        for folder, keys in (("transformer", KANDINSKY5_KEYS), ("vae", HUNYUAN_VAE_KEYS)):
+            saved = json.loads((path / folder / "config.json").read_text())
+            assert set(saved) - {"_class_name", "_diffusers_version"} == keys
+        assert json.loads((path / "model_index.json").read_text())["_class_name"] == pipeline.__name__
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loading_builds_on_meta_and_equals_from_pretrained(variant, k5_models, monkeypatch):
+    """bf16, with the class's fp32 modules (time embeddings, modulations)."""
+    adapter = load_adapter(
+        ModelConfig(family="kandinsky5", path=str(k5_models(variant)), dtype="bf16", type=variant),
+        torch.device("cpu"),
+    )
+    assert_loads_lean(adapter, monkeypatch)
+
+
+def test_the_type_follows_the_folders_pipeline(k5_models):
+    with pytest.raises(ConfigError, match='is a Kandinsky5T2VPipeline model: set model.type = "t2v"'):
+        load_adapter(
+            ModelConfig(family="kandinsky5", path=str(k5_models("t2v")), type="i2v"), torch.device("cpu")
+        )
+
+
+def test_train_flow_shift_reaches_the_training_timesteps(k5_models):
+    """s = shift u / (1 + (shift - 1) u) of u = sigmoid(n), n normal (musubi-tuner's "shift"
+    sampling), shift 5 unless train.flow_shift says otherwise."""
+    cfg = ModelConfig(family="kandinsky5", path=str(k5_models("t2v")))
+    for shift, expected in ((0.0, 5.0), (2.0, 2.0)):
+        adapter = load_adapter(cfg, torch.device("cpu"), RunSettings(flow_shift=shift))
+        u = torch.sigmoid(torch.randn((), generator=torch.Generator().manual_seed(3)))
+        drawn = adapter._sigmas([torch.Generator().manual_seed(3)])
+        torch.testing.assert_close(drawn, (expected * u / (1 + (expected - 1) * u)).view(1))
+
+
+def pipeline_frames(variant, path, cfg, lora_file=None):
+    """The pipeline's float frames [F, H, W, 3] per prompt."""
+    pipe = VARIANTS[variant].from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    if lora_file:
+        pipe.load_lora_weights(str(lora_file))
+    frames = []
+    for i, prompt in enumerate(cfg.prompts):
+        extra = {"image": Image.open(cfg.images[i]).convert("RGB")} if cfg.images else {}
+        frames.append(
+            pipe(
+                prompt=prompt,
+                negative_prompt=cfg.negative_prompt,
+                num_frames=FRAMES[variant],
+                height=32,
+                width=32,
+                num_inference_steps=cfg.num_inference_steps,
+                guidance_scale=cfg.guidance_scale,
+                generator=data.keyed_generator(cfg.seed, i),
+                output_type="pt",
+                **extra,
+            )
+            .frames[0]
+            .permute(0, 2, 3, 1)
+        )
+    return frames
+
+
+def transformer_output(transformer, seed: int = 0) -> torch.Tensor:
+    """The transformer's velocity on random inputs (the pipelines' call)."""
+    config = transformer.config
+    gen = torch.Generator().manual_seed(seed)
+    channels = 2 * config.in_visual_dim + 1 if config.visual_cond else config.in_visual_dim
+    with torch.no_grad():
+        return transformer(
+            hidden_states=torch.randn(1, 3, 4, 4, channels, generator=gen),
+            encoder_hidden_states=torch.randn(1, 7, config.in_text_dim, generator=gen),
+            pooled_projections=torch.randn(1, config.in_text_dim2, generator=gen),
+            timestep=torch.tensor([300.0]),
+            visual_rope_pos=[torch.arange(3), torch.arange(2), torch.arange(2)],
+            text_rope_pos=torch.arange(7),
+            return_dict=False,
+        )
+
+
+def assert_comfy_file_matches(lora_dir, transformer):
+    """Our ComfyUI file: only diffusion_model.* keys, each a module of ComfyUI's Kandinsky 5 model
+    (comfy/ldm/kandinsky5/model.py names them as diffusers does), every module of the diffusers file
+    (0 lost), with the alpha."""
+    comfy = next((lora_dir / "comfy").glob("*.safetensors"))
+    with safe_open(str(comfy), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("diffusion_model.") for k in keys)
+    ours = load_file(lora_dir / "pytorch_lora_weights.safetensors")
+    modules = {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in ours}
+    comfy_modules = {k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in keys if "lora_" in k}
+    assert comfy_modules == modules
+    names = dict(transformer.named_modules())
+    assert all(isinstance(names[m], torch.nn.Linear) for m in comfy_modules)
+    assert {k for k in keys if k.endswith(".alpha")} == {f"diffusion_model.{m}.alpha" for m in modules}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_trains_exports_and_samples_as_its_pipeline(
+    variant, k5_models, base_settings, tiny_data, tmp_path
+):
+    """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32
+    with the base model and with our exported LoRA loaded by load_lora_weights (which changes them);
+    the ComfyUI file carries every module; the sft export loads with from_pretrained and computes
+    what the checkpoint's weights compute."""
+    settings = k5_settings(variant, k5_models, base_settings, tiny_data, tmp_path / "lora")
+    lora_file, cfg, adapter = lora_and_sft_runs(settings, tmp_path)
+    base_transformer = Kandinsky5Transformer3DModel.from_pretrained(
+        k5_models(variant), subfolder="transformer"
+    )
+    assert_comfy_file_matches(lora_file.parent, base_transformer)
+    comfy_weights, comfy_info = lora.load_lora(
+        str(next((lora_file.parent / "comfy").glob("*"))), adapter.diffusers_key
+    )
+    weights, info = lora.load_lora(str(lora_file))
+    assert comfy_weights.keys() == weights.keys() and all(
+        torch.equal(comfy_weights[k], weights[k]) for k in weights
+    )
+    assert (comfy_info["rank"], comfy_info["alpha"]) == (info["rank"], info["alpha"])
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        base = None
+        for source in (None, lora_file):
+            model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            scheduler = adapter.sampler("")
+            ours = [
+                renderer.frames(model, i, scheduler, contextlib.nullcontext()) for i in range(len(PROMPTS))
+            ]
+            theirs = pipeline_frames(variant, k5_models(variant), cfg.validation, source)
+            for a, b in zip(ours, theirs):
+                assert a.shape == b.shape == (FRAMES[variant], 32, 32, 3)
+                assert (a - b).abs().max() <= 1e-4, (variant, source, (a - b).abs().max())
+            if source is not None:
+                assert max((a - b).abs().max() for a, b in zip(ours, base)) > 1e-3  # the LoRA shows
+            base = ours
+        sft_cfg = load_config(str(tmp_path / "sft.toml"))
+        ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+    exported = Kandinsky5Transformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
+    expected = transformer_output(ours)
+    torch.testing.assert_close(transformer_output(exported), expected, rtol=0, atol=1e-5)
+    assert (expected - transformer_output(base_transformer)).abs().max() > 1e-4  # sft trained
+
+
+@pytest.mark.slow
+def test_full_lifecycle(k5_models, base_settings, tiny_data, tmp_path):
+    """Kandinsky 5's whole lifecycle on 2 FSDP ranks, image-to-video (its first-frame condition
+    besides text-to-video's every input): validation, SIGKILL after step 4, the next launch resumes
+    from step 3 and ends bitwise equal to the run never stopped, clips included; the exported LoRA
+    loads in Kandinsky5I2VPipeline and computes what our model with it computes. The held-out loss
+    falls (1.47 to 1.34 over the 6 steps at learning rate 1e-2, when written)."""
+    lifecycle = {
+        "parallel.strategy": "fsdp",
+        "train.batch_size": 1,
+        "train.steps": 6,
+        "checkpoint.checkpointing_steps": 3,
+        "validation.do_validation": True,
+        "validation.validation_steps": 3,
+        "validation.num_inference_steps": 3,
+        "validation.save_frames": True,
+        "validation.prompts": PROMPTS[:1],
+        "validation.images": [str(tiny_data / "images" / "00000.png")],
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            k5_settings("i2v", k5_models, base_settings, tiny_data, tmp_path / name, **lifecycle),
+        )
+        for name in ("reference", "killed")
+    }
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    held_out = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "reference") if "val/loss" in m}
+    assert sorted(held_out) == [0, 3, 6] and held_out[6] < 0.95 * held_out[0], held_out
+    assert (
+        run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}).returncode
+        != 0
+    )
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 3 ({tmp_path / 'killed' / 'checkpoint-3'})" in resumed.stderr
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "reference")
+    lora_dir = tmp_path / "reference" / "lora"
+    ours, theirs = (
+        load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors")
+        for name in ("killed", "reference")
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_6_prompt_0.safetensors"
+    assert torch.equal(
+        load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"]
+    )
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = render.load_model(
+            cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")
+        ).eval()
+    pipe = Kandinsky5I2VPipeline.from_pretrained(str(k5_models("i2v")))
+    pipe.load_lora_weights(str(lora_dir / "pytorch_lora_weights.safetensors"))
+    torch.testing.assert_close(
+        transformer_output(pipe.transformer), transformer_output(model), rtol=0, atol=1e-5
+    )
+    base = Kandinsky5Transformer3DModel.from_pretrained(k5_models("i2v"), subfolder="transformer")
+    assert (transformer_output(pipe.transformer) - transformer_output(base)).abs().max() > 1e-4
