@@ -6,9 +6,11 @@ load_lora_weights), and export what diffusers loads, in diffusers' layout and in
 
 import contextlib
 import json
+import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import (
     assert_loads_lean,
     lora_and_sft_runs,
@@ -27,11 +29,16 @@ from safetensors.torch import load_file
 
 import data
 import lora
+import parallel
+import ranks
 import render
 import validate
-from config import ConfigError, ModelConfig, load_config
+from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from families.kandinsky5 import Kandinsky5Adapter
+from model import build_model
 from model_adapter import RunSettings, load_adapter
 from tools.make_tiny_model import HUNYUAN_VAE_KEYS, KANDINSKY5_KEYS
+from tools.to_single_file import to_single_file
 
 VARIANTS = {"t2v": Kandinsky5T2VPipeline, "i2v": Kandinsky5I2VPipeline}
 PROMPTS = ["a red circle moves right", "a blue square moves up"]
@@ -357,3 +364,104 @@ def test_the_sequence_split_gives_one_process_loss_and_gradients(k5_models, tmp_
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.split("REPORT ", 1)[1].splitlines()[0])
     assert report == {"loss": True, "grads": [], "visual": True}
+
+
+def k5_batch() -> dict:
+    """A cached batch of two clips (3 latent frames of 2 x 6) and two prompts of 7 and 5 Qwen rows."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.arange(512)[None] < torch.tensor([[7], [5]])
+    return {
+        "latent_mean": torch.randn(2, 4, 3, 2, 6, generator=g),
+        "latent_logvar": torch.randn(2, 4, 3, 2, 6, generator=g) - 3,
+        "prompt_embeds_qwen": torch.randn(2, 512, 32, generator=g) * mask[..., None],
+        "prompt_embeds_qwen_mask": mask,
+        "prompt_embeds_clip": torch.randn(2, 1, 32, generator=g),
+        "prompt_embeds_clip_mask": torch.ones(2, 1, dtype=torch.bool),
+    }
+
+
+def test_both_streams_blocks_stream_and_store_fp8(k5_models):
+    """Streaming (a 1-rank FSDP mesh, 2 of the 3 blocks on the host: the text block and the first
+    visual block) and fp8 storage reach both streams' blocks through the generic machinery: their
+    frozen linear weights in fp8, the streamed ones on the host; the streamed model's loss and LoRA
+    gradients equal the resident one's."""
+    adapter = load_adapter(
+        ModelConfig(
+            path=str(k5_models("i2v")), family="kandinsky5", type="i2v", dtype="fp32", storage_dtype="fp8"
+        ),
+        torch.device("cpu"),
+    )
+    assert adapter.block_count == 3
+    results = {}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
+        for name, strategy in (
+            ("resident", ParallelConfig()),
+            ("streamed", ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=2)),
+        ):
+            model = build_model(
+                adapter,
+                TrainConfig(mixed_precision="no"),
+                LoraConfig(rank=4, target_modules=TARGETS),
+                strategy,
+                0,
+                d,
+            )
+            loss = adapter.train_loss(model, k5_batch(), [torch.Generator().manual_seed(i) for i in (1, 2)])
+            loss.sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            results[name] = (
+                loss.detach(),
+                {n: getattr(grad, "full_tensor", lambda g=grad: g)() for n, grad in grads.items()},
+            )
+    finally:
+        dist.destroy_process_group()
+    host = parallel.offloaded(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    streamed = ("text_transformer_blocks.0.", "visual_transformer_blocks.0.")
+    assert {name for name, p in model.named_parameters() if id(p) in host} == {
+        name for name in frozen if name.startswith(streamed)
+    }
+    assert {
+        "text_transformer_blocks.0.feed_forward.in_layer.weight",
+        "visual_transformer_blocks.1.cross_attention.to_key.weight",
+    } <= {name for name, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    (loss, grads), (streamed_loss, streamed_grads) = results["resident"], results["streamed"]
+    assert (
+        any(n.startswith("text_transformer_blocks.") for n in grads) and grads.keys() == streamed_grads.keys()
+    )
+    torch.testing.assert_close(streamed_loss, loss, rtol=1e-6, atol=0)
+    for n in grads:
+        torch.testing.assert_close(streamed_grads[n], grads[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_a_single_file_reads_as_the_folder(k5_models, tmp_path):
+    """A bf16 file in ComfyUI's form (every key under model.diffusion_model., the diffusers names
+    the makers' and ComfyUI's Kandinsky 5 models use) read as model.transformer_file beside a folder
+    without the transformer's weights gives the folder's weights bit for bit, and its loss."""
+    whole = tmp_path / "whole.safetensors"
+    to_single_file(str(k5_models("t2v")), str(whole), prefix=True)
+    weights = load_file(whole)
+    assert all(k.startswith("model.diffusion_model.") for k in weights)
+    assert f"model.diffusion_model.{Kandinsky5Adapter.SINGLE_FILE_KEY}" in weights
+    configs_only = shutil.copytree(k5_models("t2v"), tmp_path / "model")
+    (configs_only / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    folder, single = (
+        load_adapter(
+            ModelConfig(path=str(path), family="kandinsky5", dtype="bf16", transformer_file=file),
+            torch.device("cpu"),
+        )
+        for path, file in ((k5_models("t2v"), ""), (configs_only, str(whole)))
+    )
+    theirs, ours = folder.load_transformer(), single.load_transformer()
+    expected, got = dict(theirs.state_dict()), dict(ours.state_dict())
+    assert got.keys() == expected.keys()
+    assert [
+        k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])
+    ] == []
+    batch, gens = k5_batch(), [torch.Generator().manual_seed(i) for i in (1, 2)]
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        loss = folder.train_loss(theirs, batch, gens)
+        gens = [torch.Generator().manual_seed(i) for i in (1, 2)]
+        assert torch.equal(single.train_loss(ours, batch, gens), loss)
