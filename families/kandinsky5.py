@@ -15,6 +15,7 @@ The sampling pieces are Kandinsky5T2VPipeline's and Kandinsky5I2VPipeline's loop
 
 import contextlib
 import json
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,18 @@ class Kandinsky5Adapter(Adapter):
     @property
     def size_multiple(self) -> int:
         return self.spatial_ratio * self.transformer_config["patch_size"][1]
+
+    def check_resolution(self, resolution, key: str) -> None:
+        """Image-to-video renders: the pipeline matches the first 4 latent frames' statistics to the
+        next ones' (normalize_first_frame), which a clip of fewer than 5 latent frames lacks (its
+        frames come out NaN)."""
+        super().check_resolution(resolution, key)
+        if self.type == "i2v" and (resolution[0] - 1) // self.temporal_ratio + 1 < 5:
+            raise ConfigError(
+                f"{key} frames = {resolution[0]}: Kandinsky 5's image-to-video render normalises its "
+                "first 4 latent frames by the next, so it needs at least 5 latent frames: use at "
+                f"least {4 * self.temporal_ratio + 1} frames"
+            )
 
     @property
     def text_length(self) -> dict[str, int]:
@@ -352,7 +365,7 @@ class Kandinsky5Adapter(Adapter):
                 self._load_vae().encode(pixels[:, :, None].to(self.device, self.vae_dtype)).latent_dist
             )
             latents[:, :, :1] = self.scaling * posterior.sample(generator=generator).float()
-        return _State(scheduler, latents)
+        return SimpleNamespace(scheduler=scheduler, latents=latents)
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: dict, guided: bool) -> torch.Tensor:
         """The velocity at step t, one forward per prompt row (uncond, cond when guided): their
@@ -382,13 +395,6 @@ class Kandinsky5Adapter(Adapter):
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
-
-
-class _State:
-    """The sampling loop's state: the scheduler and the latents."""
-
-    def __init__(self, scheduler, latents: torch.Tensor):
-        self.scheduler, self.latents = scheduler, latents
 
 
 class SequenceParallelSelfAttention:

@@ -114,6 +114,15 @@ def test_the_type_follows_the_folders_pipeline(k5_models):
         )
 
 
+def test_an_image_to_video_render_shorter_than_5_latent_frames_is_refused(k5_models):
+    adapter = load_adapter(
+        ModelConfig(family="kandinsky5", path=str(k5_models("i2v")), type="i2v"), torch.device("cpu")
+    )
+    with pytest.raises(ConfigError, match="validation.resolution frames = 13: .* use at least 17 frames"):
+        adapter.check_resolution([13, 32, 32], "validation.resolution")
+    adapter.check_resolution([17, 32, 32], "validation.resolution")
+
+
 def test_train_flow_shift_reaches_the_training_timesteps(k5_models):
     """s = shift u / (1 + (shift - 1) u) of u = sigmoid(n), n normal (musubi-tuner's "shift"
     sampling), shift 5 unless train.flow_shift says otherwise."""
