@@ -37,7 +37,7 @@ from weights import resolved_config
 # The pipelines' max_sequence_length: Qwen's tokens after the template's first 128, at most.
 TEXT_LENGTH = 512
 # train.flow_shift's default: musubi-tuner's Kandinsky 5 recipe (--timestep_sampling shift
-# --discrete_flow_shift 5.0, docs/kandinsky5.md); the makers publish no trainer.
+# --discrete_flow_shift 5.0, its Kandinsky 5 guide); the makers publish no trainer.
 TRAIN_SHIFT = 5.0
 PIPELINES = {"Kandinsky5T2VPipeline": "t2v", "Kandinsky5I2VPipeline": "i2v"}
 # The makers' checkpoints and ComfyUI's (comfy/ldm/kandinsky5/model.py) name every module as

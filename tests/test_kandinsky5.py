@@ -245,13 +245,14 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
 
 @pytest.mark.slow
 def test_full_lifecycle(k5_models, base_settings, tiny_data, tmp_path):
-    """Kandinsky 5's whole lifecycle on 2 FSDP ranks, image-to-video (its first-frame condition
-    besides text-to-video's every input): validation, SIGKILL after step 4, the next launch resumes
+    """Kandinsky 5's whole lifecycle on 2 FSDP ranks with activation checkpointing, image-to-video
+    (its first-frame condition besides text-to-video's every input): validation, SIGKILL after step 4, the next launch resumes
     from step 3 and ends bitwise equal to the run never stopped, clips included; the exported LoRA
     loads in Kandinsky5I2VPipeline and computes what our model with it computes. The held-out loss
     falls (1.47 to 1.34 over the 6 steps at learning rate 1e-2, when written)."""
     lifecycle = {
         "parallel.strategy": "fsdp",
+        "train.gradient_checkpointing": True,
         "train.batch_size": 1,
         "train.steps": 6,
         "checkpoint.checkpointing_steps": 3,
