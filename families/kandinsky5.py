@@ -222,8 +222,9 @@ class Kandinsky5Adapter(Adapter):
         """The velocity [n, C, F', h, w] (fp32) of latents x [n, C, F', h, w] at model timesteps t
         [n], for one prompt: its Qwen rows [L, D] (no padding) and CLIP embedding [D]. Channel-last
         input: the latents, then (visual_cond) a zero condition and its mask, 1 on the first latent
-        frame for image-to-video (which the caller holds clean there)."""
-        dtype = next(transformer.parameters()).dtype
+        frame for image-to-video (which the caller holds clean there). The timesteps go in as
+        given: fp32 in training, as the makers' model takes them (generation_utils.py:102)."""
+        dtype = compute_dtype(transformer)
         n, _, frames, height, width = x.shape
         x = x.permute(0, 2, 3, 4, 1)
         if self.transformer_config["visual_cond"]:
@@ -241,7 +242,7 @@ class Kandinsky5Adapter(Adapter):
             hidden_states=x.to(dtype),
             encoder_hidden_states=qwen.to(dtype).expand(n, -1, -1),
             pooled_projections=clip.to(dtype).expand(n, -1),
-            timestep=t.to(dtype),
+            timestep=t,
             visual_rope_pos=visual_rope_pos,
             text_rope_pos=torch.arange(len(qwen), device=self.device),
             # the pipelines' rotary scale by the clip's pixel size: (1, 2, 2) within 480p, else
@@ -369,10 +370,13 @@ class Kandinsky5Adapter(Adapter):
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: dict, guided: bool) -> torch.Tensor:
         """The velocity at step t, one forward per prompt row (uncond, cond when guided): their
-        Qwen rows differ in length."""
+        Qwen rows differ in length. The timestep in the transformer's dtype, as the pipelines pass
+        it (in bf16 they round it)."""
+        transformer = models[self.transformer_folder]
+        t = t.view(1).to(compute_dtype(transformer))
         return torch.cat(
             [
-                self._predict(models["transformer"], state.latents, t.view(1), *self._prompt(embeds, row))
+                self._predict(transformer, state.latents, t, *self._prompt(embeds, row))
                 for row in range(2 if guided else 1)
             ]
         )
@@ -395,6 +399,13 @@ class Kandinsky5Adapter(Adapter):
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
+
+
+def compute_dtype(transformer) -> torch.dtype:
+    """The dtype the pipelines cast the transformer's inputs to (diffusers' ModelMixin.dtype): its
+    first parameter's outside the modules it keeps in fp32, also through a DDP wrapper."""
+    kept = Kandinsky5Transformer3DModel._keep_in_fp32_modules
+    return next(p.dtype for n, p in transformer.named_parameters() if not any(m in n for m in kept))
 
 
 class SequenceParallelSelfAttention:
