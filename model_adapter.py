@@ -665,6 +665,7 @@ ADAPTERS = {
     "cogvideox": ("families.cogvideox", "CogVideoXAdapter"),
     "wan": ("families.wan", "WanAdapter"),
     "ltx2": ("families.ltx2", "LTX2Adapter"),
+    "kandinsky5": ("families.kandinsky5", "Kandinsky5Adapter"),
 }
 
 

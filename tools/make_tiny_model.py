@@ -9,7 +9,7 @@ and the demo exercise the real loading code without any hub download. Sizes are 
 transformer's config.json carries exactly the keys the published checkpoint's file carries (a key
 diffusers added later is absent, and the class fills its default, as it does for the real file).
 
-    python tools/make_tiny_model.py --out DIR [--family cogvideox|wan|ltx2] [--variant NAME] [--seed
+    python tools/make_tiny_model.py --out DIR [--family cogvideox|wan|ltx2|kandinsky5] [--variant NAME] [--seed
     N]
 
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V
@@ -17,12 +17,14 @@ CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: 
 1.3B/14B: control, mask and reference images through context blocks), ti2v-5b (2.2, its 4x16x16
 VAE), a14b-t2v and a14b-i2v (2.2, two experts), a14b-vace (2.2 VACE-Fun A14B: two VACE experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B),
 2.5 (LTX-2.5 22B: Gemma 4, a duration head), each text- and image-to-video (the same folder serves
-both pipelines). docs/models/<family>.md list the published key sets.
+both pipelines). Kandinsky 5 variants: t2v (Video Lite and Pro T2V, 5 s and 10 s), i2v (Video Lite
+and Pro I2V): Qwen2.5-VL and CLIP text encoders, the HunyuanVideo VAE. docs/models/<family>.md list the published key sets.
 """
 
 import argparse
 import json
 import logging
+import shutil
 import string
 from pathlib import Path
 
@@ -36,6 +38,7 @@ logging.getLogger("transformers.utils.import_utils").addFilter(
 )
 from diffusers import (
     AutoencoderKLCogVideoX,
+    AutoencoderKLHunyuanVideo,
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     AutoencoderKLWan,
@@ -44,6 +47,9 @@ from diffusers import (
     CogVideoXPipeline,
     CogVideoXTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
+    Kandinsky5I2VPipeline,
+    Kandinsky5T2VPipeline,
+    Kandinsky5Transformer3DModel,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
     UniPCMultistepScheduler,
@@ -56,8 +62,12 @@ from diffusers import (
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.duration_head import LTX2DurationHead
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     CLIPImageProcessorPil,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
     CLIPVisionConfig,
     CLIPVisionModel,
     Gemma3Config,
@@ -65,6 +75,9 @@ from transformers import (
     Gemma4UnifiedConfig,
     Gemma4UnifiedForConditionalGeneration,
     GemmaTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2TokenizerFast,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -851,6 +864,172 @@ def make_tiny_ltx2(out: str, variant: str = "2.0", seed: int = 0) -> None:
     (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+# Kandinsky 5 (docs/models/kandinsky5.md): the transformer's config.json keys of the published
+# Diffusers folders (kandinskylab/Kandinsky-5.0-*-Diffusers: every argument of
+# Kandinsky5Transformer3DModel, the NABLA attention's included) and the HunyuanVideo VAE's.
+KANDINSKY5_KEYS = {
+    "attention_P",
+    "attention_add_sta",
+    "attention_causal",
+    "attention_glob",
+    "attention_local",
+    "attention_method",
+    "attention_type",
+    "attention_wH",
+    "attention_wT",
+    "attention_wW",
+    "attention_window",
+    "axes_dims",
+    "ff_dim",
+    "in_text_dim",
+    "in_text_dim2",
+    "in_visual_dim",
+    "model_dim",
+    "num_text_blocks",
+    "num_visual_blocks",
+    "out_visual_dim",
+    "patch_size",
+    "time_dim",
+    "visual_cond",
+}
+HUNYUAN_VAE_KEYS = {
+    "act_fn",
+    "block_out_channels",
+    "down_block_types",
+    "in_channels",
+    "latent_channels",
+    "layers_per_block",
+    "mid_block_add_attention",
+    "norm_num_groups",
+    "out_channels",
+    "scaling_factor",
+    "spatial_compression_ratio",
+    "temporal_compression_ratio",
+    "up_block_types",
+}
+KANDINSKY5_VARIANTS = {"t2v": Kandinsky5T2VPipeline, "i2v": Kandinsky5I2VPipeline}
+
+
+def make_qwen_tokenizer() -> Qwen2TokenizerFast:
+    """A byte-level BPE trained on the pipeline's prompt template and our prompt words, so that the
+    template's system part fills about the 128 tokens the pipeline cuts off
+    (prompt_template_encode_start_idx) and prompts stay whole words, as with Qwen's own."""
+    # the pipeline's own template (its __init__ sets it; no component is needed)
+    template = Kandinsky5T2VPipeline(*[None] * 7).prompt_template
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([template, WORDS] * 20, trainer)
+    return Qwen2TokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token=None
+    )
+
+
+def make_clip_tokenizer(folder: Path) -> CLIPTokenizer:
+    """CLIP's BPE with no merges: single characters (and each with CLIP's word-end mark) and the
+    start and end tokens, written to `folder` (CLIPTokenizer reads files)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chars = string.ascii_lowercase + string.digits + ".,'-!?"
+    vocab = {
+        t: i for i, t in enumerate([*chars, *(c + "</w>" for c in chars), "<|startoftext|>", "<|endoftext|>"])
+    }
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+
+
+def make_tiny_kandinsky5(out: str, variant: str = "t2v", seed: int = 0) -> None:
+    """Kandinsky 5 Video Lite's layout, shrunk: 1 text block and 2 visual blocks of 2 heads x 16
+    (axes 4, 6, 6), visual_cond (33 input channels: the latents, the visual condition, its mask)
+    as every published video model; a 2-layer Qwen2.5-VL and a 1-layer CLIP text tower of width 32;
+    the HunyuanVideo VAE's 4 levels (4x time, 8x space). T2V and I2V share the transformer's
+    layout: the folders differ in their pipeline."""
+    qwen_tokenizer = make_qwen_tokenizer()
+    root = Path(out)
+    clip_tokenizer = make_clip_tokenizer(root / "clip_vocab")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        qwen = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config={
+                    "vocab_size": len(qwen_tokenizer) + 8,
+                    "hidden_size": TEXT_DIM,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                    "bos_token_id": None,
+                    "eos_token_id": qwen_tokenizer.eos_token_id,
+                },
+                vision_config={
+                    "depth": 1,
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_heads": 2,
+                    "out_hidden_size": TEXT_DIM,
+                    "fullatt_block_indexes": [0],
+                },
+            )
+        )
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(clip_tokenizer),
+                hidden_size=TEXT_DIM,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=77,
+                bos_token_id=clip_tokenizer.bos_token_id,
+                eos_token_id=clip_tokenizer.eos_token_id,
+            )
+        )
+        transformer = Kandinsky5Transformer3DModel(
+            in_visual_dim=LATENT_CHANNELS,
+            out_visual_dim=LATENT_CHANNELS,
+            in_text_dim=TEXT_DIM,
+            in_text_dim2=TEXT_DIM,
+            time_dim=16,
+            patch_size=(1, 2, 2),
+            model_dim=32,
+            ff_dim=64,
+            num_text_blocks=1,
+            num_visual_blocks=2,
+            axes_dims=(4, 6, 6),
+            visual_cond=True,
+        )
+        # The published modulations are trained; zero (diffusers' init) they would switch every
+        # block off.
+        for name, parameter in transformer.named_parameters():
+            if "modulation" in name:
+                parameter.data.normal_(0, 0.1)
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=LATENT_CHANNELS,
+            block_out_channels=(8, 8, 16, 16),
+            layers_per_block=1,
+            norm_num_groups=4,
+        )
+    pipe = KANDINSKY5_VARIANTS[variant](
+        transformer=transformer,
+        vae=vae,
+        text_encoder=qwen,
+        tokenizer=qwen_tokenizer,
+        text_encoder_2=clip,
+        tokenizer_2=clip_tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+    )
+    pipe.save_pretrained(out)
+    shutil.rmtree(root / "clip_vocab")
+    keep_keys(root / "transformer" / "config.json", KANDINSKY5_KEYS)
+    keep_keys(root / "vae" / "config.json", HUNYUAN_VAE_KEYS)
+
+
 # Each family's tiny models: its variants, the default one, and the function that writes one. The one
 # place a family registers its maker: --family's choices and the tests' fixtures (tests/conftest.py)
 # are read from it.
@@ -858,6 +1037,7 @@ TINY = {
     "cogvideox": (COGVIDEOX_VARIANTS, "5b", make_tiny_model),
     "wan": (WAN_VARIANTS, "t2v", make_tiny_wan),
     "ltx2": (LTX2_VARIANTS, "2.0", make_tiny_ltx2),
+    "kandinsky5": (KANDINSKY5_VARIANTS, "t2v", make_tiny_kandinsky5),
 }
 
 
