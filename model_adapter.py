@@ -294,6 +294,21 @@ class Adapter(TransformerLoading, abc.ABC):
     # Shape rules.
     @property
     @abc.abstractmethod
+    def temporal_ratio(self) -> int:
+        """The VAE's temporal compression: latent frame k holds frames from k x ratio on."""
+
+    @property
+    @abc.abstractmethod
+    def spatial_ratio(self) -> int:
+        """The VAE's spatial compression (a loss mask's downsampling, a reference's size rule)."""
+
+    @property
+    @abc.abstractmethod
+    def latent_channels(self) -> int:
+        """The VAE latent's channels (bench/bench_memory.py builds its batches from them)."""
+
+    @property
+    @abc.abstractmethod
     def frame_multiple(self) -> int:
         """Frames are k x frame_multiple + 1 (the VAE's temporal compression, the patching's)."""
 

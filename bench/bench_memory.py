@@ -724,6 +724,10 @@ ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}  # lora.variant
 
 def describe(cfg, adapter, e: dict) -> str:
     c, t = adapter.transformer_config, cfg.train
+    # the families' own names where they have them (a block count without VACE's, heads x width)
+    heads = "/".join(map(str, adapter.sequence_heads))
+    if "attention_head_dim" in c:
+        heads += f" x {c['attention_head_dim']}"
     lengths = adapter.text_length
     text_tokens = sum(lengths.values()) if isinstance(lengths, dict) else lengths
     what = (
@@ -733,8 +737,7 @@ def describe(cfg, adapter, e: dict) -> str:
     )
     vace = f" (+ {len(c['vace_layers'])} VACE blocks)" if c.get("vace_layers") else ""
     return (
-        f"{c['num_layers']} blocks{vace} x {c['num_attention_heads']} heads x "
-        f"{c['attention_head_dim']}, {what}, "
+        f"{c.get('num_layers', adapter.block_count)} blocks{vace} x {heads} heads, {what}, "
         f"batch {t.batch_size} x {'x'.join(map(str, cfg.data.train_resolution))} ({e['video_tokens']} video + "
         f"{f'{audio} audio + ' if (audio := e['audio_tokens']) else ''}{text_tokens} text tokens), "
         f"{t.mixed_precision}, checkpointing "
@@ -795,7 +798,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # the folder stays while the estimates run: the encoders' configs are read from it
         family, adapter = make_adapter(cfg, args.arch, Path(tmp), device)
-        adapter.transformer_config["num_layers"] = args.layers or adapter.transformer_config["num_layers"]
+        if args.layers:
+            if "num_layers" not in adapter.transformer_config:
+                sys.exit(f"--layers sets the transformer's num_layers, which {family}'s config has not")
+            adapter.transformer_config["num_layers"] = args.layers
         if hasattr(adapter, "check_resolution"):
             adapter.check_resolution(cfg.data.train_resolution, "data.train_resolution")
         if args.measure:

@@ -43,6 +43,49 @@ PIPELINES = {"Kandinsky5T2VPipeline": "t2v", "Kandinsky5I2VPipeline": "i2v"}
 # The makers' checkpoints and ComfyUI's (comfy/ldm/kandinsky5/model.py) name every module as
 # diffusers does: a key every video DiT of theirs holds, and none of another family's.
 SINGLE_FILE_KEY = "pooled_text_embeddings.in_layer.weight"
+# The published folders without weights (Adapter.PUBLISHED; docs/models/kandinsky5.md, Published
+# configs): the Lite and Pro transformers as the makers' k5_*_t2v_5s_sft_sd.yaml give them; the
+# HunyuanVideo VAE's and the scheduler's class defaults (memory does not depend on their values);
+# Qwen2.5-VL 7B's language model and CLIP ViT-L/14's text model.
+KANDINSKY5_COMMON = {
+    "in_visual_dim": 16,
+    "out_visual_dim": 16,
+    "in_text_dim": 3584,
+    "in_text_dim2": 768,
+    "patch_size": [1, 2, 2],
+    "visual_cond": True,
+}
+LITE = {"model_dim": 1792, "ff_dim": 7168, "time_dim": 512, "num_text_blocks": 2, "num_visual_blocks": 32}
+PRO = {"model_dim": 4096, "ff_dim": 16384, "time_dim": 1024, "num_text_blocks": 4, "num_visual_blocks": 60}
+PUBLISHED_FOLDERS = {
+    name: {
+        "model_index.json": {"_class_name": "Kandinsky5T2VPipeline"},
+        "transformer": {
+            "_class_name": "Kandinsky5Transformer3DModel",
+            **KANDINSKY5_COMMON,
+            **size,
+            "axes_dims": axes,
+        },
+        "vae": {"_class_name": "AutoencoderKLHunyuanVideo"},
+        "text_encoder": {
+            "model_type": "qwen2_5_vl",
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152064,
+        },
+        "tokenizer": {},
+        "text_encoder_2": {"model_type": "clip_text_model", "hidden_size": 768, "projection_dim": 768},
+        "tokenizer_2": {},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler"},
+    }
+    for name, size, axes in (
+        ("kandinsky5-lite-t2v-5s", LITE, [16, 24, 24]),
+        ("kandinsky5-pro-t2v-5s", PRO, [32, 48, 48]),
+    )
+}
 
 
 class Kandinsky5Adapter(Adapter):
@@ -59,6 +102,7 @@ class Kandinsky5Adapter(Adapter):
     COMFY = True
     SINGLE_FILE_KEY = SINGLE_FILE_KEY
     TYPES = ("t2v", "i2v")
+    PUBLISHED = PUBLISHED_FOLDERS
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)
@@ -107,6 +151,10 @@ class Kandinsky5Adapter(Adapter):
         return self.vae_config["spatial_compression_ratio"]
 
     @property
+    def latent_channels(self) -> int:
+        return self.vae_config["latent_channels"]
+
+    @property
     def frame_multiple(self) -> int:
         # 4k+1 frames: the causal VAE encodes [0], [1:5], [5:9], ...
         return self.temporal_ratio * self.transformer_config["patch_size"][0]
@@ -130,6 +178,11 @@ class Kandinsky5Adapter(Adapter):
     @property
     def text_length(self) -> dict[str, int]:
         return {"prompt_embeds_qwen": TEXT_LENGTH, "prompt_embeds_clip": 1}
+
+    @property
+    def text_width(self) -> dict[str, int]:
+        c = self.transformer_config
+        return {"prompt_embeds_qwen": c["in_text_dim"], "prompt_embeds_clip": c["in_text_dim2"]}
 
     @property
     def published_fps(self) -> int:
