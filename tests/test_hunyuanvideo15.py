@@ -1,0 +1,274 @@
+"""HunyuanVideo 1.5: key sets, training, sampling as the pipelines, exports diffusers loads.
+
+The tiny models carry the published key sets; T2V and I2V train (LoRA and sft) and sample exactly as
+HunyuanVideo15Pipeline / HunyuanVideo15ImageToVideoPipeline do, with and without our exported LoRA
+loaded by the transformer's load_lora_adapter (the pipelines have no LoRA loader); the training
+follows the makers' train.py (docs/models/hunyuanvideo15.md)."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from conftest import (
+    assert_loads_lean,
+    one_rank_group,
+    read_metrics,
+    run_cmd,
+    run_ok,
+    train_losses,
+    write_toml,
+)
+from diffusers import (
+    ClassifierFreeGuidance,
+    HunyuanVideo15ImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
+)
+from PIL import Image
+from safetensors.torch import load_file
+
+import data
+import render
+import trainer
+import validate
+from config import ConfigError, ModelConfig, load_config
+from model_adapter import RunSettings, check_config, load_adapter, padded_text
+from tools.make_synthetic_dataset import make_synthetic_dataset
+
+PIPELINES = {"t2v": HunyuanVideo15Pipeline, "i2v": HunyuanVideo15ImageToVideoPipeline}
+# Every argument of the class, as diffusers' conversion script writes the published folders
+# (scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS).
+PUBLISHED_KEYS = {
+    "attention_head_dim",
+    "image_embed_dim",
+    "in_channels",
+    "mlp_ratio",
+    "num_attention_heads",
+    "num_layers",
+    "num_refiner_layers",
+    "out_channels",
+    "patch_size",
+    "patch_size_t",
+    "qk_norm",
+    "rope_axes_dim",
+    "rope_theta",
+    "target_size",
+    "task_type",
+    "text_embed_2_dim",
+    "text_embed_dim",
+    "use_meanflow",
+}
+# the second prompt's quoted text reaches ByT5 (the glyph encoder); the first's leaves it empty
+PROMPTS = ["a red circle moves right", 'a blue square shows the word "go"']
+
+
+@pytest.fixture(scope="module")
+def hv_data(tmp_path_factory):
+    """Six clips of its own: the cache pass reads 1108 Qwen tokens per prompt."""
+    path = tmp_path_factory.mktemp("hv_data") / "shapes"
+    make_synthetic_dataset(str(path), num_videos=6, frames=17, height=40, width=48, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hv_models(family_models):
+    return family_models("hunyuanvideo15")
+
+
+def hv_settings(variant, hv_models, base_settings, hv_data, output_dir, **extra) -> dict:
+    settings = {
+        **base_settings,
+        "run.output_dir": str(output_dir),
+        "model.path": str(hv_models(variant)),
+        "model.type": variant,
+        "data.data_root": str(hv_data),
+        "data.held_out": 2,
+        "train.steps": 2,
+        "train.learning_rate": 1e-2,
+        "train.lr_warmup_steps": 1,
+        "validation.do_validation": False,
+        "validation.prompts": PROMPTS,
+        "validation.num_inference_steps": 3,
+        **extra,
+    }
+    if variant == "i2v":
+        prompts = range(len(settings["validation.prompts"]))
+        settings.setdefault("validation.images", [str(hv_data / "images" / f"0000{i}.png") for i in prompts])
+    return settings
+
+
+def test_tiny_models_carry_the_published_key_sets(hv_models):
+    """Every argument of the class, as diffusers' conversion script writes the published folders;
+    the I2V folder adds SigLIP and its processor."""
+    for variant in PIPELINES:
+        path = hv_models(variant)
+        saved = json.loads((path / "transformer" / "config.json").read_text())
+        assert set(saved) - {"_class_name", "_diffusers_version"} == PUBLISHED_KEYS
+        assert saved["task_type"] == variant
+        assert (path / "image_encoder").is_dir() == (variant == "i2v")
+
+
+@pytest.mark.parametrize("variant", list(PIPELINES))
+def test_loading_builds_on_meta_and_equals_from_pretrained(variant, hv_models, monkeypatch):
+    adapter = load_adapter(
+        ModelConfig(path=str(hv_models(variant)), dtype="bf16", type=variant), torch.device("cpu")
+    )
+    assert adapter.FAMILY == "hunyuanvideo15"
+    assert_loads_lean(adapter, monkeypatch, "transformer")
+
+
+def test_refusals_name_the_fix(hv_models, base_settings, hv_data, tmp_path):
+    """I2V on a text-to-video folder, and sequence parallelism, stop before any compute."""
+    with pytest.raises(ConfigError, match=r'model.type = "i2v", but .* has no image_encoder/'):
+        load_adapter(ModelConfig(path=str(hv_models("t2v")), type="i2v"), torch.device("cpu"))
+    settings = hv_settings("t2v", hv_models, base_settings, hv_data, tmp_path, **{"parallel.sp_size": 2})
+    with pytest.raises(ConfigError, match=r"parallel.sp_size = 2: vidtrain does not split HunyuanVideo 1.5"):
+        check_config(load_config(str(write_toml(tmp_path / "sp.toml", settings))))
+
+
+def test_training_draws_the_makers_shifted_logit_normal(hv_models):
+    """s = shift t / (1 + (shift - 1) t), t the sigmoid of a standard normal in [1e-5, 1 - 1e-5], at
+    the makers' train_timestep_shift 3 (train.flow_shift replaces it)."""
+    folder = ModelConfig(path=str(hv_models("t2v")))
+    assert load_adapter(folder, torch.device("cpu")).shift == 3.0
+    shifted = load_adapter(folder, torch.device("cpu"), RunSettings(flow_shift=5.0))
+    v = torch.rand((), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    t = 1e-5 + (1 - 2e-5) * torch.sigmoid(torch.erfinv(2 * v - 1) * 2**0.5).float()
+    torch.testing.assert_close(
+        shifted._sigmas([torch.Generator().manual_seed(3)]), (5 * t / (1 + 4 * t))[None]
+    )
+
+
+def test_a_batch_of_clips_encodes_as_each_alone(hv_models):
+    """diffusers 0.42.1's AutoencoderKLHunyuanVideo15 fails on a batch of two clips (its mid-block
+    attention mask does not broadcast); encode_video gives each clip's own posterior."""
+    adapter = load_adapter(ModelConfig(path=str(hv_models("t2v"))), torch.device("cpu"))
+    clips = torch.randint(0, 256, (2, 9, 32, 32, 3), generator=torch.Generator().manual_seed(0)).byte()
+    with pytest.raises(RuntimeError, match="broadcast"):
+        adapter._load_vae().encode(adapter._pixels(clips))
+    mean, logvar = adapter.encode_video(clips)
+    for i in range(2):
+        alone = adapter.encode_video(clips[i : i + 1])
+        assert torch.equal(mean[i : i + 1], alone[0]) and torch.equal(logvar[i : i + 1], alone[1])
+
+
+def test_text_is_the_pipelines_and_trimming_keeps_the_prediction(hv_models):
+    """encode_text equals the pipeline's encode_prompt (both encoders, rows past the masks aside);
+    cut to the batch's longest prompt, the transformer predicts what it predicts padded."""
+    adapter = load_adapter(ModelConfig(path=str(hv_models("t2v")), dtype="fp32"), torch.device("cpu"))
+    pipe = HunyuanVideo15Pipeline.from_pretrained(str(hv_models("t2v")), dtype=torch.float32)
+    ours = adapter.encode_text(PROMPTS)
+    theirs = pipe.encode_prompt(PROMPTS, device=torch.device("cpu"), batch_size=2)
+    for name, (embeds, mask) in (("prompt_embeds", theirs[:2]), ("prompt_embeds_2", theirs[2:])):
+        torch.testing.assert_close(ours[name], embeds * mask[:, :, None], rtol=0, atol=1e-5)
+    assert theirs[3][0].sum() == 0 and theirs[3][1].sum() > 0  # only the quoted text reaches ByT5
+    rows = [
+        padded_text({n: validate.model_adapter.unpadded(e[i]) for n, e in ours.items()}, adapter.text_length)
+        for i in range(2)
+    ]
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    transformer = adapter.load_transformer().eval()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 3, 2, 2, generator=gen)
+    image = torch.zeros(2, 729, 16)
+    with torch.no_grad():
+        full = adapter._predict(transformer, x, torch.tensor([10.0, 900.0]), batch, image)
+        cut = adapter._predict(
+            transformer, x, torch.tensor([10.0, 900.0]), adapter._text_inputs(batch, 2), image[:, :0]
+        )
+    torch.testing.assert_close(cut, full, rtol=0, atol=1e-5)
+
+
+def pipeline_frames(variant, path, cfg, lora_dir=None):
+    """The pipeline's float frames [F, H, W, 3] per prompt, with our LoRA loaded into its
+    transformer by the folder form of load_adapter (the form that reads the file's alpha)."""
+    pipe = PIPELINES[variant].from_pretrained(str(path), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=cfg.guidance_scale)
+    if lora_dir:
+        pipe.transformer.load_lora_adapter(
+            str(lora_dir), weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
+        )
+    frames = []
+    for i, prompt in enumerate(cfg.prompts):
+        size = {"image": Image.open(cfg.images[i])} if cfg.images else {"height": 32, "width": 32}
+        frames.append(
+            pipe(
+                prompt=prompt,
+                num_frames=9,
+                num_inference_steps=cfg.num_inference_steps,
+                generator=data.keyed_generator(cfg.seed, i),
+                output_type="pt",
+                **size,
+            )
+            .frames[0]
+            .permute(0, 2, 3, 1)
+        )
+    return frames
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(PIPELINES))
+def test_variant_trains_exports_and_samples_as_its_pipeline(
+    variant, hv_models, base_settings, hv_data, tmp_path
+):
+    """Two LoRA steps and two sft steps; our loop's frames equal the pipeline's within 1e-4 in fp32
+    with the base model and with our exported LoRA loaded by load_lora_adapter's folder form; the
+    sft export loads with from_pretrained and computes what the checkpoint's weights compute."""
+    settings = hv_settings(variant, hv_models, base_settings, hv_data, tmp_path / "lora")
+    trainer.main(["--cfg", str(write_toml(tmp_path / "lora.toml", settings))])
+    sft = {
+        **settings,
+        "run.output_dir": str(tmp_path / "sft"),
+        "train.training_type": "sft",
+        "train.learning_rate": 1e-3,
+    }
+    trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
+    lora_dir = tmp_path / "lora" / "lora"
+
+    cfg = load_config(str(tmp_path / "lora.toml"))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        renderer = validate.ClipRenderer(adapter, cfg.validation, cfg.data, str(tmp_path), d)
+        base = None
+        for source in (None, lora_dir / "pytorch_lora_weights.safetensors"):
+            model = render.load_model(cfg, adapter, d, None, str(source) if source else None).eval()
+            ours = [
+                renderer.frames(model, i, adapter.sampler(""), contextlib.nullcontext())
+                for i in range(len(PROMPTS))
+            ]
+            theirs = pipeline_frames(variant, hv_models(variant), cfg.validation, source and lora_dir)
+            for a, b in zip(ours, theirs):
+                assert a.shape == b.shape == (9, 32, 32, 3)
+                assert (a - b).abs().max() <= 1e-4, (variant, source, (a - b).abs().max())
+            if source is not None:
+                assert max((a - b).abs().max() for a, b in zip(ours, base)) > 1e-3  # the LoRA shows
+            base = ours
+        sft_cfg = load_config(str(tmp_path / "sft.toml"))
+        ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
+    exported = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 3, 2, 2, generator=gen)
+    text = adapter._text_inputs(
+        {
+            k: v[None].expand(2, *v.shape)
+            for k, v in padded_text(
+                {
+                    "prompt_embeds": torch.randn(5, 32, generator=gen),
+                    "prompt_embeds_2": torch.randn(3, 16, generator=gen),
+                },
+                adapter.text_length,
+            ).items()
+        },
+        2,
+    )
+    image = torch.randn(2, 16, 16, generator=gen)
+    t = torch.tensor([10.0, 900.0])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            adapter._predict(exported, x, t, text, image),
+            adapter._predict(ours, x, t, text, image),
+            rtol=0,
+            atol=1e-5,
+        )
