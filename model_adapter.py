@@ -646,6 +646,7 @@ ADAPTERS = {
     "cogvideox": ("families.cogvideox", "CogVideoXAdapter"),
     "wan": ("families.wan", "WanAdapter"),
     "ltx2": ("families.ltx2", "LTX2Adapter"),
+    "hunyuanvideo15": ("families.hunyuanvideo15", "HunyuanVideo15Adapter"),
 }
 
 
