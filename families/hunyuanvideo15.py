@@ -49,8 +49,8 @@ from model_adapter import (
 from weights import resolved_config
 
 # HunyuanVideo15Pipeline.__init__: Qwen2.5-VL reads 1000 tokens after the 108 of its template it
-# crops; ByT5 256; the text-to-video pipeline's image tokens, 729 of zeros (SigLIP's 27 x 27).
-TEXT_LENGTH, TEMPLATE_TOKENS, GLYPH_LENGTH, IMAGE_TOKENS = 1000, 108, 256, 729
+# crops; ByT5 256.
+TEXT_LENGTH, TEMPLATE_TOKENS, GLYPH_LENGTH = 1000, 108, 256
 # The makers' train.py: train_timestep_shift 3.0 (train.py:140); its timesteps stay in [1e-5, 1 -
 # 1e-5] (TimestepSampler.TRAIN_EPS, train.py:206).
 TRAIN_SHIFT, TRAIN_EPS = 3.0, 1e-5
@@ -328,7 +328,8 @@ class HunyuanVideo15Adapter(Adapter):
         shift), initial latents [1, C, F', h, w] (fp32) from `generator`, and the condition: the
         image (PIL) resized and cropped to the clip's size, its VAE mode scaled in the first latent
         frame with the mask's 1, and its SigLIP tokens, as HunyuanVideo15ImageToVideoPipeline's
-        prepare_cond_latents_and_mask and encode_image; zeros without an image."""
+        prepare_cond_latents_and_mask and encode_image; without an image, a condition of zeros and no
+        image tokens (the pipeline's 729 of zeros are masked out)."""
         frames, height, width = resolution
         ratio = self.vae_config["spatial_compression_ratio"]
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=self.device)
@@ -342,7 +343,7 @@ class HunyuanVideo15Adapter(Adapter):
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         condition = latents.new_zeros(1, shape[1] + 1, *shape[2:])
         if image is None:
-            image_embeds = torch.zeros(1, IMAGE_TOKENS, self.transformer_config["image_embed_dim"])
+            image_embeds = torch.zeros(1, 0, self.transformer_config["image_embed_dim"])
         else:
             processor = HunyuanVideo15ImageProcessor(vae_scale_factor=ratio, do_resize=False)
             image = processor.resize(image.convert("RGB"), height=height, width=width, resize_mode="crop")
@@ -361,14 +362,15 @@ class HunyuanVideo15Adapter(Adapter):
 
     def denoise(self, models: dict, state, t: torch.Tensor, embeds: dict, guided: bool) -> torch.Tensor:
         """The flow prediction at step t; with guidance, of the latents twice (uncond, cond) in one
-        forward."""
+        forward. The texts cut to the longer prompt's rows, as in training: the pipeline's padding,
+        and its 729 text-to-video image tokens of zeros, are masked out of every attention."""
         n = 2 if guided else 1
         x = torch.cat([state.latents, state.condition], dim=1).expand(n, -1, -1, -1, -1)
         return self._predict(
             models["transformer"],
             x,
             t.expand(n),
-            embeds,
+            self._text_inputs(embeds, n),
             state.image_embeds.expand(n, -1, -1),
         )
 
