@@ -180,6 +180,18 @@ def test_text_is_the_pipelines_and_trimming_keeps_the_prediction(hv_models):
     torch.testing.assert_close(cut, full, rtol=0, atol=1e-5)
 
 
+def lora_scales(path, lora_dir, folder_form: bool) -> set[float]:
+    """The scales PEFT gives our exported LoRA in the transformer, by load_lora_adapter's folder
+    form (weight_name=) or given the file's path."""
+    transformer = HunyuanVideo15Transformer3DModel.from_pretrained(path / "transformer")
+    file = "pytorch_lora_weights.safetensors"
+    if folder_form:
+        transformer.load_lora_adapter(str(lora_dir), weight_name=file, prefix="transformer")
+    else:
+        transformer.load_lora_adapter(str(lora_dir / file), prefix="transformer")
+    return {s for m in transformer.modules() if hasattr(m, "scaling") for s in m.scaling.values()}
+
+
 def pipeline_frames(variant, path, cfg, lora_dir=None):
     """The pipeline's float frames [F, H, W, 3] per prompt, with our LoRA loaded into its
     transformer by the folder form of load_adapter (the form that reads the file's alpha)."""
@@ -238,6 +250,10 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
     }
     trainer.main(["--cfg", str(write_toml(tmp_path / "sft.toml", sft))])
     lora_dir = tmp_path / "lora" / "lora"
+    # The folder form loads at the trained alpha / rank (2 / 4); the file's path alone, at 1.0
+    # (diffusers 0.42.1: the doc shows the folder form).
+    assert lora_scales(hv_models(variant), lora_dir, folder_form=True) == {0.5}
+    assert lora_scales(hv_models(variant), lora_dir, folder_form=False) == {1.0}
 
     cfg = load_config(str(tmp_path / "lora.toml"))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
@@ -278,6 +294,89 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
         torch.testing.assert_close(
             adapter._predict(exported, x, t, text, image),
             adapter._predict(ours, x, t, text, image),
+            rtol=0,
+            atol=1e-5,
+        )
+
+
+@pytest.mark.slow
+def test_full_lifecycle(hv_models, base_settings, hv_data, tmp_path):
+    """HunyuanVideo 1.5 I2V's whole lifecycle on 2 FSDP ranks: kill, resume bitwise, export.
+
+    2 FSDP ranks with a validation clip: SIGKILL after step 4, the next launch resumes from step 3
+    and ends bitwise equal to the run never stopped, clip included; the held-out loss falls; the
+    export, loaded by the transformer's load_lora_adapter (folder form), computes what our model
+    with it computes. Image-to-video: its path holds text-to-video's and the image's besides."""
+    lifecycle = {
+        "parallel.strategy": "fsdp",
+        "train.batch_size": 1,
+        "train.steps": 6,
+        "train.learning_rate": 3e-2,
+        "checkpoint.checkpointing_steps": 3,
+        "validation.do_validation": True,
+        "validation.validation_steps": 3,
+        "validation.num_inference_steps": 2,
+        "validation.save_frames": True,
+        "validation.prompts": PROMPTS[:1],
+    }
+    configs = {
+        name: write_toml(
+            tmp_path / f"{name}.toml",
+            hv_settings("i2v", hv_models, base_settings, hv_data, tmp_path / name, **lifecycle),
+        )
+        for name in ("reference", "killed")
+    }
+    run_ok(["--cfg", str(configs["reference"])], nproc=2)
+    held_out = {m["step"]: m["val/loss"] for m in read_metrics(tmp_path / "reference") if "val/loss" in m}
+    assert sorted(held_out) == [0, 3, 6] and held_out[6] < held_out[0], held_out
+    assert (
+        run_cmd(["--cfg", str(configs["killed"])], nproc=2, env={"VIDTRAIN_FAULT": "step_kill:4"}).returncode
+        != 0
+    )
+    resumed = run_ok(["--cfg", str(configs["killed"])], nproc=2)
+    assert f"resumed from step 3 ({tmp_path / 'killed' / 'checkpoint-3'})" in resumed.stderr
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "reference")
+    ours, theirs = (
+        load_file(tmp_path / name / "lora" / "pytorch_lora_weights.safetensors")
+        for name in ("killed", "reference")
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    clip = "validation_res/step_6_prompt_0.safetensors"
+    assert torch.equal(
+        load_file(tmp_path / "killed" / clip)["frames"], load_file(tmp_path / "reference" / clip)["frames"]
+    )
+    lora_dir = tmp_path / "reference" / "lora"
+    cfg = load_config(str(configs["reference"]))
+    adapter = load_adapter(cfg.model, torch.device("cpu"))
+    with one_rank_group() as d:
+        model = render.load_model(
+            cfg, adapter, d, None, str(lora_dir / "pytorch_lora_weights.safetensors")
+        ).eval()
+    theirs = HunyuanVideo15Transformer3DModel.from_pretrained(hv_models("i2v") / "transformer").eval()
+    theirs.load_lora_adapter(
+        str(lora_dir), weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
+    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 3, 2, 2, generator=gen)
+    text = adapter._text_inputs(
+        {
+            k: v[None].expand(2, *v.shape)
+            for k, v in padded_text(
+                {
+                    "prompt_embeds": torch.randn(5, 32, generator=gen),
+                    "prompt_embeds_2": torch.randn(3, 16, generator=gen),
+                },
+                adapter.text_length,
+            ).items()
+        },
+        2,
+    )
+    image = torch.randn(2, 16, 16, generator=gen)
+    t = torch.tensor([10.0, 900.0])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            adapter._predict(theirs, x, t, text, image),
+            adapter._predict(model, x, t, text, image),
             rtol=0,
             atol=1e-5,
         )
