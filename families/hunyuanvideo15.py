@@ -55,6 +55,44 @@ TEXT_LENGTH, TEMPLATE_TOKENS, GLYPH_LENGTH = 1000, 108, 256
 # 1e-5] (TimestepSampler.TRAIN_EPS, train.py:206).
 TRAIN_SHIFT, TRAIN_EPS = 3.0, 1e-5
 LOGIT_NORMAL = TimestepSampling("logit_normal")
+# diffusers module names -> ComfyUI's (the makers' checkpoint's as ComfyUI loads it: its dual-stream
+# blocks fuse q, k and v into one qkv, a str is a whole module and (name, index, 3) a slice of a
+# fused one; musubi-tuner's convert_hunyuan_video_1_5_lora_to_comfy.py:27-34 and 98-141 write
+# exactly these names and the fused qkv), inside a dual-stream block (transformer_blocks.N ->
+# double_blocks.N) and inside a text refiner block (context_embedder.token_refiner.refiner_blocks.N
+# -> txt_in.individual_token_refiner.blocks.N).
+COMFY_BLOCK = {
+    "attn.to_q": ("img_attn.qkv", 0, 3),
+    "attn.to_k": ("img_attn.qkv", 1, 3),
+    "attn.to_v": ("img_attn.qkv", 2, 3),
+    "attn.to_out.0": "img_attn.proj",
+    "attn.add_q_proj": ("txt_attn.qkv", 0, 3),
+    "attn.add_k_proj": ("txt_attn.qkv", 1, 3),
+    "attn.add_v_proj": ("txt_attn.qkv", 2, 3),
+    "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+}
+COMFY_REFINER = {
+    "attn.to_q": ("self_attn.qkv", 0, 3),
+    "attn.to_k": ("self_attn.qkv", 1, 3),
+    "attn.to_v": ("self_attn.qkv", 2, 3),
+    "attn.to_out.0": "self_attn.proj",
+    "ff.net.0.proj": "mlp.0",
+    "ff.net.2": "mlp.2",
+    "norm_out.linear": "adaLN_modulation.1",
+}
+BLOCKS = {
+    "transformer_blocks": ("double_blocks", COMFY_BLOCK),
+    "context_embedder.token_refiner.refiner_blocks": (
+        "txt_in.individual_token_refiner.blocks",
+        COMFY_REFINER,
+    ),
+}
 
 
 class HunyuanVideo15Adapter(Adapter):
@@ -70,6 +108,7 @@ class HunyuanVideo15Adapter(Adapter):
         AutoencoderKLHunyuanVideo15,
         Qwen2_5_VLTextModel,
     )
+    COMFY = True
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)
@@ -120,6 +159,34 @@ class HunyuanVideo15Adapter(Adapter):
     @property
     def published_fps(self) -> int:
         return 24  # the makers' save_video (train.py:120) and the I2V pipeline's example
+
+    def comfy_key(self, module: str) -> str | tuple[str, int, int] | None:
+        """transformer_blocks.N.attn.to_q -> (double_blocks.N.img_attn.qkv, 0, 3): the q slice of
+        ComfyUI's fused qkv; None outside the blocks and refiner blocks."""
+        for ours, (theirs, names) in BLOCKS.items():
+            index, _, rest = module.removeprefix(f"{ours}.").partition(".")
+            if module.startswith(f"{ours}.") and index.isdigit() and rest in names:
+                name = names[rest]
+                if isinstance(name, tuple):
+                    return (f"{theirs}.{index}.{name[0]}", *name[1:])
+                return f"{theirs}.{index}.{name}"
+        return None
+
+    def diffusers_key(self, original: str) -> str | list[str] | None:
+        """The inverse: double_blocks.N.img_attn.qkv -> transformer_blocks.N.attn.to_q, to_k, to_v."""
+        for ours, (theirs, names) in BLOCKS.items():
+            index, _, rest = original.removeprefix(f"{theirs}.").partition(".")
+            if not (original.startswith(f"{theirs}.") and index.isdigit()):
+                continue
+            whole = [key for key, name in names.items() if name == rest]
+            slices = sorted(
+                (name[1], key) for key, name in names.items() if isinstance(name, tuple) and name[0] == rest
+            )
+            if whole:
+                return f"{ours}.{index}.{whole[0]}"
+            if slices:
+                return [f"{ours}.{index}.{key}" for _, key in slices]
+        return None
 
     # Encoding.
     def _glyph_text(self):

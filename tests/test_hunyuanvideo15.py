@@ -29,6 +29,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import data
+import lora
 import render
 import trainer
 import validate
@@ -180,6 +181,37 @@ def test_text_is_the_pipelines_and_trimming_keeps_the_prediction(hv_models):
     torch.testing.assert_close(cut, full, rtol=0, atol=1e-5)
 
 
+def assert_comfy_file_is_ours(lora_dir, adapter):
+    """Our ComfyUI file: only diffusion_model.* keys, in ComfyUI's module names with q, k and v
+    fused (double_blocks.N.img_attn.qkv); every update ComfyUI applies, alpha / rank x up @ down
+    (comfy/lora.py, calculate_weight), is our modules' stacked, none lost; and lora.load_lora reads
+    it back to our weights."""
+    comfy_file = next((lora_dir / "comfy").glob("*.safetensors"))
+    comfy = load_file(comfy_file)
+    assert comfy and all(k.startswith("diffusion_model.") for k in comfy)
+    ours, info = lora.load_lora(str(lora_dir / "pytorch_lora_weights.safetensors"))
+    scale = info["alpha"] / info["rank"]
+    modules = {
+        k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in comfy if k.endswith("lora_A.weight")
+    }
+    assert any(m.endswith("img_attn.qkv") for m in modules) and any(
+        m.endswith("self_attn.qkv") for m in modules
+    )
+    covered = []
+    for module in modules:
+        down, up = (comfy[f"diffusion_model.{module}.lora_{p}.weight"] for p in "AB")
+        theirs = float(comfy[f"diffusion_model.{module}.alpha"]) / down.shape[0] * up @ down
+        names = adapter.diffusers_key(module)
+        names = names if isinstance(names, list) else [names]
+        expected = torch.cat([scale * ours[f"{n}.lora_B.weight"] @ ours[f"{n}.lora_A.weight"] for n in names])
+        torch.testing.assert_close(theirs, expected, rtol=1e-5, atol=1e-7)
+        covered += names
+    assert sorted(covered) == sorted({lora.module_of(k) for k in ours})
+    back, back_info = lora.load_lora(str(comfy_file), adapter.diffusers_key)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    assert (back_info["rank"], back_info["alpha"]) == (info["rank"], info["alpha"])
+
+
 def lora_scales(path, lora_dir, folder_form: bool) -> set[float]:
     """The scales PEFT gives our exported LoRA in the transformer, by load_lora_adapter's folder
     form (weight_name=) or given the file's path."""
@@ -254,6 +286,9 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
     # (diffusers 0.42.1: the doc shows the folder form).
     assert lora_scales(hv_models(variant), lora_dir, folder_form=True) == {0.5}
     assert lora_scales(hv_models(variant), lora_dir, folder_form=False) == {1.0}
+    assert_comfy_file_is_ours(
+        lora_dir, load_adapter(load_config(str(tmp_path / "lora.toml")).model, torch.device("cpu"))
+    )
 
     cfg = load_config(str(tmp_path / "lora.toml"))
     adapter = load_adapter(cfg.model, torch.device("cpu"))
