@@ -133,8 +133,15 @@ class HunyuanVideo15Adapter(Adapter):
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        """Sequence parallelism is not built for this family: refused before any compute."""
+        """Sequence parallelism is not built for this family, and image-to-video conditions on the
+        clip's own first frame: both refused before any compute."""
         super().check_config(cfg)
+        if cfg.data.image_column:
+            raise ConfigError(
+                f'data.image_column = "{cfg.data.image_column}": HunyuanVideo 1.5 image-to-video '
+                "conditions on each clip's own first frame, its latent frame and SigLIP's tokens of it "
+                "(the makers' train.py): remove data.image_column"
+            )
         if cfg.parallel.sp_size > 1:
             raise ConfigError(
                 f"parallel.sp_size = {cfg.parallel.sp_size}: vidtrain does not split HunyuanVideo 1.5's "
@@ -333,7 +340,7 @@ class HunyuanVideo15Adapter(Adapter):
     @staticmethod
     def _text_inputs(batch, n: int) -> dict:
         """The batch's two texts and their masks for n rows, cut to its longest prompt of each
-        (musubi-tuner pads to the batch's longest, hv_1_5_train_network.py:408-430; the makers'
+        (musubi-tuner pads to the batch's longest, hv_1_5_train_network.py:408-427; the makers'
         attention skips the padding): every padding row is masked out of every attention, so the
         prediction is the padded one's, at a fraction of the cost (1000 + 256 rows padded)."""
         text = {}

@@ -120,12 +120,18 @@ def test_loading_builds_on_meta_and_equals_from_pretrained(variant, hv_models, m
 
 
 def test_refusals_name_the_fix(hv_models, base_settings, hv_data, tmp_path):
-    """I2V on a text-to-video folder, and sequence parallelism, stop before any compute."""
+    """I2V on a text-to-video folder, sequence parallelism and another image than the clip's first
+    frame stop before any compute."""
     with pytest.raises(ConfigError, match=r'model.type = "i2v", but .* has no image_encoder/'):
         load_adapter(ModelConfig(path=str(hv_models("t2v")), type="i2v"), torch.device("cpu"))
     settings = hv_settings("t2v", hv_models, base_settings, hv_data, tmp_path, **{"parallel.sp_size": 2})
     with pytest.raises(ConfigError, match=r"parallel.sp_size = 2: vidtrain does not split HunyuanVideo 1.5"):
         check_config(load_config(str(write_toml(tmp_path / "sp.toml", settings))))
+    settings = hv_settings(
+        "i2v", hv_models, base_settings, hv_data, tmp_path, **{"data.image_column": "images.txt"}
+    )
+    with pytest.raises(ConfigError, match=r"conditions on each clip's own first frame"):
+        check_config(load_config(str(write_toml(tmp_path / "image.toml", settings))))
 
 
 def test_training_draws_the_makers_shifted_logit_normal(hv_models):
