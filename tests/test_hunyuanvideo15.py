@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import (
     assert_loads_lean,
     one_rank_group,
@@ -30,10 +31,13 @@ from safetensors.torch import load_file
 
 import data
 import lora
+import parallel
+import ranks
 import render
 import trainer
 import validate
-from config import ConfigError, ModelConfig, load_config
+from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from model import build_model
 from model_adapter import RunSettings, check_config, load_adapter, padded_text
 from tools.make_synthetic_dataset import make_synthetic_dataset
 
@@ -421,3 +425,63 @@ def test_full_lifecycle(hv_models, base_settings, hv_data, tmp_path):
             rtol=0,
             atol=1e-5,
         )
+
+
+def test_blocks_stream_offload_activations_and_store_fp8(hv_models):
+    """The generic machinery serves the family's dual-stream blocks: streamed from the host (a
+    1-rank FSDP mesh, block 0 of 2 offloaded) with checkpointing and activation offload, the
+    blocks' frozen linears stored in fp8; loss and LoRA gradients equal the resident model's
+    (image-to-video, both texts, padding cut)."""
+    adapter = load_adapter(
+        ModelConfig(path=str(hv_models("i2v")), type="i2v", dtype="fp32", storage_dtype="fp8"),
+        torch.device("cpu"),
+    )
+    g = torch.Generator().manual_seed(0)
+    text = padded_text(
+        {
+            "prompt_embeds": torch.randn(7, 32, generator=g),
+            "prompt_embeds_2": torch.randn(3, 16, generator=g),
+        },
+        adapter.text_length,
+    )
+    batch = {
+        "latent_mean": torch.randn(1, 4, 3, 2, 2, generator=g),
+        "latent_logvar": torch.randn(1, 4, 3, 2, 2, generator=g) - 3,
+        "image_embeds": torch.randn(1, 16, 16, generator=g),
+        **{k: v[None] for k, v in text.items()},
+    }
+    results = {}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        d = ranks.Dist(0, 1, 0, torch.device("cpu"))
+        for name, strategy, train in (
+            ("resident", ParallelConfig(), TrainConfig(mixed_precision="no")),
+            (
+                "streamed",
+                ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=1),
+                TrainConfig(mixed_precision="no", gradient_checkpointing=True, activation_offload=True),
+            ),
+        ):
+            model = build_model(adapter, train, LoraConfig(rank=4), strategy, 0, d)
+            loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(1)])
+            loss.sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            results[name] = (
+                loss.detach(),
+                {n: getattr(grad, "full_tensor", lambda g=grad: g)() for n, grad in grads.items()},
+            )
+    finally:
+        dist.destroy_process_group()
+    host = parallel.offloaded(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert {name for name, p in model.named_parameters() if id(p) in host} == {
+        name for name in frozen if name.startswith("transformer_blocks.0.")
+    }
+    assert "transformer_blocks.1.attn.add_q_proj.weight" in {
+        name for name, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn
+    }
+    (loss, grads), (streamed_loss, streamed_grads) = results["resident"], results["streamed"]
+    assert any(n.startswith("transformer_blocks.0.") for n in grads) and grads.keys() == streamed_grads.keys()
+    torch.testing.assert_close(streamed_loss, loss, rtol=1e-6, atol=0)
+    for n in grads:
+        torch.testing.assert_close(streamed_grads[n], grads[n], rtol=1e-5, atol=1e-7, msg=n)
