@@ -19,12 +19,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers import (
     AutoencoderKLHunyuanVideo15,
     FlowMatchEulerDiscreteScheduler,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
 )
+from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 from PIL import Image
 from transformers import (
@@ -46,6 +48,7 @@ from model_adapter import (
     sample_posterior,
     to_device,
 )
+from parallel import SequenceSplit, split_blocks, stack_qkv
 from weights import resolved_config
 
 # HunyuanVideo15Pipeline.__init__: Qwen2.5-VL reads 1000 tokens after the 108 of its template it
@@ -133,20 +136,14 @@ class HunyuanVideo15Adapter(Adapter):
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        """Sequence parallelism is not built for this family, and image-to-video conditions on the
-        clip's own first frame: both refused before any compute."""
+        """Image-to-video conditions on the clip's own first frame: another image is refused before
+        any compute."""
         super().check_config(cfg)
         if cfg.data.image_column:
             raise ConfigError(
                 f'data.image_column = "{cfg.data.image_column}": HunyuanVideo 1.5 image-to-video '
                 "conditions on each clip's own first frame, its latent frame and SigLIP's tokens of it "
                 "(the makers' train.py): remove data.image_column"
-            )
-        if cfg.parallel.sp_size > 1:
-            raise ConfigError(
-                f"parallel.sp_size = {cfg.parallel.sp_size}: vidtrain does not split HunyuanVideo 1.5's "
-                "sequence yet; set parallel.sp_size = 1 (shard with FSDP, stream blocks or offload "
-                "activations instead)"
             )
 
     # Shape rules.
@@ -387,11 +384,15 @@ class HunyuanVideo15Adapter(Adapter):
     def blocks(transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
-    def split_sequence(self, transformer, split) -> None:
-        """Refused by check_config before any compute (parallel.sp_size > 1)."""
-        raise ConfigError(
-            "parallel.sp_size > 1: HunyuanVideo 1.5's sequence is not split; set parallel.sp_size = 1"
-        )
+    def split_sequence(self, transformer, split: SequenceSplit) -> None:
+        """Sequence parallelism: the video tokens and their rotary embeddings split at the first
+        block, the text and image tokens whole on every rank; the joint attention through
+        SequenceParallelAttention's all-to-all, the sequence gathered after the last block. The
+        text refiner (text tokens only) runs whole on every rank."""
+        self.sequence = split
+        split_blocks(self.blocks(transformer), split, lambda arguments: {"freqs_cis": 0})
+        for block in self.blocks(transformer):
+            block.attn.set_processor(SequenceParallelAttention(split))
 
     # Sampling: the pipelines' loop, run by validate.sample_latents.
     def sampler(self, name: str):
@@ -456,3 +457,42 @@ class HunyuanVideo15Adapter(Adapter):
 
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
+
+
+class SequenceParallelAttention:
+    """diffusers' HunyuanVideo15AttnProcessor2_0, step for step, with this rank's slice of the video
+    tokens: their Q, K and V (normalised and rotated per token) go through one all-to-all to the
+    whole sequence with 1/sp of the heads, the text's (every rank holds it whole) take their slice
+    of the heads locally; the joint attention's mask is the processor's (video tokens true, the
+    text's own), and the outputs go back: the video's by the all-to-all, the text's heads gathered."""
+
+    def __init__(self, split: SequenceSplit):
+        self.split = split
+
+    def __call__(
+        self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
+    ):
+        query, key, value = (
+            p(hidden_states).unflatten(2, (attn.heads, -1)) for p in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text_query, text_key, text_value = (
+            p(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        )
+        text_query, text_key = attn.norm_added_q(text_query), attn.norm_added_k(text_key)
+        # [3, B, tokens, heads, D]: the video's whole sequence, the text's own heads
+        video = self.split.seq_to_heads(stack_qkv(query, key, value), 2, 3)
+        text = self.split.heads(stack_qkv(text_query, text_key, text_value), 3)
+        query, key, value = torch.cat([video, text], 2).unbind(0)
+        batch, length, video_length = query.shape[0], query.shape[1], video.shape[2]
+        mask = F.pad(attention_mask, (length - attention_mask.shape[1], 0), value=True).bool()
+        mask = mask.view(batch, 1, 1, length) & mask.view(batch, 1, length, 1)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+        ).transpose(1, 2)
+        video_out = self.split.heads_to_seq(out[:, :video_length], 1, 2).flatten(2, 3).type_as(query)
+        text_out = self.split.gather_heads(out[:, video_length:], 2).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](video_out)), attn.to_add_out(text_out)

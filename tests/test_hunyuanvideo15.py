@@ -17,6 +17,7 @@ from conftest import (
     read_metrics,
     run_cmd,
     run_ok,
+    run_worker,
     train_losses,
     write_toml,
 )
@@ -124,13 +125,10 @@ def test_loading_builds_on_meta_and_equals_from_pretrained(variant, hv_models, m
 
 
 def test_refusals_name_the_fix(hv_models, base_settings, hv_data, tmp_path):
-    """I2V on a text-to-video folder, sequence parallelism and another image than the clip's first
-    frame stop before any compute."""
+    """I2V on a text-to-video folder and another image than the clip's first frame stop before any
+    compute."""
     with pytest.raises(ConfigError, match=r'model.type = "i2v", but .* has no image_encoder/'):
         load_adapter(ModelConfig(path=str(hv_models("t2v")), type="i2v"), torch.device("cpu"))
-    settings = hv_settings("t2v", hv_models, base_settings, hv_data, tmp_path, **{"parallel.sp_size": 2})
-    with pytest.raises(ConfigError, match=r"parallel.sp_size = 2: vidtrain does not split HunyuanVideo 1.5"):
-        check_config(load_config(str(write_toml(tmp_path / "sp.toml", settings))))
     settings = hv_settings(
         "i2v", hv_models, base_settings, hv_data, tmp_path, **{"data.image_column": "images.txt"}
     )
@@ -485,3 +483,63 @@ def test_blocks_stream_offload_activations_and_store_fp8(hv_models):
     torch.testing.assert_close(streamed_loss, loss, rtol=1e-6, atol=0)
     for n in grads:
         torch.testing.assert_close(streamed_grads[n], grads[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+SEQUENCE_WORKER = r"""
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import parallel
+from config import ModelConfig
+from model_adapter import load_adapter, padded_text
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+split = parallel.new_split(2, rank)
+adapter = load_adapter(ModelConfig(path=sys.argv[2], type="i2v", dtype="fp32"), torch.device("cpu"))
+g = torch.Generator().manual_seed(7)
+rows = [
+    padded_text({"prompt_embeds": torch.randn(n, 32, generator=g), "prompt_embeds_2": torch.randn(m, 16, generator=g)},
+                adapter.text_length)
+    for n, m in ((9, 0), (5, 3))
+]
+batch = {"latent_mean": torch.randn(2, 4, 3, 3, 3, generator=g),
+         "latent_logvar": torch.randn(2, 4, 3, 3, 3, generator=g) - 3,
+         "image_embeds": torch.randn(2, 16, 16, generator=g),
+         **{k: torch.stack([r[k] for r in rows]) for k in rows[0]}}
+results, seen = [], []
+for split_it in (False, True):
+    model = adapter.load_transformer().requires_grad_(True)
+    if split_it:
+        for block in model.transformer_blocks:
+            block.attn.register_forward_pre_hook(
+                lambda m, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+        adapter.split_sequence(model, split)
+    loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(3 + i) for i in range(2)])
+    loss.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if split_it:
+        for grad in grads.values():  # the group's sum: sp times the sample's
+            dist.all_reduce(grad)
+            grad /= 2
+    results.append((loss.detach(), grads))
+(loss, grads), (split_loss, split_grads) = results
+report = {"loss_equal": torch.allclose(split_loss, loss, rtol=1e-5, atol=1e-6),
+          "same_grads": grads.keys() == split_grads.keys() and len(grads) > 0,
+          "grads_differ": [n for n in grads if not torch.allclose(split_grads[n], grads[n], rtol=1e-5, atol=1e-6)],
+          "seen": sorted(set(seen))}
+(open(sys.argv[3] + f"/rank{rank}.json", "w")).write(json.dumps(report))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_sequence_split_gives_one_process_loss_and_gradients(hv_models, tmp_path):
+    """Sequence parallelism on 2 ranks: the video tokens split (27: 14 + 13), the texts (two
+    prompts of different lengths, one with glyph text) and the image tokens whole on every rank;
+    train_loss and every weight's gradient equal one process's."""
+    result = run_worker(SEQUENCE_WORKER, tmp_path, hv_models("i2v"), tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["loss_equal"] and report["same_grads"] and not report["grads_differ"], report
+        assert report["seen"] == [[14, 13][rank]]
