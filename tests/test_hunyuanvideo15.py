@@ -543,3 +543,50 @@ def test_sequence_split_gives_one_process_loss_and_gradients(hv_models, tmp_path
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["loss_equal"] and report["same_grads"] and not report["grads_differ"], report
         assert report["seen"] == [[14, 13][rank]]
+
+
+def test_a_half_white_loss_mask_gives_the_loss_of_that_half(hv_models, monkeypatch):
+    """data.loss_mask_column: with the transformer's prediction replaced by zeros, the training and
+    held-out losses are the squared target (e - x0) over the mask's white half alone, recovered by
+    hand from the noisy latents the transformer was given."""
+    adapter = load_adapter(
+        ModelConfig(path=str(hv_models("i2v")), type="i2v", dtype="fp32"), torch.device("cpu")
+    )
+    g = torch.Generator().manual_seed(0)
+    half = torch.zeros(1, 1, 3, 2, 2)
+    half[..., 0] = 1
+    text = padded_text(
+        {"prompt_embeds": torch.randn(4, 32, generator=g), "prompt_embeds_2": torch.randn(0, 16)},
+        adapter.text_length,
+    )
+    batch = {
+        "latent_mean": torch.randn(2, 4, 3, 2, 2, generator=g),
+        "latent_logvar": torch.full((2, 4, 3, 2, 2), -30.0),
+        "image_embeds": torch.randn(2, 16, 16, generator=g),
+        "loss_mask": half.expand(2, -1, -1, -1, -1),
+        **{k: v[None].expand(2, *v.shape) for k, v in text.items()},
+    }
+    calls = []
+    monkeypatch.setattr(
+        adapter,
+        "_predict",
+        lambda model, x, t, text, image: calls.append((x, t)) or torch.zeros_like(x[:, :4]),
+    )
+
+    def by_hand(clip):
+        x, t = calls[-1]
+        s = (t / 1000).view(-1, 1, 1, 1, 1)
+        x0 = 1.03682 * clip["latent_mean"].expand(len(x), -1, -1, -1, -1)
+        # the I2V condition: the sample's own first latent frame (a posterior of deviation 3e-7)
+        torch.testing.assert_close(x[:, 4:8, :1], x0[:, :, :1], rtol=0, atol=1e-5)
+        assert x[:, 8, :1].eq(1).all() and x[:, 4:, 1:].eq(0).all()
+        target = (x[:, :4] - (1 - s) * x0) / s - x0
+        return target.pow(2)[..., 0].mean(dim=(1, 2, 3))
+
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    torch.testing.assert_close(
+        adapter.train_loss(None, batch, generators), by_hand(batch), rtol=1e-4, atol=1e-6
+    )
+    clip = {k: v[:1] for k, v in batch.items()}
+    held_out = adapter.fixed_losses(None, clip, [300, 800], torch.Generator().manual_seed(1))
+    torch.testing.assert_close(held_out, by_hand(clip), rtol=1e-4, atol=1e-6)
