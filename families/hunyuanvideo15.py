@@ -343,7 +343,9 @@ class HunyuanVideo15Adapter(Adapter):
         text = {}
         for name in ("prompt_embeds", "prompt_embeds_2"):
             mask = batch[f"{name}_mask"]
-            length = int(mask.sum(1).max())  # the host's copy: no wait for the device
+            # A host read (on a GPU, a wait for the batch's copy), beside the several of diffusers'
+            # forward (its boolean-mask reordering of the texts, its all-zero image check).
+            length = int(mask.sum(1).max())
             for key, tensor in ((name, batch[name]), (f"{name}_mask", mask)):
                 cut = tensor[:, :length]
                 text[key] = cut.expand(n, *cut.shape[1:])
