@@ -124,6 +124,12 @@ class HunyuanVideo15Adapter(Adapter):
                 f"noisy latents, the condition and its mask ({2 * latent + 1} for the VAE's {latent}): "
                 "the folder's transformer and VAE are not one HunyuanVideo 1.5 model"
             )
+        for name in ("text_encoder_2", "tokenizer_2"):  # ByT5's, beside the base's text_encoder/
+            if not (self.path / name).is_dir():
+                raise ConfigError(
+                    f"model.path = {cfg.path} has no {name}/ folder (ByT5, the glyph text's encoder): "
+                    "the model copy is incomplete"
+                )
         if cfg.type == "i2v" and not (self.path / "image_encoder").is_dir():
             raise ConfigError(
                 f'model.type = "i2v", but {cfg.path} has no image_encoder/ (SigLIP): point model.path '

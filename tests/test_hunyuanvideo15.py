@@ -7,6 +7,7 @@ follows the makers' train.py (docs/models/hunyuanvideo15.md)."""
 
 import contextlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -125,10 +126,15 @@ def test_loading_builds_on_meta_and_equals_from_pretrained(variant, hv_models, m
 
 
 def test_refusals_name_the_fix(hv_models, base_settings, hv_data, tmp_path):
-    """I2V on a text-to-video folder and another image than the clip's first frame stop before any
-    compute."""
+    """I2V on a text-to-video folder, a folder without ByT5 and another image than the clip's first
+    frame stop before any compute."""
     with pytest.raises(ConfigError, match=r'model.type = "i2v", but .* has no image_encoder/'):
         load_adapter(ModelConfig(path=str(hv_models("t2v")), type="i2v"), torch.device("cpu"))
+    copy = tmp_path / "no_byt5"
+    shutil.copytree(hv_models("t2v"), copy)
+    shutil.rmtree(copy / "tokenizer_2")
+    with pytest.raises(ConfigError, match=r"has no tokenizer_2/ folder \(ByT5"):
+        load_adapter(ModelConfig(path=str(copy)), torch.device("cpu"))
     settings = hv_settings(
         "i2v", hv_models, base_settings, hv_data, tmp_path, **{"data.image_column": "images.txt"}
     )
