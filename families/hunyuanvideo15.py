@@ -4,8 +4,8 @@ HunyuanVideo 1.5 (docs/models/hunyuanvideo15.md): one 8.3B dual-stream transform
 encoders (Qwen2.5-VL's hidden states and ByT5's for the quoted glyph text), a SigLIP image encoder
 for image-to-video, a 16x spatial, 4x temporal VAE. T2V and I2V checkpoints share the architecture:
 the transformer always reads the noisy latents beside a condition (the image's latent frame and its
-mask channel; zeros for text-to-video) and the image's SigLIP tokens (zeros, masked, for
-text-to-video).
+mask channel; zeros for text-to-video) and the image's SigLIP tokens (none for text-to-video,
+where the pipeline's 729 zeros are masked out).
 
 Training is the makers' train.py: flow matching, x_t = (1 - s) x0 + s e, the target e - x0, the
 mean squared error over every latent (the image's frame included); s a logit-normal draw shifted by
