@@ -944,6 +944,9 @@ def _export_comfy(weights: dict, alpha: float, adapter, folder: Path, name: str)
             "no ComfyUI file: %s lie outside the blocks, where the layout carries no alpha", unmapped[:3]
         )
         return
+    if any(isinstance(adapter.comfy_key(m), tuple) for m in modules) and any(".lokr_" in k for k in weights):
+        log.warning("no ComfyUI file: a LoKr's factors do not fuse into the original's fused modules (qkv)")
+        return
     name += f"_{adapter.expert}" if adapter.expert else ""
     lora.save_comfy(
         str(folder / "comfy" / f"{name}.safetensors"),

@@ -485,7 +485,8 @@ def load_lora(path: str, from_comfy=None) -> tuple[dict[str, torch.Tensor], dict
 
     Diffusers' layout is ours: `transformer.` keys with `lora_adapter_metadata`; PEFT's is
     `adapter_model.safetensors` beside `adapter_config.json`, or their folder; ComfyUI's needs
-    `from_comfy`, the family's map of original module names to ours. Returns the state dict keyed by
+    `from_comfy`, the family's map of original module names to ours (a list of ours for a fused
+    module, save_comfy's slices). Returns the state dict keyed by
     model FQN and {rank, alpha, target_modules} (target_modules None from ComfyUI's layout, which
     names modules, not targets: the model's own keys then decide), variant and factor (LoKr's)."""
     if os.path.isdir(path):
@@ -567,10 +568,15 @@ def _from_comfy(
             f"{path} is in ComfyUI's layout, but {unknown[:3]} name no module this model family "
             "maps (only the transformer blocks' projections are read)"
         )
+    # A fused module (a list of ours, save_comfy's slices) holds their ranks side by side, and its
+    # alpha counts them all.
+    ours = {m: name if isinstance(name, list) else [name] for m, name in ours.items()}
     alphas = {
-        float(tensors[f"{COMFY_PREFIX}{m}.alpha"]) for m in modules if f"{COMFY_PREFIX}{m}.alpha" in tensors
+        float(tensors[f"{COMFY_PREFIX}{m}.alpha"]) / len(ours[m])
+        for m in modules
+        if f"{COMFY_PREFIX}{m}.alpha" in tensors
     }
-    ranks = {tensors[f"{COMFY_PREFIX}{m}.lora_A.weight"].shape[0] for m in modules}
+    ranks = {tensors[f"{COMFY_PREFIX}{m}.lora_A.weight"].shape[0] // len(ours[m]) for m in modules}
     # the scale is baked into lora_B: alpha = rank
     if not any(k.endswith(".alpha") for k in tensors):
         alphas = {float(r) for r in ranks}
@@ -579,11 +585,15 @@ def _from_comfy(
             f"{path}: ranks {sorted(ranks)} and alphas {sorted(alphas)}: only one rank and one alpha "
             "(an .alpha per module) are supported"
         )
-    lora_sd = {
-        f"{ours[m]}.lora_{part}.weight": tensors[f"{COMFY_PREFIX}{m}.lora_{part}.weight"]
-        for m in modules
-        for part in "AB"
-    }
+    lora_sd = {}
+    for m in modules:
+        down, up = (tensors[f"{COMFY_PREFIX}{m}.lora_{part}.weight"] for part in "AB")
+        rank, out = down.shape[0] // len(ours[m]), up.shape[0] // len(ours[m])
+        for i, name in enumerate(ours[m]):
+            lora_sd[f"{name}.lora_A.weight"] = down[i * rank : (i + 1) * rank].contiguous()
+            lora_sd[f"{name}.lora_B.weight"] = up[
+                i * out : (i + 1) * out, i * rank : (i + 1) * rank
+            ].contiguous()
     info = {
         "rank": ranks.pop(),
         "alpha": alphas.pop(),
@@ -602,17 +612,23 @@ def save_comfy(
     ComfyUI's native layout: diffusion_model.<original module>.lora_A/lora_B.weight and a 0-dim
     .alpha per module (ComfyUI scales by alpha / rank), with no lora_adapter_metadata (diffusers'
     converter of such files bakes alpha in, and would apply it twice with the metadata). `to_comfy`
-    maps our module names. Without alpha_keys (a family whose diffusers loader refuses them,
+    maps our module names; to (name, index, count) for one of `count` slices of a module the
+    original fuses (HunyuanVideo 1.5's qkv: _fused). Without alpha_keys (a family whose diffusers loader refuses them,
     LTX-2's) alpha / rank is baked into lora_B instead, which ComfyUI, reading no .alpha, applies at
     scale 1. `metadata`: the family's strings (Adapter.lora_metadata). DoRA's m is `.dora_scale`,
     [out, 1] as LyCORIS writes it (ComfyUI's weight_decompose broadcasts a 1-D one wrongly,
     Comfy-Org/ComfyUI#12938); LoKr's factors keep LyCORIS' names, always with their .alpha (no
     diffusers loader reads LoKr), which ComfyUI applies as LyCORIS does (alpha / rank, or 1 with a
     full lokr_w2; comfy/weight_adapter/lokr.py)."""
-    tensors = {}
+    tensors, slices = {}, {}
     for key, value in lora_sd.items():
         module, part = PART.fullmatch(key).groups()
-        name = COMFY_PREFIX + to_comfy(module)
+        name = to_comfy(module)
+        if isinstance(name, tuple):  # a slice of a fused module, written with its others below
+            name, index, count = name
+            slices.setdefault((COMFY_PREFIX + name, count), {}).setdefault(part, {})[index] = value
+            continue
+        name = COMFY_PREFIX + name
         if part == "lora_magnitude_vector":
             tensors[f"{name}.dora_scale"] = value[:, None]
             continue
@@ -621,7 +637,34 @@ def save_comfy(
         elif part == "lora_B.weight":
             value = value * (alpha / value.shape[1])
         tensors[f"{name}.{part}"] = value
+    for (name, count), parts in slices.items():
+        tensors |= _fused(name, count, parts, alpha, alpha_keys)
     _save_safetensors(path, tensors, {**(metadata or {}), "format": "pt"})
+
+
+def _fused(name: str, count: int, parts: dict, alpha: float, alpha_keys: bool) -> dict[str, torch.Tensor]:
+    """One fused module's LoRA (an original checkpoint's qkv, to_comfy's (name, index, count)) from
+    its `count` slices' (ours, each [out, rank] x [rank, in]): lora_A stacked [count x rank, in],
+    lora_B block-diagonal [count x out, count x rank], so that B A is the slices' updates stacked;
+    alpha x count, as ComfyUI scales by alpha / (count x rank) (musubi-tuner's
+    convert_hunyuan_video_1_5_lora_to_comfy.py fuses qkv so); DoRA's m stacked."""
+    if any(part.startswith("lokr") for part in parts):
+        raise ValueError(f"{name}: a LoKr's Kronecker factors do not fuse into one module")
+    # a slice not trained (lora.target_modules naming to_q alone) adds nothing: zeros
+    ordered = {
+        part: [slices.get(i, torch.zeros_like(next(iter(slices.values())))) for i in range(count)]
+        for part, slices in parts.items()
+    }
+    down, up = torch.cat(ordered["lora_A.weight"]), torch.block_diag(*ordered["lora_B.weight"])
+    tensors = {f"{name}.lora_A.weight": down}
+    if alpha_keys:
+        tensors[f"{name}.alpha"] = torch.tensor(float(alpha * count))
+    else:
+        up = up * (alpha / ordered["lora_A.weight"][0].shape[0])
+    tensors[f"{name}.lora_B.weight"] = up
+    if "lora_magnitude_vector" in ordered:
+        tensors[f"{name}.dora_scale"] = torch.cat(ordered["lora_magnitude_vector"])[:, None]
+    return tensors
 
 
 @torch.no_grad()

@@ -630,13 +630,15 @@ class Adapter(TransformerLoading, abc.ABC):
         2b's sincos table)."""
         return False
 
-    def comfy_key(self, module: str) -> str | None:
+    def comfy_key(self, module: str) -> str | tuple[str, int, int] | None:
         """A LoRA module's name in the original checkpoint's layout (ComfyUI's), or None if the
-        family has none."""
+        family has none; (name, index, count) where the original fuses `count` of ours along the
+        output (a qkv): the index-th slice (lora.save_comfy stacks them)."""
         return None
 
-    def diffusers_key(self, original: str) -> str | None:
-        """The inverse of comfy_key: an original module name's diffusers name, or None."""
+    def diffusers_key(self, original: str) -> str | list[str] | None:
+        """The inverse of comfy_key: an original module name's diffusers name (a fused one's, in
+        order), or None."""
         return None
 
 
@@ -681,6 +683,7 @@ ADAPTERS = {
     "wan": ("families.wan", "WanAdapter"),
     "ltx2": ("families.ltx2", "LTX2Adapter"),
     "kandinsky5": ("families.kandinsky5", "Kandinsky5Adapter"),
+    "hunyuanvideo15": ("families.hunyuanvideo15", "HunyuanVideo15Adapter"),
 }
 
 

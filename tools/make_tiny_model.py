@@ -9,16 +9,19 @@ and the demo exercise the real loading code without any hub download. Sizes are 
 transformer's config.json carries exactly the keys the published checkpoint's file carries (a key
 diffusers added later is absent, and the class fills its default, as it does for the real file).
 
-    python tools/make_tiny_model.py --out DIR [--family cogvideox|wan|ltx2|kandinsky5] [--variant NAME] [--seed
-    N]
+    python tools/make_tiny_model.py --out DIR [--family NAME] [--variant NAME] [--seed N]
 
+--family: a registered family (TINY: cogvideox, wan, ltx2, kandinsky5, hunyuanvideo15).
 CogVideoX variants: 2b, 5b (default), 5b-i2v, 1.5-5b, 1.5-5b-i2v. Wan variants: t2v (2.1 T2V
 1.3B/14B), i2v (2.1 I2V 14B, with a CLIP image encoder), flf2v (2.1 FLF2V 14B), vace (2.1 VACE
 1.3B/14B: control, mask and reference images through context blocks), ti2v-5b (2.2, its 4x16x16
-VAE), a14b-t2v and a14b-i2v (2.2, two experts), a14b-vace (2.2 VACE-Fun A14B: two VACE experts). LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B),
-2.5 (LTX-2.5 22B: Gemma 4, a duration head), each text- and image-to-video (the same folder serves
-both pipelines). Kandinsky 5 variants: t2v (Video Lite and Pro T2V, 5 s and 10 s), i2v (Video Lite
-and Pro I2V): Qwen2.5-VL and CLIP text encoders, the HunyuanVideo VAE. docs/models/<family>.md list the published key sets.
+VAE), a14b-t2v and a14b-i2v (2.2, two experts), a14b-vace (2.2 VACE-Fun A14B: two VACE experts).
+LTX-2 variants: 2.0 (LTX-2 19B), 2.3 (LTX-2.3 22B), 2.5 (LTX-2.5 22B: Gemma 4, a duration head),
+each text- and image-to-video (the same folder serves both pipelines). Kandinsky 5 variants: t2v
+(Video Lite and Pro T2V, 5 s and 10 s), i2v (Video Lite and Pro I2V): Qwen2.5-VL and CLIP text
+encoders, the HunyuanVideo VAE. HunyuanVideo 1.5 variants: t2v, i2v (480p and 720p: a SigLIP image
+encoder for I2V): Qwen2.5-VL and ByT5 text encoders, its own VAE. docs/models/<family>.md list the
+published key sets.
 """
 
 import argparse
@@ -39,14 +42,19 @@ logging.getLogger("transformers.utils.import_utils").addFilter(
 from diffusers import (
     AutoencoderKLCogVideoX,
     AutoencoderKLHunyuanVideo,
+    AutoencoderKLHunyuanVideo15,
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     AutoencoderKLWan,
+    ClassifierFreeGuidance,
     CogVideoXDPMScheduler,
     CogVideoXImageToVideoPipeline,
     CogVideoXPipeline,
     CogVideoXTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15ImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
     Kandinsky5I2VPipeline,
     Kandinsky5T2VPipeline,
     Kandinsky5Transformer3DModel,
@@ -64,6 +72,7 @@ from diffusers.pipelines.ltx2.duration_head import LTX2DurationHead
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    ByT5Tokenizer,
     CLIPImageProcessorPil,
     CLIPTextConfig,
     CLIPTextModel,
@@ -77,7 +86,13 @@ from transformers import (
     GemmaTokenizer,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
+    Qwen2Tokenizer,
     Qwen2TokenizerFast,
+    SiglipImageProcessorPil,
+    SiglipVisionConfig,
+    SiglipVisionModel,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -1030,6 +1045,142 @@ def make_tiny_kandinsky5(out: str, variant: str = "t2v", seed: int = 0) -> None:
     keep_keys(root / "vae" / "config.json", HUNYUAN_VAE_KEYS)
 
 
+# HunyuanVideo 1.5 (docs/models/hunyuanvideo15.md): the transformer/config.json keys of the published
+# folders (hunyuanvideo-community/HunyuanVideo-1.5-*), as diffusers' conversion script writes them
+# (scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS: every argument of the class);
+# the VAE's likewise. 480p and 720p differ only in target_size and the scheduler's shift; T2V and I2V
+# in task_type and the I2V folder's SigLIP image encoder.
+HUNYUANVIDEO15_KEYS = {
+    "attention_head_dim",
+    "image_embed_dim",
+    "in_channels",
+    "mlp_ratio",
+    "num_attention_heads",
+    "num_layers",
+    "num_refiner_layers",
+    "out_channels",
+    "patch_size",
+    "patch_size_t",
+    "qk_norm",
+    "rope_axes_dim",
+    "rope_theta",
+    "target_size",
+    "task_type",
+    "text_embed_2_dim",
+    "text_embed_dim",
+    "use_meanflow",
+}
+HUNYUANVIDEO15_VAE_KEYS = {
+    "block_out_channels",
+    "downsample_match_channel",
+    "in_channels",
+    "latent_channels",
+    "layers_per_block",
+    "out_channels",
+    "scaling_factor",
+    "spatial_compression_ratio",
+    "temporal_compression_ratio",
+    "upsample_match_channel",
+}
+HUNYUANVIDEO15_VARIANTS = {"t2v": HunyuanVideo15Pipeline, "i2v": HunyuanVideo15ImageToVideoPipeline}
+# Qwen2.5-VL's chat template, its structure (the system message, the user's prompt, the assistant's
+# turn opened), which the pipeline's 108-token crop assumes.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The tiny transformer's width and the tiny SigLIP's image size: a 32 x 32 image is one bucket of
+# target_size 32 (the I2V pipeline sizes its clip by target_size's buckets).
+HUNYUANVIDEO15_SIZE = 32
+
+
+def make_qwen_chat_tokenizer() -> Qwen2Tokenizer:
+    """A byte-level BPE vocabulary without merges (every byte one token), Qwen's special tokens and
+    chat template; padding on the right, as Qwen2.5-VL's."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = QWEN_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_hunyuanvideo15(out: str, variant: str = "t2v", seed: int = 0) -> None:
+    pipeline_cls = HUNYUANVIDEO15_VARIANTS[variant]
+    tokenizer, tokenizer_2 = make_qwen_chat_tokenizer(), ByT5Tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        components = {
+            "tokenizer": tokenizer,
+            "text_encoder": Qwen2_5_VLTextModel(
+                Qwen2_5_VLTextConfig(
+                    vocab_size=len(tokenizer),
+                    hidden_size=TEXT_DIM,
+                    intermediate_size=64,
+                    num_hidden_layers=3,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    max_position_embeddings=2048,
+                    rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                    bos_token_id=None,
+                    eos_token_id=None,
+                )
+            ),
+            "tokenizer_2": tokenizer_2,
+            "text_encoder_2": T5EncoderModel(
+                T5Config(
+                    vocab_size=len(tokenizer_2),
+                    d_model=16,
+                    d_kv=8,
+                    d_ff=32,
+                    num_layers=1,
+                    num_heads=2,
+                    feed_forward_proj="gated-gelu",
+                )
+            ),
+            "vae": AutoencoderKLHunyuanVideo15(
+                latent_channels=LATENT_CHANNELS, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1
+            ),
+            "transformer": HunyuanVideo15Transformer3DModel(
+                in_channels=2 * LATENT_CHANNELS + 1,
+                out_channels=LATENT_CHANNELS,
+                num_attention_heads=2,
+                attention_head_dim=16,
+                num_layers=2,
+                num_refiner_layers=1,
+                text_embed_dim=TEXT_DIM,
+                text_embed_2_dim=16,
+                image_embed_dim=16,
+                rope_axes_dim=(4, 6, 6),
+                target_size=HUNYUANVIDEO15_SIZE,
+                task_type=variant,
+            ),
+            "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+            "guider": ClassifierFreeGuidance(guidance_scale=6.0),
+        }
+        if variant == "i2v":
+            components["image_encoder"] = SiglipVisionModel(
+                SiglipVisionConfig(
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=HUNYUANVIDEO15_SIZE,
+                    patch_size=8,
+                )
+            )
+            size = {"height": HUNYUANVIDEO15_SIZE, "width": HUNYUANVIDEO15_SIZE}
+            components["feature_extractor"] = SiglipImageProcessorPil(size=size)
+    pipeline_cls(**components).save_pretrained(out)
+    root = Path(out)
+    keep_keys(root / "transformer" / "config.json", HUNYUANVIDEO15_KEYS)
+    keep_keys(root / "vae" / "config.json", HUNYUANVIDEO15_VAE_KEYS)
+    index = json.loads((root / "model_index.json").read_text())
+    # the published class name, whichever backend saved it
+    if "feature_extractor" in index:
+        index["feature_extractor"] = ["transformers", "SiglipImageProcessor"]
+    (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 # Each family's tiny models: its variants, the default one, and the function that writes one. The one
 # place a family registers its maker: --family's choices and the tests' fixtures (tests/conftest.py)
 # are read from it.
@@ -1038,6 +1189,7 @@ TINY = {
     "wan": (WAN_VARIANTS, "t2v", make_tiny_wan),
     "ltx2": (LTX2_VARIANTS, "2.0", make_tiny_ltx2),
     "kandinsky5": (KANDINSKY5_VARIANTS, "t2v", make_tiny_kandinsky5),
+    "hunyuanvideo15": (HUNYUANVIDEO15_VARIANTS, "t2v", make_tiny_hunyuanvideo15),
 }
 
 
