@@ -52,7 +52,11 @@ from types import SimpleNamespace
 
 import torch
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from transformers import BatchEncoding
@@ -812,12 +816,15 @@ def main(argv: list[str] | None = None) -> None:
             title = describe(cfg, adapter, shapes(cfg, adapter, 1))
             one_gpu.report(one_gpu_parts(cfg, family, adapter), args.fit, title, args.ram)
         else:
-            table(
-                cfg,
-                adapter,
-                args.world,
-                {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp},
-            )
+            try:
+                results = {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp}
+            except (DataDependentOutputException, DynamicOutputShapeException) as e:
+                sys.exit(
+                    f"{family}'s training step reads its tensors' values ({e.func}: each prompt's own "
+                    "length, a mask), which fake tensors have none of: this estimate cannot follow "
+                    "it; measure a step on the device instead (--check on a GPU)"
+                )
+            table(cfg, adapter, args.world, results)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ files").
 
 Every floating tensor is written in bf16, but for those the diffusers class keeps in fp32 (Wan's
 norms, time embedder and modulation, as the folder stores them). --fp8 stores the 2-D weights of the
-transformer blocks' linear layers (Wan VACE's context blocks' too) as float8_e4m3fn: a plain cast, or with --scaled ComfyUI's scaled
+transformer blocks' linear layers (the family's blocks: Wan VACE's context blocks too) as float8_e4m3fn: a plain cast, or with --scaled ComfyUI's scaled
 fp8 (per tensor: scale = max|w| / 448, the stored value w / scale, its `.scale_weight` beside it and
 the `scaled_fp8` marker key, as comfy/utils.py convert_old_quants reads them). --prefix puts every
 key under `model.diffusion_model.`, as ComfyUI's own checkpoints have them. The file is written one
@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+import diffusers
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -52,10 +53,21 @@ def adapter_class(model_dir: Path):
     )
 
 
-def quantized(key: str, shape: tuple) -> bool:
-    """A linear layer's weight inside a transformer block (Wan VACE's context blocks too, which
+def block_prefixes(cls, model_dir: Path, folder: str) -> tuple[str, ...]:
+    """The diffusers names of the family's blocks (Adapter.blocks: Wan VACE's context blocks too),
+    from the transformer built on the meta device from the folder's config."""
+    name = json.loads((model_dir / folder / "config.json").read_text())["_class_name"]
+    transformer_class = getattr(diffusers, name)
+    with torch.device("meta"):
+        transformer = transformer_class.from_config(resolved_config(transformer_class, model_dir, folder))
+    names = {id(module): name for name, module in transformer.named_modules()}
+    return tuple(names[id(block)] + "." for block in cls.blocks(transformer))
+
+
+def quantized(key: str, shape: tuple, blocks: tuple[str, ...]) -> bool:
+    """A linear layer's weight inside a transformer block (`blocks`: their diffusers names, which
     model.storage_dtype = "fp8" stores in fp8 alike): what ComfyUI's fp8 files store in fp8."""
-    return key.startswith(("blocks.", "vace_blocks.")) and key.endswith(".weight") and len(shape) == 2
+    return key.startswith(blocks) and key.endswith(".weight") and len(shape) == 2
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:
@@ -77,6 +89,7 @@ def to_single_file(
         key: (table.dtype, tuple(table.shape)) for key, table in tables.items()
     }
     names = {key: cls.single_file_key(key) for key in stored}
+    blocks = block_prefixes(cls, Path(model_dir), folder) if fp8 else ()
     unnamed = [key for key, name in names.items() if name is None]
     if unnamed or cls.diffusers_names(list(names.values())) != {v: k for k, v in names.items()}:
         raise SystemExit(
@@ -87,7 +100,7 @@ def to_single_file(
     plan = []
     for key, (dtype, shape) in stored.items():
         if dtype.is_floating_point and not cls.keeps_fp32(key):
-            dtype = FP8 if fp8 and quantized(names[key], shape) else torch.bfloat16
+            dtype = FP8 if fp8 and quantized(key, shape, blocks) else torch.bfloat16
         read = tables[key].float if key in tables else functools.partial(weights.read, key, torch.float32)
         plan.append(((PREFIX if prefix else "") + names[key], dtype, shape, read))
     # The other folders the family's files carry (LTX-2's text connectors, which ComfyUI's model and
