@@ -291,21 +291,22 @@ class Adapter(TransformerLoading, abc.ABC):
     # provides; LTX-2 conditions on the clip's own first latent frame and caches none
     IMAGE = ("encode_image",)
 
-    # Shape rules.
+    # Shape rules. The VAE's by default from its config's keys (vae_config, which __init__ sets), as
+    # diffusers' video VAEs name them; a VAE without them (CogVideoX's, Wan's) overrides these.
     @property
-    @abc.abstractmethod
     def temporal_ratio(self) -> int:
         """The VAE's temporal compression: latent frame k holds frames from k x ratio on."""
+        return self.vae_config["temporal_compression_ratio"]
 
     @property
-    @abc.abstractmethod
     def spatial_ratio(self) -> int:
         """The VAE's spatial compression (a loss mask's downsampling, a reference's size rule)."""
+        return self.vae_config["spatial_compression_ratio"]
 
     @property
-    @abc.abstractmethod
     def latent_channels(self) -> int:
         """The VAE latent's channels (bench/bench_memory.py builds its batches from them)."""
+        return self.vae_config["latent_channels"]
 
     @property
     @abc.abstractmethod
@@ -710,7 +711,7 @@ def missing_members(family: type[Adapter], adapter: Adapter | None = None) -> li
             if getattr(family, n) is getattr(Adapter, n)
         ]
         return sorted(family.__abstractmethods__) + unfilled
-    wanted = ["transformer_config"] + ["losses"] * bool(family.LOSS_PARTS)
+    wanted = ["transformer_config", "vae_config"] + ["losses"] * bool(family.LOSS_PARTS)
     wanted += ["sound_rate", "audio_loss_weight"] * ("audio" in family.ENCODERS)
     return [name for name in wanted if not hasattr(adapter, name)]
 

@@ -215,18 +215,6 @@ class HunyuanVideo15Adapter(Adapter):
 
     # Shape rules.
     @property
-    def temporal_ratio(self) -> int:
-        return self.vae_config["temporal_compression_ratio"]
-
-    @property
-    def spatial_ratio(self) -> int:
-        return self.vae_config["spatial_compression_ratio"]
-
-    @property
-    def latent_channels(self) -> int:
-        return self.vae_config["latent_channels"]
-
-    @property
     def frame_multiple(self) -> int:
         # 4k+1 frames: the causal VAE encodes [0], [1:5], [5:9], ...
         return self.temporal_ratio

@@ -143,18 +143,6 @@ class Kandinsky5Adapter(Adapter):
 
     # Shape rules, read from the model's own config.
     @property
-    def temporal_ratio(self) -> int:
-        return self.vae_config["temporal_compression_ratio"]
-
-    @property
-    def spatial_ratio(self) -> int:
-        return self.vae_config["spatial_compression_ratio"]
-
-    @property
-    def latent_channels(self) -> int:
-        return self.vae_config["latent_channels"]
-
-    @property
     def frame_multiple(self) -> int:
         # 4k+1 frames: the causal VAE encodes [0], [1:5], [5:9], ...
         return self.temporal_ratio * self.transformer_config["patch_size"][0]

@@ -563,18 +563,6 @@ class LTX2Adapter(Adapter):
 
     # Shape rules read from the model's own config.
     @property
-    def temporal_ratio(self) -> int:
-        return self.vae_config["temporal_compression_ratio"]
-
-    @property
-    def spatial_ratio(self) -> int:
-        return self.vae_config["spatial_compression_ratio"]
-
-    @property
-    def latent_channels(self) -> int:
-        return self.vae_config["latent_channels"]
-
-    @property
     def frame_multiple(self) -> int:
         return self.temporal_ratio  # 8k+1 frames: the causal VAE encodes the first frame alone
 

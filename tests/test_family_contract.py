@@ -81,12 +81,13 @@ def test_a_family_that_forgets_a_required_method_is_named_at_load(monkeypatch):
 def test_the_sound_group_and_the_init_attributes_are_checked():
     """The sound group and the attributes __init__ must set are checked.
 
-    A family with sound lacking a sound member, and one whose __init__ sets no transformer_config.
+    A family with sound lacking a sound member, and one whose __init__ sets no transformer_config
+    and no vae_config.
     """
     forgetful = without(LTX2Adapter, "decode_audio", "sampled_audio")
     with pytest.raises(TypeError, match="ForgetfulLTX2Adapter does not provide sampled_audio, decode_audio:"):
         check_family(forgetful)
-    with pytest.raises(TypeError, match=r"WanAdapter does not provide transformer_config:"):
+    with pytest.raises(TypeError, match=r"WanAdapter does not provide transformer_config, vae_config:"):
         check_family(WanAdapter, WanAdapter.__new__(WanAdapter))
 
 
