@@ -781,8 +781,9 @@ def check_config(cfg: Config) -> type[Adapter]:
         for key in adapter_class(family).READS:
             if key not in cls.READS and config_sets(cfg, key):
                 readers = [f for f in ADAPTERS if key in adapter_class(f).READS]
+                named = " and ".join([", ".join(readers[:-1]), readers[-1]] if len(readers) > 1 else readers)
                 raise ConfigError(
-                    f"{key} is read by the {' and '.join(readers)} families' training; "
+                    f"{key} is read by the {named} families' training; "
                     f"{cls.FAMILY} does not read it: remove it"
                 )
     cls.check_config(cfg)

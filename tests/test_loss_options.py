@@ -243,8 +243,14 @@ def test_the_families_default_draws_are_unchanged_and_the_weight_multiplies(fami
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"train.timestep_sampling": "uniform"}, r"train.timestep_sampling is read by the wan and ltx2"),
-        ({"train.loss_weighting": "bell"}, r"train.loss_weighting is read by the wan and ltx2"),
+        (
+            {"train.timestep_sampling": "uniform"},
+            r"train.timestep_sampling is read by the wan, ltx2, kandinsky5 and hunyuanvideo15 families' training; cogvideox",
+        ),
+        (
+            {"train.loss_weighting": "bell"},
+            r"train.loss_weighting is read by the wan, ltx2, kandinsky5 and hunyuanvideo15 families' training; cogvideox",
+        ),
         (
             {"train.logit_mean": 0.5},
             r'train.logit_mean shapes train.timestep_sampling = .logit_normal., and it is ""',

@@ -441,7 +441,10 @@ def test_audio_latents_add_their_own_loss(ltx2_models):
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ({"train.flow_shift": 3.0}, r"train.flow_shift is read by the wan families' training; ltx2 does not"),
+        (
+            {"train.flow_shift": 3.0},
+            r"train.flow_shift is read by the wan, kandinsky5 and hunyuanvideo15 families' training; ltx2 does not",
+        ),
         ({"validation.use_dynamic_cfg": True}, r"validation.use_dynamic_cfg is CogVideoX's pipeline option"),
         ({}, r"data.audio = true with data.target_fps = 0: LTX-2's sound needs every clip at one rate"),
     ],
