@@ -77,10 +77,11 @@ def found_in_code(piece: str, patterns: list[list], texts: list[str]) -> bool:
     # candidates share a few characters with the piece: the search stays quick
     n = min(4, len(piece))
     grams = {piece[i : i + n] for i in range(len(piece) - n + 1)}
-    best = max(
-        [literal_match(piece, p) for p, text in zip(patterns, texts) if any(g in text for g in grams)] + [-1]
-    )
-    return best == len(piece) or (best >= 8 and best >= 0.25 * len(piece))
+    shared = [(sum(g in text for g in grams), p) for p, text in zip(patterns, texts)]
+    # the likeliest first, and the first that fits ends the search
+    candidates = (p for count, p in sorted(shared, key=lambda c: -c[0]) if count)
+    fits = lambda best: best == len(piece) or (best >= 8 and best >= 0.25 * len(piece))
+    return any(fits(literal_match(piece, p)) for p in candidates)
 
 
 def test_troubleshooting_quotes_what_the_code_prints():
