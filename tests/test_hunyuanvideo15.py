@@ -6,6 +6,7 @@ loaded by the transformer's load_lora_adapter (the pipelines have no LoRA loader
 follows the makers' train.py (docs/models/hunyuanvideo15.md)."""
 
 import contextlib
+import inspect
 import json
 import shutil
 
@@ -46,28 +47,32 @@ from tools.make_synthetic_dataset import make_synthetic_dataset
 PIPELINES = {"t2v": HunyuanVideo15Pipeline, "i2v": HunyuanVideo15ImageToVideoPipeline}
 # Every argument of the class, as diffusers' conversion script writes the published folders
 # (scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS).
-PUBLISHED_KEYS = {
-    "attention_head_dim",
-    "image_embed_dim",
-    "in_channels",
-    "mlp_ratio",
-    "num_attention_heads",
-    "num_layers",
-    "num_refiner_layers",
-    "out_channels",
-    "patch_size",
-    "patch_size_t",
-    "qk_norm",
-    "rope_axes_dim",
-    "rope_theta",
-    "target_size",
-    "task_type",
-    "text_embed_2_dim",
-    "text_embed_dim",
-    "use_meanflow",
-}
+PUBLISHED_KEYS = set(inspect.signature(HunyuanVideo15Transformer3DModel.__init__).parameters) - {"self"}
 # the second prompt's quoted text reaches ByT5 (the glyph encoder); the first's leaves it empty
 PROMPTS = ["a red circle moves right", 'a blue square shows the word "go"']
+
+
+def predict_inputs(adapter) -> tuple:
+    """Two samples' noisy latents, timesteps, texts (through the batch's padding and cut) and image
+    tokens, drawn from seed 0, for comparing two transformers' predictions."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 3, 2, 2, generator=gen)
+    text = adapter._text_inputs(
+        {
+            k: v[None].expand(2, *v.shape)
+            for k, v in padded_text(
+                {
+                    "prompt_embeds": torch.randn(5, 32, generator=gen),
+                    "prompt_embeds_2": torch.randn(3, 16, generator=gen),
+                },
+                adapter.text_length,
+            ).items()
+        },
+        2,
+    )
+    image = torch.randn(2, 16, 16, generator=gen)
+    t = torch.tensor([10.0, 900.0])
+    return x, t, text, image
 
 
 @pytest.fixture(scope="module")
@@ -322,23 +327,7 @@ def test_variant_trains_exports_and_samples_as_its_pipeline(
         sft_cfg = load_config(str(tmp_path / "sft.toml"))
         ours = render.load_model(sft_cfg, adapter, d, str(tmp_path / "sft" / "checkpoint-2"), None).eval()
     exported = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / "sft" / "transformer").eval()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 9, 3, 2, 2, generator=gen)
-    text = adapter._text_inputs(
-        {
-            k: v[None].expand(2, *v.shape)
-            for k, v in padded_text(
-                {
-                    "prompt_embeds": torch.randn(5, 32, generator=gen),
-                    "prompt_embeds_2": torch.randn(3, 16, generator=gen),
-                },
-                adapter.text_length,
-            ).items()
-        },
-        2,
-    )
-    image = torch.randn(2, 16, 16, generator=gen)
-    t = torch.tensor([10.0, 900.0])
+    x, t, text, image = predict_inputs(adapter)
     with torch.no_grad():
         torch.testing.assert_close(
             adapter._predict(exported, x, t, text, image),
@@ -406,23 +395,7 @@ def test_full_lifecycle(hv_models, base_settings, hv_data, tmp_path):
     theirs.load_lora_adapter(
         str(lora_dir), weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
     )
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 9, 3, 2, 2, generator=gen)
-    text = adapter._text_inputs(
-        {
-            k: v[None].expand(2, *v.shape)
-            for k, v in padded_text(
-                {
-                    "prompt_embeds": torch.randn(5, 32, generator=gen),
-                    "prompt_embeds_2": torch.randn(3, 16, generator=gen),
-                },
-                adapter.text_length,
-            ).items()
-        },
-        2,
-    )
-    image = torch.randn(2, 16, 16, generator=gen)
-    t = torch.tensor([10.0, 900.0])
+    x, t, text, image = predict_inputs(adapter)
     with torch.no_grad():
         torch.testing.assert_close(
             adapter._predict(theirs, x, t, text, image),
