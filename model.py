@@ -20,6 +20,7 @@ import logging
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import data
 import lora
@@ -59,7 +60,7 @@ def setup_adapter(cfg: Config, d: ranks.Dist):
             parallel.check_heads(cfg.parallel.sp_size, heads, d.world)
         parallel.check_offload_blocks(cfg.parallel, adapter.block_count)
         check_streaming_with_sound(cfg.parallel, adapter)
-        check_optimizer(cfg.train, cfg.lora, cfg.parallel, d.device)
+        check_optimizer(cfg.train, cfg.lora, d.device)
         adapter.check_guidance(cfg.validation)
         if cfg.validation.do_validation:
             check_validation_files(cfg.validation)
@@ -310,7 +311,7 @@ def check_lora_matches(cfg: LoraConfig, info: dict) -> None:
 
 
 # Constructor arguments vidtrain fixes: fused AdamW everywhere (see build_optimizer); prodigyopt's
-# fsdp_in_use is for FSDP1's flat parameters (check_optimizer refuses prodigy under FSDP2).
+# fsdp_in_use is for FSDP1's flat parameters (under FSDP2 prodigy steps whole weights: WholeWeights).
 FIXED_ARGS = {"adamw": {"fused": True}, "prodigy": {"fsdp_in_use": False}}
 # Defaults of ours: Muon's update scaled to AdamW's size (Moonshot's rule, torch's
 # adjust_lr_fn="match_rms_adamw"), so that one train.learning_rate serves Muon and its AdamW half.
@@ -352,7 +353,7 @@ def optimizer_arguments(train: TrainConfig) -> dict:
     return {**DEFAULT_ARGS.get(train.optimizer, {}), **train.optimizer_args, **ours, **fixed}
 
 
-def check_optimizer(train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: ParallelConfig, device) -> None:
+def check_optimizer(train: TrainConfig, lora_cfg: LoraConfig, device) -> None:
     """train.optimizer, its arguments and lora.plus_ratio, before any compute: the optimizer is
     built on a stand-in weight, so a value it refuses is named now, in its own words."""
     name = train.optimizer
@@ -368,23 +369,6 @@ def check_optimizer(train: TrainConfig, lora_cfg: LoraConfig, parallel_cfg: Para
         raise ConfigError(
             f'train.optimizer = "adamw8bit" runs on CUDA and CPU devices (torchao compiles its step '
             f"with inductor), not on {device.type}: choose another train.optimizer"
-        )
-    if name == "adafactor" and parallel_cfg.strategy == "fsdp":
-        # torch.optim.Adafactor squares the column norm of a gradient in place; FSDP2 shards rows,
-        # so that norm is a partial sum across ranks, which DTensor refuses to change in place.
-        raise ConfigError(
-            'train.optimizer = "adafactor" does not run under parallel.strategy = "fsdp" (torch\'s '
-            "Adafactor changes a norm of sharded rows in place, which DTensor refuses): use "
-            'parallel.strategy = "ddp", or another train.optimizer'
-        )
-    if name == "prodigy" and parallel_cfg.strategy == "fsdp":
-        # prodigyopt sums over the weights with .item(), which of a DTensor's sum is this rank's
-        # part alone: every rank would estimate its own learning rate. Its fsdp_in_use all-reduce
-        # of the sums allocates on CUDA, and is for FSDP1's flat parameters.
-        raise ConfigError(
-            'train.optimizer = "prodigy" does not run under parallel.strategy = "fsdp" (prodigyopt '
-            "reads its sums over FSDP2's sharded weights on each rank alone, so the ranks' learning "
-            'rates would differ): use parallel.strategy = "ddp", or another train.optimizer'
         )
     if name == "prodigy" and lora_cfg.plus_ratio and train.training_type == "lora":
         raise ConfigError(
@@ -477,13 +461,69 @@ def build_optimizer(model, train: TrainConfig, plus_ratio: float = 0.0):
 
     kwargs = optimizer_arguments(train)
     kwargs.pop("lr")
-    optimizers = [optimizer_class(train.optimizer)(groups(parts["main"]), **kwargs)]
+    cls = optimizer_class(train.optimizer)
+    if train.optimizer in WHOLE_WEIGHT_STEPS and any(isinstance(p, DTensor) for _, p in named):
+        cls = type(
+            f"WholeWeight{cls.__name__}",
+            (WholeWeights, cls),
+            {"AT_ONCE": WHOLE_WEIGHT_STEPS[train.optimizer]},
+        )
+    optimizers = [cls(groups(parts["main"]), **kwargs)]
     if parts["rest"]:
         adamw = dataclasses.replace(train, optimizer="adamw", optimizer_args={})
         adamw_kwargs = optimizer_arguments(adamw)
         adamw_kwargs.pop("lr")
         optimizers.append(torch.optim.AdamW(groups(parts["rest"]), **adamw_kwargs))
     return [p for _, p in named], Optimizers(optimizers)
+
+
+# Optimizers written for whole weights, which FSDP2's sharded ones would make wrong or stop (torch's
+# Adafactor squares a column norm of sharded rows in place and scales by the weight's norm read on
+# each rank; prodigyopt sums over the weights with .item(), each rank its own part, and flattens
+# weights, which DTensor refuses for uneven shards). Under FSDP2 they step whole weights
+# (WholeWeights); True: all weights in one step (prodigy's estimate sums over them all), False: one
+# weight at a time (Adafactor's update of a weight reads that weight alone).
+WHOLE_WEIGHT_STEPS = {"adafactor": False, "prodigy": True}
+
+
+class WholeWeights:
+    """The optimizer's own step over FSDP2's sharded weights, run on whole weights.
+
+    Mixed in before an optimizer class (build_optimizer): each step gathers the weights and their
+    gradients whole (one weight at a time, or all at once where AT_ONCE), runs the class's step on
+    them, and keeps each rank's rows of the result. Every rank computes the same update from the
+    same gathered values, so the update is the one process's, to the gradients' reduction order.
+    The cost: the state is whole on every rank, as under DDP (Adafactor's: a row and a column vector
+    per matrix; prodigy's: four times the trainable weights), held as plain tensors, which DCP saves
+    once and loads at any world size; and the gathered weights and gradients for the step
+    (bench/bench_memory.py counts both)."""
+
+    AT_ONCE: bool
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        groups = [group["params"] for group in self.param_groups]
+        stepped = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for part in [stepped] if self.AT_ONCE else [[each] for each in stepped]:
+            whole = {p: self._gathered(p) for _, p in part}
+            for group in self.param_groups:
+                group["params"] = [whole[p] for owner, p in part if owner is group]
+            super().step(closure)
+            for group, params in zip(self.param_groups, groups):
+                group["params"] = params
+            for p, w in whole.items():
+                self.state[p] = self.state.pop(w)
+                if isinstance(p, DTensor):  # this rank's rows, cut here: every rank holds them all
+                    rows = distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(rows.to_local())
+
+    def _gathered(self, p: torch.Tensor) -> torch.Tensor:
+        """The whole weight with its whole gradient, holding the weight's state."""
+        w = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        w.grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if p in self.state:
+            self.state[w] = self.state.pop(p)
+        return w
 
 
 class ProdigyCounters:

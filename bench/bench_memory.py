@@ -18,7 +18,9 @@ torch.cuda.max_memory_allocated where CUDA is).
 - fsdp, modelled (no fake collectives here): weights, gradients, AdamW and EMA / shards (world /
   dp_replicate); in flight the root's weights, 3 blocks gathered in the compute dtype (computing,
   prefetched, its all-gather buffer) and one block's unsharded gradients with an fp32 reduce-scatter
-  buffer; activations without autocast's weight copies; optimizer temporaries / shards.
+  buffer; activations without autocast's weight copies; optimizer temporaries / shards. Adafactor's
+  and prodigy's state whole on every rank, and their step's gathered weights and gradients (one
+  weight, or all for prodigy) in flight: model.WholeWeights.
 - sp, modelled (no fake collectives here) rather than run through parallel.py: each rank holds 1/sp
   of a sample's video tokens (the latent width split, rounded up to whole patches) and all text
   tokens, as Ulysses attention does; parallel.py splits the tokens at the first block and gathers
@@ -456,14 +458,20 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
             + 3 * max(gathered)
             + block_grads * ((compute or torch.float32).itemsize + 4)
         )
-        forward = tracker.peak["fsdp"] >= tracker.peak["opt"] / shards - in_flight
+        # Adafactor and prodigy step whole weights under FSDP2 (model.WholeWeights): their state is
+        # whole on every rank, and the step gathers the weights and gradients it takes at once
+        at_once = vidtrain_model.WHOLE_WEIGHT_STEPS.get(cfg.train.optimizer)
+        step_gathered = (
+            0 if at_once is None else 2 * max(nbytes(params) if at_once else nbytes([p]) for p in params)
+        )
+        forward = tracker.peak["fsdp"] >= tracker.peak["opt"] / shards + step_gathered - in_flight
         parts = {
             "grads": nbytes(params) / shards,
-            "in_flight": in_flight if forward else 0,
+            "in_flight": in_flight if forward else step_gathered,
             "shards": shards,
             "activations": tracker.peak["fsdp"] if forward else tracker.peak["opt"] / shards,
         }
-        state = {k: v / shards for k, v in state.items()}
+        state = {k: v if k == "adamw" and at_once is not None else v / shards for k, v in state.items()}
     parts |= {
         **state,
         "trainable": state["weights"] + state["adamw"] + state["ema"],
