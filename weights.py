@@ -193,7 +193,8 @@ def rename_key(key: str, blocks: str, new_blocks: str, in_block: dict, outside: 
 # A single file's names map to diffusers' through the family's adapter (SINGLE_FILE_KEY,
 # single_file_key and diffusers_names: Wan through diffusers' own
 # convert_wan_transformer_to_diffusers, CogVideoX through ComfyUI's module names, LTX-2 through
-# diffusers' convert_ltx2_to_diffusers tables), which also names the keys that are not the
+# diffusers' convert_ltx2_to_diffusers tables, HunyuanVideo 1.5 through its conversion script's, where
+# one file tensor may hold several weights' rows or one's halves swapped: file_rows), which also names the keys that are not the
 # transformer's (single_file_extra: LTX-2's connectors, CogVideoX 2b's sincos table). Reading stays
 # lean: the headers first, then each tensor (under FSDP each rank's rows) when the model asks for it;
 # an fp8 tensor is dequantized as ComfyUI does, the stored value times its layer's scale in fp32, one
