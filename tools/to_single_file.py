@@ -4,8 +4,9 @@ Write a diffusers model folder's transformer as one safetensors file in the layo
 original releases use (what model.transformer_file reads): Wan in the original checkpoint's names,
 CogVideoX in ComfyUI's native ones (2b's with its sincos table, which ComfyUI detects it by), LTX-2
 in Lightricks' (ltx-core's), with the folder's text connectors beside the transformer, as Lightricks'
-files carry them and ComfyUI's model loads them from the same file (docs/models/*.md, "Single
-files").
+files carry them and ComfyUI's model loads them from the same file, HunyuanVideo 1.5 in the
+makers' (the text refiner's q, k and v fused into self_attn_qkv, the final modulation shift first)
+(docs/models/*.md, "Single files").
 
     python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp8 [--scaled]] [--prefix]
                                    [--folder transformer]
