@@ -242,6 +242,9 @@ class Adapter(TransformerLoading, abc.ABC):
     # A key every single file of the family holds (model.transformer_file; single_file_key and
     # diffusers_names map the names); "" for a family whose single files vidtrain does not read.
     SINGLE_FILE_KEY = ""
+    # Diffusers names whose two halves (dim 0) the family's single files store the other way round
+    # (HunyuanVideo 1.5's norm_out: the makers' shift, scale; diffusers' scale, shift).
+    SWAPPED_HALVES: tuple[str, ...] = ()
     # Other folders of the model whose weights the family's single files carry beside the
     # transformer's (LTX-2's connectors/), named by single_file_part_key; reading skips them
     # (single_file_extra), tools/to_single_file.py writes them.
@@ -442,12 +445,13 @@ class Adapter(TransformerLoading, abc.ABC):
     # Single files (SINGLE_FILES, required once SINGLE_FILE_KEY is set).
     @staticmethod
     def single_file_key(key: str) -> str | None:
-        """A diffusers state-dict key's name in the family's single files, or None where they have
-        none."""
+        """A diffusers state-dict key's name in the family's single files (a fused tensor's name for
+        each of its parts), or None where they have none."""
 
     @staticmethod
-    def diffusers_names(keys: list[str]) -> dict[str, str]:
-        """A single file's keys -> their diffusers names."""
+    def diffusers_names(keys: list[str]) -> dict[str, str | list[str]]:
+        """A single file's keys -> their diffusers names; a list where one tensor of the file holds
+        several of diffusers' stacked along dim 0 in equal parts, in order (a fused qkv)."""
 
     # Sound (SOUND, required once ENCODERS has "audio").
     @property

@@ -117,7 +117,11 @@ class Weights:
 
     def _rows(self, key: str, start: int, count: int) -> torch.Tensor:
         """Rows [start, start + count) of dim 0 (the whole tensor for a 0-dim one), as stored."""
-        path, dtype, shape, offset = self.entries[key]
+        return self._read_rows(key, self.entries[key], start, count)
+
+    def _read_rows(self, key: str, entry: tuple, start: int, count: int) -> torch.Tensor:
+        """Rows of the tensor an entry (file, dtype, shape, first byte) places, as stored."""
+        path, dtype, shape, offset = entry
         row = math.prod(shape[1:]) * dtype.itemsize
         tensor = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
         file = self._open[path]
@@ -189,7 +193,8 @@ def rename_key(key: str, blocks: str, new_blocks: str, in_block: dict, outside: 
 # A single file's names map to diffusers' through the family's adapter (SINGLE_FILE_KEY,
 # single_file_key and diffusers_names: Wan through diffusers' own
 # convert_wan_transformer_to_diffusers, CogVideoX through ComfyUI's module names, LTX-2 through
-# diffusers' convert_ltx2_to_diffusers tables), which also names the keys that are not the
+# diffusers' convert_ltx2_to_diffusers tables, HunyuanVideo 1.5 through its conversion script's, where
+# one file tensor may hold several weights' rows or one's halves swapped: file_rows), which also names the keys that are not the
 # transformer's (single_file_extra: LTX-2's connectors, CogVideoX 2b's sincos table). Reading stays
 # lean: the headers first, then each tensor (under FSDP each rank's rows) when the model asks for it;
 # an fp8 tensor is dequantized as ComfyUI does, the stored value times its layer's scale in fp32, one
@@ -343,6 +348,48 @@ def read_scales(stored: dict, metadata: dict) -> dict[str, float]:
     return scales
 
 
+def file_rows(
+    shapes: dict[str, tuple[int, ...]],
+    names: dict[str, str | list[str]],
+    swapped: tuple[str, ...],
+    source: str = "model.transformer_file",
+) -> dict[str, tuple[str, list[tuple[int, int]]]]:
+    """Each diffusers weight's rows in a single file: key -> (the file's key, [(first row, rows)]).
+
+    `names` maps the file's keys to diffusers' (Adapter.diffusers_names): one name takes the whole
+    tensor; a list of names takes equal parts of its rows, in order (the makers' fused qkv, which
+    diffusers' conversion chunks into to_q, to_k and to_v); a name in `swapped`
+    (Adapter.SWAPPED_HALVES) takes its rows' two halves the other way round (diffusers' scale and
+    shift, the makers' shift and scale). A file tensor whose rows do not split into its parts is of
+    another layout: the key is named."""
+    rows = {}
+    for key, shape in shapes.items():
+        parts = [names[key]] if isinstance(names[key], str) else names[key]
+        total = shape[0] if shape else 1
+        if total % len(parts):
+            raise ConfigError(
+                f"{source}: {key} has {total} rows, which do not split into the "
+                f"{len(parts)} weights it holds ({', '.join(parts)}): the file is of another model"
+            )
+        n = total // len(parts)
+        for i, name in enumerate(parts):
+            first, half = i * n, n // 2
+            rows[name] = (key, [(first + half, n - half), (first, half)] if name in swapped else [(first, n)])
+    return rows
+
+
+def span_rows(spans: list[tuple[int, int]], start: int, count: int) -> list[tuple[int, int]]:
+    """The stored rows (first, rows) that hold rows [start, start + count) of a tensor made of
+    `spans` (its stored rows, in order): only those are read."""
+    out, begin = [], 0
+    for first, n in spans:
+        low, high = max(start, begin), min(start + count, begin + n)
+        if low < high:
+            out.append((first + low - begin, high - low))
+        begin += n
+    return out
+
+
 class SingleFile(Weights):
     """model.transformer_file's weights under diffusers' names, read as Weights reads a folder's."""
 
@@ -393,12 +440,24 @@ class SingleFile(Weights):
             )
         scales = read_scales(stored, metadata)
         weights = [k for k in stored if k != "scaled_fp8" and not k.endswith(QUANT_SUFFIXES)]
-        names = adapter.diffusers_names(weights)
-        # key -> (file, dtype, shape, first byte), as Weights keeps them; the file's own names for
-        # messages.
-        self.entries = {names[k]: stored[k][:4] for k in weights}
-        self.file_keys = {names[k]: k for k in weights}
-        self.scales = {names[k]: scale for k, scale in scales.items()}
+        # The file's tensors (file, dtype, shape, first byte); each diffusers weight's source: the
+        # file's key and its rows there, in order (file_rows); its shape in entries, as Weights
+        # keeps them; the file's own names for messages. A scale is its file tensor's, whatever
+        # rows of it a weight takes.
+        self.stored = {k: stored[k][:4] for k in weights}
+        self.sources: dict[str, tuple[str, list[tuple[int, int]]]] = {}
+        self.entries = {}
+        for key, (name, spans) in file_rows(
+            {k: entry[2] for k, entry in self.stored.items()},
+            adapter.diffusers_names(weights),
+            adapter.SWAPPED_HALVES,
+            f"model.transformer_file = {', '.join(files)}",
+        ).items():
+            path, dtype, shape, offset = self.stored[name]
+            self.sources[key] = (name, spans)
+            self.entries[key] = (path, dtype, (sum(n for _, n in spans), *shape[1:]) if shape else (), offset)
+        self.file_keys = {key: name for key, (name, _) in self.sources.items()}
+        self.scales = {key: scales[name] for key, name in self.file_keys.items() if name in scales}
         self.data_bytes = sum(stored[k][4] for k in weights)
         self.keys: list[str] = []
         self.read_bytes = 0
@@ -420,9 +479,12 @@ class SingleFile(Weights):
         source = f"model.transformer_file = {', '.join(map(str, self.files))}"
         wrong = [k for k in expected if k in self.entries and self.entries[k][2] != expected[k]]
         if wrong:
-            key = wrong[0]
+            key, name = wrong[0], self.file_keys[wrong[0]]
+            # a weight that is part of a file tensor (a fused qkv's q) is named with its share
+            share = self.entries[key][2]
+            part = "" if share == self.stored[name][2] else f" (its rows for {key}: {list(share)})"
             raise ConfigError(
-                f"{source}: {self.file_keys[key]} is {list(self.entries[key][2])} there, but "
+                f"{source}: {name} is {list(self.stored[name][2])} there{part}, but "
                 f"{self.config_folder}/config.json makes it {list(expected[key])} ({key}): the file is "
                 "another size of the model; use the file of the model at model.path"
             )
@@ -452,11 +514,21 @@ class SingleFile(Weights):
         by the file's maker; any other (float8_e5m2 too) at full precision, an fp8 one dequantized,
         to be quantized once."""
         if self.entries[key][1] == torch.float8_e4m3fn:
-            return Weights._rows(self, key, start, count), self.scales.get(key, 1.0)
+            return self._stored_rows(key, start, count), self.scales.get(key, 1.0)
         return super().fp8_source(key, start, count)
 
+    def _stored_rows(self, key: str, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of a weight, as stored: read from its file tensor's rows
+        (file_rows), only those."""
+        name, spans = self.sources[key]
+        entry = self.stored[name]
+        parts = [self._read_rows(name, entry, first, n) for first, n in span_rows(spans, start, count)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else self._read_rows(name, entry, 0, 0)
+
     def _rows(self, key: str, start: int, count: int) -> torch.Tensor:
-        rows = super()._rows(key, start, count)
+        rows = self._stored_rows(key, start, count)
         # ComfyUI's dequantization: the stored value times the layer's scale, in fp32
         if rows.dtype in FP8:
             return rows.float() * self.scales.get(key, 1.0)

@@ -156,6 +156,99 @@ BLOCKS = {
         COMFY_REFINER,
     ),
 }
+# The makers' checkpoint (Tencent-Hunyuan/HunyuanVideo-1.5's transformer files; model.transformer_file)
+# -> diffusers' module names, as diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py renames
+# them (convert_hyvideo15_transformer_to_diffusers, lines 140-419 at huggingface/diffusers 671149e):
+# outside the blocks, inside a dual-stream block (double_blocks.N -> transformer_blocks.N, its q, k
+# and v apart) and inside a text refiner block (txt_in.individual_token_refiner.blocks.N ->
+# context_embedder.token_refiner.refiner_blocks.N), whose self_attn_qkv fuses q, k and v: a tuple is
+# a fused module's parts, its rows in equal thirds (the script's torch.chunk(qkv, 3), lines 212-223).
+# The final layer's modulation holds shift then scale, diffusers' norm_out scale then shift (the
+# script's swap_scale_shift, lines 134-137 and 409-415): SWAPPED_HALVES.
+MAKERS_OUTSIDE = {
+    "time_in.mlp.0": "time_embed.timestep_embedder.linear_1",
+    "time_in.mlp.2": "time_embed.timestep_embedder.linear_2",
+    "time_r_in.mlp.0": "time_embed.timestep_embedder_r.linear_1",  # use_meanflow
+    "time_r_in.mlp.2": "time_embed.timestep_embedder_r.linear_2",
+    "txt_in.t_embedder.mlp.0": "context_embedder.time_text_embed.timestep_embedder.linear_1",
+    "txt_in.t_embedder.mlp.2": "context_embedder.time_text_embed.timestep_embedder.linear_2",
+    "txt_in.c_embedder.linear_1": "context_embedder.time_text_embed.text_embedder.linear_1",
+    "txt_in.c_embedder.linear_2": "context_embedder.time_text_embed.text_embedder.linear_2",
+    "txt_in.input_embedder": "context_embedder.proj_in",
+    "byt5_in.layernorm": "context_embedder_2.norm",
+    "byt5_in.fc1": "context_embedder_2.linear_1",
+    "byt5_in.fc2": "context_embedder_2.linear_2",
+    "byt5_in.fc3": "context_embedder_2.linear_3",
+    "vision_in.proj.0": "image_embedder.norm_in",
+    "vision_in.proj.1": "image_embedder.linear_1",
+    "vision_in.proj.3": "image_embedder.linear_2",
+    "vision_in.proj.4": "image_embedder.norm_out",
+    "img_in.proj": "x_embedder.proj",
+    "cond_type_embedding": "cond_type_embed",
+    "final_layer.adaLN_modulation.1": "norm_out.linear",
+    "final_layer.linear": "proj_out",
+}
+MAKERS_BLOCK = {
+    "img_mod.linear": "norm1.linear",
+    "txt_mod.linear": "norm1_context.linear",
+    "img_attn_q": "attn.to_q",
+    "img_attn_k": "attn.to_k",
+    "img_attn_v": "attn.to_v",
+    "img_attn_q_norm": "attn.norm_q",
+    "img_attn_k_norm": "attn.norm_k",
+    "img_attn_proj": "attn.to_out.0",
+    "txt_attn_q": "attn.add_q_proj",
+    "txt_attn_k": "attn.add_k_proj",
+    "txt_attn_v": "attn.add_v_proj",
+    "txt_attn_q_norm": "attn.norm_added_q",
+    "txt_attn_k_norm": "attn.norm_added_k",
+    "txt_attn_proj": "attn.to_add_out",
+    "img_mlp.fc1": "ff.net.0.proj",
+    "img_mlp.fc2": "ff.net.2",
+    "txt_mlp.fc1": "ff_context.net.0.proj",
+    "txt_mlp.fc2": "ff_context.net.2",
+}
+MAKERS_REFINER = {
+    "norm1": "norm1",
+    "norm2": "norm2",
+    "self_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "self_attn_proj": "attn.to_out.0",
+    "mlp.fc1": "ff.net.0.proj",
+    "mlp.fc2": "ff.net.2",
+    "adaLN_modulation.1": "norm_out.linear",
+}
+MAKERS_BLOCKS = {
+    "double_blocks": ("transformer_blocks", MAKERS_BLOCK),
+    "txt_in.individual_token_refiner.blocks": (
+        "context_embedder.token_refiner.refiner_blocks",
+        MAKERS_REFINER,
+    ),
+}
+
+
+def makers_module(module: str) -> str | tuple[str, ...] | None:
+    """A module of the makers' checkpoint -> diffusers' name (a fused one's parts, in row order),
+    or None where diffusers has none."""
+    for theirs, (ours, names) in MAKERS_BLOCKS.items():
+        index, _, rest = module.removeprefix(f"{theirs}.").partition(".")
+        if module.startswith(f"{theirs}.") and index.isdigit() and rest in names:
+            name = names[rest]
+            if isinstance(name, tuple):
+                return tuple(f"{ours}.{index}.{part}" for part in name)
+            return f"{ours}.{index}.{name}"
+    return MAKERS_OUTSIDE.get(module)
+
+
+def diffusers_module(module: str) -> str | None:
+    """The inverse: a diffusers module's name in the makers' checkpoint (a fused one's for each of
+    its parts), or None."""
+    for theirs, (ours, names) in MAKERS_BLOCKS.items():
+        index, _, rest = module.removeprefix(f"{ours}.").partition(".")
+        if module.startswith(f"{ours}.") and index.isdigit():
+            for original, name in names.items():
+                if rest == name or (isinstance(name, tuple) and rest in name):
+                    return f"{theirs}.{index}.{original}"
+    return next((original for original, name in MAKERS_OUTSIDE.items() if name == module), None)
 
 
 class HunyuanVideo15Adapter(Adapter):
@@ -173,6 +266,9 @@ class HunyuanVideo15Adapter(Adapter):
         Qwen2_5_VLTextModel,
     )
     COMFY = True
+    # The makers' layout (MAKERS_BLOCKS): bare, or under ComfyUI's model.diffusion_model.
+    SINGLE_FILE_KEY = "vision_in.proj.0.weight"
+    SWAPPED_HALVES = ("norm_out.linear.weight", "norm_out.linear.bias")
 
     def __init__(self, cfg: ModelConfig, device: torch.device, run: RunSettings = RunSettings()):
         super().__init__(cfg, device, run)
@@ -263,6 +359,29 @@ class HunyuanVideo15Adapter(Adapter):
             if slices:
                 return [f"{ours}.{index}.{key}" for _, key in slices]
         return None
+
+    # Single files: the makers' layout.
+    @staticmethod
+    def single_file_key(key: str) -> str | None:
+        """context_embedder.token_refiner.refiner_blocks.N.attn.to_q.weight ->
+        txt_in.individual_token_refiner.blocks.N.self_attn_qkv.weight (to_k's and to_v's too)."""
+        module, _, leaf = key.rpartition(".")
+        original = diffusers_module(module)
+        return f"{original}.{leaf}" if original else None
+
+    @staticmethod
+    def diffusers_names(keys: list[str]) -> dict[str, str | list[str]]:
+        """The makers' names -> diffusers' (a fused qkv's three, in row order); a key diffusers has
+        no name for keeps its own, for the check to name."""
+        names = {}
+        for key in keys:
+            module, _, leaf = key.rpartition(".")
+            ours = makers_module(module)
+            if isinstance(ours, tuple):
+                names[key] = [f"{part}.{leaf}" for part in ours]
+            else:
+                names[key] = f"{ours}.{leaf}" if ours else key
+        return names
 
     # Encoding.
     def _glyph_text(self):

@@ -30,7 +30,7 @@ from diffusers import (
     HunyuanVideo15Transformer3DModel,
 )
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import data
 import lora
@@ -43,6 +43,7 @@ from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainCo
 from model import build_model
 from model_adapter import RunSettings, check_config, load_adapter, padded_text
 from tools.make_synthetic_dataset import make_synthetic_dataset
+from tools.to_single_file import to_single_file
 
 PIPELINES = {"t2v": HunyuanVideo15Pipeline, "i2v": HunyuanVideo15ImageToVideoPipeline}
 # Every argument of the class, as diffusers' conversion script writes the published folders
@@ -570,3 +571,188 @@ def test_a_half_white_loss_mask_gives_the_loss_of_that_half(hv_models, monkeypat
     clip = {k: v[:1] for k, v in batch.items()}
     held_out = adapter.fixed_losses(None, clip, [300, 800], torch.Generator().manual_seed(1))
     torch.testing.assert_close(held_out, by_hand(clip), rtol=1e-4, atol=1e-6)
+
+
+# diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, convert_hyvideo15_transformer_to_diffusers
+# (lines 140-419 at huggingface/diffusers 671149e), transcribed section by section: the makers'
+# name -> diffusers' for each module, popped as the script pops them. The script's loops count the
+# published 2 refiner and 54 dual-stream blocks; here the config's.
+SCRIPT_OUTSIDE = {  # sections 1-4, 6-9 and 11 (lines 146-204, 232-286, 409-417)
+    "time_in.mlp.0": "time_embed.timestep_embedder.linear_1",
+    "time_in.mlp.2": "time_embed.timestep_embedder.linear_2",
+    "txt_in.t_embedder.mlp.0": "context_embedder.time_text_embed.timestep_embedder.linear_1",
+    "txt_in.t_embedder.mlp.2": "context_embedder.time_text_embed.timestep_embedder.linear_2",
+    "txt_in.c_embedder.linear_1": "context_embedder.time_text_embed.text_embedder.linear_1",
+    "txt_in.c_embedder.linear_2": "context_embedder.time_text_embed.text_embedder.linear_2",
+    "txt_in.input_embedder": "context_embedder.proj_in",
+    "byt5_in.layernorm": "context_embedder_2.norm",
+    "byt5_in.fc1": "context_embedder_2.linear_1",
+    "byt5_in.fc2": "context_embedder_2.linear_2",
+    "byt5_in.fc3": "context_embedder_2.linear_3",
+    "vision_in.proj.0": "image_embedder.norm_in",
+    "vision_in.proj.1": "image_embedder.linear_1",
+    "vision_in.proj.3": "image_embedder.linear_2",
+    "vision_in.proj.4": "image_embedder.norm_out",
+    "img_in.proj": "x_embedder.proj",
+    "final_layer.linear": "proj_out",
+}
+SCRIPT_REFINER = {  # section 5 (lines 206-240), but self_attn_qkv
+    "norm1": "norm1",
+    "self_attn_proj": "attn.to_out.0",
+    "norm2": "norm2",
+    "mlp.fc1": "ff.net.0.proj",
+    "mlp.fc2": "ff.net.2",
+    "adaLN_modulation.1": "norm_out.linear",
+}
+SCRIPT_DOUBLE = {  # section 10 (lines 291-407); the q and k norms have a weight only
+    "img_mod.linear": "norm1.linear",
+    "txt_mod.linear": "norm1_context.linear",
+    "img_attn_q": "attn.to_q",
+    "img_attn_k": "attn.to_k",
+    "img_attn_v": "attn.to_v",
+    "img_attn_proj": "attn.to_out.0",
+    "txt_attn_q": "attn.add_q_proj",
+    "txt_attn_k": "attn.add_k_proj",
+    "txt_attn_v": "attn.add_v_proj",
+    "txt_attn_proj": "attn.to_add_out",
+    "img_mlp.fc1": "ff.net.0.proj",
+    "img_mlp.fc2": "ff.net.2",
+    "txt_mlp.fc1": "ff_context.net.0.proj",
+    "txt_mlp.fc2": "ff_context.net.2",
+}
+SCRIPT_DOUBLE_NORMS = {
+    "img_attn_q_norm": "attn.norm_q",
+    "img_attn_k_norm": "attn.norm_k",
+    "txt_attn_q_norm": "attn.norm_added_q",
+    "txt_attn_k_norm": "attn.norm_added_k",
+}
+
+
+def makers_to_diffusers(original: dict, config: dict) -> dict:
+    """The script's conversion of the makers' state dict (consumed: what is left was not read)."""
+    out = {"cond_type_embed.weight": original.pop("cond_type_embedding.weight")}  # section 9
+    pairs = list(SCRIPT_OUTSIDE.items())
+    for i in range(config["num_refiner_layers"]):
+        refiner, ours = (
+            f"txt_in.individual_token_refiner.blocks.{i}",
+            f"context_embedder.token_refiner.refiner_blocks.{i}",
+        )
+        pairs += [(f"{refiner}.{a}", f"{ours}.{b}") for a, b in SCRIPT_REFINER.items()]
+        for leaf in ("weight", "bias"):  # "Split self_attn_qkv into to_q, to_k, to_v" (lines 212-223)
+            q, k, v = torch.chunk(original.pop(f"{refiner}.self_attn_qkv.{leaf}"), 3, dim=0)
+            out |= {f"{ours}.attn.to_{n}.{leaf}": t for n, t in zip("qkv", (q, k, v))}
+    for i in range(config["num_layers"]):
+        pairs += [(f"double_blocks.{i}.{a}", f"transformer_blocks.{i}.{b}") for a, b in SCRIPT_DOUBLE.items()]
+        out |= {
+            f"transformer_blocks.{i}.{b}.weight": original.pop(f"double_blocks.{i}.{a}.weight")
+            for a, b in SCRIPT_DOUBLE_NORMS.items()
+        }
+    for a, b in pairs:
+        out |= {f"{b}.{leaf}": original.pop(f"{a}.{leaf}") for leaf in ("weight", "bias")}
+    for leaf in ("weight", "bias"):  # swap_scale_shift (lines 134-137, 410-415)
+        shift, scale = original.pop(f"final_layer.adaLN_modulation.1.{leaf}").chunk(2, dim=0)
+        out[f"norm_out.linear.{leaf}"] = torch.cat([scale, shift], dim=0)
+    return out
+
+
+def single_file_adapter(path, transformer_file, dtype="bf16"):
+    return load_adapter(
+        ModelConfig(path=str(path), dtype=dtype, type="t2v", transformer_file=str(transformer_file)),
+        torch.device("cpu"),
+    )
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_makers_single_file_reads_as_the_folder(prefix, hv_models, tmp_path):
+    """A single file in the makers' layout (bare, or under ComfyUI's model.diffusion_model.) is what
+    diffusers' conversion script reads: converted, it is the folder's state dict (in bf16) bit for
+    bit, every key consumed. Read as model.transformer_file, it gives the folder's weights bit for
+    bit, and each weight's rows (any range: an FSDP rank's) are its rows of the file's tensor."""
+    folder, path = hv_models("t2v"), tmp_path / "hv15.safetensors"
+    to_single_file(str(folder), str(path), prefix=prefix)
+    stored = load_file(path)
+    assert all(k.startswith("model.diffusion_model.") == prefix for k in stored)
+    original = {k.removeprefix("model.diffusion_model."): v for k, v in stored.items()}
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    converted = makers_to_diffusers(dict(original), config)
+    expected = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert converted.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(converted[k], expected[k].bfloat16())] == []
+    file_adapter = single_file_adapter(folder, path)
+    folder_adapter = load_adapter(
+        ModelConfig(path=str(folder), dtype="bf16", type="t2v"), torch.device("cpu")
+    )
+    ours, theirs = (
+        file_adapter.load_transformer().state_dict(),
+        folder_adapter.load_transformer().state_dict(),
+    )
+    assert ours.keys() == theirs.keys()
+    assert [
+        k for k in theirs if ours[k].dtype != theirs[k].dtype or not torch.equal(ours[k], theirs[k])
+    ] == []
+    single = file_adapter.single_file
+    assert single.file_keys["context_embedder.token_refiner.refiner_blocks.0.attn.to_k.weight"] == (
+        "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"
+    )
+    with single.opened():
+        for key, whole in converted.items():
+            rows = len(whole) if whole.ndim else 1
+            for start, count in ((0, rows), (1, rows - 2), (rows // 2, rows - rows // 2), (rows - 1, 1)):
+                if whole.ndim and count > 0:
+                    assert torch.equal(single._rows(key, start, count), whole[start : start + count]), key
+
+
+def test_a_scaled_fp8_makers_file_keeps_each_tensors_scale_in_its_parts(hv_models, tmp_path):
+    """A scaled fp8 file (ComfyUI's old form: X.scale_weight beside every fp8 weight, the scaled_fp8
+    marker), every 2-D weight quantized, the fused qkv and the swapped modulation too: each weight
+    is ComfyUI's dequantization of the file (stored value x its tensor's scale, in fp32) converted by
+    diffusers' script, under FSDP (one rank) as without."""
+    folder = hv_models("t2v")
+    bf16, path = tmp_path / "bf16.safetensors", tmp_path / "fp8.safetensors"
+    to_single_file(str(folder), str(bf16))
+    quantized, dequantized = {}, {}
+    for key, tensor in load_file(bf16).items():
+        if tensor.ndim == 2:
+            scale = tensor.float().abs().max() / torch.finfo(torch.float8_e4m3fn).max
+            quantized[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            quantized[key.removesuffix("weight") + "scale_weight"] = scale.reshape(())
+            dequantized[key] = quantized[key].float() * scale
+        else:
+            quantized[key] = dequantized[key] = tensor
+    save_file(quantized | {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, path)
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    expected = makers_to_diffusers(dequantized, config)
+    adapter = single_file_adapter(folder, path, dtype="fp32")
+    whole = adapter.load_transformer().state_dict()
+    assert [k for k in expected if not torch.equal(whole[k], expected[k].float())] == []
+    train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
+    with one_rank_group() as d:
+        model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
+        sharded = {
+            k: v.full_tensor()
+            for k, v in model.named_parameters()
+            if isinstance(v, torch.distributed.tensor.DTensor) and "lora_" not in k
+        }
+        del model
+    assert sharded and [k for k, v in sharded.items() if not torch.equal(v, expected[k].float())] == []
+
+
+def test_a_makers_file_of_another_shape_or_incomplete_is_named(hv_models, tmp_path):
+    """A fused qkv whose rows do not split in three, one of another width, a missing tensor: each is
+    named before the cache pass, with the file's key."""
+    folder, path = hv_models("t2v"), tmp_path / "hv15.safetensors"
+    to_single_file(str(folder), str(path))
+    stored = load_file(path)
+    qkv = "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"
+    cases = {
+        "do not split into the 3 weights": {**stored, qkv: stored[qkv][:-1]},
+        r"is \[96, 31\] there \(its rows for .*attn.to_q.weight: \[32, 31\]\)": {
+            **stored,
+            qkv: stored[qkv][:, :-1].contiguous(),
+        },
+        "lacks 1 weights": {k: v for k, v in stored.items() if k != "final_layer.linear.bias"},
+    }
+    for message, tensors in cases.items():
+        save_file(tensors, path)
+        with pytest.raises(ConfigError, match=message):
+            single_file_adapter(folder, path)

@@ -4,8 +4,9 @@ Write a diffusers model folder's transformer as one safetensors file in the layo
 original releases use (what model.transformer_file reads): Wan in the original checkpoint's names,
 CogVideoX in ComfyUI's native ones (2b's with its sincos table, which ComfyUI detects it by), LTX-2
 in Lightricks' (ltx-core's), with the folder's text connectors beside the transformer, as Lightricks'
-files carry them and ComfyUI's model loads them from the same file (docs/models/*.md, "Single
-files").
+files carry them and ComfyUI's model loads them from the same file, HunyuanVideo 1.5 in the
+makers' (the text refiner's q, k and v fused into self_attn_qkv, the final modulation shift first)
+(docs/models/*.md, "Single files").
 
     python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp8 [--scaled]] [--prefix]
                                    [--folder transformer]
@@ -91,18 +92,35 @@ def to_single_file(
     names = {key: cls.single_file_key(key) for key in stored}
     blocks = block_prefixes(cls, Path(model_dir), folder) if fp8 else ()
     unnamed = [key for key, name in names.items() if name is None]
-    if unnamed or cls.diffusers_names(list(names.values())) != {v: k for k, v in names.items()}:
+    # each name in the file -> the diffusers weights it holds, in row order (a fused qkv's three)
+    back = {
+        name: [parts] if isinstance(parts, str) else parts
+        for name, parts in cls.diffusers_names(list(dict.fromkeys(names.values()))).items()
+    }
+    if unnamed or sorted(k for parts in back.values() for k in parts) != sorted(names):
         raise SystemExit(
             f"{model_dir}/{folder}: no single-file name for {unnamed[:3]}, or the names do not read back"
         )
+
+    def read(parts: list[str]) -> torch.Tensor:
+        """The file's tensor: its diffusers weights stacked (a fused qkv), each half-swapped where
+        the family's files keep its halves the other way round (HunyuanVideo 1.5's norm_out)."""
+        tensors = [tables[k].float() if k in tables else weights.read(k, torch.float32) for k in parts]
+        tensors = [
+            torch.cat(t.chunk(2)[::-1]) if k in cls.SWAPPED_HALVES else t for k, t in zip(parts, tensors)
+        ]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
     # (its name in the file, the dtype written, its shape, its reader); scaled layers' scales follow
     # their weights.
     plan = []
-    for key, (dtype, shape) in stored.items():
+    for name, parts in back.items():
+        key, (dtype, shape) = parts[0], stored[parts[0]]
+        if len(parts) > 1:
+            shape = (sum(stored[part][1][0] for part in parts), *shape[1:])
         if dtype.is_floating_point and not cls.keeps_fp32(key):
             dtype = FP8 if fp8 and quantized(key, shape, blocks) else torch.bfloat16
-        read = tables[key].float if key in tables else functools.partial(weights.read, key, torch.float32)
-        plan.append(((PREFIX if prefix else "") + names[key], dtype, shape, read))
+        plan.append(((PREFIX if prefix else "") + name, dtype, shape, functools.partial(read, parts)))
     # The other folders the family's files carry (LTX-2's text connectors, which ComfyUI's model and
     # the makers' code read from the same file), in bf16 as the makers' files hold them.
     parts = [Weights(Path(model_dir) / part) for part in cls.SINGLE_FILE_PARTS]
