@@ -19,12 +19,16 @@ from conftest import (
     read_metrics,
     run_cmd,
     run_ok,
+    run_worker,
     start_paused,
     train_losses,
     write_toml,
 )
 from diffusers import CogVideoXTransformer3DModel
 from safetensors.torch import load_file
+from test_hunyuanvideo15 import hv_batch
+from test_kandinsky5 import TARGETS as K5_TARGETS
+from test_kandinsky5 import k5_batch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import data
@@ -448,3 +452,86 @@ def test_launch_sh_prints_our_error_last(write_config, tmp_path):
     assert "ChildFailedError" not in result.stderr + result.stdout and "Traceback" not in result.stderr
     kept = (out / "torchrun.log").read_text()
     assert "ChildFailedError" in kept and "failed on rank 1: OSError" in kept
+
+
+FAMILY_WORKER = r"""
+import sys, torch, torch.distributed as dist
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import ranks
+from config import ModelConfig
+from test_distributed import family_gradients
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+family, variant, batch, out = sys.argv[3], sys.argv[4], torch.load(sys.argv[5]), sys.argv[6]
+model_cfg = ModelConfig(path=sys.argv[2], family=family, type=variant, dtype="fp32")
+grads = family_gradients(model_cfg, batch, ranks.Dist(rank, 2, rank, torch.device("cpu")))
+if rank == 0:
+    torch.save(grads, out)
+dist.destroy_process_group()
+"""
+
+# sft under DDP and LoRA under HSDP (2 replicas of 1 shard): the two strategies the newest families'
+# lifecycles (FSDP2) do not run. Their LoRA targets: Kandinsky's layers are its own names.
+FAMILY_STRATEGIES = {
+    "ddp": ("sft", {"strategy": "ddp"}),
+    "hsdp": ("lora", {"strategy": "fsdp", "dp_replicate": 2}),
+}
+
+FAMILY_TARGETS = {"kandinsky5": {"target_modules": K5_TARGETS}}
+
+
+def family_gradients(model_cfg, batch: dict, d) -> dict:
+    """Each strategy's gradients of the batch's loss, whole, by weight name; `d` of one rank: the
+    one-process reference, built with no strategy."""
+    adapter = load_adapter(model_cfg, d.device)
+    grads = {}
+    for name, (kind, strategy) in FAMILY_STRATEGIES.items():
+        train = TrainConfig(training_type=kind, mixed_precision="no", gradient_checkpointing=False)
+        model = build_model(
+            adapter,
+            train,
+            LoraConfig(rank=4, **FAMILY_TARGETS.get(model_cfg.family, {})),
+            ParallelConfig(**strategy) if d.world > 1 else ParallelConfig(),
+            0,
+            d,
+        )
+        n = batch["latent_mean"].shape[0]
+        loss = adapter.train_loss(model, batch, [torch.Generator().manual_seed(i + 1) for i in range(n)])
+        loss.sum().backward()
+        grads[name] = {
+            k.removeprefix("module."): getattr(p.grad, "full_tensor", lambda g=p.grad: g)().detach()
+            for k, p in model.named_parameters()
+            if p.grad is not None
+        }
+    return grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["kandinsky5", "hunyuanvideo15"])
+def test_the_newest_families_reduce_as_one_process_under_ddp_and_hsdp(family, family_models, tmp_path):
+    """Kandinsky 5 and HunyuanVideo 1.5 (their own lifecycles run FSDP2) under DDP (sft) and HSDP
+    (LoRA) on 2 ranks, each with the same batch: every weight's gradient equals one process's on
+    that batch (the ranks' mean of equal gradients; a sum, or a weight left out, would differ)."""
+    variant, batch = {"kandinsky5": ("i2v", k5_batch), "hunyuanvideo15": ("i2v", hv_batch)}[family]
+    path = family_models(family)(variant)
+    torch.save(batch(), tmp_path / "batch.pt")
+    result = run_worker(
+        FAMILY_WORKER, tmp_path, path, family, variant, tmp_path / "batch.pt", tmp_path / "grads.pt"
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reduced = torch.load(tmp_path / "grads.pt")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model_cfg = ModelConfig(path=str(path), family=family, type=variant, dtype="fp32")
+        alone = family_gradients(model_cfg, batch(), ranks.Dist(0, 1, 0, torch.device("cpu")))
+    finally:
+        dist.destroy_process_group()
+    for name in FAMILY_STRATEGIES:
+        assert reduced[name].keys() == alone[name].keys() and alone[name], name
+        for k in alone[name]:
+            torch.testing.assert_close(
+                reduced[name][k], alone[name][k], rtol=1e-5, atol=1e-7, msg=f"{name} {k}"
+            )
+    # sft trains every weight, LoRA its matrices only
+    assert len(alone["ddp"]) > len(alone["hsdp"]) and all("lora_" in k for k in alone["hsdp"])

@@ -392,7 +392,8 @@ def k5_batch() -> dict:
 
 def test_both_streams_blocks_stream_and_store_fp8(k5_models):
     """Streaming (a 1-rank FSDP mesh, 2 of the 3 blocks on the host: the text block and the first
-    visual block) and fp8 storage reach both streams' blocks through the generic machinery: their
+    visual block, with checkpointing and activation offload) and fp8 storage reach both streams'
+    blocks through the generic machinery: their
     frozen linear weights in fp8, the streamed ones on the host; the streamed model's loss and LoRA
     gradients equal the resident one's."""
     adapter = load_adapter(
@@ -406,13 +407,17 @@ def test_both_streams_blocks_stream_and_store_fp8(k5_models):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         d = ranks.Dist(0, 1, 0, torch.device("cpu"))
-        for name, strategy in (
-            ("resident", ParallelConfig()),
-            ("streamed", ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=2)),
+        for name, strategy, train in (
+            ("resident", ParallelConfig(), TrainConfig(mixed_precision="no")),
+            (
+                "streamed",
+                ParallelConfig(strategy="fsdp", cpu_offload=True, offload_blocks=2),
+                TrainConfig(mixed_precision="no", gradient_checkpointing=True, activation_offload=True),
+            ),
         ):
             model = build_model(
                 adapter,
-                TrainConfig(mixed_precision="no"),
+                train,
                 LoraConfig(rank=4, target_modules=TARGETS),
                 strategy,
                 0,
