@@ -482,6 +482,41 @@ def test_a_single_file_reads_as_the_folder(k5_models, tmp_path):
         assert torch.equal(single.train_loss(ours, batch, gens), loss)
 
 
+def test_lite_i2v_trains_from_the_t2v_folder_and_the_makers_file(k5_models, tmp_path):
+    """Video Lite I2V's workaround (docs/models/kandinsky5.md): the makers publish it as a single file
+    only. A copy of the T2V folder with model_index.json's pipeline set to Kandinsky5I2VPipeline and
+    the I2V file as model.transformer_file loads as image-to-video with the I2V weights bit for bit (bf16, as the file holds them),
+    and gives the I2V folder's image-to-video loss."""
+    i2v_file = tmp_path / "kandinsky5lite_i2v_5s.safetensors"
+    to_single_file(str(k5_models("i2v")), str(i2v_file), prefix=False)
+    folder = shutil.copytree(k5_models("t2v"), tmp_path / "lite-i2v")
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps(index | {"_class_name": "Kandinsky5I2VPipeline"}))
+    made, published = (
+        load_adapter(
+            ModelConfig(path=str(path), family="kandinsky5", type="i2v", dtype="bf16", transformer_file=file),
+            torch.device("cpu"),
+        )
+        for path, file in ((folder, str(i2v_file)), (k5_models("i2v"), ""))
+    )
+    ours, theirs = made.load_transformer(), published.load_transformer()
+    expected, got = dict(theirs.state_dict()), dict(ours.state_dict())
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not torch.equal(
+        got["out_layer.out_layer.weight"],
+        load_file(k5_models("t2v") / "transformer" / "diffusion_pytorch_model.safetensors")[
+            "out_layer.out_layer.weight"
+        ],
+    )
+    batch = k5_batch()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        losses = [
+            adapter.train_loss(transformer, batch, [torch.Generator().manual_seed(i) for i in (1, 2)])
+            for adapter, transformer in ((made, ours), (published, theirs))
+        ]
+    assert torch.equal(*losses)
+
+
 @pytest.mark.parametrize("form", ["cast", "scaled"])
 def test_an_fp8_file_dequantizes_as_comfyui_does(form, k5_models, tmp_path):
     """An fp8 file of Kandinsky 5 (its blocks' linear weights in float8_e4m3fn, plain or with
