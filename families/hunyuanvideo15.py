@@ -208,6 +208,15 @@ MAKERS_BLOCK = {
     "txt_mlp.fc1": "ff_context.net.0.proj",
     "txt_mlp.fc2": "ff_context.net.2",
 }
+# Comfy-Org's repackaged files keep the makers' names but pack each stream's q, k and v into one
+# tensor (musubi-tuner, src/musubi_tuner/hunyuan_video_1_5/hunyuan_video_1_5_models.py,
+# load_hunyuan_video_1_5_model: "ComfyUI repackaged HunyuanVideo-1.5 uses packed QKV weights for
+# double blocks", split by torch.chunk(value, 3); its dtype probe names double_blocks.0.img_attn_qkv
+# "ComfyUI repackaged"). Read only: tools/to_single_file.py writes the makers' separate q, k and v.
+COMFY_PACKED_BLOCK = {
+    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+}
 MAKERS_REFINER = {
     "norm1": "norm1",
     "norm2": "norm2",
@@ -218,7 +227,7 @@ MAKERS_REFINER = {
     "adaLN_modulation.1": "norm_out.linear",
 }
 MAKERS_BLOCKS = {
-    "double_blocks": ("transformer_blocks", MAKERS_BLOCK),
+    "double_blocks": ("transformer_blocks", MAKERS_BLOCK | COMFY_PACKED_BLOCK),
     "txt_in.individual_token_refiner.blocks": (
         "context_embedder.token_refiner.refiner_blocks",
         MAKERS_REFINER,
@@ -266,7 +275,8 @@ class HunyuanVideo15Adapter(Adapter):
         Qwen2_5_VLTextModel,
     )
     COMFY = True
-    # The makers' layout (MAKERS_BLOCKS): bare, or under ComfyUI's model.diffusion_model.
+    # The makers' layout (MAKERS_BLOCKS), or Comfy-Org's repackaging of it (COMFY_PACKED_BLOCK):
+    # bare, or under ComfyUI's model.diffusion_model.
     SINGLE_FILE_KEY = "vision_in.proj.0.weight"
     SWAPPED_HALVES = ("norm_out.linear.weight", "norm_out.linear.bias")
 

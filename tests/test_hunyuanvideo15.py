@@ -8,6 +8,7 @@ follows the makers' train.py (docs/models/hunyuanvideo15.md)."""
 import contextlib
 import inspect
 import json
+import re
 import shutil
 
 import pytest
@@ -707,6 +708,33 @@ def test_a_makers_single_file_reads_as_the_folder(prefix, hv_models, tmp_path):
             for start, count in ((0, rows), (1, rows - 2), (rows // 2, rows - rows // 2), (rows - 1, 1)):
                 if whole.ndim and count > 0:
                     assert torch.equal(single._rows(key, start, count), whole[start : start + count]), key
+
+
+def test_comfy_orgs_repackaged_file_with_packed_qkv_reads_as_the_folder(hv_models, tmp_path):
+    """Comfy-Org's repackaged files are the makers' layout with each dual-stream block's q, k and v
+    packed into img_attn_qkv and txt_attn_qkv, which musubi-tuner's loader splits back with
+    torch.chunk(value, 3) (hunyuan_video_1_5_models.py, comfyui_hunyuan_video_1_5_weight_split_hook):
+    such a file, packed here from the makers' one, gives the folder's weights bit for bit."""
+    folder, makers, packed = hv_models("t2v"), tmp_path / "makers.safetensors", tmp_path / "comfy.safetensors"
+    to_single_file(str(folder), str(makers))
+    original = load_file(makers)
+    repackaged = {}
+    for key, tensor in original.items():
+        stream = re.fullmatch(r"(double_blocks\.\d+\.(?:img|txt)_attn)_([qkv])\.(weight|bias)", key)
+        if stream is None:
+            repackaged[key] = tensor
+        elif stream[2] == "q":
+            parts = [original[f"{stream[1]}_{p}.{stream[3]}"] for p in "qkv"]
+            repackaged[f"{stream[1]}_qkv.{stream[3]}"] = torch.cat(parts)
+    assert (
+        "double_blocks.0.img_attn_qkv.weight" in repackaged
+        and "double_blocks.0.img_attn_q.weight" not in repackaged
+    )
+    save_file(repackaged, packed)
+    ours = single_file_adapter(folder, packed).load_transformer().state_dict()
+    theirs = load_adapter(ModelConfig(path=str(folder), dtype="bf16", type="t2v"), torch.device("cpu"))
+    theirs = theirs.load_transformer().state_dict()
+    assert ours.keys() == theirs.keys() and [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
 
 
 def test_a_scaled_fp8_makers_file_keeps_each_tensors_scale_in_its_parts(hv_models, tmp_path):
