@@ -37,9 +37,13 @@ torch.cuda.max_memory_allocated where CUDA is).
   prompts need less.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
   parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
+  Two text encoders (HunyuanVideo 1.5's Qwen2.5-VL and ByT5, Kandinsky 5's Qwen2.5-VL and CLIP) are
+  loaded together and run through the adapter's own encode_text, every prompt at its full length
+  and with a quoted text for ByT5 (FullLengthTokenizer).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
 buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
-the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
+the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then; an I2V image encoder,
+CLIP's or SigLIP's, neither).
 """
 
 import argparse
@@ -66,7 +70,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
-from transformers import BatchEncoding
+from transformers import AutoConfig, BatchEncoding, CLIPTextModel, T5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import one_gpu  # noqa: E402
@@ -79,6 +83,9 @@ from ranks import Dist, pinned_bytes  # noqa: E402
 from weights import resolved_config  # noqa: E402
 
 GIB = 2**30
+# The second text encoder's class by its config's model_type, as the families load it: HunyuanVideo
+# 1.5's ByT5 (encoder only), Kandinsky 5's CLIP text model.
+SECOND_TEXT_ENCODERS = {"t5": T5EncoderModel, "clip_text_model": CLIPTextModel}
 # HostValues: the largest output of real tensors alone that is computed for real
 HOST_NUMEL = 2**20
 # Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h,
@@ -666,6 +673,16 @@ def other_phases(cfg, family, adapter) -> dict:
             )
             adapter._text_encoder, adapter._connectors = text_encoder, connectors
             text_modules.append(connectors)
+        elif "text_encoder_2" in adapter.ENCODERS["text"]:
+            # HunyuanVideo 1.5, Kandinsky 5: the second encoder, loaded with the first; the adapter's
+            # own encode_text over tokenizers that give every text its full length
+            config_2 = AutoConfig.from_pretrained(adapter.path / "text_encoder_2")
+            encoder_2 = fake_module(
+                lambda: SECOND_TEXT_ENCODERS[config_2.model_type](config_2), adapter.dtype, fake
+            )
+            adapter._text_encoder, adapter._text_encoder_2 = text_encoder, encoder_2
+            adapter._tokenizer, adapter._tokenizer_2 = FullLengthTokenizer(), FullLengthTokenizer()
+            text_modules.append(encoder_2)
         text = {n: text_pass(adapter, text_modules, n) for n in set(prompts.values())}
     return {
         "sampling": sampling,
@@ -684,6 +701,9 @@ def text_pass(adapter, text_modules: list, prompts: int) -> int:
 
     The text encoder's forward, or for a text path with connectors (LTX-2) the adapter's own
     encode_text."""
+    if isinstance(adapter._tokenizer, FullLengthTokenizer):  # several encoders
+        # a quoted text in each prompt: HunyuanVideo 1.5's ByT5 encodes the glyph text it finds
+        return peak_of(lambda: adapter.encode_text(['"text"'] * prompts), text_modules)
     ids = torch.zeros(prompts, adapter.text_length, dtype=torch.long)
     mask = torch.ones_like(ids)
     if len(text_modules) == 1:
@@ -692,16 +712,24 @@ def text_pass(adapter, text_modules: list, prompts: int) -> int:
     return peak_of(lambda: adapter.encode_text([""] * prompts), text_modules, [ids, mask])
 
 
+class FullLengthTokenizer:
+    """A tokenizer's stand-in for the text pass on fake encoders: each text max_length tokens, the
+    worst case (one token where a call names no max_length: Kandinsky 5's look for overlong prompts),
+    ids and mask real tensors (HostValues), called as a tokenizer or as apply_chat_template."""
+
+    def __call__(self, text=None, *args, max_length: int = 1, **kwargs) -> BatchEncoding:
+        with unset_fake_temporarily():
+            ids = torch.ones(1 if isinstance(text, str) else len(text), max_length, dtype=torch.long)
+            return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    apply_chat_template = __call__
+
+
 def one_gpu_parts(cfg, family, adapter) -> dict:
     """Everything bench/one_gpu.py adds up for one process, in bytes."""
     if cfg.train.training_type != "lora":
         raise ConfigError(
             "--fit models LoRA runs: sft's streaming also moves gradients and AdamW's state to the host"
-        )
-    if isinstance(adapter.text_length, dict):
-        raise ConfigError(
-            f"--fit models the cache pass of one text encoder, and {family} has several "
-            f"({', '.join(adapter.text_length)}): without --fit the training step's estimate holds"
         )
     status = Path("/proc/self/status").read_text()
     step = estimate(cfg, family, adapter)

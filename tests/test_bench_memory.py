@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import REPO, write_toml
 from diffusers import WanTransformer3DModel
+from transformers import Qwen2_5_VLTextModel, T5EncoderModel
 
 sys.path.insert(0, str(REPO / "bench"))
 import bench_memory  # noqa: E402
@@ -83,6 +84,33 @@ def test_hunyuanvideo15_estimate_follows_the_masks_values(family_models, tmp_pat
     family, adapter = bench_memory.make_adapter(cfg, None, tmp_path, bench_memory.torch.device("cpu"))
     ratios = bench_memory.check(cfg, family, adapter, ["--cfg", str(cfg_file)])
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
+
+
+def test_fit_counts_both_text_encoders(family_models, tmp_path):
+    """--fit's cache pass of a family with two text encoders runs the adapter's own encode_text.
+
+    HunyuanVideo 1.5's Qwen2.5-VL and ByT5 (the tiny folder's) on fake tensors: their weights are
+    both encoders' as the adapter loads them (bf16), and the pass over one full-length prompt keeps
+    Qwen's every hidden state (the pipeline asks for them all and takes the third-last), over the
+    template's 108 rows and the 1000 of the prompt."""
+    model = family_models("hunyuanvideo15")("t2v")
+    settings = {
+        "run.output_dir": tmp_path / "run",
+        "model.path": model,
+        "model.family": "hunyuanvideo15",
+        "data.data_root": tmp_path,
+        "data.train_resolution": "[17, 64, 64]",
+        "data.cache_batch_size": 1,
+    }
+    cfg = load_config(None, [str(a) for key, value in settings.items() for a in (f"--{key}", value)])
+    family, adapter = published.make_adapter(cfg, None, tmp_path, torch.device("cpu"))
+    parts = bench_memory.one_gpu_parts(cfg, family, adapter)
+    qwen = Qwen2_5_VLTextModel.from_pretrained(model, subfolder="text_encoder", dtype=torch.bfloat16)
+    byt5 = T5EncoderModel.from_pretrained(model, subfolder="text_encoder_2", dtype=torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for m in (qwen, byt5) for p in m.parameters())
+    assert 0 <= parts["text_encoder"] - weights < 0.01 * weights
+    hidden = (qwen.config.num_hidden_layers + 1) * (1000 + 108) * qwen.config.hidden_size * 2
+    assert parts["text_1"] >= hidden
 
 
 def test_every_family_publishes_folders_its_adapter_loads(tmp_path):
