@@ -699,8 +699,8 @@ def other_phases(cfg, family, adapter) -> dict:
 def text_pass(adapter, text_modules: list, prompts: int) -> int:
     """The peak of encoding `prompts` prompts of text_length tokens.
 
-    The text encoder's forward, or for a text path with connectors (LTX-2) the adapter's own
-    encode_text."""
+    The text encoder's forward, or for a text path with connectors (LTX-2) or two encoders
+    (HunyuanVideo 1.5, Kandinsky 5: FullLengthTokenizer) the adapter's own encode_text."""
     if isinstance(adapter._tokenizer, FullLengthTokenizer):  # several encoders
         # a quoted text in each prompt: HunyuanVideo 1.5's ByT5 encodes the glyph text it finds
         return peak_of(lambda: adapter.encode_text(['"text"'] * prompts), text_modules)
