@@ -32,11 +32,20 @@ torch.cuda.max_memory_allocated where CUDA is).
 - control (LTX-2 IC-LoRA, model.type = "ic"): the batch holds the control clip's latents, which the
   adapter appends as tokens: twice the video tokens in training and in the validation render, or
   1 + 1/k^2 times with model.reference_downscale_factor = k.
+- text masks (HunyuanVideo 1.5, Kandinsky 5, whose steps read them: the batch's longest prompt,
+  diffusers' reordering of the texts, one unpadded forward per sample): real tensors, every prompt at
+  its full length (text_length tokens), the worst case, what a card must hold; what the step
+  computes from them alone runs for real (HostValues), so the step runs as on such prompts. Shorter
+  prompts need less.
 - --fit, one process: block streaming, fp8 storage and activation offload added up from the step's
   parts, with a validation render and the cache pass run on fake tensors too (bench/one_gpu.py).
+  Two text encoders (HunyuanVideo 1.5's Qwen2.5-VL and ByT5, Kandinsky 5's Qwen2.5-VL and CLIP) are
+  loaded together and run through the adapter's own encode_text, every prompt at its full length
+  and with a quoted text for ByT5 (FullLengthTokenizer).
 Not counted: the CUDA context (~0.5-1 GB), the caching allocator's reserve and fragmentation, NCCL
 buffers, cuDNN/cuBLAS/attention workspaces, SP's all-to-all buffers, data loading, and validation and
-the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then).
+the cache pass but with --fit (LTX-2's audio VAE and vocoder not even then; an I2V image encoder,
+CLIP's or SigLIP's, neither).
 """
 
 import argparse
@@ -57,11 +66,13 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
-from transformers import BatchEncoding
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map_only
+from transformers import AutoConfig, BatchEncoding, CLIPTextModel, T5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import one_gpu  # noqa: E402
@@ -74,6 +85,11 @@ from ranks import Dist, pinned_bytes  # noqa: E402
 from weights import resolved_config  # noqa: E402
 
 GIB = 2**30
+# The second text encoder's class by its config's model_type, as the families load it: HunyuanVideo
+# 1.5's ByT5 (encoder only), Kandinsky 5's CLIP text model.
+SECOND_TEXT_ENCODERS = {"t5": T5EncoderModel, "clip_text_model": CLIPTextModel}
+# HostValues: the largest output of real tensors alone that is computed for real
+HOST_NUMEL = 2**20
 # Ops CUDA's autocast runs in fp32 and the CPU's does not (aten/src/ATen/autocast_mode.h,
 # AT_FORALL_FP32*).
 CUDA_FP32_OPS = [
@@ -214,9 +230,12 @@ def cached_batch(adapter, s: dict, new) -> dict:
         "latent_logvar": new(s["latent"]),
         **{name: new(shape) for name, shape in s["text"].items()},
     }
-    if isinstance(adapter.text_length, dict):  # several encoders' embeddings come with their masks
-        for name, shape in s["text"].items():
-            batch[f"{name}_mask"] = torch.ones(shape[:2], dtype=torch.bool, device=batch[name].device)
+    if isinstance(adapter.text_length, dict):
+        # several encoders' embeddings come with their masks: real ones (HostValues), every prompt at
+        # its full length
+        with unset_fake_temporarily():
+            for name, shape in s["text"].items():
+                batch[f"{name}_mask"] = torch.ones(shape[:2], dtype=torch.bool)
     if adapter.type == "i2v":
         batch["image_mean"] = batch["image_logvar"] = new((*s["latent"][:2], 1, *s["latent"][3:]))
     if adapter.vace:  # Wan VACE: the context its blocks read (no reference frames)
@@ -358,6 +377,45 @@ class Tracker(TorchDispatchMode):
         return out
 
 
+class HostValues(TorchDispatchMode):
+    """Real values for the small tensors computed from real ones alone: the batch's text masks.
+
+    The bench's masks are real tensors (every prompt at its full length); an op whose tensor inputs
+    are all real, or a factory, runs for real on the host where its output is small (HOST_NUMEL
+    elements at most: a mask, a length, positions) and on fake tensors otherwise, so a length read
+    from a mask (.item(), int(), a boolean index) has its value and the step runs as it would on
+    those prompts. A boolean index that is real becomes its nonzero() positions (as ATen's own
+    indexing does), so the indexed fake tensor's result has a known shape. Sits over FakeTensorMode,
+    under the Tracker, which counts these tensors like every other."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
+            try:
+                out = func(*args, **kwargs)
+            except (DataDependentOutputException, DynamicOutputShapeException):
+                out = None  # nonzero(), item() of a real tensor: as small as it is
+            fake = [t for t in tree_leaves(out) if isinstance(t, FakeTensor)]
+            if out is None or fake and max(t.numel() for t in fake) <= HOST_NUMEL:
+                with _disable_current_modes():
+                    return func(*args, **kwargs)
+            return out
+        if func is torch.ops.aten.index.Tensor and any(real_mask(i) for i in args[1]):
+            with _disable_current_modes():
+                positions = [j for i in args[1] for j in (i.nonzero().unbind(1) if real_mask(i) else [i])]
+            return func(args[0], positions)
+        return func(*args, **kwargs)
+
+
+def real_mask(index) -> bool:
+    return (
+        isinstance(index, torch.Tensor)
+        and not (isinstance(index, FakeTensor) or index.is_meta)
+        and index.dtype in (torch.bool, torch.uint8)
+    )
+
+
 @contextlib.contextmanager
 def cuda_autocast_policy():
     """CPU autocast with CUDA's fp32 ops: from bf16/fp16 inputs they run, and return, in fp32."""
@@ -430,7 +488,7 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
     tracker.watch_blocks(adapter.blocks(model))
     for p in params:
         p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "grad"))
-    with fake, cuda_autocast_policy() if gpu else contextlib.nullcontext(), tracker:
+    with fake, HostValues(), cuda_autocast_policy() if gpu else contextlib.nullcontext(), tracker:
         train_step(cfg, adapter, model, params, optimizer, ema, s, cpu, tracker)
     frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
     state = {
@@ -551,7 +609,7 @@ def peak_of(run, modules=(), existing=()) -> int:
 
     Fake tensors, CUDA's autocast policy; modules' weights and `existing` tensors not counted."""
     tracker = Tracker([*existing, *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
-    with cuda_autocast_policy(), tracker:
+    with HostValues(), cuda_autocast_policy(), tracker:
         run()
     return tracker.peak["single"]
 
@@ -623,6 +681,16 @@ def other_phases(cfg, family, adapter) -> dict:
             )
             adapter._text_encoder, adapter._connectors = text_encoder, connectors
             text_modules.append(connectors)
+        elif "text_encoder_2" in adapter.ENCODERS["text"]:
+            # HunyuanVideo 1.5, Kandinsky 5: the second encoder, loaded with the first; the adapter's
+            # own encode_text over tokenizers that give every text its full length
+            config_2 = AutoConfig.from_pretrained(adapter.path / "text_encoder_2")
+            encoder_2 = fake_module(
+                lambda: SECOND_TEXT_ENCODERS[config_2.model_type](config_2), adapter.dtype, fake
+            )
+            adapter._text_encoder, adapter._text_encoder_2 = text_encoder, encoder_2
+            adapter._tokenizer, adapter._tokenizer_2 = FullLengthTokenizer(), FullLengthTokenizer()
+            text_modules.append(encoder_2)
         text = {n: text_pass(adapter, text_modules, n) for n in set(prompts.values())}
     return {
         "sampling": sampling,
@@ -639,8 +707,11 @@ def other_phases(cfg, family, adapter) -> dict:
 def text_pass(adapter, text_modules: list, prompts: int) -> int:
     """The peak of encoding `prompts` prompts of text_length tokens.
 
-    The text encoder's forward, or for a text path with connectors (LTX-2) the adapter's own
-    encode_text."""
+    The text encoder's forward, or for a text path with connectors (LTX-2) or two encoders
+    (HunyuanVideo 1.5, Kandinsky 5: FullLengthTokenizer) the adapter's own encode_text."""
+    if isinstance(adapter._tokenizer, FullLengthTokenizer):  # several encoders
+        # a quoted text in each prompt: HunyuanVideo 1.5's ByT5 encodes the glyph text it finds
+        return peak_of(lambda: adapter.encode_text(['"text"'] * prompts), text_modules)
     ids = torch.zeros(prompts, adapter.text_length, dtype=torch.long)
     mask = torch.ones_like(ids)
     if len(text_modules) == 1:
@@ -649,16 +720,24 @@ def text_pass(adapter, text_modules: list, prompts: int) -> int:
     return peak_of(lambda: adapter.encode_text([""] * prompts), text_modules, [ids, mask])
 
 
+class FullLengthTokenizer:
+    """A tokenizer's stand-in for the text pass on fake encoders: each text max_length tokens, the
+    worst case (one token where a call names no max_length: Kandinsky 5's look for overlong prompts),
+    ids and mask real tensors (HostValues), called as a tokenizer or as apply_chat_template."""
+
+    def __call__(self, text=None, *args, max_length: int = 1, **kwargs) -> BatchEncoding:
+        with unset_fake_temporarily():
+            ids = torch.ones(1 if isinstance(text, str) else len(text), max_length, dtype=torch.long)
+            return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    apply_chat_template = __call__
+
+
 def one_gpu_parts(cfg, family, adapter) -> dict:
     """Everything bench/one_gpu.py adds up for one process, in bytes."""
     if cfg.train.training_type != "lora":
         raise ConfigError(
             "--fit models LoRA runs: sft's streaming also moves gradients and AdamW's state to the host"
-        )
-    if isinstance(adapter.text_length, dict):
-        raise ConfigError(
-            f"--fit models the cache pass of one text encoder, and {family} has several "
-            f"({', '.join(adapter.text_length)}): without --fit the training step's estimate holds"
         )
     status = Path("/proc/self/status").read_text()
     step = estimate(cfg, family, adapter)
@@ -828,9 +907,10 @@ def main(argv: list[str] | None = None) -> None:
                 results = {sp: estimate(cfg, family, adapter, sp, args.world) for sp in args.sp}
             except (DataDependentOutputException, DynamicOutputShapeException) as e:
                 sys.exit(
-                    f"{family}'s training step reads its tensors' values ({e.func}: each prompt's own "
-                    "length, a mask), which fake tensors have none of: this estimate cannot follow "
-                    "it; measure a step on the device instead (--check on a GPU)"
+                    f"{family}'s training step reads a value ({e.func}) of a tensor that is not "
+                    "computed from the text masks alone (the values the estimate holds, HostValues): "
+                    "this estimate cannot follow it; measure a step on the device instead (--check on "
+                    "a GPU)"
                 )
             table(cfg, adapter, args.world, results)
 

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import ConfigError  # noqa: E402
 from model_adapter import ADAPTERS, adapter_class, load_adapter  # noqa: E402
+from weights import parameters_on_meta  # noqa: E402
 
 
 @functools.cache
@@ -63,9 +64,11 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
 def meta_transformer(cls, config: dict, dtype: torch.dtype):
     """The transformer as from_pretrained(dtype=...) loads it, on the meta device.
 
-    Parameters in dtype but the class's keep-in-fp32 modules; buffers in the dtype they are made in.
+    Parameters in dtype but the class's keep-in-fp32 modules; buffers and plain tensor attributes
+    real, as the trainer builds it (weights.parameters_on_meta: Kandinsky 5's time embedding keeps
+    its frequencies in an attribute, which a real step reads).
     """
-    with torch.device("meta"):
+    with parameters_on_meta():
         transformer = cls.from_config(config)
     for name, p in transformer.named_parameters():
         p.data = p.data.to(

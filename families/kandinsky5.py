@@ -46,7 +46,9 @@ SINGLE_FILE_KEY = "pooled_text_embeddings.in_layer.weight"
 # The published folders without weights (Adapter.PUBLISHED; docs/models/kandinsky5.md, Published
 # configs): the Lite and Pro transformers as the makers' k5_*_t2v_5s_sft_sd.yaml give them; the
 # HunyuanVideo VAE's and the scheduler's class defaults (memory does not depend on their values);
-# Qwen2.5-VL 7B's language model and CLIP ViT-L/14's text model.
+# Qwen2.5-VL 7B's language model and vision tower (Qwen/Qwen2.5-VL-7B-Instruct's config.json: the
+# class's default vision config is 3584 wide, 3.1B parameters against the published 0.7B) and
+# CLIP ViT-L/14's text model.
 KANDINSKY5_COMMON = {
     "in_visual_dim": 16,
     "out_visual_dim": 16,
@@ -75,6 +77,16 @@ PUBLISHED_FOLDERS = {
             "num_attention_heads": 28,
             "num_key_value_heads": 4,
             "vocab_size": 152064,
+            "vision_config": {
+                "depth": 32,
+                "hidden_size": 1280,
+                "intermediate_size": 3420,
+                "num_heads": 16,
+                "out_hidden_size": 3584,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+            },
         },
         "tokenizer": {},
         "text_encoder_2": {"model_type": "clip_text_model", "hidden_size": 768, "projection_dim": 768},
