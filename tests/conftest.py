@@ -30,8 +30,9 @@ import cache  # noqa: E402
 import ranks  # noqa: E402
 import trainer  # noqa: E402
 from config import load_config, toml_value  # noqa: E402
+from families.hunyuanvideo15 import GLYPH_LENGTH, TEXT_LENGTH  # noqa: E402
 from model import setup_adapter  # noqa: E402
-from model_adapter import load_adapter  # noqa: E402
+from model_adapter import load_adapter, padded_text  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from tools.make_tiny_model import TINY  # noqa: E402
 
@@ -572,3 +573,52 @@ def original_top_level_linears(c: dict) -> set[str]:
             for layer in ("linear_1", "linear_2")
         }
     return names
+
+
+# musubi-tuner's LoRA targets (networks/lora_kandinsky.py): every linear layer of the text and
+# visual blocks but the modulations.
+K5_TARGETS = [
+    "self_attention.to_query",
+    "self_attention.to_key",
+    "self_attention.to_value",
+    "self_attention.out_layer",
+    "cross_attention.to_query",
+    "cross_attention.to_key",
+    "cross_attention.to_value",
+    "cross_attention.out_layer",
+    "feed_forward.in_layer",
+    "feed_forward.out_layer",
+]
+
+
+def k5_batch() -> dict:
+    """A cached batch of two clips (3 latent frames of 2 x 6) and two prompts of 7 and 5 Qwen rows."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.arange(512)[None] < torch.tensor([[7], [5]])
+    return {
+        "latent_mean": torch.randn(2, 4, 3, 2, 6, generator=g),
+        "latent_logvar": torch.randn(2, 4, 3, 2, 6, generator=g) - 3,
+        "prompt_embeds_qwen": torch.randn(2, 512, 32, generator=g) * mask[..., None],
+        "prompt_embeds_qwen_mask": mask,
+        "prompt_embeds_clip": torch.randn(2, 1, 32, generator=g),
+        "prompt_embeds_clip_mask": torch.ones(2, 1, dtype=torch.bool),
+    }
+
+
+def hv_batch() -> dict:
+    """A cached image-to-video batch of one clip (3 latent frames of 2 x 2), its SigLIP tokens and
+    both texts (7 Qwen2.5-VL rows, 3 ByT5 rows), padded as the cache gives them back."""
+    g = torch.Generator().manual_seed(0)
+    text = padded_text(
+        {
+            "prompt_embeds": torch.randn(7, 32, generator=g),
+            "prompt_embeds_2": torch.randn(3, 16, generator=g),
+        },
+        {"prompt_embeds": TEXT_LENGTH, "prompt_embeds_2": GLYPH_LENGTH},
+    )
+    return {
+        "latent_mean": torch.randn(1, 4, 3, 2, 2, generator=g),
+        "latent_logvar": torch.randn(1, 4, 3, 2, 2, generator=g) - 3,
+        "image_embeds": torch.randn(1, 16, 16, generator=g),
+        **{k: v[None] for k, v in text.items()},
+    }

@@ -12,9 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import (
+    K5_TARGETS,
     REPO,
     finish,
     free_port,
+    hv_batch,
+    k5_batch,
     prepare_run,
     read_metrics,
     run_cmd,
@@ -26,9 +29,6 @@ from conftest import (
 )
 from diffusers import CogVideoXTransformer3DModel
 from safetensors.torch import load_file
-from test_hunyuanvideo15 import hv_batch
-from test_kandinsky5 import TARGETS as K5_TARGETS
-from test_kandinsky5 import k5_batch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import data

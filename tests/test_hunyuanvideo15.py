@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from conftest import (
     assert_loads_lean,
+    hv_batch,
     one_rank_group,
     read_metrics,
     run_cmd,
@@ -41,7 +42,6 @@ import render
 import trainer
 import validate
 from config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from families.hunyuanvideo15 import GLYPH_LENGTH, TEXT_LENGTH
 from model import build_model
 from model_adapter import RunSettings, check_config, load_adapter, padded_text
 from tools.make_synthetic_dataset import make_synthetic_dataset
@@ -406,25 +406,6 @@ def test_full_lifecycle(hv_models, base_settings, hv_data, tmp_path):
             rtol=0,
             atol=1e-5,
         )
-
-
-def hv_batch() -> dict:
-    """A cached image-to-video batch of one clip (3 latent frames of 2 x 2), its SigLIP tokens and
-    both texts (7 Qwen2.5-VL rows, 3 ByT5 rows), padded as the cache gives them back."""
-    g = torch.Generator().manual_seed(0)
-    text = padded_text(
-        {
-            "prompt_embeds": torch.randn(7, 32, generator=g),
-            "prompt_embeds_2": torch.randn(3, 16, generator=g),
-        },
-        {"prompt_embeds": TEXT_LENGTH, "prompt_embeds_2": GLYPH_LENGTH},
-    )
-    return {
-        "latent_mean": torch.randn(1, 4, 3, 2, 2, generator=g),
-        "latent_logvar": torch.randn(1, 4, 3, 2, 2, generator=g) - 3,
-        "image_embeds": torch.randn(1, 16, 16, generator=g),
-        **{k: v[None] for k, v in text.items()},
-    }
 
 
 def test_blocks_stream_offload_activations_and_store_fp8(hv_models):

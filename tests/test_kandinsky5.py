@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import (
+    K5_TARGETS,
     assert_loads_lean,
+    k5_batch,
     lora_and_sft_runs,
     one_rank_group,
     read_metrics,
@@ -42,20 +44,6 @@ from tools.to_single_file import to_single_file
 
 VARIANTS = {"t2v": Kandinsky5T2VPipeline, "i2v": Kandinsky5I2VPipeline}
 PROMPTS = ["a red circle moves right", "a blue square moves up"]
-# musubi-tuner's LoRA targets (networks/lora_kandinsky.py): every linear layer of the text and
-# visual blocks but the modulations.
-TARGETS = [
-    "self_attention.to_query",
-    "self_attention.to_key",
-    "self_attention.to_value",
-    "self_attention.out_layer",
-    "cross_attention.to_query",
-    "cross_attention.to_key",
-    "cross_attention.to_value",
-    "cross_attention.out_layer",
-    "feed_forward.in_layer",
-    "feed_forward.out_layer",
-]
 # Image-to-video's pipeline matches the first 4 latent frames' statistics to the next: 17 frames
 # (5 latent frames) leave it one to match.
 FRAMES = {"t2v": 9, "i2v": 17}
@@ -72,7 +60,7 @@ def k5_settings(variant, k5_models, base_settings, tiny_data, output_dir, **extr
         "train.steps": 2,
         "train.learning_rate": 1e-2,
         "train.lr_warmup_steps": 1,
-        "lora.target_modules": TARGETS,
+        "lora.target_modules": K5_TARGETS,
         "validation.do_validation": False,
         "validation.prompts": PROMPTS,
         "validation.num_inference_steps": 4,
@@ -376,20 +364,6 @@ def test_the_sequence_split_gives_one_process_loss_and_gradients(k5_models, tmp_
     assert report == {"loss": True, "grads": [], "visual": True}
 
 
-def k5_batch() -> dict:
-    """A cached batch of two clips (3 latent frames of 2 x 6) and two prompts of 7 and 5 Qwen rows."""
-    g = torch.Generator().manual_seed(0)
-    mask = torch.arange(512)[None] < torch.tensor([[7], [5]])
-    return {
-        "latent_mean": torch.randn(2, 4, 3, 2, 6, generator=g),
-        "latent_logvar": torch.randn(2, 4, 3, 2, 6, generator=g) - 3,
-        "prompt_embeds_qwen": torch.randn(2, 512, 32, generator=g) * mask[..., None],
-        "prompt_embeds_qwen_mask": mask,
-        "prompt_embeds_clip": torch.randn(2, 1, 32, generator=g),
-        "prompt_embeds_clip_mask": torch.ones(2, 1, dtype=torch.bool),
-    }
-
-
 def test_both_streams_blocks_stream_and_store_fp8(k5_models):
     """Streaming (a 1-rank FSDP mesh, 2 of the 3 blocks on the host: the text block and the first
     visual block, with checkpointing and activation offload) and fp8 storage reach both streams'
@@ -418,7 +392,7 @@ def test_both_streams_blocks_stream_and_store_fp8(k5_models):
             model = build_model(
                 adapter,
                 train,
-                LoraConfig(rank=4, target_modules=TARGETS),
+                LoraConfig(rank=4, target_modules=K5_TARGETS),
                 strategy,
                 0,
                 d,
