@@ -418,6 +418,11 @@ class Adapter(TransformerLoading, abc.ABC):
     def sampling_attention(self, model: torch.nn.Module):
         """A context in which `model` attends as the pipeline does while sampling."""
 
+    def prepare_transformer(self, transformer: torch.nn.Module) -> None:
+        """The family's change to the transformer as diffusers builds it, made wherever it is built
+        (training, export, render, the benches) before its weights are read: none by default;
+        HunyuanVideo 1.5's attention processors."""
+
     # Parallelism.
     @staticmethod
     @abc.abstractmethod

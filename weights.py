@@ -722,6 +722,7 @@ class TransformerLoading:
             torch.set_default_dtype(previous)
         for name, param in transformer.named_parameters():
             _replace(transformer, name, param.to(self._load_dtype(name, dtype)))
+        self.prepare_transformer(transformer)
         return transformer
 
     @classmethod

@@ -228,7 +228,7 @@ def sampling_run(steps: int, smoke: bool, root: Path) -> dict:
     from diffusers import CogVideoXPipeline
 
     cfg, family, adapter, device = setup("sampling", smoke, root)
-    transformer = meta_transformer(adapter.TRANSFORMER, adapter.transformer_config, adapter.dtype).eval()
+    transformer = meta_transformer(adapter, adapter.transformer_config, adapter.dtype).eval()
     materialize(transformer, None, device)
     s = sizes(adapter, cfg.data.train_resolution)
     n, _ = linear_weights(transformer)

@@ -145,7 +145,7 @@ def build(cfg, family, adapter, fake_mode, device, foreach: bool):
         GRAPH_VARIES=adapter.GRAPH_VARIES,
         load_transformer=lambda dtype=None, trains=None: trained_in(
             meta_transformer(
-                adapter.TRANSFORMER,
+                adapter,
                 adapter.transformer_config,
                 adapter.dtype if trains else dtype or adapter.dtype,
             ),

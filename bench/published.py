@@ -61,17 +61,20 @@ def make_adapter(cfg, arch: str | None, root: Path, device: torch.device):
     return cls.FAMILY, load_adapter(model_cfg, device)
 
 
-def meta_transformer(cls, config: dict, dtype: torch.dtype):
-    """The transformer as from_pretrained(dtype=...) loads it, on the meta device.
+def meta_transformer(adapter, config: dict, dtype: torch.dtype):
+    """The adapter's transformer as from_pretrained(dtype=...) loads it, on the meta device, with
+    the family's changes (Adapter.prepare_transformer).
 
     Parameters in dtype but the class's keep-in-fp32 modules; buffers and plain tensor attributes
     real, as the trainer builds it (weights.parameters_on_meta: Kandinsky 5's time embedding keeps
     its frequencies in an attribute, which a real step reads).
     """
+    cls = adapter.TRANSFORMER
     with parameters_on_meta():
         transformer = cls.from_config(config)
     for name, p in transformer.named_parameters():
         p.data = p.data.to(
             torch.float32 if set(name.split(".")) & set(cls._keep_in_fp32_modules or []) else dtype
         )
+    adapter.prepare_transformer(transformer)
     return transformer

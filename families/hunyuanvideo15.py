@@ -590,12 +590,12 @@ class HunyuanVideo15Adapter(Adapter):
     def split_sequence(self, transformer, split: SequenceSplit) -> None:
         """Sequence parallelism: the video tokens and their rotary embeddings split at the first
         block, the text and image tokens whole on every rank; the joint attention through
-        SequenceParallelAttention's all-to-all, the sequence gathered after the last block. The
+        JointAttention's all-to-all, the sequence gathered after the last block. The
         text refiner (text tokens only) runs whole on every rank."""
         self.sequence = split
         split_blocks(self.blocks(transformer), split, lambda arguments: {"freqs_cis": 0})
         for block in self.blocks(transformer):
-            block.attn.set_processor(SequenceParallelAttention(split))
+            block.attn.set_processor(JointAttention(split))
 
     # Sampling: the pipelines' loop, run by validate.sample_latents.
     def sampler(self, name: str):
@@ -661,15 +661,29 @@ class HunyuanVideo15Adapter(Adapter):
     def sampling_attention(self, model: torch.nn.Module):
         return contextlib.nullcontext()
 
+    def prepare_transformer(self, transformer: torch.nn.Module) -> None:
+        """The joint attention through JointAttention: a mask of the keys alone, not of every pair."""
+        for block in self.blocks(transformer):
+            block.attn.set_processor(JointAttention())
 
-class SequenceParallelAttention:
-    """diffusers' HunyuanVideo15AttnProcessor2_0, step for step, with this rank's slice of the video
-    tokens: their Q, K and V (normalised and rotated per token) go through one all-to-all to the
-    whole sequence with 1/sp of the heads, the text's (every rank holds it whole) take their slice
-    of the heads locally; the joint attention's mask is the processor's (video tokens true, the
-    text's own), and the outputs go back: the video's by the all-to-all, the text's heads gathered."""
 
-    def __init__(self, split: SequenceSplit):
+class JointAttention:
+    """diffusers' HunyuanVideo15AttnProcessor2_0, step for step, but for its mask, and with a
+    sequence split where one is given.
+
+    The mask is of the keys alone, [B, 1, 1, tokens], where diffusers' is of every pair of tokens,
+    [B, 1, tokens, tokens] (transformer_hunyuan_video15.py:102-106): booleans twice and SDPA's bias
+    of them, 4 bytes a pair while attention runs, 47 GiB at 720p. Every real token's output is the
+    same, since a padded key is masked for every query either way; only the padded text tokens' own
+    outputs differ (diffusers' rows of them are fully masked), and the forward drops the text tokens
+    after the last block, so the prediction and every gradient are diffusers'.
+
+    With a sequence split this rank holds a slice of the video tokens: their Q, K and V (normalised
+    and rotated per token) go through one all-to-all to the whole sequence with 1/sp of the heads,
+    the text's (every rank holds it whole) take their slice of the heads locally, and the outputs go
+    back: the video's by the all-to-all, the text's heads gathered."""
+
+    def __init__(self, split: SequenceSplit | None = None):
         self.split = split
 
     def __call__(
@@ -687,15 +701,23 @@ class SequenceParallelAttention:
         )
         text_query, text_key = attn.norm_added_q(text_query), attn.norm_added_k(text_key)
         # [3, B, tokens, heads, D]: the video's whole sequence, the text's own heads
-        video = self.split.seq_to_heads(stack_qkv(query, key, value), 2, 3)
-        text = self.split.heads(stack_qkv(text_query, text_key, text_value), 3)
+        video, text = stack_qkv(query, key, value), stack_qkv(text_query, text_key, text_value)
+        if self.split:
+            video, text = self.split.seq_to_heads(video, 2, 3), self.split.heads(text, 3)
         query, key, value = torch.cat([video, text], 2).unbind(0)
         batch, length, video_length = query.shape[0], query.shape[1], video.shape[2]
-        mask = F.pad(attention_mask, (length - attention_mask.shape[1], 0), value=True).bool()
-        mask = mask.view(batch, 1, 1, length) & mask.view(batch, 1, length, 1)
+        keys = F.pad(attention_mask, (length - attention_mask.shape[1], 0), value=True).bool()
         out = F.scaled_dot_product_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=keys.view(batch, 1, 1, length),
         ).transpose(1, 2)
-        video_out = self.split.heads_to_seq(out[:, :video_length], 1, 2).flatten(2, 3).type_as(query)
-        text_out = self.split.gather_heads(out[:, video_length:], 2).flatten(2, 3).type_as(query)
+        video_out, text_out = out[:, :video_length], out[:, video_length:]
+        if self.split:
+            video_out, text_out = (
+                self.split.heads_to_seq(video_out, 1, 2),
+                self.split.gather_heads(text_out, 2),
+            )
+        video_out, text_out = video_out.flatten(2, 3).type_as(query), text_out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](video_out)), attn.to_add_out(text_out)

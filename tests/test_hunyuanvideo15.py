@@ -31,6 +31,7 @@ from diffusers import (
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
 )
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -201,6 +202,44 @@ def test_text_is_the_pipelines_and_trimming_keeps_the_prediction(hv_models):
             transformer, x, torch.tensor([10.0, 900.0]), adapter._text_inputs(batch, 2), image[:, :0]
         )
     torch.testing.assert_close(cut, full, rtol=0, atol=1e-5)
+
+
+def test_the_keys_mask_predicts_and_trains_as_diffusers_pairs_mask(hv_models):
+    """JointAttention's mask of the keys alone against diffusers' own processor (its mask of every
+    pair of tokens), on a batch with padding (prompts of 5 and 2 rows, and text-to-video's 729 image
+    tokens of zeros, masked): the same prediction and the same gradient of every weight."""
+    adapter = load_adapter(ModelConfig(path=str(hv_models("t2v")), dtype="fp32"), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    rows = [
+        padded_text(
+            {
+                "prompt_embeds": torch.randn(n, 32, generator=gen),
+                "prompt_embeds_2": torch.randn(m, 16, generator=gen),
+            },
+            adapter.text_length,
+        )
+        for n, m in ((5, 3), (2, 1))
+    ]
+    text = adapter._text_inputs({k: torch.stack([r[k] for r in rows]) for k in rows[0]}, 2)
+    x, t, image = (
+        torch.randn(2, 9, 3, 2, 2, generator=gen),
+        torch.tensor([10.0, 900.0]),
+        torch.zeros(2, 729, 16),
+    )
+    results = []
+    for processor in (None, HunyuanVideo15AttnProcessor2_0):
+        transformer = adapter.load_transformer().train()
+        assert {type(b.attn.processor).__name__ for b in transformer.transformer_blocks} == {"JointAttention"}
+        for block in transformer.transformer_blocks if processor else []:
+            block.attn.set_processor(processor())
+        prediction = adapter._predict(transformer, x, t, text, image)
+        prediction.square().mean().backward()
+        results.append((prediction.detach(), {n: p.grad for n, p in transformer.named_parameters()}))
+    (ours, our_grads), (theirs, their_grads) = results
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert our_grads.keys() == their_grads.keys()
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def assert_comfy_file_is_ours(lora_dir, adapter):
