@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 import cache  # noqa: E402
 import ranks  # noqa: E402
 import trainer  # noqa: E402
-from config import load_config, toml_value  # noqa: E402
+from config import LoraConfig, ParallelConfig, TrainConfig, load_config, toml_value  # noqa: E402
 from families.hunyuanvideo15 import GLYPH_LENGTH, TEXT_LENGTH  # noqa: E402
-from model import setup_adapter  # noqa: E402
+from model import build_model, setup_adapter  # noqa: E402
 from model_adapter import load_adapter, padded_text  # noqa: E402
 from tools.make_synthetic_dataset import make_synthetic_dataset, write_clip  # noqa: E402
 from tools.make_tiny_model import TINY  # noqa: E402
@@ -328,6 +328,18 @@ def one_rank_group():
         yield ranks.Dist(0, 1, 0, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_frozen_weights(adapter) -> dict[str, torch.Tensor]:
+    """The frozen weights a one-rank FSDP build reads into its shards (LoRA r2 beside them), whole."""
+    train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
+    with one_rank_group() as d:
+        model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
+        return {
+            k: v.full_tensor()
+            for k, v in model.named_parameters()
+            if isinstance(v, torch.distributed.tensor.DTensor) and "lora_" not in k
+        }
 
 
 def prepare_run(cfg, d: ranks.Dist):

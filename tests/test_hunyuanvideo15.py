@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from conftest import (
     assert_loads_lean,
+    fsdp_frozen_weights,
     hv_batch,
     one_rank_group,
     read_metrics,
@@ -780,15 +781,7 @@ def test_a_scaled_fp8_makers_file_keeps_each_tensors_scale_in_its_parts(hv_model
     adapter = single_file_adapter(folder, path, dtype="fp32")
     whole = adapter.load_transformer().state_dict()
     assert [k for k in expected if not torch.equal(whole[k], expected[k].float())] == []
-    train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
-    with one_rank_group() as d:
-        model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
-        sharded = {
-            k: v.full_tensor()
-            for k, v in model.named_parameters()
-            if isinstance(v, torch.distributed.tensor.DTensor) and "lora_" not in k
-        }
-        del model
+    sharded = fsdp_frozen_weights(adapter)
     assert sharded and [k for k, v in sharded.items() if not torch.equal(v, expected[k].float())] == []
 
 

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import comfyui_linears, one_rank_group, write_toml
+from conftest import comfyui_linears, fsdp_frozen_weights, one_rank_group, write_toml
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors import safe_open
@@ -278,16 +278,7 @@ def test_fsdp_reads_each_ranks_rows_of_a_scaled_fp8_file(folders, tmp_path):
     to_single_file(str(folders["wan"]), str(path), fp8=True, scaled=True)
     adapter = adapter_for("wan", folders["wan"], str(path), dtype="fp32")
     plain = tensors(adapter.load_transformer())
-    train = TrainConfig(mixed_precision="no", gradient_checkpointing=False)
-    with one_rank_group() as d:
-        model = build_model(adapter, train, LoraConfig(rank=2), ParallelConfig(strategy="fsdp"), 0, d)
-        sharded = {
-            k: v.full_tensor()
-            for k, v in model.named_parameters()
-            if isinstance(v, torch.distributed.tensor.DTensor)
-        }
-        del model
-    frozen = {k: v for k, v in sharded.items() if "lora_" not in k}
+    frozen = fsdp_frozen_weights(adapter)
     assert frozen.keys() == {k for k, v in plain.items() if isinstance(v, torch.nn.Parameter)}
     assert [k for k, v in frozen.items() if not torch.equal(v, plain[k])] == []
 
