@@ -489,7 +489,8 @@ WHOLE_WEIGHT_STEPS = {"adafactor": False, "prodigy": True}
 class WholeWeights:
     """The optimizer's own step over FSDP2's sharded weights, run on whole weights.
 
-    Mixed in before an optimizer class (build_optimizer): each step gathers the weights and their
+    Mixed in before an optimizer class (build_optimizer) whose weights are FSDP2's DTensors (it
+    shards every weight of the model): each step gathers the weights and their
     gradients whole (one weight at a time, or all at once where AT_ONCE), runs the class's step on
     them, and keeps each rank's rows of the result. Every rank computes the same update from the
     same gathered values, so the update is the one process's, to the gradients' reduction order.
@@ -513,14 +514,14 @@ class WholeWeights:
                 group["params"] = params
             for p, w in whole.items():
                 self.state[p] = self.state.pop(w)
-                if isinstance(p, DTensor):  # this rank's rows, cut here: every rank holds them all
-                    rows = distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
-                    p.to_local().copy_(rows.to_local())
+                # this rank's rows, cut here: every rank holds them all
+                rows = distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(rows.to_local())
 
-    def _gathered(self, p: torch.Tensor) -> torch.Tensor:
+    def _gathered(self, p: DTensor) -> torch.Tensor:
         """The whole weight with its whole gradient, holding the weight's state."""
-        w = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        w.grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        w = p.full_tensor()
+        w.grad = p.grad.full_tensor()
         if p in self.state:
             self.state[w] = self.state.pop(p)
         return w

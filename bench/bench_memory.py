@@ -520,7 +520,7 @@ def estimate(cfg, family, adapter, sp: int = 1, world: int = 1, gpu: bool = True
         # whole on every rank, and the step gathers the weights and gradients it takes at once
         at_once = vidtrain_model.WHOLE_WEIGHT_STEPS.get(cfg.train.optimizer)
         step_gathered = (
-            0 if at_once is None else 2 * max(nbytes(params) if at_once else nbytes([p]) for p in params)
+            0 if at_once is None else 2 * (nbytes(params) if at_once else max(nbytes([p]) for p in params))
         )
         forward = tracker.peak["fsdp"] >= tracker.peak["opt"] / shards + step_gathered - in_flight
         parts = {

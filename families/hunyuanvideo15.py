@@ -235,13 +235,18 @@ MAKERS_BLOCKS = {
 }
 
 
+def in_block(module: str, blocks: str) -> tuple[str, str] | None:
+    """blocks.N.rest -> (N, rest); None for a module outside those blocks."""
+    index, _, rest = module.removeprefix(f"{blocks}.").partition(".")
+    return (index, rest) if module.startswith(f"{blocks}.") and index.isdigit() else None
+
+
 def makers_module(module: str) -> str | tuple[str, ...] | None:
     """A module of the makers' checkpoint -> diffusers' name (a fused one's parts, in row order),
     or None where diffusers has none."""
     for theirs, (ours, names) in MAKERS_BLOCKS.items():
-        index, _, rest = module.removeprefix(f"{theirs}.").partition(".")
-        if module.startswith(f"{theirs}.") and index.isdigit() and rest in names:
-            name = names[rest]
+        if (found := in_block(module, theirs)) and found[1] in names:
+            index, name = found[0], names[found[1]]
             if isinstance(name, tuple):
                 return tuple(f"{ours}.{index}.{part}" for part in name)
             return f"{ours}.{index}.{name}"
@@ -252,8 +257,8 @@ def diffusers_module(module: str) -> str | None:
     """The inverse: a diffusers module's name in the makers' checkpoint (a fused one's for each of
     its parts), or None."""
     for theirs, (ours, names) in MAKERS_BLOCKS.items():
-        index, _, rest = module.removeprefix(f"{ours}.").partition(".")
-        if module.startswith(f"{ours}.") and index.isdigit():
+        if found := in_block(module, ours):
+            index, rest = found
             for original, name in names.items():
                 if rest == name or (isinstance(name, tuple) and rest in name):
                     return f"{theirs}.{index}.{original}"
@@ -346,9 +351,8 @@ class HunyuanVideo15Adapter(Adapter):
         """transformer_blocks.N.attn.to_q -> (double_blocks.N.img_attn.qkv, 0, 3): the q slice of
         ComfyUI's fused qkv; None outside the blocks and refiner blocks."""
         for ours, (theirs, names) in BLOCKS.items():
-            index, _, rest = module.removeprefix(f"{ours}.").partition(".")
-            if module.startswith(f"{ours}.") and index.isdigit() and rest in names:
-                name = names[rest]
+            if (found := in_block(module, ours)) and found[1] in names:
+                index, name = found[0], names[found[1]]
                 if isinstance(name, tuple):
                     return (f"{theirs}.{index}.{name[0]}", *name[1:])
                 return f"{theirs}.{index}.{name}"
@@ -357,9 +361,9 @@ class HunyuanVideo15Adapter(Adapter):
     def diffusers_key(self, original: str) -> str | list[str] | None:
         """The inverse: double_blocks.N.img_attn.qkv -> transformer_blocks.N.attn.to_q, to_k, to_v."""
         for ours, (theirs, names) in BLOCKS.items():
-            index, _, rest = original.removeprefix(f"{theirs}.").partition(".")
-            if not (original.startswith(f"{theirs}.") and index.isdigit()):
+            if not (found := in_block(original, theirs)):
                 continue
+            index, rest = found
             whole = [key for key, name in names.items() if name == rest]
             slices = sorted(
                 (name[1], key) for key, name in names.items() if isinstance(name, tuple) and name[0] == rest
